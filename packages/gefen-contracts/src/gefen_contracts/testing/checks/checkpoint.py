@@ -1,0 +1,165 @@
+"""Checkpoint claims as executed checks: bit-exact round trips and atomic loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...enums import CheckpointTransport, ParameterLayout
+from ...errors import StaleTransactionError
+from ...protocols import CanonicalLocalState, StagedNativeLoad
+from ..claims import atomic_claim, checkpoint_claim
+from ..context import CheckContext
+from ..corruption import corrupted_variants
+from ..snapshot import deep_snapshot, snapshot_diff
+
+__all__ = ["AtomicLoadCheck", "CanonicalLocalRoundTripCheck", "NativeRoundTripCheck", "assert_trees_equal"]
+
+_REPL = ParameterLayout.REPLICATED.value
+_NATIVE = (CheckpointTransport.NATIVE_OPTIMIZER.value, CheckpointTransport.COMPOSITE_NATIVE.value)
+
+
+def assert_trees_equal(a: Any, b: Any, path: str = "state_dict") -> None:
+    """Bitwise equality of two primitive/tensor trees (dict key sets, list lengths, bytes)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{path}: tensor vs non-tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
+        ua = a.detach().cpu().contiguous().reshape(-1)
+        ub = b.detach().cpu().contiguous().reshape(-1)
+        if ua.dtype is torch.bool:
+            ua, ub = ua.to(torch.uint8), ub.to(torch.uint8)
+        assert torch.equal(ua.view(torch.uint8), ub.view(torch.uint8)), f"{path}: tensor bytes differ"
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for key in a:
+            assert_trees_equal(a[key], b[key], f"{path}[{key!r}]")
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: sequences differ"
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_trees_equal(x, y, f"{path}[{index}]")
+        return
+    assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+class NativeRoundTripCheck:
+    """Same-topology native checkpoints: save (weights-only), load into a fresh twin,
+    continue bit-exactly."""
+
+    name = "checkpoint.native_roundtrip"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return frozenset(checkpoint_claim(t, _REPL) for t in _NATIVE) & claims
+
+    def run(self, context: CheckContext) -> None:
+        steps = context.target.steps
+        model, optimizer = context.trained(steps)
+        saved = context.weights_only_roundtrip(optimizer.state_dict())
+        twin_model, twin = context.fresh()
+        context.copy_parameters(model, twin_model)
+        reference = context.weights_only_roundtrip(saved)
+        twin.load_state_dict(saved)
+        assert_trees_equal(saved, reference, "caller's state dict after load_state_dict")
+        assert_trees_equal(optimizer.state_dict(), twin.state_dict(), "state_dict after load")
+        context.train(model, optimizer, steps, start=steps)
+        context.train(twin_model, twin, steps, start=steps)
+        context.assert_models_bitwise_equal(model, twin_model, "continuation after a native round trip")
+        assert_trees_equal(optimizer.state_dict(), twin.state_dict(), "state_dict after continuation")
+
+
+class AtomicLoadCheck:
+    """A claimed atomic native load raises and changes nothing under every corruption class;
+    a staged load refuses a stale commit."""
+
+    name = "checkpoint.native_atomic_load"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        wanted = {atomic_claim(t, _REPL) for t in _NATIVE} | {"feature:staged_native_load"}
+        return frozenset(wanted) & claims
+
+    def run(self, context: CheckContext) -> None:
+        steps = context.target.steps
+        _source_model, source = context.trained(steps)
+        valid = source.state_dict()
+        problems: list[str] = []
+        tried = 0
+        for name, corrupted in corrupted_variants(valid):
+            tried += 1
+            model, optimizer = context.trained(steps)
+            before = deep_snapshot(optimizer, model)
+            try:
+                optimizer.load_state_dict(corrupted)
+            except Exception:
+                pass
+            else:
+                problems.append(f"accepted a corrupted checkpoint ({name})")
+                continue
+            diffs = snapshot_diff(before, optimizer, model)
+            if diffs:
+                problems.append(f"a rejected load ({name}) changed the optimizer: " + "; ".join(diffs[:3]))
+        assert tried > 0, "no corruption class applied to this optimizer's state dict"
+        model, optimizer = context.trained(steps)
+        if isinstance(optimizer, StagedNativeLoad):
+            problems.extend(self._staged(context, model, optimizer, valid))
+        assert not problems, "; ".join(problems)
+        context.notes.append(f"{tried} corrupted loads rejected without mutation")
+
+    @staticmethod
+    def _staged(context: CheckContext, model: Any, optimizer: Any, valid: dict[str, Any]) -> list[str]:
+        other: Any
+        problems = []
+        before = deep_snapshot(optimizer, model)
+        staged = optimizer.stage_state_dict(valid)
+        diffs = snapshot_diff(before, optimizer, model)
+        if diffs:
+            problems.append("stage_state_dict changed the optimizer: " + "; ".join(diffs[:3]))
+        other_model, other = context.trained(context.target.steps)
+        other_before = deep_snapshot(other, other_model)
+        try:
+            other.commit_staged_state_dict(staged)
+            problems.append("a staged load committed on another optimizer")
+        except StaleTransactionError:
+            if snapshot_diff(other_before, other, other_model):
+                problems.append("refusing a foreign staged load changed the optimizer")
+        context.step(model, optimizer, 10_000)
+        after_step = deep_snapshot(optimizer, model)
+        try:
+            optimizer.commit_staged_state_dict(staged)
+            problems.append("a stale staged load (the optimizer stepped after staging) was committed")
+        except StaleTransactionError:
+            if snapshot_diff(after_step, optimizer, model):
+                problems.append("refusing a stale staged load changed the optimizer")
+        fresh = optimizer.stage_state_dict(valid)
+        optimizer.commit_staged_state_dict(fresh)
+        try:
+            optimizer.commit_staged_state_dict(fresh)
+            problems.append("a staged load was committed twice")
+        except StaleTransactionError:
+            pass
+        return problems
+
+
+class CanonicalLocalRoundTripCheck:
+    """A claimed canonical-local transport round-trips into a fresh twin bit-exactly."""
+
+    name = "checkpoint.canonical_local_roundtrip"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return frozenset({checkpoint_claim(CheckpointTransport.CANONICAL_LOCAL.value, _REPL)}) & claims
+
+    def run(self, context: CheckContext) -> None:
+        steps = context.target.steps
+        model, optimizer = context.trained(steps)
+        assert isinstance(optimizer, CanonicalLocalState), "claims canonical_local without CanonicalLocalState"
+        document = context.weights_only_roundtrip(optimizer.export_local_state())
+        twin_model, twin = context.fresh()
+        context.copy_parameters(model, twin_model)
+        assert isinstance(twin, CanonicalLocalState)
+        twin.commit_local_import(twin.prepare_local_import(document))
+        context.train(model, optimizer, steps, start=steps)
+        context.train(twin_model, twin, steps, start=steps)
+        context.assert_models_bitwise_equal(model, twin_model, "continuation after a canonical-local round trip")

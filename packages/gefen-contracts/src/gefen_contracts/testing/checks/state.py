@@ -1,0 +1,90 @@
+"""State-declaration truth: every live key is declared and every state matches one variant."""
+
+from __future__ import annotations
+
+import torch
+
+from ...enums import ParameterLayout, ParameterStateRole, StateScope
+from ...errors import StateValidationError
+from ...protocols import IdentityBindable, ModeTaggedState
+from ...state_layout import match_variants
+from ..claims import CONTRACT_CLAIM
+from ..context import CheckContext
+
+__all__ = ["StateDeclarationCheck"]
+
+
+def _layout_and_role(optimizer: object, parameter: torch.Tensor) -> tuple[ParameterLayout, ParameterStateRole]:
+    if isinstance(optimizer, IdentityBindable) and optimizer.sharding_manifest() is not None:
+        shard = optimizer.shard_identity(parameter)
+        if shard.layout is ParameterLayout.WHOLE_PARAMETER_OWNER:
+            return shard.layout, ParameterStateRole.OWNER if shard.is_owner else ParameterStateRole.NON_OWNER
+        return shard.layout, ParameterStateRole.ANY
+    if type(parameter).__name__ == "DTensor":
+        return ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, ParameterStateRole.ANY
+    return ParameterLayout.REPLICATED, ParameterStateRole.ANY
+
+
+def check_state_matches(optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Assert every per-parameter state of ``optimizer`` matches exactly one declared variant."""
+    contract = optimizer.optimizer_contract()  # type: ignore[attr-defined]
+    layout = contract.state_layout
+    for group_index, group in enumerate(optimizer.param_groups):
+        for slot, parameter in enumerate(group["params"]):
+            state = optimizer.state.get(parameter)
+            if not state:
+                continue
+            param_layout, role = _layout_and_role(optimizer, parameter)
+            tags = optimizer.state_mode_tags(parameter) if isinstance(optimizer, ModeTaggedState) else frozenset()
+            try:
+                matches = match_variants(
+                    layout,
+                    list(state.keys()),
+                    parameter_layout=param_layout,
+                    parameter_rank=parameter.dim(),
+                    role=role,
+                    mode_tags=tags,
+                )
+            except StateValidationError as exc:
+                raise AssertionError(f"{where}: group {group_index} slot {slot}: {exc}") from None
+            names = [m.name for m in matches]
+            assert len(matches) == 1, (
+                f"{where}: group {group_index} slot {slot} state keys {sorted(state)} match {len(matches)} declared "
+                f"variants {names} (exactly one required)"
+            )
+
+
+def check_native_keys(optimizer: torch.optim.Optimizer, where: str) -> None:
+    contract = optimizer.optimizer_contract()  # type: ignore[attr-defined]
+    layout = contract.state_layout
+    if layout.composite_namespaces:
+        return  # a composite's top level holds its namespaces; children are checked on their own
+    state_dict = optimizer.state_dict()
+    for key in state_dict:
+        if key in ("state", "param_groups"):
+            continue
+        try:
+            declared = layout.field(key)
+        except KeyError:
+            raise AssertionError(f"{where}: native state_dict key {key!r} is not declared") from None
+        assert declared.scope is not StateScope.PARAMETER, (
+            f"{where}: top-level native key {key!r} is declared as per-parameter state"
+        )
+
+
+class StateDeclarationCheck:
+    name = "state.declared_variants"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return frozenset({CONTRACT_CLAIM})
+
+    def run(self, context: CheckContext) -> None:
+        model, optimizer = context.fresh()
+        check_state_matches(optimizer, "after 0 steps")
+        check_native_keys(optimizer, "after 0 steps")
+        context.train(model, optimizer, 1)
+        check_state_matches(optimizer, "after 1 step")
+        check_native_keys(optimizer, "after 1 step")
+        context.train(model, optimizer, context.target.steps, start=1)
+        check_state_matches(optimizer, f"after {context.target.steps + 1} steps")
+        check_native_keys(optimizer, f"after {context.target.steps + 1} steps")

@@ -1,0 +1,224 @@
+"""Corruption classes applied to native optimizer state dicts (for atomic-load checks).
+
+A corruption takes a deep copy of a state dict and returns a corrupted copy, or ``None``
+when the class does not apply to that state dict. Torch-style state dicts (``{"state",
+"param_groups"}``) are found anywhere in the tree, so a composite's nested halves are
+corrupted one at a time (the result names the half, e.g. ``wrong_shape@backup``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["CORRUPTIONS", "Corruption", "corrupted_variants"]
+
+StateDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Corruption:
+    name: str
+    apply: Callable[[StateDict], bool]
+    """Mutates a torch-style state dict in place; returns False when not applicable."""
+
+
+def _param_states(sd: StateDict) -> list[tuple[Any, dict[str, Any]]]:
+    state = sd.get("state")
+    if not isinstance(state, dict):
+        return []
+    return [(k, v) for k, v in state.items() if isinstance(v, dict) and v]
+
+
+def _tensor_entries(sd: StateDict, predicate: Callable[[torch.Tensor], bool]) -> Iterator[tuple[dict[str, Any], str]]:
+    for _, entry in _param_states(sd):
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.numel() > 0 and predicate(value):
+                yield entry, key
+
+
+def _first(iterator: Iterator[tuple[dict[str, Any], str]]) -> tuple[dict[str, Any], str] | None:
+    return next(iterator, None)
+
+
+def _prefer_large(sd: StateDict, predicate: Callable[[torch.Tensor], bool]) -> tuple[dict[str, Any], str] | None:
+    candidates = list(_tensor_entries(sd, predicate))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda pair: pair[0][pair[1]].numel())
+
+
+def _missing_key(sd: StateDict) -> bool:
+    states = _param_states(sd)
+    if not states:
+        return False
+    entry = states[0][1]
+    tensor_keys = [k for k, v in entry.items() if isinstance(v, torch.Tensor)]
+    key = tensor_keys[0] if tensor_keys else next(iter(entry))
+    del entry[key]
+    return True
+
+
+def _extra_key(sd: StateDict) -> bool:
+    states = _param_states(sd)
+    if not states:
+        return False
+    states[0][1]["gefen_kit_undeclared_key"] = torch.zeros(3)
+    return True
+
+
+def _wrong_shape(sd: StateDict) -> bool:
+    found = _prefer_large(sd, lambda t: t.dim() >= 1)
+    if found is None:
+        return False
+    entry, key = found
+    value = entry[key]
+    entry[key] = torch.cat([value.reshape(-1), value.reshape(-1)[:1]]).reshape(-1, 1)
+    return True
+
+
+def _wrong_dtype(sd: StateDict) -> bool:
+    found = _prefer_large(sd, lambda t: True)
+    if found is None:
+        return False
+    entry, key = found
+    value = entry[key]
+    entry[key] = value.to(torch.int32) if value.is_floating_point() else value.to(torch.float32)
+    return True
+
+
+def _non_finite(sd: StateDict) -> bool:
+    found = _prefer_large(sd, lambda t: t.is_floating_point())
+    if found is None:
+        return False
+    entry, key = found
+    value = entry[key].clone()
+    value.reshape(-1)[0] = math.nan
+    entry[key] = value
+    return True
+
+
+def _wrong_parameter_count(sd: StateDict) -> bool:
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list):
+        return False
+    for group in reversed(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, list) and params:
+            dropped = params.pop()
+            names = group.get("param_names")
+            if isinstance(names, list) and names:
+                names.pop()
+            state = sd.get("state")
+            if isinstance(state, dict):
+                state.pop(dropped, None)
+            return True
+    return False
+
+
+def _extra_param_group(sd: StateDict) -> bool:
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list) or not groups or not isinstance(groups[-1], dict):
+        return False
+    ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", []) if type(i) is int]
+    start = (max(ids) + 1) if ids else 1000
+    clone = copy.deepcopy(groups[-1])
+    count = len(clone.get("params", [])) or 1
+    clone["params"] = list(range(start, start + count))
+    if isinstance(clone.get("param_names"), list):
+        clone["param_names"] = [f"gefen_kit_extra_{i}" for i in range(count)]
+    groups.append(clone)
+    return True
+
+
+def _missing_param_group(sd: StateDict) -> bool:
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list) or not groups:
+        return False
+    removed = groups.pop()
+    state = sd.get("state")
+    if isinstance(state, dict) and isinstance(removed, dict):
+        for pid in removed.get("params", []):
+            state.pop(pid, None)
+    return True
+
+
+def _bool_for_int(sd: StateDict) -> bool:
+    for _, entry in _param_states(sd):
+        for key, value in entry.items():
+            if type(value) is int:
+                entry[key] = True
+                return True
+    for group in sd.get("param_groups", []):
+        if isinstance(group, dict):
+            params = group.get("params")
+            if isinstance(params, list) and params and type(params[0]) is int:
+                params[0] = True
+                return True
+    return False
+
+
+def _truncated_tensor(sd: StateDict) -> bool:
+    found = _prefer_large(sd, lambda t: t.numel() >= 2)
+    if found is None:
+        return False
+    entry, key = found
+    entry[key] = entry[key].reshape(-1)[:-1].clone()
+    return True
+
+
+CORRUPTIONS: tuple[Corruption, ...] = (
+    Corruption("missing_key", _missing_key),
+    Corruption("extra_key", _extra_key),
+    Corruption("wrong_shape", _wrong_shape),
+    Corruption("wrong_dtype", _wrong_dtype),
+    Corruption("non_finite", _non_finite),
+    Corruption("wrong_parameter_count", _wrong_parameter_count),
+    Corruption("extra_param_group", _extra_param_group),
+    Corruption("missing_param_group", _missing_param_group),
+    Corruption("bool_for_int", _bool_for_int),
+    Corruption("truncated_tensor", _truncated_tensor),
+)
+
+
+def _torch_style_paths(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(tree, dict):
+        if "state" in tree and "param_groups" in tree:
+            return [path]
+        found: list[tuple[str, ...]] = []
+        for key, value in tree.items():
+            if isinstance(key, str):
+                found.extend(_torch_style_paths(value, (*path, key)))
+        return found
+    return []
+
+
+def _deep_copy(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _deep_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_deep_copy(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_deep_copy(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def corrupted_variants(state_dict: StateDict) -> Iterator[tuple[str, StateDict]]:
+    """Yield ``(name, corrupted copy)`` for every applicable corruption and nested half."""
+    paths = _torch_style_paths(state_dict)
+    for corruption in CORRUPTIONS:
+        for path in paths:
+            copy_ = _deep_copy(state_dict)
+            target = copy_
+            for key in path:
+                target = target[key]
+            if corruption.apply(target):
+                suffix = "@" + ".".join(path) if path else ""
+                yield corruption.name + suffix, copy_

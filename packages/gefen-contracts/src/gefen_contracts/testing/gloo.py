@@ -1,0 +1,221 @@
+"""A reusable multi-process gloo world for distributed checks on CPU.
+
+Spawning ranks costs seconds, so one :class:`GlooWorld` runs many cases: each
+:meth:`GlooWorld.run` sends ``fn(rank, world_size, *args, **kwargs)`` to every rank and
+collects the results. Ranks use ``torch.set_num_threads(1)``, a gloo timeout of at most 60 s
+(so a hang fails a test instead of the run) and TCP rendezvous on 127.0.0.1. ``fn`` must be
+importable in a fresh interpreter: a module-level function, or ``"MODULE:FUNCTION"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["GlooWorld", "RankFailure", "RankOutcome", "resolve_callable"]
+
+_MAX_GLOO_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank returned or raised for one case."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+
+
+class RankFailure(AssertionError):
+    """At least one rank raised; ``outcomes`` holds every rank's result."""
+
+    def __init__(self, outcomes: list[RankOutcome]) -> None:
+        self.outcomes = outcomes
+        lines = [f"rank {o.rank}: {o.error_type}: {o.message}\n{o.traceback}" for o in outcomes if not o.ok]
+        super().__init__("distributed case failed:\n" + "\n".join(lines))
+
+
+def resolve_callable(spec: str) -> Callable[..., Any]:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep:
+        raise ValueError(f"expected MODULE:FUNCTION, got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _spec_of(fn: Callable[..., Any] | str) -> str:
+    if isinstance(fn, str):
+        return fn
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<locals>" in qualname:
+        raise ValueError(f"{fn!r} is not importable by spawned ranks; use a module-level function")
+    return f"{module}:{qualname}"
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    gloo_timeout_s: float,
+    env: dict[str, str],
+    tasks: Any,
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=gloo_timeout_s),
+    )
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            case_id, spec, args, kwargs = task
+            try:
+                value = resolve_callable(spec)(rank, world_size, *args, **kwargs)
+                results.put((case_id, RankOutcome(rank, True, value)))
+            except BaseException as exc:
+                outcome = RankOutcome(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc(limit=12))
+                results.put((case_id, outcome))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class GlooWorld:
+    """``world_size`` spawned ranks joined in one gloo process group, reused across cases."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        gloo_timeout_s: float = 30.0,
+        case_timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if type(world_size) is not int or world_size < 1:
+            raise ValueError("world_size must be a positive int")
+        self.world_size = world_size
+        self.gloo_timeout_s = min(float(gloo_timeout_s), _MAX_GLOO_TIMEOUT_S)
+        self.case_timeout_s = case_timeout_s
+        self.env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._case = 0
+
+    def __enter__(self) -> GlooWorld:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self.close()
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, self.gloo_timeout_s, self.env, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._procs]
+
+    def run_outcomes(self, fn: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> list[RankOutcome]:
+        """Run ``fn`` on every rank and return each rank's outcome (raises only on timeout)."""
+        self.start()
+        spec = _spec_of(fn)
+        self._case += 1
+        case_id = self._case
+        for task_queue in self._tasks:
+            task_queue.put((case_id, spec, args, kwargs))
+        outcomes: dict[int, RankOutcome] = {}
+        deadline = time.monotonic() + self.case_timeout_s
+        while len(outcomes) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                self.close()
+                raise TimeoutError(f"ranks {missing} did not finish {spec} within {self.case_timeout_s:.0f} s")
+            try:
+                got_case, outcome = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
+                if dead:
+                    for rank in dead:
+                        code = self._procs[rank].exitcode
+                        outcomes[rank] = RankOutcome(rank, False, None, "ProcessDied", f"exit code {code}")
+                continue
+            if got_case == case_id:
+                outcomes[outcome.rank] = outcome
+        if any(o.error_type == "ProcessDied" for o in outcomes.values()):
+            self.close()
+        return [outcomes[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn`` on every rank; return the per-rank values or raise :class:`RankFailure`."""
+        outcomes = self.run_outcomes(fn, *args, **kwargs)
+        if not all(o.ok for o in outcomes):
+            raise RankFailure(outcomes)
+        return [o.value for o in outcomes]
+
+    def close(self) -> None:
+        for task_queue in self._tasks:
+            with contextlib.suppress(Exception):
+                task_queue.put(None)
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        self._procs = []
+        self._tasks = []
+        self._results = None

@@ -1,0 +1,78 @@
+"""Tensor leaves for the digest grammar (:mod:`gefen_contracts.digest`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from ..digest import DigestLeaf, canonical_digest
+from ..errors import CodecError
+
+__all__ = ["tensor_digest", "tensor_leaf"]
+
+_CHUNK_BYTES = 8 << 20
+_NAMES = {
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+
+
+class _TensorLeaf:
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def digest_dtype(self) -> str:
+        return _NAMES[self._tensor.dtype]
+
+    def digest_shape(self) -> tuple[int, ...]:
+        return tuple(self._tensor.shape)
+
+    def digest_nbytes(self) -> int:
+        return self._tensor.numel() * self._tensor.element_size()
+
+    def digest_chunks(self) -> Iterator[bytes]:
+        flat = self._tensor.detach().reshape(-1)
+        if flat.is_conj():
+            flat = flat.resolve_conj()
+        if flat.is_neg():
+            flat = flat.resolve_neg()
+        per_chunk = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
+        for start in range(0, flat.numel(), per_chunk):
+            piece = flat[start : start + per_chunk].to("cpu").contiguous()
+            raw = piece.view(torch.uint8) if piece.dtype is not torch.bool else piece.to(torch.uint8)
+            data = raw.numpy().tobytes()
+            if sys.byteorder == "big" and piece.element_size() > 1:
+                component = piece.element_size() // (2 if piece.is_complex() else 1)
+                data = b"".join(data[i : i + component][::-1] for i in range(0, len(data), component))
+            yield data
+
+
+def tensor_leaf(value: object) -> DigestLeaf | None:
+    """A digest leaf for a plain strided tensor of a supported dtype (``None`` otherwise)."""
+    if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+        return None
+    tensor: torch.Tensor = value
+    if tensor.layout is not torch.strided or tensor.is_meta:
+        raise CodecError("only materialized strided tensors can be digested")
+    if tensor.dtype not in _NAMES:
+        raise CodecError(f"dtype {tensor.dtype} cannot be digested")
+    return _TensorLeaf(tensor)
+
+
+def tensor_digest(value: object) -> str:
+    """:func:`~gefen_contracts.digest.canonical_digest` with tensors accepted as leaves."""
+    return canonical_digest(value, leaf_adapter=tensor_leaf)
