@@ -1,0 +1,36 @@
+"""``gefen conformance MODULE:FACTORY``: run the conformance kit against any optimizer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "conformance",
+        help="run the convention's conformance kit against an optimizer factory",
+        description=(
+            "Run every conformance check against MODULE:FACTORY, where FACTORY(named_parameters) returns a "
+            "torch optimizer (or is a gefen_contracts.testing.ConformanceTarget). Exits non-zero when any "
+            "claim fails or stays unverified."
+        ),
+    )
+    parser.add_argument("target", metavar="MODULE:FACTORY")
+    parser.add_argument("--waive", action="append", default=[], metavar="NAME", help="accept a claim or check as unverified")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gefen_contracts.testing import run_conformance
+
+    report = run_conformance(args.target, waive=args.waive)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(report.format())
+    return 0 if report.ok else 1
