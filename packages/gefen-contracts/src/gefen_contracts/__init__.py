@@ -85,6 +85,7 @@ from .protocols import (
     ModeTaggedState,
     PortableAdapter,
     StagedNativeLoad,
+    StepPreflight,
 )
 from .rebinding import LogicalSlotBinding, ParameterRebinding
 from .revalidate import revalidate
@@ -159,6 +160,7 @@ __all__ = [
     "StaleTransactionError",
     "StagedNativeLoad",
     "StagedTransaction",
+    "StepPreflight",
     "StateExtent",
     "StateField",
     "StateGeometry",

@@ -53,6 +53,7 @@ __all__ = [
     "ModeTaggedState",
     "PortableAdapter",
     "StagedNativeLoad",
+    "StepPreflight",
 ]
 
 
@@ -80,6 +81,21 @@ class ModeTaggedState(Protocol):
     """
 
     def state_mode_tags(self, parameter: Any) -> frozenset[str]: ...
+
+
+@runtime_checkable
+class StepPreflight(Protocol):
+    """A step split into a side-effect-free preflight and the step proper.
+
+    ``preflight_step()`` runs every check ``step()`` would run before mutating anything
+    (gradient layout, dtype, shape and device, sparse or complex gradients, the sealed
+    layout, option combinations) against the gradients currently attached, and raises the
+    same specific error ``step()`` would raise, changing nothing. It runs no closure and no
+    collective. A composite calls it on every child (and votes across ranks) before it lets
+    any child step, so a bad gradient in one child cannot leave the other stepped.
+    """
+
+    def preflight_step(self) -> None: ...
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ adapter for the digest grammar.
 from __future__ import annotations
 
 from .bindings import CheckpointProcessGroupBinding, CodebookProcessGroupBinding, ProcessGroupBinding
-from .collectives import CollectiveCounter, agree, agree_digest, failure_vote
+from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .tensors import tensor_digest, tensor_leaf
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "agree",
     "agree_digest",
     "failure_vote",
+    "failure_vote_on_group",
     "tensor_digest",
     "tensor_leaf",
 ]

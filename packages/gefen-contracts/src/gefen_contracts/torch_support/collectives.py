@@ -18,7 +18,7 @@ import torch
 from ..errors import CollectiveFailureError, ContractError
 from .bindings import ProcessGroupBinding
 
-__all__ = ["CollectiveCounter", "agree", "agree_digest", "failure_vote"]
+__all__ = ["CollectiveCounter", "agree", "agree_digest", "failure_vote", "failure_vote_on_group"]
 
 
 def failure_vote(binding: ProcessGroupBinding | None, phase: str, error: BaseException | None) -> None:
@@ -44,6 +44,37 @@ def failure_vote(binding: ProcessGroupBinding | None, phase: str, error: BaseExc
             f"{phase} failed on local member {binding.local_member!r}: {type(error).__name__}: {error}",
             phase=phase,
             local=True,
+        ) from error
+    raise CollectiveFailureError(f"{phase} failed on another process-group member", phase=phase, local=False)
+
+
+def failure_vote_on_group(
+    process_group: Any,
+    device: torch.device | str,
+    phase: str,
+    error: BaseException | None,
+    *,
+    member: str,
+) -> None:
+    """:func:`failure_vote` over a raw process group (for example a DTensor mesh's group).
+
+    ``member`` names this process in the failing member's message. ``process_group=None``
+    means the default world; with a world of one (or no distributed run) the local error is
+    re-raised unchanged.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) <= 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=torch.device(device))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+    if int(flag.item()) == 0:
+        return
+    if error is not None:
+        raise CollectiveFailureError(
+            f"{phase} failed on local member {member!r}: {type(error).__name__}: {error}", phase=phase, local=True
         ) from error
     raise CollectiveFailureError(f"{phase} failed on another process-group member", phase=phase, local=False)
 
