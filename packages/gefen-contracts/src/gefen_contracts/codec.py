@@ -3,8 +3,10 @@
 ``to_primitive`` turns a descriptor into a JSON-safe and ``torch.load(weights_only=True)``
 safe tree of ``dict`` (str keys), ``list``, ``str``, ``int``, ``float``, ``bool`` and
 ``None``. Every record carries a ``"record"`` discriminator. ``from_primitive`` is strict:
-exact key sets, exact primitive types (``bool`` is never an ``int``), lists only, and it
-rebuilds the descriptor so every invariant runs again. The same encoding feeds
+exact key sets, exact primitive types (``bool`` is never an ``int``), lists only, it
+rebuilds the descriptor so every invariant runs again, and it accepts only the canonical
+form (re-encoding the result must reproduce the input exactly: sorted manifests, sorted
+sets, sorted placements), so one descriptor has exactly one record and one digest. The same encoding feeds
 :func:`gefen_contracts.digest.canonical_digest`, and it is the only serialization of a
 ``ShardIdentity`` anywhere in the project (the reference had three).
 """
@@ -119,11 +121,14 @@ def from_primitive(data: object, expected: type[T] | None = None) -> T:
         raise CodecError(f"expected a {expected.__name__} record, got {name!r}")
     assert isinstance(name, str)
     try:
-        return _decode_record(cls, data, name)  # type: ignore[return-value]
+        value = _decode_record(cls, data, name)
     except CodecError:
         raise
     except (ContractError, TypeError) as exc:
         raise CodecError(f"invalid {name} record: {exc}") from exc
+    if _encode(value) != data:
+        raise CodecError(f"{name} record is not in canonical form (re-encoding it gives a different record)")
+    return value  # type: ignore[return-value]
 
 
 @functools.cache

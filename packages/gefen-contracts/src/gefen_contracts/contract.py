@@ -115,8 +115,6 @@ class OptimizerContract:
 
     def require(self, feature: str) -> None:
         """Raise :class:`NotSupportedError` (with the contract's reasons) unless ``feature`` is supported."""
-        status = self.capabilities.features.get(feature)
-        if status is None:
-            raise NotSupportedError(feature, ("the contract does not mention this feature",))
+        status = self.capabilities.feature(feature)
         if not status.supported:
             raise NotSupportedError(feature, status.reasons)

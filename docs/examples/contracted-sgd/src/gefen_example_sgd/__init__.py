@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .contract import CONTRACT
 from .optimizer import ContractedSGD, conformance_factory
 
-__all__ = ["ContractedSGD", "conformance_factory"]
+__all__ = ["CONTRACT", "ContractedSGD", "conformance_factory"]

@@ -89,6 +89,7 @@ def _worker(
         world_size=world_size,
         timeout=timedelta(seconds=gloo_timeout_s),
     )
+    results.put((0, RankOutcome(rank, True, "ready")))
     try:
         while True:
             task = tasks.get()
@@ -121,6 +122,7 @@ class GlooWorld:
         *,
         gloo_timeout_s: float = 30.0,
         case_timeout_s: float = 180.0,
+        startup_timeout_s: float = 180.0,
         env: dict[str, str] | None = None,
     ) -> None:
         if type(world_size) is not int or world_size < 1:
@@ -128,6 +130,7 @@ class GlooWorld:
         self.world_size = world_size
         self.gloo_timeout_s = min(float(gloo_timeout_s), _MAX_GLOO_TIMEOUT_S)
         self.case_timeout_s = case_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
@@ -163,6 +166,11 @@ class GlooWorld:
         ]
         for proc in self._procs:
             proc.start()
+        ready = self._collect(0, self.startup_timeout_s, "start up")
+        failed = [o for o in ready if not o.ok]
+        if failed:
+            self.close()
+            raise RankFailure(ready)
 
     def pids(self) -> list[int]:
         return [int(p.pid) for p in self._procs]
@@ -175,14 +183,17 @@ class GlooWorld:
         case_id = self._case
         for task_queue in self._tasks:
             task_queue.put((case_id, spec, args, kwargs))
+        return self._collect(case_id, self.case_timeout_s, spec)
+
+    def _collect(self, case_id: int, timeout_s: float, what: str) -> list[RankOutcome]:
         outcomes: dict[int, RankOutcome] = {}
-        deadline = time.monotonic() + self.case_timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(outcomes) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 self.close()
-                raise TimeoutError(f"ranks {missing} did not finish {spec} within {self.case_timeout_s:.0f} s")
+                raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout_s:.0f} s")
             try:
                 got_case, outcome = self._results.get(timeout=min(remaining, 1.0))
             except queue.Empty:

@@ -58,7 +58,11 @@ class NativeRoundTripCheck:
     def run(self, context: CheckContext) -> None:
         steps = context.target.steps
         model, optimizer = context.trained(steps)
-        saved = context.weights_only_roundtrip(optimizer.state_dict())
+        before = deep_snapshot(optimizer, model)
+        live = optimizer.state_dict()
+        diffs = snapshot_diff(before, optimizer, model)
+        assert not diffs, "state_dict() changed the optimizer: " + "; ".join(diffs[:3])
+        saved = context.weights_only_roundtrip(live)
         twin_model, twin = context.fresh()
         context.copy_parameters(model, twin_model)
         reference = context.weights_only_roundtrip(saved)

@@ -1,0 +1,107 @@
+"""Rank functions for the contracts' gloo tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from gefen_contracts import CollectiveFailureError, ContractError, ProcessGroupIdentity
+from gefen_contracts.torch_support import (
+    CheckpointProcessGroupBinding,
+    CodebookProcessGroupBinding,
+    CollectiveCounter,
+    agree,
+    agree_digest,
+    failure_vote,
+    failure_vote_on_group,
+)
+
+
+def world_binding(rank: int, world_size: int, members: tuple[str, ...] | None = None) -> CodebookProcessGroupBinding:
+    members = members or tuple(f"rank:{r}" for r in range(world_size))
+    return CodebookProcessGroupBinding(ProcessGroupIdentity("world", members), members[rank], dist.group.WORLD, "cpu")
+
+
+def echo(rank: int, world_size: int, value: int) -> tuple[int, int, int]:
+    return rank, world_size, value * 10
+
+
+def raise_on(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        raise ValueError(f"boom on {rank}")
+    return rank
+
+
+def sleep_forever(rank: int, world_size: int) -> None:
+    time.sleep(3600)
+
+
+def die(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        os._exit(3)
+    return rank
+
+
+def validate_bindings(rank: int, world_size: int) -> list[str]:
+    outcomes = []
+    world_binding(rank, world_size).validate_runtime()
+    outcomes.append("ok")
+    reversed_members = tuple(f"rank:{r}" for r in reversed(range(world_size)))
+    try:
+        CodebookProcessGroupBinding(
+            ProcessGroupIdentity("world", reversed_members), f"rank:{rank}", dist.group.WORLD, "cpu"
+        ).validate_runtime()
+    except RuntimeError as exc:
+        outcomes.append("order:" + ("local_member" in str(exc)) * "named")
+    try:
+        members = tuple(f"rank:{r}" for r in range(world_size + 1))
+        CheckpointProcessGroupBinding(
+            ProcessGroupIdentity("w", members), members[rank], dist.group.WORLD, "cpu"
+        ).validate_runtime()
+    except RuntimeError as exc:
+        outcomes.append("size:" + ("ranks" in str(exc)) * "named")
+    try:
+        CodebookProcessGroupBinding(ProcessGroupIdentity("w", ("a", "b")), "a", None, "cpu")
+    except TypeError:
+        outcomes.append("handle")
+    return outcomes
+
+
+def vote_with_fault(rank: int, world_size: int, bad_rank: int, phase: str) -> str:
+    binding = world_binding(rank, world_size)
+    error = RuntimeError("closure boom") if rank == bad_rank else None
+    try:
+        failure_vote(binding, phase, error)
+    except CollectiveFailureError as exc:
+        return f"{exc.local}|{exc}"
+    return "no error"
+
+
+def vote_on_group_with_fault(rank: int, world_size: int, bad_rank: int) -> str:
+    error = KeyError("missing") if rank == bad_rank else None
+    try:
+        failure_vote_on_group(None, "cpu", "preflight", error, member=f"rank:{rank}")
+    except CollectiveFailureError as exc:
+        return f"{exc.local}|{exc}"
+    return "no error"
+
+
+def agreement(rank: int, world_size: int, diverge: bool) -> str:
+    binding = world_binding(rank, world_size)
+    values = [1, 2, 3 + (rank if diverge else 0)]
+    counter = CollectiveCounter()
+    try:
+        with counter.patched():
+            agree(binding, values, what="the step header")
+            agree_digest(binding, "ab" * 32, what="the digest")
+    except ContractError as exc:
+        return f"error|{exc}|{counter.total}"
+    return f"ok|{counter.total}"
+
+
+def plain_all_reduce(rank: int, world_size: int) -> int:
+    tensor = torch.tensor([rank + 1])
+    dist.all_reduce(tensor)
+    return int(tensor.item())

@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gefen_contracts import CodecError, ContractError, ContractTypeError, ProcessGroupIdentity, canonical_digest
+from gefen_contracts.testing import GlooWorld, RankFailure
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding, tensor_digest
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[GlooWorld]:
+    with GlooWorld(2, gloo_timeout_s=20, case_timeout_s=60) as w:
+        yield w
+
+
+def test_binding_construction_rules() -> None:
+    solo = ProcessGroupIdentity("solo", ("m0",))
+    binding = CodebookProcessGroupBinding(solo, "m0", None, "cpu")
+    assert binding.collective_device == torch.device("cpu") and not binding.communicates
+    assert binding.sort_key == ("solo", ("m0",))
+    assert binding.scope_record() == {"semantic_name": "solo", "ordered_members": ["m0"]}
+    twin = CheckpointProcessGroupBinding(solo, "m0", None, torch.device("cpu"))
+    assert binding.same_scope(twin) and twin.same_scope(binding)
+    binding.validate_runtime()
+    with pytest.raises(ContractError, match="process_group=None"):
+        CodebookProcessGroupBinding(solo, "m0", object(), "cpu")
+    with pytest.raises(ContractError, match="not a member"):
+        CodebookProcessGroupBinding(solo, "m9", None, "cpu")
+    with pytest.raises(ContractTypeError):
+        CodebookProcessGroupBinding(solo, 0, None, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match="cpu or cuda"):
+        CodebookProcessGroupBinding(solo, "m0", None, "meta")
+    with pytest.raises(ContractTypeError, match="device"):
+        CodebookProcessGroupBinding(solo, "m0", None, "not-a-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="does not exist"):
+            CodebookProcessGroupBinding(solo, "m0", None, "cuda:0").validate_runtime()
+
+
+def test_tensor_digest_is_dtype_shape_and_bit_sensitive() -> None:
+    base = tensor_digest({"t": torch.tensor([1.0, -0.0], dtype=torch.float32)})
+    assert base != tensor_digest({"t": torch.tensor([1.0, 0.0], dtype=torch.float32)})
+    assert base != tensor_digest({"t": torch.tensor([1.0, -0.0], dtype=torch.float64)})
+    assert base != tensor_digest({"t": torch.tensor([[1.0, -0.0]], dtype=torch.float32)})
+    strided = torch.arange(12, dtype=torch.int16).reshape(3, 4)[:, ::2]
+    assert tensor_digest(strided) == tensor_digest(strided.contiguous())
+    assert tensor_digest(torch.tensor(3 + 4j, dtype=torch.complex64)) == tensor_digest(
+        torch.tensor(3 + 4j, dtype=torch.complex64)
+    )
+    # golden: int16 [1, -2] under the grammar
+    assert tensor_digest(torch.tensor([1, -2], dtype=torch.int16)) == canonical_digest(_Leaf())
+    with pytest.raises(CodecError):
+        canonical_digest(torch.zeros(2))
+
+
+class _Leaf:
+    def digest_dtype(self) -> str:
+        return "int16"
+
+    def digest_shape(self) -> tuple[int, ...]:
+        return (2,)
+
+    def digest_nbytes(self) -> int:
+        return 4
+
+    def digest_chunks(self) -> Iterator[bytes]:
+        yield b"\x01\x00"
+        yield b"\xfe\xff"
+
+
+@pytest.mark.distributed
+def test_launcher_reuses_one_world_for_many_cases(world: GlooWorld) -> None:
+    pids = world.pids()
+    assert world.run("contracts_gloo_ranks:echo", 4) == [(0, 2, 40), (1, 2, 40)]
+    assert world.run("contracts_gloo_ranks:plain_all_reduce") == [3, 3]
+    assert world.pids() == pids
+    with pytest.raises(RankFailure, match="boom on 1"):
+        world.run("contracts_gloo_ranks:raise_on", 1)
+    assert world.run("contracts_gloo_ranks:echo", 1) == [(0, 2, 10), (1, 2, 10)]
+
+
+@pytest.mark.distributed
+def test_bindings_validate_against_the_live_group(world: GlooWorld) -> None:
+    for outcome in world.run("contracts_gloo_ranks:validate_bindings"):
+        assert outcome == ["ok", "order:named", "size:named", "handle"]
+
+
+@pytest.mark.distributed
+def test_failure_vote_is_symmetric(world: GlooWorld) -> None:
+    local, remote = world.run("contracts_gloo_ranks:vote_with_fault", 0, "step preamble")
+    assert local.startswith("True|step preamble failed on local member 'rank:0'") and "closure boom" in local
+    assert remote == "False|step preamble failed on another process-group member"
+    assert world.run("contracts_gloo_ranks:vote_with_fault", -1, "x") == ["no error", "no error"]
+    local_g, remote_g = world.run("contracts_gloo_ranks:vote_on_group_with_fault", 1)[::-1]
+    assert local_g.startswith("True|preflight failed on local member 'rank:1'")
+    assert remote_g == "False|preflight failed on another process-group member"
+
+
+@pytest.mark.distributed
+def test_agreement_and_collective_counter(world: GlooWorld) -> None:
+    assert world.run("contracts_gloo_ranks:agreement", False) == ["ok|2", "ok|2"]
+    for outcome in world.run("contracts_gloo_ranks:agreement", True):
+        assert outcome.startswith("error|process-group members disagree on the step header") and outcome.endswith("|1")
+
+
+@pytest.mark.distributed
+def test_a_hanging_case_times_out_and_a_dead_rank_is_reported() -> None:
+    with GlooWorld(2, gloo_timeout_s=10, case_timeout_s=4) as world:
+        with pytest.raises(TimeoutError, match="did not finish"):
+            world.run("contracts_gloo_ranks:sleep_forever")
+        assert world.run("contracts_gloo_ranks:echo", 2) == [(0, 2, 20), (1, 2, 20)]
+        outcomes = world.run_outcomes("contracts_gloo_ranks:die", 0)
+        assert outcomes[0].error_type == "ProcessDied" and outcomes[1].ok

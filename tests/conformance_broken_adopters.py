@@ -1,0 +1,114 @@
+"""Deliberately broken adopters: each lies about one claim, and the kit must name it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gefen_contracts import (
+    FEATURE_STAGED_NATIVE_LOAD,
+    FeatureStatus,
+    OptimizerCapabilities,
+    OptimizerContract,
+    StagedTransaction,
+)
+from gefen_example_sgd import CONTRACT, ContractedSGD
+
+
+class FalseRoundTripClaim(ContractedSGD):
+    """Claims bit-exact native checkpoints but forgets the momentum on save."""
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = super().state_dict()
+        saved["state"] = {
+            pid: {**entry, "momentum_buffer": torch.zeros_like(entry["momentum_buffer"])}
+            for pid, entry in saved["state"].items()
+        }
+        return saved
+
+
+class MutatingQuery(ContractedSGD):
+    """optimizer_contract() writes into the param groups."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        for group in self.param_groups:
+            group["queries"] = group.get("queries", 0) + 1
+        return super().optimizer_contract()
+
+
+class NonAtomicLoad(ContractedSGD):
+    """Claims an atomic load but publishes group options before validating the state."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        for live, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            if isinstance(saved, dict) and type(saved.get("lr")) is float:
+                live["lr"] = saved["lr"] * 2.0
+        return super().stage_state_dict(state_dict)
+
+
+class UndeclaredStateKey(ContractedSGD):
+    """Keeps a per-parameter key its contract never declares."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    self.state[p]["grad_norm"] = float(p.grad.norm()) if p.grad is not None else 0.0
+        return loss
+
+
+class UndeclaredProtocol(ContractedSGD):
+    """Implements CollectiveScoped without stating the collective_scope feature at all."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        capabilities = CONTRACT.capabilities
+        features = {k: v for k, v in capabilities.features.items() if k != "collective_scope"}
+        return OptimizerContract(
+            CONTRACT.implementation,
+            CONTRACT.state_layout,
+            OptimizerCapabilities(
+                capabilities.training,
+                capabilities.checkpoints,
+                capabilities.precisions,
+                capabilities.supported_parameter_ranks,
+                {**features, FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes()},
+            ),
+        )
+
+    def collective_scope(self) -> object | None:
+        return None
+
+    def initialize_collective_state(self) -> bool:
+        return False
+
+    def refresh_collective_state(self) -> bool:
+        return False
+
+    def collective_budget(self) -> int:
+        return 0
+
+
+def _factory(cls: type[ContractedSGD]) -> Any:
+    def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
+        return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
+
+    factory.__name__ = factory.__qualname__ = f"{cls.__name__}_factory"
+    return factory
+
+
+false_roundtrip_factory = _factory(FalseRoundTripClaim)
+mutating_query_factory = _factory(MutatingQuery)
+non_atomic_load_factory = _factory(NonAtomicLoad)
+undeclared_state_key_factory = _factory(UndeclaredStateKey)
+undeclared_protocol_factory = _factory(UndeclaredProtocol)
+
+#: factory name -> (the check that must fail, a fragment its detail must contain)
+EXPECTED_FAILURES = {
+    "false_roundtrip_factory": ("checkpoint.native_roundtrip", "continuation after a native round trip"),
+    "mutating_query_factory": ("contract.deterministic_and_pure", "changed the optimizer"),
+    "non_atomic_load_factory": ("checkpoint.native_atomic_load", "changed the optimizer"),
+    "undeclared_state_key_factory": ("state.declared_variants", "'grad_norm' is not declared"),
+    "undeclared_protocol_factory": ("contract.protocols_declared", "CollectiveScoped"),
+}

@@ -1,0 +1,69 @@
+"""The conformance kit passes an honest adopter that is not Gefen and names every lie."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conformance_broken_adopters import EXPECTED_FAILURES
+from gefen_contracts.testing import CheckStatus, ConformanceTarget, assert_conformant, run_conformance
+from gefen_example_sgd import ContractedSGD, conformance_factory
+
+HERE = Path(__file__).parent
+
+
+def test_example_adopter_passes_the_kit() -> None:
+    report = run_conformance("gefen_example_sgd:conformance_factory")
+    assert_conformant(report)
+    passed = {r.name for r in report.results if r.status is CheckStatus.PASSED}
+    assert {"checkpoint.native_roundtrip", "checkpoint.native_atomic_load", "state.declared_variants"} <= passed
+
+
+@pytest.mark.parametrize("factory", sorted(EXPECTED_FAILURES))
+def test_each_broken_adopter_fails_with_its_claim_named(factory: str) -> None:
+    check, fragment = EXPECTED_FAILURES[factory]
+    report = run_conformance(f"conformance_broken_adopters:{factory}")
+    assert not report.ok
+    failed = {r.name: r for r in report.failures}
+    assert check in failed, report.format()
+    assert fragment in failed[check].detail, failed[check].detail
+    assert check in report.format()
+
+
+def test_unverified_claims_fail_unless_waived() -> None:
+    target = ConformanceTarget(factory=conformance_factory, name="sgd")
+    report = run_conformance(target, checks=[])
+    assert not report.ok and report.executed == 0
+    assert {r.name for r in report.unverified} >= {"claim checkpoint:native_optimizer:replicated"}
+    claims = [r.claims[0] for r in report.unverified]
+    waived = run_conformance(target, checks=[], waive={c: "tested elsewhere" for c in claims})
+    assert not waived.unverified and not waived.ok, "a run that executed zero checks must fail"
+    assert "no check was executed" in waived.format()
+
+
+def test_factory_errors_are_reported_not_raised() -> None:
+    def broken(named: list[tuple[str, object]]) -> ContractedSGD:
+        raise RuntimeError("cannot build")
+
+    report = run_conformance(ConformanceTarget(factory=broken))  # type: ignore[arg-type]
+    assert not report.ok and "cannot build" in report.failures[0].detail
+
+
+@pytest.mark.slow
+def test_pytest_plugin_runs_the_kit_from_the_command_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    good = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--gefen-conformance", "gefen_example_sgd:conformance_factory", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "passed" in good.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--gefen-conformance", "conformance_broken_adopters:mutating_query_factory", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert bad.returncode != 0
+    assert "contract.deterministic_and_pure" in bad.stdout
