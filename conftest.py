@@ -1,3 +1,5 @@
+"""Workspace-wide pytest configuration: the hypothesis profiles (CI caps examples)."""
+
 from __future__ import annotations
 
 import os
