@@ -1,25 +1,51 @@
 """Torch-bound pieces of the convention (install ``gefen-contracts[torch]``).
 
 Process-group bindings with one backend/device rule set, failure votes and agreement
-primitives over a binding, a collective call counter for tests, and the tensor leaf
-adapter for the digest grammar.
+primitives over a binding, a collective call counter for tests, the tensor leaf adapter
+for the digest grammar, and the generic identity machinery every ``IdentityBindable`` /
+``CanonicalLocalState`` optimizer shares: request validation (:func:`plan_rebinding`),
+the owned sealed layout and its guard (:class:`SealedLayout`), and the
+``gefen.bound_state`` envelope (:func:`build_bound_state`, :func:`parse_bound_state`).
 """
 
 from __future__ import annotations
 
 from .bindings import CheckpointProcessGroupBinding, CodebookProcessGroupBinding, ProcessGroupBinding
+from .bound_state import (
+    BOUND_STATE_COVERAGE,
+    BOUND_STATE_FORMAT,
+    BOUND_STATE_FORMAT_VERSION,
+    BoundParameter,
+    BoundStateDocument,
+    build_bound_state,
+    parse_bound_state,
+)
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
+from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
+from .sealed_layout import SealedLayout
 from .tensors import tensor_digest, tensor_leaf
 
 __all__ = [
+    "BOUND_STATE_COVERAGE",
+    "BOUND_STATE_FORMAT",
+    "BOUND_STATE_FORMAT_VERSION",
+    "BoundParameter",
+    "BoundStateDocument",
     "CheckpointProcessGroupBinding",
     "CodebookProcessGroupBinding",
     "CollectiveCounter",
     "ProcessGroupBinding",
+    "RebindingPlan",
+    "SealedLayout",
+    "SlotRebinding",
     "agree",
     "agree_digest",
+    "build_bound_state",
     "failure_vote",
     "failure_vote_on_group",
+    "has_internal_overlap",
+    "parse_bound_state",
+    "plan_rebinding",
     "tensor_digest",
     "tensor_leaf",
 ]
