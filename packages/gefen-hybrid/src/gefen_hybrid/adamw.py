@@ -128,7 +128,7 @@ class ContractedAdamW(torch.optim.AdamW):
                 if group["fused"] and fused_check is not None and not self.state.get(parameter):
                     fused_check(parameter)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (under ``enable_grad``), preflight, then torch's AdamW step."""
         loss = None
         if closure is not None:
@@ -163,7 +163,7 @@ class ContractedAdamW(torch.optim.AdamW):
         self.state = fresh
         self._version += 1
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks, stage (full validation), commit, load post-hooks."""
         current: Mapping[str, Any] = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

@@ -185,7 +185,7 @@ def _number_or_tensor(value: object, live: object, where: str, *, upper: float |
         return value.detach().to(device=live.device, dtype=live.dtype, copy=True).reshape(live.shape)
     if isinstance(value, torch.Tensor):
         _fail(f"{where} is a tensor in the checkpoint but a number here")
-    if type(value) not in (int, float):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(f"{where} must be a number (bool rejected), got {type(value).__name__}")
     _check_range(float(value), where, upper)
     return value
@@ -197,7 +197,7 @@ def _check_range(number: float, where: str, upper: float | None) -> None:
         _fail(f"{where} must be a finite number {bound}, got {number!r}")
 
 
-def _betas(value: object, live: object, where: str) -> tuple[object, object]:
+def _betas(value: object, live: Sequence[object], where: str) -> tuple[object, object]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         _fail(f"{where} option 'betas' must be a pair, got {value!r}")
     return (

@@ -203,7 +203,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     # -- views ----------------------------------------------------------------------------
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The children's live param-group dicts (muon groups first); a new list each time."""
         return [group for _, child in self._children for group in child.param_groups]
@@ -228,7 +228,10 @@ class CompositeOptimizer(torch.optim.Optimizer):
         entry = self._owners.get(id(parameter))
         if entry is None or entry[0] is not parameter:
             self._owners = {
-                id(p): (p, child) for _, child in self._children for group in child.param_groups for p in group["params"]
+                id(p): (p, child)
+                for _, child in self._children
+                for group in child.param_groups
+                for p in group["params"]
             }
             entry = self._owners.get(id(parameter))
         return entry[1] if entry is not None and entry[0] is parameter else None
@@ -275,7 +278,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
             if isinstance(child, StepPreflight):
                 child.preflight_step()
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Pre-hooks, closure (once, under ``enable_grad``), preflight, vote, then each child's step.
 
         Returns the closure's loss. A step pre-hook may return ``(new_args, new_kwargs)`` to
@@ -433,7 +436,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
             child.commit_staged_state_dict(payload[role])  # type: ignore[attr-defined]
         self._changes.bump()
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks; validate the envelope; each child's load pre-hooks and stage; publish
         every child; each child's load post-hooks; load post-hooks.
 
@@ -516,4 +519,3 @@ def _run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
         if result is not None:
             current = result
     return current
-

@@ -26,6 +26,7 @@ from functools import reduce
 from typing import Any
 
 from gefen_contracts import (
+    FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COMPOSITE,
     FEATURE_DENSE_SHARD_CODEC,
     FEATURE_PORTABLE_STATE,
@@ -51,7 +52,6 @@ from gefen_contracts import (
     TopologyTransition,
     TrainingSupport,
 )
-from gefen_contracts import FEATURE_CANONICAL_LOCAL_STATE as _CANONICAL_LOCAL
 
 from .composite_format import TOP_LEVEL_KEYS
 from .roles import role_tag
@@ -61,7 +61,7 @@ __all__ = ["derive_composite_contract", "intersect_checkpoint_support"]
 _ATOMICITY_ORDER = (LoadAtomicity.NONE, LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION, LoadAtomicity.GROUP_VOTED)
 #: Transports a composite may claim when it implements the feature's Protocol itself.
 _FEATURE_TRANSPORTS = {
-    _CANONICAL_LOCAL: CheckpointTransport.CANONICAL_LOCAL,
+    FEATURE_CANONICAL_LOCAL_STATE: CheckpointTransport.CANONICAL_LOCAL,
     FEATURE_PORTABLE_STATE: CheckpointTransport.CANONICAL_GLOBAL,
     FEATURE_DENSE_SHARD_CODEC: CheckpointTransport.DENSE_SHARD,
 }
@@ -111,7 +111,7 @@ def _features(entries: list[ChildEntry], implemented: frozenset[str]) -> dict[st
     for feature in STANDARD_FEATURES:
         if feature == FEATURE_COMPOSITE:
             continue
-        reasons = []
+        reasons: list[str] = []
         for role, child, contract in entries:
             status = contract.capabilities.feature(feature)
             who = f"child {role!r} ({contract.implementation})"
@@ -225,7 +225,11 @@ def _meet(transport: CheckpointTransport, a: CheckpointSupport, b: CheckpointSup
 
 
 def _meet_transition(a: TopologyTransition, b: TopologyTransition) -> TopologyTransition | None:
-    sources, targets, kinds = a.source_layouts & b.source_layouts, a.target_layouts & b.target_layouts, a.kinds & b.kinds
+    sources, targets, kinds = (
+        a.source_layouts & b.source_layouts,
+        a.target_layouts & b.target_layouts,
+        a.kinds & b.kinds,
+    )
     if not (sources and targets and kinds):
         return None
     return TopologyTransition(sources, targets, kinds)
@@ -329,4 +333,3 @@ def _tagged_variant(role: str, variant: StateVariant) -> StateVariant:
         variant.migration_only,
         variant.description,
     )
-

@@ -79,7 +79,9 @@ def children_of_state_dict(
         )
     expected = {*TOP_LEVEL_KEYS, *ROLES}
     if keys != expected:
-        _fail(f"keys must be exactly {sorted(expected)}: missing {sorted(expected - keys)}, extra {sorted(map(str, keys - expected))}")
+        _fail(
+            f"keys must be exactly {sorted(expected)}: missing {sorted(expected - keys)}, extra {sorted(map(str, keys - expected))}"
+        )
     if state_dict["format"] != FORMAT or type(state_dict["format"]) is not str:
         _fail(f"'format' must be {FORMAT!r}, got {state_dict['format']!r}")
     version = state_dict["format_version"]
@@ -92,7 +94,9 @@ def children_of_state_dict(
         if saved and not live:
             _fail(f"the checkpoint carries a {role!r} half, but this composite has no {role!r} child")
     saved_impl = state_dict["child_implementations"]
-    if not isinstance(saved_impl, Mapping) or any(type(k) is not str or type(v) is not str for k, v in saved_impl.items()):
+    if not isinstance(saved_impl, Mapping) or any(
+        type(k) is not str or type(v) is not str for k, v in saved_impl.items()
+    ):
         _fail("'child_implementations' must map role names to implementation names")
     if dict(saved_impl) != dict(implementations):
         _fail(

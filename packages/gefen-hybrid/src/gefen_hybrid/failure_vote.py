@@ -77,7 +77,7 @@ def step_vote_groups(children: Sequence[torch.optim.Optimizer]) -> tuple[VoteGro
             for parameter in group["params"]:
                 if not is_dtensor(parameter):
                     continue
-                mesh = parameter.device_mesh  # type: ignore[attr-defined]
+                mesh = parameter.device_mesh
                 if id(mesh) in seen_mesh_ids:
                     continue
                 seen_mesh_ids.add(id(mesh))

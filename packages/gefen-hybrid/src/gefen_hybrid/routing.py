@@ -20,7 +20,7 @@ twice (tied weights) is routed once, under its first name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,11 +81,11 @@ class RoutingRules:
         object.__setattr__(self, "overrides", FrozenMap(dict(self.overrides)))
         if self.predicate is not None and not callable(self.predicate):
             raise TypeError("RoutingRules.predicate must be callable(name, parameter) -> role or None")
-        types = tuple(self.embedding_types)
-        for item in types:
-            if not (isinstance(item, type) and issubclass(item, nn.Module)):
-                raise TypeError(f"RoutingRules.embedding_types must hold nn.Module subclasses, got {item!r}")
-        object.__setattr__(self, "embedding_types", types)
+        embedding_types = tuple(self.embedding_types)
+        for kind in embedding_types:
+            if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
+                raise TypeError(f"RoutingRules.embedding_types must hold nn.Module subclasses, got {kind!r}")
+        object.__setattr__(self, "embedding_types", embedding_types)
 
     def role_for(self, name: str, parameter: torch.Tensor, *, is_embedding: bool = False) -> str:
         """The role of one parameter; ``is_embedding`` says it is an embedding module's weight."""
@@ -108,7 +108,7 @@ class RoutingRules:
 class RoutedParameters:
     """Named parameters per role, each list in the order the parameters were given."""
 
-    by_role: Mapping[str, tuple[NamedParameter, ...]]
+    by_role: Mapping[str, Sequence[NamedParameter]]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_role", {role: tuple(self.by_role.get(role, ())) for role in ROLES})
@@ -132,7 +132,7 @@ def named_parameter_list(params: object, what: str = "params") -> list[NamedPara
     Raises ``TypeError`` for unnamed parameters (with how to pass names) and ``ValueError``
     for one name given to two different tensors.
     """
-    if isinstance(params, torch.Tensor) or isinstance(params, (str, bytes, Mapping)):
+    if isinstance(params, (torch.Tensor, str, bytes, Mapping)):
         raise TypeError(f"{what}: {_UNNAMED_HINT}; got a {type(params).__name__}")
     if not isinstance(params, Iterable):
         raise TypeError(f"{what}: {_UNNAMED_HINT}; got a {type(params).__name__}")
