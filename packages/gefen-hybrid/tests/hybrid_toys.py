@@ -116,6 +116,10 @@ class SignMomentum(torch.optim.Optimizer):
         self._version = 0
         super().__init__(params, {"lr": lr, "momentum": momentum})
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_version", 0)
+
     def optimizer_contract(self) -> OptimizerContract:
         return SIGN_CONTRACT
 
@@ -191,7 +195,11 @@ class SignMomentum(torch.optim.Optimizer):
             buffer, step = entry["momentum_buffer"], entry["step"]
             if type(step) is not int or step < 1:
                 raise StateValidationError(f"SignMomentum step of {pid} must be an int >= 1")
-            if not isinstance(buffer, torch.Tensor) or buffer.dtype != parameter.dtype or buffer.shape != parameter.shape:
+            if (
+                not isinstance(buffer, torch.Tensor)
+                or buffer.dtype != parameter.dtype
+                or buffer.shape != parameter.shape
+            ):
                 raise StateValidationError(f"SignMomentum momentum_buffer of {pid} has the wrong dtype or shape")
             if not bool(torch.isfinite(buffer).all()):
                 raise StateValidationError(f"SignMomentum momentum_buffer of {pid} is not finite")

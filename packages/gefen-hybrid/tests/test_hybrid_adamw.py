@@ -239,7 +239,9 @@ def test_contract_names_and_negative_reasons() -> None:
 
 
 def test_conformance_kit_passes_on_contracted_adamw() -> None:
-    report = run_conformance(ConformanceTarget(adamw_factory, name="ContractedAdamW"), waive=adamw_factory.conformance_waive)  # type: ignore[attr-defined]
+    report = run_conformance(
+        ConformanceTarget(adamw_factory, name="ContractedAdamW"), waive=adamw_factory.conformance_waive
+    )  # type: ignore[attr-defined]
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"checkpoint.native_atomic_load", "checkpoint.native_roundtrip", "state.declared_variants"} <= passed

@@ -25,7 +25,9 @@ def _roles(routing: tuple[tuple[str, str], ...]) -> dict[str, str]:
 def test_tiny_llama_routes_hidden_matrices_to_muon_and_the_tied_head_once_to_backup() -> None:
     model = make_tiny_llama()
     roles = _roles(route_model(model).routing())
-    hidden = [f"layers.{i}.{p}.weight" for i in range(2) for p in ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj")]
+    hidden = [
+        f"layers.{i}.{p}.weight" for i in range(2) for p in ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj")
+    ]
     assert {name for name, role in roles.items() if role == "muon"} == set(hidden)
     assert roles["embed_tokens.weight"] == "backup"
     assert "lm_head.weight" not in roles  # tied to the embedding: routed once, under its first name

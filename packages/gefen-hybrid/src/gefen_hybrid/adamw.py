@@ -90,6 +90,11 @@ class ContractedAdamW(torch.optim.AdamW):
             fused=fused,
         )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's __getstate__ keeps only defaults, state and param_groups (copy and pickle).
+        super().__setstate__(state)
+        self.__dict__.setdefault("_version", 0)
+
     # -- ContractProvider ----------------------------------------------------------------
 
     def optimizer_contract(self) -> OptimizerContract:

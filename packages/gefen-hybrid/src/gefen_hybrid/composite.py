@@ -151,10 +151,16 @@ class CompositeOptimizer(torch.optim.Optimizer):
             role: child.optimizer_contract().implementation  # type: ignore[attr-defined]
             for role, child in self._children
         }
-        for _, child in self._children:
-            child.register_step_post_hook(self._changes.bump)
-            child.register_load_state_dict_post_hook(self._changes.bump)
+        self._watch_children()
         self.optimizer_contract()  # fail fast when the children cannot be described together
+
+    def _watch_children(self) -> None:
+        # A child's step or load outdates a staged composite load (the freshness token).
+        for _, child in self._children:
+            if self._changes.bump not in child._optimizer_step_post_hooks.values():
+                child.register_step_post_hook(self._changes.bump)
+            if self._changes.bump not in child._optimizer_load_state_dict_post_hooks.values():
+                child.register_load_state_dict_post_hook(self._changes.bump)
 
     @classmethod
     def from_factories(
@@ -484,10 +490,13 @@ class CompositeOptimizer(torch.optim.Optimizer):
     # -- Python protocol ------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        # The model is held weakly and not copied along: a copy routes add_param_group by
+        # names and shapes only. torch drops the children's hooks on copy; they are re-added.
+        return {**self.__dict__, "_model_ref": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._watch_children()
 
     def __repr__(self) -> str:
         parts = [f"implementation={self._implementation!r}"]
