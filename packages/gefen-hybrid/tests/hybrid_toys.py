@@ -13,9 +13,10 @@ Importable by spawned gloo ranks (module-level names only).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import pytest
 import torch
 from gefen_contracts import (
     FEATURE_CANONICAL_IDENTITY,
@@ -47,6 +48,16 @@ from gefen_contracts import (
     TrainingSupport,
 )
 from torch import nn
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_torch() -> Iterator[None]:
+    """Tiny tensors run far faster on one intra-op thread on a shared 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 
 _NEGATIVE = {
     FEATURE_POST_SHARDING: FeatureStatus.no("toy optimizer: no identity binding"),

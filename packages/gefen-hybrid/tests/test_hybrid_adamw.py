@@ -17,6 +17,7 @@ from gefen_contracts import (
 from gefen_contracts.testing import ConformanceTarget, assert_conformant, deep_snapshot, run_conformance, snapshot_diff
 from gefen_hybrid import ADAMW_IMPLEMENTATION, ContractedAdamW
 from gefen_hybrid.conformance import adamw_factory
+from hybrid_toys import single_threaded_torch  # noqa: F401 (autouse fixture)
 from torch import nn
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_hybrid import CompositeOptimizer, ContractedAdamW
-from hybrid_toys import SignMomentum, llama_loss, make_tiny_llama
+from hybrid_toys import SignMomentum, llama_loss, make_tiny_llama, single_threaded_torch  # noqa: F401 (autouse fixture)
 from torch import nn
 
 MUON_LR, BACKUP_LR = 1e-3, 2.5e-4

@@ -12,7 +12,7 @@ from gefen_hybrid import (
     route_named_parameters,
     split_by_role,
 )
-from hybrid_toys import SignMomentum, adamw_factory, make_tiny_llama, sign_factory
+from hybrid_toys import SignMomentum, adamw_factory, make_tiny_llama, sign_factory, single_threaded_torch  # noqa: F401 (autouse fixture)
 from torch import nn
 
 FACTORIES = {"muon": sign_factory, "backup": adamw_factory}
