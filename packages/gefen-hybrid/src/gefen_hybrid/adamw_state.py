@@ -154,6 +154,8 @@ def _stage_group(
             group[key] = extras[key]
     for key, value in extras.items():
         group.setdefault(key, value)
+    if "param_names" not in group and names is not None:
+        group["param_names"] = names  # as torch does, a named checkpoint names an unnamed optimizer
     return group
 
 

@@ -115,6 +115,13 @@ class CompositeOptimizer(torch.optim.Optimizer):
         rules: RoutingRules | None = None,
         model: nn.Module | None = None,
     ) -> None:
+        """Compose ``children`` (role -> optimizer built from named parameters).
+
+        ``rules`` (default :class:`RoutingRules`) and ``model`` (held weakly, for embedding
+        identities) route the parameters of later ``add_param_group`` calls. Raises
+        ``TypeError`` for a child that is not a contracted ``torch.optim.Optimizer`` or has
+        unnamed groups, and ``ValueError`` for a tensor or a name in both children.
+        """
         # torch.optim.Optimizer.__init__ is not called: param_groups and state are views.
         if not isinstance(children, Mapping) or not children:
             raise TypeError("children must be a non-empty mapping of role -> optimizer, e.g. {'muon': a, 'backup': b}")
@@ -263,8 +270,9 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     def state_mode_tags(self, parameter: Any) -> frozenset[str]:
         """The owning child's mode tags for ``parameter`` plus ``"gefen.role=<role>"``."""
+        owner = self._owner_of(parameter) if isinstance(parameter, torch.Tensor) else None
         for role, child in self._children:
-            if self._owner_of(parameter) is child:
+            if owner is child:
                 own = child.state_mode_tags(parameter) if isinstance(child, ModeTaggedState) else frozenset()
                 return frozenset(own) | {role_tag(role)}
         raise KeyError("not a parameter of this composite optimizer")

@@ -80,11 +80,14 @@ def derive_composite_contract(
     """
     entries: list[ChildEntry] = [(role, child, child.optimizer_contract()) for role, child in children]
     features = _features(entries, implemented_features)
-    if not _native_entries(entries, staged=False) and features[FEATURE_STAGED_NATIVE_LOAD].supported:
+    shared = intersect_checkpoint_support(
+        CheckpointTransport.COMPOSITE_NATIVE, [_of(c, CheckpointTransport.NATIVE_OPTIMIZER) for _, _, c in entries]
+    )
+    if not shared and features[FEATURE_STAGED_NATIVE_LOAD].supported:
         features[FEATURE_STAGED_NATIVE_LOAD] = FeatureStatus.no(
             "the children's native checkpoint claims share no parameter layout"
         )
-    checkpoints = _native_entries(entries, features[FEATURE_STAGED_NATIVE_LOAD].supported)
+    checkpoints = _capped(shared, features[FEATURE_STAGED_NATIVE_LOAD].supported)
     for feature, transport in _FEATURE_TRANSPORTS.items():
         if features[feature].supported:
             checkpoints += intersect_checkpoint_support(transport, [_of(c, transport) for _, _, c in entries])
@@ -170,11 +173,10 @@ def _of(contract: OptimizerContract, transport: CheckpointTransport) -> list[Che
     return [e for e in contract.capabilities.checkpoints if e.transport is transport]
 
 
-def _native_entries(entries: list[ChildEntry], staged: bool) -> tuple[CheckpointSupport, ...]:
-    natives = [_of(c, CheckpointTransport.NATIVE_OPTIMIZER) for _, _, c in entries]
-    combined = intersect_checkpoint_support(CheckpointTransport.COMPOSITE_NATIVE, natives)
+def _capped(natives: tuple[CheckpointSupport, ...], staged: bool) -> tuple[CheckpointSupport, ...]:
+    # The composite stages its children locally: at best LOCAL_FAIL_BEFORE_MUTATION, never voted.
     cap = LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION if staged else LoadAtomicity.NONE
-    return tuple(replace(e, atomicity=min(e.atomicity, cap, key=_ATOMICITY_ORDER.index)) for e in combined)
+    return tuple(replace(e, atomicity=min(e.atomicity, cap, key=_ATOMICITY_ORDER.index)) for e in natives)
 
 
 def intersect_checkpoint_support(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from gefen_contracts import FrozenMap
@@ -111,7 +112,8 @@ class RoutedParameters:
     by_role: Mapping[str, Sequence[NamedParameter]]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "by_role", {role: tuple(self.by_role.get(role, ())) for role in ROLES})
+        frozen = {role: tuple(self.by_role.get(role, ())) for role in ROLES}
+        object.__setattr__(self, "by_role", MappingProxyType(frozen))
 
     def for_role(self, role: str) -> list[NamedParameter]:
         return list(self.by_role[role])
