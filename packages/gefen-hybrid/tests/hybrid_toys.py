@@ -12,6 +12,7 @@ Importable by spawned gloo ranks (module-level names only).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -327,3 +328,29 @@ def llama_loss(model: nn.Module, step: int) -> torch.Tensor:
     tokens = torch.randint(0, 32, (2, 6), generator=generator)
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+class ScopedSignMomentum(SignMomentum):
+    """SignMomentum that declares a collective scope (it learns nothing; the binding is what
+    the composite must vote over)."""
+
+    def __init__(self, params: Iterable[Any], binding: object, lr: float = 1e-2) -> None:
+        super().__init__(params, lr=lr)
+        self._binding = binding
+
+    def optimizer_contract(self) -> OptimizerContract:
+        features = {**SIGN_CONTRACT.capabilities.features, FEATURE_COLLECTIVE_SCOPE: FeatureStatus.yes()}
+        capabilities = dataclasses.replace(SIGN_CONTRACT.capabilities, features=features)
+        return dataclasses.replace(SIGN_CONTRACT, capabilities=capabilities)
+
+    def collective_scope(self) -> object | None:
+        return self._binding
+
+    def initialize_collective_state(self) -> bool:
+        return True
+
+    def refresh_collective_state(self) -> bool:
+        return False
+
+    def collective_budget(self) -> int:
+        return 0

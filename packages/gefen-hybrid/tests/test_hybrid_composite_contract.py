@@ -237,7 +237,7 @@ def test_the_implementation_name_is_the_callers() -> None:
         CompositeOptimizer({"muon": SignMomentum([("w", w)])}, implementation=" gefen.X")
 
 
-_DTENSOR_WHY = "executed by test_hybrid_fsdp2.py (gloo, FSDP2)"
+_DTENSOR_WHY = "executed by test_hybrid_distributed.py (gloo, FSDP2)"
 
 
 @pytest.mark.parametrize(

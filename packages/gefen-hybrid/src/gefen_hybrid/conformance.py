@@ -3,7 +3,7 @@
 Each factory takes the kit's named parameters and carries ``conformance_waive`` for the
 claims the kit cannot execute in one process: DTensor (FSDP2) training and same-topology
 native checkpoints. gefen-hybrid's own gloo tests execute those claims
-(``tests/test_hybrid_fsdp2.py``: bit-identical FSDP2 training against a single-process
+(``tests/test_hybrid_distributed.py``: bit-identical FSDP2 training against a single-process
 twin, DTensor state-dict round trip and refused corrupted loads).
 """
 

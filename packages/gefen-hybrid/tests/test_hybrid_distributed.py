@@ -1,6 +1,6 @@
-"""FSDP2 (fully_shard on CPU) in a real 2-rank gloo group: a one-rank failure makes every
-rank raise the same error with nothing changed, and the DTensor claims of ContractedAdamW
-(training, same-topology native checkpoints) hold."""
+"""A real 2-rank gloo group: under FSDP2 (fully_shard on CPU) and over a child's collective
+scope, a one-rank failure makes every rank raise the same error with nothing changed; the
+DTensor claims of ContractedAdamW (training, same-topology native checkpoints) hold."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gefen_contracts import CollectiveFailureError, StateValidationError
 from gefen_contracts.testing import GlooWorld, deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CollectiveCounter
 from gefen_hybrid import STEP_PHASE, CompositeOptimizer, ContractedAdamW
-from hybrid_toys import adamw_factory, sign_factory
+from hybrid_toys import ScopedSignMomentum, adamw_factory, sign_factory
 from torch import nn
 
 pytestmark = pytest.mark.distributed
@@ -200,6 +200,37 @@ def rank_adamw_dtensor_native_checkpoint(rank: int, world_size: int) -> dict[str
     return {"refused": refused, "continuation_equal": same, "state_kinds": kinds}
 
 
+def rank_scope_binding_fault_on_rank0(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from gefen_contracts import ProcessGroupIdentity
+    from gefen_contracts.torch_support import CodebookProcessGroupBinding
+
+    members = tuple(f"member{r}" for r in range(world_size))
+    binding = CodebookProcessGroupBinding(
+        ProcessGroupIdentity("tests.world", members), members[rank], dist.group.WORLD, "cpu"
+    )
+    torch.manual_seed(0)
+    model = _Net()  # plain tensors: the binding is the only process group
+    optimizer = CompositeOptimizer.from_factories(
+        model,
+        {"muon": lambda named: ScopedSignMomentum(named, binding), "backup": adamw_factory},
+    )
+    counter = CollectiveCounter()
+    optimizer.zero_grad()
+    _loss(model, 0).backward()
+    with counter.patched():
+        optimizer.step()
+    optimizer.zero_grad()
+    _loss(model, 1).backward()
+    if rank == 0:
+        model.out.weight.grad[0, 0] = float("inf")
+    before = deep_snapshot(optimizer, model)
+    outcome = _failure(optimizer.step)
+    outcome["diffs"] = snapshot_diff(before, optimizer, model)
+    outcome["healthy_step_collectives"] = dict(counter.calls)
+    return outcome
+
+
 # -- tests ------------------------------------------------------------------------------------------
 
 
@@ -240,3 +271,11 @@ def test_contracted_adamw_dtensor_native_checkpoints_round_trip_and_refuse_corru
         assert result["state_kinds"] == ["DTensor", "Tensor"]  # DTensor moments, a plain step
         assert result["refused"] == {"plain_for_dtensor": "refused", "float64": "refused", "nan_in_shard": "refused"}
         assert result["continuation_equal"]
+
+
+def test_a_failure_is_voted_over_a_childs_collective_scope_binding(world: GlooWorld) -> None:
+    rank0, rank1 = world.run(rank_scope_binding_fault_on_rank0)
+    for outcome in (rank0, rank1):
+        assert outcome["type"] == "CollectiveFailureError" and outcome["diffs"] == []
+        assert outcome["healthy_step_collectives"] == {"all_reduce": 1}
+    assert rank0["local"] and not rank1["local"]
