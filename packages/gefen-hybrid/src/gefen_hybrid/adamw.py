@@ -140,8 +140,10 @@ class ContractedAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         self.preflight_step()
-        _torch_adam_step()(self)
-        self._version += 1
+        try:
+            _torch_adam_step()(self)
+        finally:
+            self._version += 1  # any step attempt outdates a staged load
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
