@@ -156,6 +156,20 @@ def test_a_transport_is_claimed_as_the_intersection_once_the_composite_implement
     assert contract.capabilities.supports(FEATURE_CANONICAL_LOCAL_STATE)
 
 
+def test_a_transport_the_children_share_no_layout_for_is_declared_negative() -> None:
+    children = _both_support(FEATURE_CANONICAL_LOCAL_STATE, _canonical({REPL}))
+    muon_contract = children[0][1].contract
+    entries = tuple(
+        replace(e, same_topology=frozenset({FLAT})) if e.transport is CheckpointTransport.CANONICAL_LOCAL else e
+        for e in muon_contract.capabilities.checkpoints
+    )
+    children[0] = ("muon", _Fake(_with(muon_contract, checkpoints=entries)))
+    contract = derive_composite_contract("x.Composite", children, frozenset({FEATURE_CANONICAL_LOCAL_STATE}))
+    status = contract.capabilities.feature(FEATURE_CANONICAL_LOCAL_STATE)
+    assert status.reasons == ("the children's canonical_local claims share no layout",)
+    assert all(e.transport is not CheckpointTransport.CANONICAL_LOCAL for e in contract.capabilities.checkpoints)
+
+
 def test_intersect_checkpoint_support_rules() -> None:
     def entry(layouts: set[ParameterLayout], **kw: object) -> CheckpointSupport:
         base = {

@@ -90,7 +90,10 @@ def derive_composite_contract(
     checkpoints = _capped(shared, features[FEATURE_STAGED_NATIVE_LOAD].supported)
     for feature, transport in _FEATURE_TRANSPORTS.items():
         if features[feature].supported:
-            checkpoints += intersect_checkpoint_support(transport, [_of(c, transport) for _, _, c in entries])
+            common = intersect_checkpoint_support(transport, [_of(c, transport) for _, _, c in entries])
+            if not common:
+                features[feature] = FeatureStatus.no(f"the children's {transport.value} claims share no layout")
+            checkpoints += common
     capabilities = OptimizerCapabilities(
         training=_training(entries),
         checkpoints=checkpoints,
