@@ -1,7 +1,59 @@
-"""A composite optimizer over two contracted children, and ContractedAdamW."""
+"""gefen-hybrid: a composite optimizer over two contracted children, and ``ContractedAdamW``.
+
+Depends only on gefen-contracts and torch. Public API:
+
+* :class:`CompositeOptimizer` (roles ``"muon"`` and ``"backup"``), its routing rules
+  (:class:`RoutingRules`, :func:`route_model`, :func:`route_named_parameters`,
+  :func:`split_by_role`) and its native state-dict format;
+* :class:`ContractedAdamW`, ``torch.optim.AdamW`` that keeps the convention;
+* :mod:`gefen_hybrid.conformance`: factories for the conformance kit.
+"""
 
 from __future__ import annotations
 
 from ._version import __version__
+from .adamw import ContractedAdamW
+from .adamw_contract import ADAMW_CONTRACT, ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT
+from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, CompositeOptimizer
+from .composite_contract import derive_composite_contract, intersect_checkpoint_support
+from .composite_format import FORMAT, FORMAT_VERSION
+from .composite_state import CompositeState
+from .roles import ROLE_BACKUP, ROLE_MUON, ROLE_TAG_PREFIX, ROLES, role_tag
+from .routing import (
+    DEFAULT_BACKUP_SUBSTRINGS,
+    NamedParameter,
+    RoutedParameters,
+    RoutingRules,
+    route_model,
+    route_named_parameters,
+    split_by_role,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "ADAMW_CONTRACT",
+    "ADAMW_IMPLEMENTATION",
+    "ADAMW_STATE_LAYOUT",
+    "DEFAULT_BACKUP_SUBSTRINGS",
+    "DEFAULT_IMPLEMENTATION",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ROLES",
+    "ROLE_BACKUP",
+    "ROLE_MUON",
+    "ROLE_TAG_PREFIX",
+    "STEP_PHASE",
+    "ChildFactory",
+    "CompositeOptimizer",
+    "CompositeState",
+    "ContractedAdamW",
+    "NamedParameter",
+    "RoutedParameters",
+    "RoutingRules",
+    "__version__",
+    "derive_composite_contract",
+    "intersect_checkpoint_support",
+    "role_tag",
+    "route_model",
+    "route_named_parameters",
+    "split_by_role",
+]

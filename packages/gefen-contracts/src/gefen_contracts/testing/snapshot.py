@@ -8,6 +8,7 @@ container was replaced or edited in place and no tensor changed a bit.
 
 from __future__ import annotations
 
+import sys
 import types
 import weakref
 from collections.abc import Mapping
@@ -59,7 +60,22 @@ def _short(token: object) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
+def _dtensor_local(tensor: torch.Tensor) -> torch.Tensor | None:
+    """This process's shard of a DTensor (``None`` for other tensors); no collective."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return None
+    with torch.no_grad():
+        return tensor.to_local()  # type: ignore[no-any-return]
+
+
 def _tensor_token(tensor: torch.Tensor) -> tuple[object, ...]:
+    local = _dtensor_local(tensor)
+    if local is not None:
+        # A tensor subclass has no .numpy(): record the global metadata and the local shard.
+        placements = repr(tuple(tensor.placements))  # type: ignore[attr-defined]
+        return ("dtensor", id(tensor), str(tensor.dtype), tuple(tensor.shape), placements, _tensor_token(local)[2:])
     if tensor.is_meta or tensor.layout is not torch.strided:
         return ("tensor", id(tensor), str(tensor.dtype), tuple(tensor.shape), str(tensor.layout), str(tensor.device))
     data = tensor.detach()
@@ -67,7 +83,7 @@ def _tensor_token(tensor: torch.Tensor) -> tuple[object, ...]:
         data = data.resolve_conj()
     if data.is_neg():
         data = data.resolve_neg()
-    cpu = data.to("cpu").contiguous()
+    cpu = data.to("cpu").contiguous().reshape(-1)  # a 0-dim tensor cannot be viewed as bytes
     raw = cpu.view(torch.uint8) if cpu.dtype is not torch.bool else cpu.to(torch.uint8)
     return (
         "tensor",

@@ -1,0 +1,290 @@
+"""Complete validation of a torch-style AdamW state dict, staged on fresh containers.
+
+``torch.optim.AdamW.load_state_dict`` is not fail-before-mutation (a missing ``step``
+raises after groups were replaced) and silently casts state to the parameter's dtype and
+device. Here every key, type, dtype, shape, placement, value range and option is checked
+first; only then is new state built, on fresh tensors that alias neither the caller's dict
+nor the live optimizer.
+
+Options are split three ways:
+
+* hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``) come from the checkpoint,
+  as in torch, so a resumed run continues bit-exactly;
+* math flags (``amsgrad``, ``maximize``, ``decoupled_weight_decay``) must equal the live
+  ones: a checkpoint of a different algorithm is refused instead of silently adopted;
+* execution flags (``foreach``, ``fused``, ``capturable``, ``differentiable``) are this
+  process's choice and keep their live values (torch would switch to the saved ones).
+
+Other group keys (for example an LR scheduler's ``initial_lr``) are taken from the
+checkpoint, as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from gefen_contracts import StateValidationError
+
+from .tensor_checks import is_dtensor, local_tensor, same_placement, tensor_kind
+
+__all__ = ["EXECUTION_FLAGS", "HYPERPARAMETERS", "MATH_FLAGS", "StagedAdamWState", "stage_adamw_state"]
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+MATH_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
+EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+_REQUIRED_GROUP_KEYS = frozenset((*HYPERPARAMETERS, *MATH_FLAGS, *EXECUTION_FLAGS, "params"))
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_FLOAT_STEP_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagedAdamWState:
+    """New group dicts (one per live group, same order) and new per-parameter state."""
+
+    groups: tuple[dict[str, Any], ...]
+    state: dict[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _fail(message: str) -> NoReturn:
+    raise StateValidationError(f"ContractedAdamW state dict: {message}")
+
+
+def stage_adamw_state(live_groups: Sequence[Mapping[str, Any]], state_dict: object) -> StagedAdamWState:
+    """Validate ``state_dict`` against ``live_groups`` and build the state to publish.
+
+    Raises :class:`~gefen_contracts.StateValidationError` naming the first problem; reads
+    ``state_dict`` only and changes nothing.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise StateValidationError(f"ContractedAdamW state dict must be a mapping, got {type(state_dict).__name__}")
+    keys = set(state_dict)
+    if keys != {"state", "param_groups"}:
+        _fail(f"top-level keys must be exactly 'state' and 'param_groups', got {sorted(map(str, keys))}")
+    saved_groups = state_dict["param_groups"]
+    if not isinstance(saved_groups, (list, tuple)):
+        _fail(f"'param_groups' must be a list, got {type(saved_groups).__name__}")
+    if len(saved_groups) != len(live_groups):
+        _fail(f"the checkpoint has {len(saved_groups)} param groups, this optimizer has {len(live_groups)}")
+    by_id: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]] = {}
+    groups = []
+    for index, (saved, live) in enumerate(zip(saved_groups, live_groups)):
+        groups.append(_stage_group(index, saved, live, by_id))
+    saved_state = state_dict["state"]
+    if not isinstance(saved_state, Mapping):
+        _fail(f"'state' must be a mapping, got {type(saved_state).__name__}")
+    state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for pid, entry in saved_state.items():
+        if type(pid) is not int or pid not in by_id:
+            _fail(f"state entry {pid!r} names no parameter of the param groups")
+        parameter, group, label = by_id[pid]
+        staged = _stage_entry(entry, parameter, group, label)
+        if staged is not None:
+            state[parameter] = staged
+    return StagedAdamWState(tuple(groups), state)
+
+
+def _stage_group(
+    index: int,
+    saved: object,
+    live: Mapping[str, Any],
+    by_id: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]],
+) -> dict[str, Any]:
+    where = f"param group {index}"
+    if not isinstance(saved, Mapping):
+        _fail(f"{where} must be a mapping, got {type(saved).__name__}")
+    missing = sorted(_REQUIRED_GROUP_KEYS - set(saved))
+    if missing:
+        _fail(f"{where} lacks the keys {missing}")
+    params = live["params"]
+    ids = saved["params"]
+    if not isinstance(ids, (list, tuple)) or any(type(i) is not int for i in ids):
+        _fail(f"{where} 'params' must be a list of int parameter ids (bool rejected)")
+    if len(ids) != len(params):
+        _fail(f"{where} has {len(ids)} parameters in the checkpoint and {len(params)} here")
+    names = _check_names(where, saved, live, len(params))
+    for position, (pid, parameter) in enumerate(zip(ids, params)):
+        if pid in by_id:
+            _fail(f"parameter id {pid} appears twice in 'param_groups'")
+        label = repr(names[position]) if names is not None else f"id {pid}"
+        by_id[pid] = (parameter, live, label)
+    staged = {
+        "lr": _number_or_tensor(saved["lr"], live["lr"], f"{where} option 'lr'", upper=None),
+        "betas": _betas(saved["betas"], live["betas"], where),
+        "eps": _number_or_tensor(saved["eps"], live["eps"], f"{where} option 'eps'", upper=None),
+        "weight_decay": _number_or_tensor(
+            saved["weight_decay"], live["weight_decay"], f"{where} option 'weight_decay'", upper=None
+        ),
+    }
+    for flag in MATH_FLAGS:
+        value = saved[flag]
+        if type(value) is not bool:
+            _fail(f"{where} option {flag!r} must be a bool, got {type(value).__name__}")
+        if value != live[flag]:
+            _fail(
+                f"{where} option {flag!r} is {value} in the checkpoint but {live[flag]} here; "
+                "a checkpoint of a different algorithm is refused"
+            )
+    for flag in EXECUTION_FLAGS:
+        value = saved[flag]
+        allowed = (bool, type(None)) if flag in ("foreach", "fused") else (bool,)
+        if type(value) not in allowed:
+            _fail(f"{where} option {flag!r} must be {' or '.join(t.__name__ for t in allowed)}, got {value!r}")
+    extras = {
+        key: _copy_extra(value, f"{where} key {key!r}")
+        for key, value in saved.items()
+        if key not in _REQUIRED_GROUP_KEYS and key != "param_names"
+    }
+    if any(type(key) is not str for key in extras):
+        _fail(f"{where} keys must be str")
+    group: dict[str, Any] = {}
+    for key in live:
+        if key == "params":
+            group[key] = params
+        elif key == "param_names":
+            group[key] = list(live[key])
+        elif key in staged:
+            group[key] = staged[key]
+        elif key in MATH_FLAGS or key in EXECUTION_FLAGS:
+            group[key] = live[key]
+        elif key in extras:
+            group[key] = extras[key]
+    for key, value in extras.items():
+        group.setdefault(key, value)
+    if "param_names" not in group and names is not None:
+        group["param_names"] = names  # as torch does, a named checkpoint names an unnamed optimizer
+    return group
+
+
+def _check_names(where: str, saved: Mapping[str, Any], live: Mapping[str, Any], count: int) -> list[str] | None:
+    live_names = live.get("param_names")
+    saved_names = saved.get("param_names")
+    if saved_names is None:
+        return list(live_names) if live_names is not None else None
+    if not isinstance(saved_names, (list, tuple)) or any(type(n) is not str for n in saved_names):
+        _fail(f"{where} 'param_names' must be a list of str")
+    if len(saved_names) != count:
+        _fail(f"{where} has {len(saved_names)} parameter names for {count} parameters")
+    if live_names is not None and list(saved_names) != list(live_names):
+        first = next(i for i, (a, b) in enumerate(zip(saved_names, live_names)) if a != b)
+        _fail(
+            f"{where} parameter {first} is named {saved_names[first]!r} in the checkpoint but {live_names[first]!r} "
+            "here; rename it with a load_state_dict pre-hook if the model really changed"
+        )
+    return list(saved_names)
+
+
+def _number_or_tensor(value: object, live: object, where: str, *, upper: float | None) -> object:
+    """A finite number ``>= 0`` (and ``< upper``), or a 1-element tensor where the live option is one."""
+    if isinstance(live, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+            _fail(f"{where} must be a 1-element floating tensor like the live option, got {value!r}")
+        number = float(value.detach().reshape(-1)[0].item())
+        _check_range(number, where, upper)
+        return value.detach().to(device=live.device, dtype=live.dtype, copy=True).reshape(live.shape)
+    if isinstance(value, torch.Tensor):
+        _fail(f"{where} is a tensor in the checkpoint but a number here")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(f"{where} must be a number (bool rejected), got {type(value).__name__}")
+    _check_range(float(value), where, upper)
+    return value
+
+
+def _check_range(number: float, where: str, upper: float | None) -> None:
+    if not math.isfinite(number) or number < 0 or (upper is not None and number >= upper):
+        bound = f"in [0, {upper})" if upper is not None else ">= 0"
+        _fail(f"{where} must be a finite number {bound}, got {number!r}")
+
+
+def _betas(value: object, live: Sequence[object], where: str) -> tuple[object, object]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        _fail(f"{where} option 'betas' must be a pair, got {value!r}")
+    return (
+        _number_or_tensor(value[0], live[0], f"{where} option 'betas'[0]", upper=1.0),
+        _number_or_tensor(value[1], live[1], f"{where} option 'betas'[1]", upper=1.0),
+    )
+
+
+def _copy_extra(value: object, where: str, depth: int = 0) -> object:
+    """Copy a group's extra value (primitives, containers, tensors) so nothing aliases the caller."""
+    if depth > 32:
+        _fail(f"{where} is nested too deeply")
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        items = [_copy_extra(v, where, depth + 1) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: _copy_extra(v, where, depth + 1) for k, v in value.items()}
+    _fail(f"{where} holds a {type(value).__name__}; only primitives, containers and tensors are allowed")
+
+
+def _stage_entry(
+    entry: object, parameter: torch.Tensor, group: Mapping[str, Any], label: str
+) -> dict[str, torch.Tensor] | None:
+    where = f"state of parameter {label}"
+    if not isinstance(entry, Mapping):
+        _fail(f"{where} must be a mapping, got {type(entry).__name__}")
+    if not entry:
+        return None  # torch writes an empty entry for a parameter that was only looked up
+    expected = {"step", *_MOMENTS} | ({"max_exp_avg_sq"} if group["amsgrad"] else set())
+    present = set(entry)
+    if present != expected:
+        missing = sorted(expected - present)
+        extra = sorted(map(str, present - expected))
+        _fail(f"{where} must hold exactly {sorted(expected)} (missing {missing}, unexpected {extra})")
+    staged = {"step": _stage_step(entry["step"], parameter, group, f"{where} 'step'")}
+    for key in sorted(expected - {"step"}):
+        staged[key] = _stage_moment(entry[key], parameter, key, f"{where} {key!r}")
+    return staged
+
+
+def _scalar_dtype(group: Mapping[str, Any]) -> torch.dtype:
+    # The dtype torch.optim.Adam gives a fresh ``step`` (see its _init_group).
+    if group["fused"]:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _stage_step(value: object, parameter: torch.Tensor, group: Mapping[str, Any], where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or is_dtensor(value):
+        _fail(f"{where} must be a 0-dim tensor, got {type(value).__name__}")
+    if value.dim() != 0 or value.dtype not in _FLOAT_STEP_DTYPES:
+        _fail(f"{where} must be a 0-dim float32/float64 tensor, got {value.dtype}{tuple(value.shape)}")
+    number = float(value.item())
+    if not math.isfinite(number) or number < 1 or number != math.floor(number):
+        _fail(f"{where} must be a whole number >= 1, got {number!r}")
+    if group["fused"] or group["capturable"]:
+        return torch.tensor(number, dtype=torch.float32, device=local_tensor(parameter).device)
+    return torch.tensor(number, dtype=_scalar_dtype(group))
+
+
+def _stage_moment(value: object, parameter: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(f"{where} must be a tensor, got {type(value).__name__}")
+    if not same_placement(value, parameter):
+        _fail(
+            f"{where} is a {tensor_kind(value)} but the parameter is a {tensor_kind(parameter)}"
+            " (DTensor state must use the parameter's mesh and placements)"
+        )
+    if value.dtype != parameter.dtype:
+        _fail(f"{where} has dtype {value.dtype}, the parameter has {parameter.dtype} (no silent casts)")
+    if tuple(value.shape) != tuple(parameter.shape):
+        _fail(f"{where} has shape {tuple(value.shape)}, the parameter has {tuple(parameter.shape)}")
+    local = local_tensor(value)
+    live_local = local_tensor(parameter)
+    if local.layout is not torch.strided or tuple(local.shape) != tuple(live_local.shape):
+        _fail(f"{where} must be a dense tensor of local shape {tuple(live_local.shape)}")
+    if not bool(torch.isfinite(local).all()):
+        _fail(f"{where} holds non-finite values")
+    if key != "exp_avg" and not local.is_complex() and bool((local < 0).any()):
+        _fail(f"{where} holds negative values (a second moment is never negative)")
+    with torch.no_grad():
+        fresh = torch.empty_like(parameter, memory_format=torch.preserve_format)
+        local_tensor(fresh).copy_(local)
+    return fresh

@@ -1,0 +1,538 @@
+"""``CompositeOptimizer``: one torch optimizer made of two contracted children with roles.
+
+The children (``"muon"`` then ``"backup"``; either may be absent) are reached only through
+the gefen-contracts Protocols and ``torch.optim.Optimizer``'s public API. The composite
+owns no optimizer state of its own: ``param_groups`` and ``state`` are live views of the
+children's, so LR schedulers, GradScaler and user code see and edit the children directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from gefen_contracts import (
+    FEATURE_PROTOCOLS,
+    FEATURE_STAGED_NATIVE_LOAD,
+    ContractProvider,
+    ModeTaggedState,
+    NotSupportedError,
+    OptimizerContract,
+    StagedNativeLoad,
+    StagedTransaction,
+    StepPreflight,
+    require_transaction,
+)
+from gefen_contracts.validation import identity_name
+from torch import nn
+
+from .composite_contract import derive_composite_contract
+from .composite_format import build_composite_state_dict, children_of_state_dict
+from .composite_state import CompositeState
+from .failure_vote import step_vote_groups, vote_failure
+from .roles import ROLES, check_role, role_tag
+from .routing import (
+    NamedParameter,
+    RoutedParameters,
+    RoutingRules,
+    embedding_weight_ids,
+    route_model,
+    route_named_parameters,
+    split_by_role,
+)
+
+__all__ = ["DEFAULT_IMPLEMENTATION", "STEP_PHASE", "ChildFactory", "CompositeOptimizer"]
+
+#: The implementation name a composite publishes unless told otherwise.
+DEFAULT_IMPLEMENTATION = "gefen.CompositeOptimizer"
+#: The phase named by the error every rank raises when a step fails on one of them.
+STEP_PHASE = "composite step preflight"
+_LOAD_KIND = "gefen.CompositeOptimizer.native_load"
+
+#: ``factory(named_parameters) -> optimizer`` builds one child from its routed parameters.
+ChildFactory = Callable[[list[NamedParameter]], torch.optim.Optimizer]
+
+
+class _ChangeCounter:
+    """Counts changes to the composite or its children (the staged-load freshness token)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def bump(self, *_: object) -> None:
+        self.value += 1
+
+
+def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedParameter]:
+    named: list[NamedParameter] = []
+    for index, group in enumerate(child.param_groups):
+        names = group.get("param_names")
+        if names is None or len(names) != len(group["params"]):
+            raise TypeError(
+                f"child {role!r} param group {index} has no parameter names; build each child from named "
+                "parameters (e.g. ContractedAdamW(model.named_parameters())) so the composite can route and "
+                "checkpoint by name"
+            )
+        named.extend(zip(names, group["params"]))
+    return named
+
+
+class CompositeOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` over a ``"muon"`` child and a ``"backup"`` child.
+
+    Build it from ready children (``CompositeOptimizer({"muon": a, "backup": b})``, each
+    built from named parameters) or let it route and build them
+    (:meth:`from_factories`). It implements the ``ContractProvider``, ``StagedNativeLoad``,
+    ``CompositeOptimizer``, ``StepPreflight`` and ``ModeTaggedState`` Protocols.
+
+    Promises:
+
+    * ``step(closure)`` runs the step pre-hooks and the closure once, preflights every
+      child, votes the outcome over every process group the children use (see
+      :mod:`gefen_hybrid.failure_vote`) and only then steps the children, muon first; a
+      failure on any rank makes every rank raise the same ``CollectiveFailureError`` with
+      nothing stepped.
+    * ``load_state_dict`` is atomic across both children when both implement
+      ``StagedNativeLoad``: both halves are validated and staged before either is published.
+    * ``param_groups`` is a new list of the children's live group dicts on every access
+      (muon groups first), so schedulers keep each child's lr ratio.
+    * GradScaler unscales through ``param_groups`` and skips the whole step on overflow.
+    """
+
+    _step_supports_amp_scaling = False
+
+    def __init__(
+        self,
+        children: Mapping[str, torch.optim.Optimizer],
+        *,
+        implementation: str = DEFAULT_IMPLEMENTATION,
+        rules: RoutingRules | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
+        """Compose ``children`` (role -> optimizer built from named parameters).
+
+        ``rules`` (default :class:`RoutingRules`) and ``model`` (held weakly, for embedding
+        identities) route the parameters of later ``add_param_group`` calls. Raises
+        ``TypeError`` for a child that is not a contracted ``torch.optim.Optimizer`` or has
+        unnamed groups, and ``ValueError`` for a tensor or a name in both children.
+        """
+        # torch.optim.Optimizer.__init__ is not called: param_groups and state are views.
+        if not isinstance(children, Mapping) or not children:
+            raise TypeError("children must be a non-empty mapping of role -> optimizer, e.g. {'muon': a, 'backup': b}")
+        for role, child in children.items():
+            check_role(role, "child role")
+            if not isinstance(child, torch.optim.Optimizer):
+                raise TypeError(f"child {role!r} must be a torch.optim.Optimizer, got {type(child).__name__}")
+            if not isinstance(child, ContractProvider):
+                raise TypeError(
+                    f"child {role!r} ({type(child).__name__}) publishes no optimizer_contract(); the composite "
+                    "composes optimizers that keep the convention (for AdamW use gefen_hybrid.ContractedAdamW)"
+                )
+        if len({id(c) for c in children.values()}) != len(children):
+            raise ValueError("the same optimizer object cannot fill two roles")
+        if rules is not None and not isinstance(rules, RoutingRules):
+            raise TypeError(f"rules must be a RoutingRules, got {type(rules).__name__}")
+        self._implementation = identity_name(implementation, "implementation")
+        self._children: tuple[tuple[str, torch.optim.Optimizer], ...] = tuple(
+            (role, children[role]) for role in ROLES if role in children
+        )
+        self._rules = RoutingRules() if rules is None else rules
+        self._model_ref: weakref.ref[nn.Module] | None = None if model is None else weakref.ref(model)
+        self._owners: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
+        self._changes = _ChangeCounter()
+        self.defaults = self._children[0][1].defaults
+        self._optimizer_step_pre_hooks: Any = OrderedDict()
+        self._optimizer_step_post_hooks: Any = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Any = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Any = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Any = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Any = OrderedDict()
+        self.parameter_routing()  # rejects a tensor or a name used by both children
+        self._child_implementations = {
+            role: child.optimizer_contract().implementation  # type: ignore[attr-defined]
+            for role, child in self._children
+        }
+        self._watch_children()
+        self.optimizer_contract()  # fail fast when the children cannot be described together
+
+    def _watch_children(self) -> None:
+        # A child's step or load outdates a staged composite load (the freshness token).
+        for _, child in self._children:
+            if self._changes.bump not in child._optimizer_step_post_hooks.values():
+                child.register_step_post_hook(self._changes.bump)
+            if self._changes.bump not in child._optimizer_load_state_dict_post_hooks.values():
+                child.register_load_state_dict_post_hook(self._changes.bump)
+
+    @classmethod
+    def from_factories(
+        cls,
+        params: nn.Module | Iterable[NamedParameter] | Mapping[str, Iterable[NamedParameter]],
+        factories: Mapping[str, ChildFactory],
+        *,
+        rules: RoutingRules | None = None,
+        implementation: str = DEFAULT_IMPLEMENTATION,
+    ) -> CompositeOptimizer:
+        """Route ``params`` and build each present role's child with ``factories[role]``.
+
+        ``params`` is an ``nn.Module`` (routed by module type and name), an iterable of
+        ``(name, parameter)`` pairs (routed by name and shape) or an explicit
+        ``{"muon": [...], "backup": [...]}`` split (``rules`` must then be ``None``). A
+        role that receives no parameter gets no child. Unnamed parameters raise
+        ``TypeError`` explaining how to pass names.
+        """
+        for role in factories:
+            check_role(role, "factories key")
+        model: nn.Module | None = None
+        routed: RoutedParameters
+        if isinstance(params, nn.Module):
+            routed, model = route_model(params, rules), params
+        elif isinstance(params, Mapping):
+            if rules is not None:
+                raise TypeError("rules apply to a model or a list of named parameters, not to an explicit split")
+            routed = split_by_role(params)
+        else:
+            routed = route_named_parameters(params, rules)
+        if not routed.present_roles:
+            raise ValueError("the composite got no trainable parameters")
+        children: dict[str, torch.optim.Optimizer] = {}
+        for role in routed.present_roles:
+            named = routed.for_role(role)
+            factory = factories.get(role)
+            if factory is None:
+                sample = [name for name, _ in named[:3]]
+                raise ValueError(f"{len(named)} parameters route to {role!r} (e.g. {sample}) but no factory was given")
+            child = factory(named)
+            built = {id(p) for group in getattr(child, "param_groups", ()) for p in group["params"]}
+            if built != {id(p) for _, p in named}:
+                raise ValueError(f"the {role!r} factory built an optimizer over other parameters than it was given")
+            children[role] = child
+        return cls(children, implementation=implementation, rules=rules, model=model)
+
+    # -- views ----------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The children's live param-group dicts (muon groups first); a new list each time."""
+        return [group for _, child in self._children for group in child.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value: object) -> None:
+        raise TypeError(
+            "CompositeOptimizer.param_groups is a view of the children's groups and cannot be replaced; edit the "
+            "group dicts in place (group['lr'] = ...) or use add_param_group"
+        )
+
+    @property  # type: ignore[override]
+    def state(self) -> CompositeState:
+        """A routed view of the children's per-parameter state (see :class:`CompositeState`)."""
+        return CompositeState([child for _, child in self._children], self._owner_of)
+
+    @state.setter
+    def state(self, value: object) -> None:
+        raise TypeError("CompositeOptimizer.state is a view of the children's state and cannot be replaced")
+
+    def _owner_of(self, parameter: torch.Tensor) -> torch.optim.Optimizer | None:
+        entry = self._owners.get(id(parameter))
+        if entry is None or entry[0] is not parameter:
+            self._owners = {
+                id(p): (p, child)
+                for _, child in self._children
+                for group in child.param_groups
+                for p in group["params"]
+            }
+            entry = self._owners.get(id(parameter))
+        return entry[1] if entry is not None and entry[0] is parameter else None
+
+    # -- CompositeOptimizer Protocol ----------------------------------------------------------
+
+    def child_optimizers(self) -> Mapping[str, torch.optim.Optimizer]:
+        """Present role -> child, muon first (read-only)."""
+        return MappingProxyType(dict(self._children))
+
+    def parameter_routing(self) -> tuple[tuple[str, str], ...]:
+        """Sorted ``(fqn, role)`` pairs of every parameter, read from the children's groups."""
+        roles: dict[str, str] = {}
+        owners: dict[int, str] = {}
+        for role, child in self._children:
+            for name, parameter in _named_parameters_of(role, child):
+                if id(parameter) in owners:
+                    raise ValueError(f"parameter {name!r} is optimized by both {owners[id(parameter)]!r} and {role!r}")
+                if name in roles:
+                    raise ValueError(f"the name {name!r} is used by both {roles[name]!r} and {role!r}")
+                owners[id(parameter)], roles[name] = role, role
+        return tuple(sorted(roles.items()))
+
+    def state_mode_tags(self, parameter: Any) -> frozenset[str]:
+        """The owning child's mode tags for ``parameter`` plus ``"gefen.role=<role>"``."""
+        owner = self._owner_of(parameter) if isinstance(parameter, torch.Tensor) else None
+        for role, child in self._children:
+            if owner is child:
+                own = child.state_mode_tags(parameter) if isinstance(child, ModeTaggedState) else frozenset()
+                return frozenset(own) | {role_tag(role)}
+        raise KeyError("not a parameter of this composite optimizer")
+
+    # -- ContractProvider ---------------------------------------------------------------------
+
+    def optimizer_contract(self) -> OptimizerContract:
+        """Derived from the children's contracts (see :mod:`gefen_hybrid.composite_contract`)."""
+        implemented = frozenset(f for f, protocol in FEATURE_PROTOCOLS.items() if isinstance(self, protocol))
+        return derive_composite_contract(self._implementation, self._children, implemented)
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def preflight_step(self) -> None:
+        """Every child's ``preflight_step()`` (children without one are skipped); no closure, no vote."""
+        for _, child in self._children:
+            if isinstance(child, StepPreflight):
+                child.preflight_step()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Pre-hooks, closure (once, under ``enable_grad``), preflight, vote, then each child's step.
+
+        Returns the closure's loss. A step pre-hook may return ``(new_args, new_kwargs)`` to
+        rewrite the call (``new_args[0]`` is the optimizer), as with torch optimizers.
+        Instance hooks fire once per composite step; global optimizer hooks fire for each
+        child that steps, as torch fires them for every optimizer.
+        """
+        args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
+        kwargs: dict[str, Any] = {}
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            groups = step_vote_groups([child for _, child in self._children])
+            loss = None
+            error: Exception | None = None
+            try:
+                args, kwargs = self._run_step_pre_hooks(args, kwargs)
+                step_closure = _closure_of(args, kwargs)
+                if step_closure is not None:
+                    with torch.enable_grad():
+                        loss = step_closure()
+                self.preflight_step()
+            except Exception as exc:
+                error = exc
+            vote_failure(groups, STEP_PHASE, error)
+            for _, child in self._children:
+                child.step()
+            for post_hook in list(self._optimizer_step_post_hooks.values()):
+                post_hook(self, args, kwargs)
+        return loss
+
+    def _run_step_pre_hooks(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is None:
+                continue
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"a step pre-hook must return None or a tuple of (new_args, new_kwargs), but got {result!r}"
+                )
+            args, kwargs = tuple(result[0]), dict(result[1])
+        return args, kwargs
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Each child's ``zero_grad``."""
+        for _, child in self._children:
+            child.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(
+        self, param_group: dict[str, Any], *, role_options: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        """Route a new group's named parameters by the composite's rules and add each role's part
+        to its child, with the group's options (plus ``role_options[role]``).
+
+        Parameters must be named (``{"params": [(name, p), ...], "lr": ...}``). Nothing is added
+        if a parameter is already optimized, a name is taken, or a parameter routes to an
+        absent role; if the second child refuses its part, the first child's new group is
+        removed again.
+        """
+        if not isinstance(param_group, Mapping) or "params" not in param_group:
+            raise TypeError("add_param_group takes a dict with 'params': [(name, parameter), ...] and options")
+        params = param_group["params"]
+        if isinstance(params, tuple) and len(params) == 2 and isinstance(params[1], torch.Tensor):
+            params = [params]
+        embedding_ids: frozenset[int] = frozenset()
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            embedding_ids = embedding_weight_ids(model, self._rules.embedding_types)
+        routed = route_named_parameters(params, self._rules, embedding_ids=embedding_ids, check_overrides=False)
+        taken = dict(self.parameter_routing())
+        for name, _ in routed.routing():
+            if name in taken:
+                raise ValueError(f"the name {name!r} is already used by role {taken[name]!r}")
+        for _, parameter in (item for role in ROLES for item in routed.by_role[role]):
+            if self._owner_of(parameter) is not None:
+                raise ValueError("a parameter of the new group is already optimized by this composite")
+        present = dict(self._children)
+        for role in routed.present_roles:
+            if role not in present:
+                names = [name for name, _ in routed.by_role[role]]
+                raise ValueError(f"parameters {names} route to {role!r}, but this composite has no {role!r} child")
+        options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        extra = {} if role_options is None else dict(role_options)
+        for role in extra:
+            check_role(role, "role_options key")
+        added: list[torch.optim.Optimizer] = []
+        try:
+            for role, child in self._children:
+                if routed.by_role[role]:
+                    child.add_param_group({"params": list(routed.by_role[role]), **options, **extra.get(role, {})})
+                    added.append(child)
+        except BaseException:
+            for child in added:
+                child.param_groups.pop()
+            raise
+        self._changes.bump()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The nested ``gefen.composite_native_state`` dict (see :mod:`gefen_hybrid.composite_format`)."""
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        children = {role: child.state_dict() for role, child in self._children}
+        state = build_composite_state_dict(children, self._child_implementations, self.parameter_routing())
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
+        return state
+
+    def _staged_capable(self, child: torch.optim.Optimizer) -> bool:
+        if not isinstance(child, StagedNativeLoad):
+            return False
+        contract = child.optimizer_contract()  # type: ignore[attr-defined]
+        return bool(contract.capabilities.supports(FEATURE_STAGED_NATIVE_LOAD))
+
+    def _token(self) -> tuple[object, ...]:
+        layout = tuple(
+            (role, id(child), tuple((id(g), len(g["params"])) for g in child.param_groups))
+            for role, child in self._children
+        )
+        return (self._changes.value, layout)
+
+    def _stage(self, state_dict: object, *, run_child_hooks: bool) -> StagedTransaction:
+        subs = children_of_state_dict(
+            state_dict, implementations=self._child_implementations, routing=self.parameter_routing()
+        )
+        staged: dict[str, StagedTransaction] = {}
+        for role, child in self._children:
+            sub = subs[role]
+            if run_child_hooks:
+                sub = _run_load_pre_hooks(child, sub)
+            staged[role] = child.stage_state_dict(sub)  # type: ignore[attr-defined]
+        return StagedTransaction(self, kind=_LOAD_KIND, token=self._token(), payload=staged)
+
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
+        """Validate the envelope and stage every child (no hooks, no mutation).
+
+        Raises ``NotSupportedError`` when a child cannot stage its load (the composite's load
+        is then not atomic; ``load_state_dict`` still works).
+        """
+        if not all(self._staged_capable(child) for _, child in self._children):
+            status = self.optimizer_contract().capabilities.feature(FEATURE_STAGED_NATIVE_LOAD)
+            raise NotSupportedError(FEATURE_STAGED_NATIVE_LOAD, status.reasons)
+        return self._stage(state_dict, run_child_hooks=False)
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        """Publish every child's staged load; refuses (``StaleTransactionError``, no change) a
+        foreign or consumed transaction, or one staged before the composite or a child stepped,
+        loaded or gained a group."""
+        payload = require_transaction(staged).claim(self, kind=_LOAD_KIND, current_token=self._token())
+        assert isinstance(payload, dict)
+        for role, child in self._children:
+            child.commit_staged_state_dict(payload[role])  # type: ignore[attr-defined]
+        self._changes.bump()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load pre-hooks; validate the envelope; each child's load pre-hooks and stage; publish
+        every child; each child's load post-hooks; load post-hooks.
+
+        With every child staged-capable, a rejected checkpoint (either half, or the envelope)
+        leaves both children unchanged. A child without staged load is loaded with its own
+        ``load_state_dict`` after the others are staged and before they are published, so its
+        failure leaves them unchanged but may leave it partially loaded.
+        """
+        current: Any = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, current)
+            if result is not None:
+                current = result
+        if all(self._staged_capable(child) for _, child in self._children):
+            self.commit_staged_state_dict(self._stage(current, run_child_hooks=True))
+            staged_children = [child for _, child in self._children]
+        else:
+            staged_children = self._load_partially_staged(current)
+        for child in staged_children:
+            for post_hook in list(getattr(child, "_optimizer_load_state_dict_post_hooks", {}).values()):
+                post_hook(child)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
+
+    def _load_partially_staged(self, state_dict: object) -> list[torch.optim.Optimizer]:
+        """Stage the staged-capable children, load the others with their own ``load_state_dict``
+        (their hooks included), then publish the staged ones; return those."""
+        subs = children_of_state_dict(
+            state_dict, implementations=self._child_implementations, routing=self.parameter_routing()
+        )
+        staged = {
+            role: child.stage_state_dict(_run_load_pre_hooks(child, subs[role]))  # type: ignore[attr-defined]
+            for role, child in self._children
+            if self._staged_capable(child)
+        }
+        for role, child in self._children:
+            if role not in staged:
+                child.load_state_dict(subs[role])
+        for role, child in self._children:
+            if role in staged:
+                child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]
+        self._changes.bump()
+        return [child for role, child in self._children if role in staged]
+
+    # -- Python protocol ------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The model is held weakly and not copied along: a copy routes add_param_group by
+        # names and shapes only. torch drops the children's hooks on copy; they are re-added.
+        return {**self.__dict__, "_model_ref": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._watch_children()
+
+    def __repr__(self) -> str:
+        parts = [f"implementation={self._implementation!r}"]
+        for role, child in self._children:
+            count = sum(len(g["params"]) for g in child.param_groups)
+            parts.append(f"{role}={type(child).__name__}({count} parameters)")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+    if "closure" in kwargs:
+        if len(args) > 1:
+            raise TypeError("step() got the closure both positionally and by keyword")
+        extra = set(kwargs) - {"closure"}
+        if extra:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(extra)}")
+        return kwargs["closure"]  # type: ignore[no-any-return]
+    if kwargs:
+        raise TypeError(f"step() got unexpected keyword arguments {sorted(kwargs)}")
+    if len(args) > 2:
+        raise TypeError(f"step() takes at most one argument (the closure), got {len(args) - 1}")
+    return args[1] if len(args) == 2 else None
+
+
+def _run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
+    current = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+    for pre_hook in list(getattr(child, "_optimizer_load_state_dict_pre_hooks", {}).values()):
+        result = pre_hook(child, current)
+        if result is not None:
+            current = result
+    return current

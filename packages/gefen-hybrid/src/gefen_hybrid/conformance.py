@@ -1,0 +1,51 @@
+"""Factories for the conformance kit (``gefen conformance gefen_hybrid.conformance:adamw_factory``).
+
+Each factory takes the kit's named parameters and carries ``conformance_waive`` for the
+claims the kit cannot execute in one process: DTensor (FSDP2) training and same-topology
+native checkpoints. gefen-hybrid's own gloo tests execute those claims
+(``tests/test_hybrid_distributed.py``: bit-identical FSDP2 training against a single-process
+twin, DTensor state-dict round trip and refused corrupted loads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .adamw import ContractedAdamW
+from .composite import CompositeOptimizer
+from .routing import NamedParameter
+
+__all__ = ["DTENSOR_WAIVERS", "adamw_factory", "composite_factory"]
+
+_WHY = "executed by gefen-hybrid's gloo FSDP2 tests; the kit has no in-process DTensor check"
+#: The DTensor claims of ContractedAdamW that only a multi-process run can execute.
+DTENSOR_WAIVERS: dict[str, str] = {
+    "training:dtensor_1d_default_world": _WHY,
+    "checkpoint:native_optimizer:dtensor_1d_default_world": _WHY,
+    "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": _WHY,
+}
+
+
+def adamw_factory(named_parameters: list[NamedParameter]) -> torch.optim.Optimizer:
+    """``ContractedAdamW`` as the kit exercises it."""
+    return ContractedAdamW(named_parameters, lr=1e-2, weight_decay=0.01)
+
+
+def composite_factory(named_parameters: list[NamedParameter]) -> torch.optim.Optimizer:
+    """A composite routed by the default rules, with ``ContractedAdamW`` in both roles."""
+    return CompositeOptimizer.from_factories(
+        named_parameters,
+        {
+            "muon": lambda named: ContractedAdamW(named, lr=2e-2, weight_decay=0.0),
+            "backup": lambda named: ContractedAdamW(named, lr=1e-2, weight_decay=0.01),
+        },
+    )
+
+
+adamw_factory.conformance_waive = dict(DTENSOR_WAIVERS)  # type: ignore[attr-defined]
+composite_factory.conformance_waive = {  # type: ignore[attr-defined]
+    "training:dtensor_1d_default_world[gefen.role=muon]": _WHY,
+    "training:dtensor_1d_default_world[gefen.role=backup]": _WHY,
+    "checkpoint:composite_native:dtensor_1d_default_world": _WHY,
+    "checkpoint:composite_native:dtensor_1d_default_world:atomic": _WHY,
+}

@@ -1,0 +1,259 @@
+"""Which role each parameter goes to: the routing rules and the routed parameter lists.
+
+Routing is decided once per parameter, when it is added, and never changes. The default
+rules send hidden 2-D matrices to ``"muon"`` and everything else to ``"backup"``:
+
+1. an explicit override (``RoutingRules.overrides``, FQN -> role) wins;
+2. then a predicate (``RoutingRules.predicate(name, parameter)``), if it returns a role;
+3. the ``weight`` of any ``nn.Embedding`` / ``nn.EmbeddingBag`` (or subclass) goes to the
+   backup, matched by tensor identity, so tied LM heads follow their embedding whatever
+   they are named (only when a model is routed);
+4. a parameter that is not 2-D (norms, biases, convolutions) goes to the backup;
+5. a name containing one of ``backup_substrings`` (case-insensitive; by default
+   ``embed``, ``wte``, ``wpe``, ``lm_head``, ``classifier``, ``score``) goes to the backup;
+6. everything else goes to muon.
+
+Parameters are always named: the routing report, the checkpoint and the overrides use the
+names. Frozen parameters (``requires_grad=False``) are skipped, and a tensor that appears
+twice (tied weights) is routed once, under its first name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+from gefen_contracts import FrozenMap
+from torch import nn
+
+from .roles import ROLE_BACKUP, ROLE_MUON, ROLES, check_role
+
+__all__ = [
+    "DEFAULT_BACKUP_SUBSTRINGS",
+    "NamedParameter",
+    "RoutePredicate",
+    "RoutedParameters",
+    "RoutingRules",
+    "embedding_weight_ids",
+    "named_parameter_list",
+    "route_model",
+    "route_named_parameters",
+    "split_by_role",
+]
+
+#: Name fragments that send a 2-D parameter to the backup. Broad tokens such as ``head`` and
+#: ``output`` are deliberately absent: they would catch hidden matrices in many models.
+DEFAULT_BACKUP_SUBSTRINGS: tuple[str, ...] = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
+
+NamedParameter = tuple[str, torch.Tensor]
+#: ``predicate(name, parameter)`` returns a role to force, or ``None`` to let the next rule decide.
+RoutePredicate = Callable[[str, torch.Tensor], str | None]
+
+_UNNAMED_HINT = (
+    "the composite routes parameters by name: pass model.named_parameters() or a list of (name, parameter) pairs"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRules:
+    """The rules that assign a role to a parameter (see the module docstring for the order)."""
+
+    backup_substrings: tuple[str, ...] = DEFAULT_BACKUP_SUBSTRINGS
+    overrides: Mapping[str, str] = field(default_factory=FrozenMap)
+    predicate: RoutePredicate | None = None
+    embedding_types: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backup_substrings, str) or not isinstance(self.backup_substrings, Iterable):
+            raise TypeError("RoutingRules.backup_substrings must be a sequence of str, not a single str")
+        substrings = tuple(self.backup_substrings)
+        for index, item in enumerate(substrings):
+            if type(item) is not str or not item:
+                raise TypeError(f"RoutingRules.backup_substrings[{index}] must be a non-empty str, got {item!r}")
+        object.__setattr__(self, "backup_substrings", tuple(s.lower() for s in substrings))
+        if not isinstance(self.overrides, Mapping):
+            raise TypeError("RoutingRules.overrides must be a mapping of parameter name -> role")
+        for name, role in self.overrides.items():
+            if type(name) is not str or not name:
+                raise TypeError(f"RoutingRules.overrides keys must be parameter names (str), got {name!r}")
+            check_role(role, f"RoutingRules.overrides[{name!r}]")
+        object.__setattr__(self, "overrides", FrozenMap(dict(self.overrides)))
+        if self.predicate is not None and not callable(self.predicate):
+            raise TypeError("RoutingRules.predicate must be callable(name, parameter) -> role or None")
+        embedding_types = tuple(self.embedding_types)
+        for kind in embedding_types:
+            if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
+                raise TypeError(f"RoutingRules.embedding_types must hold nn.Module subclasses, got {kind!r}")
+        object.__setattr__(self, "embedding_types", embedding_types)
+
+    def role_for(self, name: str, parameter: torch.Tensor, *, is_embedding: bool = False) -> str:
+        """The role of one parameter; ``is_embedding`` says it is an embedding module's weight."""
+        override = self.overrides.get(name)
+        if override is not None:
+            return override
+        if self.predicate is not None:
+            chosen = self.predicate(name, parameter)
+            if chosen is not None:
+                return check_role(chosen, f"RoutingRules.predicate({name!r}, ...)")
+        if is_embedding or parameter.dim() != 2:
+            return ROLE_BACKUP
+        lowered = name.lower()
+        if any(fragment in lowered for fragment in self.backup_substrings):
+            return ROLE_BACKUP
+        return ROLE_MUON
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RoutedParameters:
+    """Named parameters per role, each list in the order the parameters were given."""
+
+    by_role: Mapping[str, Sequence[NamedParameter]]
+
+    def __post_init__(self) -> None:
+        frozen = {role: tuple(self.by_role.get(role, ())) for role in ROLES}
+        object.__setattr__(self, "by_role", MappingProxyType(frozen))
+
+    def for_role(self, role: str) -> list[NamedParameter]:
+        return list(self.by_role[role])
+
+    @property
+    def present_roles(self) -> tuple[str, ...]:
+        """Roles that received at least one parameter, in :data:`ROLES` order."""
+        return tuple(role for role in ROLES if self.by_role[role])
+
+    def routing(self) -> tuple[tuple[str, str], ...]:
+        """Sorted ``(name, role)`` pairs."""
+        return tuple(sorted((name, role) for role in ROLES for name, _ in self.by_role[role]))
+
+
+def named_parameter_list(params: object, what: str = "params") -> list[NamedParameter]:
+    """Validate ``(name, tensor)`` pairs: trainable only, tied tensors once, names unique.
+
+    Raises ``TypeError`` for unnamed parameters (with how to pass names) and ``ValueError``
+    for one name given to two different tensors.
+    """
+    if isinstance(params, (torch.Tensor, str, bytes, Mapping)):
+        raise TypeError(f"{what}: {_UNNAMED_HINT}; got a {type(params).__name__}")
+    if not isinstance(params, Iterable):
+        raise TypeError(f"{what}: {_UNNAMED_HINT}; got a {type(params).__name__}")
+    named: list[NamedParameter] = []
+    seen_tensors: set[int] = set()
+    seen_names: dict[str, torch.Tensor] = {}
+    for index, item in enumerate(params):
+        if isinstance(item, torch.Tensor):
+            raise TypeError(f"{what}[{index}] is a bare tensor: {_UNNAMED_HINT}")
+        if isinstance(item, Mapping):
+            raise TypeError(
+                f"{what}[{index}] is a param-group dict: {_UNNAMED_HINT}, then use add_param_group "
+                "or build the children yourself for per-group options"
+            )
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise TypeError(f"{what}[{index}] must be a (name, parameter) pair: {_UNNAMED_HINT}")
+        name, tensor = item
+        if type(name) is not str:
+            raise TypeError(f"{what}[{index}] has a {type(name).__name__} name: {_UNNAMED_HINT}")
+        if not name or name != name.strip():
+            raise ValueError(f"{what}[{index}] has name {name!r}; names must be non-empty, without outer spaces")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what}[{index}] ({name!r}) holds a {type(tensor).__name__}, not a tensor")
+        if not tensor.requires_grad:
+            continue
+        if id(tensor) in seen_tensors:
+            continue  # a tied weight: routed once, under its first name
+        previous = seen_names.get(name)
+        if previous is not None:
+            raise ValueError(f"{what}: the name {name!r} is given to two different tensors")
+        seen_tensors.add(id(tensor))
+        seen_names[name] = tensor
+        named.append((name, tensor))
+    return named
+
+
+def embedding_weight_ids(model: nn.Module, types: tuple[type[nn.Module], ...]) -> frozenset[int]:
+    """Identities of the ``weight`` tensors of every embedding module in ``model``."""
+    ids = set()
+    for module in model.modules():
+        if isinstance(module, types):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                ids.add(id(weight))
+    return frozenset(ids)
+
+
+def _assign(
+    named: list[NamedParameter], rules: RoutingRules, embedding_ids: frozenset[int]
+) -> dict[str, list[NamedParameter]]:
+    by_role: dict[str, list[NamedParameter]] = {role: [] for role in ROLES}
+    for name, tensor in named:
+        by_role[rules.role_for(name, tensor, is_embedding=id(tensor) in embedding_ids)].append((name, tensor))
+    return by_role
+
+
+def _check_overrides_known(named: list[NamedParameter], rules: RoutingRules) -> None:
+    unknown = sorted(set(rules.overrides) - {name for name, _ in named})
+    if unknown:
+        raise ValueError(f"RoutingRules.overrides name parameters that are not trainable parameters here: {unknown}")
+
+
+def _reject_placeholders(named: list[NamedParameter]) -> None:
+    if named and all(tensor.numel() == 0 for _, tensor in named):
+        raise ValueError(
+            "every parameter has zero elements (ZeRO-3 style partitioned placeholders?): routing by shape needs "
+            "materialized parameters; pass an explicit {'muon': [...], 'backup': [...]} split instead"
+        )
+
+
+def route_model(model: nn.Module, rules: RoutingRules | None = None) -> RoutedParameters:
+    """Route ``model``'s trainable parameters by module type and name (rules 1-6)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"route_model needs an nn.Module, got {type(model).__name__}")
+    rules = RoutingRules() if rules is None else rules
+    named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
+    _check_overrides_known(named, rules)
+    _reject_placeholders(named)
+    return RoutedParameters(_assign(named, rules, embedding_weight_ids(model, rules.embedding_types)))
+
+
+def route_named_parameters(
+    params: Iterable[NamedParameter],
+    rules: RoutingRules | None = None,
+    *,
+    embedding_ids: frozenset[int] = frozenset(),
+    check_overrides: bool = True,
+) -> RoutedParameters:
+    """Route ``(name, parameter)`` pairs by name and shape (no module types are known, so only
+    ``embedding_ids`` identifies embedding weights)."""
+    rules = RoutingRules() if rules is None else rules
+    named = named_parameter_list(params)
+    if check_overrides:
+        _check_overrides_known(named, rules)
+        _reject_placeholders(named)
+    return RoutedParameters(_assign(named, rules, embedding_ids))
+
+
+def split_by_role(split: Mapping[str, Iterable[NamedParameter]]) -> RoutedParameters:
+    """Validate an explicit ``{role: [(name, parameter), ...]}`` split.
+
+    Roles must be known; a tensor or a name may appear in only one role (a tensor in two
+    roles would be stepped twice).
+    """
+    by_role: dict[str, list[NamedParameter]] = {}
+    owner: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for role, params in split.items():
+        check_role(role, "split role")
+        named = named_parameter_list(params, f"split[{role!r}]")
+        for name, tensor in named:
+            if id(tensor) in owner:
+                raise ValueError(
+                    f"parameter {name!r} is listed under both {owner[id(tensor)]!r} and {role!r}; "
+                    "it would be stepped twice"
+                )
+            if name in names:
+                raise ValueError(f"the name {name!r} is used under both {names[name]!r} and {role!r}")
+            owner[id(tensor)] = role
+            names[name] = role
+        by_role[role] = named
+    return RoutedParameters(by_role)

@@ -1,0 +1,248 @@
+"""ContractedAdamW: bit-identity with torch.optim.AdamW, fail-before-mutation step and load,
+and the conformance kit."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from gefen_contracts import (
+    FEATURE_COLLECTIVE_SCOPE,
+    StaleTransactionError,
+    StateValidationError,
+)
+from gefen_contracts.testing import ConformanceTarget, assert_conformant, deep_snapshot, run_conformance, snapshot_diff
+from gefen_hybrid import ADAMW_IMPLEMENTATION, ContractedAdamW
+from gefen_hybrid.conformance import adamw_factory
+from hybrid_toys import single_threaded_torch  # noqa: F401 (autouse fixture)
+from torch import nn
+
+
+def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 6, generator=generator).to(next(model.parameters()).dtype)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    first, second = model[0], model[2]
+    return [
+        {"params": list(first.named_parameters(prefix="0"))},
+        {"params": list(second.named_parameters(prefix="2")), "lr": 3e-3, "weight_decay": 0.0},
+    ]
+
+
+def _assert_state_dicts_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid in a["state"]:
+        for key, value in a["state"][pid].items():
+            other = b["state"][pid][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), (pid, key)
+
+
+FLAG_CASES = [
+    {"foreach": False},
+    {"foreach": True},
+    {"fused": True},
+    {"foreach": False, "amsgrad": True, "maximize": True},
+    {"fused": True, "amsgrad": True},
+]
+
+
+@pytest.mark.parametrize("flags", FLAG_CASES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_bit_identical_to_torch_adamw_with_the_same_flags(flags: dict[str, Any]) -> None:
+    reference_model, model = _model(), _model()
+    reference = torch.optim.AdamW(_groups(reference_model), lr=1e-2, weight_decay=0.05, **flags)
+    contracted = ContractedAdamW(_groups(model), lr=1e-2, weight_decay=0.05, **flags)
+    _train(reference_model, reference, 5)
+    _train(model, contracted, 5)
+    for a, b in zip(reference_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    _assert_state_dicts_equal(reference.state_dict(), contracted.state_dict())
+
+
+def test_bit_identical_in_float64() -> None:
+    reference_model, model = _model(dtype=torch.float64), _model(dtype=torch.float64)
+    reference = torch.optim.AdamW(reference_model.parameters(), lr=1e-2, foreach=True)
+    contracted = ContractedAdamW(model.named_parameters(), lr=1e-2, foreach=True)
+    _train(reference_model, reference, 4)
+    _train(model, contracted, 4)
+    assert all(torch.equal(a, b) for a, b in zip(reference_model.parameters(), model.parameters()))
+
+
+def test_hooks_fire_once_and_the_closure_runs_once() -> None:
+    model = _model()
+    optimizer = ContractedAdamW(model.named_parameters())
+    calls: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+
+    def closure() -> torch.Tensor:
+        calls.append("closure")
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 6)).sum()
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert calls == ["pre", "closure", "post"]
+    assert isinstance(loss, torch.Tensor)
+
+
+def test_differentiable_is_refused() -> None:
+    with pytest.raises(ValueError, match="differentiable"):
+        ContractedAdamW(_model().named_parameters(), differentiable=True)
+
+
+def test_a_sparse_gradient_in_a_later_group_changes_nothing_unlike_torch() -> None:
+    def run(cls: type[torch.optim.Optimizer]) -> tuple[bool, list[str]]:
+        model = _model()
+        optimizer = cls(_groups(model), lr=1e-2, foreach=False)
+        _train(model, optimizer, 1)
+        x = torch.randn(4, 6)
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        last = model[2].weight
+        last.grad = last.grad.to_sparse()
+        before = deep_snapshot(optimizer, model)
+        with pytest.raises(RuntimeError, match="sparse"):
+            optimizer.step()
+        return True, snapshot_diff(before, optimizer, model)
+
+    _, torch_diffs = run(torch.optim.AdamW)
+    assert torch_diffs, "torch AdamW steps the first group before refusing the second"
+    _, diffs = run(ContractedAdamW)
+    assert diffs == []
+
+
+def _trained(seed: int = 0, **kwargs: Any) -> tuple[nn.Module, ContractedAdamW]:
+    model = _model(seed)
+    optimizer = ContractedAdamW(_groups(model), lr=1e-2, **kwargs)
+    _train(model, optimizer, 2)
+    return model, optimizer
+
+
+def _refused(state_dict: dict[str, Any], match: str, **kwargs: Any) -> None:
+    model, optimizer = _trained(1, **kwargs)
+    before = deep_snapshot(optimizer, model)
+    with pytest.raises(StateValidationError, match=match):
+        optimizer.load_state_dict(state_dict)
+    assert snapshot_diff(before, optimizer, model) == []
+
+
+def test_a_wrong_dtype_torch_would_silently_cast_is_refused() -> None:
+    _, source = _trained()
+    state = copy.deepcopy(source.state_dict())
+    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].double()
+    torch_model = _model(1)
+    torch_optimizer = torch.optim.AdamW(_groups(torch_model), lr=1e-2)
+    torch_optimizer.load_state_dict(copy.deepcopy(state))  # torch casts float64 -> float32 silently
+    assert torch_optimizer.state_dict()["state"][0]["exp_avg"].dtype == torch.float32
+    _refused(state, "dtype torch.float64")
+
+
+def test_a_missing_step_is_refused_before_any_change() -> None:
+    _, source = _trained()
+    state = copy.deepcopy(source.state_dict())
+    del state["state"][1]["step"]
+    _refused(state, r"missing \['step'\]")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda sd: sd["state"][0].__setitem__("step", torch.tensor(1.5)), "whole number"),
+        (lambda sd: sd["state"][0].__setitem__("exp_avg_sq", -sd["state"][0]["exp_avg_sq"] - 1), "negative"),
+        (lambda sd: sd["param_groups"][0].__setitem__("amsgrad", True), "different algorithm"),
+        (lambda sd: sd["param_groups"][0].__setitem__("eps", float("nan")), "'eps'"),
+        (lambda sd: sd["param_groups"][1].__setitem__("betas", (0.9, 1.0)), r"'betas'\[1\]"),
+        (lambda sd: sd["param_groups"][0].__setitem__("lr", True), "bool rejected"),
+        (lambda sd: sd["param_groups"][0]["param_names"].reverse(), "named"),
+        (lambda sd: sd["state"].__setitem__(99, {}), "names no parameter"),
+        (lambda sd: sd.__setitem__("extra", 1), "top-level keys"),
+    ],
+    ids=["fractional_step", "negative_moment", "math_flag", "nan_eps", "beta_one", "bool_lr", "names", "id", "key"],
+)
+def test_invalid_checkpoints_are_refused_without_change(edit: Any, match: str) -> None:
+    _, source = _trained()
+    state = copy.deepcopy(source.state_dict())
+    edit(state)
+    _refused(state, match)
+
+
+def test_load_takes_hyperparameters_and_extras_keeps_execution_flags_and_never_aliases() -> None:
+    _, source = _trained(foreach=True)
+    source.param_groups[0]["lr"] = 7e-3
+    source.param_groups[0]["initial_lr"] = 1e-2
+    saved = source.state_dict()
+    snapshot = copy.deepcopy(saved)
+    model, optimizer = _trained(1, foreach=False)
+    optimizer.load_state_dict(saved)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 7e-3 and group["initial_lr"] == 1e-2
+    assert group["foreach"] is False  # this process's execution choice is kept
+    loaded = optimizer.state_dict()
+    _train(model, optimizer, 1, start=5)
+    for pid, entry in snapshot["state"].items():  # the caller's tensors were copied, not adopted
+        for key, value in entry.items():
+            assert torch.equal(saved["state"][pid][key], value)
+    assert loaded["state"][0]["exp_avg"].data_ptr() != saved["state"][0]["exp_avg"].data_ptr()
+
+
+def test_resume_is_bit_exact_through_a_weights_only_file() -> None:
+    model, optimizer = _trained()
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    twin_model, twin = _trained(1)
+    twin_model.load_state_dict(model.state_dict())
+    twin.load_state_dict(torch.load(buffer, weights_only=True))
+    _train(model, optimizer, 3, start=2)
+    _train(twin_model, twin, 3, start=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_staged_transactions_are_single_use_owned_and_fresh() -> None:
+    model, optimizer = _trained()
+    valid = optimizer.state_dict()
+    staged = optimizer.stage_state_dict(valid)
+    _, other = _trained(1)
+    with pytest.raises(StaleTransactionError, match="another optimizer"):
+        other.commit_staged_state_dict(staged)
+    _train(model, optimizer, 1, start=9)
+    with pytest.raises(StaleTransactionError, match="changed"):
+        optimizer.commit_staged_state_dict(staged)
+    fresh = optimizer.stage_state_dict(valid)
+    optimizer.commit_staged_state_dict(fresh)
+    with pytest.raises(StaleTransactionError, match="consumed"):
+        optimizer.commit_staged_state_dict(fresh)
+
+
+def test_contract_names_and_negative_reasons() -> None:
+    contract = ContractedAdamW(_model().named_parameters()).optimizer_contract()
+    assert contract.implementation == ADAMW_IMPLEMENTATION == "gefen.ContractedAdamW"
+    status = contract.capabilities.feature(FEATURE_COLLECTIVE_SCOPE)
+    assert not status.supported and "learns nothing collectively" in status.reasons[0]
+    for name, feature in contract.capabilities.features.items():
+        assert feature.supported or feature.reasons, name
+
+
+def test_conformance_kit_passes_on_contracted_adamw() -> None:
+    report = run_conformance(
+        ConformanceTarget(adamw_factory, name="ContractedAdamW"), waive=adamw_factory.conformance_waive
+    )  # type: ignore[attr-defined]
+    assert_conformant(report)
+    passed = {r.name for r in report.results if r.status.value == "passed"}
+    assert {"checkpoint.native_atomic_load", "checkpoint.native_roundtrip", "state.declared_variants"} <= passed
