@@ -43,7 +43,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 
 #: import name -> submodules siblings may import (the public API its README documents)
 PUBLIC_SUBMODULES: dict[str, frozenset[str]] = {
-    "gefen_contracts": frozenset({"testing", "torch_support"}),
+    "gefen_contracts": frozenset({"testing", "torch_support", "validation"}),
 }
 
 #: third-party modules gefen_contracts may import, and where

@@ -281,13 +281,6 @@ def adamw_factory(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimize
     return ContractedAdamW(named, lr=5e-3, weight_decay=0.01)
 
 
-def sgd_factory(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
-    """The example adopter (gefen_example_sgd.ContractedSGD), used only in tests."""
-    from gefen_example_sgd import ContractedSGD
-
-    return ContractedSGD(named, lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
 class TinyLlama(nn.Module):
     """A decoder-only block stack with an LM head tied to the token embedding."""
 

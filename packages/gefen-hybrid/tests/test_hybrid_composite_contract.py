@@ -40,7 +40,6 @@ from hybrid_toys import (  # noqa: F401 (autouse fixture)
     SIGN_CONTRACT,
     SignMomentum,
     adamw_factory,
-    sgd_factory,
     sign_factory,
     single_threaded_torch,
 )
@@ -261,9 +260,8 @@ _DTENSOR_WHY = "executed by test_hybrid_distributed.py (gloo, FSDP2)"
             adamw_factory,
             {f"training:dtensor_1d_default_world[{t}]": _DTENSOR_WHY for t in (MUON_TAG, BACKUP_TAG)},
         ),
-        (sgd_factory, {f"training:dtensor_1d_default_world[{MUON_TAG}]": _DTENSOR_WHY}),
     ],
-    ids=["sign+ContractedAdamW", "sign+example_ContractedSGD"],
+    ids=["sign+ContractedAdamW"],
 )
 def test_conformance_kit_passes_on_composites_of_non_gefen_children(backup: object, waive: dict[str, str]) -> None:
     def factory(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
