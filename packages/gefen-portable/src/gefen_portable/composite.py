@@ -51,6 +51,7 @@ __all__ = [
     "PortableCompositeState",
     "export_portable_composite_state",
     "import_portable_composite_state",
+    "wrapper_payload",
 ]
 
 COMPOSITE_FORMAT = "gefen.portable_composite_state"
@@ -59,9 +60,10 @@ COMPOSITE_COVERAGE = "global_logical_composite_optimizer"
 _TOP_KEYS = {"format", "format_version", "coverage", "implementation", "roles", "routing", "children", "completion"}
 
 
-def _wrapper_payload(
+def wrapper_payload(
     implementation: str, roles: tuple[str, ...], routing: Mapping[str, str], digests: Mapping[str, str]
 ) -> dict[str, object]:
+    """What the wrapper digest covers: the wrapper with each child replaced by its digest."""
     return {
         "format": COMPOSITE_FORMAT,
         "format_version": COMPOSITE_FORMAT_VERSION,
@@ -128,7 +130,7 @@ class PortableCompositeState:
     @property
     def digest(self) -> str:
         digests = {role: child.catalog_digest for role, child in self._children.items()}
-        return tensor_digest(_wrapper_payload(self._implementation, self._roles, self._routing, digests))
+        return tensor_digest(wrapper_payload(self._implementation, self._roles, self._routing, digests))
 
     def materialize(
         self, checkpoint_process_group: ProcessGroupBinding | None = None, *, limits: PortableStateLimits | None = None
@@ -138,10 +140,10 @@ class PortableCompositeState:
             role: child.materialize(checkpoint_process_group, limits=limits) for role, child in self._children.items()
         }
         digests = {role: str(doc["completion"]["digest"]) for role, doc in documents.items()}
-        payload = _wrapper_payload(self._implementation, self._roles, self._routing, digests)
+        payload = wrapper_payload(self._implementation, self._roles, self._routing, digests)
         payload["children"] = documents
         payload["completion"] = completion_record(
-            tensor_digest(_wrapper_payload(self._implementation, self._roles, self._routing, digests))
+            tensor_digest(wrapper_payload(self._implementation, self._roles, self._routing, digests))
         )
         return payload
 
@@ -175,7 +177,7 @@ class PortableCompositeState:
         if type(routing) is not dict or any(type(v) is not str for v in routing.values()):
             raise PortableStateError("composite document.routing must map FQNs to roles")
         claimed = parse_completion(shallow["completion"], "composite document.completion")
-        payload = _wrapper_payload(implementation, tuple(roles), routing, digests)  # type: ignore[arg-type]
+        payload = wrapper_payload(implementation, tuple(roles), routing, digests)  # type: ignore[arg-type]
         if not hmac.compare_digest(tensor_digest(payload), claimed):
             raise PortableIntegrityError("composite completion digest mismatch: the wrapper was changed or corrupted")
         children = {role: PortableState.from_document(children_raw[role], limits=limits) for role in roles}

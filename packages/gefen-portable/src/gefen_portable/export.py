@@ -8,7 +8,7 @@ from gefen_contracts import CompositeOptimizer, ContractTypeError, PortableAdapt
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .assembly import assemble_catalog
-from .errors import PortableStateError
+from .errors import PortableLimitError, PortableStateError
 from .fragments import PortableFragment
 from .freshness import live_storages, optimizer_token
 from .local_export import LocalExport, build_local_export, check_layout, header_digest
@@ -62,6 +62,11 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
         if optimizer_token(optimizer) != before:
             raise PortableStateError("the optimizer changed while portable_export() ran (it must not mutate anything)")
         local = build_local_export(layout, exported, session.binding, live)
+        local_bytes = sum(t.numel() * t.element_size() for f in local.fragments.values() for t in f.fields.values())
+        if local_bytes > session.limits.max_fragment_tensor_bytes:
+            raise PortableLimitError(
+                "max_fragment_tensor_bytes", f"this member's dense fields hold {local_bytes} bytes"
+            )
     except Exception as exc:
         error = exc
     session.gate(f"{prefix}prepare", error, context=context)
@@ -72,6 +77,10 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
     try:
         assembly = assemble_catalog(contributions, local.header, header_digest(local.header), session.binding.identity)
         catalog = assembly.catalog
+        if catalog.total_fragment_bytes > session.limits.max_collective_tensor_bytes:
+            raise PortableLimitError(
+                "max_collective_tensor_bytes", f"the state's dense fields hold {catalog.total_fragment_bytes} bytes"
+            )
         kept = []
         for key, holder in assembly.holders.items():
             if holder != session.coordinate:
