@@ -19,7 +19,7 @@ from unittest import mock
 import gefen_portable
 import torch
 import torch.distributed as dist
-from gefen_contracts import LogicalSlice, ParameterLayout, PortableStateLimits, ShardIdentity
+from gefen_contracts import PortableStateLimits, ShardIdentity
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CollectiveCounter
 from gefen_portable import (
@@ -37,6 +37,8 @@ from portable_sgd_adopter import (
     group,
     initial_values,
     owner_manifest,
+    piece_of,
+    region_manifest,
     replicated_manifest,
 )
 
@@ -74,6 +76,8 @@ def manifest_for(layout: dict[str, Any]) -> Any:
         return replicated_manifest(SPECS, pg if size > 1 else None)
     if kind == "flattened":
         return flattened_manifest(SPECS, pg, layout.get("cuts"))
+    if kind == "regions":
+        return region_manifest(SPECS, pg, layout.get("cuts"))
     return owner_manifest(SPECS, pg, layout["owners"])
 
 
@@ -104,13 +108,7 @@ def _expected_piece(ref: PortableSGD, shard: ShardIdentity) -> tuple[torch.Tenso
     full, step = ref.dense_state()[shard.fqn]
     if full is None:
         return None, None
-    if shard.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not shard.is_owner:
-        return None, None
-    if shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
-        extent = shard.extent
-        assert isinstance(extent, LogicalSlice)
-        return full.reshape(-1)[extent.flat_offset : extent.end], step
-    return full, step
+    return piece_of(full, shard), step
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -130,19 +128,14 @@ def compare_with_reference(target: PortableSGD, ref: PortableSGD) -> list[str]:
             if got is not None and got.numel():
                 problems.append(f"{fqn}: unexpected state")
             continue
-        if got is None or not _bitwise(got.reshape(expected.shape), expected) or got_step != step:
+        if got is None or not _bitwise(got, expected) or got_step != step:
             problems.append(f"{fqn}: state differs")
         piece = target.pieces[fqn]
         ref_piece = ref.pieces[fqn]
         assert ref_piece is not None
-        if piece is not None:
-            want = ref_piece.detach().reshape(-1)
-            if shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
-                extent = shard.extent
-                assert isinstance(extent, LogicalSlice)
-                want = want[extent.flat_offset : extent.end]
-            if not _bitwise(piece.detach().reshape(-1), want):
-                problems.append(f"{fqn}: parameter differs")
+        want = piece_of(ref_piece, shard)
+        if piece is not None and (want is None or not _bitwise(piece.detach(), want)):
+            problems.append(f"{fqn}: parameter differs")
     if target.global_step != ref.global_step:
         problems.append("global step differs")
     return problems

@@ -30,6 +30,7 @@ from gefen_contracts import (
     CheckpointTransport,
     FeatureStatus,
     LoadAtomicity,
+    LogicalRegion,
     LogicalSlice,
     OptimizerCapabilities,
     OptimizerChildContract,
@@ -64,7 +65,15 @@ from gefen_contracts import (
 IMPLEMENTATION = "gefen_test.PortableSGD"
 COMPOSITE_IMPLEMENTATION = "gefen_test.PortableComposite"
 _LAYOUTS = frozenset(
-    {ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD, ParameterLayout.WHOLE_PARAMETER_OWNER}
+    {
+        ParameterLayout.REPLICATED,
+        ParameterLayout.FLATTENED_ELEMENT_SHARD,
+        ParameterLayout.WHOLE_PARAMETER_OWNER,
+        ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
+    }
+)
+_RESHARDABLE = frozenset(
+    {ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD}
 )
 _AXIS = "dp"
 
@@ -93,11 +102,7 @@ def _contract(portable: bool) -> OptimizerContract:
                 grouped,
                 LoadAtomicity.GROUP_VOTED,
                 transitions=(
-                    TopologyTransition(
-                        frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD}),
-                        frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD}),
-                        frozenset({TopologyChange.PLACEMENT_RESHARD}),
-                    ),
+                    TopologyTransition(_RESHARDABLE, _RESHARDABLE, frozenset({TopologyChange.PLACEMENT_RESHARD})),
                     TopologyTransition(
                         frozenset({ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER}),
                         frozenset({ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER}),
@@ -210,14 +215,42 @@ def owner_manifest(
     return ShardingManifest(tuple(shards))
 
 
+def region_manifest(
+    specs: Mapping[str, tuple[int, ...]], pg: ProcessGroupIdentity, cuts: Mapping[str, Sequence[int]] | None = None
+) -> ShardingManifest:
+    """DTensor-style regions sharded along dimension 0 (scalars are replicated)."""
+    shards = []
+    n = len(pg.ordered_members)
+    for fqn, shape in specs.items():
+        identity = ParameterIdentity(fqn, shape)
+        bounds = list((cuts or {}).get(fqn) or (even_cuts(shape[0], n) if shape else []))
+        for coordinate, member in enumerate(pg.ordered_members):
+            if not shape:
+                placement = ShardPlacement(_AXIS, PlacementKind.REPLICATE, coordinate, n)
+                region = LogicalRegion.full(identity)
+            else:
+                placement = ShardPlacement(_AXIS, PlacementKind.DIMENSION_SHARD, coordinate, n, parameter_dimension=0)
+                start, end = bounds[coordinate], bounds[coordinate + 1]
+                region = LogicalRegion((start, *([0] * (len(shape) - 1))), (end - start, *shape[1:]))
+            shards.append(
+                ShardIdentity(identity, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, region, (placement,), pg, member)
+            )
+    return ShardingManifest(tuple(shards))
+
+
 def piece_of(full: torch.Tensor, shard: ShardIdentity) -> torch.Tensor | None:
     """This shard's piece of a full tensor (a copy), or None for a non-owner."""
     if shard.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not shard.is_owner:
         return None
+    extent = shard.extent
     if shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
-        extent = shard.extent
         assert isinstance(extent, LogicalSlice)
         return full.detach().reshape(-1)[extent.flat_offset : extent.end].clone()
+    if isinstance(extent, LogicalRegion):
+        view = full.detach()
+        for axis, (offset, length) in enumerate(zip(extent.offsets, extent.lengths)):
+            view = view.narrow(axis, offset, length)
+        return view.clone()
     return full.detach().clone()
 
 
@@ -479,18 +512,18 @@ def conformance_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) 
 
 
 _MULTI = "needs several processes and sharded optimizers (gefen-portable's gloo tests cover it)"
-conformance_factory.conformance_waive = {  # type: ignore[attr-defined]
-    **{
-        f"checkpoint:canonical_global:transition:{a}->{b}:{kind.value}": _MULTI
-        for transition in CONTRACT.capabilities.checkpoints[0].transitions
-        for a in (x.value for x in transition.source_layouts)
-        for b in (x.value for x in transition.target_layouts)
-        for kind in transition.kinds
-    },
-    "checkpoint:canonical_global:flattened_element_shard": "needs several processes (gefen-portable gloo tests)",
-    "checkpoint:canonical_global:whole_parameter_owner": "needs several processes (gefen-portable gloo tests)",
-    "checkpoint:canonical_global:flattened_element_shard:atomic": "needs several processes",
-    "checkpoint:canonical_global:whole_parameter_owner:atomic": "needs several processes",
-    "training:flattened_element_shard": "needs several processes",
-    "training:whole_parameter_owner": "needs several processes",
-}
+
+
+def _multi_process_claims() -> dict[str, str]:
+    from gefen_contracts.testing import enumerate_claims
+
+    replicated = ParameterLayout.REPLICATED.value
+    return {
+        claim: _MULTI
+        for claim in enumerate_claims(CONTRACT)
+        if (claim.startswith("checkpoint:canonical_global:") or claim.startswith("training:"))
+        and not claim.startswith((f"checkpoint:canonical_global:{replicated}", f"training:{replicated}"))
+    }
+
+
+conformance_factory.conformance_waive = _multi_process_claims()  # type: ignore[attr-defined]

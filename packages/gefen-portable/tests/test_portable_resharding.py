@@ -73,6 +73,23 @@ def test_whole_owner_two_members_redistribute_onto_three(world: GlooWorld) -> No
     _run(world, source, target, "state", False)
 
 
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        (
+            {"kind": "regions", "members": 2, "cuts": {"odd": [0, 7, 7]}},
+            {"kind": "flattened", "members": 3, "cuts": UNEVEN_3},
+        ),
+        ({"kind": "flattened", "members": 2, "cuts": UNEVEN_2}, {"kind": "regions", "members": 3}),
+    ],
+    ids=["regions2-to-flattened3", "flattened2-to-regions3"],
+)
+def test_dtensor_regions_and_flat_slices_reshard_into_each_other(
+    world: GlooWorld, source: dict[str, Any], target: dict[str, Any]
+) -> None:
+    _run(world, source, target, "state", True)
+
+
 def test_replicated_three_members_keep_one_copy_per_fragment(world: GlooWorld) -> None:
     source = {"kind": "replicated", "members": 3}
     target = {"kind": "flattened", "members": 3}
