@@ -22,6 +22,8 @@ from gefen_contracts import (
     LogicalSlice,
     ParameterIdentity,
     ParameterLayout,
+    PortableLayout,
+    PortableSlotLayout,
     PortableStateLimits,
     to_primitive,
 )
@@ -35,6 +37,7 @@ from gefen_portable import (
     PortableStateError,
     StateHeader,
     encode_wire,
+    needed_fragments,
     parse_catalog,
     portable_state_digest,
 )
@@ -378,3 +381,21 @@ def test_a_partial_state_needs_its_peers_and_a_corrupted_fragment_is_refused() -
     with pytest.raises(PortableStateError):
         PortableState(full.catalog, [wrong])
     assert isinstance(full.catalog, Catalog)
+
+
+def test_a_member_needs_only_the_fragments_overlapping_its_pieces() -> None:
+    catalog = parse_catalog(_split_catalog(), limits=LIMITS)
+    manifest = flattened_manifest({"w": (2, 3), "b": (3,)}, group(2, "dp2"))
+    wanted = {}
+    for member in ("rank:0", "rank:1"):
+        slots = tuple(PortableSlotLayout(s, (0, index), s.fqn) for index, s in enumerate(manifest.for_member(member)))
+        wanted[member] = needed_fragments(catalog, PortableLayout("gefen_test.Golden", manifest, slots))
+    assert wanted["rank:0"] == {("b", 0), ("w", 0)}
+    assert wanted["rank:1"] == {("b", 0), ("w", 0), ("w", 1)}
+    document = golden_document()
+    fields = {n: t.reshape(-1)[4:6].clone() for n, t in document["parameters"]["w"]["element_fields"].items()}
+    fragment = PortableFragment.from_catalog(catalog, "w", 1, fields)
+    state = PortableState(catalog, [fragment])
+    assert not state.is_complete and state.local_bytes == 16
+    with pytest.raises(PortableStateError):
+        PortableFragment.from_catalog(catalog, "w", 2, fields)

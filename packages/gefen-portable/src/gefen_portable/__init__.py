@@ -35,6 +35,7 @@ from .errors import (
 from .export import export_portable_state
 from .fragments import FRAGMENT_FORMAT, PortableFragment, fragment_digest
 from .importer import import_portable_state
+from .projection import needed_fragments
 from .records import PORTABLE_STATE_COVERAGE, ParameterRecord, StateHeader
 from .state import PortableState
 from .wire import (
@@ -85,6 +86,7 @@ __all__ = [
     "fragment_digest",
     "import_portable_composite_state",
     "import_portable_state",
+    "needed_fragments",
     "parse_catalog",
     "parse_wire",
     "portable_state_digest",

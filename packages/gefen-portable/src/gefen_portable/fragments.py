@@ -63,6 +63,20 @@ class PortableFragment:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", FrozenMap(dict(self.fields)))
 
+    @classmethod
+    def from_catalog(
+        cls, catalog: Catalog, fqn: str, index: int, fields: Mapping[str, torch.Tensor]
+    ) -> PortableFragment:
+        """The fragment ``(fqn, index)`` of ``catalog`` holding ``fields`` (e.g. read back from storage).
+
+        Its extent and expected digest come from the catalog; the digest is verified when
+        the fragment is used.
+        """
+        frags = catalog.fragments.get(fqn)
+        if frags is None or not 0 <= index < len(frags):
+            raise PortableStateError(f"the catalog has no fragment {index} of {fqn!r}")
+        return cls(fqn, index, frags[index].extent, fields, frags[index].digest)
+
     @property
     def key(self) -> tuple[str, int]:
         return (self.fqn, self.index)

@@ -22,14 +22,36 @@ from __future__ import annotations
 import math
 
 import torch
-from gefen_contracts import LogicalSlice, PortableLayout, PortableSlotState
+from gefen_contracts import LogicalSlice, PortableLayout, PortableSlotState, ShardIdentity
 
 from .catalog import Catalog
 from .errors import PortableLimitError, PortableStateError
 from .extents import Extent, carries_payload, copy_overlap, covers_parameter, overlaps, piece_shape
 from .fragments import PortableFragment
 
-__all__ = ["Projection"]
+__all__ = ["Projection", "needed_fragments"]
+
+
+def _target_extent(shard: ShardIdentity) -> Extent:
+    return LogicalSlice(0, shard.parameter.numel) if covers_parameter(shard) else shard.extent
+
+
+def needed_fragments(catalog: Catalog, layout: PortableLayout) -> frozenset[tuple[str, int]]:
+    """The fragments ``(fqn, index)`` that overlap this member's payload pieces of ``layout``.
+
+    A rank-sharded load reads exactly these (and nothing else) before importing.
+    """
+    needed = set()
+    for slot in layout.slots:
+        shard = slot.shard
+        record = catalog.parameters.get(slot.fqn)
+        if record is None or not carries_payload(shard) or not record.element_fields:
+            continue
+        extent = _target_extent(shard)
+        for index, frag in enumerate(catalog.fragments[slot.fqn]):
+            if overlaps(frag.extent, extent, shard.parameter.global_shape):
+                needed.add((slot.fqn, index))
+    return frozenset(needed)
 
 
 class Projection:
@@ -41,7 +63,7 @@ class Projection:
         self._buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._extents: dict[str, Extent] = {}
         self._written: dict[str, int] = {}
-        self.needed: set[tuple[str, int]] = set()
+        self.needed = needed_fragments(catalog, layout)
         planned = 0
         targets = []
         for slot in layout.slots:
@@ -55,11 +77,7 @@ class Projection:
             assert shape is not None
             planned += math.prod(shape) * 4 * len(record.element_fields)
             targets.append((slot.fqn, shape, record.element_fields))
-            extent: Extent = LogicalSlice(0, shard.parameter.numel) if covers_parameter(shard) else shard.extent
-            self._extents[slot.fqn] = extent
-            for index, frag in enumerate(catalog.fragments[slot.fqn]):
-                if overlaps(frag.extent, extent, shard.parameter.global_shape):
-                    self.needed.add((slot.fqn, index))
+            self._extents[slot.fqn] = _target_extent(shard)
         if planned > max_bytes:
             raise PortableLimitError(
                 "max_fragment_tensor_bytes", f"this member's target pieces need {planned} bytes of dense fields"

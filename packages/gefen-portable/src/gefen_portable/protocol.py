@@ -36,7 +36,7 @@ import torch
 from gefen_contracts import ContractTypeError, PortableStateLimits, descriptor_digest
 from gefen_contracts.torch_support import ProcessGroupBinding
 
-from .errors import PortableCollectiveError
+from .errors import PortableCollectiveError, PortableLimitError
 from .values import check_name
 
 __all__ = ["DIAGNOSTIC_BYTES", "HEADER_BYTES", "Header", "Session", "check_transaction_id"]
@@ -109,7 +109,7 @@ class Session:
             self.limits = limits
             self._limits_digest = bytes.fromhex(descriptor_digest(limits))
             if binding.member_count > limits.max_members:
-                raise ContractTypeError(f"the binding has {binding.member_count} members, above limits.max_members")
+                raise PortableLimitError("max_members", f"the checkpoint group has {binding.member_count} members")
         except Exception as exc:
             self.setup_error = exc
         self._identity = bytes.fromhex(descriptor_digest(binding.identity))

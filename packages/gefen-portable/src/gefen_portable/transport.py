@@ -25,6 +25,7 @@ at a time. A *fetch* gate follows.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from gefen_contracts import PortableStateLimits
@@ -193,7 +194,7 @@ def fetch_fragments(
     phase: str,
     catalog: Catalog,
     held: Mapping[FragmentKey, PortableFragment],
-    needed: set[FragmentKey],
+    needed: AbstractSet[FragmentKey],
     sink: Callable[[PortableFragment], None],
     error: BaseException | None = None,
 ) -> None:
