@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gefen_contracts import LogicalRegion, LogicalSlice, ProcessGroupIdentity, from_primitive, to_primitive
+from gefen_contracts import ProcessGroupIdentity, to_primitive
 from gefen_contracts.torch_support import tensor_digest
 
-from .catalog import Catalog, FragmentRecord
+from .catalog import Catalog, FragmentRecord, parse_extent
 from .errors import PortableStateError
 from .extents import Extent, extent_runs
 from .records import ELEMENT_PROJECTION, REPLICA_PROJECTION, ParameterRecord, StateHeader, check_digest_text
@@ -65,23 +65,16 @@ def _dict(value: object, keys: set[str], where: str) -> dict[str, object]:
     return value
 
 
-def _extent(value: object, where: str) -> Extent:
-    if type(value) is not dict:
-        raise PortableStateError(f"{where} is not an extent record")
-    kind = LogicalSlice if value.get("record") == "logical_slice" else LogicalRegion
-    try:
-        return from_primitive(value, kind)  # type: ignore[return-value]
-    except (ValueError, TypeError) as exc:
-        raise PortableStateError(f"{where}: {exc}") from None
-
-
 def assemble_catalog(
     contributions: Sequence[object],
     header: StateHeader,
-    own_header_digest: str,
     identity: ProcessGroupIdentity,
 ) -> Assembly:
-    """Build the catalog from every member's contribution (see the module docstring)."""
+    """Build the catalog from every member's contribution (see the module docstring).
+
+    ``header`` is this member's; its digest is one of the contributions, so agreeing with
+    coordinate 0 means agreeing with every member.
+    """
     members = identity.ordered_members
     if len(contributions) != len(members):
         raise PortableStateError(f"expected {len(members)} contributions, got {len(contributions)}")
@@ -93,10 +86,12 @@ def assemble_catalog(
         record = _dict(raw, _CONTRIBUTION_KEYS, where)
         if record["member"] != members[coordinate]:
             raise PortableStateError(f"{where} names member {record['member']!r}, expected {members[coordinate]!r}")
-        if record["implementation"] != header.implementation or record["header_digest"] != own_header_digest:
+        first = contributions[0]
+        assert type(first) is dict
+        if (record["implementation"], record["header_digest"]) != (first["implementation"], first["header_digest"]):
             raise PortableStateError(
                 f"members disagree on the implementation, policy, common state or manifest "
-                f"(coordinate {coordinate} differs from this member)"
+                f"(coordinate {coordinate} differs from coordinate 0)"
             )
         slots = record["slots"]
         if type(slots) is not list:
@@ -170,7 +165,7 @@ def _parameter(
             continue
         if type(raw) is not dict or set(raw) != {"extent", "digest", "nbytes"}:
             raise PortableStateError(f"coordinate {coordinate} sent a malformed fragment for {fqn!r}")
-        extent = _extent(raw["extent"], f"the fragment of {fqn!r} from coordinate {coordinate}")
+        extent = parse_extent(raw["extent"], f"the fragment of {fqn!r} from coordinate {coordinate}")
         digest = check_digest_text(raw["digest"], f"the fragment digest of {fqn!r}")
         nbytes = raw["nbytes"]
         if type(nbytes) is not int:

@@ -50,7 +50,7 @@ from .records import (
 from .values import check_name
 from .wire import bounded_clone, require_limits
 
-__all__ = ["CATALOG_FORMAT", "CATALOG_FORMAT_VERSION", "Catalog", "FragmentRecord", "parse_catalog"]
+__all__ = ["CATALOG_FORMAT", "CATALOG_FORMAT_VERSION", "Catalog", "FragmentRecord", "parse_catalog", "parse_extent"]
 
 CATALOG_FORMAT = "gefen.portable_state_catalog"
 CATALOG_FORMAT_VERSION = 1
@@ -172,7 +172,8 @@ def _validate(
                 )
 
 
-def _parse_extent(value: object, where: str) -> Extent:
+def parse_extent(value: object, where: str) -> Extent:
+    """A ``logical_slice`` or ``logical_region`` record, decoded strictly."""
     if type(value) is not dict:
         raise PortableStateError(f"{where} must be a logical_slice or logical_region record")
     expected = LogicalSlice if value.get("record") == "logical_slice" else LogicalRegion
@@ -221,7 +222,7 @@ def parse_catalog(record: object, *, limits: PortableStateLimits) -> Catalog:
         parsed = []
         for index, raw_frag in enumerate(raw_frags):
             frag = check_keys(raw_frag, _FRAGMENT_KEYS, f"{where}.fragments[{index}]")
-            extent = _parse_extent(frag["extent"], f"{where}.fragments[{index}].extent")
+            extent = parse_extent(frag["extent"], f"{where}.fragments[{index}].extent")
             digest = check_digest_text(frag["digest"], f"{where}.fragments[{index}].digest")
             nbytes = frag["nbytes"]
             if type(nbytes) is not int or nbytes < 0:

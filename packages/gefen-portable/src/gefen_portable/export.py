@@ -11,7 +11,7 @@ from .assembly import assemble_catalog
 from .errors import PortableLimitError, PortableStateError
 from .fragments import PortableFragment
 from .freshness import live_storages, optimizer_token
-from .local_export import LocalExport, build_local_export, check_layout, header_digest
+from .local_export import LocalExport, build_local_export, check_layout
 from .protocol import Session
 from .runtime import context_digest, open_session, require_adapter
 from .state import PortableState
@@ -75,7 +75,7 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
     state = None
     catalog_digest = None
     try:
-        assembly = assemble_catalog(contributions, local.header, header_digest(local.header), session.binding.identity)
+        assembly = assemble_catalog(contributions, local.header, session.binding.identity)
         catalog = assembly.catalog
         if catalog.total_fragment_bytes > session.limits.max_collective_tensor_bytes:
             raise PortableLimitError(
