@@ -25,8 +25,10 @@ from gefen_contracts import (
     PortableLayout,
     PortableSlotLayout,
     PortableStateLimits,
+    ProcessGroupIdentity,
     to_primitive,
 )
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_portable import (
     Catalog,
     ParameterRecord,
@@ -36,13 +38,17 @@ from gefen_portable import (
     PortableState,
     PortableStateError,
     StateHeader,
+    decode_wire,
     encode_wire,
+    export_portable_state,
     needed_fragments,
     parse_catalog,
     portable_state_digest,
 )
 from gefen_portable.document import build_document, parse_document
-from portable_sgd_adopter import flattened_manifest, group, replicated_manifest
+from hypothesis import given
+from hypothesis import strategies as st
+from portable_sgd_adopter import PortableSGD, flattened_manifest, group, initial_values, replicated_manifest
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_document_vectors.json"
 REGEN = os.environ.get("GEFEN_REGEN_GOLDEN") == "1"
@@ -399,3 +405,27 @@ def test_a_member_needs_only_the_fragments_overlapping_its_pieces() -> None:
     assert not state.is_complete and state.local_bytes == 16
     with pytest.raises(PortableStateError):
         PortableFragment.from_catalog(catalog, "w", 2, fields)
+
+
+_SHAPES = st.lists(st.integers(min_value=0, max_value=4), min_size=0, max_size=3).map(tuple)
+
+
+@given(
+    st.dictionaries(st.sampled_from(["a", "b.c", "d.e.f", "g"]), _SHAPES, min_size=1, max_size=4),
+    st.integers(min_value=0, max_value=3),
+    st.booleans(),
+)
+def test_any_exported_state_round_trips_through_document_catalog_and_wire(
+    specs: dict[str, tuple[int, ...]], steps: int, scaled: bool
+) -> None:
+    optimizer = PortableSGD(replicated_manifest(specs, None), None, initial_values(specs), scaled=scaled)
+    optimizer.train_steps(0, steps)
+    binding = CheckpointProcessGroupBinding(ProcessGroupIdentity("solo", ("m",)), "m", None, "cpu")
+    state = export_portable_state(optimizer, checkpoint_process_group=binding, transaction_id="h", limits=LIMITS)
+    document = state.materialize()
+    payload = encode_wire(document, limits=LIMITS)
+    decoded = decode_wire(payload.metadata, list(payload.tensors), limits=LIMITS)
+    again = PortableState.from_document(roundtrip(decoded), limits=LIMITS)
+    assert again.catalog_digest == state.catalog_digest
+    assert_trees_bitwise(again.materialize(), document)
+    assert parse_catalog(roundtrip(state.catalog_record()), limits=LIMITS).digest == state.catalog_digest

@@ -29,6 +29,7 @@ import hmac
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from gefen_contracts import LogicalRegion, LogicalSlice, PortableStateLimits, from_primitive, to_primitive
 from gefen_contracts.torch_support import tensor_digest
@@ -96,6 +97,10 @@ class Catalog:
     parameters: Mapping[str, ParameterRecord]
     fragments: Mapping[str, tuple[FragmentRecord, ...]]
     digest: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parameters", MappingProxyType(dict(self.parameters)))
+        object.__setattr__(self, "fragments", MappingProxyType(dict(self.fragments)))
 
     @classmethod
     def build(
