@@ -490,11 +490,22 @@ def test_a_composite_of_adapters_round_trips_in_one_process() -> None:
     )
     for role in ("first", "second"):
         assert_same_training(source.children[role], target.children[role])
-    broken = copy.deepcopy(document)
-    broken["routing"]["a"] = "second"
-    before = deep_snapshot(target.children["first"], target.children["second"])
-    with pytest.raises(PortableStateError):
-        import_portable_composite_state(
-            target, broken, checkpoint_process_group=solo(), transaction_id="c", limits=LIMITS
-        )
-    assert not snapshot_diff(before, target.children["first"], target.children["second"])
+    corruptions: dict[str, Callable[[dict[str, Any]], None]] = {
+        "routing": lambda d: d["routing"].update(a="second"),
+        "roles reordered": lambda d: d["roles"].reverse(),
+        "roles unhashable": lambda d: d.update(roles=[["first"], "second"]),
+        "missing child": lambda d: d["children"].pop("second"),
+        "child counter": lambda d: d["children"]["first"]["parameters"]["a"]["counters"].update(step=9),
+        "child digest": lambda d: d["children"]["first"]["completion"].update(digest="0" * 64),
+        "wrapper digest": lambda d: d["completion"].update(digest="1" * 64),
+        "implementation": lambda d: d.update(implementation="other.Composite"),
+    }
+    for name, corrupt in corruptions.items():
+        broken = copy.deepcopy(document)
+        corrupt(broken)
+        before = deep_snapshot(target.children["first"], target.children["second"])
+        with pytest.raises(PortableStateError):
+            import_portable_composite_state(
+                target, broken, checkpoint_process_group=solo(), transaction_id="c", limits=LIMITS
+            )
+        assert not snapshot_diff(before, target.children["first"], target.children["second"]), name

@@ -141,11 +141,8 @@ class PortableCompositeState:
         }
         digests = {role: str(doc["completion"]["digest"]) for role, doc in documents.items()}
         payload = wrapper_payload(self._implementation, self._roles, self._routing, digests)
-        payload["children"] = documents
-        payload["completion"] = completion_record(
-            tensor_digest(wrapper_payload(self._implementation, self._roles, self._routing, digests))
-        )
-        return payload
+        completion = completion_record(tensor_digest(payload))
+        return {**payload, "children": documents, "completion": completion}
 
     @classmethod
     def from_document(cls, document: object, *, limits: PortableStateLimits) -> PortableCompositeState:
@@ -169,10 +166,12 @@ class PortableCompositeState:
             raise PortableStateError(f"composite document format_version must be {COMPOSITE_FORMAT_VERSION}")
         implementation = check_name(shallow["implementation"], "composite document.implementation")
         roles = shallow["roles"]
-        if type(roles) is not list or len(set(roles)) != len(roles) or set(roles) != set(children_raw):
-            raise PortableStateError("composite document.roles must list each child exactly once")
+        if type(roles) is not list:
+            raise PortableStateError("composite document.roles must be a list")
         for role in roles:
             check_name(role, "composite document.roles item")
+        if len(set(roles)) != len(roles) or set(roles) != set(children_raw):
+            raise PortableStateError("composite document.roles must list each child exactly once")
         routing = shallow["routing"]
         if type(routing) is not dict or any(type(v) is not str for v in routing.values()):
             raise PortableStateError("composite document.routing must map FQNs to roles")
