@@ -8,7 +8,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-
 from gefen_core.codebook import codebook_from_counts
 from gefen_core.exact_dp import (
     histogram_points,
@@ -60,26 +59,23 @@ def test_equal_to_bruteforce_with_large_counts_and_256_codewords() -> None:
 
 
 def _exact_optimum(positions: list[int], weights: list[int], clusters: int, scale: int) -> Fraction:
-    """Enumerate every contiguous split (prefix to -1, K-2 interior segments, suffix to +1)."""
+    """Enumerate every contiguous split: prefix to -1, K-2 non-empty interior segments, suffix to +1."""
     n = len(positions)
     best: Fraction | None = None
-    interior = clusters - 2
-    for cuts in itertools.combinations(range(n + 1), interior + 1):
-        if any(b <= a for a, b in zip(cuts, cuts[1:])):
+    for cuts in itertools.combinations(range(n + 1), clusters - 1):
+        # cuts[0] ends the prefix, cuts[-1] starts the suffix, interior segments lie between.
+        if any(b <= a for a, b in itertools.pairwise(cuts)):
             continue
-        for suffix_start in range(cuts[-1], n + 1):
-            cost = Fraction(0)
-            for j in range(cuts[0]):
-                cost += weights[j] * (positions[j] + scale) ** 2
-            for a, b in zip(cuts, cuts[1:]):
-                w = sum(weights[a:b])
-                mean = Fraction(sum(wi * p for wi, p in zip(weights[a:b], positions[a:b])), w)
-                cost += sum(wi * (p - mean) ** 2 for wi, p in zip(weights[a:b], positions[a:b]))
-            if cuts[-1] != suffix_start:
-                continue
-            for j in range(suffix_start, n):
-                cost += weights[j] * (positions[j] - scale) ** 2
-            best = cost if best is None or cost < best else best
+        cost = Fraction(0)
+        for j in range(cuts[0]):
+            cost += weights[j] * (positions[j] + scale) ** 2
+        for a, b in itertools.pairwise(cuts):
+            w = sum(weights[a:b])
+            mean = Fraction(sum(wi * p for wi, p in zip(weights[a:b], positions[a:b])), w)
+            cost += sum(wi * (p - mean) ** 2 for wi, p in zip(weights[a:b], positions[a:b]))
+        for j in range(cuts[-1], n):
+            cost += weights[j] * (positions[j] - scale) ** 2
+        best = cost if best is None or cost < best else best
     assert best is not None
     return best
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gefen_core.momentum_codec import (
     dequantize,
     nearest_codeword,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gefen_core.periods import (
     PeriodPolicy,
     divisors,
@@ -72,7 +71,7 @@ def test_search_falls_back_to_a_shape_aligned_block_without_structure() -> None:
 
 
 def test_search_handles_blocks_larger_than_a_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gefen_core.periods as periods
+    from gefen_core import periods
 
     g = torch.randn(64)
     expected = within_block_spread(g, 32)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from gefen_core import Gefen
 from gefen_core.exact_dp import histogram_points, solve_pinned_codebook
 from gefen_core.step_scalars import device_scalars, host_scalars
