@@ -305,7 +305,7 @@ class Gefen(torch.optim.Optimizer):
             return periods[work.slot] if work.slot in periods else int(work.state[PERIOD])  # type: ignore[index]
 
         learners = [w for w in works if w.state or w.slot in periods]
-        old_codebook = self._codebook
+        old_codebook, old_copies = self._codebook, self._codebook_copies
         new_codebook = old_codebook
         if old_codebook is None:
             contributing = [(w, period_of(w)) for w in learners if self._locally_nonzero(w)]
@@ -334,8 +334,8 @@ class Gefen(torch.optim.Optimizer):
             except Exception:
                 for work in created:
                     del self.state[work.param]
-                self._codebook = old_codebook
-                self._codebook_copies = {}
+                    work.state = None
+                self._codebook, self._codebook_copies = old_codebook, old_copies
                 raise
         for state, indices in refreshed:
             state[INDICES].copy_(indices)
