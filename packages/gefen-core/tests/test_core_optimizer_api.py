@@ -274,7 +274,13 @@ def test_protocols_and_contract() -> None:
     contract = opt.optimizer_contract()
     assert contract.implementation == "gefen.Gefen"
     assert contract.capabilities.supports("staged_native_load")
-    for feature in ("post_sharding", "portable_state", "dense_shard_codec", "collective_scope", "canonical_local_state"):
+    for feature in (
+        "post_sharding",
+        "portable_state",
+        "dense_shard_codec",
+        "collective_scope",
+        "canonical_local_state",
+    ):
         status = contract.capabilities.feature(feature)
         assert not status.supported and status.reasons
     assert contract.extensions["gefen.codebook_size"] == 256

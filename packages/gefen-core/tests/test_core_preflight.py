@@ -148,7 +148,12 @@ def test_fused_none_uses_a_provider_that_supports_the_tensors() -> None:
     with_provider = _run(None, KernelRegistry([provider]))
     reference = _run(False, KernelRegistry([provider]))
     assert all(torch.equal(a, b) for a, b in zip(with_provider, reference))
-    assert provider.calls == {"gefen.block_step/1": 3, "gefen.factored_stats/1": 3, "gefen.factored_step/1": 3, "gefen.histogram/1": 2}
+    assert provider.calls == {
+        "gefen.block_step/1": 3,
+        "gefen.factored_stats/1": 3,
+        "gefen.factored_step/1": 3,
+        "gefen.histogram/1": 2,
+    }
 
 
 def test_fused_none_falls_back_to_the_reference_when_the_provider_declines() -> None:

@@ -444,12 +444,12 @@ class Gefen(torch.optim.Optimizer):
         return counter
 
     def _advance_global_step(self, devices: set[torch.device]) -> None:
-        self._global_step += 1
         if self._capturable:
             for device in devices:
-                self._device_step(device)
+                self._device_step(device)  # created from the host count before it advances
             for counter in self._device_global_steps.values():
                 counter.add_(1)
+        self._global_step += 1
         self._version += 1
 
     def _bump(self, state: dict[str, Any], key: str) -> None:
