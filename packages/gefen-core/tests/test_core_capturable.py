@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from gefen_core import CaptureError, Gefen
 
 

@@ -14,7 +14,6 @@ import torch
 from gefen_contracts import StaleTransactionError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
-
 from gefen_core import Gefen
 
 GOLDEN = Path(__file__).parent / "golden" / "native_state_v1.pt"

@@ -9,7 +9,6 @@ import pytest
 import torch
 from gefen_contracts import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
-
 from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from gefen_contracts import KernelRegistry, KernelUnavailableError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
-
 from gefen_core import Gefen, GradientError
 from gefen_core.ops import OPS
 

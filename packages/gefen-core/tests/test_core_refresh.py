@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import gefen_core.gefen as gefen_module
 import pytest
 import torch
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
-
-import gefen_core.gefen as gefen_module
 from gefen_core import Gefen
 from gefen_core.codebook import requantize
 

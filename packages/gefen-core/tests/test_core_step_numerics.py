@@ -169,7 +169,7 @@ def test_zero_size_and_non_contiguous_parameters() -> None:
         _step(a, [empty, strided], [torch.zeros(0, 5), grad])
         _step(b, [dense], [grad])
     assert torch.equal(strided, dense) and not strided.is_contiguous()
-    assert empty not in a.state or not a.state[empty]
+    assert a.state[empty]["m_codebook"].shape == (0, 1) and a.state[empty]["step"] == 3
 
 
 def test_state_starts_at_the_first_non_zero_gradient() -> None:

@@ -352,12 +352,13 @@ class Gefen(torch.optim.Optimizer):
         return work.local_nonzero
 
     def _starts_now(self, work: ParamWork, stats: Stats) -> bool:
-        """Whether a stateless parameter gets its state now: its first non-zero gradient
-        (judged over the whole mesh for a row-sharded factored parameter)."""
+        """Whether a stateless parameter gets its state now: at its first non-zero gradient
+        (judged over the whole mesh for a row-sharded factored parameter); an empty local
+        piece has nothing to wait for and starts (empty) at its first gradient."""
         if work.row_sharded and work.variant == FACTORED:
             _, col_sums = stats[work.slot]
             return bool(col_sums.sum().item() > 0)
-        return self._locally_nonzero(work)
+        return work.local.numel() == 0 or self._locally_nonzero(work)
 
     def _move_state(self, work: ParamWork) -> None:
         assert work.state is not None
