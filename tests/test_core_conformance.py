@@ -7,7 +7,7 @@ test_core_checkpoint.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,6 +29,15 @@ WAIVERS = {
         "get/set_optimizer_state_dict resume is executed by packages/gefen-core/tests/test_core_checkpoint.py"
     ),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_torch() -> Iterator[None]:
+    """Small tensors run far faster on one intra-op thread on a shared 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _factory(**options: Any) -> Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer]:

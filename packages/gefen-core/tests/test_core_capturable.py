@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 from gefen_core import CaptureError, Gefen
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _params(device: str = "cpu") -> list[torch.nn.Parameter]:

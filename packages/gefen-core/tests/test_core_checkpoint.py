@@ -15,6 +15,7 @@ from gefen_contracts import StaleTransactionError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 GOLDEN = Path(__file__).parent / "golden" / "native_state_v1.pt"
 

@@ -9,6 +9,7 @@ import gefen_core_distributed_cases as cases
 import pytest
 import torch
 from gefen_contracts.testing import GlooWorld
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.distributed
 

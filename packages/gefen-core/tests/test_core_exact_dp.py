@@ -14,6 +14,7 @@ from gefen_core.exact_dp import (
     solve_pinned_codebook,
     solve_pinned_codebook_bruteforce,
 )
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _random_case(rng: np.random.Generator, index: int) -> tuple[np.ndarray, np.ndarray, int, int]:

@@ -12,6 +12,7 @@ from gefen_core.momentum_codec import (
     stochastic_codeword,
 )
 from gefen_core.reference_ops import stochastic_uniform_reference
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 # (seed, index) -> the top 24 bits of the hash; splitmix64(0)'s first output is 0xE220A8397B1DCDAF.
 GOLDEN = {

@@ -10,6 +10,7 @@ import torch
 from gefen_contracts import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

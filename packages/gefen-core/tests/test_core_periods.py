@@ -13,6 +13,7 @@ from gefen_core.periods import (
     select_period,
     within_block_spread,
 )
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def test_divisors_are_the_proper_divisors_ascending() -> None:
@@ -40,7 +41,13 @@ def test_select_period_pinned_examples() -> None:
 
 
 def test_select_period_ties_go_to_the_smaller_candidate() -> None:
-    assert select_period([(1, 0.0), (8, -1.0), (16, -2.0)]) == 8
+    assert select_period([(1, 4.0), (8, 2.0), (16, 3.0), (32, 1.0)]) == 8
+
+
+def test_small_drops_do_not_count_as_structure() -> None:
+    assert select_period([(1, 10.0), (8, 8.0), (16, 7.0)]) == 1  # 20% and 12.5% drops
+    assert select_period([(1, 10.0), (8, 7.0)]) == 8  # a 30% drop
+    assert select_period([(1, 10.0), (8, 8.0)], min_relative_drop=0.1) == 8
 
 
 def test_memory_safe_fallback_pinned_examples() -> None:
@@ -59,6 +66,17 @@ def test_search_finds_real_block_structure() -> None:
     assert search_period(g8) == 8
     g12 = torch.repeat_interleave(torch.tensor([1.0, 5.0, 2.0, 7.0, 3.0, 4.0]), 12).sqrt()
     assert search_period(g12) == 12
+
+
+def test_noise_is_not_block_structure() -> None:
+    torch.manual_seed(0)
+    g = torch.randn(192, 256)
+    scored = [(d, within_block_spread(g, d)) for d in divisors(g.numel())]
+    assert select_period(scored, min_relative_drop=0.0) == 16384  # the reference's rule: a third of the tensor
+    assert select_period(scored) == 1
+    assert search_period(g, g.shape) == 2048
+    assert search_period(torch.randn(100, 300), (100, 300)) == 2000  # the reference's rule gives 250
+    assert search_period(torch.randn(20, 3000), (20, 3000)) == 3000  # in_features beats the capped divisor 2000
 
 
 def test_search_falls_back_to_a_shape_aligned_block_without_structure() -> None:

@@ -11,6 +11,7 @@ from gefen_contracts import KernelRegistry, KernelUnavailableError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen, GradientError
 from gefen_core.ops import OPS
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _setup(initialised: bool) -> tuple[list[torch.nn.Parameter], Gefen]:

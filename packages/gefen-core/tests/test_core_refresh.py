@@ -8,6 +8,7 @@ import torch
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen
 from gefen_core.codebook import requantize
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _params() -> list[torch.nn.Parameter]:

@@ -8,6 +8,7 @@ import torch
 from gefen_core import Gefen
 from gefen_core.exact_dp import histogram_points, solve_pinned_codebook
 from gefen_core.step_scalars import device_scalars, host_scalars
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _step(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

@@ -81,5 +81,5 @@ def requantize(indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> t
     out = torch.empty_like(flat)
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         stop = min(flat.numel(), start + CHUNK_ELEMENTS)
-        out[start:stop] = nearest_codeword(new, old[flat[start:stop].long()])
+        out[start:stop] = nearest_codeword(new, old.index_select(0, flat[start:stop].to(torch.int32)))
     return out.view_as(indices)

@@ -82,8 +82,16 @@ def normalize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return magnitude, blocks / safe
 
 
+def _gather(codebook: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``codebook[indices]`` for int32/uint8/int64 indices of any shape (int32 is cheapest)."""
+    flat = indices.reshape(-1)
+    if flat.dtype is not torch.int32 and flat.dtype is not torch.int64:
+        flat = flat.to(torch.int32)
+    return codebook.index_select(0, flat).view(indices.shape)
+
+
 def _bracket(codebook: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    upper = torch.searchsorted(codebook, z.contiguous(), side="left")
+    upper = torch.searchsorted(codebook, z.contiguous(), side="left", out_int32=True)
     last = codebook.numel() - 1
     lower = (upper - 1).clamp_(min=0)
     upper = upper.clamp_(max=last)
@@ -93,8 +101,8 @@ def _bracket(codebook: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, tor
 def nearest_codeword(codebook: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Index (uint8) of the codeword nearest to each ``z`` (ties: lower index)."""
     lower, upper = _bracket(codebook, z)
-    below = (z - codebook[lower]).abs()
-    above = (z - codebook[upper]).abs()
+    below = (z - _gather(codebook, lower)).abs()
+    above = (z - _gather(codebook, upper)).abs()
     return torch.where(below <= above, lower, upper).to(torch.uint8)
 
 
@@ -107,8 +115,8 @@ def stochastic_codeword(
     are numbered row-major from there.
     """
     lower, upper = _bracket(codebook, z)
-    lo = codebook[lower]
-    hi = codebook[upper]
+    lo = _gather(codebook, lower)
+    hi = _gather(codebook, upper)
     width = hi - lo
     clamped = torch.minimum(torch.maximum(z, lo), hi)
     up = torch.where(width > 0, (clamped - lo) / torch.where(width > 0, width, torch.ones_like(width)), 0.0)
@@ -119,4 +127,4 @@ def stochastic_codeword(
 
 def dequantize(codebook: torch.Tensor, indices: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     """``C[q] * M`` in fp32 (``indices`` ``[rows, P]`` uint8, ``magnitude`` ``[rows, 1]``)."""
-    return codebook[indices.long()] * magnitude
+    return _gather(codebook, indices) * magnitude

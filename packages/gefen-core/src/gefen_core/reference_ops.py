@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from . import step_scalars as S
-from .momentum_codec import nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
+from .momentum_codec import dequantize, nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -82,14 +82,14 @@ def _momentum_write(
     apply_decay: bool,
 ) -> None:
     """Momentum EMA, requantisation and the parameter write for one chunk of rows."""
-    old = codebook[indices.long()] * magnitude
+    old = dequantize(codebook, indices, magnitude)
     momentum = old * scalars[S.BETA1] + grad * scalars[S.ONE_MINUS_BETA1]
     new_magnitude, z = normalize_blocks(momentum)
     if sr_seed is None:
         codes = nearest_codeword(codebook, z)
     else:
         codes = stochastic_codeword(codebook, z, sr_seed, first_index)
-    update = (codebook[codes.long()] * new_magnitude) * stepsize * scalars[S.LR]
+    update = dequantize(codebook, codes, new_magnitude) * stepsize * scalars[S.LR]
     if apply_decay:
         param.mul_(scalars[S.DECAY])
     param.sub_(update)
