@@ -285,3 +285,18 @@ def test_protocols_and_contract() -> None:
         assert not status.supported and status.reasons
     assert contract.extensions["gefen.codebook_size"] == 256
     assert contract == opt.optimizer_contract()
+
+
+def test_deepcopy_and_pickle_keep_the_learned_state() -> None:
+    import copy
+    import pickle
+
+    model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2, stochastic_round=True)
+    _train(model, opt, 2)
+    for clone in (copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))):
+        twin_model, twin = clone
+        assert torch.equal(twin.codebook, opt.codebook) and twin.global_step == 2  # type: ignore[arg-type]
+        _train(twin_model, twin, 2)
+    _train(model, opt, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))

@@ -605,6 +605,32 @@ class Gefen(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    _OWN_ATTRIBUTES = (
+        "_fused",
+        "_dispatch",
+        "_refresh_every",
+        "_stochastic_round",
+        "_deterministic",
+        "_capturable",
+        "_codebook",
+        "_codebook_copies",
+        "_global_step",
+        "_device_global_steps",
+        "_version",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and ``copy.deepcopy`` keep Gefen's own state (torch's drops it)."""
+        state = super().__getstate__()
+        state["_gefen"] = {name: getattr(self, name) for name in self._OWN_ATTRIBUTES}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        own = dict(state.pop("_gefen", {}))
+        super().__setstate__(state)
+        for name, value in own.items():
+            setattr(self, name, value)
+
     def __repr__(self) -> str:
         return f"Gefen({len(self.param_groups)} groups, global_step={self._global_step})"
 

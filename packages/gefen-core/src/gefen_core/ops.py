@@ -93,6 +93,12 @@ class KernelDispatch:
         self._fused = fused
         self._registry = registry
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> KernelDispatch:
+        return KernelDispatch(self._fused, self._registry)  # a registry is a shared service, not state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KernelDispatch, (self._fused,))  # unpickled in another process: its default registry
+
     @property
     def registry(self) -> KernelRegistry:
         return self._registry if self._registry is not None else default_kernel_registry()
