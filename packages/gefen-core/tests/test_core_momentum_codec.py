@@ -98,3 +98,25 @@ def test_stochastic_rounding_keeps_codewords_exact() -> None:
     codebook = _codebook()
     z = codebook.clone()
     assert torch.equal(codebook[stochastic_codeword(codebook, z, 5, 0).long()], codebook)
+
+
+def test_lookup_lower_bound_equals_binary_search() -> None:
+    from gefen_core.codebook import codebook_from_counts
+    from gefen_core.momentum_codec import bucket_occupancy_ok, lower_bound
+
+    generator = torch.Generator().manual_seed(3)
+    codebooks = [
+        codebook_from_counts(torch.randint(0, 50, (4096,), generator=generator)),
+        codebook_from_counts(torch.bincount(torch.tensor([0, 100, 2048, 2049, 4095]), minlength=4096)),
+        _codebook(),
+    ]
+    for codebook in codebooks:
+        assert codebook is not None and bucket_occupancy_ok(codebook)
+        edges = torch.arange(4097, dtype=torch.float32) / 2048 - 1
+        z = torch.cat(
+            [torch.rand(50_000, generator=generator) * 2 - 1, codebook, edges, edges.nextafter(torch.tensor(2.0))]
+        )
+        z = z.clamp(-1, 1)
+        assert torch.equal(lower_bound(codebook, z), torch.searchsorted(codebook, z, out_int32=True))
+    crowded = torch.cat([torch.tensor([-1.0]), torch.full((3,), 0.1), torch.linspace(0.2, 1.0, 252)])
+    assert not bucket_occupancy_ok(crowded)

@@ -6,7 +6,8 @@ one uint8 index per element into the codebook ``C`` (fp32, ascending, ``C[0] = -
 CPU and GPU give bit-identical results:
 
 * ``z = u / M`` (correctly rounded division; ``z = 0`` for a block with ``M == 0``);
-* nearest: ``k = lower_bound(C, z)`` (first ``C[k] >= z``), ``L = max(k - 1, 0)``,
+* nearest: ``k = lower_bound(C, z)`` (first ``C[k] >= z``, found through a bucket table:
+  see :func:`lower_bound`), ``L = max(k - 1, 0)``,
   ``R = min(k, 255)``; choose ``L`` when ``|z - C[L]| <= |z - C[R]|`` (ties: lower index);
 * stochastic: same bracket; ``p_up = (clamp(z, C[L], C[R]) - C[L]) / (C[R] - C[L])`` (0 when
   ``C[R] == C[L]``); choose ``R`` when ``U(seed, index) < p_up``, so ``E[C[q]] = z``.
@@ -31,6 +32,9 @@ import torch
 
 __all__ = [
     "CODEBOOK_SIZE",
+    "LOOKUP_BUCKETS",
+    "bucket_occupancy_ok",
+    "lower_bound",
     "dequantize",
     "nearest_codeword",
     "normalize_blocks",
@@ -39,6 +43,9 @@ __all__ = [
 ]
 
 CODEBOOK_SIZE = 256
+#: Buckets of the lower-bound lookup table on ``[-1, 1]`` (width 2 / 4096, the histogram's bins).
+LOOKUP_BUCKETS = 4096
+_PER_BUCKET = 2
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -90,8 +97,48 @@ def _gather(codebook: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return codebook.index_select(0, flat).view(indices.shape)
 
 
+def _buckets(values: torch.Tensor) -> torch.Tensor:
+    """``clamp(floor(fl(v + 1) * 2048), 0, 4095)`` as int32 (``v >= -1``: truncation is floor)."""
+    return ((values + 1.0) * float(LOOKUP_BUCKETS // 2)).to(torch.int32).clamp_(0, LOOKUP_BUCKETS - 1)
+
+
+def bucket_occupancy_ok(codebook: torch.Tensor) -> bool:
+    """The lookup precondition: no bucket holds more than two codewords below +1."""
+    below = codebook[codebook < 1.0]
+    if below.numel() == 0:
+        return True
+    counts = torch.bincount(_buckets(below).to(torch.int64), minlength=LOOKUP_BUCKETS)
+    return bool(counts.max() <= _PER_BUCKET)
+
+
+def lower_bound(codebook: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """First index ``k`` with ``codebook[k] >= z`` (int32), for ``z`` in ``[-1, 1]``.
+
+    Equal to a binary search, but through a 4097-entry bucket table: codewords in lower
+    buckets are below ``z``, codewords in higher buckets above it, and within ``z``'s own
+    bucket at most two codewords can be below ``z`` (:func:`bucket_occupancy_ok`, which every
+    learned or loaded codebook satisfies), so two comparisons finish the search.
+    """
+    table = torch.searchsorted(
+        _buckets(codebook),
+        torch.arange(LOOKUP_BUCKETS + 1, dtype=torch.int32, device=codebook.device),
+        out_int32=True,
+    )
+    last = codebook.numel() - 1
+    bucket = _buckets(z).reshape(-1)
+    start = table.index_select(0, bucket)
+    stop = table.index_select(0, bucket + 1)
+    flat = z.reshape(-1)
+    result = start.clone()
+    for offset in range(_PER_BUCKET):
+        candidate = start + offset
+        value = codebook.index_select(0, candidate.clamp(max=last))
+        result += ((candidate < stop) & (value < flat)).to(torch.int32)
+    return result.view(z.shape)
+
+
 def _bracket(codebook: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    upper = torch.searchsorted(codebook, z.contiguous(), side="left", out_int32=True)
+    upper = lower_bound(codebook, z)
     last = codebook.numel() - 1
     lower = (upper - 1).clamp_(min=0)
     upper = upper.clamp_(max=last)
