@@ -10,7 +10,7 @@ import torch
 from gefen_contracts import KernelRegistry, KernelUnavailableError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen, GradientError
-from gefen_core.ops import OPS
+from gefen_core.ops import DISPATCHED_OPS, OPS
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
@@ -168,6 +168,12 @@ def test_fused_true_requires_a_provider() -> None:
     provider = _CountingProvider()
     _run(True, KernelRegistry([provider]))
     assert provider.calls["gefen.block_step/1"] == 3
+
+    class StepOpsOnly(_CountingProvider):
+        def op_ids(self) -> frozenset[str]:
+            return frozenset(DISPATCHED_OPS)  # no gefen.stochastic_uniform/1: never dispatched
+
+    _run(True, KernelRegistry([StepOpsOnly()]))
     declining = _CountingProvider()
     params = [torch.nn.Parameter(torch.randn(8, 16))]
     opt = Gefen(params, fused=True, kernel_registry=KernelRegistry([declining]))

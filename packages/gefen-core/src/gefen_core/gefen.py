@@ -20,7 +20,7 @@ from .contract import gefen_contract
 from .distributed import all_reduce_column_sums, topology_record
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
-from .ops import FACTORED_STATS, KernelDispatch
+from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
 from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, PERIOD, new_state
 from .parameter_update import decay_only, kernel_queries, placeholder_codebook, update_parameter
@@ -156,9 +156,7 @@ class Gefen(torch.optim.Optimizer):
         self._version += 1
 
     def _check_kernel_provider(self) -> None:
-        from .ops import OPS
-
-        missing = [op for op in sorted(OPS) if not self._dispatch.available(op)]
+        missing = [op for op in DISPATCHED_OPS if not self._dispatch.available(op)]
         if missing:
             from gefen_contracts import KernelUnavailableError
 

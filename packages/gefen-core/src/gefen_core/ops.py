@@ -46,6 +46,7 @@ from .reference_ops import (
 
 __all__ = [
     "BLOCK_STEP",
+    "DISPATCHED_OPS",
     "FACTORED_STATS",
     "FACTORED_STEP",
     "HISTOGRAM",
@@ -82,6 +83,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec(STOCHASTIC_UNIFORM, "SplitMix64 counter-based uniforms", stochastic_uniform_reference),
     )
 }
+
+
+#: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
+DISPATCHED_OPS = (BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
 
 
 class KernelDispatch:

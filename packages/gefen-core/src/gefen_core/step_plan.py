@@ -161,7 +161,7 @@ def plan_step(
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
     if fused is True:
-        _check_kernels(plan, dispatch, resolve_args)
+        _check_kernels(plan, dispatch, resolve_args, learns=not codebook_ready or refresh_due)
     return plan
 
 
@@ -169,8 +169,10 @@ def _check_kernels(
     plan: StepPlan,
     dispatch: KernelDispatch,
     resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+    *,
+    learns: bool,
 ) -> None:
-    needed = {HISTOGRAM}
+    needed = {HISTOGRAM} if learns and plan.works else set()
     for work in plan.works:
         needed.add(FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP)
         if work.variant == FACTORED:
