@@ -113,13 +113,29 @@ def fsdp_parity(rank: int, world: int) -> dict[str, Any]:
         first_row = rank * -(-p.shape[0] // world)
         expected_rows = ref_opt.state[q]["v_row"][first_row : first_row + rows]
         row_gaps[name] = ((state["v_row"] - expected_rows).abs().max() / expected.abs().max()).item() if rows else 0.0
+    from gefen_contracts.torch_support import CollectiveCounter
+
+    x, y = batch(1)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    counter = CollectiveCounter()
+    with counter.patched():
+        opt.preflight_step()
+    preflight_collectives = counter.total
+    opt.zero_grad()
     train(model, opt, 1, STEPS - 1)
     train(reference, ref_opt, 1, STEPS - 1)
     gaps: dict[str, float] = {}
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         full = p.full_tensor()  # type: ignore[attr-defined]
         gaps[name] = ((full - q.detach()).abs().max() / (STEPS * LR)).item()
-    return {"gaps": gaps, "col_gaps": col_gaps, "row_gaps": row_gaps, "replicated": replicated}
+    return {
+        "gaps": gaps,
+        "col_gaps": col_gaps,
+        "row_gaps": row_gaps,
+        "replicated": replicated,
+        "preflight_collectives": preflight_collectives,
+    }
 
 
 def fsdp_checkpoints(rank: int, world: int) -> dict[str, Any]:

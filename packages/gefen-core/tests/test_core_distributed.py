@@ -40,6 +40,7 @@ def test_fsdp2_default_constructor_trains_close_to_one_process(world: GlooWorld)
         for name, gap in result["gaps"].items():
             assert gap <= FSDP_PARITY_BOUND, f"rank {rank}: {name} drifted {gap:.3f} * steps * lr"
         assert result["replicated"] and all(result["replicated"].values()), "v_col must be identical on every rank"
+        assert result["preflight_collectives"] == 0
         assert len(result["col_gaps"]) == 3  # every Linear weight, the empty shard included
         for name, gap in {**result["col_gaps"], **result["row_gaps"]}.items():
             assert gap < 1e-6, f"{name}: sharded factored statistics differ from one process by {gap:.2e}"

@@ -228,3 +228,14 @@ def test_device_scalars_equal_host_scalars_bitwise() -> None:
                     **options,
                 )
                 assert torch.equal(host, device), (factored, beta1, beta2, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_left_intact_and_a_negative_gradient_raises_the_parameter(dtype: torch.dtype) -> None:
+    p = torch.nn.Parameter(torch.zeros(16, 32, dtype=dtype))
+    opt = Gefen([p], lr=1e-2, maximize=False)
+    grad = -torch.rand(16, 32, dtype=dtype) - 0.5
+    p.grad = grad.clone()
+    opt.step()
+    assert torch.equal(p.grad, grad)
+    assert bool((p > 0).all())
