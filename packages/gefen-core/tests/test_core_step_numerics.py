@@ -239,3 +239,20 @@ def test_gradients_are_left_intact_and_a_negative_gradient_raises_the_parameter(
     opt.step()
     assert torch.equal(p.grad, grad)
     assert bool((p > 0).all())
+
+
+def test_with_every_compression_off_gefen_is_adamw() -> None:
+    """Period 1 makes the momentum exact (z = +-1 is a codeword) and v per-element: AdamW."""
+    torch.manual_seed(10)
+    shapes = [(12, 20), (20,), (3, 12)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    options = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    gefen = Gefen(ours, force_1d_period_one=True, force_2d_period_one=True, factored_v_2d=False, **options)
+    adamw = torch.optim.AdamW(theirs, foreach=False, **options)
+    for _ in range(6):
+        grads = [torch.randn(s) for s in shapes]
+        _step(gefen, ours, grads)
+        _step(adamw, theirs, grads)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
