@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -53,9 +54,7 @@ def run(repeats: int, oracle_bins: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for kind in ("full", "gaussian"):
         positions, weights, scale = histogram_points(histogram(kind, BINS, 0))
-        seconds, _ = timed(
-            lambda p=positions, w=weights, s=scale: solve_pinned_codebook(p, w, CODEBOOK, scale=s), repeats
-        )
+        seconds, _ = timed(functools.partial(solve_pinned_codebook, positions, weights, CODEBOOK, scale=scale), repeats)
         rows.append(
             {
                 "name": f"dp/{kind}-{BINS}",
