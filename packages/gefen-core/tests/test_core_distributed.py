@@ -13,9 +13,12 @@ from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autous
 
 pytestmark = pytest.mark.distributed
 
-#: Stated bound (README): with rank-local periods and codebooks, every parameter of an FSDP2
-#: run stays within this many "maximal total movements" (steps * lr) of a single-process run.
-FSDP_PARITY_BOUND = 0.25
+#: Stated bounds (README): with rank-local periods and codebooks, an FSDP2 run's parameter
+#: movement differs from a single-process run's by at most this fraction of the latter
+#: (relative L2 norm per parameter): 2-D parameters, whose factored second moment is exact
+#: across shards, and every parameter (1-D ones keep rank-local blocks).
+FSDP_PARITY_BOUND_2D = 0.10
+FSDP_PARITY_BOUND = 0.30
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,8 @@ def test_fsdp2_default_constructor_trains_close_to_one_process(world: GlooWorld)
     results = world.run(cases.fsdp_parity)
     for rank, result in enumerate(results):
         for name, gap in result["gaps"].items():
-            assert gap <= FSDP_PARITY_BOUND, f"rank {rank}: {name} drifted {gap:.3f} * steps * lr"
+            bound = FSDP_PARITY_BOUND_2D if name.endswith("weight") and name[0] in "035" else FSDP_PARITY_BOUND
+            assert gap <= bound, f"rank {rank}: {name} moved {gap:.3f} (relative) away from one process"
         assert result["replicated"] and all(result["replicated"].values()), "v_col must be identical on every rank"
         assert result["preflight_collectives"] == 0
         assert len(result["col_gaps"]) == 3  # every Linear weight, the empty shard included
