@@ -132,6 +132,7 @@ def fsdp_parity(rank: int, world: int) -> dict[str, Any]:
         moved = (q.detach() - start).norm()
         gaps[name] = ((full - q.detach()).norm() / moved).item()
     return {
+        "two_d": sorted(name for name, p in reference.named_parameters() if p.dim() == 2),
         "gaps": gaps,
         "col_gaps": col_gaps,
         "row_gaps": row_gaps,
