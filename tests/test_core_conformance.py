@@ -1,8 +1,7 @@
 """The conformance kit against Gefen in the six configurations the issue names.
 
-Claims the kit cannot execute in one process are waived by name, each pointing at the
-distributed tests that execute them (gefen-core's test_core_distributed.py and
-test_core_checkpoint.py).
+Claims the kit cannot execute in one process are waived by name
+(``gefen_core.conformance.WAIVERS``), each pointing at the test that executes it.
 """
 
 from __future__ import annotations
@@ -15,20 +14,7 @@ import torch
 from gefen_contracts.testing import ConformanceTarget, assert_conformant, run_conformance
 from gefen_contracts.testing.model import make_kit_model
 from gefen_core import Gefen
-
-_DISTRIBUTED = "executed in two gloo processes by packages/gefen-core/tests/test_core_distributed.py"
-WAIVERS = {
-    "training:dtensor_1d_default_world": f"FSDP2 training {_DISTRIBUTED} (fsdp parity)",
-    "checkpoint:native_optimizer:dtensor_1d_default_world": f"rank-local native resume {_DISTRIBUTED}",
-    "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": (
-        "the staged load is the same code for DTensor parameters; atomicity is covered by the replicated check "
-        "and the foreign-topology refusal " + _DISTRIBUTED
-    ),
-    "checkpoint:pytorch_rank_local:dtensor_1d_default_world": f"get/set_optimizer_state_dict resume {_DISTRIBUTED}",
-    "checkpoint:pytorch_rank_local:replicated": (
-        "get/set_optimizer_state_dict resume is executed by packages/gefen-core/tests/test_core_checkpoint.py"
-    ),
-}
+from gefen_core.conformance import WAIVERS
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,11 +31,6 @@ def _factory(**options: Any) -> Callable[[list[tuple[str, torch.nn.Parameter]]],
         return Gefen(named, lr=1e-2, fused=False, **options)
 
     return build
-
-
-def default_factory(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
-    """Importable factory (``tests.test_core_conformance:default_factory``)."""
-    return Gefen(named, lr=1e-2, fused=False)
 
 
 def _bf16_model(seed: int) -> torch.nn.Module:
@@ -78,7 +59,7 @@ def test_conformance(name: str) -> None:
     target = ConformanceTarget(
         factory=_factory(**CONFIGS[name]),
         name=f"gefen[{name}]",
-        spec=f"{__name__}:default_factory",
+        spec="gefen_core.conformance:factory",
         waive=WAIVERS,
         **({"model_builder": _bf16_model, "loss_fn": _bf16_loss} if name == "bf16" else {}),
     )
@@ -87,3 +68,8 @@ def test_conformance(name: str) -> None:
     executed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"checkpoint.native_roundtrip", "checkpoint.native_atomic_load", "training.replicated"} <= executed
     assert {r.name for r in report.results if r.status.value == "waived"} == {f"claim {c}" for c in WAIVERS}
+
+
+def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
+    report = run_conformance("gefen_core.conformance:factory")
+    assert_conformant(report)
