@@ -514,6 +514,3 @@ class Gefen(torch.optim.Optimizer):
         super().__setstate__(state)
         for name, value in own.items():
             setattr(self, name, value)
-
-    def __repr__(self) -> str:
-        return f"Gefen({len(self.param_groups)} groups, global_step={self._global_step})"
