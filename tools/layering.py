@@ -9,6 +9,7 @@ tests): module-level and function-level ``import`` / ``from ... import`` stateme
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +42,27 @@ ALLOWED: dict[str, frozenset[str]] = {
     "gefen_example_sgd": frozenset({"gefen_contracts"}),
 }
 
-#: import name -> submodules siblings may import (the public API its README documents)
-PUBLIC_SUBMODULES: dict[str, frozenset[str]] = {
+#: import name -> submodules siblings may import: the public API its README documents.
+#: A submodule is public when the package's README names it as ``package.submodule``;
+#: gefen-contracts' extras are listed explicitly as well.
+EXPLICIT_PUBLIC: dict[str, frozenset[str]] = {
     "gefen_contracts": frozenset({"testing", "torch_support", "validation"}),
 }
+
+
+def _documented_submodules() -> dict[str, frozenset[str]]:
+    found: dict[str, set[str]] = {name: set(EXPLICIT_PUBLIC.get(name, ())) for name in PACKAGES.values()}
+    pattern = re.compile(r"\b(gefen_[a-z_]+|gefen)\.([a-z_][a-z0-9_]*)\b")
+    for directory, name in PACKAGES.items():
+        readme = ROOT / directory / "README.md"
+        if readme.exists():
+            for package, submodule in pattern.findall(readme.read_text()):
+                if package == name:
+                    found[name].add(submodule)
+    return {name: frozenset(subs) for name, subs in found.items()}
+
+
+PUBLIC_SUBMODULES: dict[str, frozenset[str]] = _documented_submodules()
 
 #: third-party modules gefen_contracts may import, and where
 CONTRACTS_THIRD_PARTY: dict[str, tuple[str, ...]] = {
