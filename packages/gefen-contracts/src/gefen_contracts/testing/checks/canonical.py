@@ -26,11 +26,27 @@ __all__ = ["CanonicalLocalCheck", "corrupted_documents"]
 FEATURE = "feature:canonical_local_state"
 _TRANSPORT = CheckpointTransport.CANONICAL_LOCAL.value
 _REPL = ParameterLayout.REPLICATED.value
-_ENVELOPE = ("format", "format_version", "coverage", "implementation", "policy", "common", "manifest", "parameters")
+_ENVELOPE = ("format", "format_version", "coverage", "implementation")
+
+
+def _parameter_tables(document: Any, depth: int = 0) -> Iterator[dict[str, Any]]:
+    """Every ``parameters`` table in a document: its own, or its nested parts' (a composite
+    nests its children's documents)."""
+    if type(document) is not dict or depth > 4:
+        return
+    if type(document.get("parameters")) is dict:
+        yield document["parameters"]
+        return
+    for value in document.values():
+        yield from _parameter_tables(value, depth + 1)
+
+
+def _first_table(document: dict[str, Any]) -> dict[str, Any] | None:
+    return next((t for t in _parameter_tables(document) if t), None)
 
 
 def _first_state_tensor(document: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
-    for entry in document["parameters"].values():
+    for entry in (e for t in _parameter_tables(document) for e in t.values()):
         state = entry.get("state") if isinstance(entry, dict) else None
         if isinstance(state, dict):
             for key, value in state.items():
@@ -40,7 +56,7 @@ def _first_state_tensor(document: dict[str, Any]) -> tuple[dict[str, Any], str] 
 
 
 def _first_state(document: dict[str, Any], minimum: int) -> dict[str, Any] | None:
-    for entry in document["parameters"].values():
+    for entry in (e for t in _parameter_tables(document) for e in t.values()):
         state = entry.get("state") if isinstance(entry, dict) else None
         if isinstance(state, dict) and len(state) >= minimum:
             return state
@@ -62,16 +78,22 @@ def _edits() -> list[tuple[str, Callable[[dict[str, Any]], bool]]]:
         return True
 
     def drop_parameter(doc: dict[str, Any]) -> bool:
-        doc["parameters"].pop(next(iter(doc["parameters"])))
+        table = _first_table(doc)
+        if table is None:
+            return False
+        table.pop(next(iter(table)))
         return True
 
     def rename_parameter(doc: dict[str, Any]) -> bool:
-        first = next(iter(doc["parameters"]))
-        doc["parameters"]["kit.renamed"] = doc["parameters"].pop(first)
+        table = _first_table(doc)
+        if table is None:
+            return False
+        table["kit.renamed"] = table.pop(next(iter(table)))
         return True
 
     def variant(doc: dict[str, Any]) -> bool:
-        entry = next(iter(doc["parameters"].values()))
+        table = _first_table(doc)
+        entry = next(iter(table.values())) if table else None
         if not isinstance(entry, dict) or "variant" not in entry:
             return False
         entry["variant"] = "kit.no_such_variant"
@@ -131,11 +153,12 @@ def _edits() -> list[tuple[str, Callable[[dict[str, Any]], bool]]]:
 
 
 def corrupted_documents(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Corrupted deep copies of a ``gefen.bound_state`` document, one per applicable class.
+    """Corrupted deep copies of a canonical local document, one per applicable class.
 
     Every class breaks a rule any honest importer checks: envelope constants, implementation,
     policy, the FQN set, FQN keys, declared variants, finite values, state shapes and key
-    sets, and the manifest.
+    sets, and the manifest. Per-parameter classes edit the first ``parameters`` table found,
+    so a composite's nested child documents are corrupted too.
     """
     for name, edit in _edits():
         corrupted = copy.deepcopy(document)
@@ -184,9 +207,8 @@ class CanonicalLocalCheck:
         missing = [key for key in _ENVELOPE if key not in document]
         assert not missing, f"the document lacks the envelope keys {missing}"
         fqns = sorted(name for name, _ in named_trainable(source.model))
-        assert sorted(document["parameters"]) == fqns, (
-            f"the document's parameters {sorted(document['parameters'])} are not keyed by the FQNs {fqns}"
-        )
+        keyed = sorted(fqn for table in _parameter_tables(document) for fqn in table)
+        assert keyed == fqns, f"the document's parameter entries {keyed} are not keyed by the FQNs {fqns}"
         reference = context.weights_only_roundtrip(document)
         target = _Subject(context, bind, 1, reverse=True)
         context.copy_parameters(source.model, target.model)

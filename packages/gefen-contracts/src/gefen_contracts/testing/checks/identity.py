@@ -305,13 +305,22 @@ class FlattenedCheckpointsCheck:
     name = "identity.flattened_checkpoints"
 
     def covers(self, claims: frozenset[str]) -> frozenset[str]:
-        return _flat_claims(claims, CheckpointTransport.NATIVE_OPTIMIZER.value) | _flat_claims(
-            claims, CheckpointTransport.CANONICAL_LOCAL.value
+        return (
+            _flat_claims(claims, CheckpointTransport.NATIVE_OPTIMIZER.value)
+            | _flat_claims(claims, CheckpointTransport.COMPOSITE_NATIVE.value)
+            | _flat_claims(claims, CheckpointTransport.CANONICAL_LOCAL.value)
         )
 
     def run(self, context: CheckContext) -> None:
         claims = self.covers(context.claims)
-        native = bool(_flat_claims(claims, CheckpointTransport.NATIVE_OPTIMIZER.value))
+        native_atomic = {
+            atomic_claim(t.value, _FLAT)
+            for t in (CheckpointTransport.NATIVE_OPTIMIZER, CheckpointTransport.COMPOSITE_NATIVE)
+        }
+        native = bool(
+            _flat_claims(claims, CheckpointTransport.NATIVE_OPTIMIZER.value)
+            | _flat_claims(claims, CheckpointTransport.COMPOSITE_NATIVE.value)
+        )
         canonical = bool(_flat_claims(claims, CheckpointTransport.CANONICAL_LOCAL.value))
         steps = context.target.steps
         driver = context.target.model_builder(0)
@@ -327,7 +336,7 @@ class FlattenedCheckpointsCheck:
             for optimizer, state in zip(restored.optimizers, saved):
                 optimizer.load_state_dict(state)
             step = self._continue(context, driver, world, restored, "native", step)
-            if atomic_claim(CheckpointTransport.NATIVE_OPTIMIZER.value, _FLAT) in claims:
+            if native_atomic & claims:
                 target = FlatWorld(context, values=values)
                 for name, corrupted in corrupted_variants(saved[0]):
                     expect_refusal(
