@@ -190,6 +190,7 @@ class PostShardingCheck:
         )
         trained_model, trained_optimizer = context.trained()
         trained: Any = trained_optimizer
+        trained.zero_grad(set_to_none=True)  # refused for its state, not for a leftover gradient
         late = replicated_copy_plan(named_trainable(trained_model))
         expect_refusal(
             problems,
