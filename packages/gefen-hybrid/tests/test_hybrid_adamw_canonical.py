@@ -259,7 +259,7 @@ def _golden_optimizer() -> tuple[nn.Module, ContractedAdamW]:
 
 
 def test_the_document_format_is_pinned_by_a_golden_vector() -> None:
-    model, optimizer = _golden_optimizer()
+    _model, optimizer = _golden_optimizer()
     weight_id = optimizer.state_dict()["param_groups"][0]["params"][0]
     native = optimizer.state_dict()
     native["state"] = {

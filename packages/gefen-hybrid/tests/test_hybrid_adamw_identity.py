@@ -386,7 +386,7 @@ def test_a_closure_that_tampers_is_caught_after_it_and_before_any_mutation() -> 
 
 
 def test_the_contract_is_dynamic_and_every_negative_says_why() -> None:
-    model, optimizer, plan = _fresh()
+    _model, optimizer, plan = _fresh()
     features = optimizer.optimizer_contract().capabilities.features
     assert features[FEATURE_POST_SHARDING].supported
     assert (
