@@ -20,6 +20,7 @@ on the composite's children only through the gefen-contracts Protocols.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -184,7 +185,9 @@ class CompositeIdentityMethods:
             ) from exc
         for role, child in self._children:
             child.commit_post_sharding(fresh[role])  # type: ignore[attr-defined]
-        self._identity = request.identity
+        pairs = [pair for _, child in self._children for pair in child.shard_bindings()]  # type: ignore[attr-defined]
+        bindings = tuple(sorted(pairs, key=lambda pair: pair[1].sort_key))
+        self._identity = replace(request.identity, bindings=bindings)
         self._owners = {}
         self._changes.bump()
 
@@ -206,10 +209,7 @@ class CompositeIdentityMethods:
     def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
         """Both children's bindings, sorted by ``sort_key`` (``()`` before ``post_sharding``)."""
         self._verify_identity("shard_bindings")
-        if self._identity is None:
-            return ()
-        pairs = [pair for _, child in self._children for pair in child.shard_bindings()]  # type: ignore[attr-defined]
-        return tuple(sorted(pairs, key=lambda pair: pair[1].sort_key))
+        return () if self._identity is None else self._identity.bindings
 
     def shard_identity(self, parameter: Any) -> ShardIdentity:
         """The shard the owning child bound to ``parameter`` (``KeyError`` otherwise)."""

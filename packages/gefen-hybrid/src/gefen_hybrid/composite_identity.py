@@ -35,12 +35,17 @@ __all__ = ["CompositeBindingRequest", "CompositeIdentity", "plan_composite_bindi
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CompositeIdentity:
-    """The finalized identity of a composite (immutable; published in one swap)."""
+    """The finalized identity of a composite (immutable; published in one swap).
+
+    ``bindings`` are both children's local bindings sorted by ``sort_key`` (filled in once the
+    children committed: they hold the children's tensors).
+    """
 
     manifest: ShardingManifest
     routing: tuple[tuple[str, str], ...]
     child_manifests: Mapping[str, ShardingManifest]
     scope: object | None
+    bindings: tuple[tuple[Any | None, ShardIdentity], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
