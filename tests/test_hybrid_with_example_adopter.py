@@ -35,10 +35,4 @@ def test_with_a_model_the_embedding_goes_to_the_backup_by_module_type() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
     optimizer = CompositeOptimizer.from_factories(model, {"muon": sgd_factory, "backup": adamw_factory})
     routing = dict(optimizer.parameter_routing())
-    assert routing == {
-        "0.weight": "backup",
-        "1.weight": "muon",
-        "1.bias": "backup",
-        "2.weight": "backup",
-        "2.bias": "backup",
-    }
+    assert routing == {"0.weight": "backup", "1.weight": "muon", "1.bias": "backup", "2.weight": "backup", "2.bias": "backup"}
