@@ -3,6 +3,7 @@ either commits, sealed) and canonical local state (children's documents nested b
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -373,3 +374,17 @@ def test_the_composite_document_format_is_pinned_by_a_golden_vector() -> None:
     twin.commit_local_import(twin.prepare_local_import(golden))
     block: Any = twin_model.Block
     assert torch.equal(twin.state[block.weight]["exp_avg"], torch.full((2, 2), 0.5))
+
+
+def test_a_copy_of_a_finalized_composite_stays_sealed_and_trains_identically() -> None:
+    model, composite, _ = _bound()
+    _train(model, composite, 2)
+    twin_model, twin = copy.deepcopy((model, composite))
+    params = {id(p) for child in twin.child_optimizers().values() for g in child.param_groups for p in g["params"]}
+    assert {id(t) for t, _ in twin.shard_bindings()} == params  # the copy's bindings hold the copied tensors
+    assert twin.parameter_routing() == composite.parameter_routing()
+    with pytest.raises(RuntimeError, match="sealed"):
+        twin.add_param_group({"params": [("extra", nn.Parameter(torch.zeros(2)))]})
+    _train(model, composite, 2, start=2)
+    _train(twin_model, twin, 2, start=2)
+    assert _equal(model, twin_model)

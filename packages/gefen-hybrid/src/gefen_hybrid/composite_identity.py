@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
 from gefen_contracts import (
     FEATURE_COLLECTIVE_SCOPE,
     ContractError,
+    FrozenMap,
     NotSupportedError,
     ParameterRebinding,
     ShardIdentity,
@@ -99,10 +99,10 @@ def plan_composite_binding(
         )
     routing = tuple(sorted((r.shard.fqn, role) for role, part in parts.items() for r in part))
     child_manifests = {role: manifest.restricted_to({r.shard.fqn for r in part}) for role, part in parts.items()}
-    identity = CompositeIdentity(manifest, routing, MappingProxyType(child_manifests), scope)
+    identity = CompositeIdentity(manifest, routing, FrozenMap(child_manifests), scope)
     return CompositeBindingRequest(
-        MappingProxyType({role: tuple(part) for role, part in parts.items()}),
-        MappingProxyType({role: scope if role in scoped else None for role, _ in children}),
+        FrozenMap({role: tuple(part) for role, part in parts.items()}),
+        FrozenMap({role: scope if role in scoped else None for role, _ in children}),
         identity,
     )
 
