@@ -113,7 +113,7 @@ class CompositeIdentityMethods:
         if identity is None:
             return
         for role, child in self._children:
-            if _manifest_of(child) is not identity.child_manifests[role]:
+            if _manifest_of(child) != identity.child_manifests[role]:
                 raise LayoutTamperedError(
                     f"{where}: child {role!r} is no longer bound to the manifest the composite's post_sharding gave it"
                 )
