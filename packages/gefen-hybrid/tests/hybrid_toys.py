@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -223,7 +224,7 @@ class SignMomentum(torch.optim.Optimizer):
         groups, state = payload
         for live, new in zip(self.param_groups, groups):
             live.update(new)
-        fresh: Any = type(self.state)()
+        fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         fresh.update(state)
         self.state = fresh
         self._version += 1

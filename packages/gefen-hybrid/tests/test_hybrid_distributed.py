@@ -1,6 +1,8 @@
 """A real 2-rank gloo group: under FSDP2 (fully_shard on CPU) and over a child's collective
 scope, a one-rank failure makes every rank raise the same error with nothing changed; the
-DTensor claims of ContractedAdamW (training, same-topology native checkpoints) hold."""
+DTensor claims of ContractedAdamW (training, same-topology native checkpoints) hold; a
+composite bound to each rank's flattened slices trains like the full tensors and refuses the
+other rank's canonical document."""
 
 from __future__ import annotations
 
@@ -231,6 +233,63 @@ def rank_scope_binding_fault_on_rank0(rank: int, world_size: int) -> dict[str, A
     return outcome
 
 
+def rank_flattened_composite_across_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    """Each rank binds its own member's flattened slices; shards are gathered with real collectives."""
+    import torch.distributed as dist
+    from gefen_contracts import ProcessGroupIdentity
+    from gefen_contracts.testing import flattened_plan
+
+    group = ProcessGroupIdentity("tests.dp", tuple(f"rank:{r}" for r in range(world_size)))
+
+    def bound() -> tuple[nn.Module, CompositeOptimizer, Any]:
+        torch.manual_seed(0)
+        model = _Net()
+        plan = flattened_plan(list(model.named_parameters()), rank, group=group, whole_to_first=["out.bias"])
+        composite = CompositeOptimizer.from_factories(model, {"muon": adamw_factory, "backup": adamw_factory})
+        composite.post_sharding(plan.rebindings, manifest=plan.manifest)
+        return model, composite, plan
+
+    driver, composite, plan = bound()
+    torch.manual_seed(0)
+    full = _Net()
+    reference = CompositeOptimizer.from_factories(full, {"muon": adamw_factory, "backup": adamw_factory})
+    mismatched: list[str] = []
+    for step in range(3):
+        driver.zero_grad(set_to_none=True)
+        _loss(driver, step).backward()  # the same batch on every rank: replicated gradients
+        for rebinding in plan.rebindings:
+            name, extent = rebinding.shard.fqn, rebinding.shard.extent
+            grad = dict(driver.named_parameters())[name].grad
+            plan.targets[name].grad = grad.reshape(-1)[extent.flat_offset : extent.flat_offset + extent.length].clone()
+        composite.step()
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, {n: t.detach().clone() for n, t in plan.targets.items()})
+        reference.zero_grad(set_to_none=True)
+        _loss(full, step).backward()
+        reference.step()
+        with torch.no_grad():
+            for name, parameter in driver.named_parameters():
+                parameter.copy_(torch.cat([shards[name] for shards in gathered]).view_as(parameter))
+        mismatched += [n for n, p in full.named_parameters() if not torch.equal(p, dict(driver.named_parameters())[n])]
+    document = composite.export_local_state()
+    documents: list[Any] = [None] * world_size
+    dist.all_gather_object(documents, document)
+    _, twin, _ = bound()
+    twin.commit_local_import(twin.prepare_local_import(documents[rank]))
+    peer = documents[(rank + 1) % world_size]
+    before = deep_snapshot(twin)
+    refusal = _failure(lambda: twin.prepare_local_import(peer))
+    contract = composite.optimizer_contract().capabilities
+    canonical = [e for e in contract.checkpoints if e.transport.value == "canonical_local"]
+    return {
+        "mismatched": mismatched,
+        "refusal": refusal,
+        "unchanged": snapshot_diff(before, twin) == [],
+        "canonical_layouts": sorted(layout.value for e in canonical for layout in e.same_topology),
+        "empty_shard": plan.targets["out.bias"].numel() == 0,
+    }
+
+
 # -- tests ------------------------------------------------------------------------------------------
 
 
@@ -279,3 +338,13 @@ def test_a_failure_is_voted_over_a_childs_collective_scope_binding(world: GlooWo
         assert outcome["type"] == "CollectiveFailureError" and outcome["diffs"] == []
         assert outcome["healthy_step_collectives"] == {"all_reduce": 1}
     assert rank0["local"] and not rank1["local"]
+
+
+def test_flattened_composite_members_on_two_ranks_train_like_the_full_tensors(world: GlooWorld) -> None:
+    rank0, rank1 = world.run(rank_flattened_composite_across_ranks)
+    for outcome in (rank0, rank1):
+        assert outcome["mismatched"] == []
+        assert outcome["canonical_layouts"] == ["flattened_element_shard"]
+        assert outcome["refusal"]["type"] == "StateValidationError" and outcome["unchanged"]
+        assert "another member's slice" in outcome["refusal"]["message"]
+    assert not rank0["empty_shard"] and rank1["empty_shard"]  # rank 1 holds an empty shard of out.bias

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ContractError, ContractTypeError
+from .errors import ContractTypeError
 from .identity import ShardIdentity
 from .validation import exact_int, exact_str
 
@@ -35,9 +35,12 @@ class ParameterRebinding:
 class LogicalSlotBinding:
     """One original optimizer slot after post-sharding, kept without tensors.
 
-    Records the slot's ``(group_index, original_slot_index)`` position, its lowercase
-    compatibility name (the name native checkpoints use) and its shard identity; pruned
-    non-owner slots keep their position this way.
+    Records the slot's ``(group_index, original_slot_index)`` position, its compatibility
+    name (the name native checkpoints use; ``""`` when the slot has none) and its shard
+    identity; pruned non-owner slots keep their position this way. The name is kept
+    exactly as the optimizer gives it: torch's own ``param_names`` preserve case, and an
+    optimizer with stricter naming rules (Gefen's lowercase legacy names) enforces them
+    itself.
     """
 
     group_index: int
@@ -48,9 +51,7 @@ class LogicalSlotBinding:
     def __post_init__(self) -> None:
         exact_int(self.group_index, "LogicalSlotBinding.group_index", minimum=0)
         exact_int(self.original_slot_index, "LogicalSlotBinding.original_slot_index", minimum=0)
-        name = exact_str(self.compatibility_name, "LogicalSlotBinding.compatibility_name")
-        if name != name.lower():
-            raise ContractError(f"LogicalSlotBinding.compatibility_name {name!r} must be lowercase")
+        exact_str(self.compatibility_name, "LogicalSlotBinding.compatibility_name")
         if type(self.shard) is not ShardIdentity:
             raise ContractTypeError("LogicalSlotBinding.shard must be a ShardIdentity")
 

@@ -5,7 +5,10 @@ Depends only on gefen-contracts and torch. Public API:
 * :class:`CompositeOptimizer` (roles ``"muon"`` and ``"backup"``), its routing rules
   (:class:`RoutingRules`, :func:`route_model`, :func:`route_named_parameters`,
   :func:`split_by_role`) and its native state-dict format;
-* :class:`ContractedAdamW`, ``torch.optim.AdamW`` that keeps the convention;
+* :class:`ContractedAdamW`, ``torch.optim.AdamW`` that keeps the convention (its dynamic
+  contract: :func:`adamw_contract` of an :class:`AdamWReadiness`);
+* shard identity (``post_sharding``) and canonical local state on both, the composite's
+  document being ``gefen.composite_bound_state`` (:data:`COMPOSITE_DOCUMENT_FORMAT`);
 * :mod:`gefen_hybrid.conformance`: factories for the conformance kit.
 """
 
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 from ._version import __version__
 from .adamw import ContractedAdamW
-from .adamw_contract import ADAMW_CONTRACT, ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT
+from .adamw_canonical import NO_STATE_VARIANT
+from .adamw_contract import ADAMW_CONTRACT, ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT, AdamWReadiness, adamw_contract
 from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, CompositeOptimizer
+from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_VERSION
 from .composite_contract import derive_composite_contract, intersect_checkpoint_support
 from .composite_format import FORMAT, FORMAT_VERSION
 from .composite_state import CompositeState
@@ -33,10 +38,13 @@ __all__ = [
     "ADAMW_CONTRACT",
     "ADAMW_IMPLEMENTATION",
     "ADAMW_STATE_LAYOUT",
+    "COMPOSITE_DOCUMENT_FORMAT",
+    "COMPOSITE_DOCUMENT_VERSION",
     "DEFAULT_BACKUP_SUBSTRINGS",
     "DEFAULT_IMPLEMENTATION",
     "FORMAT",
     "FORMAT_VERSION",
+    "NO_STATE_VARIANT",
     "ROLES",
     "ROLE_BACKUP",
     "ROLE_MUON",
@@ -49,7 +57,9 @@ __all__ = [
     "NamedParameter",
     "RoutedParameters",
     "RoutingRules",
+    "AdamWReadiness",
     "__version__",
+    "adamw_contract",
     "derive_composite_contract",
     "intersect_checkpoint_support",
     "role_tag",

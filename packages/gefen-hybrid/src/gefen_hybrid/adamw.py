@@ -1,26 +1,53 @@
 """``ContractedAdamW``: ``torch.optim.AdamW`` that keeps the convention.
 
 Same constructor, same ``foreach``/``fused`` flags, same numerics (the step is torch's own
-code path), plus: a published contract, an atomic staged native load, and a side-effect
-free step preflight, so that it can be the backup child of a composite and refuse a bad
-gradient or checkpoint before anything changes.
+code path), plus: a published (dynamic) contract, an atomic staged native load, a side-effect
+free step preflight, post-sharding identity binding with a sealed layout, and canonical
+local state documents, so that it can be the backup child of a composite and refuse a bad
+gradient, checkpoint or layout change before anything changes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import OptimizerContract, StagedTransaction, require_transaction
+from gefen_contracts import (
+    FEATURE_CANONICAL_LOCAL_STATE,
+    FEATURE_COLLECTIVE_SCOPE,
+    FEATURE_POST_SHARDING,
+    FeatureStatus,
+    LayoutTamperedError,
+    NotSupportedError,
+    OptimizerContract,
+    ParameterRebinding,
+    ShardIdentity,
+    ShardingManifest,
+    StagedTransaction,
+    require_transaction,
+)
+from gefen_contracts.torch_support import SealedLayout, plan_rebinding, state_version_token
 
-from .adamw_contract import ADAMW_CONTRACT
+from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
+from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
+from .adamw_identity import (
+    StagedBinding,
+    check_adamw_layout,
+    compatibility_names,
+    rebuild_sealed_layout,
+    stage_binding,
+    state_blockers,
+)
 from .adamw_state import StagedAdamWState, stage_adamw_state
 from .tensor_checks import is_dtensor
 
 __all__ = ["ContractedAdamW"]
 
 _LOAD_KIND = "gefen.ContractedAdamW.native_load"
+_BIND_KIND = "gefen.ContractedAdamW.post_sharding"
+_IMPORT_KIND = "gefen.ContractedAdamW.local_import"
 
 
 def _torch_adam_step() -> Callable[..., Any]:
@@ -45,7 +72,8 @@ def _fused_device_check() -> Callable[[torch.Tensor], None] | None:
 
 
 class ContractedAdamW(torch.optim.AdamW):
-    """AdamW with a contract (``"gefen.ContractedAdamW"``), ``StagedNativeLoad`` and ``StepPreflight``.
+    """AdamW with a contract (``"gefen.ContractedAdamW"``) implementing ``StagedNativeLoad``,
+    ``StepPreflight``, ``IdentityBindable`` and ``CanonicalLocalState``.
 
     ``step`` is bit-identical to ``torch.optim.AdamW`` with the same arguments (it runs
     torch's own implementation) but first checks every gradient, so a bad one raises before
@@ -53,6 +81,15 @@ class ContractedAdamW(torch.optim.AdamW):
     publishing it (torch's load is not fail-before-mutation and silently casts dtypes); see
     :mod:`gefen_hybrid.adamw_state` for what is checked. ``differentiable=True`` is refused:
     staged loads and preflights work on plain state.
+
+    ``post_sharding`` binds every slot of a pristine optimizer to its live local tensor
+    (``REPLICATED`` or ``FLATTENED_ELEMENT_SHARD``) in one transaction and seals the layout:
+    afterwards ``add_param_group`` and a second ``post_sharding`` raise, and ``step`` (before
+    and after the closure), ``preflight_step``, ``state_dict``, loads and canonical state
+    verify the sealed layout in O(local parameters) and raise ``LayoutTamperedError`` before
+    any mutation if public containers were changed. ``export_local_state`` /
+    ``prepare_local_import`` / ``commit_local_import`` move FQN-keyed ``gefen.bound_state``
+    documents (see :mod:`gefen_hybrid.adamw_canonical`).
     """
 
     def __init__(
@@ -76,6 +113,7 @@ class ContractedAdamW(torch.optim.AdamW):
                 "state); use torch.optim.AdamW for differentiable optimization"
             )
         self._version = 0
+        self._sealed: SealedLayout | None = None
         super().__init__(
             params,
             lr,
@@ -90,16 +128,60 @@ class ContractedAdamW(torch.optim.AdamW):
             fused=fused,
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps only defaults, state and param_groups; the sealed layout travels as its
+        # tensor-free record and is rebuilt around the copied tensors.
+        state: dict[str, Any] = super().__getstate__()
+        sealed = self.__dict__.get("_sealed")
+        state["_identity_record"] = None if sealed is None else (sealed.manifest, sealed.slots)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch's __getstate__ keeps only defaults, state and param_groups (copy and pickle).
+        record = state.pop("_identity_record", None)
         super().__setstate__(state)
         self.__dict__.setdefault("_version", 0)
+        self._sealed = None if record is None else rebuild_sealed_layout(self.param_groups, *record)
 
     # -- ContractProvider ----------------------------------------------------------------
 
     def optimizer_contract(self) -> OptimizerContract:
-        """The contract (constant: AdamW's claims do not depend on its configuration)."""
-        return ADAMW_CONTRACT
+        """The contract for the live optimizer (identity and canonical claims are dynamic).
+
+        Cheap: O(local parameters), no collectives, nothing mutated.
+        """
+        return adamw_contract(self._readiness())
+
+    def _readiness(self) -> AdamWReadiness:
+        sealed = self._sealed
+        if sealed is None:
+            blockers = state_blockers(self.state)
+            if not blockers:
+                return FRESH_READINESS
+            return AdamWReadiness(
+                post_sharding=FeatureStatus.no(*blockers),
+                identity=FRESH_READINESS.identity,
+                canonical=FRESH_READINESS.canonical,
+            )
+        layouts = frozenset(shard.layout for _, shard in sealed.bindings)
+        try:
+            sealed.verify(self.param_groups, self.state, where="optimizer_contract")
+        except LayoutTamperedError as exc:
+            broken = FeatureStatus.no(str(exc))
+            return AdamWReadiness(FeatureStatus.yes(), broken, broken, layouts)
+        options = option_blockers(self.param_groups)
+        canonical = FeatureStatus.no(*options) if options else FeatureStatus.yes()
+        return AdamWReadiness(FeatureStatus.yes(), FeatureStatus.yes(), canonical, layouts)
+
+    def _verify_layout(self, where: str) -> None:
+        """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""
+        sealed = self._sealed
+        if sealed is not None:
+            sealed.verify(self.param_groups, self.state, where=where)
+
+    def _freshness(self) -> Hashable:
+        """The freshness token of prepared transactions: this optimizer's mutation counter, the
+        state object, and the version counters of every parameter, option and state value."""
+        return (self._version, id(self.state), state_version_token(self.param_groups, self.state))
 
     # -- StepPreflight and step ------------------------------------------------------------
 
@@ -108,8 +190,9 @@ class ContractedAdamW(torch.optim.AdamW):
 
         Checks: sparse gradients, a gradient whose kind (DTensor or not), shape or device
         differs from its parameter, parameters the fused kernel cannot take, and a tensor
-        ``lr`` with ``foreach=True`` and ``capturable=False``.
+        ``lr`` with ``foreach=True`` and ``capturable=False``; first of all, the sealed layout.
         """
+        self._verify_layout("step")
         fused_check = _fused_device_check()
         for index, group in enumerate(self.param_groups):
             if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
@@ -134,9 +217,11 @@ class ContractedAdamW(torch.optim.AdamW):
                     fused_check(parameter)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (under ``enable_grad``), preflight, then torch's AdamW step."""
+        """Verify the sealed layout, run ``closure`` (under ``enable_grad``), preflight (which
+        verifies the layout again), then torch's AdamW step."""
         loss = None
         if closure is not None:
+            self._verify_layout("step")
             with torch.enable_grad():
                 loss = closure()
         self.preflight_step()
@@ -147,25 +232,42 @@ class ContractedAdamW(torch.optim.AdamW):
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; refused (``RuntimeError``) once ``post_sharding`` sealed the layout."""
+        if getattr(self, "_sealed", None) is not None:
+            raise RuntimeError(
+                "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
+                "parameter group before calling post_sharding"
+            )
         super().add_param_group(param_group)
         self._version = getattr(self, "_version", 0) + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict`` after verifying the sealed layout."""
+        self._verify_layout("state_dict")
+        return super().state_dict()
 
     # -- StagedNativeLoad -------------------------------------------------------------------
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage it on fresh containers (no hooks, no mutation)."""
+        self._verify_layout("load_state_dict")
         staged = stage_adamw_state(self.param_groups, state_dict)
         return StagedTransaction(self, kind=_LOAD_KIND, token=self._version, payload=staged)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         """Publish a staged load; ``StaleTransactionError`` (and no change) if it is foreign,
         consumed, or this optimizer stepped, loaded or gained a group since staging."""
+        self._verify_layout("load_state_dict")
         payload = require_transaction(staged).claim(self, kind=_LOAD_KIND, current_token=self._version)
         assert isinstance(payload, StagedAdamWState)
+        self._publish_state(payload)
+
+    def _publish_state(self, payload: StagedAdamWState) -> None:
+        # Swaps that cannot raise: group dicts updated in place (str keys), state replaced.
         for live, new in zip(self.param_groups, payload.groups):
             live.clear()
             live.update(new)
-        fresh: Any = type(self.state)()
+        fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         fresh.update(payload.state)
         self.state = fresh
         self._version += 1
@@ -180,3 +282,119 @@ class ContractedAdamW(torch.optim.AdamW):
         self.commit_staged_state_dict(self.stage_state_dict(current))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    # -- IdentityBindable -------------------------------------------------------------------
+
+    def prepare_post_sharding(
+        self,
+        rebindings: Sequence[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        scope: object | None = None,
+    ) -> StagedTransaction:
+        """Validate a post-sharding request and stage the new layout (nothing mutated).
+
+        Raises ``RuntimeError`` if already finalized, ``NotSupportedError`` if a parameter
+        already has state (not pristine) or a ``scope`` is given (AdamW has no collective
+        scope), and the ``ContractError``/``ContractTypeError``/``RuntimeError`` of
+        ``plan_rebinding`` for an invalid request; layouts other than ``REPLICATED`` and
+        ``FLATTENED_ELEMENT_SHARD`` are refused.
+        """
+        if self._sealed is not None:
+            raise RuntimeError("post_sharding: this ContractedAdamW is already finalized (its layout is sealed)")
+        blockers = state_blockers(self.state)
+        if blockers:
+            raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
+        if scope is not None:
+            raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, (COLLECTIVE_SCOPE_REASON,))
+        plan = plan_rebinding(
+            self.param_groups,
+            rebindings,
+            manifest=manifest,
+            scope=None,
+            name_of=compatibility_names(self.param_groups),
+            check_layout=check_adamw_layout,
+        )
+        staged = stage_binding(self.param_groups, plan)
+        return StagedTransaction(self, kind=_BIND_KIND, token=self._freshness(), payload=staged)
+
+    def commit_post_sharding(self, staged: StagedTransaction) -> None:
+        """Publish a staged binding by swaps that cannot raise, and seal the layout.
+
+        ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
+        transaction (this optimizer, its parameters, options or state changed since prepare).
+        """
+        payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=self._freshness())
+        assert isinstance(payload, StagedBinding)
+        for live, new in zip(self.param_groups, payload.groups):
+            live.clear()
+            live.update(new)
+        self.state = defaultdict(dict)
+        self._sealed = payload.sealed
+        self._version += 1
+
+    def post_sharding(
+        self,
+        rebindings: Sequence[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        scope: object | None = None,
+    ) -> None:
+        """``prepare_post_sharding`` then ``commit_post_sharding``."""
+        self.commit_post_sharding(self.prepare_post_sharding(rebindings, manifest=manifest, scope=scope))
+
+    def sharding_manifest(self) -> ShardingManifest | None:
+        """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
+        self._verify_layout("sharding_manifest")
+        return None if self._sealed is None else self._sealed.manifest
+
+    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+        """``(tensor, shard)`` for every local slot, sorted by ``sort_key`` (``()`` before post_sharding)."""
+        self._verify_layout("shard_bindings")
+        return () if self._sealed is None else self._sealed.bindings
+
+    def shard_identity(self, parameter: Any) -> ShardIdentity:
+        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
+        self._verify_layout("shard_identity")
+        if self._sealed is None:
+            raise KeyError("no shard identity is bound: call post_sharding first")
+        return self._sealed.shard_identity(parameter)
+
+    # -- CanonicalLocalState ----------------------------------------------------------------
+
+    def _require_canonical(self, where: str) -> SealedLayout:
+        self._verify_layout(where)
+        status = self._readiness().canonical
+        if not status.supported or self._sealed is None:
+            raise NotSupportedError(FEATURE_CANONICAL_LOCAL_STATE, status.reasons)
+        return self._sealed
+
+    def export_local_state(self) -> dict[str, Any]:
+        """This optimizer's ``gefen.bound_state`` document (owned, tight, finite CPU copies; no collectives).
+
+        ``NotSupportedError`` before ``post_sharding``; ``StateValidationError`` for state
+        that cannot be exported (non-finite, a fractional step).
+        """
+        sealed = self._require_canonical("export_local_state")
+        return export_adamw_document(self.param_groups, self.state, sealed)
+
+    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``document`` fully and stage it, routed by FQN into this optimizer's own groups.
+
+        Never mutates the optimizer or the document; no hooks run. ``StateValidationError``
+        names the first problem (envelope, manifest, another member's shard, variants,
+        dtypes, shapes, finiteness, options); see :mod:`gefen_hybrid.adamw_canonical`.
+        """
+        sealed = self._require_canonical("prepare_local_import")
+        native = native_state_from_document(self.param_groups, sealed, document)
+        staged = stage_adamw_state(self.param_groups, native)
+        return StagedTransaction(self, kind=_IMPORT_KIND, token=self._freshness(), payload=staged)
+
+    def commit_local_import(self, staged: StagedTransaction) -> None:
+        """Publish a prepared import (single use; ``StaleTransactionError`` and no change for a
+        foreign, consumed or stale one: the optimizer stepped, loaded, or a parameter, option
+        or state value changed since preparation). Hooks are bypassed."""
+        self._verify_layout("commit_local_import")
+        payload = require_transaction(staged).claim(self, kind=_IMPORT_KIND, current_token=self._freshness())
+        assert isinstance(payload, StagedAdamWState)
+        self._publish_state(payload)

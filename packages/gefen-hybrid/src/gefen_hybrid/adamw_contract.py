@@ -1,6 +1,13 @@
-"""What ``ContractedAdamW`` declares: its state keys, variants, claims and honest negatives."""
+"""What ``ContractedAdamW`` declares: its state keys, variants, claims and honest negatives.
+
+The contract is dynamic: identity and canonical-state claims appear only while the live
+optimizer is ready for them, and every negative says why (:class:`AdamWReadiness`).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 from gefen_contracts import (
     FEATURE_CANONICAL_IDENTITY,
@@ -30,14 +37,27 @@ from gefen_contracts import (
     TrainingSupport,
 )
 
-__all__ = ["ADAMW_CONTRACT", "ADAMW_IMPLEMENTATION", "ADAMW_STATE_LAYOUT"]
+__all__ = [
+    "ADAMW_CONTRACT",
+    "ADAMW_IMPLEMENTATION",
+    "ADAMW_STATE_LAYOUT",
+    "COLLECTIVE_SCOPE_REASON",
+    "FRESH_READINESS",
+    "AdamWReadiness",
+    "adamw_contract",
+]
 
 #: The stable implementation name; it never changes when modules move.
 ADAMW_IMPLEMENTATION = "gefen.ContractedAdamW"
 
-# AdamW is elementwise: a DTensor (FSDP2) local shard trains exactly like the same elements
-# of the full tensor, with no collective, and its state is shaped like the local tensor.
-_LAYOUT_ORDER = (ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD)
+# AdamW is elementwise: a flattened shard or a DTensor (FSDP2) local shard trains exactly like
+# the same elements of the full tensor, with no collective, and its state is shaped like the
+# local tensor.
+_LAYOUT_ORDER = (
+    ParameterLayout.REPLICATED,
+    ParameterLayout.FLATTENED_ELEMENT_SHARD,
+    ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
+)
 _LAYOUTS = frozenset(_LAYOUT_ORDER)
 
 
@@ -83,31 +103,88 @@ ADAMW_STATE_LAYOUT = OptimizerStateLayout(
 )
 
 _LATER = "added to ContractedAdamW by a later issue"
+_NATIVE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD})
+_TRAINING = tuple(TrainingSupport(layout, ProcessGroupScope.NONE) for layout in _LAYOUT_ORDER)
 
-ADAMW_CONTRACT = OptimizerContract(
-    implementation=ADAMW_IMPLEMENTATION,
-    state_layout=ADAMW_STATE_LAYOUT,
-    capabilities=OptimizerCapabilities(
-        training=tuple(TrainingSupport(layout, ProcessGroupScope.NONE) for layout in _LAYOUT_ORDER),
-        checkpoints=(
+
+@dataclass(frozen=True, slots=True)
+class AdamWReadiness:
+    """The live facts the contract depends on (computed by ``ContractedAdamW`` per query).
+
+    ``post_sharding`` / ``identity`` / ``canonical`` are the statuses of the features
+    ``post_sharding``, ``canonical_identity`` and ``canonical_local_state``; ``local_layouts``
+    are the layouts of the finalized local bindings (empty before ``post_sharding``).
+    """
+
+    post_sharding: FeatureStatus
+    identity: FeatureStatus
+    canonical: FeatureStatus
+    local_layouts: frozenset[ParameterLayout] = frozenset()
+
+
+#: A fresh ContractedAdamW: pristine, not finalized.
+FRESH_READINESS = AdamWReadiness(
+    post_sharding=FeatureStatus.yes(),
+    identity=FeatureStatus.no("no shard identity is bound yet: call post_sharding first"),
+    canonical=FeatureStatus.no("canonical local state is keyed by canonical FQNs: call post_sharding first"),
+)
+
+
+@lru_cache(maxsize=64)
+def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
+    """The contract of a ContractedAdamW in the state ``readiness`` describes.
+
+    Static: training ``REPLICATED``, ``FLATTENED_ELEMENT_SHARD`` and ``DTENSOR_1D_DEFAULT_WORLD``
+    (elementwise, no collective); atomic native checkpoints for ``REPLICATED`` and DTensor
+    layouts; ``staged_native_load``. Dynamic: ``FLATTENED_ELEMENT_SHARD`` joins the native
+    entry once flattened shards are bound; the ``CANONICAL_LOCAL`` entry (same-topology over
+    the bound local layouts, fail-before-mutation, no collective) exists exactly while
+    ``canonical_local_state`` is supported.
+    """
+    native = _NATIVE_LAYOUTS
+    if ParameterLayout.FLATTENED_ELEMENT_SHARD in readiness.local_layouts:
+        native = native | {ParameterLayout.FLATTENED_ELEMENT_SHARD}
+    checkpoints = [
+        CheckpointSupport(
+            CheckpointTransport.NATIVE_OPTIMIZER,
+            native,
+            ProcessGroupScope.NONE,
+            LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+        )
+    ]
+    if readiness.canonical.supported:
+        checkpoints.append(
             CheckpointSupport(
-                CheckpointTransport.NATIVE_OPTIMIZER,
-                _LAYOUTS,
+                CheckpointTransport.CANONICAL_LOCAL,
+                readiness.local_layouts,
                 ProcessGroupScope.NONE,
                 LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
-            ),
+            )
+        )
+    return OptimizerContract(
+        implementation=ADAMW_IMPLEMENTATION,
+        state_layout=ADAMW_STATE_LAYOUT,
+        capabilities=OptimizerCapabilities(
+            training=_TRAINING,
+            checkpoints=tuple(checkpoints),
+            precisions=frozenset(Precision),
+            supported_parameter_ranks=None,
+            features={
+                FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
+                FEATURE_POST_SHARDING: readiness.post_sharding,
+                FEATURE_CANONICAL_IDENTITY: readiness.identity,
+                FEATURE_CANONICAL_LOCAL_STATE: readiness.canonical,
+                FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable adapter is {_LATER}"),
+                FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_LATER}"),
+                FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(COLLECTIVE_SCOPE_REASON),
+                FEATURE_COMPOSITE: FeatureStatus.no("ContractedAdamW has no child optimizers"),
+            },
         ),
-        precisions=frozenset(Precision),
-        supported_parameter_ranks=None,
-        features={
-            FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
-            FEATURE_POST_SHARDING: FeatureStatus.no(f"post_sharding (identity binding) is {_LATER}"),
-            FEATURE_CANONICAL_IDENTITY: FeatureStatus.no(f"canonical identity needs post_sharding, {_LATER}"),
-            FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no(f"the canonical local state document is {_LATER}"),
-            FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable adapter is {_LATER}"),
-            FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_LATER}"),
-            FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no("AdamW learns nothing collectively (no codebook, no scope)"),
-            FEATURE_COMPOSITE: FeatureStatus.no("ContractedAdamW has no child optimizers"),
-        },
-    ),
-)
+    )
+
+
+#: Why ContractedAdamW has no collective scope (also the refusal of a ``scope`` argument).
+COLLECTIVE_SCOPE_REASON = "AdamW learns nothing collectively (no codebook, no scope)"
+
+#: The contract of a fresh ContractedAdamW (pristine, not finalized).
+ADAMW_CONTRACT = adamw_contract(FRESH_READINESS)

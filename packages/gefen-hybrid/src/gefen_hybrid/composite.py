@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 from gefen_contracts import (
+    FEATURE_CANONICAL_IDENTITY,
+    FEATURE_CANONICAL_LOCAL_STATE,
+    FEATURE_POST_SHARDING,
     FEATURE_PROTOCOLS,
     FEATURE_STAGED_NATIVE_LOAD,
     ContractProvider,
@@ -30,8 +33,10 @@ from gefen_contracts import (
 from gefen_contracts.validation import identity_name
 from torch import nn
 
+from .composite_binding import ChangeCounter, CompositeIdentityMethods
 from .composite_contract import derive_composite_contract
 from .composite_format import build_composite_state_dict, children_of_state_dict
+from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
 from .failure_vote import step_vote_groups, vote_failure
 from .roles import ROLES, check_role, role_tag
@@ -52,21 +57,12 @@ DEFAULT_IMPLEMENTATION = "gefen.CompositeOptimizer"
 #: The phase named by the error every rank raises when a step fails on one of them.
 STEP_PHASE = "composite step preflight"
 _LOAD_KIND = "gefen.CompositeOptimizer.native_load"
+_BIND_KIND = "gefen.CompositeOptimizer.post_sharding"
+_IMPORT_KIND = "gefen.CompositeOptimizer.local_import"
+_IDENTITY_FEATURES = (FEATURE_POST_SHARDING, FEATURE_CANONICAL_IDENTITY, FEATURE_CANONICAL_LOCAL_STATE)
 
 #: ``factory(named_parameters) -> optimizer`` builds one child from its routed parameters.
 ChildFactory = Callable[[list[NamedParameter]], torch.optim.Optimizer]
-
-
-class _ChangeCounter:
-    """Counts changes to the composite or its children (the staged-load freshness token)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def bump(self, *_: object) -> None:
-        self.value += 1
 
 
 def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedParameter]:
@@ -83,13 +79,14 @@ def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedP
     return named
 
 
-class CompositeOptimizer(torch.optim.Optimizer):
+class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` over a ``"muon"`` child and a ``"backup"`` child.
 
     Build it from ready children (``CompositeOptimizer({"muon": a, "backup": b})``, each
     built from named parameters) or let it route and build them
     (:meth:`from_factories`). It implements the ``ContractProvider``, ``StagedNativeLoad``,
-    ``CompositeOptimizer``, ``StepPreflight`` and ``ModeTaggedState`` Protocols.
+    ``CompositeOptimizer``, ``StepPreflight``, ``ModeTaggedState``, ``IdentityBindable`` and
+    ``CanonicalLocalState`` Protocols (the last two work when every child implements them).
 
     Promises:
 
@@ -103,6 +100,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
     * ``param_groups`` is a new list of the children's live group dicts on every access
       (muon groups first), so schedulers keep each child's lr ratio.
     * GradScaler unscales through ``param_groups`` and skips the whole step on overflow.
+    * ``post_sharding`` validates one request against both children, partitions it by the
+      routing, prepares every child before committing any (a child that refuses leaves both
+      untouched) and seals the composite; afterwards routing is by canonical FQN.
+    * Canonical local state nests each child's document by role
+      (``gefen.composite_bound_state``, see :mod:`gefen_hybrid.composite_bound_state`).
     """
 
     _step_supports_amp_scaling = False
@@ -145,7 +147,8 @@ class CompositeOptimizer(torch.optim.Optimizer):
         self._rules = RoutingRules() if rules is None else rules
         self._model_ref: weakref.ref[nn.Module] | None = None if model is None else weakref.ref(model)
         self._owners: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
-        self._changes = _ChangeCounter()
+        self._changes = ChangeCounter()
+        self._identity: CompositeIdentity | None = None
         self.defaults = self._children[0][1].defaults
         self._optimizer_step_pre_hooks: Any = OrderedDict()
         self._optimizer_step_post_hooks: Any = OrderedDict()
@@ -162,8 +165,10 @@ class CompositeOptimizer(torch.optim.Optimizer):
         self.optimizer_contract()  # fail fast when the children cannot be described together
 
     def _watch_children(self) -> None:
-        # A child's step or load outdates a staged composite load (the freshness token).
+        # A child's step (attempted or done) or load outdates a staged composite transaction.
         for _, child in self._children:
+            if self._changes.bump not in child._optimizer_step_pre_hooks.values():
+                child.register_step_pre_hook(self._changes.bump)
             if self._changes.bump not in child._optimizer_step_post_hooks.values():
                 child.register_step_post_hook(self._changes.bump)
             if self._changes.bump not in child._optimizer_load_state_dict_post_hooks.values():
@@ -237,15 +242,15 @@ class CompositeOptimizer(torch.optim.Optimizer):
     def state(self, value: object) -> None:
         raise TypeError("CompositeOptimizer.state is a view of the children's state and cannot be replaced")
 
+    def _owner_map(self) -> dict[int, tuple[torch.Tensor, torch.optim.Optimizer]]:
+        return {
+            id(p): (p, child) for _, child in self._children for group in child.param_groups for p in group["params"]
+        }
+
     def _owner_of(self, parameter: torch.Tensor) -> torch.optim.Optimizer | None:
         entry = self._owners.get(id(parameter))
         if entry is None or entry[0] is not parameter:
-            self._owners = {
-                id(p): (p, child)
-                for _, child in self._children
-                for group in child.param_groups
-                for p in group["params"]
-            }
+            self._owners = self._owner_map()
             entry = self._owners.get(id(parameter))
         return entry[1] if entry is not None and entry[0] is parameter else None
 
@@ -256,7 +261,10 @@ class CompositeOptimizer(torch.optim.Optimizer):
         return MappingProxyType(dict(self._children))
 
     def parameter_routing(self) -> tuple[tuple[str, str], ...]:
-        """Sorted ``(fqn, role)`` pairs of every parameter, read from the children's groups."""
+        """Sorted ``(fqn, role)`` pairs of every parameter: read from the children's groups, or
+        after ``post_sharding`` the canonical FQNs of the finalized manifest."""
+        if self._identity is not None:
+            return self._identity.routing
         roles: dict[str, str] = {}
         owners: dict[int, str] = {}
         for role, child in self._children:
@@ -282,7 +290,9 @@ class CompositeOptimizer(torch.optim.Optimizer):
     def optimizer_contract(self) -> OptimizerContract:
         """Derived from the children's contracts (see :mod:`gefen_hybrid.composite_contract`)."""
         implemented = frozenset(f for f, protocol in FEATURE_PROTOCOLS.items() if isinstance(self, protocol))
-        return derive_composite_contract(self._implementation, self._children, implemented)
+        return derive_composite_contract(
+            self._implementation, self._children, implemented, own_blockers=self._identity_blockers()
+        )
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -352,6 +362,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
         absent role; if the second child refuses its part, the first child's new group is
         removed again.
         """
+        if self._identity is not None:
+            raise RuntimeError(
+                "add_param_group: the composite's layout was sealed by post_sharding; add every parameter group "
+                "before calling post_sharding"
+            )
         if not isinstance(param_group, Mapping) or "params" not in param_group:
             raise TypeError("add_param_group takes a dict with 'params': [(name, parameter), ...] and options")
         params = param_group["params"]
@@ -394,6 +409,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The nested ``gefen.composite_native_state`` dict (see :mod:`gefen_hybrid.composite_format`)."""
+        self._verify_identity("state_dict")
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         children = {role: child.state_dict() for role, child in self._children}

@@ -7,7 +7,9 @@
   ``"<role>.<variant>"`` and tagged ``"gefen.role=<role>"``, so ``composite.state[p]`` can be
   matched against the composite's layout with the mode tags of ``state_mode_tags(p)``.
 * Training claims: the union of the children's claims, each tagged with its role so a
-  consumer can tell which role a claim belongs to (the reference lost that).
+  consumer can tell which role a claim belongs to (the reference lost that); flattened and
+  whole-owner claims only when every child implements ``IdentityBindable`` (only
+  ``post_sharding`` can bind such tensors).
 * Checkpoint claims: ``COMPOSITE_NATIVE`` for the nested state dict, over the layouts every
   child's ``NATIVE_OPTIMIZER`` entries share; its load is ``LOCAL_FAIL_BEFORE_MUTATION``
   only if every child implements ``StagedNativeLoad`` and claims it, else ``NONE`` (the
@@ -20,7 +22,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import reduce
 from typing import Any
@@ -30,6 +32,7 @@ from gefen_contracts import (
     FEATURE_COMPOSITE,
     FEATURE_DENSE_SHARD_CODEC,
     FEATURE_PORTABLE_STATE,
+    FEATURE_POST_SHARDING,
     FEATURE_PROTOCOLS,
     FEATURE_STAGED_NATIVE_LOAD,
     STANDARD_FEATURES,
@@ -37,11 +40,13 @@ from gefen_contracts import (
     CheckpointTransport,
     ContractError,
     FeatureStatus,
+    IdentityBindable,
     LoadAtomicity,
     OptimizerCapabilities,
     OptimizerChildContract,
     OptimizerContract,
     OptimizerStateLayout,
+    ParameterLayout,
     ProcessGroupScope,
     StagedNativeLoad,
     StateField,
@@ -70,16 +75,25 @@ ChildEntry = tuple[str, Any, OptimizerContract]
 
 
 def derive_composite_contract(
-    implementation: str, children: Sequence[tuple[str, Any]], implemented_features: frozenset[str]
+    implementation: str,
+    children: Sequence[tuple[str, Any]],
+    implemented_features: frozenset[str],
+    *,
+    own_blockers: Mapping[str, Sequence[str]] | None = None,
 ) -> OptimizerContract:
     """The contract of a composite named ``implementation`` over ``(role, child)`` pairs.
 
-    ``implemented_features`` are the features whose Protocol the composite itself implements.
-    Raises :class:`~gefen_contracts.ContractError` when the children cannot be described
+    ``implemented_features`` are the features whose Protocol the composite itself implements;
+    ``own_blockers`` maps a feature to the composite's own reasons against it (for example
+    "not finalized through the composite"), which make it negative whatever the children
+    say. Raises :class:`~gefen_contracts.ContractError` when the children cannot be described
     together (a state key declared differently by two children, no common precision).
     """
     entries: list[ChildEntry] = [(role, child, child.optimizer_contract()) for role, child in children]
     features = _features(entries, implemented_features)
+    for feature, reasons in (own_blockers or {}).items():
+        if reasons:
+            features[feature] = FeatureStatus.no(*reasons)
     shared = intersect_checkpoint_support(
         CheckpointTransport.COMPOSITE_NATIVE, [_of(c, CheckpointTransport.NATIVE_OPTIMIZER) for _, _, c in entries]
     )
@@ -95,7 +109,7 @@ def derive_composite_contract(
                 features[feature] = FeatureStatus.no(f"the children's {transport.value} claims share no layout")
             checkpoints += common
     capabilities = OptimizerCapabilities(
-        training=_training(entries),
+        training=_training(entries, FEATURE_POST_SHARDING in implemented_features and _all_bindable(entries)),
         checkpoints=checkpoints,
         precisions=_precisions(entries),
         supported_parameter_ranks=_ranks(entries),
@@ -135,10 +149,20 @@ def _features(entries: list[ChildEntry], implemented: frozenset[str]) -> dict[st
 # -- training, precisions, ranks ------------------------------------------------------------------
 
 
-def _training(entries: list[ChildEntry]) -> tuple[TrainingSupport, ...]:
+def _all_bindable(entries: list[ChildEntry]) -> bool:
+    return all(isinstance(child, IdentityBindable) for _, child, _ in entries)
+
+
+#: Layouts whose local tensors only ``post_sharding`` can bind.
+_BOUND_LAYOUTS = frozenset({ParameterLayout.FLATTENED_ELEMENT_SHARD, ParameterLayout.WHOLE_PARAMETER_OWNER})
+
+
+def _training(entries: list[ChildEntry], bindable: bool) -> tuple[TrainingSupport, ...]:
     claims: dict[TrainingSupport, None] = {}
     for role, _, contract in entries:
         for claim in contract.capabilities.training:
+            if claim.layout in _BOUND_LAYOUTS and not bindable:
+                continue  # unreachable: the composite cannot bind shard identity
             tagged = TrainingSupport(
                 claim.layout,
                 claim.process_group_scope,

@@ -8,6 +8,9 @@ run and must stay inert); the public names below are resolved lazily.
   the run unless waived by name, and a run that executed zero checks fails.
 * :func:`deep_snapshot` / :func:`snapshot_diff` are the "changed nothing" oracle.
 * :class:`GlooWorld` spawns a reusable gloo process group for multi-process checks.
+* :func:`replicated_copy_plan` / :func:`flattened_plan` build the ``post_sharding`` requests the
+  identity checks use (an adopter's own tests may reuse them), with :func:`install_parameters`,
+  :func:`gather_flat` and :func:`scatter_flat_grads` to drive a simulated flattened layout.
 * Packages contribute checks for the claims they own through the ``gefen.conformance``
   entry-point group (see :class:`ConformanceCheck`).
 """
@@ -20,6 +23,7 @@ from typing import Any
 __all__ = [
     "CONFORMANCE_ENTRY_POINT_GROUP",
     "CORRUPTIONS",
+    "FLAT_GROUP",
     "CheckContext",
     "CheckResult",
     "CheckStatus",
@@ -28,18 +32,26 @@ __all__ = [
     "ConformanceTarget",
     "GlooWorld",
     "RankFailure",
+    "ShardingPlan",
     "Unverifiable",
     "assert_conformant",
     "deep_snapshot",
     "enumerate_claims",
+    "flat_slices",
+    "flattened_plan",
+    "gather_flat",
+    "install_parameters",
     "load_target",
+    "replicated_copy_plan",
     "run_conformance",
+    "scatter_flat_grads",
     "snapshot_diff",
 ]
 
 _LAZY = {
     "CONFORMANCE_ENTRY_POINT_GROUP": "runner",
     "CORRUPTIONS": "corruption",
+    "FLAT_GROUP": "checks.plans",
     "CheckContext": "context",
     "CheckResult": "report",
     "CheckStatus": "report",
@@ -48,12 +60,19 @@ _LAZY = {
     "ConformanceTarget": "target",
     "GlooWorld": "gloo",
     "RankFailure": "gloo",
+    "ShardingPlan": "checks.plans",
     "Unverifiable": "context",
     "assert_conformant": "report",
     "deep_snapshot": "snapshot",
     "enumerate_claims": "claims",
+    "flat_slices": "checks.plans",
+    "flattened_plan": "checks.plans",
+    "gather_flat": "checks.plans",
+    "install_parameters": "checks.plans",
     "load_target": "target",
+    "replicated_copy_plan": "checks.plans",
     "run_conformance": "runner",
+    "scatter_flat_grads": "checks.plans",
     "snapshot_diff": "snapshot",
 }
 

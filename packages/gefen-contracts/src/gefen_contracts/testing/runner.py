@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from ..protocols import ContractProvider
 from .checks import builtin_checks
+from .checks.discovery import bound_claims
 from .claims import CONTRACT_CLAIM, enumerate_claims
 from .context import CheckContext, ConformanceCheck, Unverifiable
 from .report import CheckResult, CheckStatus, ConformanceReport
@@ -39,6 +40,7 @@ def contributed_checks() -> tuple[list[ConformanceCheck], list[CheckResult]]:
 
 
 def _claims_of(target: ConformanceTarget) -> tuple[CheckContext | None, CheckResult | None]:
+    """Every claim of a fresh, a trained and (when it supports post_sharding) a kit-finalized optimizer."""
     try:
         _, optimizer = target.build(0)
         if not isinstance(optimizer, ContractProvider):
@@ -50,6 +52,7 @@ def _claims_of(target: ConformanceTarget) -> tuple[CheckContext | None, CheckRes
         context = CheckContext(target, fresh_contract, frozenset(claims))
         _model, optimizer = context.trained()
         claims |= enumerate_claims(optimizer.optimizer_contract())  # type: ignore[attr-defined]
+        claims |= bound_claims(context)
         return CheckContext(target, fresh_contract, frozenset(claims)), None
     except Exception as exc:
         detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"

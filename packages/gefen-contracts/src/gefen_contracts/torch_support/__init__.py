@@ -4,8 +4,9 @@ Process-group bindings with one backend/device rule set, failure votes and agree
 primitives over a binding, a collective call counter for tests, the tensor leaf adapter
 for the digest grammar, and the generic identity machinery every ``IdentityBindable`` /
 ``CanonicalLocalState`` optimizer shares: request validation (:func:`plan_rebinding`),
-the owned sealed layout and its guard (:class:`SealedLayout`), and the
-``gefen.bound_state`` envelope (:func:`build_bound_state`, :func:`parse_bound_state`).
+the owned sealed layout and its guard (:class:`SealedLayout`), the
+``gefen.bound_state`` envelope (:func:`build_bound_state`, :func:`parse_bound_state`) and the
+version-counter freshness token of prepared transactions (:func:`state_version_token`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .bound_state import (
     parse_bound_state,
 )
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
+from .freshness import state_version_token, tensor_version_token
 from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
 from .sealed_layout import SealedLayout
 from .tensors import tensor_digest, tensor_leaf
@@ -46,6 +48,8 @@ __all__ = [
     "has_internal_overlap",
     "parse_bound_state",
     "plan_rebinding",
+    "state_version_token",
     "tensor_digest",
     "tensor_leaf",
+    "tensor_version_token",
 ]

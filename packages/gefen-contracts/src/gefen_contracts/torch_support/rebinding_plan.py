@@ -28,7 +28,7 @@ __all__ = ["RebindingPlan", "SlotRebinding", "has_internal_overlap", "plan_rebin
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: ``(group_index, slot_index, source) -> compatibility name`` (lowercase str).
+#: ``(group_index, slot_index, source) -> compatibility name`` (a str, ``""`` when the slot has none).
 NameOf = Callable[[int, int, torch.Tensor], str]
 #: ``(shard, target) -> None``; raises ContractError for a layout the optimizer does not support.
 LayoutCheck = Callable[[ShardIdentity, "torch.Tensor | None"], None]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from ..context import ConformanceCheck
-from .checkpoint import AtomicLoadCheck, CanonicalLocalRoundTripCheck, NativeRoundTripCheck
+from .canonical import CanonicalLocalCheck
+from .checkpoint import AtomicLoadCheck, NativeRoundTripCheck
 from .composite import CompositeRulesCheck
 from .contract import ContractHonestyCheck, ContractNoCollectivesCheck, ContractValidityCheck, ProtocolDeclarationCheck
+from .identity import FlattenedCheckpointsCheck, FlattenedTrainingCheck, PostShardingCheck, SealedLayoutGuardCheck
 from .negative import NegativeClaimsCheck
 from .state import StateDeclarationCheck
 from .training import ReplicatedTrainingCheck
 
-__all__ = ["BUILTIN_CHECKS"]
+__all__ = ["BUILTIN_CHECKS", "builtin_checks"]
 
 
 def builtin_checks() -> tuple[ConformanceCheck, ...]:
@@ -24,7 +26,11 @@ def builtin_checks() -> tuple[ConformanceCheck, ...]:
         ReplicatedTrainingCheck(),
         NativeRoundTripCheck(),
         AtomicLoadCheck(),
-        CanonicalLocalRoundTripCheck(),
+        PostShardingCheck(),
+        SealedLayoutGuardCheck(),
+        CanonicalLocalCheck(),
+        FlattenedTrainingCheck(),
+        FlattenedCheckpointsCheck(),
         CompositeRulesCheck(),
     )
 

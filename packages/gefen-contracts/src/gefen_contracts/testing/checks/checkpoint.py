@@ -8,13 +8,13 @@ import torch
 
 from ...enums import CheckpointTransport, ParameterLayout
 from ...errors import StaleTransactionError
-from ...protocols import CanonicalLocalState, StagedNativeLoad
+from ...protocols import StagedNativeLoad
 from ..claims import atomic_claim, checkpoint_claim
 from ..context import CheckContext
 from ..corruption import corrupted_variants
 from ..snapshot import deep_snapshot, snapshot_diff
 
-__all__ = ["AtomicLoadCheck", "CanonicalLocalRoundTripCheck", "NativeRoundTripCheck", "assert_trees_equal"]
+__all__ = ["AtomicLoadCheck", "NativeRoundTripCheck", "assert_trees_equal"]
 
 _REPL = ParameterLayout.REPLICATED.value
 _NATIVE = (CheckpointTransport.NATIVE_OPTIMIZER.value, CheckpointTransport.COMPOSITE_NATIVE.value)
@@ -145,25 +145,3 @@ class AtomicLoadCheck:
         except StaleTransactionError:
             pass
         return problems
-
-
-class CanonicalLocalRoundTripCheck:
-    """A claimed canonical-local transport round-trips into a fresh twin bit-exactly."""
-
-    name = "checkpoint.canonical_local_roundtrip"
-
-    def covers(self, claims: frozenset[str]) -> frozenset[str]:
-        return frozenset({checkpoint_claim(CheckpointTransport.CANONICAL_LOCAL.value, _REPL)}) & claims
-
-    def run(self, context: CheckContext) -> None:
-        steps = context.target.steps
-        model, optimizer = context.trained(steps)
-        assert isinstance(optimizer, CanonicalLocalState), "claims canonical_local without CanonicalLocalState"
-        document = context.weights_only_roundtrip(optimizer.export_local_state())
-        twin_model, twin = context.fresh()
-        context.copy_parameters(model, twin_model)
-        assert isinstance(twin, CanonicalLocalState)
-        twin.commit_local_import(twin.prepare_local_import(document))
-        context.train(model, optimizer, steps, start=steps)
-        context.train(twin_model, twin, steps, start=steps)
-        context.assert_models_bitwise_equal(model, twin_model, "continuation after a canonical-local round trip")

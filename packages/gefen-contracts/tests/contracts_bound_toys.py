@@ -1,0 +1,380 @@
+"""``BoundSGD``: a small adopter of the identity Protocols built on the generic machinery
+(``plan_rebinding``, ``SealedLayout``, the ``gefen.bound_state`` envelope and
+``state_version_token``), and broken variants that each lie about one promise.
+
+Importable by the kit (module-level factories only).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from gefen_contracts import (
+    FEATURE_CANONICAL_IDENTITY,
+    FEATURE_CANONICAL_LOCAL_STATE,
+    FEATURE_POST_SHARDING,
+    CheckpointSupport,
+    CheckpointTransport,
+    ContractError,
+    FeatureStatus,
+    LoadAtomicity,
+    NotSupportedError,
+    OptimizerCapabilities,
+    OptimizerContract,
+    OptimizerStateLayout,
+    ParameterLayout,
+    ParameterRebinding,
+    Precision,
+    ProcessGroupScope,
+    ShardIdentity,
+    ShardingManifest,
+    StagedTransaction,
+    StateExtent,
+    StateField,
+    StateGeometry,
+    StateRole,
+    StateScope,
+    StateValidationError,
+    StateVariant,
+    TrainingSupport,
+)
+from gefen_contracts.torch_support import (
+    BoundParameter,
+    SealedLayout,
+    build_bound_state,
+    parse_bound_state,
+    plan_rebinding,
+    state_version_token,
+)
+
+REPL, FLAT = ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD
+IMPLEMENTATION = "gefen_tests.BoundSGD"
+LAYOUT = OptimizerStateLayout(
+    fields=(StateField("momentum_buffer", StateScope.PARAMETER, StateRole.AUTHORITATIVE, StateGeometry.PARAMETER),),
+    parameter_variants=(
+        StateVariant("momentum", ("momentum_buffer",), frozenset({REPL, FLAT}), StateExtent.LOCAL_STORAGE),
+    ),
+)
+
+
+def _contract(post: FeatureStatus, identity: FeatureStatus, layouts: frozenset[ParameterLayout]) -> OptimizerContract:
+    checkpoints = [
+        CheckpointSupport(CheckpointTransport.NATIVE_OPTIMIZER, {REPL}, ProcessGroupScope.NONE, LoadAtomicity.NONE)
+    ]
+    if identity.supported:
+        checkpoints.append(
+            CheckpointSupport(
+                CheckpointTransport.CANONICAL_LOCAL,
+                layouts,
+                ProcessGroupScope.NONE,
+                LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+            )
+        )
+    return OptimizerContract(
+        IMPLEMENTATION,
+        LAYOUT,
+        OptimizerCapabilities(
+            training=(TrainingSupport(REPL, ProcessGroupScope.NONE), TrainingSupport(FLAT, ProcessGroupScope.NONE)),
+            checkpoints=tuple(checkpoints),
+            precisions=frozenset({Precision.FLOAT32}),
+            supported_parameter_ranks=None,
+            features={
+                FEATURE_POST_SHARDING: post,
+                FEATURE_CANONICAL_IDENTITY: identity,
+                FEATURE_CANONICAL_LOCAL_STATE: identity,
+            },
+        ),
+    )
+
+
+def _accept_layout(shard: ShardIdentity, target: torch.Tensor | None) -> None:
+    if shard.layout not in (REPL, FLAT):
+        raise ContractError(f"BoundSGD binds replicated and flattened shards, not {shard.layout.value}")
+
+
+class BoundSGD(torch.optim.Optimizer):
+    """``buf = m * buf + g; p -= lr * buf`` with identity binding and canonical local state."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.05, momentum: float = 0.9) -> None:
+        self._version = 0
+        self._sealed: SealedLayout | None = None
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    # contract
+
+    def optimizer_contract(self) -> OptimizerContract:
+        if self._sealed is None:
+            post = FeatureStatus.no("state exists") if any(self.state.values()) else FeatureStatus.yes()
+            return _contract(post, FeatureStatus.no("call post_sharding first"), frozenset())
+        return _contract(
+            FeatureStatus.yes(), FeatureStatus.yes(), frozenset(s.layout for _, s in self._sealed.bindings)
+        )
+
+    def _verify(self, where: str) -> None:
+        if self._sealed is not None:
+            self._sealed.verify(self.param_groups, self.state, where=where)
+
+    def _token(self) -> Hashable:
+        return (self._version, id(self.state), state_version_token(self.param_groups, self.state))
+
+    def _lr(self, group: Mapping[str, Any]) -> float:
+        return float(group["lr"])
+
+    # torch optimizer
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self._verify("step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._verify_after_closure()
+        try:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = p.grad.detach().clone()
+                    else:
+                        state["momentum_buffer"].mul_(group["momentum"]).add_(p.grad)
+                    p.add_(state["momentum_buffer"], alpha=-self._lr(group))
+        finally:
+            self._version += 1
+        return loss
+
+    def _verify_after_closure(self) -> None:
+        self._verify("step")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_sealed", None) is not None:
+            raise RuntimeError("add_param_group: the layout is sealed")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._verify("state_dict")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._verify("load_state_dict")
+        super().load_state_dict(dict(state_dict))
+        self._version += 1
+
+    # IdentityBindable
+
+    def _pristine(self) -> None:
+        if any(self.state.values()):
+            raise NotSupportedError(FEATURE_POST_SHARDING, ("state exists",))
+
+    def prepare_post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> StagedTransaction:
+        if self._sealed is not None:
+            raise RuntimeError("already finalized")
+        self._pristine()
+        plan = plan_rebinding(
+            self.param_groups,
+            rebindings,
+            manifest=manifest,
+            scope=scope,
+            name_of=lambda g, s, t: "",
+            check_layout=_accept_layout,
+        )
+        groups = [
+            {**group, "params": params}
+            for group, params in zip(self.param_groups, plan.group_params(len(self.param_groups)))
+        ]
+        return StagedTransaction(
+            self, kind="bind", token=self._token(), payload=(groups, SealedLayout(plan, len(groups)))
+        )
+
+    def commit_post_sharding(self, staged: StagedTransaction) -> None:
+        groups, sealed = staged.claim(self, kind="bind", current_token=self._token())  # type: ignore[misc]
+        for live, new in zip(self.param_groups, groups):
+            live.clear()
+            live.update(new)
+        self.state = defaultdict(dict)
+        self._sealed = sealed
+        self._version += 1
+
+    def post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> None:
+        self.commit_post_sharding(self.prepare_post_sharding(rebindings, manifest=manifest, scope=scope))
+
+    def sharding_manifest(self) -> ShardingManifest | None:
+        self._verify("sharding_manifest")
+        return None if self._sealed is None else self._sealed.manifest
+
+    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+        self._verify("shard_bindings")
+        return () if self._sealed is None else self._sealed.bindings
+
+    def shard_identity(self, parameter: Any) -> ShardIdentity:
+        if self._sealed is None:
+            raise KeyError("not finalized")
+        return self._sealed.shard_identity(parameter)
+
+    # CanonicalLocalState
+
+    def _ready(self) -> SealedLayout:
+        self._verify("canonical")
+        if self._sealed is None:
+            raise NotSupportedError(FEATURE_CANONICAL_LOCAL_STATE, ("call post_sharding first",))
+        return self._sealed
+
+    def _exported_state(self, buffer: torch.Tensor) -> dict[str, Any]:
+        return {"momentum_buffer": buffer}
+
+    def export_local_state(self) -> dict[str, Any]:
+        sealed = self._ready()
+        parameters = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                shard = sealed.shard_identity(p)
+                state = self.state.get(p) or {}
+                exported = self._exported_state(state["momentum_buffer"]) if state else {}
+                options = {"lr": group["lr"], "momentum": group["momentum"]}
+                parameters[shard.fqn] = BoundParameter("", shard, options, "momentum" if state else "none", exported)
+        return build_bound_state(
+            implementation=IMPLEMENTATION, policy={}, common={}, manifest=sealed.manifest, parameters=parameters
+        )
+
+    def _check_state(self, state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
+        if set(state) - {"momentum_buffer"}:
+            raise StateValidationError(f"{where}: unknown state keys")
+        buffer = state.get("momentum_buffer")
+        if buffer is not None and (buffer.shape != p.shape or buffer.dtype != p.dtype):
+            raise StateValidationError(f"{where}: momentum_buffer shape or dtype differs")
+
+    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
+        sealed = self._ready()
+        parsed = parse_bound_state(document, implementation=IMPLEMENTATION, policy={}, manifest=sealed.manifest)
+        local = {s.fqn: s for _, s in sealed.bindings}
+        if set(parsed.parameters) != set(local):
+            raise StateValidationError("the document's parameters differ from the local ones")
+        staged: dict[torch.Tensor, dict[str, Any]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                shard = sealed.shard_identity(p)
+                entry = parsed.parameters[shard.fqn]
+                where = f"parameter {shard.fqn!r}"
+                if entry.shard != shard:
+                    raise StateValidationError(f"{where}: another shard")
+                if entry.variant != ("momentum" if entry.state else "none"):
+                    raise StateValidationError(f"{where}: variant {entry.variant!r} does not match its state")
+                if dict(entry.group_options) != {"lr": group["lr"], "momentum": group["momentum"]}:
+                    raise StateValidationError(f"{where}: group options differ")
+                self._check_state(entry.state, p, where)
+                if entry.state:
+                    staged[p] = {"momentum_buffer": entry.state["momentum_buffer"].to(p.device, copy=True)}
+        return StagedTransaction(self, kind="import", token=self._token(), payload=staged)
+
+    def _import_token(self) -> Hashable:
+        return self._token()
+
+    def commit_local_import(self, staged: StagedTransaction) -> None:
+        self._verify("commit_local_import")
+        payload = staged.claim(self, kind="import", current_token=self._import_token())
+        fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        fresh.update(payload)  # type: ignore[call-overload]
+        self.state = fresh
+        self._version += 1
+
+
+class UnguardedStep(BoundSGD):
+    """Never verifies the sealed layout in ``step``."""
+
+    def _verify(self, where: str) -> None:
+        if where != "step":
+            super()._verify(where)
+
+
+class GuardBeforeClosureOnly(BoundSGD):
+    """Verifies before the closure but not after it."""
+
+    def _verify_after_closure(self) -> None:
+        return None
+
+
+class MutatingPrepare(BoundSGD):
+    """``prepare_post_sharding`` writes into the live groups."""
+
+    def prepare_post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> StagedTransaction:
+        self.param_groups[0]["prepared"] = True
+        return super().prepare_post_sharding(rebindings, manifest=manifest, scope=scope)
+
+
+class BindsAfterSteps(BoundSGD):
+    """Accepts ``post_sharding`` on an optimizer that already has state."""
+
+    def _pristine(self) -> None:
+        return None
+
+    def optimizer_contract(self) -> OptimizerContract:
+        contract = super().optimizer_contract()
+        if self._sealed is None:
+            return _contract(FeatureStatus.yes(), FeatureStatus.no("call post_sharding first"), frozenset())
+        return contract
+
+
+class StaleImport(BoundSGD):
+    """Commits an import whatever happened since it was prepared."""
+
+    def _import_token(self) -> Hashable:
+        return _Anything()
+
+
+class _Anything:
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class LossyExport(BoundSGD):
+    """Exports a zero momentum buffer."""
+
+    def _exported_state(self, buffer: torch.Tensor) -> dict[str, Any]:
+        return {"momentum_buffer": torch.zeros_like(buffer)}
+
+
+class LaxImport(BoundSGD):
+    """Ignores unknown per-parameter state keys and wrong shapes on import."""
+
+    def _check_state(self, state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
+        return None
+
+
+class FlatLie(BoundSGD):
+    """Takes twice the learning rate on flattened shards."""
+
+    def _lr(self, group: Mapping[str, Any]) -> float:
+        flat = self._sealed is not None and any(s.layout is FLAT for _, s in self._sealed.bindings)
+        return float(group["lr"]) * (2.0 if flat else 1.0)
+
+
+def _factory(cls: type[BoundSGD]) -> Any:
+    def factory(named: list[tuple[str, torch.nn.Parameter]]) -> BoundSGD:
+        return cls([p for _, p in named])
+
+    return factory
+
+
+bound_sgd = _factory(BoundSGD)
+unguarded_step = _factory(UnguardedStep)
+guard_before_closure_only = _factory(GuardBeforeClosureOnly)
+mutating_prepare = _factory(MutatingPrepare)
+binds_after_steps = _factory(BindsAfterSteps)
+stale_import = _factory(StaleImport)
+lossy_export = _factory(LossyExport)
+lax_import = _factory(LaxImport)
+flat_lie = _factory(FlatLie)

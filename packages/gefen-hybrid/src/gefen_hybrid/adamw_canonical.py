@@ -1,0 +1,230 @@
+"""``ContractedAdamW``'s canonical local state: its part of a ``gefen.bound_state`` document.
+
+The envelope is gefen-contracts' (``build_bound_state`` / ``parse_bound_state``, format
+version 1); ContractedAdamW supplies:
+
+* ``policy``: ``{}``. AdamW has no optimizer-wide policy; everything that changes the
+  meaning of its state (``amsgrad``, ``maximize``, ``decoupled_weight_decay``) is a group
+  option and travels with each parameter;
+* ``common``: ``{}`` (no optimizer-common state);
+* per parameter (keyed by exact FQN): its compatibility name (torch's ``param_names``
+  entry, or ``""``), its shard, ``group_options`` (every group key except ``params``,
+  ``param_names`` and the execution flags ``foreach``/``fused``/``capturable``/
+  ``differentiable``, which are this process's choice; tuples such as ``betas`` become
+  lists), ``variant`` (``"adamw"``, ``"adamw_amsgrad"``, or ``"uninitialized"`` for a
+  parameter that has not stepped) and ``state``: ``step`` as an exact int and
+  ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` as tight CPU tensors of the parameter's
+  dtype and local shape.
+
+Import routes by FQN into the target's own groups, so a regrouped or reordered target works;
+each target group takes its hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``)
+and extra keys from the document, which must agree for every parameter of the group. The
+rebuilt native state dict is then validated and staged by :func:`stage_adamw_state`, exactly
+like a native load: math flags must match, execution flags stay this process's, nothing
+aliases the document.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from gefen_contracts import StateValidationError, match_variants
+from gefen_contracts.torch_support import BoundParameter, SealedLayout, build_bound_state, parse_bound_state
+
+from .adamw_contract import ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT
+from .adamw_state import EXECUTION_FLAGS
+
+__all__ = [
+    "ADAMW_POLICY",
+    "NO_STATE_VARIANT",
+    "export_adamw_document",
+    "native_state_from_document",
+    "option_blockers",
+]
+
+#: ContractedAdamW's policy record: empty (see the module docstring).
+ADAMW_POLICY: dict[str, Any] = {}
+#: The ``variant`` of a parameter without state (it has not stepped yet).
+NO_STATE_VARIANT = "uninitialized"
+_NOT_EXPORTED = frozenset({"params", "param_names", *EXECUTION_FLAGS})
+
+
+def _fail(message: str) -> StateValidationError:
+    return StateValidationError(f"ContractedAdamW canonical state: {message}")
+
+
+def _primitive_kind(value: object, depth: int = 0) -> str | None:
+    """``None`` when ``value`` can be written into a document, else the offending type."""
+    if value is None or type(value) in (bool, int, float, str):
+        return None
+    if type(value) is torch.Tensor:
+        return None if value.layout is torch.strided and not value.is_meta else "non-strided tensor"
+    if depth < 8 and type(value) in (list, tuple) and isinstance(value, (list, tuple)):
+        return next((k for v in value if (k := _primitive_kind(v, depth + 1))), None)
+    if depth < 8 and type(value) is dict and isinstance(value, dict):
+        if any(type(key) is not str for key in value):
+            return "dict with non-str keys"
+        return next((k for v in value.values() if (k := _primitive_kind(v, depth + 1))), None)
+    return type(value).__name__
+
+
+def option_blockers(param_groups: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """Why the group options cannot be written into a document (cheap: types only)."""
+    reasons = []
+    for index, group in enumerate(param_groups):
+        for key, value in group.items():
+            if key in _NOT_EXPORTED:
+                continue
+            kind = _primitive_kind(value)
+            if kind is not None:
+                reasons.append(
+                    f"param group {index} option {key!r} holds a {kind}; canonical documents hold primitives and plain "
+                    "tensors only"
+                )
+    return tuple(reasons)
+
+
+def _listify(value: Any) -> Any:
+    if type(value) in (list, tuple):
+        return [_listify(v) for v in value]
+    if type(value) is dict:
+        return {k: _listify(v) for k, v in value.items()}
+    return value
+
+
+def _document_options(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: _listify(value) for key, value in group.items() if key not in _NOT_EXPORTED}
+
+
+def _variant_of(keys: Sequence[str], layout: Any, rank: int, where: str) -> str:
+    if not keys:
+        return NO_STATE_VARIANT
+    matches = match_variants(ADAMW_STATE_LAYOUT, keys, parameter_layout=layout, parameter_rank=rank)
+    if len(matches) != 1:
+        raise _fail(f"{where}: state keys {sorted(keys)} match {len(matches)} declared variants (one required)")
+    return matches[0].name
+
+
+def _exported_state(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key == "step":
+            number = float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+            if not math.isfinite(number) or number < 1 or number != math.floor(number):
+                raise _fail(f"{where}: 'step' must be a whole number >= 1, got {number!r}")
+            values[key] = int(number)
+        else:
+            values[key] = value
+    return values
+
+
+def export_adamw_document(
+    param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any], sealed: SealedLayout
+) -> dict[str, Any]:
+    """The ``gefen.bound_state`` document of a finalized ContractedAdamW (owned CPU copies)."""
+    parameters: dict[str, BoundParameter] = {}
+    for index, group in enumerate(param_groups):
+        options = _document_options(group)
+        names = sealed.compatibility_names(index)
+        for slot, tensor in enumerate(group["params"]):
+            shard = sealed.shard_identity(tensor)
+            where = f"parameter {shard.fqn!r}"
+            entry = state.get(tensor) or {}
+            variant = _variant_of(list(entry), shard.layout, len(shard.parameter.global_shape), where)
+            parameters[shard.fqn] = BoundParameter(names[slot], shard, options, variant, _exported_state(entry, where))
+    return build_bound_state(
+        implementation=ADAMW_IMPLEMENTATION,
+        policy=ADAMW_POLICY,
+        common={},
+        manifest=sealed.manifest,
+        parameters=parameters,
+    )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    if type(a) is not type(b):
+        return False
+    if type(a) is list:
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _native_entry(entry: BoundParameter, where: str) -> dict[str, Any]:
+    native: dict[str, Any] = {}
+    for key, value in entry.state.items():
+        if key == "step":
+            if type(value) is not int or value < 1:
+                raise _fail(f"{where} state 'step' must be an int >= 1, got {value!r}")
+            native[key] = torch.tensor(float(value), dtype=torch.float64)
+        else:
+            native[key] = value
+    return native
+
+
+def native_state_from_document(
+    param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout, document: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Validate ``document`` for this optimizer and rebuild it as a torch-style state dict keyed
+    by the target's own positional ids (to be staged by ``stage_adamw_state``).
+
+    Raises ``StateValidationError`` naming the problem; reads ``document`` only.
+    """
+    parsed = parse_bound_state(
+        document, implementation=ADAMW_IMPLEMENTATION, policy=ADAMW_POLICY, manifest=sealed.manifest
+    )
+    if parsed.common:
+        raise _fail(f"'common' must be empty, got keys {sorted(parsed.common)}")
+    local = {shard.fqn: shard for tensor, shard in sealed.bindings if tensor is not None}
+    missing, extra = sorted(set(local) - set(parsed.parameters)), sorted(set(parsed.parameters) - set(local))
+    if missing or extra:
+        raise _fail(f"the document's parameters differ from the local ones (missing {missing}, not local {extra})")
+    groups: list[dict[str, Any]] = []
+    state: dict[int, dict[str, Any]] = {}
+    pid = 0
+    for index, group in enumerate(param_groups):
+        ids: list[int] = []
+        options: tuple[str, dict[str, Any]] | None = None
+        for tensor in group["params"]:
+            shard = sealed.shard_identity(tensor)
+            entry = parsed.parameters[shard.fqn]
+            where = f"parameter {shard.fqn!r}"
+            if entry.shard != shard:
+                raise _fail(f"{where} was exported for another shard (another member's slice or layout)")
+            variant = _variant_of(list(entry.state), shard.layout, len(shard.parameter.global_shape), where)
+            if entry.variant != variant:
+                raise _fail(f"{where} declares variant {entry.variant!r} but its state keys make it {variant!r}")
+            group_options = dict(entry.group_options)
+            if options is None:
+                options = (shard.fqn, group_options)
+            elif not _equal(options[1], group_options):
+                raise _fail(
+                    f"param group {index} holds {options[0]!r} and {shard.fqn!r}, whose document group options "
+                    "differ; regroup the target so that each group's parameters share their options"
+                )
+            if entry.state:
+                state[pid] = _native_entry(entry, where)
+            ids.append(pid)
+            pid += 1
+        saved: dict[str, Any] = {key: group[key] for key in EXECUTION_FLAGS if key in group}
+        if options is None:  # an empty group keeps its own options
+            saved.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        else:
+            saved.update(options[1])
+        saved["params"] = ids
+        if "param_names" in group:
+            saved["param_names"] = list(group["param_names"])
+        groups.append(saved)
+    return {"state": state, "param_groups": groups}

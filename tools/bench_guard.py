@@ -1,0 +1,195 @@
+"""Measure the sealed-layout guard of ``post_sharding`` on ContractedAdamW (and a composite).
+
+After ``post_sharding`` every ``step()`` verifies the owned, immutable ``SealedLayout``
+against the public containers (group ``params`` lists by identity, names, state keys): once
+in ``preflight_step`` and once more before a closure. This prints, for many small parameter
+tensors, the cost of one guard pass in µs per parameter tensor, and its share of the step it
+protects (baselines measured in this run: the same optimizer unbound, and torch's AdamW).
+One guard pass is timed through ``shard_bindings()``, which verifies and returns a tuple.
+The composite verifies each child twice per step (its preflight, then the child's step), so
+its row is twice the sum of its children's passes.
+
+Prints a table and writes JSON in the ``gefen.bench`` row shape (name / metric / value /
+unit / baseline / ratio / detail).
+
+    uv run python tools/bench_guard.py [--tensors 500] [--numel 64] [--steps 20] [--repeats 5] [--json guard.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from gefen_contracts.testing import replicated_copy_plan
+from gefen_hybrid import CompositeOptimizer, ContractedAdamW
+
+
+def _named(tensors: int, numel: int, seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+    generator = torch.Generator().manual_seed(seed)
+    named = []
+    for index in range(tensors):
+        shape = (8, numel // 8) if index % 2 == 0 and numel % 8 == 0 else (numel,)  # matrices and vectors
+        parameter = torch.nn.Parameter(torch.randn(shape, generator=generator))
+        parameter.grad = torch.randn(shape, generator=generator)
+        named.append((f"blocks.{index}.weight", parameter))
+    return named
+
+
+def _bind(optimizer: Any, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    plan = replicated_copy_plan(named)
+    rebindings = [type(r)(r.old_parameter, r.old_parameter, r.shard) for r in plan.rebindings]  # identity only
+    grads = {name: p.grad for name, p in named}
+    for _, p in named:
+        p.grad = None  # post_sharding refuses tensors that carry gradients
+    optimizer.post_sharding(rebindings, manifest=plan.manifest)
+    for name, p in named:
+        p.grad = grads[name]
+
+
+def _interleaved_us(calls: dict[str, tuple[Callable[[], object], int]], repeats: int) -> dict[str, float]:
+    """Median over ``repeats`` of the mean wall time of one call of each entry, in µs.
+
+    Each repeat times every entry in turn (``name -> (callable, calls per sample)``), so slow
+    drifts of a shared machine affect the entries alike.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (call, count) in calls.items():
+            start = time.perf_counter()
+            for _ in range(count):
+                call()
+            samples[name].append((time.perf_counter() - start) / count * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _composite(named: list[tuple[str, torch.nn.Parameter]]) -> CompositeOptimizer:
+    factory = {"muon": lambda n: ContractedAdamW(n, lr=1e-3), "backup": lambda n: ContractedAdamW(n, lr=1e-3)}
+    return CompositeOptimizer.from_factories(named, factory)
+
+
+def run(tensors: int, numel: int, steps: int, repeats: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    detail = {"tensors": tensors, "numel_per_tensor": numel}
+
+    def row(name: str, metric: str, value: float, unit: str, baseline: str | None = None, base: float = 0.0) -> None:
+        ratio = None if baseline is None or base == 0 else value / base
+        rows.append(
+            {
+                "name": name,
+                "metric": metric,
+                "value": value,
+                "unit": unit,
+                "baseline": baseline,
+                "ratio": ratio,
+                "detail": detail,
+            }
+        )
+
+    torch_named = _named(tensors, numel)
+    torch_adamw = torch.optim.AdamW([p for _, p in torch_named], lr=1e-3)
+    unbound = ContractedAdamW(_named(tensors, numel), lr=1e-3)
+    bound_named = _named(tensors, numel)
+    bound = ContractedAdamW(bound_named, lr=1e-3)
+    _bind(bound, bound_named)
+    for optimizer in (torch_adamw, unbound, bound):
+        optimizer.step()  # create the state first: the guard then also walks every state key
+    passes = max(steps * 10, 50)
+    timed = _interleaved_us(
+        {
+            "torch": (torch_adamw.step, steps),
+            "unbound": (unbound.step, steps),
+            "bound": (bound.step, steps),
+            "guard": (bound.shard_bindings, passes),
+        },
+        repeats,
+    )
+    torch_step, unbound_step, bound_step, guard = (timed[k] for k in ("torch", "unbound", "bound", "guard"))
+    row("torch-adamw/step", "step_time", torch_step, "us")
+    row("contracted-adamw/step-unbound", "step_time", unbound_step, "us", "torch-adamw/step", torch_step)
+    row("contracted-adamw/step-bound", "step_time", bound_step, "us", "contracted-adamw/step-unbound", unbound_step)
+    row("guard/pass", "time_per_tensor", guard / tensors, "us/tensor")
+    row("guard/per-step", "step_time", guard, "us", "contracted-adamw/step-bound", bound_step)
+    row("guard/per-step-with-closure", "step_time", 2 * guard, "us", "contracted-adamw/step-bound", bound_step)
+
+    unbound_composite = _composite(_named(tensors, numel))
+    composite_named = _named(tensors, numel)
+    bound_composite = _composite(composite_named)
+    _bind(bound_composite, composite_named)
+    unbound_composite.step()
+    bound_composite.step()
+    entries: dict[str, tuple[Callable[[], object], int]] = {
+        "unbound": (unbound_composite.step, steps),
+        "bound": (bound_composite.step, steps),
+    }
+    for role, child in bound_composite.child_optimizers().items():
+        entries[role] = (child.shard_bindings, passes)  # type: ignore[attr-defined]
+    timed = _interleaved_us(entries, repeats)
+    composite_unbound, composite_bound = timed["unbound"], timed["bound"]
+    composite_guard = sum(timed[role] for role in bound_composite.child_optimizers())
+    row("composite/step-unbound", "step_time", composite_unbound, "us")
+    row("composite/step-bound", "step_time", composite_bound, "us", "composite/step-unbound", composite_unbound)
+    row("composite/guard-per-step", "step_time", 2 * composite_guard, "us", "composite/step-bound", composite_bound)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=500, help="parameter tensors")
+    parser.add_argument("--numel", type=int, default=64, help="elements per parameter tensor")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timing sample")
+    parser.add_argument("--repeats", type=int, default=5, help="timing samples (the median is kept)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--json", type=Path, default=Path("bench_guard.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = run(args.tensors, args.numel, args.steps, args.repeats)
+    print(f"{'name':<32} {'metric':<16} {'value':>12} {'unit':<10} {'ratio':>8}  baseline")
+    for item in rows:
+        ratio = "" if item["ratio"] is None else f"{item['ratio']:.4f}"
+        print(
+            f"{item['name']:<32} {item['metric']:<16} {item['value']:>12.3f} {item['unit']:<10} {ratio:>8}  "
+            f"{item['baseline'] or ''}"
+        )
+    by_name = {item["name"]: item for item in rows}
+    share = by_name["guard/per-step"]["ratio"]
+    print(
+        f"guard: {by_name['guard/pass']['value']:.3f} µs per parameter tensor per pass; "
+        f"{100 * share:.2f} % of a bound ContractedAdamW step (one pass; two with a closure)"
+    )
+    report = {
+        "schema": "gefen.bench",
+        "schema_version": 1,
+        "benchmark": "guard",
+        "created_utc": datetime.datetime.now(datetime.UTC).isoformat(),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "python": sys.version.split()[0],
+        },
+        "libraries": {"torch": torch.__version__},
+        "config": {
+            "tensors": args.tensors,
+            "numel": args.numel,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "threads": args.threads,
+        },
+        "notes": "median wall time; guard = one SealedLayout.verify pass (timed through shard_bindings())",
+        "rows": rows,
+    }
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
