@@ -127,6 +127,14 @@ class GefenFileSystemWriter(FileSystemWriter):
         if not kwargs.get("use_collectives", True):
             raise ValueError("GefenFileSystemWriter supports DCP's collective mode only (use_collectives=True)")
 
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Overwriting is safe here (fresh file names, atomic commit), so no warning; refuse only
+        # when asked not to overwrite.
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        if not self.overwrite and (Path(self.path) / _METADATA).exists():
+            raise RuntimeError(f"a checkpoint already exists at {self.path} and overwrite=False")
+        return plan
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = self.save_id.replace("-", "")[:16]
         return [dataclasses.replace(plan, storage_data=_SavePrefix(f"__{i}_{token}_")) for i, plan in enumerate(plans)]
