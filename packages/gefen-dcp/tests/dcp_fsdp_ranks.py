@@ -12,11 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
 from gefen_dcp import GefenDCPState, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
 from gefen_dcp.testing import Int8MomentumSGD
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 VOCAB = 64
 WIDTH = 32
@@ -99,7 +98,11 @@ def full_momentum(optimizer: Int8MomentumSGD) -> dict[str, torch.Tensor]:
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, parameter in model.named_parameters():
-        out[name] = parameter.full_tensor().detach().clone() if hasattr(parameter, "full_tensor") else parameter.detach().clone()
+        out[name] = (
+            parameter.full_tensor().detach().clone()
+            if hasattr(parameter, "full_tensor")
+            else parameter.detach().clone()
+        )
     return out
 
 

@@ -62,7 +62,9 @@ def test_two_rank_checkpoint_resumes_on_other_world_sizes(
     assert max(lost) > 5e-3 and max(kept) * 100 < max(lost), (kept, lost)
 
 
-def test_resharded_momentum_is_exact(saved_on_two: tuple[Path, list[float]], world2: GlooWorld, world3: GlooWorld) -> None:
+def test_resharded_momentum_is_exact(
+    saved_on_two: tuple[Path, list[float]], world2: GlooWorld, world3: GlooWorld
+) -> None:
     path, _ = saved_on_two
     saved = world2.run("dcp_fsdp_ranks:momentum_after_training", BEFORE)[0]
     loaded = world3.run("dcp_fsdp_ranks:momentum_after_load", str(path))

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from gefen_contracts import FrozenMap, PortableStateLimits
-
 from gefen_dcp import DENSE_SHARD_FORMAT, DIGEST_TABLE_FORMAT, CheckpointLayoutError, EnvelopeFormatError
 from gefen_dcp.digest_table import ChunkRecord, DigestTable, chunk_digest, decode_digest_table, encode_digest_table
 from gefen_dcp.envelope import DenseShardEnvelope, ParameterEntry, decode_envelope, encode_envelope

@@ -17,10 +17,6 @@ import torch.distributed.checkpoint as dcp
 from dcp_fsdp_ranks import TinyDecoder, batch, build, train
 from gefen_contracts import NotSupportedError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
 from gefen_dcp import (
     CheckpointIntegrityError,
     CheckpointLayoutError,
@@ -33,6 +29,9 @@ from gefen_dcp import (
     PlannerRequiredError,
 )
 from gefen_dcp.testing import Int8MomentumSGD
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -49,7 +48,9 @@ def _load(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
 
 
 def _momenta(optimizer: Any) -> dict[str, torch.Tensor]:
-    return {s.fqn: optimizer.materialize_dense_field(s.fqn, "momentum") for s in optimizer.dense_shard_slots() if s.fields}
+    return {
+        s.fqn: optimizer.materialize_dense_field(s.fqn, "momentum") for s in optimizer.dense_shard_slots() if s.fields
+    }
 
 
 def _failures(exc: CheckpointException) -> list[BaseException]:
@@ -74,7 +75,9 @@ def test_round_trip_continues_bit_exactly(trained: tuple[torch.nn.Module, Int8Mo
         assert torch.equal(a, b), name
 
 
-def test_checkpoint_is_tensor_only_and_chunked(trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path) -> None:
+def test_checkpoint_is_tensor_only_and_chunked(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
     model, optimizer = trained
     _save(model, optimizer, tmp_path, chunk_bytes=256)
     metadata = FileSystemReader(tmp_path).read_metadata()
@@ -180,7 +183,9 @@ def _flip_payload(path: Path, key: str, expected: torch.Tensor) -> None:
 
 
 def _corrupt_dense(path: Path, optimizer: Int8MomentumSGD) -> None:
-    _flip_payload(path, "optim.dense.embed.weight.momentum", optimizer.materialize_dense_field("embed.weight", "momentum"))
+    _flip_payload(
+        path, "optim.dense.embed.weight.momentum", optimizer.materialize_dense_field("embed.weight", "momentum")
+    )
 
 
 def _corrupt_envelope(path: Path, optimizer: Int8MomentumSGD) -> None:
@@ -237,7 +242,9 @@ def test_corrupted_checkpoint_is_refused_and_nothing_changes(
     assert not snapshot_diff(before, target)
 
 
-def test_layout_mismatches_are_refused_before_reading(trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path) -> None:
+def test_layout_mismatches_are_refused_before_reading(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
     model, optimizer = trained
     _save(model, optimizer, tmp_path)
     other = torch.nn.Sequential(torch.nn.Embedding(65, 32))
@@ -255,8 +262,10 @@ def test_a_checkpoint_missing_live_parameters_is_refused(
     model, _ = trained
     partial = Int8MomentumSGD([("embed.weight", model.embed.weight)])
     train(model, partial, 0, 1)
-    dcp.save({"optim": GefenDCPState(partial)}, storage_writer=GefenFileSystemWriter(tmp_path), planner=GefenSavePlanner())
-    target_model, target = build(1)
+    dcp.save(
+        {"optim": GefenDCPState(partial)}, storage_writer=GefenFileSystemWriter(tmp_path), planner=GefenSavePlanner()
+    )
+    _, target = build(1)
     before = deep_snapshot(target)
     with pytest.raises(CheckpointLayoutError, match="missing"):
         dcp.load({"optim": GefenDCPState(target)}, checkpoint_id=tmp_path, planner=GefenLoadPlanner())
@@ -294,8 +303,10 @@ def test_stand_ins_refuse_pickling_and_copies_freeze(trained: tuple[torch.nn.Mod
     assert torch.equal(session.reader.whole("embed.weight", "momentum"), expected)
 
 
-def test_unsupported_and_broken_codecs_are_refused(trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path) -> None:
-    model, optimizer = trained
+def test_unsupported_and_broken_codecs_are_refused(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    model, _ = trained
 
     class Unsupported(Int8MomentumSGD):
         def optimizer_contract(self) -> Any:
@@ -359,7 +370,9 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(
     assert set(os.listdir(tmp_path)) == referenced | {".metadata"}
 
 
-def test_async_save_holds_the_state_at_the_call(trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path) -> None:
+def test_async_save_holds_the_state_at_the_call(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
     model, optimizer = trained
     for writer_type in (GefenFileSystemWriter, FileSystemWriter):
         path = tmp_path / writer_type.__name__

@@ -27,33 +27,32 @@ def _check_tree(value: object, path: str, depth: int, limits: PortableStateLimit
         raise EnvelopeFormatError(f"{path}: more than {limits.max_tree_nodes} nodes")
     if depth > limits.max_tree_depth:
         raise EnvelopeFormatError(f"{path}: nested deeper than {limits.max_tree_depth}")
-    kind = type(value)
-    if value is None or kind in (bool, int):
+    if value is None or type(value) in (bool, int):
         return
-    if kind is float:
-        if not math.isfinite(value):  # type: ignore[arg-type]
+    if type(value) is float:
+        if not math.isfinite(value):
             raise EnvelopeFormatError(f"{path}: non-finite float")
         return
-    if kind is str:
-        if len(value.encode("utf-8")) > limits.max_string_bytes:  # type: ignore[attr-defined]
+    if type(value) is str:
+        if len(value.encode("utf-8")) > limits.max_string_bytes:
             raise EnvelopeFormatError(f"{path}: string longer than {limits.max_string_bytes} bytes")
         return
-    if kind is list:
-        if len(value) > limits.max_container_items:  # type: ignore[arg-type]
+    if type(value) is list:
+        if len(value) > limits.max_container_items:
             raise EnvelopeFormatError(f"{path}: more than {limits.max_container_items} items")
-        for index, item in enumerate(value):  # type: ignore[arg-type]
+        for index, item in enumerate(value):
             _check_tree(item, f"{path}[{index}]", depth + 1, limits, budget)
         return
-    if kind is dict:
-        if len(value) > limits.max_container_items:  # type: ignore[arg-type]
+    if type(value) is dict:
+        if len(value) > limits.max_container_items:
             raise EnvelopeFormatError(f"{path}: more than {limits.max_container_items} items")
-        for key, item in value.items():  # type: ignore[attr-defined]
+        for key, item in value.items():
             if type(key) is not str:
                 raise EnvelopeFormatError(f"{path}: keys must be str")
             _check_tree(key, f"{path} key", depth + 1, limits, budget)
             _check_tree(item, f"{path}.{key}", depth + 1, limits, budget)
         return
-    raise EnvelopeFormatError(f"{path}: {kind.__name__} values are not allowed")
+    raise EnvelopeFormatError(f"{path}: {type(value).__name__} values are not allowed")
 
 
 def dump_canonical(value: object, *, limits: PortableStateLimits, what: str) -> bytes:

@@ -59,7 +59,7 @@ def chunk_digest(tensor: torch.Tensor) -> str:
     array = data.reshape(-1).numpy()
     if sys.byteorder == "big" and data.element_size() > 1:  # pragma: no cover - little-endian CI
         array = array.byteswap()
-    return hashlib.sha256(memoryview(array).cast("B")).hexdigest()
+    return hashlib.sha256(array.tobytes() if not array.flags.c_contiguous else memoryview(array).cast("B")).hexdigest()  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

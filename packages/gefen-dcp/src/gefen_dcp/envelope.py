@@ -129,11 +129,17 @@ def _parse_parameter(fqn: object, record: object, limits: PortableStateLimits) -
     if type(shape) is not list or len(shape) > limits.max_tensor_rank:
         raise _fail(f"{where}.global_shape must be a list of at most {limits.max_tensor_rank} ints")
     try:
-        dims = tuple(exact_int(d, f"{where}.global_shape[{i}]", minimum=0, maximum=2**63 - 1) for i, d in enumerate(shape))
-        counters = {
-            identity_name(k, f"{where}.counters key"): exact_int(v, f"{where}.counters[{k!r}]", minimum=0)
-            for k, v in record["counters"].items()
-        } if type(record["counters"]) is dict else None
+        dims = tuple(
+            exact_int(d, f"{where}.global_shape[{i}]", minimum=0, maximum=2**63 - 1) for i, d in enumerate(shape)
+        )
+        counters = (
+            {
+                identity_name(k, f"{where}.counters key"): exact_int(v, f"{where}.counters[{k!r}]", minimum=0)
+                for k, v in record["counters"].items()
+            }
+            if type(record["counters"]) is dict
+            else None
+        )
         variant = identity_name(record["variant"], f"{where}.variant")
     except (TypeError, ValueError) as exc:
         raise _fail(str(exc)) from None
@@ -159,7 +165,9 @@ def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DenseShardEn
         raise _fail(f"envelope format {value['format']!r} is not {DENSE_SHARD_FORMAT!r}")
     version = value["format_version"]
     if type(version) is not int or version != DENSE_SHARD_FORMAT_VERSION:
-        raise _fail(f"envelope format_version {version!r} is unsupported (this library reads {DENSE_SHARD_FORMAT_VERSION})")
+        raise _fail(
+            f"envelope format_version {version!r} is unsupported (this library reads {DENSE_SHARD_FORMAT_VERSION})"
+        )
     body = {k: v for k, v in value.items() if k != "digest"}
     if value["digest"] != canonical_digest(body):
         raise _fail("the dense-shard envelope's digest does not match its content (corrupted metadata)")

@@ -87,7 +87,9 @@ class ShardGeometry:
             chunks.append(RowChunk(start, stop, offsets, (stop - start, *self.sizes[1:])))
         return tuple(chunks)
 
-    def overlap(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def overlap(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The intersection of a global box with this shard, as (global offsets, sizes), or ``None``."""
         starts = tuple(max(a, b) for a, b in zip(self.offsets, offsets))
         ends = tuple(min(a + la, b + lb) for a, la, b, lb in zip(self.offsets, self.sizes, offsets, sizes))
@@ -142,7 +144,9 @@ def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
     if isinstance(parameter, torch.Tensor):
         shape = tuple(int(d) for d in parameter.shape)
         return ShardGeometry(shape, (0,) * len(shape), shape)
-    raise CheckpointLayoutError(f"{where}: the parameter must be a torch.Tensor or DTensor, got {type(parameter).__name__}")
+    raise CheckpointLayoutError(
+        f"{where}: the parameter must be a torch.Tensor or DTensor, got {type(parameter).__name__}"
+    )
 
 
 __all__ += ["is_dtensor", "local_tensor"]

@@ -181,8 +181,7 @@ class LoadSession:
                 f"max_fragment_tensor_bytes={limits.max_fragment_tensor_bytes}"
             )
         self.destinations = {
-            (fqn, name): torch.zeros(live.slots[fqn].geometry.sizes, dtype=torch.float32)
-            for (fqn, name) in self.stored
+            (fqn, name): torch.zeros(live.slots[fqn].geometry.sizes, dtype=torch.float32) for (fqn, name) in self.stored
         }
 
     # -- reading ---------------------------------------------------------------------
@@ -258,11 +257,15 @@ class LoadSession:
                 if record.key in recorded:
                     raise CheckpointIntegrityError(f"chunk {record.key} has digests from two writers")
                 recorded[record.key] = (record.sizes, record.digest)
-        stored_keys = {(fqn, name, chunk.offsets): chunk.sizes for (fqn, name), chunks in self.stored.items() for chunk in chunks}
+        stored_keys = {
+            (fqn, name, chunk.offsets): chunk.sizes for (fqn, name), chunks in self.stored.items() for chunk in chunks
+        }
         for key, sizes in stored_keys.items():
             found = recorded.get(key)
             if found is None:
-                raise CheckpointIntegrityError(f"stored chunk {key} has no recorded digest (a writer's table is missing)")
+                raise CheckpointIntegrityError(
+                    f"stored chunk {key} has no recorded digest (a writer's table is missing)"
+                )
             if found[0] != sizes:
                 raise CheckpointIntegrityError(f"stored chunk {key} has sizes {sizes} but its digest covers {found[0]}")
         extra = sorted(set(recorded) - set(stored_keys))
@@ -302,7 +305,9 @@ class LoadSession:
                 )
             present = tuple(sorted(name for (f, name) in self.stored if f == fqn))
             if present != entry.fields:
-                raise _layout_error(f"parameter {fqn!r}: the envelope lists fields {entry.fields}, stored are {present}")
+                raise _layout_error(
+                    f"parameter {fqn!r}: the envelope lists fields {entry.fields}, stored are {present}"
+                )
             fields: Mapping[str, torch.Tensor] = {name: self.destinations[(fqn, name)] for name in entry.fields}
             loads[fqn] = DenseShardLoad(fqn, entry.options, entry.variant, entry.counters, fields)
         return envelope, dict(envelope.common), loads

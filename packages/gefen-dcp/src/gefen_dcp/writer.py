@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -215,7 +216,9 @@ class GefenFileSystemWriter(FileSystemWriter):
                     del tensor
                 del data
                 length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
                 if self.fault_hook is not None:
                     with lock:
                         counter[0] += 1
@@ -230,12 +233,9 @@ class GefenFileSystemWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit: write ``.metadata`` atomically, then remove data files it no longer names."""
-        try:
-            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-        except ImportError:  # pragma: no cover - older torch
-            CURRENT_DCP_VERSION = None  # noqa: N806
-        if CURRENT_DCP_VERSION is not None:
-            metadata.version = CURRENT_DCP_VERSION
+        version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+        if version is not None:
+            metadata.version = version
         storage = {}
         for batch in results:
             storage.update({result.index: result.storage_data for result in batch})
@@ -263,7 +263,7 @@ class GefenFileSystemWriter(FileSystemWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Freeze every dense-shard state now and stage the rest like ``FileSystemWriter``."""
-        frozen: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+        frozen: list[tuple[tuple[str, ...], Any]] = []
         rest = _split(state_dict, (), frozen)
         staged = super().stage(rest)
         for path, value in frozen:
@@ -271,12 +271,12 @@ class GefenFileSystemWriter(FileSystemWriter):
             for key in path[:-1]:
                 target = target[key]
             target[path[-1]] = value
-        return staged  # type: ignore[no-any-return]
+        return staged
 
 
-def _split(value: Any, path: tuple[str, ...], frozen: list[tuple[tuple[str, ...], dict[str, Any]]]) -> Any:
+def _split(value: Any, path: tuple[str, ...], frozen: list[tuple[tuple[str, ...], Any]]) -> Any:
     """A copy of the container tree without dense-shard states (recorded frozen in ``frozen``)."""
-    if isinstance(value, GefenDenseShardStateDict) or (isinstance(value, StandIn)):
+    if isinstance(value, (GefenDenseShardStateDict, StandIn)):
         frozen.append((path, copy.deepcopy(value)))
         return _REMOVED
     if isinstance(value, dict):

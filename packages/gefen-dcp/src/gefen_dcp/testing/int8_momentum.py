@@ -249,7 +249,11 @@ class Int8MomentumSGD(torch.optim.Optimizer):
     def dense_shard_snapshot(self) -> _CompactSnapshot:
         return _CompactSnapshot(
             {
-                name: {key: value.detach().to("cpu", copy=True) for key, value in self.state[param].items() if isinstance(value, torch.Tensor)}
+                name: {
+                    key: value.detach().to("cpu", copy=True)
+                    for key, value in self.state[param].items()
+                    if isinstance(value, torch.Tensor)
+                }
                 for name, param, _ in self._named()
                 if self.state.get(param)
             }
@@ -269,7 +273,7 @@ class Int8MomentumSGD(torch.optim.Optimizer):
                 f"unexpected {sorted(set(slots) - names)[:5]})"
             )
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
-        group_options: dict[int, dict[str, float]] = {}
+        group_options: dict[int, dict[str, object]] = {}
         for name, param, group in named:
             load = slots[name]
             options = dict(load.options)
@@ -280,15 +284,18 @@ class Int8MomentumSGD(torch.optim.Optimizer):
                 raise StateValidationError(f"{name}: options differ from other parameters of its group")
             local = _local(param)
             if load.variant == "pristine":
-                if dict(load.counters) or dict(load.fields):
+                if len(load.counters) or len(load.fields):
                     raise StateValidationError(f"{name}: a pristine parameter has no counters or fields")
                 continue
             expected = "int8_rows" if local.dim() >= 2 else "fp32"
             if load.variant != expected:
-                raise StateValidationError(f"{name}: variant {load.variant!r} does not fit a rank-{local.dim()} parameter")
-            step = dict(load.counters).get("step")
-            if set(load.counters) != {"step"} or type(step) is not int or step < 1:
-                raise StateValidationError(f"{name}: counters must be {{'step': int >= 1}}, got {dict(load.counters)}")
+                raise StateValidationError(
+                    f"{name}: variant {load.variant!r} does not fit a rank-{local.dim()} parameter"
+                )
+            counters = {key: load.counters[key] for key in load.counters}
+            step = counters.get("step")
+            if set(counters) != {"step"} or type(step) is not int or step < 1:
+                raise StateValidationError(f"{name}: counters must be {{'step': int >= 1}}, got {counters}")
             if set(load.fields) != {"momentum"}:
                 raise StateValidationError(f"{name}: expected the field 'momentum', got {sorted(load.fields)}")
             dense = load.fields["momentum"]
@@ -306,12 +313,14 @@ class Int8MomentumSGD(torch.optim.Optimizer):
                 new_state[param] = {"momentum_int8": codes, "momentum_scale": scale, "step": step}
             else:
                 new_state[param] = {"momentum": dense.clone(), "step": step}
-        groups = [group_options.get(id(group), {k: group[k] for k in _OPTIONS}) for group in self.param_groups]
+        groups: list[dict[str, object]] = [
+            group_options.get(id(group), {k: group[k] for k in _OPTIONS}) for group in self.param_groups
+        ]
         return StagedTransaction(self, kind="dense_shard_load", token=self._version, payload=(groups, new_state))
 
     def commit_dense_shard_load(self, staged: StagedTransaction) -> None:
         payload = staged.claim(self, kind="dense_shard_load", current_token=self._version)
-        groups: list[dict[str, float]]
+        groups: list[dict[str, object]]
         state: dict[torch.Tensor, dict[str, Any]]
         groups, state = payload  # type: ignore[misc]
         for live, options in zip(self.param_groups, groups, strict=True):
