@@ -1,0 +1,132 @@
+"""Projection: from catalog fragments to the records an adapter stages for its own slots.
+
+For every target slot (in ``portable_layout().slots`` order) the adapter receives a
+:class:`~gefen_contracts.PortableSlotState` with the document's options, variant and
+counters and:
+
+* a *payload piece* (see :func:`~gefen_portable.extents.carries_payload`): each element
+  field as a fresh fp32 CPU tensor shaped like the piece, filled from every fragment that
+  overlaps the piece (by flat runs, so any source layout maps onto any target layout), and
+  a fresh copy of every replica field;
+* an empty flattened slice or empty region: zero-element element fields and a copy of
+  every replica field;
+* a non-owner piece of a whole-parameter-owner layout: no fields.
+
+Buffers are allocated once per target piece; fragments are copied in as they arrive and
+dropped, so the peak is the target's own dense fields plus one fragment in flight. Every
+element of every buffer must be written exactly once (checked by count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from gefen_contracts import LogicalSlice, PortableLayout, PortableSlotState, ShardIdentity
+
+from .catalog import Catalog
+from .errors import PortableLimitError, PortableStateError
+from .extents import Extent, carries_payload, copy_overlap, covers_parameter, overlaps, piece_shape
+from .fragments import PortableFragment
+
+__all__ = ["Projection", "needed_fragments"]
+
+
+def _target_extent(shard: ShardIdentity) -> Extent:
+    return LogicalSlice(0, shard.parameter.numel) if covers_parameter(shard) else shard.extent
+
+
+def needed_fragments(catalog: Catalog, layout: PortableLayout) -> frozenset[tuple[str, int]]:
+    """The fragments ``(fqn, index)`` that overlap this member's payload pieces of ``layout``.
+
+    A rank-sharded load reads exactly these (and nothing else) before importing.
+    """
+    needed = set()
+    for slot in layout.slots:
+        shard = slot.shard
+        record = catalog.parameters.get(slot.fqn)
+        if record is None or not carries_payload(shard) or not record.element_fields:
+            continue
+        extent = _target_extent(shard)
+        for index, frag in enumerate(catalog.fragments[slot.fqn]):
+            if overlaps(frag.extent, extent, shard.parameter.global_shape):
+                needed.add((slot.fqn, index))
+    return frozenset(needed)
+
+
+class Projection:
+    """Target buffers for one member's slots, filled fragment by fragment."""
+
+    def __init__(self, catalog: Catalog, layout: PortableLayout, *, max_bytes: int) -> None:
+        self.catalog = catalog
+        self.layout = layout
+        self._buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self._extents: dict[str, Extent] = {}
+        self._written: dict[str, int] = {}
+        self.needed = needed_fragments(catalog, layout)
+        planned = 0
+        targets = []
+        for slot in layout.slots:
+            shard = slot.shard
+            record = catalog.parameters.get(slot.fqn)
+            if record is None:
+                raise PortableStateError(f"the document has no parameter {slot.fqn!r}")
+            if not carries_payload(shard) or not record.element_fields:
+                continue
+            shape = piece_shape(shard)
+            assert shape is not None
+            planned += math.prod(shape) * 4 * len(record.element_fields)
+            targets.append((slot.fqn, shape, record.element_fields))
+            self._extents[slot.fqn] = _target_extent(shard)
+        if planned > max_bytes:
+            raise PortableLimitError(
+                "max_fragment_tensor_bytes", f"this member's target pieces need {planned} bytes of dense fields"
+            )
+        for fqn, shape, names in targets:
+            self._buffers[fqn] = {name: torch.empty(shape, dtype=torch.float32) for name in names}
+            self._written[fqn] = 0
+
+    def accept(self, fragment: PortableFragment) -> None:
+        """Copy a verified fragment's overlap into the target buffers that need it."""
+        fqn = fragment.fqn
+        buffers = self._buffers.get(fqn)
+        if buffers is None or fragment.key not in self.needed:
+            return
+        shape = self.catalog.parameters[fqn].identity.global_shape
+        for name, target in buffers.items():
+            copied = copy_overlap(fragment.fields[name], fragment.extent, target, self._extents[fqn], shape)
+            self._written[fqn] += copied
+
+    def slot_states(self) -> tuple[PortableSlotState, ...]:
+        """The projected records, in slot order (raises if a buffer was not filled exactly)."""
+        states = []
+        for slot in self.layout.slots:
+            record = self.catalog.parameters[slot.fqn]
+            shard = slot.shard
+            elements: dict[str, object] = {}
+            replicas: dict[str, object] = {}
+            if slot.fqn in self._buffers:
+                buffers = self._buffers[slot.fqn]
+                expected = sum(t.numel() for t in buffers.values())
+                if self._written[slot.fqn] != expected:
+                    raise PortableStateError(
+                        f"the fragments delivered for {slot.fqn!r} filled {self._written[slot.fqn]} of {expected} elements"
+                    )
+                elements = dict(buffers)
+            elif piece_shape(shard) is not None:
+                shape = piece_shape(shard)
+                assert shape is not None
+                elements = {name: torch.empty(shape, dtype=torch.float32) for name in record.element_fields}
+            if piece_shape(shard) is not None:
+                replicas = {name: value.clone() for name, value in record.replica_fields.items()}
+            states.append(
+                PortableSlotState(
+                    slot,
+                    record.options,
+                    record.variant,
+                    record.counters,
+                    element_fields=elements,
+                    replica_fields=replicas,
+                )
+            )
+        return tuple(states)
