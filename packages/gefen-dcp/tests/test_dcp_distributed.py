@@ -88,6 +88,61 @@ def test_a_corrupted_chunk_seen_by_one_rank_fails_every_rank_unchanged(world2: G
     assert all(r["unchanged"] for r in results)
 
 
+# -- save_portable_dcp / load_portable_dcp ---------------------------------------------------
+
+PORTABLE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def portable_on_two(world2: GlooWorld, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("portable_two")
+    world2.run("dcp_portable_ranks:save", str(path), "flat", PORTABLE_STEPS)
+    return path
+
+
+@pytest.mark.parametrize(("target", "kind"), [("world3", "region"), ("world1", "replicated"), ("world2", "region")])
+def test_portable_checkpoint_loads_exactly_on_any_layout_reading_only_what_it_needs(
+    target: str, kind: str, portable_on_two: Path, request: pytest.FixtureRequest
+) -> None:
+    from dcp_portable_adopter import piece_of, reference_momentum
+
+    world: GlooWorld = request.getfixturevalue(target)
+    results = world.run("dcp_portable_ranks:load", str(portable_on_two), kind)
+    reference = reference_momentum(PORTABLE_STEPS)
+    all_fragments = {
+        f"optimizer.fragments.{fqn}.{i}.momentum" for fqn in reference for i in range(2 if fqn != "scale" else 1)
+    }
+    read = [set(r["fragments_read"]) for r in results]
+    assert set().union(*read) <= all_fragments
+    if world.world_size > 1:
+        assert any(r < all_fragments for r in read)  # a rank reads only the fragments its pieces overlap
+    for result in results:
+        for fqn, momentum in result["momentum"].items():
+            assert torch.equal(momentum, piece_of(reference[fqn], result["shards"][fqn])), fqn
+
+
+def test_portable_members_must_agree_on_storage_before_any_io(world2: GlooWorld, tmp_path: Path) -> None:
+    results = world2.run("dcp_portable_ranks:storage_mismatch", str(tmp_path / "ckpt"))
+    assert [r["error"] for r in results] == ["StorageMismatchError", "StorageMismatchError"]
+    assert not any(r["written"] for r in results) and all(r["unchanged"] for r in results)
+
+
+def test_portable_corruption_seen_by_one_rank_fails_every_rank_unchanged(
+    world2: GlooWorld, portable_on_two: Path
+) -> None:
+    results = world2.run("dcp_portable_ranks:corrupt_needed_by_one", str(portable_on_two), 2, PORTABLE_STEPS)
+    assert [r["error"] for r in results] == ["CollectiveFailureError", "CollectiveFailureError"]
+    assert results[1]["cause"] == "CheckpointIntegrityError"
+    assert all(r["unchanged"] for r in results)
+
+
+def test_portable_async_save_holds_the_state_at_the_call(world2: GlooWorld, tmp_path: Path) -> None:
+    assert world2.run("dcp_portable_ranks:async_save_then_train", str(tmp_path)) == [{"equal": True}] * 2
+
+
+# -- last: this case kills a rank of world2 ------------------------------------------------
+
+
 def test_rank_killed_mid_overwrite_leaves_previous_checkpoint_loadable(
     world2: GlooWorld, world1: GlooWorld, tmp_path: Path
 ) -> None:
