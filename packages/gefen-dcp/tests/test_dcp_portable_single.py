@@ -13,11 +13,6 @@ from dcp_portable_adopter import PieceSGD, manifest, reference_momentum
 from gefen_contracts import ContractTypeError, PortableStateLimits, ProcessGroupIdentity
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
-from gefen_portable import PortableIntegrityError
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
 from gefen_dcp import (
     CHUNK_TABLE_FORMAT,
     PORTABLE_DCP_FORMAT,
@@ -37,6 +32,10 @@ from gefen_dcp.portable_format import (
     encode_chunk_table,
     encode_portable_envelope,
 )
+from gefen_portable import PortableIntegrityError
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
