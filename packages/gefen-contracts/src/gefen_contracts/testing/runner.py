@@ -103,7 +103,9 @@ def run_conformance(
         except Unverifiable as exc:
             report.results.append(CheckResult(check.name, CheckStatus.UNVERIFIED, tuple(sorted(claims)), str(exc)))
             continue
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # a failing check is a finding (DCP's CheckpointException is a BaseException)
             detail = f"{type(exc).__name__}: {exc}"
             report.results.append(CheckResult(check.name, CheckStatus.FAILED, tuple(sorted(claims)), detail))
             covered |= claims
