@@ -48,7 +48,9 @@ __all__ = [
     "CollectiveScoped",
     "CompositeOptimizer",
     "ContractProvider",
+    "DenseFieldRows",
     "DenseShardCodec",
+    "DenseShardSnapshot",
     "IdentityBindable",
     "ModeTaggedState",
     "PortableAdapter",
@@ -253,6 +255,33 @@ class DenseShardCodec(Protocol):
     ) -> StagedTransaction: ...
 
     def commit_dense_shard_load(self, staged: StagedTransaction) -> None: ...
+
+
+@runtime_checkable
+class DenseFieldRows(Protocol):
+    """Optional extension of :class:`DenseShardCodec` for memory-bounded saves.
+
+    ``materialize_dense_field_rows(fqn, field, start, stop)`` returns rows ``[start, stop)``
+    (first dimension) of the local shard's dense ``field``, equal bit for bit to
+    ``materialize_dense_field(fqn, field)[start:stop]``, so one huge tensor (an embedding)
+    is written chunk by chunk instead of materialised whole.
+    """
+
+    def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> Any: ...
+
+
+@runtime_checkable
+class DenseShardSnapshot(Protocol):
+    """Optional extension of :class:`DenseShardCodec` for asynchronous saves.
+
+    ``dense_shard_snapshot()`` returns a frozen object with ``materialize_dense_field`` (and
+    ideally ``materialize_dense_field_rows``) whose values never change afterwards, whatever
+    the optimizer does next; it should hold a copy of the compact state, not dense fields, so
+    an asynchronous save costs about the compact state's size instead of 4 bytes per element
+    per field.
+    """
+
+    def dense_shard_snapshot(self) -> Any: ...
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from gefen_contracts import DenseFieldRows, DenseShardSnapshot
 
 from .errors import DenseFieldError
 from .geometry import RowChunk
@@ -42,28 +43,6 @@ class DenseFieldSource(Protocol):
     """Produces a fresh fp32 tensor shaped like ``fqn``'s local shard for ``field``."""
 
     def materialize_dense_field(self, fqn: str, field: str) -> Any: ...
-
-
-@runtime_checkable
-class DenseFieldRows(Protocol):
-    """Optional: rows ``[start, stop)`` of the local shard's dense ``field`` (first dimension).
-
-    Must equal ``materialize_dense_field(fqn, field)[start:stop]`` bit for bit.
-    """
-
-    def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> Any: ...
-
-
-@runtime_checkable
-class DenseShardSnapshot(Protocol):
-    """Optional: a frozen copy of the state a codec materialises from.
-
-    ``dense_shard_snapshot()`` returns a :class:`DenseFieldSource` (and, ideally, a
-    :class:`DenseFieldRows`) whose values never change afterwards, whatever the optimizer
-    does next; it should hold the compact state, not dense fields.
-    """
-
-    def dense_shard_snapshot(self) -> DenseFieldSource: ...
 
 
 class DenseSnapshotSource:
