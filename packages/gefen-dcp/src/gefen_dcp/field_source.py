@@ -1,9 +1,8 @@
 """Where dense field values come from while a checkpoint is written.
 
 A :class:`gefen_contracts.DenseShardCodec` produces a dense fp32 field of one local shard
-on demand (``materialize_dense_field``). Two optional methods, found structurally (an
-optimizer implements them without importing this package), let gefen-dcp keep its memory
-bounds for optimizers whose dense form is much larger than their compact state:
+on demand (``materialize_dense_field``). Two optional Protocols of gefen-contracts, found
+structurally, let gefen-dcp keep its memory bounds for optimizers whose dense form is much larger than their compact state:
 
 * :class:`DenseFieldRows` ``materialize_dense_field_rows(fqn, field, start, stop)`` returns
   rows ``[start, stop)`` of the local shard (the first dimension), so one huge embedding
