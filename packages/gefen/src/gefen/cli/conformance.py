@@ -20,7 +20,9 @@ def register(sub: Any) -> None:
         ),
     )
     parser.add_argument("target", metavar="MODULE:FACTORY")
-    parser.add_argument("--waive", action="append", default=[], metavar="NAME", help="accept a claim or check as unverified")
+    parser.add_argument(
+        "--waive", action="append", default=[], metavar="NAME", help="accept a claim or check as unverified"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(handler=run)
 
