@@ -1,0 +1,85 @@
+"""Learning the shared momentum codebook, and re-expressing indices in a new one.
+
+One fp32 256-entry codebook serves every parameter of an optimizer. It is learned from a
+4096-bin histogram of block-normalised gradients (each block divided by its own max |g|)
+by the exact pinned k-means of :mod:`gefen_core.exact_dp`. Histograms of several devices
+are summed as int64 on the host; the solve runs on the host in float64 and is rounded
+once to fp32, so identical inputs give byte-identical codebooks everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .exact_dp import histogram_points, solve_pinned_codebook
+from .momentum_codec import CODEBOOK_SIZE, nearest_codeword
+from .ops import HISTOGRAM
+from .reference_ops import CHUNK_ELEMENTS, HISTOGRAM_BINS
+
+__all__ = ["codebook_from_counts", "gradient_histogram", "requantize", "validate_codebook"]
+
+OpRunner = Callable[..., Any]
+
+
+def gradient_histogram(
+    items: Iterable[tuple[torch.Tensor, int]], run_op: OpRunner, *, deterministic: bool
+) -> torch.Tensor:
+    """Sum of the block-normalised histograms of ``(gradient, period)`` items (int64 CPU ``[4096]``).
+
+    ``run_op(op_id, *args, **kwargs)`` dispatches the ``gefen.histogram/1`` op.
+    """
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for gradient, period in items:
+        if gradient.numel() == 0:
+            continue
+        counts = per_device.get(gradient.device)
+        if counts is None:
+            counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=gradient.device)
+            per_device[gradient.device] = counts
+        run_op(HISTOGRAM, gradient.contiguous(), period, counts, deterministic=deterministic)
+    total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    for counts in per_device.values():
+        total += counts.cpu()
+    return total
+
+
+def codebook_from_counts(counts: torch.Tensor) -> torch.Tensor | None:
+    """The optimal fp32 CPU codebook for a histogram, or ``None`` when it is empty."""
+    if int(counts.sum()) == 0:
+        return None
+    positions, weights, bins = histogram_points(counts.numpy())
+    solution = solve_pinned_codebook(positions, weights, CODEBOOK_SIZE, scale=bins)
+    return torch.from_numpy(solution.codebook).to(torch.float32)
+
+
+def validate_codebook(codebook: object, where: str) -> torch.Tensor:
+    """A codebook must be a finite, ascending fp32 ``[256]`` tensor from exactly -1 to +1."""
+    from gefen_contracts import StateValidationError
+
+    if not isinstance(codebook, torch.Tensor):
+        raise StateValidationError(f"{where} must be a tensor, got {type(codebook).__name__}")
+    if codebook.dtype is not torch.float32 or tuple(codebook.shape) != (CODEBOOK_SIZE,):
+        raise StateValidationError(
+            f"{where} must be float32 of shape ({CODEBOOK_SIZE},), got {codebook.dtype} {tuple(codebook.shape)}"
+        )
+    values = codebook.detach().cpu()
+    if not torch.isfinite(values).all():
+        raise StateValidationError(f"{where} must be finite")
+    if (values[1:] < values[:-1]).any():
+        raise StateValidationError(f"{where} must be sorted in non-decreasing order")
+    if float(values[0]) != -1.0 or float(values[-1]) != 1.0:
+        raise StateValidationError(f"{where} must start at exactly -1 and end at exactly +1")
+    return values
+
+
+def requantize(indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """New uint8 indices: each old coefficient ``old[q]`` mapped to its nearest codeword in ``new``."""
+    flat = indices.reshape(-1)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        stop = min(flat.numel(), start + CHUNK_ELEMENTS)
+        out[start:stop] = nearest_codeword(new, old[flat[start:stop].long()])
+    return out.view_as(indices)

@@ -1,0 +1,614 @@
+"""``Gefen``: AdamW with about one byte of optimizer state per parameter.
+
+See the package README for the algorithm and :mod:`gefen_core.reference_ops` for the exact
+arithmetic. This module owns the optimizer object: construction, the step's orchestration,
+checkpoints and the contract; the numerics live in the modules it calls.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
+
+from . import step_scalars
+from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
+from .codebook import codebook_from_counts, gradient_histogram, requantize
+from .contract import gefen_contract
+from .distributed import all_reduce_column_sums, topology_record
+from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
+from .native_state import StagedNativeState, export_state_dict, stage_state_dict
+from .ops import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, KernelDispatch
+from .param_groups import check_parameters, normalize_group_options
+from .param_state import (
+    AGE_KEYS,
+    FACTORED,
+    INDICES,
+    MAGNITUDE,
+    PERIOD,
+    STEP,
+    V_COL,
+    V_ROW,
+    VMEAN,
+    new_state,
+    state_variant,
+    switch_second_moment,
+)
+from .periods import PeriodPolicy
+from .second_moment import update_factored_moments
+from .step_plan import ParamWork, StepPlan, capturing, plan_step
+
+__all__ = ["Gefen"]
+
+_NATIVE_LOAD = "gefen.native_load"
+Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+class Gefen(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
+    about 1 byte per parameter: a block-shared or factored second moment and a first moment
+    stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group dicts.
+        lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW`` (``lr`` may be a
+            1-element tensor; ``weight_decay`` defaults to 0).
+        fused: ``None`` uses a registered kernel provider when it supports the tensors,
+            ``True`` requires one, ``False`` always runs the PyTorch reference.
+        factored_v_2d: factored (row x column) second moment for 2-D parameters.
+        force_1d_period_one, force_2d_period_one, period_one_substrings: per-element blocks
+            (9 bytes/element) for 1-D parameters, 2-D parameters, or names containing a
+            substring (needs named parameters).
+        codebook_refresh_every: relearn the codebook every N steps (0: never).
+        stochastic_round: unbiased stochastic rounding of momentum codes.
+        deterministic: ask kernels for fixed reduction orders; recorded in checkpoints.
+        capturable: keep counters and scalars on device so a step can be captured in a CUDA
+            graph (run one eager step first).
+        kernel_registry: the kernel registry to use (default: the process-wide one).
+
+    The options ``lr`` to ``period_one_substrings`` may differ per parameter group; the rest
+    are optimizer-wide.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        fused: bool | None = None,
+        factored_v_2d: bool = True,
+        force_1d_period_one: bool = False,
+        force_2d_period_one: bool = False,
+        period_one_substrings: Iterable[str] = (),
+        codebook_refresh_every: int = 0,
+        stochastic_round: bool = False,
+        deterministic: bool = False,
+        capturable: bool = False,
+        kernel_registry: KernelRegistry | None = None,
+    ) -> None:
+        for name, flag in (("deterministic", deterministic), ("stochastic_round", stochastic_round)):
+            if type(flag) is not bool:
+                raise GefenOptionTypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if type(capturable) is not bool:
+            raise GefenOptionTypeError(f"capturable must be a bool, got {type(capturable).__name__}")
+        if fused is not None and type(fused) is not bool:
+            raise GefenOptionTypeError(f"fused must be None, True or False, got {fused!r}")
+        if type(codebook_refresh_every) is not int:
+            raise GefenOptionTypeError(
+                f"codebook_refresh_every must be an int, got {type(codebook_refresh_every).__name__}"
+            )
+        if codebook_refresh_every < 0:
+            raise GefenOptionError(f"codebook_refresh_every must be >= 0, got {codebook_refresh_every}")
+        if capturable and codebook_refresh_every:
+            raise GefenOptionError(
+                "codebook_refresh_every > 0 is incompatible with capturable=True (refresh is host-driven)"
+            )
+        if kernel_registry is not None and not isinstance(kernel_registry, KernelRegistry):
+            raise GefenOptionTypeError("kernel_registry must be a gefen_contracts.KernelRegistry or None")
+        substrings = (
+            tuple(period_one_substrings) if not isinstance(period_one_substrings, str) else period_one_substrings
+        )
+        defaults = normalize_group_options(
+            {
+                "lr": lr,
+                "betas": betas,
+                "eps": eps,
+                "weight_decay": weight_decay,
+                "maximize": maximize,
+                "factored_v_2d": factored_v_2d,
+                "force_1d_period_one": force_1d_period_one,
+                "force_2d_period_one": force_2d_period_one,
+                "period_one_substrings": substrings,
+            }
+        )
+        self._fused = fused
+        self._dispatch = KernelDispatch(fused, kernel_registry)
+        self._refresh_every = codebook_refresh_every
+        self._stochastic_round = stochastic_round
+        self._deterministic = deterministic
+        self._capturable = capturable
+        self._codebook: torch.Tensor | None = None
+        self._codebook_copies: dict[torch.device, torch.Tensor] = {}
+        self._global_step = 0
+        self._device_global_steps: dict[torch.device, torch.Tensor] = {}
+        self._version = 0
+        super().__init__(params, defaults)
+        if fused is True:
+            self._check_kernel_provider()
+
+    # -- construction -------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the whole group (options and parameters) first, then register it."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError("param_group is missing the 'params' key")
+        index = len(self.param_groups)
+        options = normalize_group_options(param_group, index)
+        params = param_group["params"]
+        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        if not listed:
+            raise ValueError(f"param_groups[{index}] has an empty parameter list")
+        check_parameters(listed, index)
+        merged = {**param_group, **options, "params": listed}
+        substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
+        named = all(isinstance(p, tuple) for p in listed)
+        if substrings and not named:
+            raise GefenOptionError(
+                f"param_groups[{index}]: period_one_substrings needs named parameters "
+                "(pass model.named_parameters() or (name, tensor) pairs)"
+            )
+        super().add_param_group(merged)
+        self._version += 1
+
+    def _check_kernel_provider(self) -> None:
+        from .ops import OPS
+
+        missing = [op for op in sorted(OPS) if not self._dispatch.available(op)]
+        if missing:
+            from gefen_contracts import KernelUnavailableError
+
+            failures = "; ".join(f"{f.entry_point}: {f.error}" for f in self._dispatch.registry.failures)
+            raise KernelUnavailableError(
+                f"fused=True needs kernels for {missing}: no registered provider implements them"
+                + (f"; providers that failed to load: {failures}" if failures else "")
+            )
+
+    # -- small queries ------------------------------------------------------------------
+
+    @property
+    def codebook(self) -> torch.Tensor | None:
+        """A copy of the learned fp32 codebook (``None`` before the first non-zero gradient)."""
+        return None if self._codebook is None else self._codebook.clone()
+
+    @property
+    def global_step(self) -> int:
+        """Completed ``step()`` calls (overflow-skipped AMP steps excluded)."""
+        if self._device_global_steps:
+            return int(next(iter(self._device_global_steps.values())).item())
+        return self._global_step
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return has_fp16_gradients(self.param_groups)
+
+    def state_bytes(self) -> int:
+        """Bytes of every tensor storage reachable from the optimizer's state (codebook included)."""
+        seen: set[int] = set()
+        total = 0
+        tensors: list[torch.Tensor] = [
+            v for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
+        if self._codebook is not None:
+            tensors.append(self._codebook)
+        tensors.extend(self._codebook_copies.values())
+        tensors.extend(self._device_global_steps.values())
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen or storage.nbytes() == 0:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def _codebook_on(self, device: torch.device) -> torch.Tensor:
+        assert self._codebook is not None
+        if device.type == "cpu":
+            return self._codebook
+        copy = self._codebook_copies.get(device)
+        if copy is None:
+            copy = self._codebook.to(device)
+            self._codebook_copies[device] = copy
+        return copy
+
+    def _policy(self, group: Mapping[str, Any]) -> PeriodPolicy:
+        return PeriodPolicy(
+            group["force_1d_period_one"], group["force_2d_period_one"], tuple(group["period_one_substrings"])
+        )
+
+    def _topology(self) -> list[dict[str, object] | None] | None:
+        records = [topology_record(p) for group in self.param_groups for p in group["params"]]
+        return records if any(r is not None for r in records) else None
+
+    # -- contract and preflight ---------------------------------------------------------
+
+    def optimizer_contract(self) -> OptimizerContract:
+        """What this instance supports now (cheap, pure, no collectives)."""
+        return gefen_contract(
+            deterministic=self._deterministic,
+            stochastic_round=self._stochastic_round,
+            capturable=self._capturable,
+            codebook_refresh_every=self._refresh_every,
+            fused=self._fused,
+            factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
+        )
+
+    def _refresh_due(self) -> bool:
+        step = self._global_step
+        return bool(self._refresh_every and self._codebook is not None and step > 0 and step % self._refresh_every == 0)
+
+    def _plan(self) -> StepPlan:
+        return plan_step(
+            self.param_groups,
+            self.state,
+            dispatch=self._dispatch,
+            fused=self._fused,
+            capturable=self._capturable,
+            codebook_ready=self._codebook is not None,
+            refresh_due=self._refresh_due(),
+            resolve_args=self._kernel_queries,
+        )
+
+    def preflight_step(self) -> None:
+        """Run every check ``step()`` runs before mutating; raise its error; change nothing."""
+        self._plan()
+
+    # -- step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW-like update of every parameter with a gradient; returns ``closure()``'s loss."""
+        if capturing() and not self._capturable:
+            raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._plan()
+        if should_skip_step(self):
+            return loss
+        unscale_gradients(self, [w.param.grad for w in plan.works if w.param.grad is not None])
+        self._execute(plan)
+        return loss
+
+    def _execute(self, plan: StepPlan) -> None:
+        works = plan.works
+        for work in works:
+            if work.state_device_differs:
+                self._move_state(work)
+        stats = self._factored_stats(works)
+        starting = [w for w in works if w.needs_state and self._starts_now(w, stats)]
+        idle = [w for w in works if w.needs_state and not self._starts_now(w, stats)]
+        periods = {
+            w.slot: self._policy(self.param_groups[w.group_index]).resolve(w.name, tuple(w.param.shape), w.grad)
+            for w in starting
+        }
+
+        def period_of(work: ParamWork) -> int:
+            return periods[work.slot] if work.slot in periods else int(work.state[PERIOD])  # type: ignore[index]
+
+        learners = [w for w in works if w.state or w.slot in periods]
+        old_codebook = self._codebook
+        new_codebook = old_codebook
+        if old_codebook is None:
+            contributing = [(w, period_of(w)) for w in learners if self._locally_nonzero(w)]
+            if contributing:
+                new_codebook = self._learn(contributing)
+        refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
+        if plan.refresh_due and old_codebook is not None:
+            relearned = self._learn([(w, period_of(w)) for w in learners])
+            if relearned is not None:
+                refreshed = self._requantize_all(old_codebook, relearned)
+                new_codebook = relearned
+        created = []
+        for work in starting:
+            state = new_state(work.local, periods[work.slot], work.variant, self._capturable)
+            self.state[work.param] = state
+            work.state = state
+            created.append(work)
+        if new_codebook is not old_codebook:
+            self._codebook = new_codebook
+            self._codebook_copies = {}
+        if self._fused is True:
+            try:
+                for work in created:
+                    for op_id, args, kwargs in self._kernel_queries(work):
+                        self._dispatch.resolve(op_id, *args, **kwargs)
+            except Exception:
+                for work in created:
+                    del self.state[work.param]
+                self._codebook = old_codebook
+                self._codebook_copies = {}
+                raise
+        for state, indices in refreshed:
+            state[INDICES].copy_(indices)
+        for work in idle:
+            self._decay_only(work)
+        for work in works:
+            if work.state:
+                self._update(work, stats)
+        self._advance_global_step({w.local.device for w in works})
+
+    def _locally_nonzero(self, work: ParamWork) -> bool:
+        if work.local_nonzero is None:
+            work.local_nonzero = bool(work.grad.numel()) and bool(work.grad.ne(0).any())
+        return work.local_nonzero
+
+    def _starts_now(self, work: ParamWork, stats: Stats) -> bool:
+        """Whether a stateless parameter gets its state now: its first non-zero gradient
+        (judged over the whole mesh for a row-sharded factored parameter)."""
+        if work.row_sharded and work.variant == FACTORED:
+            _, col_sums = stats[work.slot]
+            return bool(col_sums.sum().item() > 0)
+        return self._locally_nonzero(work)
+
+    def _move_state(self, work: ParamWork) -> None:
+        assert work.state is not None
+        for key, value in list(work.state.items()):
+            if isinstance(value, torch.Tensor):
+                work.state[key] = value.to(work.local.device)
+
+    def _factored_stats(self, works: list[ParamWork]) -> Stats:
+        stats: Stats = {}
+        sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for work in works:
+            if work.variant != FACTORED:
+                continue
+            grad = work.grad.contiguous()
+            rows, cols = self._dispatch(FACTORED_STATS, grad, deterministic=self._deterministic)
+            stats[work.slot] = (rows, cols)
+            if work.row_sharded:
+                sharded.append((work.param, cols))
+        if sharded:
+            all_reduce_column_sums(sharded)
+        return stats
+
+    def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
+        return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad
+
+    def _learn(self, items: list[tuple[ParamWork, int]]) -> torch.Tensor | None:
+        counts = gradient_histogram(
+            ((self._signed_gradient(w), period) for w, period in items),
+            self._dispatch,
+            deterministic=self._deterministic,
+        )
+        return codebook_from_counts(counts)
+
+    def _requantize_all(self, old: torch.Tensor, new: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        staged = []
+        for state in self.state.values():
+            if state and state[INDICES].numel():
+                device = state[INDICES].device
+                old_on, new_on = old.to(device), new.to(device)
+                staged.append((state, requantize(state[INDICES], old_on, new_on)))
+        return staged
+
+    def _decay_only(self, work: ParamWork) -> None:
+        group = self.param_groups[work.group_index]
+        if group["weight_decay"] == 0:
+            return
+        lr = group["lr"]
+        lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+        decay = 1.0 - lr_value * group["weight_decay"]
+        scale = torch.tensor(decay, dtype=torch.float32)
+        work.local.mul_(scale.to(work.local.device))
+
+    def _scalars(self, work: ParamWork, state: dict[str, Any]) -> torch.Tensor:
+        group = self.param_groups[work.group_index]
+        variant = state_variant(state)
+        age = state[AGE_KEYS[variant or FACTORED]]
+        beta1, beta2 = group["betas"]
+        common = {
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+            "factored": variant == FACTORED,
+        }
+        if self._capturable:
+            return step_scalars.device_scalars(lr=group["lr"], step=state[STEP], age=age, **common)
+        lr = group["lr"]
+        lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+        return step_scalars.host_scalars(work.local.device, lr=lr_value, step=state[STEP], age=age, **common)
+
+    def _seed(self, work: ParamWork) -> torch.Tensor | None:
+        if not self._stochastic_round:
+            return None
+        device = work.local.device
+        if self._capturable:
+            return (self._device_step(device) * (1 << 32) + work.slot).reshape(1)
+        return torch.tensor([self._global_step * (1 << 32) + work.slot], dtype=torch.int64, device=device)
+
+    def _device_step(self, device: torch.device) -> torch.Tensor:
+        counter = self._device_global_steps.get(device)
+        if counter is None:
+            counter = torch.tensor(self._global_step, dtype=torch.int64, device=device)
+            self._device_global_steps[device] = counter
+        return counter
+
+    def _advance_global_step(self, devices: set[torch.device]) -> None:
+        self._global_step += 1
+        if self._capturable:
+            for device in devices:
+                self._device_step(device)
+            for counter in self._device_global_steps.values():
+                counter.add_(1)
+        self._version += 1
+
+    def _bump(self, state: dict[str, Any], key: str) -> None:
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            value.add_(1)
+        else:
+            state[key] = value + 1
+
+    def _update(self, work: ParamWork, stats: Stats) -> None:
+        assert work.state is not None
+        state = work.state
+        if state_variant(state) != work.variant:
+            switch_second_moment(state, work.variant, work.local, self._capturable)
+        group = self.param_groups[work.group_index]
+        self._bump(state, STEP)
+        self._bump(state, AGE_KEYS[work.variant])
+        scalars = self._scalars(work, state)
+        codebook = self._codebook_on(work.local.device) if self._codebook is not None else _placeholder(work)
+        target = work.local if work.local.is_contiguous() else work.local.contiguous()
+        grad = work.grad.contiguous()
+        flags = {
+            "apply_decay": group["weight_decay"] != 0,
+            "maximize": bool(group["maximize"]),
+            "deterministic": self._deterministic,
+        }
+        seed = self._seed(work)
+        if work.variant == FACTORED:
+            row_sums, col_sums = stats[work.slot]
+            row_factor = update_factored_moments(
+                state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars
+            )
+            self._dispatch(
+                FACTORED_STEP,
+                target,
+                grad,
+                state[INDICES],
+                state[MAGNITUDE],
+                row_factor,
+                state[V_COL],
+                codebook,
+                scalars,
+                seed,
+                **flags,
+            )
+        else:
+            self._dispatch(
+                BLOCK_STEP,
+                target.view(-1),
+                grad.view(-1),
+                state[INDICES],
+                state[MAGNITUDE],
+                state[VMEAN],
+                codebook,
+                scalars,
+                seed,
+                **flags,
+            )
+        if target is not work.local:
+            work.local.copy_(target)
+
+    def _kernel_queries(self, work: ParamWork) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+        """The (op id, args, kwargs) a step of ``work`` will dispatch, for kernel-support checks.
+
+        A parameter whose second moment is about to switch representation is queried with its
+        momentum only (the new second moment has the same dtype and device).
+        """
+        state = work.state
+        assert state
+        group = self.param_groups[work.group_index]
+        flags = {
+            "apply_decay": group["weight_decay"] != 0,
+            "maximize": bool(group["maximize"]),
+            "deterministic": self._deterministic,
+        }
+        device = work.local.device
+        codebook = self._codebook_on(device) if self._codebook is not None else _placeholder(work)
+        scalars = torch.zeros(step_scalars.NUM_SCALARS, dtype=torch.float32, device=device)
+        seed = torch.zeros(1, dtype=torch.int64, device=device) if self._stochastic_round else None
+        target = work.local if work.local.is_contiguous() else work.local.contiguous()
+        grad = work.grad.contiguous()
+        same = state_variant(state) == work.variant
+        if work.variant == FACTORED:
+            rows = state[V_ROW] if same else torch.zeros(work.local.shape[0], dtype=torch.float32, device=device)
+            cols = state[V_COL] if same else torch.zeros(work.local.shape[1], dtype=torch.float32, device=device)
+            return [
+                (FACTORED_STATS, (grad,), {"deterministic": self._deterministic}),
+                (
+                    FACTORED_STEP,
+                    (target, grad, state[INDICES], state[MAGNITUDE], rows, cols, codebook, scalars, seed),
+                    flags,
+                ),
+            ]
+        vmean = state[VMEAN] if same else torch.zeros_like(state[MAGNITUDE])
+        block_args = (target.view(-1), grad.view(-1), state[INDICES], state[MAGNITUDE], vmean, codebook, scalars, seed)
+        return [(BLOCK_STEP, block_args, flags)]
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The native state dict (format ``gefen.native_state`` v1: tensors and primitives only)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        result = export_state_dict(
+            self.param_groups,
+            self.state,
+            codebook=self._codebook,
+            global_step=self.global_step,
+            deterministic=self._deterministic,
+            topology=self._topology(),
+        )
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, result)
+            if replaced is not None:
+                result = replaced
+        return result
+
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``state_dict`` completely and stage the new state; changes nothing."""
+        staged = stage_state_dict(
+            state_dict,
+            param_groups=self.param_groups,
+            deterministic=self._deterministic,
+            capturable=self._capturable,
+            topology=self._topology(),
+        )
+        return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
+        payload = staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version)
+        assert isinstance(payload, StagedNativeState)
+        for live, new in zip(self.param_groups, payload.groups):
+            live.clear()
+            live.update(new)
+        fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        fresh.update(payload.state)
+        self.state = fresh
+        self._codebook = payload.codebook
+        self._codebook_copies = {}
+        self._global_step = payload.global_step
+        self._device_global_steps = {}
+        self._version += 1
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)  # type: ignore[arg-type]
+            if replaced is not None:
+                state_dict = replaced
+        self.commit_staged_state_dict(self.stage_state_dict(state_dict))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __repr__(self) -> str:
+        return f"Gefen({len(self.param_groups)} groups, global_step={self._global_step})"
+
+
+def _placeholder(work: ParamWork) -> torch.Tensor:
+    """Any valid codebook: used only while no codebook exists, when every block scale is 0
+    (all of this rank's gradients so far were zero), so the codes decode to 0 regardless."""
+    return torch.linspace(-1.0, 1.0, 256, dtype=torch.float32, device=work.local.device)

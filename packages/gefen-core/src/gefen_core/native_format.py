@@ -1,0 +1,60 @@
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v1).
+
+::
+
+    {
+      "state": {pid: {"automatic_period": int, "step": int,
+                      "m_codebook": uint8[B, P], "m_magnitude": fp32[B, 1],
+                      "vmean": fp32[B, 1], "vmean_step": int}                       # block
+                 | {..., "v_row": fp32[R], "v_col": fp32[K], "factored_step": int}   # factored
+             },
+      "param_groups": [{"params": [pid, ...], "lr", "betas", "eps", "weight_decay", "maximize",
+                        "factored_v_2d", "force_1d_period_one", "force_2d_period_one",
+                        "period_one_substrings", ["param_names"], <other keys kept>,
+                        "_gefen_checkpoint_metadata": <mirror>}],
+      "gefen_format_version": 1,
+      "gefen_global_step": int,
+      "gefen_codebook": fp32[256] | None,
+      "gefen_deterministic": bool,
+      "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement",
+                                        "global_shape", "local_shape"} per slot],
+    }
+
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 1, "global_step",
+"codebook", "deterministic", "topology"}`` (the same values), repeated in every group because
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
+``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
+unique keys (torch's DCP helpers pass FQN strings); they are matched by position.
+Only tensors and primitives appear, so ``torch.load(weights_only=True)`` reads it.
+
+Differences from the reference's format (spec/core.md §9.1): no per-parameter ``name`` (names
+live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1``/``beta2``,
+counters are always ints (also under ``capturable``), no ``device_anchor``, an explicit
+topology record for rank-local DTensor state, and its own format name and version.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CODEBOOK",
+    "DETERMINISTIC",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "GLOBAL_STEP",
+    "GROUP_MIRROR",
+    "TOP_LEVEL_KEYS",
+    "TOPOLOGY",
+    "VERSION",
+]
+
+FORMAT_NAME = "gefen.native_state"
+VERSION = 1
+
+FORMAT_VERSION = "gefen_format_version"
+GLOBAL_STEP = "gefen_global_step"
+CODEBOOK = "gefen_codebook"
+DETERMINISTIC = "gefen_deterministic"
+TOPOLOGY = "gefen_topology"
+GROUP_MIRROR = "_gefen_checkpoint_metadata"
+
+TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, DETERMINISTIC, TOPOLOGY)

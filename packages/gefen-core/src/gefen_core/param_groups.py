@@ -1,0 +1,163 @@
+"""Validation of Gefen's hyperparameters, per-group options and parameters.
+
+Everything here checks and normalises without touching the optimizer, so constructors and
+``add_param_group`` can validate a whole group before anything is registered, and
+``preflight_step`` can re-check groups that schedulers or users edited.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .distributed import check_parameter_layout
+from .errors import GefenOptionError, GefenOptionTypeError, ParameterError
+
+__all__ = [
+    "GROUP_OPTIONS",
+    "SUPPORTED_DTYPES",
+    "check_group_options",
+    "check_parameters",
+    "normalize_group_options",
+]
+
+#: Options a parameter group may override (everything else is optimizer-wide).
+GROUP_OPTIONS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "maximize",
+    "factored_v_2d",
+    "force_1d_period_one",
+    "force_2d_period_one",
+    "period_one_substrings",
+)
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _where(group: int | None) -> str:
+    return "" if group is None else f"param_groups[{group}]: "
+
+
+def _real(value: object, name: str, group: int | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GefenOptionTypeError(f"{_where(group)}{name} must be a real number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise GefenOptionError(f"{_where(group)}Invalid {name} value: {value!r} (must be finite)")
+    return number
+
+
+def _lr(value: object, group: int | None, read_tensor: bool) -> float | torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise GefenOptionError(f"{_where(group)}Invalid learning rate: a tensor lr must be 1-element")
+        if not value.is_floating_point():
+            raise GefenOptionTypeError(f"{_where(group)}a tensor lr must be floating point, got {value.dtype}")
+        if value.requires_grad:
+            raise GefenOptionError(f"{_where(group)}a tensor lr must not require grad")
+        if not read_tensor or value.device.type == "meta":
+            return value
+        number = float(value.detach().reshape(()).item())
+        if not math.isfinite(number) or number < 0:
+            raise GefenOptionError(f"{_where(group)}Invalid learning rate: {number} (must be finite and >= 0)")
+        return value
+    number = _real(value, "learning rate", group)
+    if number < 0:
+        raise GefenOptionError(f"{_where(group)}Invalid learning rate: {number} (must be >= 0)")
+    return number
+
+
+def _betas(value: object, group: int | None) -> tuple[float, float]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise GefenOptionTypeError(f"{_where(group)}betas must be a pair (beta1, beta2), got {value!r}")
+    out = []
+    for index, beta in enumerate(value):
+        number = _real(beta, f"beta parameter at index {index}", group)
+        if not 0.0 <= number < 1.0:
+            raise GefenOptionError(
+                f"{_where(group)}Invalid beta parameter at index {index}: {number} (must be in [0, 1))"
+            )
+        out.append(number)
+    return out[0], out[1]
+
+
+def _flag(value: object, name: str, group: int | None) -> bool:
+    if type(value) is not bool:
+        raise GefenOptionTypeError(f"{_where(group)}{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _substrings(value: object, group: int | None) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise GefenOptionTypeError(
+            f"{_where(group)}period_one_substrings must be a tuple of strings, got {type(value).__name__}"
+        )
+    for index, item in enumerate(value):
+        if type(item) is not str or not item:
+            raise GefenOptionTypeError(f"{_where(group)}period_one_substrings[{index}] must be a non-empty str")
+    return tuple(value)
+
+
+def normalize_group_options(
+    options: Mapping[str, Any], group: int | None = None, *, read_tensor_lr: bool = True
+) -> dict[str, Any]:
+    """Validate the group options present in ``options`` and return them normalised.
+
+    Raises :class:`GefenOptionError` / :class:`GefenOptionTypeError` naming the group and
+    option. Only keys from :data:`GROUP_OPTIONS` are examined. A tensor ``lr``'s value is
+    read (a device synchronisation) only with ``read_tensor_lr``.
+    """
+    out: dict[str, Any] = {}
+    if "lr" in options:
+        out["lr"] = _lr(options["lr"], group, read_tensor_lr)
+    if "betas" in options:
+        out["betas"] = _betas(options["betas"], group)
+    if "eps" in options:
+        eps = _real(options["eps"], "epsilon", group)
+        if eps <= 0:
+            raise GefenOptionError(f"{_where(group)}Invalid epsilon value: {eps} (must be finite and > 0)")
+        out["eps"] = eps
+    if "weight_decay" in options:
+        decay = _real(options["weight_decay"], "weight_decay", group)
+        if decay < 0:
+            raise GefenOptionError(f"{_where(group)}Invalid weight_decay value: {decay} (must be >= 0)")
+        out["weight_decay"] = decay
+    for flag in ("maximize", "factored_v_2d", "force_1d_period_one", "force_2d_period_one"):
+        if flag in options:
+            out[flag] = _flag(options[flag], flag, group)
+    if "period_one_substrings" in options:
+        out["period_one_substrings"] = _substrings(options["period_one_substrings"], group)
+    return out
+
+
+def check_group_options(group: Mapping[str, Any], index: int) -> None:
+    """Re-validate a live group (for example after a scheduler or a user edited it)."""
+    missing = [name for name in GROUP_OPTIONS if name not in group]
+    if missing:
+        raise GefenOptionError(f"param_groups[{index}] is missing options {missing}")
+    normalize_group_options(group, index, read_tensor_lr=False)
+
+
+def check_parameters(params: list[Any], group: int | None = None) -> None:
+    """Every parameter must be a real floating tensor Gefen supports, in a supported layout."""
+    for slot, param in enumerate(params):
+        if isinstance(param, tuple):
+            param = param[1] if len(param) == 2 else param
+        if not isinstance(param, torch.Tensor):
+            continue  # torch's add_param_group raises its own TypeError
+        where = f"{_where(group)}params[{slot}]"
+        if param.is_complex():
+            raise ParameterError(f"{where}: Gefen does not support complex parameters ({param.dtype})")
+        if param.dtype not in SUPPORTED_DTYPES:
+            raise ParameterError(
+                f"{where}: dtype {param.dtype} is not supported (use float32, bfloat16, float16 or float64)"
+            )
+        if param.layout is not torch.strided:
+            raise ParameterError(f"{where}: only strided (dense) parameters are supported, got {param.layout}")
+        check_parameter_layout(param, where)

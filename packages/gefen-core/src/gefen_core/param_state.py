@@ -1,0 +1,150 @@
+"""Per-parameter state: its keys, the two second-moment representations, counters.
+
+A parameter has no state until its first step with a non-zero gradient. Then its state is
+exactly one of two variants (the keys a checkpoint holds):
+
+* ``block``: ``automatic_period``, ``step``, ``m_codebook``, ``m_magnitude``, ``vmean``,
+  ``vmean_step``;
+* ``factored`` (2-D parameters with ``factored_v_2d``): ``automatic_period``, ``step``,
+  ``m_codebook``, ``m_magnitude``, ``v_row``, ``v_col``, ``factored_step``.
+
+Shapes, for a local tensor of ``n`` elements, period ``P``, ``B = n / P`` blocks and (for a
+2-D parameter) ``R_local x K``: ``m_codebook`` uint8 ``[B, P]``; ``m_magnitude`` and
+``vmean`` fp32 ``[B, 1]``; ``v_row`` fp32 ``[R_local]``; ``v_col`` fp32 ``[K]``. Counters are
+Python ints, or 0-dim float64 tensors on the parameter's device under ``capturable=True``
+(checkpoints always hold ints). No scratch buffers or caches live in the state.
+
+When the live routing no longer matches the stored representation (the group's
+``factored_v_2d`` changed, or a checkpoint saved under the other setting was loaded), the
+step replaces the second moment by a zero one of the new kind with age 0: the EMA re-warms
+under its own bias correction while momentum, periods and ``step`` continue. This is exact
+for the first update after the switch (bias correction makes ``v_hat = g^2``-based) and needs
+no collective for row-sharded parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AGE_KEYS",
+    "BLOCK",
+    "BLOCK_KEYS",
+    "COUNTER_KEYS",
+    "FACTORED",
+    "FACTORED_KEYS",
+    "INDICES",
+    "MAGNITUDE",
+    "PERIOD",
+    "STEP",
+    "V_COL",
+    "V_ROW",
+    "VARIANT_KEYS",
+    "VMEAN",
+    "VMEAN_STEP",
+    "FACTORED_STEP",
+    "counter_value",
+    "make_counter",
+    "new_state",
+    "state_nbytes",
+    "state_variant",
+    "switch_second_moment",
+]
+
+PERIOD = "automatic_period"
+STEP = "step"
+INDICES = "m_codebook"
+MAGNITUDE = "m_magnitude"
+VMEAN = "vmean"
+VMEAN_STEP = "vmean_step"
+V_ROW = "v_row"
+V_COL = "v_col"
+FACTORED_STEP = "factored_step"
+
+BLOCK = "block"
+FACTORED = "factored"
+
+_COMMON = (PERIOD, STEP, INDICES, MAGNITUDE)
+BLOCK_KEYS = (*_COMMON, VMEAN, VMEAN_STEP)
+FACTORED_KEYS = (*_COMMON, V_ROW, V_COL, FACTORED_STEP)
+VARIANT_KEYS = {BLOCK: frozenset(BLOCK_KEYS), FACTORED: frozenset(FACTORED_KEYS)}
+COUNTER_KEYS = (STEP, VMEAN_STEP, FACTORED_STEP)
+AGE_KEYS = {BLOCK: VMEAN_STEP, FACTORED: FACTORED_STEP}
+
+
+def make_counter(value: int, device: torch.device, capturable: bool) -> int | torch.Tensor:
+    """A counter in the live representation (an int, or a 0-dim float64 device tensor)."""
+    if capturable:
+        return torch.tensor(float(value), dtype=torch.float64, device=device)
+    return value
+
+
+def counter_value(counter: int | torch.Tensor) -> int:
+    """The integer value of a live counter (reads a device tensor back: a host sync)."""
+    if isinstance(counter, torch.Tensor):
+        return int(counter.item())
+    return counter
+
+
+def state_variant(state: dict[str, Any]) -> str | None:
+    """``"block"``, ``"factored"`` or ``None`` for an empty state (keys are trusted here)."""
+    if not state:
+        return None
+    return FACTORED if V_ROW in state else BLOCK
+
+
+def _second_moment(
+    variant: str, local: torch.Tensor, blocks: int, device: torch.device, capturable: bool
+) -> dict[str, Any]:
+    if variant == FACTORED:
+        rows, cols = local.shape
+        return {
+            V_ROW: torch.zeros(rows, dtype=torch.float32, device=device),
+            V_COL: torch.zeros(cols, dtype=torch.float32, device=device),
+            FACTORED_STEP: make_counter(0, device, capturable),
+        }
+    return {
+        VMEAN: torch.zeros(blocks, 1, dtype=torch.float32, device=device),
+        VMEAN_STEP: make_counter(0, device, capturable),
+    }
+
+
+def new_state(local: torch.Tensor, period: int, variant: str, capturable: bool) -> dict[str, Any]:
+    """Zero state for a local tensor (indices 0 decode to ``C[0] * 0 = 0``)."""
+    numel = local.numel()
+    if period < 1 or numel % period:
+        raise ValueError(f"period {period} does not divide {numel} elements")
+    blocks = numel // period
+    device = local.device
+    state: dict[str, Any] = {
+        PERIOD: period,
+        STEP: make_counter(0, device, capturable),
+        INDICES: torch.zeros(blocks, period, dtype=torch.uint8, device=device),
+        MAGNITUDE: torch.zeros(blocks, 1, dtype=torch.float32, device=device),
+    }
+    state.update(_second_moment(variant, local, blocks, device, capturable))
+    return state
+
+
+def switch_second_moment(state: dict[str, Any], variant: str, local: torch.Tensor, capturable: bool) -> None:
+    """Replace the second moment by a zero one of ``variant`` (age 0), in place."""
+    for key in (VMEAN, VMEAN_STEP, V_ROW, V_COL, FACTORED_STEP):
+        state.pop(key, None)
+    blocks = state[INDICES].shape[0]
+    state.update(_second_moment(variant, local, blocks, local.device, capturable))
+
+
+def state_nbytes(state: dict[str, Any]) -> int:
+    """Bytes of every tensor storage the state holds (counters as tensors included)."""
+    seen: set[int] = set()
+    total = 0
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen or storage.nbytes() == 0:
+                seen.add(key)
+                total += storage.nbytes()
+    return total

@@ -1,0 +1,238 @@
+"""Reference implementations of Gefen's kernel ops (plain PyTorch, fp32, chunked).
+
+Every fast kernel is tested against these. The numerics contract they define, with
+``fl(.)`` one rounding to fp32 (round to nearest even), no fused multiply-add, divisions
+and square roots correctly rounded, and ``S`` the float64 ``scalars`` of
+:mod:`gefen_core.step_scalars` rounded to fp32:
+
+Second moment, block path (per block ``b`` of ``P`` elements)::
+
+    mean_b = fl( (sum_i float64(g_i)^2) / P )        # float64 sum, any order
+    v_b    = fl( fl(v_b * BETA2) + fl(mean_b * ONE_MINUS_BETA2) )
+    h_b    = fl( fl( fl(sqrt(v_b)) * BC2 ) + EPS )
+    s_b    = fl( INV_BC1 / h_b )
+
+Second moment, factored path (``R x K`` matrix): :func:`factored_stats_reference` returns
+float64 row and column sums of ``g^2``; :mod:`gefen_core.second_moment` turns them into
+``v_row``, ``v_col`` and the fp32 ``row_factor``; then per element::
+
+    w_ij = fl(row_factor_i * v_col_j) ;  s_ij = fl( INV_BC1 / fl( fl(sqrt(w_ij)) + EPS ) )
+
+Momentum and write (both paths; ``C`` the codebook, ``q``/``M`` the stored indices and
+block scale, ``g`` negated first when maximizing)::
+
+    m_i  = fl(C[q_i] * M_b)
+    u_i  = fl( fl(m_i * BETA1) + fl(g_i * ONE_MINUS_BETA1) )
+    M_b' = max_i |u_i| ;  z_i = fl(u_i / M_b')  (0 when M_b' == 0) ;  q_i' = round(C, z_i)
+    d_i  = fl( fl( fl(C[q_i'] * M_b') * s_i ) * LR )
+    p_i  = rp( c(p_i) * DECAY )      # only when weight_decay != 0
+    p_i  = rp( c(p_i) - d_i )
+
+``c`` is the parameter's compute type (fp32; fp64 for fp64 parameters, with fp32 values
+widened exactly) and ``rp`` rounds to the parameter dtype (bf16/fp16 parameters are
+rounded twice, as two separate in-place torch ops would). ``round`` is nearest or
+stochastic rounding (:mod:`gefen_core.momentum_codec`). A kernel matching this contract
+matches the reference bit for bit except where a float64 sum of squares rounds to fp32
+differently because of summation order (at most one ulp in ``v``, very rarely).
+
+Work is chunked in whole blocks (about ``2**22`` elements per chunk), so no full-size
+temporary is made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import step_scalars as S
+from .momentum_codec import nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "HISTOGRAM_BINS",
+    "block_step_reference",
+    "factored_stats_reference",
+    "factored_step_reference",
+    "histogram_reference",
+    "stochastic_uniform_reference",
+]
+
+CHUNK_ELEMENTS = 1 << 22
+HISTOGRAM_BINS = 4096
+
+
+def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
+    """Correctly rounded float64 division by an integer (never a reciprocal multiply)."""
+    return total / torch.full((1,), float(count), dtype=torch.float64, device=total.device)
+
+
+def _chunk_rows(period: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, period))
+
+
+def _momentum_write(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    codebook: torch.Tensor,
+    stepsize: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    first_index: int,
+    apply_decay: bool,
+) -> None:
+    """Momentum EMA, requantisation and the parameter write for one chunk of rows."""
+    old = codebook[indices.long()] * magnitude
+    momentum = old * scalars[S.BETA1] + grad * scalars[S.ONE_MINUS_BETA1]
+    new_magnitude, z = normalize_blocks(momentum)
+    if sr_seed is None:
+        codes = nearest_codeword(codebook, z)
+    else:
+        codes = stochastic_codeword(codebook, z, sr_seed, first_index)
+    update = (codebook[codes.long()] * new_magnitude) * stepsize * scalars[S.LR]
+    if apply_decay:
+        param.mul_(scalars[S.DECAY])
+    param.sub_(update)
+    indices.copy_(codes)
+    magnitude.copy_(new_magnitude)
+
+
+def _gradient_rows(grad: torch.Tensor, maximize: bool) -> torch.Tensor:
+    rows = grad.to(torch.float32)
+    return rows.neg() if maximize else rows
+
+
+def block_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    vmean: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.block_step/1``: one full block-path update of one parameter, in place.
+
+    ``param``/``grad``: contiguous, same shape and dtype; ``indices``: uint8 ``[B, P]``;
+    ``magnitude``/``vmean``: fp32 ``[B, 1]``; ``codebook``: fp32 ``[256]``; ``scalars``:
+    fp32 ``[NUM_SCALARS]``; ``sr_seed``: int64 ``[1]`` for stochastic rounding or ``None``.
+    Updates ``param``, ``indices``, ``magnitude`` and ``vmean``.
+    """
+    del deterministic  # the reference is deterministic on every device
+    blocks, period = indices.shape
+    p2 = param.view(blocks, period)
+    g2 = grad.view(blocks, period)
+    rows = _chunk_rows(period)
+    for first in range(0, blocks, rows):
+        last = min(blocks, first + rows)
+        g = _gradient_rows(g2[first:last], maximize)
+        mean = _divide(g.to(torch.float64).square().sum(dim=1, keepdim=True), period).to(torch.float32)
+        v = vmean[first:last] * scalars[S.BETA2] + mean * scalars[S.ONE_MINUS_BETA2]
+        vmean[first:last] = v
+        stepsize = scalars[S.INV_BC1] / (torch.sqrt(v) * scalars[S.BC2] + scalars[S.EPS])
+        _momentum_write(
+            p2[first:last],
+            g,
+            indices[first:last],
+            magnitude[first:last],
+            codebook,
+            stepsize,
+            scalars,
+            sr_seed,
+            first * period,
+            apply_decay,
+        )
+
+
+def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gefen.factored_stats/1``: float64 row and column sums of ``g^2`` of an ``R x K`` gradient."""
+    del deterministic
+    rows_total, cols = grad.shape
+    row_sums = torch.empty(rows_total, dtype=torch.float64, device=grad.device)
+    col_sums = torch.zeros(cols, dtype=torch.float64, device=grad.device)
+    rows = _chunk_rows(cols)
+    for first in range(0, rows_total, rows):
+        last = min(rows_total, first + rows)
+        squares = grad[first:last].to(torch.float64).square()
+        row_sums[first:last] = squares.sum(dim=1)
+        col_sums += squares.sum(dim=0)
+    return row_sums, col_sums
+
+
+def factored_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    row_factor: torch.Tensor,
+    v_col: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.factored_step/1``: the factored-path update of one ``R x K`` parameter, in place.
+
+    ``param``/``grad``: contiguous ``R x K``; ``indices``/``magnitude``: the momentum in
+    blocks of the parameter's period (flattened row-major); ``row_factor``: fp32 ``[R]``
+    from :func:`gefen_core.second_moment.update_factored_moments`; ``v_col``: fp32 ``[K]``.
+    Updates ``param``, ``indices`` and ``magnitude``.
+    """
+    del deterministic
+    cols = param.shape[1]
+    blocks, period = indices.shape
+    p_flat = param.view(-1)
+    g_flat = grad.view(-1)
+    per_chunk = _chunk_rows(period)
+    for first in range(0, blocks, per_chunk):
+        last = min(blocks, first + per_chunk)
+        start, stop = first * period, last * period
+        row0, row1 = start // cols, (stop - 1) // cols + 1
+        w = row_factor[row0:row1, None] * v_col[None, :]
+        stepsize_rows = scalars[S.INV_BC1] / (torch.sqrt(w) + scalars[S.EPS])
+        stepsize = stepsize_rows.view(-1)[start - row0 * cols : stop - row0 * cols].view(-1, period)
+        g = _gradient_rows(g_flat[start:stop].view(-1, period), maximize)
+        _momentum_write(
+            p_flat[start:stop].view(-1, period),
+            g,
+            indices[first:last],
+            magnitude[first:last],
+            codebook,
+            stepsize,
+            scalars,
+            sr_seed,
+            start,
+            apply_decay,
+        )
+
+
+def histogram_reference(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
+    """``gefen.histogram/1``: add the block-normalised gradient's bin counts to ``counts``.
+
+    ``counts`` is int64 ``[4096]``. Per block of ``period`` elements (flattened row-major):
+    ``a = max |g|``, ``z = fl(g / a)`` (0 when ``a == 0``), bin
+    ``clamp(floor(fl(z + 1) * 2048), 0, 4095)``.
+    """
+    del deterministic
+    flat = grad.detach().reshape(-1)
+    blocks = flat.numel() // period
+    rows = _chunk_rows(period)
+    for first in range(0, blocks, rows):
+        last = min(blocks, first + rows)
+        g = flat[first * period : last * period].to(torch.float32).view(-1, period)
+        _, z = normalize_blocks(g)
+        bins = ((z + 1.0) * float(HISTOGRAM_BINS // 2)).floor_().clamp_(0, HISTOGRAM_BINS - 1)
+        counts += torch.bincount(bins.to(torch.int64).view(-1), minlength=HISTOGRAM_BINS)
+
+
+def stochastic_uniform_reference(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``gefen.stochastic_uniform/1``: the SplitMix64 uniforms for int64 ``index`` (fp32)."""
+    return splitmix_uniform(seed, index)

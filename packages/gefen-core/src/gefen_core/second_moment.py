@@ -1,0 +1,60 @@
+"""Factored (Adafactor-style) second moment of a 2-D parameter: the small O(R + K) part.
+
+For an ``R x K`` parameter Gefen keeps ``v_row`` (fp32 ``[R]``) and ``v_col`` (fp32 ``[K]``),
+EMAs of the row and column means of ``g^2``, and estimates the per-element second moment as
+``V_ij = v_row_i * v_col_j / max(mean(v_col), FLT_MIN)``, bias-corrected by the EMA's own age.
+
+``mean(v_col)`` replaces the reference's ``mean(v_row)``: both are the EMA of the global
+mean of ``g^2`` and are equal in exact arithmetic, and the column vector is replicated
+when the rows are sharded (FSDP2 ``Shard(0)``), so no extra collective is needed.
+
+Exact arithmetic (``fl`` = round to fp32; ``S`` = the packed step scalars)::
+
+    row_mean_i = fl(row_sumsq_i / K)           col_mean_j = fl(col_sumsq_j / R)   (float64 /)
+    v_row_i    = fl( fl(v_row_i * BETA2) + fl(row_mean_i * ONE_MINUS_BETA2) )      (same for v_col)
+    d          = max( fl( (sum_j float64(v_col_j)) / K ), FLT_MIN )
+    row_factor_i = fl( fl(v_row_i / d) * BC2 )                                       (BC2 = 1/(1-beta2^tau))
+
+``R`` is the parameter's global row count; ``row_sumsq`` covers the local rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import step_scalars as S
+
+__all__ = ["FLT_MIN", "column_scale", "update_factored_moments"]
+
+#: Smallest normal fp32 number; the floor of the factored normaliser.
+FLT_MIN = float(torch.finfo(torch.float32).tiny)
+
+
+def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
+    return total / torch.full((1,), float(count), dtype=torch.float64, device=total.device)
+
+
+def column_scale(v_col: torch.Tensor) -> torch.Tensor:
+    """``max(fl(mean(v_col)), FLT_MIN)`` as a fp32 ``[1]`` tensor (mean accumulated in float64)."""
+    mean = _divide(v_col.to(torch.float64).sum().reshape(1), v_col.numel()).to(torch.float32)
+    return torch.clamp(mean, min=FLT_MIN)
+
+
+def update_factored_moments(
+    v_row: torch.Tensor,
+    v_col: torch.Tensor,
+    row_sumsq: torch.Tensor,
+    col_sumsq: torch.Tensor,
+    global_rows: int,
+    scalars: torch.Tensor,
+) -> torch.Tensor:
+    """Advance ``v_row``/``v_col`` in place from float64 sums of squares; return ``row_factor``.
+
+    ``col_sumsq`` must already be summed over every row of the parameter (all shards).
+    """
+    cols = v_col.numel()
+    row_mean = _divide(row_sumsq, cols).to(torch.float32)
+    col_mean = _divide(col_sumsq, global_rows).to(torch.float32)
+    v_row.copy_(v_row * scalars[S.BETA2] + row_mean * scalars[S.ONE_MINUS_BETA2])
+    v_col.copy_(v_col * scalars[S.BETA2] + col_mean * scalars[S.ONE_MINUS_BETA2])
+    return (v_row / column_scale(v_col)) * scalars[S.BC2]

@@ -1,0 +1,191 @@
+"""The step's preflight: every check ``step()`` makes before it mutates anything.
+
+:func:`plan_step` validates the attached gradients, the live groups, the stored state and
+the kernel choice, and returns a :class:`StepPlan` describing the work; it raises the same
+specific error ``step()`` would, changes nothing, runs no closure and no collective. The
+optimizer's ``preflight_step()`` is this function with the plan discarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gefen_contracts import KernelUnavailableError
+
+from .distributed import is_dtensor, is_row_sharded, local_tensor
+from .errors import CaptureError, GradientError, ParameterError
+from .ops import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, KernelDispatch
+from .param_groups import check_group_options
+from .param_state import (
+    BLOCK,
+    FACTORED,
+    INDICES,
+    MAGNITUDE,
+    PERIOD,
+    V_COL,
+    V_ROW,
+    VMEAN,
+    state_variant,
+)
+
+__all__ = ["ParamWork", "StepPlan", "capturing", "plan_step"]
+
+
+@dataclass(slots=True)
+class ParamWork:
+    """One parameter that steps: where it is, what it routes to, what it still needs."""
+
+    group_index: int
+    slot: int
+    param: torch.Tensor
+    local: torch.Tensor
+    grad: torch.Tensor
+    name: str | None
+    variant: str
+    row_sharded: bool
+    state: dict[str, Any] | None
+    local_nonzero: bool | None
+    state_device_differs: bool = False
+
+    @property
+    def needs_state(self) -> bool:
+        return not self.state
+
+    @property
+    def global_rows(self) -> int:
+        return int(self.param.shape[0])
+
+
+@dataclass(slots=True)
+class StepPlan:
+    works: list[ParamWork] = field(default_factory=list)
+    refresh_due: bool = False
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str) -> None:
+    if grad.is_sparse or grad.layout is not torch.strided:
+        raise GradientError(f"{where}: Gefen does not support sparse gradients (layout {grad.layout})")
+    if grad.is_complex():
+        raise GradientError(f"{where}: Gefen does not support complex gradients ({grad.dtype})")
+    if grad.shape != param.shape:
+        raise GradientError(
+            f"{where}: gradient shape {tuple(grad.shape)} differs from parameter shape {tuple(param.shape)}"
+        )
+    if grad.dtype != param.dtype:
+        raise GradientError(f"{where}: gradient dtype {grad.dtype} differs from parameter dtype {param.dtype}")
+    if is_dtensor(param) != is_dtensor(grad):
+        raise GradientError(f"{where}: a DTensor parameter needs a DTensor gradient and a plain one a plain gradient")
+    if is_dtensor(param):
+        if tuple(grad.placements) != tuple(param.placements):  # type: ignore[attr-defined]
+            raise GradientError(f"{where}: gradient placements differ from the parameter's")
+        if local_tensor(grad).shape != local_tensor(param).shape:
+            raise GradientError(f"{where}: local gradient shape differs from the local parameter shape")
+    elif grad.device != param.device:
+        raise GradientError(
+            f"{where}: the gradient is on {grad.device} but the parameter on {param.device} (they must be on the same device)"
+        )
+
+
+def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: str) -> bool:
+    """Validate a live state against its parameter; return whether its tensors must move device."""
+    numel = local.numel()
+    period = state[PERIOD]
+    indices = state[INDICES]
+    if period < 1 or numel % period or indices.numel() != numel or tuple(indices.shape) != (numel // period, period):
+        raise ParameterError(
+            f"{where}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
+            f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
+        )
+    if state_variant(state) == FACTORED:
+        if param.dim() != 2 or state[V_ROW].numel() != local.shape[0] or state[V_COL].numel() != local.shape[1]:
+            raise ParameterError(f"{where}: the factored second moment does not fit the parameter's shape")
+    elif state[VMEAN].shape != state[MAGNITUDE].shape:
+        raise ParameterError(f"{where}: vmean does not match the block count")
+    return bool(indices.device != local.device)
+
+
+def plan_step(
+    param_groups: Sequence[dict[str, Any]],
+    state: Any,
+    *,
+    dispatch: KernelDispatch,
+    fused: bool | None,
+    capturable: bool,
+    codebook_ready: bool,
+    refresh_due: bool,
+    resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+) -> StepPlan:
+    """Validate everything a step needs and describe its work (see the module docstring)."""
+    in_capture = capturing()
+    if in_capture and not capturable:
+        raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
+    plan = StepPlan(refresh_due=refresh_due)
+    slot = -1
+    for group_index, group in enumerate(param_groups):
+        check_group_options(group, group_index)
+        names = group.get("param_names")
+        for position, param in enumerate(group["params"]):
+            slot += 1
+            grad = param.grad
+            if grad is None:
+                continue
+            name = names[position] if names is not None else None
+            where = f"param_groups[{group_index}]['params'][{position}]" + (f" ({name!r})" if name else "")
+            _check_gradient(param, grad, where)
+            local = local_tensor(param)
+            row_sharded = is_row_sharded(param)
+            variant = FACTORED if group["factored_v_2d"] and param.dim() == 2 else BLOCK
+            if local.numel() == 0 and not (row_sharded and variant == FACTORED and param.numel() > 0):
+                continue
+            live = state.get(param)
+            local_grad = local_tensor(grad)
+            work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
+            if live:
+                work.state_device_differs = _check_state(live, local, param, where)
+                if work.state_device_differs and capturable:
+                    raise CaptureError(f"{where}: state lives on another device; capturable steps cannot move it")
+            else:
+                if in_capture:
+                    raise CaptureError(f"{where}: has no state yet; run one eager step before capturing")
+                if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
+                    raise GradientError(
+                        f"{where}: the first gradient is not finite; periods and the codebook cannot be learned from it"
+                    )
+                if not (row_sharded and variant == FACTORED):
+                    work.local_nonzero = bool(local_grad.ne(0).any())
+            plan.works.append(work)
+    if in_capture and (not codebook_ready or refresh_due):
+        raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
+    if fused is True:
+        _check_kernels(plan, dispatch, resolve_args)
+    return plan
+
+
+def _check_kernels(
+    plan: StepPlan,
+    dispatch: KernelDispatch,
+    resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+) -> None:
+    needed = {HISTOGRAM}
+    for work in plan.works:
+        needed.add(FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP)
+        if work.variant == FACTORED:
+            needed.add(FACTORED_STATS)
+        if work.state:
+            for op_id, args, kwargs in resolve_args(work):
+                dispatch.resolve(op_id, *args, **kwargs)
+    for op_id in sorted(needed):
+        if not dispatch.available(op_id):
+            failures = "; ".join(f"{f.entry_point}: {f.error}" for f in dispatch.registry.failures)
+            raise KernelUnavailableError(
+                f"fused=True needs a kernel for {op_id}: no registered provider implements it"
+                + (f"; providers that failed to load: {failures}" if failures else "")
+            )
