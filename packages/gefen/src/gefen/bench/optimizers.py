@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gefen_core import Gefen
 
 __all__ = [
     "OptimizerEntry",
@@ -53,23 +54,10 @@ def _build_adamw(named: NamedParameters, lr: float, weight_decay: float) -> torc
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
-def _gefen_unavailable() -> str | None:
-    try:
-        import gefen_core
-    except ImportError as exc:  # pragma: no cover - gefen-core is a dependency of the meta-package
-        return f"gefen_core cannot be imported ({exc})"
-    if not hasattr(gefen_core, "Gefen"):
-        return "this gefen-core does not provide Gefen yet"
-    return None
-
-
 def _gefen_builder(**options: Any) -> Callable[[NamedParameters, float, float], torch.optim.Optimizer]:
     def build(named: NamedParameters, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        gefen_class: Any = getattr(importlib.import_module("gefen_core"), "Gefen")  # noqa: B009
-        optimizer: torch.optim.Optimizer = gefen_class(
-            [p for _, p in named], lr=lr, weight_decay=weight_decay, **options
-        )
-        return optimizer
+        # Named parameters give Gefen stable names (used by name-based options and in checkpoints).
+        return Gefen(list(named), lr=lr, weight_decay=weight_decay, **options)
 
     return build
 
@@ -96,13 +84,13 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             "adamw", "torch.optim.AdamW (fused where torch supports it), fp32 state", _build_adamw, _always_available
         ),
         OptimizerEntry(
-            "gefen", "gefen_core.Gefen, defaults (factored v for 2-D tensors)", _gefen_builder(), _gefen_unavailable
+            "gefen", "gefen_core.Gefen, defaults (factored v for 2-D tensors)", _gefen_builder(), _always_available
         ),
         OptimizerEntry(
             "gefen-block",
             "gefen_core.Gefen(factored_v_2d=False): block-shared v everywhere",
             _gefen_builder(factored_v_2d=False),
-            _gefen_unavailable,
+            _always_available,
         ),
         OptimizerEntry(
             "adamw-4bit",

@@ -8,8 +8,9 @@ flat list of rows. A row is one measurement::
      "unit": "B/param", "baseline": "decoder-50m/adamw", "ratio": 0.1265, "detail": {...}}
 
 ``baseline`` names another row of the same report with the same metric and unit, and
-``ratio`` is ``value / baseline value``: comparisons are always against a baseline measured
-in the same run, never against a number remembered from elsewhere. ``detail`` carries
+``ratio`` is ``value / baseline value`` (``null`` exactly when the baseline's value is 0):
+comparisons are always against a baseline measured in the same run, never against a
+number remembered from elsewhere. ``detail`` carries
 JSON-primitive extras (per-seed values, spreads, chosen learning rates).
 
 :func:`validate_report` checks a decoded document completely (types, finiteness,
@@ -111,7 +112,8 @@ def _require_mapping(value: Any, where: str) -> dict[str, JSONValue]:
 
 @dataclass(frozen=True, slots=True)
 class BenchmarkRow:
-    """One measurement. ``baseline``/``ratio`` are both set or both ``None``."""
+    """One measurement. ``ratio`` is set only with a ``baseline`` (and left ``None`` when the
+    baseline's value is 0); the report checks it against the baseline row."""
 
     name: str
     metric: str
@@ -126,10 +128,11 @@ class BenchmarkRow:
         _require_str(self.metric, f"row {self.name!r}.metric")
         _require_str(self.unit, f"row {self.name!r}.unit")
         object.__setattr__(self, "value", _require_number(self.value, f"row {self.name!r}.value"))
-        if (self.baseline is None) != (self.ratio is None):
-            raise BenchmarkSchemaError(f"row {self.name!r}: baseline and ratio must be given together")
+        if self.baseline is None and self.ratio is not None:
+            raise BenchmarkSchemaError(f"row {self.name!r}: a ratio needs a baseline")
         if self.baseline is not None:
             _require_str(self.baseline, f"row {self.name!r}.baseline")
+        if self.ratio is not None:
             object.__setattr__(self, "ratio", _require_number(self.ratio, f"row {self.name!r}.ratio"))
         detail = _require_mapping(self.detail, f"row {self.name!r}.detail")
         object.__setattr__(self, "detail", MappingProxyType(detail))
@@ -197,9 +200,14 @@ def _check_rows(rows: Sequence[BenchmarkRow]) -> None:
         if base.unit != row.unit:
             raise BenchmarkSchemaError(f"row {row.name!r}: unit {row.unit!r} differs from its baseline's {base.unit!r}")
         if base.value == 0.0:
-            raise BenchmarkSchemaError(f"row {row.name!r}: baseline {row.baseline!r} has value 0, a ratio is undefined")
+            if row.ratio is not None:
+                raise BenchmarkSchemaError(
+                    f"row {row.name!r}.ratio must be null: baseline {row.baseline!r} has value 0"
+                )
+            continue
         expected = row.value / base.value
-        assert row.ratio is not None
+        if row.ratio is None:
+            raise BenchmarkSchemaError(f"row {row.name!r}.ratio is missing (value / baseline value is {expected!r})")
         if not math.isclose(row.ratio, expected, rel_tol=_RATIO_RTOL, abs_tol=1e-15):
             raise BenchmarkSchemaError(
                 f"row {row.name!r}.ratio is {row.ratio!r} but value / baseline value is {expected!r}"
@@ -230,7 +238,8 @@ class ReportBuilder:
         baseline: str | None = None,
         detail: Mapping[str, Any] | None = None,
     ) -> BenchmarkRow:
-        """Add a row; with ``baseline`` the ratio to that row (same metric) is filled in."""
+        """Add a row; with ``baseline`` the ratio to that row (same metric) is filled in
+        (left ``None`` when the baseline's value is 0)."""
         ratio: float | None = None
         if baseline is not None:
             base = self._index.get((baseline, metric))
@@ -238,9 +247,7 @@ class ReportBuilder:
                 raise BenchmarkSchemaError(
                     f"baseline {baseline!r} has no row with metric {metric!r} yet; add the baseline row first"
                 )
-            if base.value == 0.0:
-                raise BenchmarkSchemaError(f"baseline {baseline!r} has value 0 for {metric!r}, a ratio is undefined")
-            ratio = float(value) / base.value
+            ratio = float(value) / base.value if base.value != 0.0 else None
         row = BenchmarkRow(name, metric, value, unit, baseline, ratio, MappingProxyType(dict(detail or {})))
         key = (row.name, row.metric)
         if key in self._index:

@@ -111,7 +111,8 @@ class _Walker:
             if key is None or key in self.excluded or key in self.seen_storages:
                 continue
             self.seen_storages.add(key)
-            self.by_path[path + suffix] = leaf.untyped_storage().nbytes()
+            where = path + suffix
+            self.by_path[where] = self.by_path.get(where, 0) + leaf.untyped_storage().nbytes()
 
     def visit(self, obj: Any, path: str, depth: int = 0) -> None:
         if depth > _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, complex, bool)):
@@ -150,9 +151,14 @@ def count_state_bytes(
 ) -> StateBytes:
     """Unique storage bytes reachable from ``optimizer``, excluding parameters and gradients.
 
-    ``parameter_names`` maps ``id(parameter)`` to a name used in :attr:`StateBytes.by_path`.
+    ``parameter_names`` maps ``id(parameter)`` to a name used in :attr:`StateBytes.by_path`
+    (unnamed parameters are called ``param<i>`` in ``param_groups`` order).
     """
-    names = dict(parameter_names or {})
+    names: dict[int, str] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            names.setdefault(id(p), f"param{len(names)}")
+    names.update(parameter_names or {})
     walker = _Walker(_excluded_storages(optimizer), names)
     walker.visit(optimizer.state, "state")
     for index, group in enumerate(optimizer.param_groups):
