@@ -92,6 +92,37 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _gefen_builder(factored_v_2d=False),
             _always_available,
         ),
+        # Ablations of Gefen's compressions (each switches one of them off, see docs/benchmarks.md).
+        OptimizerEntry(
+            "gefen-dense-1d",
+            "ablation: Gefen with per-element v and exact momentum for 1-D tensors (norms, biases)",
+            _gefen_builder(force_1d_period_one=True),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-dense-embed",
+            "ablation: Gefen with per-element v and exact momentum for the embeddings and the output head",
+            _gefen_builder(period_one_substrings=("embedding", "head")),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-exact-m",
+            "ablation: Gefen with exact (unquantised) momentum everywhere; v stays factored/blocked by kind",
+            _gefen_builder(force_1d_period_one=True, force_2d_period_one=True),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-sr",
+            "ablation: Gefen with unbiased stochastic rounding of the momentum codes",
+            _gefen_builder(stochastic_round=True),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-p1",
+            "ablation: Gefen with every compression off (per-element v and exact momentum): AdamW through Gefen's code",
+            _gefen_builder(force_1d_period_one=True, force_2d_period_one=True, factored_v_2d=False),
+            _always_available,
+        ),
         OptimizerEntry(
             "adamw-4bit",
             "torchao.optim.AdamW4bit (optional dependency)",

@@ -15,17 +15,18 @@ seeded initialisation/batch order, so seeds are paired across optimizers.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
-from ..demo.data import load_tinylang
 from ..demo.model import preset
-from ..demo.train import TrainConfig, TrainResult, train
+from ..demo.train import TrainConfig
 from .optimizers import get_optimizer, unavailable_reason
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
+from .training_pool import TrainJob, run_jobs
 
 __all__ = [
     "DEFAULT_LR_GRID",
@@ -83,6 +84,8 @@ class QualityOptions:
     weight_decay: float = 0.01
     steps: int | None = None
     baseline: str = "adamw"
+    workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
+    threads: int = 1
 
     def __post_init__(self) -> None:
         for name in self.tasks:
@@ -94,6 +97,10 @@ class QualityOptions:
             raise ValueError(f"lr_grid must hold positive finite learning rates, got {self.lr_grid!r}")
         if type(self.seeds) is not int or self.seeds < 1:
             raise ValueError(f"seeds must be a positive int, got {self.seeds!r}")
+        for name in ("workers", "threads"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.steps is not None and (type(self.steps) is not int or self.steps <= 0):
             raise ValueError(f"steps must be a positive int or None, got {self.steps!r}")
 
@@ -126,8 +133,7 @@ class OptimizerOutcome:
         return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _run(task: QualityTask, optimizer: str, lr: float, seed: int, weight_decay: float) -> TrainResult:
-    data = load_tinylang("word" if task.tokenization == "word" else "char")
+def _job(task: QualityTask, optimizer: str, lr: float, seed: int, weight_decay: float) -> TrainJob:
     config = TrainConfig(
         optimizer=optimizer,
         lr=lr,
@@ -137,35 +143,17 @@ def _run(task: QualityTask, optimizer: str, lr: float, seed: int, weight_decay: 
         weight_decay=weight_decay,
         eval_windows=task.eval_windows,
     )
-    return train(preset(task.model_size), data, config)
-
-
-def _evaluate_optimizer(
-    task: QualityTask, optimizer: str, options: QualityOptions, tick: Callable[[str], None]
-) -> OptimizerOutcome:
-    sweep: dict[float, TrainResult] = {}
-    for lr in options.lr_grid:
-        sweep[lr] = _run(task, optimizer, lr, 0, options.weight_decay)
-        tick(f"{task.name}/{optimizer} lr={lr:g}")
-    valid = {lr: result.final_loss["valid"] for lr, result in sweep.items()}
-    best_lr = min(options.lr_grid, key=lambda lr: (valid[lr], lr))
-    runs = {0: sweep[best_lr]}
-    for seed in range(1, options.seeds):
-        runs[seed] = _run(task, optimizer, best_lr, seed, options.weight_decay)
-        tick(f"{task.name}/{optimizer} seed={seed}")
-    return OptimizerOutcome(
-        optimizer=optimizer,
-        valid_by_lr=valid,
-        best_lr=best_lr,
-        test_by_seed={seed: result.final_loss["test"] for seed, result in runs.items()},
-        tokens_per_s=statistics.fmean(result.tokens_per_s for result in runs.values()),
-    )
+    return TrainJob(task.model_size, task.tokenization, config)
 
 
 def run_quality(
     options: QualityOptions, *, progress: Callable[[str], None] | None = None
 ) -> tuple[BenchmarkReport, dict[str, list[OptimizerOutcome]]]:
-    """Run every task for every available optimizer; return the report and the raw outcomes."""
+    """Run every task for every available optimizer; return the report and the raw outcomes.
+
+    Phase 1 runs every learning rate of the grid at seed 0, phase 2 the other seeds at each
+    optimizer's chosen rate; the runs of a phase are spread over ``options.workers`` processes.
+    """
     tick = progress or (lambda _label: None)
     builder = ReportBuilder(
         "quality",
@@ -186,18 +174,55 @@ def run_quality(
             builder.note(f"{name} not run: {reason}")
     ordered = sorted(available, key=lambda name: name != options.baseline)
     has_baseline = options.baseline in available
+    pairs = [(options.task(task_name), name) for task_name in options.tasks for name in ordered]
+
+    def done(job: TrainJob) -> None:
+        tick(f"{job.model_size}/{job.label}")
+
+    sweep_keys = [(task, name, lr) for task, name in pairs for lr in options.lr_grid]
+    sweep_jobs = [_job(task, name, lr, 0, options.weight_decay) for task, name, lr in sweep_keys]
+    sweep = dict(
+        zip(
+            [(task.name, name, lr) for task, name, lr in sweep_keys],
+            run_jobs(sweep_jobs, workers=options.workers, threads=options.threads, on_done=done),
+        )
+    )
+    best: dict[tuple[str, str], float] = {}
+    for task, name in pairs:
+        valid = {lr: sweep[(task.name, name, lr)].valid_loss for lr in options.lr_grid}
+        best[(task.name, name)] = min(options.lr_grid, key=lambda lr: (valid[lr], lr))
+    seed_keys = [(task, name, seed) for task, name in pairs for seed in range(1, options.seeds)]
+    seed_jobs = [
+        _job(task, name, best[(task.name, name)], seed, options.weight_decay) for task, name, seed in seed_keys
+    ]
+    seeded = dict(
+        zip(
+            [(task.name, name, seed) for task, name, seed in seed_keys],
+            run_jobs(seed_jobs, workers=options.workers, threads=options.threads, on_done=done),
+        )
+    )
+
     outcomes: dict[str, list[OptimizerOutcome]] = {}
-    for task_name in options.tasks:
-        task = options.task(task_name)
-        results = [_evaluate_optimizer(task, name, options, tick) for name in ordered]
-        outcomes[task_name] = results
-        for outcome in results:
-            _add_rows(builder, task, outcome, options, has_baseline)
-            if outcome.best_lr in (min(options.lr_grid), max(options.lr_grid)) and len(options.lr_grid) > 1:
-                builder.note(
-                    f"{task.name}/{outcome.optimizer}: best learning rate {outcome.best_lr:g} is at the edge of the grid"
-                )
+    for task, name in pairs:
+        best_lr = best[(task.name, name)]
+        runs = {0: sweep[(task.name, name, best_lr)]}
+        runs.update({seed: seeded[(task.name, name, seed)] for seed in range(1, options.seeds)})
+        outcome = OptimizerOutcome(
+            optimizer=name,
+            valid_by_lr={lr: sweep[(task.name, name, lr)].valid_loss for lr in options.lr_grid},
+            best_lr=best_lr,
+            test_by_seed={seed: result.test_loss for seed, result in runs.items()},
+            tokens_per_s=statistics.fmean(result.tokens_per_s for result in runs.values()),
+        )
+        outcomes.setdefault(task.name, []).append(outcome)
+        _add_rows(builder, task, outcome, options, has_baseline)
+        if best_lr in (min(options.lr_grid), max(options.lr_grid)) and len(options.lr_grid) > 1:
+            builder.note(f"{task.name}/{name}: best learning rate {best_lr:g} is at the edge of the grid")
     _add_verdicts(builder, outcomes, options)
+    if options.workers > 1:
+        builder.note(
+            f"runs were spread over {options.workers} worker processes ({options.threads} thread(s) each); tokens_per_s is per run"
+        )
     return builder.build(), outcomes
 
 

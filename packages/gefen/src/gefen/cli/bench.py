@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bench_memory, bench_quality
+from . import bench_dp, bench_memory, bench_quality
 
 __all__ = ["register"]
 
-_BENCHMARKS = (bench_memory, bench_quality)
+_BENCHMARKS = (bench_memory, bench_quality, bench_dp)
 
 
 def register(sub: Any) -> None:

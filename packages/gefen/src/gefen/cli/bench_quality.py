@@ -59,6 +59,10 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="override every task's step count (changes the token budget)"
     )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="parallel single-threaded runs (default: up to 2, one per core)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     add_output_options(parser)
     parser.set_defaults(handler=run)
 
