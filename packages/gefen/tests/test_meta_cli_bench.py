@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from gefen.bench.schema import read_report, validate_report
 from gefen.cli.main import main
 
-COMMANDS = [[], ["demo"], ["bench"], ["bench", "memory"], ["bench", "quality"], ["conformance"]]
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """In-process training runs use one thread (fast and steady on a shared 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+COMMANDS = [[], ["demo"], ["bench"], ["bench", "memory"], ["bench", "quality"], ["bench", "dp"], ["conformance"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "gefen")
@@ -39,7 +51,9 @@ def _check_files(out: Path, stem: str) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_demo_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--steps", "4", "--model-size", "tiny", "--batch-size", "4", "--out", str(tmp_path)])
+    code = main(
+        ["demo", "--steps", "4", "--model-size", "tiny", "--batch-size", "4", "--threads", "1", "--out", str(tmp_path)]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "gefen" in out and "adamw" in out and "state_bytes_per_param" in out
@@ -89,7 +103,7 @@ def test_bench_quality_smoke(tmp_path: Path) -> None:
     code = main(
         [
             "bench", "quality", "--tasks", "char-tiny", "--optimizers", "adamw,gefen", "--lr-grid", "1e-3,1e-2",
-            "--seeds", "2", "--steps", "3", "--out", str(tmp_path),
+            "--seeds", "2", "--steps", "3", "--workers", "1", "--out", str(tmp_path),
         ]
     )  # fmt: skip
     assert code == 0
@@ -102,3 +116,17 @@ def test_bench_quality_smoke(tmp_path: Path) -> None:
     best = report.row("char-tiny/gefen", "best_lr")
     assert best.value in (1e-3, 1e-2) and best.ratio is not None
     assert any("gefen mean test loss" in note for note in report.notes)
+
+
+@pytest.mark.slow
+def test_bench_dp_smoke(tmp_path: Path) -> None:
+    code = main(
+        ["bench", "dp", "--repeats", "1", "--elements", "65536", "--bruteforce-bins", "256", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    _check_files(tmp_path, "dp")
+    report = read_report(tmp_path / "dp.json")
+    fast = report.row("full-256/fast", "solve_s")
+    assert fast.baseline == "full-256/bruteforce" and fast.ratio is not None
+    assert fast.detail["identical_to_bruteforce"] is True
+    assert {row.name for row in report.rows} >= {"gaussian-4096/fast", "student-t-4096/fast", "full-4096/fast"}

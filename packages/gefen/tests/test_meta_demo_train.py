@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import pytest
+import torch
 from gefen.bench.optimizers import (
     UnknownOptimizerError,
     build_optimizer,
@@ -16,6 +18,15 @@ from gefen.bench.optimizers import (
 from gefen.demo.data import load_tinylang
 from gefen.demo.model import preset
 from gefen.demo.train import TrainConfig, train
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Training runs use one thread (fast and steady on a shared 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +84,6 @@ def test_registry_names_and_errors() -> None:
 
 
 def test_gefen_block_disables_the_factored_second_moment() -> None:
-    import torch
-
     weight = torch.nn.Parameter(torch.randn(8, 16))
     for name, expected in (("gefen", True), ("gefen-block", False)):
         optimizer = build_optimizer(name, [("w", weight)], lr=1e-3, weight_decay=0.0)
@@ -93,3 +102,12 @@ def test_missing_torchao_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch)
     assert reason is not None and "gefen[bench]" in reason
     with pytest.raises(RuntimeError, match="not available here"):
         build_optimizer("adamw-4bit", [], lr=1e-3, weight_decay=0.0)
+
+
+def test_gefen_with_every_compression_off_trains_like_adamw(data) -> None:  # type: ignore[no-untyped-def]
+    """The ablation baseline: per-element v and exact momentum make Gefen AdamW (9 B/param)."""
+    adamw = train(preset("tiny"), data, TrainConfig("adamw", 1e-2, 20, batch_size=8, eval_windows=8))
+    dense = train(preset("tiny"), data, TrainConfig("gefen-p1", 1e-2, 20, batch_size=8, eval_windows=8))
+    assert max(abs(a - b) for (_, a), (_, b) in zip(adamw.train_curve, dense.train_curve)) < 1e-5
+    assert dense.final_loss["test"] == pytest.approx(adamw.final_loss["test"], abs=1e-5)
+    assert dense.state_bytes_per_param > 9.0

@@ -51,6 +51,7 @@ class MemoryOptions:
     batch_size: int = 2
     sequence_length: int = 64
     baseline: str = "adamw"
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if type(self.steps) is not int or self.steps < 2:
@@ -80,7 +81,9 @@ def run_memory(options: MemoryOptions, *, progress: Callable[[str], None] | None
     resettable = True
     for model in options.models:
         for name in ordered:
-            spec = ProbeSpec(model, name, options.steps, options.batch_size, options.sequence_length)
+            spec = ProbeSpec(
+                model, name, options.steps, options.batch_size, options.sequence_length, threads=options.threads
+            )
             raw = run_fresh(
                 "gefen.bench.memory_probe", asdict(spec), env=_MALLOC_ENV, label=f"memory probe {model}/{name}"
             )

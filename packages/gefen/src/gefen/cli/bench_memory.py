@@ -47,6 +47,7 @@ def register(sub: Any) -> None:
         help=f"optimizers (default {','.join(DEFAULT_OPTIMIZERS)})",
     )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per measurement, at least 2 (default 3)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per probe (default: torch's choice)")
     add_output_options(parser)
     parser.set_defaults(handler=run)
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.memory import MemoryOptions, memory_panels, run_memory
     from ..bench.output import emit
 
-    options = MemoryOptions(models=args.models, optimizers=args.optimizers, steps=args.steps)
+    options = MemoryOptions(models=args.models, optimizers=args.optimizers, steps=args.steps, threads=args.threads)
     with tqdm(total=len(options.models) * len(options.optimizers), desc="memory", unit="probe", file=sys.stderr) as bar:
 
         def advance(label: str) -> None:

@@ -70,6 +70,12 @@ def register(sub: Any) -> None:
         metavar="NAME=LR",
         help="override one optimizer's peak learning rate",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per arm (default: torch's choice; 1 helps on a busy machine)",
+    )
     parser.add_argument("--eval-every", type=int, default=0, help="validation interval in steps (default: steps/10)")
     add_output_options(parser, default_out="gefen-demo")
     parser.set_defaults(handler=run)
@@ -89,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         eval_every=args.eval_every,
         learning_rates=dict(args.lr),
+        threads=args.threads,
     )
     outcome = run_demo(options)
     table = demo_table(outcome.report)

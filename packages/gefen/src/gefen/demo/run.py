@@ -34,6 +34,7 @@ class DemoOptions:
     eval_every: int = 0
     learning_rates: Mapping[str, float] = field(default_factory=dict)
     baseline: str = "adamw"
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if type(self.steps) is not int or self.steps <= 0:
@@ -69,6 +70,7 @@ def run_demo(options: DemoOptions) -> DemoOutcome:
         batch_size=options.batch_size,
         seed=options.seed,
         eval_every=eval_every,
+        threads=options.threads,
     )
     skipped: dict[str, str] = {}
     arms: list[ArmResult] = []
