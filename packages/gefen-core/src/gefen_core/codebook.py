@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .exact_dp import histogram_points, solve_pinned_codebook
-from .momentum_codec import CODEBOOK_SIZE, nearest_codeword
+from .momentum_codec import CODEBOOK_SIZE, bucket_occupancy_ok, nearest_codeword
 from .ops import HISTOGRAM
 from .reference_ops import CHUNK_ELEMENTS, HISTOGRAM_BINS
 
@@ -52,7 +52,10 @@ def codebook_from_counts(counts: torch.Tensor) -> torch.Tensor | None:
         return None
     positions, weights, bins = histogram_points(counts.numpy())
     solution = solve_pinned_codebook(positions, weights, CODEBOOK_SIZE, scale=bins)
-    return torch.from_numpy(solution.codebook).to(torch.float32)
+    codebook = torch.from_numpy(solution.codebook).to(torch.float32)
+    # Adjacent interior centres are at least one bin apart, so this always holds.
+    assert bucket_occupancy_ok(codebook), "a learned codebook broke the lookup precondition"
+    return codebook
 
 
 def validate_codebook(codebook: object, where: str) -> torch.Tensor:
@@ -72,6 +75,8 @@ def validate_codebook(codebook: object, where: str) -> torch.Tensor:
         raise StateValidationError(f"{where} must be sorted in non-decreasing order")
     if float(values[0]) != -1.0 or float(values[-1]) != 1.0:
         raise StateValidationError(f"{where} must start at exactly -1 and end at exactly +1")
+    if not bucket_occupancy_ok(values):
+        raise StateValidationError(f"{where} packs more than two codewords below +1 into one 1/2048-wide bucket")
     return values
 
 
@@ -81,5 +86,5 @@ def requantize(indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> t
     out = torch.empty_like(flat)
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         stop = min(flat.numel(), start + CHUNK_ELEMENTS)
-        out[start:stop] = nearest_codeword(new, old[flat[start:stop].long()])
+        out[start:stop] = nearest_codeword(new, old.index_select(0, flat[start:stop].to(torch.int32)))
     return out.view_as(indices)

@@ -18,6 +18,7 @@ Representation per layout (the default constructor works everywhere):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,11 +35,11 @@ __all__ = [
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
+    # A DTensor can only exist once its module was imported; importing it ourselves would
+    # cost seconds in processes that never use DTensors.
+    module = sys.modules.get("torch.distributed.tensor")
+    kind = getattr(module, "DTensor", None) if module is not None else None
+    return kind if isinstance(kind, type) else None
 
 
 def is_dtensor(tensor: object) -> bool:

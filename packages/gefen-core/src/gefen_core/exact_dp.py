@@ -206,13 +206,10 @@ def solve_pinned_codebook(
             mid = (e_lo + e_hi) // 2
             top = np.minimum(mid - 1, o_hi)
             counts = top - o_lo + 1
-            starts = np.zeros(counts.size, dtype=np.int64)
-            np.cumsum(counts[:-1], out=starts[1:])
-            total = int(starts[-1] + counts[-1])
-            offsets = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-            j = np.repeat(o_lo, counts) + offsets
-            e = np.repeat(mid, counts)
-            values = sums.interior(previous, j, e)
+            ends = np.cumsum(counts)
+            starts = ends - counts
+            j = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(o_lo - starts, counts)
+            values = sums.interior(previous, j, np.repeat(mid, counts))
             minima = np.minimum.reduceat(values, starts)
             hits = np.flatnonzero(values == np.repeat(minima, counts))
             chosen = j[hits[np.searchsorted(hits, starts)]]

@@ -14,31 +14,17 @@ from typing import Any
 import torch
 from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
 
-from . import step_scalars
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import gefen_contract
 from .distributed import all_reduce_column_sums, topology_record
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
-from .ops import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, KernelDispatch
+from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
 from .param_groups import check_parameters, normalize_group_options
-from .param_state import (
-    AGE_KEYS,
-    FACTORED,
-    INDICES,
-    MAGNITUDE,
-    PERIOD,
-    STEP,
-    V_COL,
-    V_ROW,
-    VMEAN,
-    new_state,
-    state_variant,
-    switch_second_moment,
-)
+from .param_state import FACTORED, INDICES, PERIOD, new_state
+from .parameter_update import decay_only, kernel_queries, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
-from .second_moment import update_factored_moments
 from .step_plan import ParamWork, StepPlan, capturing, plan_step
 
 __all__ = ["Gefen"]
@@ -170,9 +156,7 @@ class Gefen(torch.optim.Optimizer):
         self._version += 1
 
     def _check_kernel_provider(self) -> None:
-        from .ops import OPS
-
-        missing = [op for op in sorted(OPS) if not self._dispatch.available(op)]
+        missing = [op for op in DISPATCHED_OPS if not self._dispatch.available(op)]
         if missing:
             from gefen_contracts import KernelUnavailableError
 
@@ -305,7 +289,7 @@ class Gefen(torch.optim.Optimizer):
             return periods[work.slot] if work.slot in periods else int(work.state[PERIOD])  # type: ignore[index]
 
         learners = [w for w in works if w.state or w.slot in periods]
-        old_codebook = self._codebook
+        old_codebook, old_copies = self._codebook, self._codebook_copies
         new_codebook = old_codebook
         if old_codebook is None:
             contributing = [(w, period_of(w)) for w in learners if self._locally_nonzero(w)]
@@ -334,13 +318,13 @@ class Gefen(torch.optim.Optimizer):
             except Exception:
                 for work in created:
                     del self.state[work.param]
-                self._codebook = old_codebook
-                self._codebook_copies = {}
+                    work.state = None
+                self._codebook, self._codebook_copies = old_codebook, old_copies
                 raise
         for state, indices in refreshed:
             state[INDICES].copy_(indices)
         for work in idle:
-            self._decay_only(work)
+            decay_only(work.local, self.param_groups[work.group_index])
         for work in works:
             if work.state:
                 self._update(work, stats)
@@ -352,12 +336,13 @@ class Gefen(torch.optim.Optimizer):
         return work.local_nonzero
 
     def _starts_now(self, work: ParamWork, stats: Stats) -> bool:
-        """Whether a stateless parameter gets its state now: its first non-zero gradient
-        (judged over the whole mesh for a row-sharded factored parameter)."""
+        """Whether a stateless parameter gets its state now: at its first non-zero gradient
+        (judged over the whole mesh for a row-sharded factored parameter); an empty local
+        piece has nothing to wait for and starts (empty) at its first gradient."""
         if work.row_sharded and work.variant == FACTORED:
             _, col_sums = stats[work.slot]
             return bool(col_sums.sum().item() > 0)
-        return self._locally_nonzero(work)
+        return work.local.numel() == 0 or self._locally_nonzero(work)
 
     def _move_state(self, work: ParamWork) -> None:
         assert work.state is not None
@@ -400,34 +385,6 @@ class Gefen(torch.optim.Optimizer):
                 staged.append((state, requantize(state[INDICES], old_on, new_on)))
         return staged
 
-    def _decay_only(self, work: ParamWork) -> None:
-        group = self.param_groups[work.group_index]
-        if group["weight_decay"] == 0:
-            return
-        lr = group["lr"]
-        lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
-        decay = 1.0 - lr_value * group["weight_decay"]
-        scale = torch.tensor(decay, dtype=torch.float32)
-        work.local.mul_(scale.to(work.local.device))
-
-    def _scalars(self, work: ParamWork, state: dict[str, Any]) -> torch.Tensor:
-        group = self.param_groups[work.group_index]
-        variant = state_variant(state)
-        age = state[AGE_KEYS[variant or FACTORED]]
-        beta1, beta2 = group["betas"]
-        common = {
-            "beta1": beta1,
-            "beta2": beta2,
-            "eps": group["eps"],
-            "weight_decay": group["weight_decay"],
-            "factored": variant == FACTORED,
-        }
-        if self._capturable:
-            return step_scalars.device_scalars(lr=group["lr"], step=state[STEP], age=age, **common)
-        lr = group["lr"]
-        lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
-        return step_scalars.host_scalars(work.local.device, lr=lr_value, step=state[STEP], age=age, **common)
-
     def _seed(self, work: ParamWork) -> torch.Tensor | None:
         if not self._stochastic_round:
             return None
@@ -444,108 +401,36 @@ class Gefen(torch.optim.Optimizer):
         return counter
 
     def _advance_global_step(self, devices: set[torch.device]) -> None:
-        self._global_step += 1
         if self._capturable:
             for device in devices:
-                self._device_step(device)
+                self._device_step(device)  # created from the host count before it advances
             for counter in self._device_global_steps.values():
                 counter.add_(1)
+        self._global_step += 1
         self._version += 1
 
-    def _bump(self, state: dict[str, Any], key: str) -> None:
-        value = state[key]
-        if isinstance(value, torch.Tensor):
-            value.add_(1)
-        else:
-            state[key] = value + 1
-
     def _update(self, work: ParamWork, stats: Stats) -> None:
-        assert work.state is not None
-        state = work.state
-        if state_variant(state) != work.variant:
-            switch_second_moment(state, work.variant, work.local, self._capturable)
-        group = self.param_groups[work.group_index]
-        self._bump(state, STEP)
-        self._bump(state, AGE_KEYS[work.variant])
-        scalars = self._scalars(work, state)
-        codebook = self._codebook_on(work.local.device) if self._codebook is not None else _placeholder(work)
-        target = work.local if work.local.is_contiguous() else work.local.contiguous()
-        grad = work.grad.contiguous()
-        flags = {
-            "apply_decay": group["weight_decay"] != 0,
-            "maximize": bool(group["maximize"]),
-            "deterministic": self._deterministic,
-        }
-        seed = self._seed(work)
-        if work.variant == FACTORED:
-            row_sums, col_sums = stats[work.slot]
-            row_factor = update_factored_moments(
-                state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars
-            )
-            self._dispatch(
-                FACTORED_STEP,
-                target,
-                grad,
-                state[INDICES],
-                state[MAGNITUDE],
-                row_factor,
-                state[V_COL],
-                codebook,
-                scalars,
-                seed,
-                **flags,
-            )
-        else:
-            self._dispatch(
-                BLOCK_STEP,
-                target.view(-1),
-                grad.view(-1),
-                state[INDICES],
-                state[MAGNITUDE],
-                state[VMEAN],
-                codebook,
-                scalars,
-                seed,
-                **flags,
-            )
-        if target is not work.local:
-            work.local.copy_(target)
+        device = work.local.device
+        update_parameter(
+            work,
+            self.param_groups[work.group_index],
+            stats.get(work.slot),
+            dispatch=self._dispatch,
+            codebook=self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
+            seed=self._seed(work),
+            deterministic=self._deterministic,
+            capturable=self._capturable,
+        )
 
     def _kernel_queries(self, work: ParamWork) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
-        """The (op id, args, kwargs) a step of ``work`` will dispatch, for kernel-support checks.
-
-        A parameter whose second moment is about to switch representation is queried with its
-        momentum only (the new second moment has the same dtype and device).
-        """
-        state = work.state
-        assert state
-        group = self.param_groups[work.group_index]
-        flags = {
-            "apply_decay": group["weight_decay"] != 0,
-            "maximize": bool(group["maximize"]),
-            "deterministic": self._deterministic,
-        }
         device = work.local.device
-        codebook = self._codebook_on(device) if self._codebook is not None else _placeholder(work)
-        scalars = torch.zeros(step_scalars.NUM_SCALARS, dtype=torch.float32, device=device)
-        seed = torch.zeros(1, dtype=torch.int64, device=device) if self._stochastic_round else None
-        target = work.local if work.local.is_contiguous() else work.local.contiguous()
-        grad = work.grad.contiguous()
-        same = state_variant(state) == work.variant
-        if work.variant == FACTORED:
-            rows = state[V_ROW] if same else torch.zeros(work.local.shape[0], dtype=torch.float32, device=device)
-            cols = state[V_COL] if same else torch.zeros(work.local.shape[1], dtype=torch.float32, device=device)
-            return [
-                (FACTORED_STATS, (grad,), {"deterministic": self._deterministic}),
-                (
-                    FACTORED_STEP,
-                    (target, grad, state[INDICES], state[MAGNITUDE], rows, cols, codebook, scalars, seed),
-                    flags,
-                ),
-            ]
-        vmean = state[VMEAN] if same else torch.zeros_like(state[MAGNITUDE])
-        block_args = (target.view(-1), grad.view(-1), state[INDICES], state[MAGNITUDE], vmean, codebook, scalars, seed)
-        return [(BLOCK_STEP, block_args, flags)]
+        return kernel_queries(
+            work,
+            self.param_groups[work.group_index],
+            self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
+            stochastic_round=self._stochastic_round,
+            deterministic=self._deterministic,
+        )
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -604,11 +489,28 @@ class Gefen(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def __repr__(self) -> str:
-        return f"Gefen({len(self.param_groups)} groups, global_step={self._global_step})"
+    _OWN_ATTRIBUTES = (
+        "_fused",
+        "_dispatch",
+        "_refresh_every",
+        "_stochastic_round",
+        "_deterministic",
+        "_capturable",
+        "_codebook",
+        "_codebook_copies",
+        "_global_step",
+        "_device_global_steps",
+        "_version",
+    )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and ``copy.deepcopy`` keep Gefen's own state (torch's drops it)."""
+        state = super().__getstate__()
+        state["_gefen"] = {name: getattr(self, name) for name in self._OWN_ATTRIBUTES}
+        return state
 
-def _placeholder(work: ParamWork) -> torch.Tensor:
-    """Any valid codebook: used only while no codebook exists, when every block scale is 0
-    (all of this rank's gradients so far were zero), so the codes decode to 0 regardless."""
-    return torch.linspace(-1.0, 1.0, 256, dtype=torch.float32, device=work.local.device)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        own = dict(state.pop("_gefen", {}))
+        super().__setstate__(state)
+        for name, value in own.items():
+            setattr(self, name, value)

@@ -6,7 +6,8 @@ one uint8 index per element into the codebook ``C`` (fp32, ascending, ``C[0] = -
 CPU and GPU give bit-identical results:
 
 * ``z = u / M`` (correctly rounded division; ``z = 0`` for a block with ``M == 0``);
-* nearest: ``k = lower_bound(C, z)`` (first ``C[k] >= z``), ``L = max(k - 1, 0)``,
+* nearest: ``k = lower_bound(C, z)`` (first ``C[k] >= z``, found through a bucket table:
+  see :func:`lower_bound`), ``L = max(k - 1, 0)``,
   ``R = min(k, 255)``; choose ``L`` when ``|z - C[L]| <= |z - C[R]|`` (ties: lower index);
 * stochastic: same bracket; ``p_up = (clamp(z, C[L], C[R]) - C[L]) / (C[R] - C[L])`` (0 when
   ``C[R] == C[L]``); choose ``R`` when ``U(seed, index) < p_up``, so ``E[C[q]] = z``.
@@ -31,6 +32,9 @@ import torch
 
 __all__ = [
     "CODEBOOK_SIZE",
+    "LOOKUP_BUCKETS",
+    "bucket_occupancy_ok",
+    "lower_bound",
     "dequantize",
     "nearest_codeword",
     "normalize_blocks",
@@ -39,6 +43,9 @@ __all__ = [
 ]
 
 CODEBOOK_SIZE = 256
+#: Buckets of the lower-bound lookup table on ``[-1, 1]`` (width 2 / 4096, the histogram's bins).
+LOOKUP_BUCKETS = 4096
+_PER_BUCKET = 2
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -82,8 +89,56 @@ def normalize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return magnitude, blocks / safe
 
 
+def _gather(codebook: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``codebook[indices]`` for int32/uint8/int64 indices of any shape (int32 is cheapest)."""
+    flat = indices.reshape(-1)
+    if flat.dtype is not torch.int32 and flat.dtype is not torch.int64:
+        flat = flat.to(torch.int32)
+    return codebook.index_select(0, flat).view(indices.shape)
+
+
+def _buckets(values: torch.Tensor) -> torch.Tensor:
+    """``clamp(floor(fl(v + 1) * 2048), 0, 4095)`` as int32 (``v >= -1``: truncation is floor)."""
+    return ((values + 1.0) * float(LOOKUP_BUCKETS // 2)).to(torch.int32).clamp_(0, LOOKUP_BUCKETS - 1)
+
+
+def bucket_occupancy_ok(codebook: torch.Tensor) -> bool:
+    """The lookup precondition: no bucket holds more than two codewords below +1."""
+    below = codebook[codebook < 1.0]
+    if below.numel() == 0:
+        return True
+    counts = torch.bincount(_buckets(below).to(torch.int64), minlength=LOOKUP_BUCKETS)
+    return bool(counts.max() <= _PER_BUCKET)
+
+
+def lower_bound(codebook: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """First index ``k`` with ``codebook[k] >= z`` (int32), for ``z`` in ``[-1, 1]``.
+
+    Equal to a binary search, but through a 4097-entry bucket table: codewords in lower
+    buckets are below ``z``, codewords in higher buckets above it, and within ``z``'s own
+    bucket at most two codewords can be below ``z`` (:func:`bucket_occupancy_ok`, which every
+    learned or loaded codebook satisfies), so two comparisons finish the search.
+    """
+    table = torch.searchsorted(
+        _buckets(codebook),
+        torch.arange(LOOKUP_BUCKETS + 1, dtype=torch.int32, device=codebook.device),
+        out_int32=True,
+    )
+    last = codebook.numel() - 1
+    bucket = _buckets(z).reshape(-1)
+    start = table.index_select(0, bucket)
+    stop = table.index_select(0, bucket + 1)
+    flat = z.reshape(-1)
+    result = start.clone()
+    for offset in range(_PER_BUCKET):
+        candidate = start + offset
+        value = codebook.index_select(0, candidate.clamp(max=last))
+        result += ((candidate < stop) & (value < flat)).to(torch.int32)
+    return result.view(z.shape)
+
+
 def _bracket(codebook: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    upper = torch.searchsorted(codebook, z.contiguous(), side="left")
+    upper = lower_bound(codebook, z)
     last = codebook.numel() - 1
     lower = (upper - 1).clamp_(min=0)
     upper = upper.clamp_(max=last)
@@ -93,8 +148,8 @@ def _bracket(codebook: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, tor
 def nearest_codeword(codebook: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Index (uint8) of the codeword nearest to each ``z`` (ties: lower index)."""
     lower, upper = _bracket(codebook, z)
-    below = (z - codebook[lower]).abs()
-    above = (z - codebook[upper]).abs()
+    below = (z - _gather(codebook, lower)).abs()
+    above = (z - _gather(codebook, upper)).abs()
     return torch.where(below <= above, lower, upper).to(torch.uint8)
 
 
@@ -107,8 +162,8 @@ def stochastic_codeword(
     are numbered row-major from there.
     """
     lower, upper = _bracket(codebook, z)
-    lo = codebook[lower]
-    hi = codebook[upper]
+    lo = _gather(codebook, lower)
+    hi = _gather(codebook, upper)
     width = hi - lo
     clamped = torch.minimum(torch.maximum(z, lo), hi)
     up = torch.where(width > 0, (clamped - lo) / torch.where(width > 0, width, torch.ones_like(width)), 0.0)
@@ -119,4 +174,4 @@ def stochastic_codeword(
 
 def dequantize(codebook: torch.Tensor, indices: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     """``C[q] * M`` in fp32 (``indices`` ``[rows, P]`` uint8, ``magnitude`` ``[rows, 1]``)."""
-    return codebook[indices.long()] * magnitude
+    return _gather(codebook, indices) * magnitude

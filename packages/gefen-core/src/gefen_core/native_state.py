@@ -23,7 +23,6 @@ from .errors import GefenOptionError, GefenOptionTypeError
 from .param_groups import GROUP_OPTIONS, normalize_group_options
 from .param_state import (
     AGE_KEYS,
-    BLOCK,
     COUNTER_KEYS,
     FACTORED,
     INDICES,
@@ -211,9 +210,13 @@ def _stage_entry(
     keys = frozenset(entry)
     variant = next((name for name, wanted in VARIANT_KEYS.items() if keys == wanted), None)
     if variant is None:
-        closest = BLOCK if VMEAN in keys or V_ROW not in keys else FACTORED
+        closest = min(VARIANT_KEYS, key=lambda name: len(VARIANT_KEYS[name] ^ keys))
         missing = sorted(VARIANT_KEYS[closest] - keys)
-        raise _fail(f"{where} is incomplete: missing authoritative fields {missing}")
+        extra = sorted(keys - VARIANT_KEYS[closest])
+        raise _fail(
+            f"{where} matches no state variant (closest {closest!r}): missing authoritative fields {missing}, "
+            f"unexpected fields {extra}"
+        )
     local = local_tensor(param)
     numel = local.numel()
     period = _exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)

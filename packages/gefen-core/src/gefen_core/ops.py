@@ -46,6 +46,7 @@ from .reference_ops import (
 
 __all__ = [
     "BLOCK_STEP",
+    "DISPATCHED_OPS",
     "FACTORED_STATS",
     "FACTORED_STEP",
     "HISTOGRAM",
@@ -84,6 +85,10 @@ OPS: dict[str, OpSpec] = {
 }
 
 
+#: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
+DISPATCHED_OPS = (BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
+
+
 class KernelDispatch:
     """Chooses, per call, a provider's implementation or the reference (see module docs)."""
 
@@ -92,6 +97,12 @@ class KernelDispatch:
     def __init__(self, fused: bool | None, registry: KernelRegistry | None = None) -> None:
         self._fused = fused
         self._registry = registry
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KernelDispatch:
+        return KernelDispatch(self._fused, self._registry)  # a registry is a shared service, not state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KernelDispatch, (self._fused,))  # unpickled in another process: its default registry
 
     @property
     def registry(self) -> KernelRegistry:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from . import step_scalars as S
-from .momentum_codec import nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
+from .momentum_codec import dequantize, nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -53,6 +53,7 @@ __all__ = [
     "factored_stats_reference",
     "factored_step_reference",
     "histogram_reference",
+    "requantized_momentum",
     "stochastic_uniform_reference",
 ]
 
@@ -69,6 +70,36 @@ def _chunk_rows(period: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, period))
 
 
+def requantized_momentum(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    codebook: torch.Tensor,
+    beta1: torch.Tensor,
+    one_minus_beta1: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    first_index: int,
+) -> torch.Tensor:
+    """One momentum EMA step on quantized state, in place; returns the new decoded momentum.
+
+    ``grad`` fp32 ``[rows, P]`` (already negated when maximizing); ``indices`` uint8 and
+    ``magnitude`` fp32 ``[rows, 1]`` are replaced by the requantized EMA
+    ``u = fl(fl(C[q] * M * beta1) + fl(g * (1 - beta1)))``; the return value is
+    ``C[q'] * M'`` (fp32), the momentum the update applies. ``first_index`` numbers the
+    chunk's first element within its parameter (for stochastic rounding). Optimizers built
+    on Gefen's momentum (GefenMuon) reuse this.
+    """
+    momentum = dequantize(codebook, indices, magnitude) * beta1 + grad * one_minus_beta1
+    new_magnitude, z = normalize_blocks(momentum)
+    if sr_seed is None:
+        codes = nearest_codeword(codebook, z)
+    else:
+        codes = stochastic_codeword(codebook, z, sr_seed, first_index)
+    indices.copy_(codes)
+    magnitude.copy_(new_magnitude)
+    return dequantize(codebook, codes, new_magnitude)
+
+
 def _momentum_write(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -82,19 +113,13 @@ def _momentum_write(
     apply_decay: bool,
 ) -> None:
     """Momentum EMA, requantisation and the parameter write for one chunk of rows."""
-    old = codebook[indices.long()] * magnitude
-    momentum = old * scalars[S.BETA1] + grad * scalars[S.ONE_MINUS_BETA1]
-    new_magnitude, z = normalize_blocks(momentum)
-    if sr_seed is None:
-        codes = nearest_codeword(codebook, z)
-    else:
-        codes = stochastic_codeword(codebook, z, sr_seed, first_index)
-    update = (codebook[codes.long()] * new_magnitude) * stepsize * scalars[S.LR]
+    momentum = requantized_momentum(
+        grad, indices, magnitude, codebook, scalars[S.BETA1], scalars[S.ONE_MINUS_BETA1], sr_seed, first_index
+    )
+    update = momentum * stepsize * scalars[S.LR]
     if apply_decay:
         param.mul_(scalars[S.DECAY])
     param.sub_(update)
-    indices.copy_(codes)
-    magnitude.copy_(new_magnitude)
 
 
 def _gradient_rows(grad: torch.Tensor, maximize: bool) -> torch.Tensor:

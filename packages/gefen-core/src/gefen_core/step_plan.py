@@ -143,8 +143,6 @@ def plan_step(
             local = local_tensor(param)
             row_sharded = is_row_sharded(param)
             variant = FACTORED if group["factored_v_2d"] and param.dim() == 2 else BLOCK
-            if local.numel() == 0 and not (row_sharded and variant == FACTORED and param.numel() > 0):
-                continue
             live = state.get(param)
             local_grad = local_tensor(grad)
             work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
@@ -159,13 +157,11 @@ def plan_step(
                     raise GradientError(
                         f"{where}: the first gradient is not finite; periods and the codebook cannot be learned from it"
                     )
-                if not (row_sharded and variant == FACTORED):
-                    work.local_nonzero = bool(local_grad.ne(0).any())
             plan.works.append(work)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
     if fused is True:
-        _check_kernels(plan, dispatch, resolve_args)
+        _check_kernels(plan, dispatch, resolve_args, learns=not codebook_ready or refresh_due)
     return plan
 
 
@@ -173,8 +169,10 @@ def _check_kernels(
     plan: StepPlan,
     dispatch: KernelDispatch,
     resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+    *,
+    learns: bool,
 ) -> None:
-    needed = {HISTOGRAM}
+    needed = {HISTOGRAM} if learns and plan.works else set()
     for work in plan.works:
         needed.add(FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP)
         if work.variant == FACTORED:

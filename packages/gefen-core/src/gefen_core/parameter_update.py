@@ -1,0 +1,184 @@
+"""One parameter's update: counters, step scalars, the kernel calls and the write-back.
+
+:func:`step_calls` is the single description of what a parameter's step dispatches; the
+update runs it and the ``fused=True`` checks query kernels with the same arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import step_scalars
+from .ops import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, KernelDispatch
+from .param_state import (
+    AGE_KEYS,
+    FACTORED,
+    INDICES,
+    MAGNITUDE,
+    STEP,
+    V_COL,
+    V_ROW,
+    VMEAN,
+    state_variant,
+    switch_second_moment,
+)
+from .second_moment import update_factored_moments
+from .step_plan import ParamWork
+
+__all__ = ["decay_only", "kernel_queries", "placeholder_codebook", "step_calls", "update_parameter"]
+
+Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def placeholder_codebook(device: torch.device) -> torch.Tensor:
+    """Any valid codebook: used only while no codebook exists, when every block scale is 0
+    (all of this rank's gradients so far were zero), so the codes decode to 0 regardless."""
+    return torch.linspace(-1.0, 1.0, 256, dtype=torch.float32, device=device)
+
+
+def _lr_value(lr: float | torch.Tensor) -> float:
+    return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def decay_only(local: torch.Tensor, group: Mapping[str, Any]) -> None:
+    """The decoupled decay of a parameter that has no state yet (its gradient is all zero)."""
+    if group["weight_decay"] == 0:
+        return
+    decay = 1.0 - _lr_value(group["lr"]) * group["weight_decay"]
+    local.mul_(torch.tensor(decay, dtype=torch.float32).to(local.device))
+
+
+def _bump(state: dict[str, Any], key: str) -> None:
+    value = state[key]
+    if isinstance(value, torch.Tensor):
+        value.add_(1)
+    else:
+        state[key] = value + 1
+
+
+def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], capturable: bool) -> torch.Tensor:
+    beta1, beta2 = group["betas"]
+    common = {
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+        "factored": work.variant == FACTORED,
+    }
+    age = state[AGE_KEYS[work.variant]]
+    if capturable:
+        return step_scalars.device_scalars(lr=group["lr"], step=state[STEP], age=age, **common)
+    return step_scalars.host_scalars(work.local.device, lr=_lr_value(group["lr"]), step=state[STEP], age=age, **common)
+
+
+def step_calls(
+    work: ParamWork,
+    group: Mapping[str, Any],
+    state: dict[str, Any],
+    *,
+    target: torch.Tensor,
+    grad: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    seed: torch.Tensor | None,
+    row_factor: torch.Tensor,
+    deterministic: bool,
+) -> list[Call]:
+    """The kernel call that steps ``work`` (``target``/``grad``: contiguous local tensors)."""
+    flags = {
+        "apply_decay": group["weight_decay"] != 0,
+        "maximize": bool(group["maximize"]),
+        "deterministic": deterministic,
+    }
+    if work.variant == FACTORED:
+        factored = (target, grad, state[INDICES], state[MAGNITUDE], row_factor, state[V_COL], codebook, scalars, seed)
+        return [(FACTORED_STEP, factored, flags)]
+    block = (target.view(-1), grad.view(-1), state[INDICES], state[MAGNITUDE], state[VMEAN], codebook, scalars, seed)
+    return [(BLOCK_STEP, block, flags)]
+
+
+def kernel_queries(
+    work: ParamWork,
+    group: Mapping[str, Any],
+    codebook: torch.Tensor,
+    *,
+    stochastic_round: bool,
+    deterministic: bool,
+) -> list[Call]:
+    """The calls a step of ``work`` will dispatch, with stand-in scalars, for support checks.
+
+    A second moment about to switch representation is stood in for by zeros of the new
+    kind (same dtype and device); nothing is mutated.
+    """
+    state = dict(work.state or {})
+    device = work.local.device
+    if state_variant(state) != work.variant:
+        if work.variant == FACTORED:
+            rows, cols = work.local.shape
+            state[V_ROW] = torch.zeros(rows, dtype=torch.float32, device=device)
+            state[V_COL] = torch.zeros(cols, dtype=torch.float32, device=device)
+        else:
+            state[VMEAN] = torch.zeros_like(state[MAGNITUDE])
+    grad = work.grad.contiguous()
+    stand_in = torch.zeros(step_scalars.NUM_SCALARS, dtype=torch.float32, device=device)
+    calls = [(FACTORED_STATS, (grad,), {"deterministic": deterministic})] if work.variant == FACTORED else []
+    calls += step_calls(
+        work,
+        group,
+        state,
+        target=work.local if work.local.is_contiguous() else work.local.contiguous(),
+        grad=grad,
+        codebook=codebook,
+        scalars=stand_in,
+        seed=torch.zeros(1, dtype=torch.int64, device=device) if stochastic_round else None,
+        row_factor=state.get(V_ROW, stand_in),
+        deterministic=deterministic,
+    )
+    return calls
+
+
+def update_parameter(
+    work: ParamWork,
+    group: Mapping[str, Any],
+    stats: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    dispatch: KernelDispatch,
+    codebook: torch.Tensor,
+    seed: torch.Tensor | None,
+    deterministic: bool,
+    capturable: bool,
+) -> None:
+    """Advance counters and second moment, then requantise the momentum and write ``work``'s
+    parameter (through a contiguous copy when the parameter is strided)."""
+    state = work.state
+    assert state
+    if state_variant(state) != work.variant:
+        switch_second_moment(state, work.variant, work.local, capturable)
+    _bump(state, STEP)
+    _bump(state, AGE_KEYS[work.variant])
+    scalars = _scalars(work, group, state, capturable)
+    target = work.local if work.local.is_contiguous() else work.local.contiguous()
+    row_factor = scalars
+    if work.variant == FACTORED:
+        assert stats is not None
+        row_sums, col_sums = stats
+        row_factor = update_factored_moments(state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars)
+    calls = step_calls(
+        work,
+        group,
+        state,
+        target=target,
+        grad=work.grad.contiguous(),
+        codebook=codebook,
+        scalars=scalars,
+        seed=seed,
+        row_factor=row_factor,
+        deterministic=deterministic,
+    )
+    for op_id, args, kwargs in calls:
+        dispatch(op_id, *args, **kwargs)
+    if target is not work.local:
+        work.local.copy_(target)

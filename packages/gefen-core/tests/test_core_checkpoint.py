@@ -1,0 +1,348 @@
+"""Native checkpoints: bit-exact resume, weights-only loading, atomic staged loads, golden vectors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gefen_contracts import StaleTransactionError, StateValidationError
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
+from gefen_core import Gefen
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+
+GOLDEN = Path(__file__).parent / "golden" / "native_state_v1.pt"
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.randn(16, 24, dtype=dtype))
+        self.proj = torch.nn.Linear(24, 32, dtype=dtype)
+        self.norm = torch.nn.LayerNorm(32, dtype=dtype)
+        self.head = torch.nn.Linear(32, 8, bias=False, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed[tokens].mean(dim=1)
+        return self.head(self.norm(torch.tanh(self.proj(hidden))))
+
+
+def _net(dtype: torch.dtype = torch.float32) -> _Net:
+    torch.manual_seed(0)
+    return _Net(dtype)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, start: int, steps: int) -> None:
+    for index in range(start, start + steps):
+        generator = torch.Generator().manual_seed(index)
+        tokens = torch.randint(0, 16, (8, 5), generator=generator)
+        target = torch.randn(8, 8, generator=generator)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(tokens).float(), target)
+        loss.backward()
+        opt.step()
+
+
+def _roundtrip(value: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "block": {"factored_v_2d": False},
+    "weight_decay": {"weight_decay": 0.1},
+    "stochastic_round": {"stochastic_round": True},
+    "maximize_deterministic": {"maximize": True, "deterministic": True},
+    "capturable": {"capturable": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_resume_is_bit_exact(name: str) -> None:
+    options = {"lr": 1e-2, "fused": False, **CONFIGS[name]}
+    straight = _net()
+    opt = Gefen(straight.named_parameters(), **options)
+    _train(straight, opt, 0, 6)
+    halves = _net()
+    first = Gefen(halves.named_parameters(), **options)
+    _train(halves, first, 0, 3)
+    saved = _roundtrip(first.state_dict())
+    resumed = Gefen(halves.named_parameters(), **options)
+    resumed.load_state_dict(saved)
+    _train(halves, resumed, 3, 3)
+    for (pname, a), (_, b) in zip(straight.named_parameters(), halves.named_parameters()):
+        assert torch.equal(a, b), pname
+    assert_trees_equal(opt.state_dict(), resumed.state_dict())
+
+
+def test_bf16_resume_is_bit_exact() -> None:
+    straight, halves = _net(torch.bfloat16), _net(torch.bfloat16)
+    opt = Gefen(straight.parameters(), lr=1e-2)
+    _train(straight, opt, 0, 4)
+    first = Gefen(halves.parameters(), lr=1e-2)
+    _train(halves, first, 0, 2)
+    resumed = Gefen(halves.parameters(), lr=1e-2)
+    resumed.load_state_dict(_roundtrip(first.state_dict()))
+    _train(halves, resumed, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), halves.parameters()))
+    assert resumed.state[halves.embed]["m_magnitude"].dtype is torch.float32
+
+
+def test_capturable_toggle_is_portable_both_ways() -> None:
+    for source, target in ((True, False), (False, True)):
+        straight, halves = _net(), _net()
+        opt = Gefen(straight.parameters(), lr=1e-2, capturable=source)
+        _train(straight, opt, 0, 4)
+        first = Gefen(halves.parameters(), lr=1e-2, capturable=source)
+        _train(halves, first, 0, 2)
+        resumed = Gefen(halves.parameters(), lr=1e-2, capturable=target)
+        resumed.load_state_dict(_roundtrip(first.state_dict()))
+        counter = resumed.state[halves.embed]["step"]
+        assert isinstance(counter, torch.Tensor) == target
+        _train(halves, resumed, 2, 2)
+        assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), halves.parameters()))
+
+
+def test_load_leaves_the_callers_dict_alone_and_can_repeat() -> None:
+    model = _net()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 0, 2)
+    saved = _roundtrip(opt.state_dict())
+    reference = _roundtrip(saved)
+    twin = Gefen(_net().parameters(), lr=1e-2)
+    twin.load_state_dict(saved)
+    twin.load_state_dict(saved)
+    assert_trees_equal(saved, reference)
+    live = twin.state[next(iter(twin.state))]["m_codebook"]
+    assert live.data_ptr() != saved["state"][0]["m_codebook"].data_ptr()
+
+
+def test_torch_dcp_state_dict_helpers_round_trip() -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    straight, halves = _net(), _net()
+    opt = Gefen(straight.parameters(), lr=1e-2)
+    _train(straight, opt, 0, 4)
+    first = Gefen(halves.parameters(), lr=1e-2)
+    _train(halves, first, 0, 2)
+    exported = _roundtrip(get_optimizer_state_dict(halves, first))
+    assert set(exported) == {"state", "param_groups"}  # torch keeps only these; our mirror carries the rest
+    fresh_model = _net()
+    fresh_model.load_state_dict(halves.state_dict())
+    resumed = Gefen(fresh_model.parameters(), lr=1e-2)
+    set_optimizer_state_dict(fresh_model, resumed, exported)
+    _train(fresh_model, resumed, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), fresh_model.parameters()))
+    assert resumed.global_step == 4
+
+
+def test_a_stale_or_foreign_staged_load_is_refused() -> None:
+    model = _net()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 0, 1)
+    staged = opt.stage_state_dict(opt.state_dict())
+    other = Gefen(_net().parameters(), lr=1e-2)
+    with pytest.raises(StaleTransactionError):
+        other.commit_staged_state_dict(staged)
+    _train(model, opt, 1, 1)
+    with pytest.raises(StaleTransactionError):
+        opt.commit_staged_state_dict(staged)
+
+
+def _first_state(sd: dict[str, Any]) -> dict[str, Any]:
+    return next(s for s in sd["state"].values() if "vmean" in s)
+
+
+def _factored_state(sd: dict[str, Any]) -> dict[str, Any]:
+    return next(s for s in sd["state"].values() if "v_row" in s)
+
+
+def _set(path: Callable[[dict[str, Any]], dict[str, Any]], key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        path(sd)[key] = value
+
+    return apply
+
+
+def _mutate_tensor(key: str, change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        entry = _first_state(sd)
+        entry[key] = change(entry[key].clone())
+
+    return apply
+
+
+def _mirror_step(sd: dict[str, Any]) -> None:
+    sd["param_groups"][0]["_gefen_checkpoint_metadata"]["global_step"] += 1
+
+
+def _drop_mirror_of_one_group(sd: dict[str, Any]) -> None:
+    del sd["param_groups"][1]["_gefen_checkpoint_metadata"]
+
+
+def _codebook(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        new = change(sd["gefen_codebook"].clone())
+        sd["gefen_codebook"] = new
+        for group in sd["param_groups"]:
+            group["_gefen_checkpoint_metadata"]["codebook"] = new
+
+    return apply
+
+
+def _no_codebook(sd: dict[str, Any]) -> None:
+    sd["gefen_codebook"] = None
+    for group in sd["param_groups"]:
+        group["_gefen_checkpoint_metadata"]["codebook"] = None
+
+
+def _factored_on_vector(sd: dict[str, Any]) -> None:
+    entry = sd["state"][2]  # proj.bias, a vector
+    entry.pop("vmean")
+    entry["factored_step"] = entry.pop("vmean_step")
+    entry["v_row"] = torch.zeros(32)
+    entry["v_col"] = torch.zeros(1)
+
+
+def _deterministic(value: Any) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        sd["gefen_deterministic"] = value
+        for group in sd["param_groups"]:
+            group["_gefen_checkpoint_metadata"]["deterministic"] = value
+
+    return apply
+
+
+def _topology(sd: dict[str, Any]) -> None:
+    record = [None] * 6
+    sd["gefen_topology"] = record
+    for group in sd["param_groups"]:
+        group["_gefen_checkpoint_metadata"]["topology"] = record
+
+
+BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "undeclared_key": (_set(_first_state, "exp_avg", torch.zeros(3)), "undeclared key 'exp_avg'"),
+    "missing_field": (lambda sd: _first_state(sd).pop("m_magnitude"), "missing authoritative fields"),
+    "bool_counter": (_set(_first_state, "step", True), "must be an int"),
+    "float_counter": (_set(_first_state, "step", 2.0), "must be an int"),
+    "negative_counter": (_set(_first_state, "vmean_step", -1), ">= 1"),
+    "age_exceeds_step": (_set(_first_state, "vmean_step", 3), "exceeds step"),
+    "step_exceeds_global": (lambda sd: _first_state(sd).update(step=9, vmean_step=9), "exceeds the global step"),
+    "period_zero": (_set(_first_state, "automatic_period", 0), ">= 1"),
+    "period_not_dividing": (_set(_first_state, "automatic_period", 7), "does not divide"),
+    "float_indices": (_mutate_tensor("m_codebook", lambda t: t.float()), "torch.uint8"),
+    "negative_magnitude": (_mutate_tensor("m_magnitude", lambda t: t - 10.0), ">= 0"),
+    "nan_vmean": (_mutate_tensor("vmean", lambda t: t.fill_(float("nan"))), "finite"),
+    "missing_v_col": (lambda sd: _factored_state(sd).pop("v_col"), "missing authoritative fields"),
+    "factored_vector": (_factored_on_vector, "factored second moment but the parameter is 1-D"),
+    "short_codebook": (_codebook(lambda c: c[:255]), r"shape \(256,\)"),
+    "unsorted_codebook": (_codebook(lambda c: c.flip(0)), "sorted"),
+    "unpinned_codebook": (_codebook(lambda c: c * 0.5), "exactly -1"),
+    "missing_codebook": (_no_codebook, "no codebook"),
+    "deterministic_mismatch": (_deterministic(True), "deterministic=True"),
+    "deterministic_not_bool": (_deterministic(1), "must be a bool"),
+    "mirrors_disagree": (_mirror_step, "disagree on global_step"),
+    "mirror_on_some_groups": (_drop_mirror_of_one_group, "only some parameter groups"),
+    "topology_mismatch": (_topology, "topology"),
+    "unknown_top_level_key": (_set(lambda sd: sd, "exp_avg", 1), "unknown top-level keys"),
+    "no_metadata": (
+        lambda sd: (
+            [sd.pop(k) for k in list(sd) if k.startswith("gefen_")]
+            + [g.pop("_gefen_checkpoint_metadata") for g in sd["param_groups"]]
+        ),
+        "no Gefen metadata",
+    ),
+    "renamed_parameter": (
+        lambda sd: sd["param_groups"][0]["param_names"].__setitem__(0, "other"),
+        "param_names differ",
+    ),
+    "bad_hyperparameter": (_set(lambda sd: sd["param_groups"][1], "eps", 0.0), "epsilon"),
+    "unknown_id": (lambda sd: sd["state"].__setitem__(99, _first_state(sd)), "names no parameter"),
+}
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    model = _net()
+    groups = [
+        {"params": [("embed", model.embed), ("proj.weight", model.proj.weight), ("proj.bias", model.proj.bias)]},
+        {"params": [(n, p) for n, p in model.named_parameters() if n.startswith(("norm", "head"))]},
+    ]
+    opt = Gefen(groups, lr=1e-2)
+    _train(model, opt, 0, 2)
+    return _roundtrip(opt.state_dict()), groups
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_corrupted_checkpoints_are_refused_without_mutation(
+    name: str, trained: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    valid, _ = trained
+    model = _net()
+    groups = [
+        {"params": [("embed", model.embed), ("proj.weight", model.proj.weight), ("proj.bias", model.proj.bias)]},
+        {"params": [(n, p) for n, p in model.named_parameters() if n.startswith(("norm", "head"))]},
+    ]
+    opt = Gefen(groups, lr=1e-2)
+    _train(model, opt, 0, 1)
+    post_calls: list[int] = []
+    opt.register_load_state_dict_post_hook(lambda *_: post_calls.append(1))
+    corrupted = copy.deepcopy(valid)
+    apply, message = BAD[name]
+    apply(corrupted)
+    before = deep_snapshot(opt, model)
+    with pytest.raises(StateValidationError, match=message):
+        opt.load_state_dict(corrupted)
+    assert not snapshot_diff(before, opt, model) and not post_calls
+    opt.load_state_dict(valid)
+    assert post_calls == [1]
+
+
+def test_a_checkpoint_of_the_other_second_moment_kind_migrates_on_the_next_step() -> None:
+    model = _net()
+    opt = Gefen(model.parameters(), lr=1e-2, factored_v_2d=True)
+    _train(model, opt, 0, 3)
+    block = Gefen(model.parameters(), lr=1e-2, factored_v_2d=False)
+    saved = _roundtrip(opt.state_dict())
+    for group in saved["param_groups"]:
+        group["factored_v_2d"] = False
+    block.load_state_dict(saved)
+    assert "v_row" in block.state[model.embed]
+    _train(model, block, 3, 2)
+    state = block.state[model.embed]
+    assert state["step"] == 5 and state["vmean_step"] == 2 and "v_row" not in state
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _golden_scenario() -> dict[str, Any]:
+    model = _net()
+    opt = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05)
+    _train(model, opt, 0, 2)
+    return opt.state_dict()
+
+
+def test_golden_native_state_dict() -> None:
+    """The committed vector pins the format (keys, types, dtypes, shapes) and its values.
+
+    Regenerate deliberately with ``GEFEN_REGENERATE_GOLDEN=1`` when the format version changes.
+    """
+    produced = _roundtrip(_golden_scenario())
+    if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
+        torch.save(produced, GOLDEN)
+    golden = torch.load(GOLDEN, weights_only=True)
+    assert golden["gefen_format_version"] == 1
+    assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.native_state"
+    assert_trees_equal(produced, golden, "golden native state dict")
+    model = _net()
+    resumed = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05)
+    resumed.load_state_dict(golden)
+    assert resumed.global_step == 2

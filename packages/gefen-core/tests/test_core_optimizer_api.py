@@ -1,0 +1,302 @@
+"""The AdamW-like API: construction errors, groups, closures, hooks, schedulers, AMP, tensor lr."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from gefen_contracts import ContractProvider, StagedNativeLoad, StepPreflight
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _loss(model: torch.nn.Module, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 8, generator=generator)
+    y = torch.randn(32, 4, generator=generator)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    losses = []
+    for index in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, index)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"lr": -1.0}, GefenOptionError, "Invalid learning rate"),
+        ({"lr": float("nan")}, GefenOptionError, "learning rate"),
+        ({"lr": True}, GefenOptionTypeError, "learning rate"),
+        ({"lr": torch.tensor([1e-3, 1e-3])}, GefenOptionError, "1-element"),
+        ({"betas": (1.0, 0.999)}, GefenOptionError, "beta parameter at index 0"),
+        ({"betas": (0.9, 1.0)}, GefenOptionError, "beta parameter at index 1"),
+        ({"betas": (0.9,)}, GefenOptionTypeError, "betas"),
+        ({"eps": -1.0}, GefenOptionError, "epsilon"),
+        ({"eps": 0.0}, GefenOptionError, "epsilon"),
+        ({"eps": math.inf}, GefenOptionError, "epsilon"),
+        ({"weight_decay": -0.1}, GefenOptionError, "weight_decay"),
+        ({"maximize": 1}, GefenOptionTypeError, "maximize"),
+        ({"codebook_refresh_every": -1}, GefenOptionError, "codebook_refresh_every"),
+        ({"codebook_refresh_every": 2.0}, GefenOptionTypeError, "codebook_refresh_every"),
+        ({"deterministic": 1}, GefenOptionTypeError, "deterministic"),
+        ({"stochastic_round": "yes"}, GefenOptionTypeError, "stochastic_round"),
+        ({"capturable": True, "codebook_refresh_every": 5}, GefenOptionError, "incompatible"),
+        ({"fused": "yes"}, GefenOptionTypeError, "fused"),
+        ({"period_one_substrings": "norm"}, GefenOptionTypeError, "period_one_substrings"),
+    ],
+)
+def test_constructor_rejects_bad_options(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        Gefen(_model().parameters(), **kwargs)
+
+
+def test_group_options_are_validated_with_the_group_index() -> None:
+    model = _model()
+    groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "betas": (0.9, 1.5)}]
+    with pytest.raises(GefenOptionError, match=r"param_groups\[1\].*beta parameter at index 1"):
+        Gefen(groups)
+
+
+def test_bad_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="empty parameter list"):
+        Gefen([])
+    with pytest.raises(TypeError):
+        Gefen([torch.nn.Parameter(torch.ones(2)), "not a tensor"])
+    with pytest.raises(ParameterError, match="complex"):
+        Gefen([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])
+    with pytest.raises(ParameterError, match="not supported"):
+        Gefen([torch.ones(2, dtype=torch.int64)])
+    with pytest.raises(GefenOptionError, match="named parameters"):
+        Gefen(_model().parameters(), period_one_substrings=("bias",))
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        Gefen([{"params": [p]}, {"params": [p]}])
+
+
+def test_named_parameters_and_per_group_options() -> None:
+    model = _model()
+    named = list(model.named_parameters())
+    opt = Gefen(
+        [{"params": named[:2], "lr": 0.1, "betas": (0.8, 0.99)}, {"params": named[2:], "factored_v_2d": False}],
+        lr=0.01,
+        period_one_substrings=("bias",),
+    )
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias"]
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[1]["lr"] == 0.01
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99)
+    _train(model, opt, 2)
+    assert opt.state[model[0].bias]["automatic_period"] == 1  # the name override
+    assert "v_row" in opt.state[model[0].weight] and "vmean" in opt.state[model[2].weight]
+
+
+def test_add_param_group_is_all_or_nothing() -> None:
+    model = _model()
+    opt = Gefen([model[0].weight])
+    before = deep_snapshot(opt)
+    with pytest.raises(TypeError, match="must be a dict"):
+        opt.add_param_group([model[0].bias])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'params' key"):
+        opt.add_param_group({"lr": 0.1})
+    with pytest.raises(ValueError, match="empty"):
+        opt.add_param_group({"params": []})
+    with pytest.raises(ParameterError, match="complex"):
+        opt.add_param_group({"params": [model[0].bias, torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]})
+    with pytest.raises(GefenOptionError, match="weight_decay"):
+        opt.add_param_group({"params": [model[0].bias], "weight_decay": -1.0})
+    with pytest.raises(ValueError, match="more than one"):
+        opt.add_param_group({"params": [model[0].weight]})
+    assert not snapshot_diff(before, opt)
+    opt.add_param_group({"params": model[0].bias, "lr": 0.5})
+    assert opt.param_groups[1]["lr"] == 0.5 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+
+
+def test_closure_runs_first_and_training_reduces_the_loss() -> None:
+    model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    losses = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = _loss(model)
+        loss.backward()
+        return loss
+
+    for _ in range(20):
+        losses.append(float(opt.step(closure).detach()))
+    assert opt.codebook is not None and losses[-1] < losses[0] * 0.8
+
+
+def test_frozen_parameters_step_once_they_get_gradients() -> None:
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    assert not opt.state.get(model[0].weight)
+    model[0].weight.requires_grad_(True)
+    before = model[0].weight.detach().clone()
+    _train(model, opt, 1)
+    assert opt.state[model[0].weight]["step"] == 1 and not torch.equal(before, model[0].weight)
+
+
+def test_hooks_run() -> None:
+    model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("step_pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("step_post"))
+    opt.register_state_dict_pre_hook(lambda *_: calls.append("sd_pre"))
+    opt.register_state_dict_post_hook(lambda *_: calls.append("sd_post"))
+    opt.register_load_state_dict_pre_hook(lambda *_: calls.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda *_: calls.append("load_post"))
+    _train(model, opt, 1)
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["step_pre", "step_post", "sd_pre", "sd_post", "load_pre", "load_post"]
+    calls.clear()
+    broken = opt.state_dict()
+    broken["gefen_global_step"] = -1
+    with pytest.raises(ValueError, match="global_step"):
+        opt.load_state_dict(broken)
+    assert calls == ["sd_pre", "sd_post", "load_pre"]
+
+
+def _schedulers() -> dict[str, Any]:
+    S = torch.optim.lr_scheduler
+    return {
+        "LambdaLR": lambda o: S.LambdaLR(o, lambda e: 0.9**e),
+        "MultiplicativeLR": lambda o: S.MultiplicativeLR(o, lambda e: 0.9),
+        "StepLR": lambda o: S.StepLR(o, step_size=2),
+        "MultiStepLR": lambda o: S.MultiStepLR(o, milestones=[1, 3]),
+        "ConstantLR": lambda o: S.ConstantLR(o, factor=0.5, total_iters=2),
+        "LinearLR": lambda o: S.LinearLR(o, start_factor=0.5, total_iters=3),
+        "ExponentialLR": lambda o: S.ExponentialLR(o, gamma=0.9),
+        "PolynomialLR": lambda o: S.PolynomialLR(o, total_iters=4),
+        "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, T_max=4),
+        "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, T_0=2),
+        "CyclicLR": lambda o: S.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=2),
+        "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=1e-2, total_steps=10),
+        "SequentialLR": lambda o: S.SequentialLR(
+            o, [S.ConstantLR(o, factor=0.5, total_iters=2), S.ExponentialLR(o, gamma=0.9)], milestones=[2]
+        ),
+        "ChainedScheduler": lambda o: S.ChainedScheduler([S.ConstantLR(o, factor=0.5), S.ExponentialLR(o, gamma=0.9)]),
+        "ReduceLROnPlateau": lambda o: S.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_schedulers()))
+def test_every_lr_scheduler_drives_the_groups(name: str) -> None:
+    model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    scheduler = _schedulers()[name](opt)
+    seen = set()
+    for index in range(5):
+        opt.zero_grad()
+        loss = _loss(model, index)
+        loss.backward()
+        opt.step()
+        if name == "ReduceLROnPlateau":
+            scheduler.step(1.0)  # a flat metric halves the lr every step
+        else:
+            scheduler.step()
+        seen.add(round(float(opt.param_groups[0]["lr"]), 12))
+        opt.preflight_step()
+    assert len(seen) > 1, f"{name} never changed the learning rate"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if name in ("CyclicLR", "OneCycleLR"):
+        assert opt.param_groups[0]["betas"][0] != 0.9  # momentum cycling edits betas
+
+
+def test_tensor_learning_rate_equals_float_learning_rate() -> None:
+    a, b = _model(), _model()
+    opt_a = Gefen(a.parameters(), lr=torch.tensor(3e-3))
+    opt_b = Gefen(b.parameters(), lr=3e-3)
+    _train(a, opt_a, 3)
+    _train(b, opt_b, 3)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_grad_scaler_with_cpu_autocast() -> None:
+    model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for index in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, index)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert opt.global_step == 3
+
+
+def test_grad_scaler_native_protocol_for_fp16_parameters() -> None:
+    torch.manual_seed(0)
+    half = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float16))
+    twin = torch.nn.Parameter(half.detach().clone())
+    opt = Gefen([half], lr=1e-2)
+    reference = Gefen([twin], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    weights = torch.randn(8, 8)
+    scaler.scale((half.float() * weights).sum()).backward()
+    assert half.grad is not None and half.grad.dtype is torch.float16
+    assert opt._step_supports_amp_scaling  # the plain path would refuse fp16 gradients
+    twin.grad = half.grad / 256.0  # a power of two: exact
+    scaler.step(opt)
+    scaler.update()
+    reference.step()
+    assert torch.equal(half, twin) and opt.global_step == 1
+    half.grad = torch.full((8, 8), float("inf"), dtype=torch.float16)
+    before = deep_snapshot(opt, half)
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)  # overflow: the whole step is skipped
+    assert opt.global_step == 1
+    assert not snapshot_diff(before, opt, half)
+
+
+def test_protocols_and_contract() -> None:
+    opt = Gefen(_model().parameters())
+    assert isinstance(opt, ContractProvider) and isinstance(opt, StagedNativeLoad) and isinstance(opt, StepPreflight)
+    contract = opt.optimizer_contract()
+    assert contract.implementation == "gefen.Gefen"
+    assert contract.capabilities.supports("staged_native_load")
+    for feature in (
+        "post_sharding",
+        "portable_state",
+        "dense_shard_codec",
+        "collective_scope",
+        "canonical_local_state",
+    ):
+        status = contract.capabilities.feature(feature)
+        assert not status.supported and status.reasons
+    assert contract.extensions["gefen.codebook_size"] == 256
+    assert contract == opt.optimizer_contract()
+
+
+def test_deepcopy_and_pickle_keep_the_learned_state() -> None:
+    import copy
+    import pickle
+
+    model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2, stochastic_round=True)
+    _train(model, opt, 2)
+    for clone in (copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))):
+        twin_model, twin = clone
+        assert torch.equal(twin.codebook, opt.codebook) and twin.global_step == 2  # type: ignore[arg-type]
+        _train(twin_model, twin, 2)
+    _train(model, opt, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))

@@ -1,0 +1,92 @@
+"""``codebook_refresh_every``: relearning the codebook and re-expressing every index, atomically."""
+
+from __future__ import annotations
+
+import gefen_core.gefen as gefen_module
+import pytest
+import torch
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_core import Gefen
+from gefen_core.codebook import requantize
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(16, 32)), torch.nn.Parameter(torch.randn(64))]
+
+
+def _feed(params: list[torch.nn.Parameter], step: int) -> None:
+    generator = torch.Generator().manual_seed(step)
+    for p in params:
+        # The gradient's distribution drifts, so a relearned codebook differs.
+        p.grad = torch.randn(p.shape, generator=generator) ** (1 + 2 * (step >= 2))
+
+
+def test_refresh_relearns_at_multiples_and_preserves_decoded_momentum() -> None:
+    params = _params()
+    opt = Gefen(params, lr=1e-2, codebook_refresh_every=2, fused=False)
+    _feed(params, 0)
+    opt.step()
+    _feed(params, 1)
+    opt.step()
+    learned = opt.codebook
+    assert learned is not None
+    indices = {id(p): opt.state[p]["m_codebook"].clone() for p in params}
+    magnitudes = {id(p): opt.state[p]["m_magnitude"].clone() for p in params}
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    original = gefen_module.Gefen._update
+
+    def spy(self: Gefen, work: object, stats: object) -> None:
+        state = self.state[work.param]  # type: ignore[attr-defined]
+        recorded[id(work.param)] = (state["m_codebook"].clone(), state["m_magnitude"].clone())  # type: ignore[attr-defined]
+        original(self, work, stats)  # type: ignore[arg-type]
+
+    _feed(params, 2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gefen_module.Gefen, "_update", spy)
+        opt.step()  # global step 2: refresh before the update
+    refreshed = opt.codebook
+    assert refreshed is not None and not torch.equal(refreshed, learned)
+    for p in params:
+        seen_indices, seen_magnitude = recorded[id(p)]
+        assert torch.equal(seen_indices, requantize(indices[id(p)], learned, refreshed))
+        assert torch.equal(seen_magnitude, magnitudes[id(p)])  # scales are untouched by a refresh
+    _feed(params, 3)
+    opt.step()
+    assert torch.equal(opt.codebook, refreshed)  # type: ignore[arg-type]
+
+
+def test_refresh_stages_every_index_before_committing() -> None:
+    params = _params()
+    opt = Gefen(params, lr=1e-2, codebook_refresh_every=1, fused=False)
+    _feed(params, 0)
+    opt.step()
+    _feed(params, 2)
+    calls = {"count": 0}
+    original = gefen_module.requantize
+
+    def failing(indices: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        calls["count"] += 1
+        if calls["count"] == 2:
+            raise RuntimeError("injected failure on the second parameter")
+        return original(indices, old, new)
+
+    before = deep_snapshot(opt, *params)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gefen_module, "requantize", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+    assert calls["count"] == 2
+    assert not snapshot_diff(before, opt, *params)
+
+
+def test_refresh_keeps_training_on_cpu() -> None:
+    params = _params()
+    opt = Gefen(params, lr=1e-2, codebook_refresh_every=2, fused=False)
+    for step in range(6):
+        _feed(params, step)
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in params)
+    assert opt.codebook is not None and opt.codebook.device.type == "cpu"
+    assert all(opt.state[p]["m_codebook"].device.type == "cpu" for p in params)

@@ -1,0 +1,258 @@
+"""The update rule: hand computations, float64 references, dtypes and odd parameters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gefen_core import Gefen
+from gefen_core.exact_dp import histogram_points, solve_pinned_codebook
+from gefen_core.step_scalars import device_scalars, host_scalars
+from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+
+
+def _step(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone().to(p.dtype)
+    opt.step()
+
+
+def _decode(opt: Gefen, p: torch.Tensor) -> torch.Tensor:
+    state = opt.state[p]
+    codebook = opt.codebook
+    assert codebook is not None
+    return (codebook[state["m_codebook"].long()] * state["m_magnitude"]).double()
+
+
+def test_first_block_step_matches_the_hand_computation() -> None:
+    torch.manual_seed(1)
+    grad = torch.randn(64)
+    p = torch.nn.Parameter(torch.randn(64))
+    before = p.detach().double().clone()
+    lr, eps = 0.01, 1e-8
+    opt = Gefen([p], lr=lr, eps=eps, fused=False)
+    _step(opt, [p], [grad])
+    assert opt.state[p]["automatic_period"] == 64  # one block: the fallback keeps small vectors whole
+    g = grad.double()
+    z = (g / g.abs().max()).numpy()
+    bins = np.clip(np.floor((z.astype(np.float32) + np.float32(1.0)) * np.float32(2048.0)), 0, 4095).astype(np.int64)
+    counts = np.bincount(bins, minlength=4096)
+    positions, weights, scale = histogram_points(counts)
+    expected_codebook = solve_pinned_codebook(positions, weights, 256, scale=scale).codebook.astype(np.float32)
+    assert opt.codebook is not None and np.array_equal(opt.codebook.numpy(), expected_codebook)
+    codebook = torch.from_numpy(expected_codebook).double()
+    nearest = (torch.from_numpy(z)[:, None] - codebook[None, :]).abs().argmin(dim=1)
+    rms = g.square().mean().sqrt()
+    expected = before - lr * codebook[nearest] * g.abs().max() / (rms + eps)
+    torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=4e-7)  # fp32 rounding of p
+    assert torch.equal(opt.state[p]["m_codebook"].view(-1).long(), nearest)
+
+
+def test_block_path_tracks_a_float64_reference() -> None:
+    torch.manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(8, 40))
+    opt = Gefen([p], lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, factored_v_2d=False, fused=False)
+    beta1, beta2, lr, eps, wd = 0.8, 0.95, 3e-3, 1e-6, 0.1
+    vmean = None
+    for t in range(1, 5):
+        grad = torch.randn(8, 40) * (1 + t)
+        prev = p.detach().double().clone()
+        prev_m = _decode(opt, p).reshape(-1) if t > 1 else torch.zeros(320, dtype=torch.float64)
+        _step(opt, [p], [grad])
+        period = opt.state[p]["automatic_period"]
+        g = grad.double().reshape(-1, period)
+        block_mean = g.square().mean(dim=1, keepdim=True)
+        vmean = (1 - beta2) * block_mean if vmean is None else beta2 * vmean + (1 - beta2) * block_mean
+        torch.testing.assert_close(opt.state[p]["vmean"].double(), vmean, rtol=1e-6, atol=0)
+        m = _decode(opt, p)
+        unquantized = beta1 * prev_m.view(-1, period) + (1 - beta1) * g
+        torch.testing.assert_close(m.abs().amax(dim=1), unquantized.abs().amax(dim=1), rtol=1e-6, atol=0)
+        stepsize = (1 / (1 - beta1**t)) / (vmean.sqrt() / (1 - beta2**t) ** 0.5 + eps)
+        expected = prev.view(-1, period) * (1 - lr * wd) - lr * stepsize * m
+        torch.testing.assert_close(p.detach().double().view(-1, period), expected, rtol=0, atol=1e-6)
+
+
+def test_factored_equations_match_a_float64_reference() -> None:
+    torch.manual_seed(3)
+    rows, cols = 12, 20
+    p = torch.nn.Parameter(torch.randn(rows, cols))
+    beta1, beta2, lr, eps = 0.9, 0.99, 1e-2, 1e-8
+    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, fused=False)
+    r = torch.zeros(rows, dtype=torch.float64)
+    c = torch.zeros(cols, dtype=torch.float64)
+    for t in range(1, 5):
+        grad = torch.randn(rows, cols) * torch.linspace(0.5, 2.0, cols)
+        prev = p.detach().double().clone()
+        _step(opt, [p], [grad])
+        g2 = grad.double().square()
+        r = beta2 * r + (1 - beta2) * g2.mean(dim=1)
+        c = beta2 * c + (1 - beta2) * g2.mean(dim=0)
+        state = opt.state[p]
+        assert state["factored_step"] == t and state["step"] == t
+        torch.testing.assert_close(state["v_row"].double(), r, rtol=1e-6, atol=0)
+        torch.testing.assert_close(state["v_col"].double(), c, rtol=1e-6, atol=0)
+        estimate = torch.outer(r, c) / c.mean()
+        stepsize = (1 / (1 - beta1**t)) / ((estimate / (1 - beta2**t)).sqrt() + eps)
+        m = _decode(opt, p).view(rows, cols)
+        torch.testing.assert_close(p.detach().double(), prev - lr * stepsize * m, rtol=0, atol=2e-6)
+
+
+def test_maximize_equals_minimizing_the_negated_gradient() -> None:
+    torch.manual_seed(4)
+    a = torch.nn.Parameter(torch.randn(16, 16))
+    b = torch.nn.Parameter(a.detach().clone())
+    up = Gefen([a], lr=1e-2, maximize=True, fused=False)
+    down = Gefen([b], lr=1e-2, fused=False)
+    for _ in range(3):
+        grad = torch.randn(16, 16)
+        _step(up, [a], [grad])
+        _step(down, [b], [-grad])
+    assert torch.equal(a, b)
+
+
+def test_weight_decay_is_decoupled_and_applied_before_the_update() -> None:
+    torch.manual_seed(5)
+    data = torch.randn(32, 32)
+    with_decay = torch.nn.Parameter(data.clone())
+    without = torch.nn.Parameter(data.clone())
+    lr, wd = 0.05, 0.3
+    a = Gefen([with_decay], lr=lr, weight_decay=wd, fused=False)
+    b = Gefen([without], lr=lr, fused=False)
+    grad = torch.randn(32, 32)
+    _step(a, [with_decay], [grad])
+    _step(b, [without], [grad])
+    update = data.double() - without.detach().double()
+    expected = data.double() * (1 - lr * wd) - update
+    torch.testing.assert_close(with_decay.detach().double(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(a.state[with_decay]["m_codebook"], b.state[without]["m_codebook"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_parameters_keep_fp32_state(dtype: torch.dtype) -> None:
+    torch.manual_seed(6)
+    weight = torch.nn.Parameter(torch.randn(16, 24, dtype=dtype))
+    bias = torch.nn.Parameter(torch.randn(24, dtype=dtype))
+    reference_weight = torch.nn.Parameter(weight.detach().float().clone())
+    reference_bias = torch.nn.Parameter(bias.detach().float().clone())
+    opt = Gefen([weight, bias], lr=1e-2, fused=False)
+    ref = Gefen([reference_weight, reference_bias], lr=1e-2, fused=False)
+    for _ in range(3):
+        gw, gb = torch.randn(16, 24).to(dtype), torch.randn(24).to(dtype)
+        _step(opt, [weight, bias], [gw, gb])
+        _step(ref, [reference_weight, reference_bias], [gw.float(), gb.float()])
+    assert weight.dtype is dtype and bias.dtype is dtype
+    for p in (weight, bias):
+        state = opt.state[p]
+        assert state["m_codebook"].dtype is torch.uint8 and state["m_magnitude"].dtype is torch.float32
+        assert torch.isfinite(p.float()).all()
+    tolerance = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float64: 1e-6}[dtype]
+    torch.testing.assert_close(weight.detach().float(), reference_weight.detach(), rtol=0, atol=tolerance)
+
+
+def test_fp16_squares_do_not_overflow() -> None:
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.float16))
+    opt = Gefen([p], lr=1e-3, fused=False)
+    _step(opt, [p], [torch.full((64,), 300.0)])
+    assert opt.state[p]["vmean"].item() == pytest.approx(300.0**2 * (1 - 0.999), rel=1e-6)
+    assert torch.isfinite(p).all()
+
+
+def test_zero_size_and_non_contiguous_parameters() -> None:
+    torch.manual_seed(7)
+    empty = torch.nn.Parameter(torch.zeros(0, 5))
+    strided = torch.nn.Parameter(torch.randn(8, 16).t())
+    dense = torch.nn.Parameter(strided.detach().contiguous().clone())
+    assert not strided.is_contiguous()
+    a = Gefen([empty, strided], lr=1e-2, fused=False)
+    b = Gefen([dense], lr=1e-2, fused=False)
+    for _ in range(3):
+        grad = torch.randn(16, 8)
+        _step(a, [empty, strided], [torch.zeros(0, 5), grad])
+        _step(b, [dense], [grad])
+    assert torch.equal(strided, dense) and not strided.is_contiguous()
+    assert a.state[empty]["m_codebook"].shape == (0, 1) and a.state[empty]["step"] == 3
+
+
+def test_state_starts_at_the_first_non_zero_gradient() -> None:
+    torch.manual_seed(8)
+    p = torch.nn.Parameter(torch.randn(32, 32))
+    q = torch.nn.Parameter(torch.randn(64))
+    opt = Gefen([p, q], lr=1e-2, weight_decay=0.5, fused=False)
+    before = p.detach().clone()
+    _step(opt, [p, q], [torch.zeros(32, 32), torch.zeros(64)])
+    assert not opt.state.get(p) and opt.codebook is None
+    decay = torch.tensor(1 - 1e-2 * 0.5, dtype=torch.float32)
+    assert torch.equal(p.detach(), before * decay)
+    _step(opt, [p, q], [torch.randn(32, 32), None])
+    assert opt.state[p]["step"] == 1 and opt.codebook is not None and not opt.state.get(q)
+    assert opt.global_step == 2
+
+
+def test_none_gradient_leaves_parameter_and_state_untouched() -> None:
+    p = torch.nn.Parameter(torch.randn(16))
+    q = torch.nn.Parameter(torch.randn(16))
+    opt = Gefen([p, q], lr=1e-2, weight_decay=0.1, fused=False)
+    _step(opt, [p, q], [torch.randn(16), torch.randn(16)])
+    snapshot_q = q.detach().clone()
+    state_q = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[q].items()}
+    _step(opt, [p, q], [torch.randn(16), None])
+    assert torch.equal(q, snapshot_q)
+    for key, value in opt.state[q].items():
+        assert torch.equal(value, state_q[key]) if isinstance(value, torch.Tensor) else value == state_q[key]
+
+
+def test_switching_second_moment_representation_restarts_its_age() -> None:
+    torch.manual_seed(9)
+    p = torch.nn.Parameter(torch.randn(16, 32))
+    opt = Gefen([p], lr=1e-2, fused=False)
+    for _ in range(3):
+        _step(opt, [p], [torch.randn(16, 32)])
+    assert opt.state[p]["factored_step"] == 3
+    opt.param_groups[0]["factored_v_2d"] = False
+    _step(opt, [p], [torch.randn(16, 32)])
+    state = opt.state[p]
+    assert state["step"] == 4 and state["vmean_step"] == 1 and "v_row" not in state
+    assert torch.isfinite(p).all()
+
+
+def test_device_scalars_equal_host_scalars_bitwise() -> None:
+    for factored in (False, True):
+        for beta1, beta2 in ((0.9, 0.999), (0.95, 0.98), (0.0, 0.5)):
+            for step in (1, 2, 3, 10, 100, 1234, 99991):
+                options = {"beta1": beta1, "beta2": beta2, "eps": 1e-8, "weight_decay": 0.01, "factored": factored}
+                host = host_scalars(torch.device("cpu"), lr=3e-4, step=step, age=max(1, step - 1), **options)
+                device = device_scalars(
+                    lr=torch.tensor(3e-4, dtype=torch.float64),
+                    step=torch.tensor(float(step), dtype=torch.float64),
+                    age=torch.tensor(float(max(1, step - 1)), dtype=torch.float64),
+                    **options,
+                )
+                assert torch.equal(host, device), (factored, beta1, beta2, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_left_intact_and_a_negative_gradient_raises_the_parameter(dtype: torch.dtype) -> None:
+    p = torch.nn.Parameter(torch.zeros(16, 32, dtype=dtype))
+    opt = Gefen([p], lr=1e-2, maximize=False)
+    grad = -torch.rand(16, 32, dtype=dtype) - 0.5
+    p.grad = grad.clone()
+    opt.step()
+    assert torch.equal(p.grad, grad)
+    assert bool((p > 0).all())
+
+
+def test_with_every_compression_off_gefen_is_adamw() -> None:
+    """Period 1 makes the momentum exact (z = +-1 is a codeword) and v per-element: AdamW."""
+    torch.manual_seed(10)
+    shapes = [(12, 20), (20,), (3, 12)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    options = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+    gefen = Gefen(ours, force_1d_period_one=True, force_2d_period_one=True, factored_v_2d=False, **options)
+    adamw = torch.optim.AdamW(theirs, foreach=False, **options)
+    for _ in range(6):
+        grads = [torch.randn(s) for s in shapes]
+        _step(gefen, ours, grads)
+        _step(adamw, theirs, grads)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
