@@ -72,7 +72,7 @@ QUALITY_TASKS: Mapping[str, QualityTask] = MappingProxyType(
 )
 DEFAULT_TASKS = ("char-mini", "word-small")
 DEFAULT_OPTIMIZERS = ("adamw", "gefen", "adamw-4bit")
-DEFAULT_LR_GRID = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+DEFAULT_LR_GRID = (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
 
 
 @dataclass(frozen=True, slots=True)
