@@ -6,11 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import conformance
+from . import bench, conformance, demo
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (conformance,)
+_COMMANDS = (demo, bench, conformance)
 
 
 def build_parser() -> argparse.ArgumentParser:

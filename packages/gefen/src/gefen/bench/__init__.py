@@ -1,0 +1,1 @@
+"""Benchmarks of the ``gefen bench`` command and the one report schema they share."""

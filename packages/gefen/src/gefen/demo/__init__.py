@@ -1,0 +1,1 @@
+"""The ``gefen demo``: a small decoder trained on a synthetic language, Gefen against AdamW."""
