@@ -103,7 +103,7 @@ def _compiled_iterations() -> Callable[[torch.Tensor, Schedule, ScaledMatmul], t
     if compiled is None:
         compiled = torch.compile(_fp8_iterations, mode="max-autotune-no-cudagraphs", dynamic=False)
         _COMPILED["iterations"] = compiled
-    return compiled  # type: ignore[no-any-return]
+    return compiled
 
 
 def newton_schulz_fp8(
