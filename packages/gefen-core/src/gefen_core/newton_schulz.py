@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .errors import GefenOptionError
+
 __all__ = [
     "DEFAULT_COEFFICIENTS",
     "DEFAULT_NS_STEPS",
@@ -77,7 +79,7 @@ NS_SCHEDULES: dict[str, Schedule] = {
 SCHEDULE_NAMES = ("standard", *NS_SCHEDULES)
 
 
-class ScheduleError(ValueError):
+class ScheduleError(GefenOptionError):
     """A Newton-Schulz coefficient, step count or schedule is malformed (the message names it)."""
 
 
