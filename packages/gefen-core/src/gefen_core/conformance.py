@@ -60,7 +60,7 @@ MUON_WAIVERS: dict[str, str] = {
     ),
     _TRANSITION.format(
         _DTENSOR
-    ): f"2 -> 3 rank resume is executed by packages/gefen-core/tests/test_core_muon_resume3.py",
+    ): "2 -> 3 rank resume is executed by packages/gefen-core/tests/test_core_muon_resume3.py",
     _TRANSITION.format("replicated"): f"2 ranks -> one process resume is {_MUON_GLOO}",
 }
 
