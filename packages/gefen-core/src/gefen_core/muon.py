@@ -521,7 +521,7 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
             else:
                 pieces: list[torch.Tensor] = []
                 try:
-                    pieces = [item.local_grad.contiguous() for item in members]
+                    pieces = self._local_pieces(members)
                 except Exception as exc:
                     error = exc
                 vote(scope, "bucket gather", error)
@@ -542,6 +542,11 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
             vote(scope, "update broadcast", error)
             for item, rows in zip(members, scatter_from_owners(scope, metadata, updates)):
                 self._apply(item, rows, lrs)
+
+    @staticmethod
+    def _local_pieces(members: list[MuonItem]) -> list[torch.Tensor]:
+        """This rank's rows of each bucket member's gradient, as the gather sends them."""
+        return [item.local_grad.contiguous() for item in members]
 
     # -- kernels ----------------------------------------------------------------------------
 
