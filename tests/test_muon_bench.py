@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +43,6 @@ def test_bench_muon_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "rows",
     }
     assert "muon/gefen-tuned3-reference" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # the fp8 device check says it cannot run here and succeeds
+        assert module.main(["--device-check"]) == 0
+        assert "device check skipped" in capsys.readouterr().out

@@ -15,13 +15,22 @@ Prints a table and writes JSON in the ``gefen.bench`` schema (version 1): rows o
 name / metric / value / unit / baseline / ratio / detail, every ratio against a baseline
 measured in this run.
 
+``--device-check`` is the GPU check of ``fp8_ns`` (needs CUDA capability >= 8.9; elsewhere it
+says so and exits 0): on 2048-4096 matrices it runs the real e4m3 iteration
+(``torch._scaled_mm``, eager and compiled) against its emulated twin (the same numerics up to
+fp32 accumulation order: relative L2 < 1e-2) and against bf16 (< 0.2, the bound the CPU
+tests state for the twin), times both iterations, and times GefenMuon steps with and without
+``fp8_ns`` against ``torch.optim.Muon`` on the GPU.
+
     uv run python tools/bench_muon.py [--tiny] [--repeats 3] [--threads N] [--json muon.json]
+    uv run python tools/bench_muon.py --device-check [--json fp8.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -36,6 +45,7 @@ from typing import Any
 import torch
 from gefen_contracts import default_kernel_registry
 from gefen_core import GefenMuon
+from gefen_core.fp8_newton_schulz import emulated_scaled_mm, fp8_capable, fp8_eligible, newton_schulz_fp8
 from gefen_core.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz, orthogonality_error, resolve_schedule
 from gefen_core.ops import MUON_MOMENTUM
 from torch.optim._muon import _zeropower_via_newtonschulz
@@ -243,6 +253,89 @@ def run(shapes: list[tuple[int, int]], repeats: int, threads: int) -> dict[str, 
     }
 
 
+FP8_SHAPES = [(2048, 2048), (2048, 8192), (4096, 4096)]
+#: Device-check bounds: real fp8 vs its emulated twin, and fp8 vs bf16 (relative L2).
+FP8_TWIN_BOUND = 1e-2
+FP8_BF16_BOUND = 0.2
+
+
+def _cuda_median(call: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def device_check(repeats: int) -> dict[str, Any] | None:
+    """The ``fp8_ns`` GPU check (module docstring); ``None`` without a capable GPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if device is None or not fp8_capable(device):
+        return None
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for shape in FP8_SHAPES:
+        assert fp8_eligible(shape, device)
+        (x,) = _matrices([shape], 3)
+        x = x.to(device)
+        label = f"{shape[0]}x{shape[1]}"
+        for schedule in SCHEDULES:
+            steps = resolve_schedule(ns_schedule=schedule)
+            bf16 = newton_schulz(x, steps, 1e-7)
+            real = newton_schulz_fp8(x, steps, 1e-7)
+            compiled = newton_schulz_fp8(x, steps, 1e-7, compile=True)
+            twin = newton_schulz_fp8(x, steps, 1e-7, scaled_mm=emulated_scaled_mm)
+            checks = {
+                "real_vs_twin": _relative(real, twin),
+                "compiled_vs_twin": _relative(compiled, twin),
+                "fp8_vs_bf16": _relative(real, bf16),
+            }
+            if checks["real_vs_twin"] >= FP8_TWIN_BOUND or checks["compiled_vs_twin"] >= FP8_TWIN_BOUND:
+                problems.append(f"{label} {schedule}: fp8 GEMMs differ from the emulated twin {checks}")
+            if checks["fp8_vs_bf16"] >= FP8_BF16_BOUND:
+                problems.append(f"{label} {schedule}: fp8 is {checks['fp8_vs_bf16']:.3f} away from bf16")
+            base = _cuda_median(functools.partial(newton_schulz, x, steps, 1e-7), repeats)
+            fast = _cuda_median(functools.partial(newton_schulz_fp8, x, steps, 1e-7, compile=True), repeats)
+            name = f"ns/{schedule}@{label}"
+            rows.append(_row(f"{name}/bf16", "ns_time", base, "s", None, None))
+            rows.append(_row(f"{name}/fp8", "ns_time", fast, "s", f"{name}/bf16", base, **checks))
+    shapes = [(2048, 2048)] * 4 + [(2048, 8192)] * 2
+    grads = [g.to(device) for g in _matrices(shapes, 5)]
+    makers: dict[str, Factory] = {
+        "step/torch-ns5": lambda ps: torch.optim.Muon(ps, lr=1e-3),
+        "step/gefen-tuned3-bf16": lambda ps: GefenMuon(ps, lr=1e-3, ns_schedule="tuned3"),
+        "step/gefen-tuned3-fp8": lambda ps: GefenMuon(ps, lr=1e-3, ns_schedule="tuned3", fp8_ns=True),
+    }
+    base_step = None
+    for name, make in makers.items():
+        params = [torch.nn.Parameter(m.to(device)) for m in _matrices(shapes, 0)]
+        optimizer = make(params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()  # warm-up (codebook, compilation)
+        seconds = _cuda_median(optimizer.step, repeats)
+        rows.append(_row(name, "step_time", seconds, "s", None if base_step is None else "step/torch-ns5", base_step))
+        base_step = seconds if base_step is None else base_step
+    return {
+        "schema": "gefen.bench",
+        "schema_version": 1,
+        "benchmark": "muon-fp8-device-check",
+        "created_utc": datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+        "machine": {**_machine(), "accelerator": f"cuda:{torch.cuda.get_device_name(device)}"},
+        "libraries": _libraries(),
+        "config": {"shapes": [list(s) for s in FP8_SHAPES], "repeats": repeats},
+        "notes": problems or ["every fp8 bound held"],
+        "rows": rows,
+    }
+
+
 def render(document: dict[str, Any]) -> str:
     """The rows as a fixed-width table, then the notes."""
     header = ("name", "metric", "value", "unit", "ratio")
@@ -268,14 +361,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per optimizer (default 3)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for every run")
     parser.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument(
+        "--device-check", action="store_true", help="the fp8_ns check on a CUDA GPU (capability >= 8.9)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be at least 1")
-    document = run(TINY_SHAPES if args.tiny else FULL_SHAPES, args.repeats, args.threads)
+    if args.device_check:
+        checked = device_check(max(args.repeats, 5))
+        if checked is None:
+            print("device check skipped: fp8_ns needs a CUDA GPU of compute capability >= 8.9")
+            return 0
+        document = checked
+    else:
+        document = run(TINY_SHAPES if args.tiny else FULL_SHAPES, args.repeats, args.threads)
     print(render(document))
     if args.json is not None:
         args.json.write_text(json.dumps(document, indent=2) + "\n")
-    return 0
+    return 1 if args.device_check and document["notes"] != ["every fp8 bound held"] else 0
 
 
 if __name__ == "__main__":
