@@ -202,6 +202,7 @@ def run(shapes: list[tuple[int, int]], repeats: int, threads: int) -> dict[str, 
                 None if name == BASELINE else BASELINE,
                 base,
                 samples=samples,
+                min=min(samples),
             )
         )
     base_bytes = per_param[BASELINE]
@@ -212,7 +213,9 @@ def run(shapes: list[tuple[int, int]], repeats: int, threads: int) -> dict[str, 
     ns_base = statistics.median(ns_times["ns/torch-ns5"])
     for name, samples in ns_times.items():
         baseline = None if name == "ns/torch-ns5" else "ns/torch-ns5"
-        rows.append(_row(name, "ns_time", statistics.median(samples), "s", baseline, ns_base, samples=samples))
+        rows.append(
+            _row(name, "ns_time", statistics.median(samples), "s", baseline, ns_base, samples=samples, min=min(samples))
+        )
     for shape in ortho["standard"]:
         for schedule in SCHEDULES:
             baseline = None if schedule == "standard" else f"ns/gefen-standard@{shape}"

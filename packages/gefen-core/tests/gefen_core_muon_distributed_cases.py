@@ -219,11 +219,14 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
     return outcome
 
 
-def presence(rank: int, world: int, mode: str) -> dict[str, Any]:
-    """A parameter with a gradient on one rank only is refused on every rank before any mutation."""
+def presence(rank: int, world: int, mode: str, what: str = "gradient") -> dict[str, Any]:
+    """A parameter with a gradient on one rank only (or a codebook that differs) is refused on
+    every rank before any mutation."""
     opt, params, _ = _opt_for_faults(world, mode)
-    if rank == 1:
+    if rank == 1 and what == "gradient":
         params[2].grad = None
+    if rank == 1 and what == "codebook":
+        opt._codebook = torch.linspace(-1.0, 1.0, 256)
     before = deep_snapshot(opt, *params)
     try:
         opt.step()

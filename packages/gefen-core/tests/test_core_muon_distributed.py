@@ -136,6 +136,13 @@ def test_gradient_presence_must_agree(world: GlooWorld, mode: str) -> None:
     assert rank0["unchanged"] and rank1["unchanged"]
 
 
+def test_codebooks_must_agree(world: GlooWorld) -> None:
+    rank0, rank1 = world.run(cases.presence, "exact", "codebook")
+    assert rank0["error"] == rank1["error"] == "ShardAgreementError"
+    assert rank0["message"] == rank1["message"] and "different codebooks" in rank0["message"]
+    assert rank0["unchanged"] and rank1["unchanged"]
+
+
 def _load(data: bytes) -> object:
     return torch.load(io.BytesIO(data), weights_only=True)
 

@@ -18,29 +18,18 @@ import torch
 from gefen_contracts import KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
 
 from .amp import has_fp16_gradients, unscale_gradients
-from .batched_newton_schulz import (
-    DEFAULT_WORKSPACE_BYTES,
-    chunk_capacity,
-    newton_schulz_batched,
-    plan_chunks,
-    shape_eligible,
-)
+from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES, newton_schulz_batched
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
 from .muon_contract import mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, ScopeEntry, agree_step, shard_rows, vote
-from .muon_exchange import BucketItem, consolidate_states, gather_to_owners, owner_buckets, scatter_from_owners
+from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_learning import is_nonzero, learn_codebook
-from .muon_native_state import (
-    StagedMuonState,
-    export_muon_state_dict,
-    slot_layouts,
-    stage_muon_state_dict,
-)
+from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, group_schedule, lr_ratio, normalize_muon_options
-from .muon_plan import MuonItem, MuonPlan, check_entry, check_matrix, plan_muon_step
+from .muon_plan import MuonItem, MuonPlan, batched_chunks, check_entry, check_matrix, plan_muon_step
 from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_call, momentum_input, orthogonalize
 from .newton_schulz import DEFAULT_COEFFICIENTS
@@ -317,7 +306,7 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
             ScopeEntry(item.name, tuple(item.param.shape), item.param.dtype, item.grad is not None)
             for item in plan.scope_items()
         ]
-        if agree_step(plan.scope, entries, self).skip:
+        if agree_step(plan.scope, entries, self, self._codebook).skip:
             return loss
         unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
         self._execute(plan)
@@ -339,7 +328,7 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
                 self._log("learned the codebook from %d gradients", len(periods))
         lrs = {index: float(group["lr"]) for index, group in enumerate(self.param_groups)}
         regular = [item for item in active if item.mode != DISTRIBUTED]
-        chunks, serial = self._batched_chunks(regular)
+        chunks, serial = batched_chunks(regular, self.param_groups, self._log)
         for item in serial:
             self._step_one(item, periods, lrs)
         for chunk in chunks:
@@ -452,36 +441,6 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
 
     # -- batched Newton-Schulz ----------------------------------------------------------
 
-    def _batched_chunks(self, items: list[MuonItem]) -> tuple[list[list[MuonItem]], list[MuonItem]]:
-        """Split local items into batched chunks (module :mod:`gefen_core.batched_newton_schulz`) and serial ones."""
-        if torch.compiler.is_compiling():
-            return [], items
-        buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
-        serial: list[MuonItem] = []
-        for item in items:
-            group = self.param_groups[item.group_index]
-            if item.mode != LOCAL or not group["batched_ns"] or group["fp8_ns"] or not shape_eligible(*item.shape):
-                serial.append(item)
-                continue
-            key = (
-                item.local.device,
-                item.shape,
-                group_schedule(group),
-                group["eps"],
-                group["batched_ns_workspace_bytes"],
-            )
-            buckets.setdefault(key, []).append(item)
-        chunks: list[list[MuonItem]] = []
-        for key, members in buckets.items():
-            sizes, rest = plan_chunks(len(members), chunk_capacity(*key[1], key[4]))
-            start = 0
-            for size in sizes:
-                chunks.append(members[start : start + size])
-                start += size
-            serial.extend(members[start:])
-            self._log("batched NS %s: chunks %s, %d serial", key[1], sizes, rest)
-        return chunks, serial
-
     def _step_batched(self, chunk: list[MuonItem], periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
         ready: list[tuple[MuonItem, torch.Tensor, dict[str, Any], torch.Tensor]] = []
         for item in chunk:
@@ -578,41 +537,22 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def _slot_states(self) -> list[dict[str, Any] | None]:
-        return [self.state.get(p) or None for group in self.param_groups for p in group["params"]]
-
     def state_dict(self) -> dict[str, Any]:
         """The native state dict (``gefen.muon_native_state`` v1; tensors and primitives only).
 
         Collective when a group uses ``sharded_mode="distributed"`` under FSDP2: every rank of
         the mesh must call it, and every rank returns the complete, consolidated state.
         """
-
-        def build() -> dict[str, Any]:
-            layouts, scope = slot_layouts(self.param_groups)
-            states = self._slot_states()
-            owned = [layout for layout in layouts if layout.mode == DISTRIBUTED]
-            if owned:
-                assert scope is not None
-                complete = consolidate_states(
-                    scope,
-                    [layout.owner or 0 for layout in owned],
-                    [(int(layout.param.shape[0]), int(layout.param.shape[1])) for layout in owned],
-                    [states[layout.slot] for layout in owned],
-                )
-                for layout, state in zip(owned, complete):
-                    states[layout.slot] = state
-            return export_muon_state_dict(
+        return export_with_hooks(
+            self,
+            lambda: muon_state_dict(
                 self.param_groups,
-                states,
-                layouts,
-                scope,
+                self.state,
                 codebook=self._codebook,
                 global_step=self._global_step,
                 deterministic=self._deterministic,
-            )
-
-        return export_with_hooks(self, build)
+            ),
+        )
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage this rank's share; changes nothing."""

@@ -28,7 +28,8 @@ error; the others say the phase failed on another member) instead of waiting for
 
 **Agreement** (:func:`agree_step`, one ``all_gather`` of a small int64 header per step): the
 members compare a digest of the ordered ``(name, shape, dtype)`` list of the scope's
-parameters, a digest of which of them have gradients, and the gradient scaler's state
+parameters and of the codebook (exact and distributed updates need the same one), a digest
+of which of them have gradients, and the gradient scaler's state
 (``found_inf`` / ``grad_scale`` presence and values). Any difference raises the same
 :class:`~gefen_core.errors.ShardAgreementError` on every member; a gradient-presence
 difference costs one more ``all_reduce`` to name the parameters and how many ranks have them.
@@ -117,7 +118,7 @@ def build_scope(params: Sequence[tuple[torch.Tensor, str]], where: Sequence[str]
 
     scope: MuonScope | None = None
     for (param, mode), label in zip(params, where):
-        if mode not in (EXACT, DISTRIBUTED):
+        if mode in (LOCAL, APPROX):  # an unknown (corrupted) mode counts: its error must be voted
             continue
         mesh = param.device_mesh  # type: ignore[attr-defined]
         group = mesh.get_group()
@@ -187,13 +188,16 @@ def _local_amp(optimizer: object) -> AmpAgreement:
     return AmpAgreement(found is not None and float(found.sum().item()) > 0.0)
 
 
-def agree_step(scope: MuonScope | None, entries: Sequence[ScopeEntry], optimizer: object) -> AmpAgreement:
+def agree_step(
+    scope: MuonScope | None, entries: Sequence[ScopeEntry], optimizer: object, codebook: torch.Tensor | None
+) -> AmpAgreement:
     """Check that every member takes the same step (module docstring); return the AMP decision."""
     if scope is None:
         return _local_amp(optimizer)
     import torch.distributed as dist
 
-    structure = _digest([f"{e.name}|{tuple(e.shape)}|{e.dtype}" for e in entries])
+    learned = "none" if codebook is None else hashlib.sha256(codebook.detach().cpu().numpy().tobytes()).hexdigest()
+    structure = _digest([f"{e.name}|{tuple(e.shape)}|{e.dtype}" for e in entries] + [learned])
     presence = _digest(["1" if e.has_grad else "0" for e in entries])
     header = torch.tensor(
         [len(entries), *structure, *presence, *_amp_fields(optimizer)], dtype=torch.int64, device=scope.device
@@ -204,7 +208,8 @@ def agree_step(scope: MuonScope | None, entries: Sequence[ScopeEntry], optimizer
     if any(row[:3] != rows[0][:3] for row in rows):
         raise ShardAgreementError(
             "GefenMuon: the ranks of the mesh hold different sharded parameters (names, registration order, "
-            "shapes or dtypes differ); every rank must build the optimizer over the same parameters in the same order"
+            "shapes or dtypes differ) or different codebooks (a checkpoint loaded on some ranks only?); every rank "
+            "must build the optimizer over the same parameters in the same order and load the same state"
         )
     if any(row[3:5] != rows[0][3:5] for row in rows):
         bits = torch.tensor([int(e.has_grad) for e in entries], dtype=torch.int64, device=scope.device)

@@ -71,6 +71,7 @@ __all__ = [
     "SlotLayout",
     "StagedMuonState",
     "export_muon_state_dict",
+    "muon_state_dict",
     "slot_layouts",
     "stage_muon_state_dict",
 ]
@@ -179,6 +180,35 @@ def export_muon_state_dict(
         "owners": owners,
     }
     return native_state_dict(FORMAT, param_groups, entries, record)
+
+
+def muon_state_dict(
+    param_groups: Sequence[Mapping[str, Any]],
+    state: Mapping[torch.Tensor, Mapping[str, Any]],
+    *,
+    codebook: torch.Tensor | None,
+    global_step: int,
+    deterministic: bool,
+) -> dict[str, Any]:
+    """A live optimizer's native state dict; collective (consolidation) with distributed slots."""
+    from .muon_exchange import consolidate_states
+
+    layouts, scope = slot_layouts(param_groups)
+    states: list[Mapping[str, Any] | None] = [state.get(layout.param) or None for layout in layouts]
+    owned = [layout for layout in layouts if layout.mode == DISTRIBUTED]
+    if owned:
+        assert scope is not None
+        complete = consolidate_states(
+            scope,
+            [layout.owner or 0 for layout in owned],
+            [(int(layout.param.shape[0]), int(layout.param.shape[1])) for layout in owned],
+            [dict(states[layout.slot] or {}) or None for layout in owned],
+        )
+        for layout, consolidated in zip(owned, complete):
+            states[layout.slot] = consolidated
+    return export_muon_state_dict(
+        param_groups, states, layouts, scope, codebook=codebook, global_step=global_step, deterministic=deterministic
+    )
 
 
 @dataclass(frozen=True, slots=True)

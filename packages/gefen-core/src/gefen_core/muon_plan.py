@@ -16,16 +16,17 @@ from typing import Any
 import torch
 from gefen_contracts import KernelUnavailableError
 
+from .batched_newton_schulz import chunk_capacity, plan_chunks, shape_eligible
 from .distributed import check_parameter_layout, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
-from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, build_scope, execution_mode
-from .muon_options import check_muon_group
+from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, build_scope, execution_mode
+from .muon_options import check_muon_group, group_schedule
 from .muon_state import check_muon_state
 from .ops import HISTOGRAM, MUON_MOMENTUM, KernelDispatch
 from .param_groups import SUPPORTED_DTYPES
 from .step_plan import capturing, check_gradient
 
-__all__ = ["MuonItem", "MuonPlan", "check_entry", "check_matrix", "plan_muon_step"]
+__all__ = ["MuonItem", "MuonPlan", "batched_chunks", "check_entry", "check_matrix", "plan_muon_step"]
 
 _NAME = "GefenMuon"
 
@@ -201,3 +202,36 @@ def _check_kernels(
         if item.state is not None:
             for op_id, args, kwargs in kernel_queries(item):
                 dispatch.resolve(op_id, *args, **kwargs)
+
+
+def batched_chunks(
+    items: list[MuonItem], param_groups: Sequence[dict[str, Any]], log: Callable[..., None]
+) -> tuple[list[list[MuonItem]], list[MuonItem]]:
+    """Split items into batched-NS chunks and serial ones (:mod:`gefen_core.batched_newton_schulz`).
+
+    Eligible: local (unsharded) matrices of groups with ``batched_ns`` and without ``fp8_ns``
+    whose shape passes the gate, outside ``torch.compile``; they are bucketed by device, shape,
+    schedule, ``eps`` and workspace (first-seen order) and each bucket is cut by
+    :func:`~gefen_core.batched_newton_schulz.plan_chunks`.
+    """
+    if torch.compiler.is_compiling():
+        return [], items
+    buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
+    serial: list[MuonItem] = []
+    for item in items:
+        group = param_groups[item.group_index]
+        if item.mode != LOCAL or not group["batched_ns"] or group["fp8_ns"] or not shape_eligible(*item.shape):
+            serial.append(item)
+            continue
+        key = (item.local.device, item.shape, group_schedule(group), group["eps"], group["batched_ns_workspace_bytes"])
+        buckets.setdefault(key, []).append(item)
+    chunks: list[list[MuonItem]] = []
+    for key, members in buckets.items():
+        sizes, rest = plan_chunks(len(members), chunk_capacity(*key[1], key[4]))
+        start = 0
+        for size in sizes:
+            chunks.append(members[start : start + size])
+            start += size
+        serial.extend(members[start:])
+        log("batched NS %s: chunks %s, %d serial", key[1], sizes, rest)
+    return chunks, serial
