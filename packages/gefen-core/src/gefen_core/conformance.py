@@ -58,9 +58,7 @@ MUON_WAIVERS: dict[str, str] = {
         "the staged load is the same code for DTensor parameters (covered by the replicated atomic-load check); "
         f"the owner-manifest and topology refusals are {_MUON_GLOO}"
     ),
-    _TRANSITION.format(
-        _DTENSOR
-    ): "2 -> 3 rank resume is executed by packages/gefen-core/tests/test_core_muon_resume3.py",
+    _TRANSITION.format(_DTENSOR): f"2 -> 3 rank resume is {_MUON_GLOO}",
     _TRANSITION.format("replicated"): f"2 ranks -> one process resume is {_MUON_GLOO}",
 }
 
