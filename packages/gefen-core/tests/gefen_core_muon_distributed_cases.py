@@ -1,0 +1,332 @@
+"""Rank functions for GefenMuon's gloo tests (run inside spawned ranks; importable by name)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gefen_contracts import ParameterLayout, StateValidationError, match_variants
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.torch_support import CollectiveCounter
+from gefen_core import GefenMuon
+from gefen_core.muon_distributed import shard_rows
+
+LR = 5e-3
+SHAPES: dict[str, list[tuple[int, int]]] = {
+    "even": [(8, 6), (6, 10)],
+    "uneven": [(5, 4), (7, 12)],
+    "empty": [(1, 4), (9, 3)],
+}
+
+
+def save(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def load(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def shard(full: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """``full``'s ``Shard(0)`` DTensor on ``mesh`` without a collective (every rank holds ``full``)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world, rank = int(mesh.size()), int(mesh.get_local_rank())
+    start, length = shard_rows(full.shape[0], world, rank)
+    local = full[start : start + length].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def full_matrices(shapes: list[tuple[int, int]], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=generator) for shape in shapes]
+
+
+def named_pairs(params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"layer{i}.weight", p) for i, p in enumerate(params)]
+
+
+def sharded_params(shapes: list[tuple[int, int]], mesh: Any) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(shard(full, mesh)) for full in full_matrices(shapes, 0)]
+
+
+def plain_params(shapes: list[tuple[int, int]]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(full) for full in full_matrices(shapes, 0)]
+
+
+def set_grads(params: list[torch.nn.Parameter], step: int, mesh: Any | None) -> None:
+    for p, grad in zip(params, full_matrices([tuple(p.shape) for p in params], 100 + step)):  # type: ignore[misc]
+        p.grad = shard(grad + 0.1, mesh) if mesh is not None else grad + 0.1
+
+
+def train(opt: GefenMuon, params: list[torch.nn.Parameter], start: int, steps: int, mesh: Any | None) -> None:
+    for step in range(start, start + steps):
+        set_grads(params, step, mesh)
+        opt.step()
+
+
+def full_values(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in params]  # type: ignore[operator]
+
+
+def _variants(opt: GefenMuon, params: list[torch.nn.Parameter]) -> list[list[str]]:
+    contract = opt.optimizer_contract()
+    names = []
+    for p in params:
+        state = opt.state.get(p)
+        if not state:
+            names.append([])
+            continue
+        matches = match_variants(
+            contract.state_layout,
+            list(state),
+            parameter_layout=ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
+            parameter_rank=2,
+            mode_tags=opt.state_mode_tags(p),
+        )
+        names.append([m.name for m in matches])
+    return names
+
+
+def parity(rank: int, world: int, mode: str, case: str, normuon: bool, steps: int = 3) -> dict[str, Any]:
+    """A sharded run against a one-process oracle on the same full gradients."""
+    mesh = _mesh(world)
+    shapes = SHAPES[case]
+    options = {"lr": LR, "weight_decay": 0.1, "normuon": normuon, "fused": False}
+    params = sharded_params(shapes, mesh)
+    opt = GefenMuon(named_pairs(params), sharded_mode=mode, **options)  # type: ignore[arg-type]
+    oracle_params = plain_params(shapes)
+    oracle = GefenMuon(named_pairs(oracle_params), **options)  # type: ignore[arg-type]
+    train(opt, params, 0, steps, mesh)
+    train(oracle, oracle_params, 0, steps, None)
+    ours, theirs = full_values(params), full_values(oracle_params)
+    start = full_matrices(shapes, 0)
+    return {
+        "max_abs": max(float((a - b).abs().max()) for a, b in zip(ours, theirs)),
+        "bitwise": all(torch.equal(a, b) for a, b in zip(ours, theirs)),
+        "moved": all(not torch.equal(a, s) for a, s in zip(ours, start)),
+        "finite": all(bool(torch.isfinite(a).all()) for a in ours),
+        "variants": _variants(opt, params),
+        "state_rows": [int(opt.state[p]["m_codebook"].numel()) if opt.state.get(p) else 0 for p in params],
+        "codebook": save(opt.codebook),
+    }
+
+
+def collectives(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Collectives of a steady-state step (and of a preflight, which must run none)."""
+    mesh = _mesh(world)
+    params = sharded_params([(8, 6), (6, 10), (5, 4)], mesh)
+    opt = GefenMuon(named_pairs(params), sharded_mode=mode, lr=LR, fused=False)
+    train(opt, params, 0, 1, mesh)
+    set_grads(params, 1, mesh)
+    preflight = CollectiveCounter()
+    with preflight.patched():
+        opt.preflight_step()
+    step = CollectiveCounter()
+    with step.patched():
+        opt.step()
+    return {"preflight": preflight.total, "step": dict(step.calls)}
+
+
+def fsdp_model(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """fully_shard end to end (every rank sees the same batch) against one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(12, 16, bias=False), torch.nn.Tanh(), torch.nn.Linear(16, 5, bias=False)
+        )
+
+    mesh = _mesh(world)
+    sharded = model()
+    for layer in sharded:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    reference = model()
+    opts = [
+        GefenMuon(sharded.named_parameters(), lr=1e-2, sharded_mode=mode, fused=False),
+        GefenMuon(reference.named_parameters(), lr=1e-2, fused=False),
+    ]
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 12, generator=generator), torch.randn(8, 5, generator=generator)
+        for net, opt in zip((sharded, reference), opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+    ours = [p.full_tensor() for p in sharded.parameters()]  # type: ignore[operator]
+    return {"max_abs": max(float((a - b).abs().max()) for a, b in zip(ours, reference.parameters()))}
+
+
+def _opt_for_faults(world: int, mode: str) -> tuple[GefenMuon, list[torch.nn.Parameter], Any]:
+    mesh = _mesh(world)
+    params = sharded_params([(8, 6), (6, 10), (5, 4)], mesh)
+    opt = GefenMuon(named_pairs(params), sharded_mode=mode, lr=LR, fused=False)
+    train(opt, params, 0, 1, mesh)
+    set_grads(params, 1, mesh)
+    return opt, params, mesh
+
+
+def _boom(*_: Any, **__: Any) -> Any:
+    raise RuntimeError("injected fault on rank 0")
+
+
+def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
+    """Inject a failure on rank 0 at ``where``; every rank must raise the same error (no hang)."""
+    opt, params, _ = _opt_for_faults(world, mode)
+    closure = None
+    if rank == 0:
+        if where in ("entry checks", "entry checks without closure"):
+            opt.param_groups[0]["lr"] = -1.0
+        elif where == "gradient preflight":
+            params[1].grad.to_local().fill_(float("nan"))  # type: ignore[union-attr]
+            opt.state.pop(params[1], None)  # a first gradient must be finite
+        elif where == "amp":
+            opt.found_inf = torch.ones(1)  # type: ignore[attr-defined]
+        elif where == "bucket gather":
+            opt._local_pieces = _boom  # type: ignore[method-assign]
+        elif where == "update broadcast":
+            opt._update = _boom  # type: ignore[method-assign]
+    if where == "amp" and rank != 0:
+        opt.found_inf = torch.zeros(1)  # type: ignore[attr-defined]
+    if where in ("entry checks", "closure"):
+
+        def closure() -> torch.Tensor:
+            if rank == 0 and where == "closure":
+                raise RuntimeError("closure boom on rank 0")
+            return torch.zeros(())
+
+    before = deep_snapshot(opt, *params)
+    try:
+        opt.step(closure)
+        outcome = {"error": None, "message": ""}
+    except Exception as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["unchanged"] = not snapshot_diff(before, opt, *params)
+    dist.barrier()
+    return outcome
+
+
+def presence(rank: int, world: int, mode: str, what: str = "gradient") -> dict[str, Any]:
+    """A parameter with a gradient on one rank only (or a codebook that differs) is refused on
+    every rank before any mutation."""
+    opt, params, _ = _opt_for_faults(world, mode)
+    if rank == 1 and what == "gradient":
+        params[2].grad = None
+    if rank == 1 and what == "codebook":
+        opt._codebook = torch.linspace(-1.0, 1.0, 256)
+    before = deep_snapshot(opt, *params)
+    try:
+        opt.step()
+        return {"error": None}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "unchanged": not snapshot_diff(before, opt, *params)}
+
+
+def resume(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Same-topology native resume is bit-exact; the consolidated dict and full values are returned."""
+    mesh = _mesh(world)
+    shapes = [(8, 6), (6, 10), (5, 4)]
+    options = {"lr": LR, "normuon": True, "sharded_mode": mode, "fused": False}
+    straight = sharded_params(shapes, mesh)
+    opt = GefenMuon(named_pairs(straight), **options)  # type: ignore[arg-type]
+    train(opt, straight, 0, 4, mesh)
+    halves = sharded_params(shapes, mesh)
+    first = GefenMuon(named_pairs(halves), **options)  # type: ignore[arg-type]
+    train(first, halves, 0, 2, mesh)
+    saved = first.state_dict()
+    data = save(saved)
+    at_two = save(full_values(halves))
+    resumed = GefenMuon(named_pairs(halves), **options)  # type: ignore[arg-type]
+    resumed.load_state_dict(load(data))
+    train(resumed, halves, 2, 2, mesh)
+    everyone: list[bytes | None] = [None] * world
+    dist.all_gather_object(everyone, data)
+    other = everyone[(rank + 1) % world]
+    assert other is not None
+    foreign = ""
+    try:
+        GefenMuon(named_pairs(sharded_params(shapes, mesh)), **options).load_state_dict(load(other))  # type: ignore[arg-type]
+    except StateValidationError as exc:
+        foreign = str(exc)
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(full_values(straight), full_values(halves))),
+        "checkpoint": data,
+        "owned_states": sorted(i for i, p in enumerate(resumed.param_groups[0]["params"]) if resumed.state.get(p)),
+        "saved_states": sorted(saved["state"]),
+        "at_two": at_two,
+        "final": save(full_values(straight)),
+        "foreign": foreign,
+        "identical_dicts": other == data,
+    }
+
+
+def manifest_corruptions(rank: int, world: int) -> dict[str, str]:
+    """Every owner-manifest corruption is refused before any mutation."""
+    mesh = _mesh(world)
+    shapes = [(8, 6), (6, 10), (5, 4)]
+    params = sharded_params(shapes, mesh)
+    opt = GefenMuon(named_pairs(params), sharded_mode="distributed", lr=LR, fused=False)
+    train(opt, params, 0, 2, mesh)
+    valid = load(save(opt.state_dict()))
+
+    def owners(sd: dict[str, Any]) -> list[dict[str, Any]]:
+        return [sd["gefen_muon_owners"], *(g["_gefen_checkpoint_metadata"]["owners"] for g in sd["param_groups"])]
+
+    def edit(apply: Any) -> Any:
+        def run(sd: dict[str, Any]) -> None:
+            for manifest in owners(sd):
+                apply(manifest)
+
+        return run
+
+    corruptions = {
+        "not consolidated": edit(lambda m: m.__setitem__("consolidated", False)),
+        "owner manifest": edit(lambda m: m.__setitem__("ownership", "round_robin")),
+        "breaks the rule": edit(lambda m: m["entries"][1].__setitem__("owner", 0)),
+        "is named": edit(lambda m: m["entries"][0].__setitem__("name", "other")),
+        "has shape": edit(lambda m: m["entries"][2].__setitem__("shape", [4, 5])),
+        "initialized": lambda sd: sd["state"].pop(1),
+        "world_size": edit(lambda m: m.__setitem__("world_size", 0)),
+        "disagree on owners": lambda sd: sd["param_groups"][0]["_gefen_checkpoint_metadata"].__setitem__(
+            "owners", None
+        ),
+    }
+    results = {}
+    for expected, corrupt in corruptions.items():
+        broken = load(save(valid))
+        corrupt(broken)
+        before = deep_snapshot(opt, *params)
+        try:
+            opt.load_state_dict(broken)
+            results[expected] = "accepted"
+        except StateValidationError as exc:
+            message = str(exc)
+            results[expected] = "ok" if expected in message and not snapshot_diff(before, opt, *params) else message
+    opt.load_state_dict(valid)
+    return results
+
+
+def load_checkpoint(rank: int, world: int, data: bytes, at_two: bytes, mode: str) -> dict[str, Any]:
+    """Load a checkpoint saved on another world size and continue two steps."""
+    mesh = _mesh(world)
+    shapes = [(8, 6), (6, 10), (5, 4)]
+    params = [torch.nn.Parameter(shard(value, mesh)) for value in load(at_two)]
+    opt = GefenMuon(named_pairs(params), lr=LR, normuon=True, sharded_mode=mode, fused=False)
+    opt.load_state_dict(load(data))
+    owned = [i for i, p in enumerate(params) if opt.state.get(p)]
+    train(opt, params, 2, 2, mesh)
+    del shapes
+    return {"final": save(full_values(params)), "owned": owned}

@@ -1,0 +1,77 @@
+"""The conformance kit against GefenMuon, once per ``sharded_mode`` and for the main levers.
+
+Claims the kit cannot execute in one process (DTensor training per mode, DTensor resume and
+world-size changes) are waived by name (``gefen_core.conformance.MUON_WAIVERS``), each
+pointing at the gloo test that executes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from gefen_contracts.testing import ConformanceTarget, assert_conformant, enumerate_claims, run_conformance
+from gefen_core import GefenMuon
+from gefen_core.conformance import MUON_WAIVERS, matrix_loss, matrix_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_torch() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _factory(**options: Any) -> Callable[[list[tuple[str, torch.nn.Parameter]]], torch.optim.Optimizer]:
+    def build(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        return GefenMuon(named, lr=1e-2, fused=False, **options)
+
+    return build
+
+
+def _bf16_model(seed: int) -> torch.nn.Module:
+    return matrix_model(seed).to(torch.bfloat16)
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "exact": {},
+    "approx": {"sharded_mode": "approx"},
+    "distributed": {"sharded_mode": "distributed"},
+    "normuon_tuned3": {"normuon": True, "ns_schedule": "tuned3", "adjust_lr_fn": "match_rms_adamw"},
+    "stochastic_round_cautious": {"stochastic_round": True, "cautious": True, "nesterov": False},
+    "bf16": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_conformance(name: str) -> None:
+    target = ConformanceTarget(
+        factory=_factory(**CONFIGS[name]),
+        name=f"gefen-muon[{name}]",
+        model_builder=_bf16_model if name == "bf16" else matrix_model,
+        loss_fn=matrix_loss,
+        spec="gefen_core.conformance:muon_factory",
+        waive=MUON_WAIVERS,
+    )
+    report = run_conformance(target)
+    assert_conformant(report)
+    executed = {r.name for r in report.results if r.status.value == "passed"}
+    assert {
+        "checkpoint.native_roundtrip",
+        "checkpoint.native_atomic_load",
+        "training.replicated",
+        "state.declared_variants",
+    } <= executed
+    _, optimizer = target.build()
+    claims = enumerate_claims(optimizer.optimizer_contract())  # type: ignore[attr-defined]
+    waived = {r.name for r in report.results if r.status.value == "waived"}
+    assert waived == {f"claim {c}" for c in MUON_WAIVERS if c in claims}
+    assert any(c.startswith("training:dtensor") for c in claims)
+
+
+def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
+    report = run_conformance("gefen_core.conformance:muon_factory")
+    assert_conformant(report)
