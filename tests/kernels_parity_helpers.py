@@ -9,6 +9,7 @@ One step is compared at a time from identical states, so differences never accum
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,14 @@ from gefen_core.second_moment import update_factored_moments
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MAX_TIE_FRACTION = 1e-4
+
+
+@functools.cache
+def shared_codebook(kind: str = "gaussian") -> torch.Tensor:
+    """A learned codebook, solved once per process (the exact solve takes a few tenths of a second)."""
+    generator = torch.Generator().manual_seed(1234)
+    sample = torch.randn(8192, generator=generator)
+    return learned_codebook(sample if kind == "gaussian" else sample**3, 64)
 
 
 def learned_codebook(grad: torch.Tensor, period: int) -> torch.Tensor:

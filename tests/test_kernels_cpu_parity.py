@@ -13,8 +13,8 @@ from kernels_parity_helpers import (
     compare_block_step,
     compare_factored_step,
     compare_histogram,
-    learned_codebook,
     random_state,
+    shared_codebook,
 )
 
 SMALL_BLOCKS = [(0, 5), (1, 1), (7, 13), (33, 64)]  # (blocks, period)
@@ -56,7 +56,7 @@ def test_block_step_matches_the_reference(dtype: torch.dtype, shape: tuple[int, 
     blocks, period = shape
     weight_decay, maximize, stochastic = variant
     grad = torch.randn(blocks * period, dtype=dtype)
-    codebook = learned_codebook(torch.randn(4096), 64)
+    codebook = shared_codebook()
     state = random_state((blocks * period,), period, dtype, "cpu", factored=False)
     compare_block_step(
         cpu_ops.block_step,
@@ -77,7 +77,7 @@ def test_factored_step_matches_the_reference(dtype: torch.dtype, shape: tuple[in
     rows, cols, period = shape
     weight_decay, maximize, stochastic = variant
     grad = torch.randn(rows, cols, dtype=dtype)
-    codebook = learned_codebook(torch.randn(4096), 64)
+    codebook = shared_codebook()
     state = random_state((rows, cols), period, dtype, "cpu", factored=True)
     compare_factored_step(
         cpu_ops.factored_stats,
@@ -117,8 +117,8 @@ def test_the_kernel_reads_whatever_codebook_it_is_given() -> None:
     """The per-thread lookup table is rebuilt when the codebook changes (no stale table)."""
     torch.manual_seed(3)
     grad = torch.randn(8 * 32)
-    first = learned_codebook(torch.randn(4096), 64)
-    second = learned_codebook(torch.randn(4096) ** 3, 16)
+    first = shared_codebook()
+    second = shared_codebook("cubed")
     for codebook in (first, second, first):
         state = random_state((8 * 32,), 32, torch.float32, "cpu", factored=False)
         compare_block_step(
