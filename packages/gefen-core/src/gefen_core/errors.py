@@ -15,6 +15,7 @@ __all__ = [
     "GefenOptionTypeError",
     "GradientError",
     "ParameterError",
+    "ShardAgreementError",
 ]
 
 
@@ -40,3 +41,9 @@ class GradientError(RuntimeError):
 class CaptureError(RuntimeError):
     """A step was captured in a CUDA graph without ``capturable=True``, or needs host work
     (codebook learning, first state of a parameter, refresh) that cannot be captured."""
+
+
+class ShardAgreementError(RuntimeError):
+    """Members of a process group disagree about a step they must take together: which sharded
+    parameters have gradients, their names, order, shapes or dtypes, or the gradient scaler's
+    state. Every member raises the same message (they all see the same gathered data)."""

@@ -7,7 +7,6 @@ checkpoints and the contract; the numerics live in the modules it calls.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -19,10 +18,18 @@ from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import gefen_contract
 from .distributed import all_reduce_column_sums, topology_record
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
+from .momentum_codec import stochastic_seed
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
+from .optimizer_support import (
+    OwnAttributesPickling,
+    codebook_on,
+    export_with_hooks,
+    load_with_hooks,
+    publish_groups_and_state,
+)
 from .param_groups import check_parameters, normalize_group_options
-from .param_state import FACTORED, INDICES, PERIOD, new_state
+from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
 from .parameter_update import decay_only, kernel_queries, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
 from .step_plan import ParamWork, StepPlan, capturing, plan_step
@@ -33,7 +40,7 @@ _NATIVE_LOAD = "gefen.native_load"
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-class Gefen(torch.optim.Optimizer):
+class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -186,8 +193,6 @@ class Gefen(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of every tensor storage reachable from the optimizer's state (codebook included)."""
-        seen: set[int] = set()
-        total = 0
         tensors: list[torch.Tensor] = [
             v for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         ]
@@ -195,22 +200,11 @@ class Gefen(torch.optim.Optimizer):
             tensors.append(self._codebook)
         tensors.extend(self._codebook_copies.values())
         tensors.extend(self._device_global_steps.values())
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen or storage.nbytes() == 0:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return storage_bytes(tensors)
 
     def _codebook_on(self, device: torch.device) -> torch.Tensor:
         assert self._codebook is not None
-        if device.type == "cpu":
-            return self._codebook
-        copy = self._codebook_copies.get(device)
-        if copy is None:
-            copy = self._codebook.to(device)
-            self._codebook_copies[device] = copy
-        return copy
+        return codebook_on(self._codebook, self._codebook_copies, device)
 
     def _policy(self, group: Mapping[str, Any]) -> PeriodPolicy:
         return PeriodPolicy(
@@ -391,7 +385,7 @@ class Gefen(torch.optim.Optimizer):
         device = work.local.device
         if self._capturable:
             return (self._device_step(device) * (1 << 32) + work.slot).reshape(1)
-        return torch.tensor([self._global_step * (1 << 32) + work.slot], dtype=torch.int64, device=device)
+        return torch.tensor([stochastic_seed(self._global_step, work.slot)], dtype=torch.int64, device=device)
 
     def _device_step(self, device: torch.device) -> torch.Tensor:
         counter = self._device_global_steps.get(device)
@@ -436,21 +430,17 @@ class Gefen(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The native state dict (format ``gefen.native_state`` v1: tensors and primitives only)."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        result = export_state_dict(
-            self.param_groups,
-            self.state,
-            codebook=self._codebook,
-            global_step=self.global_step,
-            deterministic=self._deterministic,
-            topology=self._topology(),
+        return export_with_hooks(
+            self,
+            lambda: export_state_dict(
+                self.param_groups,
+                self.state,
+                codebook=self._codebook,
+                global_step=self.global_step,
+                deterministic=self._deterministic,
+                topology=self._topology(),
+            ),
         )
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            replaced = post_hook(self, result)
-            if replaced is not None:
-                result = replaced
-        return result
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage the new state; changes nothing."""
@@ -467,12 +457,7 @@ class Gefen(torch.optim.Optimizer):
         """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
         payload = staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version)
         assert isinstance(payload, StagedNativeState)
-        for live, new in zip(self.param_groups, payload.groups):
-            live.clear()
-            live.update(new)
-        fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
-        fresh.update(payload.state)
-        self.state = fresh
+        publish_groups_and_state(self, payload.groups, payload.state)
         self._codebook = payload.codebook
         self._codebook_copies = {}
         self._global_step = payload.global_step
@@ -481,13 +466,7 @@ class Gefen(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation)."""
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            replaced = pre_hook(self, state_dict)  # type: ignore[arg-type]
-            if replaced is not None:
-                state_dict = replaced
-        self.commit_staged_state_dict(self.stage_state_dict(state_dict))
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        load_with_hooks(self, state_dict, lambda sd: self.commit_staged_state_dict(self.stage_state_dict(sd)))
 
     _OWN_ATTRIBUTES = (
         "_fused",
@@ -502,15 +481,3 @@ class Gefen(torch.optim.Optimizer):
         "_device_global_steps",
         "_version",
     )
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickling and ``copy.deepcopy`` keep Gefen's own state (torch's drops it)."""
-        state = super().__getstate__()
-        state["_gefen"] = {name: getattr(self, name) for name in self._OWN_ATTRIBUTES}
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        own = dict(state.pop("_gefen", {}))
-        super().__setstate__(state)
-        for name, value in own.items():
-            setattr(self, name, value)

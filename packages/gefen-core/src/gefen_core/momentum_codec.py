@@ -24,6 +24,9 @@ device) of a 64-bit ``seed`` and the element's flat ``index``::
 Shifts are logical. The optimizer derives ``seed = global_step * 2**32 + slot`` (``slot`` is
 the parameter's position in ``param_groups`` order), so different parameters draw
 different streams (the reference reused one stream for every tensor of a step).
+:func:`stochastic_seed` computes it; for a piece of a parameter whose first element has flat
+index ``f`` it adds ``0x9E3779B97F4A7C15 * f``, so the piece's element ``i`` draws exactly the
+uniform of the whole parameter's element ``f + i``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "normalize_blocks",
     "splitmix_uniform",
     "stochastic_codeword",
+    "stochastic_seed",
 ]
 
 CODEBOOK_SIZE = 256
@@ -80,6 +84,11 @@ def splitmix_uniform(seed: torch.Tensor | int, index: torch.Tensor) -> torch.Ten
     z = (z ^ _logical_shift_right(z, 27)) * _signed(_MIX2)
     z = z ^ _logical_shift_right(z, 31)
     return _logical_shift_right(z, 40).to(torch.float32) * (2.0**-24)
+
+
+def stochastic_seed(global_step: int, slot: int, first_index: int = 0) -> int:
+    """The int64 seed of parameter ``slot`` at ``global_step`` for a piece starting at ``first_index``."""
+    return _signed((global_step * (1 << 32) + slot + _GOLDEN * first_index) % (1 << 64))
 
 
 def normalize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

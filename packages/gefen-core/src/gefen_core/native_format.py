@@ -35,8 +35,11 @@ topology record for rank-local DTensor state, and its own format name and versio
 
 from __future__ import annotations
 
+from .native_records import GROUP_MIRROR, NativeFormat
+
 __all__ = [
     "CODEBOOK",
+    "FORMAT",
     "DETERMINISTIC",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -55,6 +58,14 @@ GLOBAL_STEP = "gefen_global_step"
 CODEBOOK = "gefen_codebook"
 DETERMINISTIC = "gefen_deterministic"
 TOPOLOGY = "gefen_topology"
-GROUP_MIRROR = "_gefen_checkpoint_metadata"
 
 TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, DETERMINISTIC, TOPOLOGY)
+
+#: The format's record, for :mod:`gefen_core.native_records`.
+FORMAT = NativeFormat(
+    FORMAT_NAME,
+    VERSION,
+    (("global_step", GLOBAL_STEP), ("codebook", CODEBOOK), ("deterministic", DETERMINISTIC), ("topology", TOPOLOGY)),
+    "Gefen",
+)
+assert FORMAT.top_level_keys == TOP_LEVEL_KEYS

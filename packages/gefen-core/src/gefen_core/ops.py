@@ -17,10 +17,14 @@ op id                          signature (``*`` starts keyword-only arguments)
                                scalars, sr_seed, *, apply_decay, maximize, deterministic) -> None``
 ``gefen.histogram/1``          ``(grad, period, counts, *, deterministic) -> None`` (adds to int64 counts)
 ``gefen.stochastic_uniform/1`` ``(seed int64[1], index int64[...]) -> fp32[...]``
+``gefen.muon_momentum/1``      ``(grad, indices, magnitude, codebook, scalars, sr_seed, out, *,
+                               nesterov, deterministic) -> None`` (GefenMuon; writes ``out``)
 =============================  ==============================================================
 
 ``param`` and ``grad`` are contiguous and of equal shape and dtype (fp32, bf16, fp16 or
-fp64); a provider's ``supports(op_id, *args, **kwargs)`` decides from the real arguments
+fp64); for ``gefen.muon_momentum/1`` ``grad`` is a contiguous 2-D matrix, ``out`` a contiguous
+bf16 (or fp32) tensor of its shape and ``scalars`` the Muon packet of
+:func:`gefen_core.step_scalars.muon_scalars`; a provider's ``supports(op_id, *args, **kwargs)`` decides from the real arguments
 and must not touch them. ``deterministic=True`` asks for a fixed reduction order.
 
 Dispatch (``fused``): ``None`` uses a registered provider that supports the call, else the
@@ -41,6 +45,7 @@ from .reference_ops import (
     factored_stats_reference,
     factored_step_reference,
     histogram_reference,
+    muon_momentum_reference,
     stochastic_uniform_reference,
 )
 
@@ -50,6 +55,8 @@ __all__ = [
     "FACTORED_STATS",
     "FACTORED_STEP",
     "HISTOGRAM",
+    "MUON_DISPATCHED_OPS",
+    "MUON_MOMENTUM",
     "OPS",
     "STOCHASTIC_UNIFORM",
     "KernelDispatch",
@@ -61,6 +68,7 @@ FACTORED_STATS = "gefen.factored_stats/1"
 FACTORED_STEP = "gefen.factored_step/1"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
+MUON_MOMENTUM = "gefen.muon_momentum/1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +89,16 @@ OPS: dict[str, OpSpec] = {
         OpSpec(FACTORED_STEP, "factored-path momentum requantisation and write", factored_step_reference),
         OpSpec(HISTOGRAM, "block-normalised gradient histogram, 4096 bins", histogram_reference),
         OpSpec(STOCHASTIC_UNIFORM, "SplitMix64 counter-based uniforms", stochastic_uniform_reference),
+        OpSpec(MUON_MOMENTUM, "GefenMuon momentum requantisation and Newton-Schulz input", muon_momentum_reference),
     )
 }
 
 
 #: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
 DISPATCHED_OPS = (BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
+
+#: The ops ``GefenMuon.step`` dispatches.
+MUON_DISPATCHED_OPS = (HISTOGRAM, MUON_MOMENTUM)
 
 
 class KernelDispatch:

@@ -21,7 +21,11 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "check_group_options",
     "check_parameters",
+    "flag_option",
+    "lr_option",
     "normalize_group_options",
+    "real_option",
+    "where_prefix",
 ]
 
 #: Options a parameter group may override (everything else is optimizer-wide).
@@ -40,67 +44,71 @@ GROUP_OPTIONS = (
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _where(group: int | None) -> str:
+def where_prefix(group: int | None) -> str:
+    """``"param_groups[i]: "`` for messages about group ``i`` (empty for constructor defaults)."""
     return "" if group is None else f"param_groups[{group}]: "
 
 
-def _real(value: object, name: str, group: int | None) -> float:
+def real_option(value: object, name: str, group: int | None) -> float:
+    """A finite real number (``bool`` refused) as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GefenOptionTypeError(f"{_where(group)}{name} must be a real number, got {type(value).__name__}")
+        raise GefenOptionTypeError(f"{where_prefix(group)}{name} must be a real number, got {type(value).__name__}")
     number = float(value)
     if not math.isfinite(number):
-        raise GefenOptionError(f"{_where(group)}Invalid {name} value: {value!r} (must be finite)")
+        raise GefenOptionError(f"{where_prefix(group)}Invalid {name} value: {value!r} (must be finite)")
     return number
 
 
-def _lr(value: object, group: int | None, read_tensor: bool) -> float | torch.Tensor:
+def lr_option(value: object, group: int | None, read_tensor: bool) -> float | torch.Tensor:
+    """A learning rate: a float >= 0 or a 1-element floating tensor (its value read only with ``read_tensor``)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise GefenOptionError(f"{_where(group)}Invalid learning rate: a tensor lr must be 1-element")
+            raise GefenOptionError(f"{where_prefix(group)}Invalid learning rate: a tensor lr must be 1-element")
         if not value.is_floating_point():
-            raise GefenOptionTypeError(f"{_where(group)}a tensor lr must be floating point, got {value.dtype}")
+            raise GefenOptionTypeError(f"{where_prefix(group)}a tensor lr must be floating point, got {value.dtype}")
         if value.requires_grad:
-            raise GefenOptionError(f"{_where(group)}a tensor lr must not require grad")
+            raise GefenOptionError(f"{where_prefix(group)}a tensor lr must not require grad")
         if not read_tensor or value.device.type == "meta":
             return value
         number = float(value.detach().reshape(()).item())
         if not math.isfinite(number) or number < 0:
-            raise GefenOptionError(f"{_where(group)}Invalid learning rate: {number} (must be finite and >= 0)")
+            raise GefenOptionError(f"{where_prefix(group)}Invalid learning rate: {number} (must be finite and >= 0)")
         return value
-    number = _real(value, "learning rate", group)
+    number = real_option(value, "learning rate", group)
     if number < 0:
-        raise GefenOptionError(f"{_where(group)}Invalid learning rate: {number} (must be >= 0)")
+        raise GefenOptionError(f"{where_prefix(group)}Invalid learning rate: {number} (must be >= 0)")
     return number
 
 
 def _betas(value: object, group: int | None) -> tuple[float, float]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise GefenOptionTypeError(f"{_where(group)}betas must be a pair (beta1, beta2), got {value!r}")
+        raise GefenOptionTypeError(f"{where_prefix(group)}betas must be a pair (beta1, beta2), got {value!r}")
     out = []
     for index, beta in enumerate(value):
-        number = _real(beta, f"beta parameter at index {index}", group)
+        number = real_option(beta, f"beta parameter at index {index}", group)
         if not 0.0 <= number < 1.0:
             raise GefenOptionError(
-                f"{_where(group)}Invalid beta parameter at index {index}: {number} (must be in [0, 1))"
+                f"{where_prefix(group)}Invalid beta parameter at index {index}: {number} (must be in [0, 1))"
             )
         out.append(number)
     return out[0], out[1]
 
 
-def _flag(value: object, name: str, group: int | None) -> bool:
+def flag_option(value: object, name: str, group: int | None) -> bool:
+    """An exact ``bool``."""
     if type(value) is not bool:
-        raise GefenOptionTypeError(f"{_where(group)}{name} must be a bool, got {type(value).__name__}")
+        raise GefenOptionTypeError(f"{where_prefix(group)}{name} must be a bool, got {type(value).__name__}")
     return value
 
 
 def _substrings(value: object, group: int | None) -> tuple[str, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
         raise GefenOptionTypeError(
-            f"{_where(group)}period_one_substrings must be a tuple of strings, got {type(value).__name__}"
+            f"{where_prefix(group)}period_one_substrings must be a tuple of strings, got {type(value).__name__}"
         )
     for index, item in enumerate(value):
         if type(item) is not str or not item:
-            raise GefenOptionTypeError(f"{_where(group)}period_one_substrings[{index}] must be a non-empty str")
+            raise GefenOptionTypeError(f"{where_prefix(group)}period_one_substrings[{index}] must be a non-empty str")
     return tuple(value)
 
 
@@ -115,22 +123,22 @@ def normalize_group_options(
     """
     out: dict[str, Any] = {}
     if "lr" in options:
-        out["lr"] = _lr(options["lr"], group, read_tensor_lr)
+        out["lr"] = lr_option(options["lr"], group, read_tensor_lr)
     if "betas" in options:
         out["betas"] = _betas(options["betas"], group)
     if "eps" in options:
-        eps = _real(options["eps"], "epsilon", group)
+        eps = real_option(options["eps"], "epsilon", group)
         if eps <= 0:
-            raise GefenOptionError(f"{_where(group)}Invalid epsilon value: {eps} (must be finite and > 0)")
+            raise GefenOptionError(f"{where_prefix(group)}Invalid epsilon value: {eps} (must be finite and > 0)")
         out["eps"] = eps
     if "weight_decay" in options:
-        decay = _real(options["weight_decay"], "weight_decay", group)
+        decay = real_option(options["weight_decay"], "weight_decay", group)
         if decay < 0:
-            raise GefenOptionError(f"{_where(group)}Invalid weight_decay value: {decay} (must be >= 0)")
+            raise GefenOptionError(f"{where_prefix(group)}Invalid weight_decay value: {decay} (must be >= 0)")
         out["weight_decay"] = decay
     for flag in ("maximize", "factored_v_2d", "force_1d_period_one", "force_2d_period_one"):
         if flag in options:
-            out[flag] = _flag(options[flag], flag, group)
+            out[flag] = flag_option(options[flag], flag, group)
     if "period_one_substrings" in options:
         out["period_one_substrings"] = _substrings(options["period_one_substrings"], group)
     return out
@@ -144,16 +152,16 @@ def check_group_options(group: Mapping[str, Any], index: int) -> None:
     normalize_group_options(group, index, read_tensor_lr=False)
 
 
-def check_parameters(params: list[Any], group: int | None = None) -> None:
-    """Every parameter must be a real floating tensor Gefen supports, in a supported layout."""
+def check_parameters(params: list[Any], group: int | None = None, *, optimizer: str = "Gefen") -> None:
+    """Every parameter must be a real floating tensor ``optimizer`` supports, in a supported layout."""
     for slot, param in enumerate(params):
         if isinstance(param, tuple):
             param = param[1] if len(param) == 2 else param
         if not isinstance(param, torch.Tensor):
             continue  # torch's add_param_group raises its own TypeError
-        where = f"{_where(group)}params[{slot}]"
+        where = f"{where_prefix(group)}params[{slot}]"
         if param.is_complex():
-            raise ParameterError(f"{where}: Gefen does not support complex parameters ({param.dtype})")
+            raise ParameterError(f"{where}: {optimizer} does not support complex parameters ({param.dtype})")
         if param.dtype not in SUPPORTED_DTYPES:
             raise ParameterError(
                 f"{where}: dtype {param.dtype} is not supported (use float32, bfloat16, float16 or float64)"

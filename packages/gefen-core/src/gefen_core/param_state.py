@@ -24,6 +24,7 @@ no collective for row-sharded parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "make_counter",
     "new_state",
     "state_nbytes",
+    "storage_bytes",
     "state_variant",
     "switch_second_moment",
 ]
@@ -136,15 +138,19 @@ def switch_second_moment(state: dict[str, Any], variant: str, local: torch.Tenso
     state.update(_second_moment(variant, local, blocks, local.device, capturable))
 
 
-def state_nbytes(state: dict[str, Any]) -> int:
-    """Bytes of every tensor storage the state holds (counters as tensors included)."""
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage counted once)."""
     seen: set[int] = set()
     total = 0
-    for value in state.values():
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            key = storage.data_ptr()
-            if key not in seen or storage.nbytes() == 0:
-                seen.add(key)
-                total += storage.nbytes()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in seen or storage.nbytes() == 0:
+            seen.add(key)
+            total += storage.nbytes()
     return total
+
+
+def state_nbytes(state: dict[str, Any]) -> int:
+    """Bytes of every tensor storage the state holds (counters as tensors included)."""
+    return storage_bytes(value for value in state.values() if isinstance(value, torch.Tensor))

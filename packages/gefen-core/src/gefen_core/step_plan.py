@@ -31,7 +31,7 @@ from .param_state import (
     state_variant,
 )
 
-__all__ = ["ParamWork", "StepPlan", "capturing", "plan_step"]
+__all__ = ["ParamWork", "StepPlan", "capturing", "check_gradient", "plan_step"]
 
 
 @dataclass(slots=True)
@@ -70,11 +70,13 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str) -> None:
+def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optimizer: str = "Gefen") -> None:
+    """A gradient must be dense, real, and match its parameter's shape, dtype, device and layout
+    (``GradientError`` naming ``where``)."""
     if grad.is_sparse or grad.layout is not torch.strided:
-        raise GradientError(f"{where}: Gefen does not support sparse gradients (layout {grad.layout})")
+        raise GradientError(f"{where}: {optimizer} does not support sparse gradients (layout {grad.layout})")
     if grad.is_complex():
-        raise GradientError(f"{where}: Gefen does not support complex gradients ({grad.dtype})")
+        raise GradientError(f"{where}: {optimizer} does not support complex gradients ({grad.dtype})")
     if grad.shape != param.shape:
         raise GradientError(
             f"{where}: gradient shape {tuple(grad.shape)} differs from parameter shape {tuple(param.shape)}"
@@ -139,7 +141,7 @@ def plan_step(
                 continue
             name = names[position] if names is not None else None
             where = f"param_groups[{group_index}]['params'][{position}]" + (f" ({name!r})" if name else "")
-            _check_gradient(param, grad, where)
+            check_gradient(param, grad, where)
             local = local_tensor(param)
             row_sharded = is_row_sharded(param)
             variant = FACTORED if group["factored_v_2d"] and param.dim() == 2 else BLOCK

@@ -21,6 +21,14 @@ index                       value (computed in float64, rounded once to fp32)
 :func:`host_scalars` computes them with Python floats; :func:`device_scalars` computes
 the same expressions with 0-dim float64 tensor ops on the parameter's device (capturable
 steps, no host synchronisation). On CPU both give bit-identical fp32 values (tested).
+
+GefenMuon's momentum op (``gefen.muon_momentum/1``) receives its own, shorter packet
+(``float32[MUON_NUM_SCALARS]``), built by :func:`muon_scalars`:
+
+==========================  =======================================================
+``MUON_BETA``               ``momentum``  (the EMA coefficient beta)
+``MUON_ONE_MINUS_BETA``     ``1 - momentum`` (computed in float64, rounded once)
+==========================  =======================================================
 """
 
 from __future__ import annotations
@@ -37,16 +45,23 @@ __all__ = [
     "EPS",
     "INV_BC1",
     "LR",
+    "MUON_BETA",
+    "MUON_NUM_SCALARS",
+    "MUON_ONE_MINUS_BETA",
     "NUM_SCALARS",
     "ONE_MINUS_BETA1",
     "ONE_MINUS_BETA2",
     "device_scalars",
     "host_scalar_values",
     "host_scalars",
+    "muon_scalars",
 ]
 
 LR, INV_BC1, BC2, DECAY, BETA1, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, EPS = range(9)
 NUM_SCALARS = 9
+
+MUON_BETA, MUON_ONE_MINUS_BETA = range(2)
+MUON_NUM_SCALARS = 2
 
 
 def host_scalar_values(
@@ -107,3 +122,8 @@ def device_scalars(
         one * eps,
     ]
     return torch.stack(values).to(torch.float32)
+
+
+def muon_scalars(device: torch.device, momentum: float) -> torch.Tensor:
+    """The packet of ``gefen.muon_momentum/1``: ``[momentum, 1 - momentum]`` as fp32 on ``device``."""
+    return torch.tensor([momentum, 1.0 - momentum], dtype=torch.float32, device=device)

@@ -1,0 +1,643 @@
+"""``GefenMuon``: Muon whose momentum is stored at about one byte per parameter.
+
+See the package README for the algorithm. This module owns the optimizer object:
+construction, the step's orchestration (preflight, votes, codebook learning, the local,
+exact, approx and distributed paths), checkpoints and the contract; the numerics live in
+:mod:`gefen_core.muon_update` and the modules it calls, the collectives in
+:mod:`gefen_core.muon_distributed` and :mod:`gefen_core.muon_exchange`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from gefen_contracts import KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
+
+from .amp import has_fp16_gradients, unscale_gradients
+from .batched_newton_schulz import (
+    DEFAULT_WORKSPACE_BYTES,
+    chunk_capacity,
+    newton_schulz_batched,
+    plan_chunks,
+    shape_eligible,
+)
+from .distributed import local_tensor
+from .errors import GefenOptionError, GefenOptionTypeError
+from .fp8_newton_schulz import fp8_capable, fp8_eligible
+from .momentum_codec import stochastic_seed
+from .muon_contract import mode_tag, muon_contract
+from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, ScopeEntry, agree_step, shard_rows, vote
+from .muon_exchange import BucketItem, consolidate_states, gather_to_owners, owner_buckets, scatter_from_owners
+from .muon_learning import is_nonzero, learn_codebook
+from .muon_native_state import (
+    StagedMuonState,
+    export_muon_state_dict,
+    slot_layouts,
+    stage_muon_state_dict,
+)
+from .muon_options import MUON_GROUP_OPTIONS, group_schedule, lr_ratio, normalize_muon_options
+from .muon_plan import MuonItem, MuonPlan, check_entry, check_matrix, plan_muon_step
+from .muon_state import new_muon_state
+from .muon_update import apply_update, finish_update, momentum_call, momentum_input, orthogonalize
+from .newton_schulz import DEFAULT_COEFFICIENTS
+from .ops import MUON_DISPATCHED_OPS, KernelDispatch
+from .optimizer_support import (
+    OwnAttributesPickling,
+    codebook_on,
+    export_with_hooks,
+    load_with_hooks,
+    publish_groups_and_state,
+)
+from .param_state import storage_bytes
+from .parameter_update import placeholder_codebook
+from .periods import search_period
+
+__all__ = ["GefenMuon"]
+
+_NATIVE_LOAD = "gefen.muon_native_load"
+_LOG = logging.getLogger("gefen_core.muon")
+
+
+class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
+    """Muon (momentum, Newton-Schulz orthogonalisation, a shape-scaled step) for 2-D matrices,
+    with the momentum stored as uint8 codes into one learned 256-entry codebook plus one fp32
+    scale per block (Gefen's codec): about 1 byte of state per parameter instead of 4.
+
+    Args:
+        params: 2-D tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group dicts.
+        lr, weight_decay, momentum, nesterov: as in ``torch.optim.Muon`` (decoupled decay with
+            the unscaled ``lr``; ``lr`` may be a 1-element tensor).
+        ns_coefficients, ns_steps, eps: the Newton-Schulz quintic, its repetitions and the floor
+            of the input normalisation (an explicit list of triples is a schedule).
+        ns_schedule: ``None``/``"standard"``, ``"tuned3"``, ``"tuned4"`` or a list of triples.
+        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or
+            ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``).
+        fused: ``None`` uses a registered kernel provider when it supports the tensors,
+            ``True`` requires one, ``False`` always runs the PyTorch reference.
+        sharded_mode: ``"exact"``, ``"approx"`` or ``"distributed"`` for FSDP2 ``Shard(0)``
+            DTensors (see :mod:`gefen_core.muon_distributed`).
+        fp8_ns, fp8_ns_compile: e4m3 Newton-Schulz GEMMs on GPUs of capability >= 8.9 for
+            matrices whose smaller side is at least 1536 (elsewhere one warning and bf16), and
+            whether to ``torch.compile`` that iteration.
+        batched_ns, batched_ns_workspace_bytes: shape-batched Newton-Schulz for small local
+            matrices, within a workspace budget.
+        stochastic_round: unbiased stochastic rounding of the momentum codes.
+        deterministic: ask kernels for fixed reduction orders; recorded in checkpoints.
+        normuon, normuon_beta2, normuon_eps: NorMuon row normalisation with the Frobenius rescale.
+        cautious: keep only update entries whose sign agrees with the gradient (experimental).
+        capturable: must be ``False`` (CUDA-graph capture is not implemented for GefenMuon).
+        verbose: log the step's choices (codebook learning, fp8 fallback, batched chunks).
+        kernel_registry: the kernel registry to use (default: the process-wide one).
+
+    Every option from ``lr`` to ``cautious`` except ``fused``, ``stochastic_round`` and
+    ``deterministic`` may differ per parameter group.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = DEFAULT_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        ns_schedule: Any = None,
+        adjust_lr_fn: str | None = None,
+        *,
+        fused: bool | None = None,
+        sharded_mode: str = "exact",
+        fp8_ns: bool = False,
+        fp8_ns_compile: bool = True,
+        batched_ns: bool = False,
+        batched_ns_workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        stochastic_round: bool = False,
+        deterministic: bool = False,
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        cautious: bool = False,
+        capturable: bool = False,
+        verbose: bool = False,
+        kernel_registry: KernelRegistry | None = None,
+    ) -> None:
+        for name, flag in (
+            ("stochastic_round", stochastic_round),
+            ("deterministic", deterministic),
+            ("capturable", capturable),
+            ("verbose", verbose),
+        ):
+            if type(flag) is not bool:
+                raise GefenOptionTypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if fused is not None and type(fused) is not bool:
+            raise GefenOptionTypeError(f"fused must be None, True or False, got {fused!r}")
+        if capturable:
+            raise GefenOptionError(
+                "capturable=True is not implemented for GefenMuon (its step synchronises with the host); "
+                "use capturable=False"
+            )
+        if kernel_registry is not None and not isinstance(kernel_registry, KernelRegistry):
+            raise GefenOptionTypeError("kernel_registry must be a gefen_contracts.KernelRegistry or None")
+        defaults = normalize_muon_options(
+            {
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "ns_coefficients": ns_coefficients,
+                "eps": eps,
+                "ns_steps": ns_steps,
+                "ns_schedule": ns_schedule,
+                "adjust_lr_fn": adjust_lr_fn,
+                "sharded_mode": sharded_mode,
+                "fp8_ns": fp8_ns,
+                "fp8_ns_compile": fp8_ns_compile,
+                "batched_ns": batched_ns,
+                "batched_ns_workspace_bytes": batched_ns_workspace_bytes,
+                "normuon": normuon,
+                "normuon_beta2": normuon_beta2,
+                "normuon_eps": normuon_eps,
+                "cautious": cautious,
+            }
+        )
+        self._fused = fused
+        self._dispatch = KernelDispatch(fused, kernel_registry)
+        self._stochastic_round = stochastic_round
+        self._deterministic = deterministic
+        self._capturable = capturable
+        self._verbose = verbose
+        self._codebook: torch.Tensor | None = None
+        self._codebook_copies: dict[torch.device, torch.Tensor] = {}
+        self._global_step = 0
+        self._version = 0
+        self._fp8_warned = False
+        super().__init__(params, defaults)
+        if fused is True:
+            missing = [op for op in MUON_DISPATCHED_OPS if not self._dispatch.available(op)]
+            if missing:
+                raise KernelUnavailableError(
+                    f"fused=True needs kernels for {missing}: no registered provider implements them"
+                )
+        self._warn_fp8_at_construction()
+
+    # -- construction -------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the whole group (every option and every parameter) first, then register it."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError("param_group is missing the 'params' key")
+        index = len(self.param_groups)
+        given = {key: value for key, value in param_group.items() if key in MUON_GROUP_OPTIONS}
+        options = normalize_muon_options({**self.defaults, **given}, index)
+        params = param_group["params"]
+        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        if not listed:
+            raise ValueError(f"param_groups[{index}] has an empty parameter list")
+        for position, param in enumerate(listed):
+            tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
+            check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")
+        super().add_param_group({**param_group, **options, "params": listed})
+        self._version += 1
+        if hasattr(self, "_fp8_warned"):
+            self._warn_fp8_at_construction()
+
+    def _warn_fp8_at_construction(self) -> None:
+        if self._fp8_warned or not any(group["fp8_ns"] for group in self.param_groups):
+            return
+        devices = {local_tensor(p).device for group in self.param_groups if group["fp8_ns"] for p in group["params"]}
+        if not any(fp8_capable(device) for device in devices):
+            self._warn_fp8()
+
+    def _warn_fp8(self) -> None:
+        if not self._fp8_warned:
+            self._fp8_warned = True
+            warnings.warn(
+                "fp8_ns=True needs a CUDA GPU of compute capability >= 8.9; Newton-Schulz runs in bf16 here",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # -- small queries ------------------------------------------------------------------
+
+    @property
+    def codebook(self) -> torch.Tensor | None:
+        """A copy of the learned fp32 codebook (``None`` before the first non-zero gradient)."""
+        return None if self._codebook is None else self._codebook.clone()
+
+    @property
+    def global_step(self) -> int:
+        """Completed ``step()`` calls (overflow-skipped AMP steps excluded)."""
+        return self._global_step
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return has_fp16_gradients(self.param_groups)
+
+    def state_bytes(self) -> int:
+        """Bytes of every tensor storage reachable from this rank's optimizer state (codebook included)."""
+        tensors = [v for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if self._codebook is not None:
+            tensors.append(self._codebook)
+        tensors.extend(self._codebook_copies.values())
+        return storage_bytes(tensors)
+
+    def state_mode_tags(self, parameter: Any) -> frozenset[str]:
+        """``{"gefen.muon.sharded_mode=<mode>"}`` of ``parameter``'s group (``ModeTaggedState``)."""
+        for group in self.param_groups:
+            if any(p is parameter for p in group["params"]):
+                return frozenset({mode_tag(group["sharded_mode"])})
+        raise KeyError("the tensor is not a parameter of this optimizer")
+
+    def optimizer_contract(self) -> OptimizerContract:
+        """What this instance supports now (cheap, pure, no collectives)."""
+        return muon_contract(
+            modes=tuple(sorted({group["sharded_mode"] for group in self.param_groups})),
+            normuon=tuple(sorted({bool(group["normuon"]) for group in self.param_groups})),
+            deterministic=self._deterministic,
+            stochastic_round=self._stochastic_round,
+            fused=self._fused,
+        )
+
+    # -- preflight and step -------------------------------------------------------------
+
+    def _plan(self) -> MuonPlan:
+        return plan_muon_step(
+            self.param_groups,
+            self.state,
+            dispatch=self._dispatch,
+            fused=self._fused,
+            codebook_ready=self._codebook is not None,
+            kernel_queries=self._kernel_queries,
+        )
+
+    def preflight_step(self) -> None:
+        """Run every check ``step()`` runs before mutating; raise its error; change nothing (no collective)."""
+        self._plan()
+
+    def _scope(self) -> MuonScope | None:
+        return slot_layouts(self.param_groups)[1]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon update of every 2-D parameter with a gradient; returns ``closure()``'s loss.
+
+        Under FSDP2 every rank of the mesh must call it (collectives; failures are voted).
+        """
+        error: BaseException | None = None
+        scope: MuonScope | None = None
+        try:
+            scope = self._scope()
+            check_entry(self.param_groups)
+        except Exception as exc:
+            error = exc
+        loss = None
+        if closure is not None:
+            vote(scope, "entry checks", error)
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as exc:
+                error = exc
+        plan: MuonPlan | None = None
+        if error is None:
+            try:
+                plan = self._plan()
+            except Exception as exc:
+                error = exc
+        vote(scope, "step preflight", error)
+        assert plan is not None
+        entries = [
+            ScopeEntry(item.name, tuple(item.param.shape), item.param.dtype, item.grad is not None)
+            for item in plan.scope_items()
+        ]
+        if agree_step(plan.scope, entries, self).skip:
+            return loss
+        unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
+        self._execute(plan)
+        return loss
+
+    def _execute(self, plan: MuonPlan) -> None:
+        active = plan.active
+        for item in active:
+            self._move_state(item)
+        periods: dict[int, int] = {}
+        gathered: dict[int, torch.Tensor] | None = None  # distributed gradients already at their owners
+        if self._codebook is None and active:
+            learned = learn_codebook(active, plan.scope, self._dispatch, deterministic=self._deterministic)
+            periods = learned.periods
+            if any(item.mode == DISTRIBUTED for item in active):
+                gathered = learned.gathered
+            if learned.codebook is not None:
+                self._codebook, self._codebook_copies = learned.codebook, {}
+                self._log("learned the codebook from %d gradients", len(periods))
+        lrs = {index: float(group["lr"]) for index, group in enumerate(self.param_groups)}
+        regular = [item for item in active if item.mode != DISTRIBUTED]
+        chunks, serial = self._batched_chunks(regular)
+        for item in serial:
+            self._step_one(item, periods, lrs)
+        for chunk in chunks:
+            self._step_batched(chunk, periods, lrs)
+        distributed = [item for item in active if item.mode == DISTRIBUTED]
+        if distributed:
+            assert plan.scope is not None
+            self._step_distributed(plan.scope, distributed, periods, gathered, lrs)
+        self._global_step += 1
+        self._version += 1
+
+    def _move_state(self, item: MuonItem) -> None:
+        if not item.state:
+            return
+        device = item.local.device
+        for key, value in list(item.state.items()):
+            if isinstance(value, torch.Tensor) and value.device != device:
+                item.state[key] = value.to(device)
+
+    # -- one matrix -----------------------------------------------------------------------
+
+    def _state_for(self, item: MuonItem, grad: torch.Tensor, periods: Mapping[int, int]) -> dict[str, Any] | None:
+        """The item's state, created at its first non-zero gradient; ``None`` while it has none."""
+        if item.state:
+            return item.state
+        period = periods.get(item.slot)
+        if period is None:
+            if not is_nonzero(grad):
+                return None
+            period = search_period(grad, item.shape)
+        state = new_muon_state(grad.numel(), period, grad.device)
+        self.state[item.param] = state
+        item.state = state
+        return state
+
+    def _seed(self, item: MuonItem) -> torch.Tensor | None:
+        if not self._stochastic_round:
+            return None
+        first = 0
+        if item.mode == APPROX:
+            mesh = item.param.device_mesh  # type: ignore[attr-defined]
+            first = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))[0] * item.shape[1]
+        seed = stochastic_seed(self._global_step, item.slot, first)
+        return torch.tensor([seed], dtype=torch.int64, device=item.local.device)
+
+    def _codebook_for(self, device: torch.device) -> torch.Tensor:
+        if self._codebook is None:
+            return placeholder_codebook(device)  # every block scale is still 0
+        return codebook_on(self._codebook, self._codebook_copies, device)
+
+    def _momentum(self, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        return momentum_input(
+            grad,
+            state,
+            self.param_groups[item.group_index],
+            dispatch=self._dispatch,
+            codebook=self._codebook_for(grad.device),
+            seed=self._seed(item),
+            deterministic=self._deterministic,
+        )
+
+    def _fp8_for(self, group: Mapping[str, Any], matrix: torch.Tensor) -> bool:
+        if not group["fp8_ns"]:
+            return False
+        if fp8_eligible((int(matrix.shape[0]), int(matrix.shape[1])), matrix.device):
+            return True
+        if not fp8_capable(matrix.device):
+            self._warn_fp8()
+            self._log("fp8_ns: %s cannot run e4m3 GEMMs; bf16 Newton-Schulz", matrix.device)
+        return False
+
+    def _update(self, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        group = self.param_groups[item.group_index]
+        matrix = self._momentum(item, grad, state)
+        update = orthogonalize(
+            matrix,
+            group_schedule(group),
+            group["eps"],
+            fp8=self._fp8_for(group, matrix),
+            compile_fp8=bool(group["fp8_ns_compile"]),
+        )
+        return finish_update(update, grad, state, group)
+
+    def _apply(self, item: MuonItem, update: torch.Tensor | None, lrs: Mapping[int, float]) -> None:
+        group = self.param_groups[item.group_index]
+        rows, cols = item.shape
+        apply_update(
+            item.local,
+            update,
+            lr=lrs[item.group_index],
+            weight_decay=group["weight_decay"],
+            ratio=lr_ratio(group["adjust_lr_fn"], rows, cols),
+        )
+
+    def _step_one(self, item: MuonItem, periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
+        if item.mode == EXACT:
+            grad: torch.Tensor = item.grad.full_tensor()  # type: ignore[union-attr]
+        else:
+            grad = item.local_grad
+        state = self._state_for(item, grad, periods) if grad.numel() else None
+        if state is None:
+            self._apply(item, None, lrs)
+            return
+        update = self._update(item, grad, state)
+        if item.mode == EXACT:
+            mesh = item.param.device_mesh  # type: ignore[attr-defined]
+            start, length = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))
+            update = update[start : start + length]
+        self._apply(item, update, lrs)
+
+    # -- batched Newton-Schulz ----------------------------------------------------------
+
+    def _batched_chunks(self, items: list[MuonItem]) -> tuple[list[list[MuonItem]], list[MuonItem]]:
+        """Split local items into batched chunks (module :mod:`gefen_core.batched_newton_schulz`) and serial ones."""
+        if torch.compiler.is_compiling():
+            return [], items
+        buckets: dict[tuple[Any, ...], list[MuonItem]] = {}
+        serial: list[MuonItem] = []
+        for item in items:
+            group = self.param_groups[item.group_index]
+            if item.mode != LOCAL or not group["batched_ns"] or group["fp8_ns"] or not shape_eligible(*item.shape):
+                serial.append(item)
+                continue
+            key = (
+                item.local.device,
+                item.shape,
+                group_schedule(group),
+                group["eps"],
+                group["batched_ns_workspace_bytes"],
+            )
+            buckets.setdefault(key, []).append(item)
+        chunks: list[list[MuonItem]] = []
+        for key, members in buckets.items():
+            sizes, rest = plan_chunks(len(members), chunk_capacity(*key[1], key[4]))
+            start = 0
+            for size in sizes:
+                chunks.append(members[start : start + size])
+                start += size
+            serial.extend(members[start:])
+            self._log("batched NS %s: chunks %s, %d serial", key[1], sizes, rest)
+        return chunks, serial
+
+    def _step_batched(self, chunk: list[MuonItem], periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
+        ready: list[tuple[MuonItem, torch.Tensor, dict[str, Any], torch.Tensor]] = []
+        for item in chunk:
+            grad = item.local_grad
+            state = self._state_for(item, grad, periods)
+            if state is None:
+                self._apply(item, None, lrs)
+            else:
+                ready.append((item, grad, state, self._momentum(item, grad, state)))
+        if not ready:
+            return
+        group = self.param_groups[ready[0][0].group_index]
+        stack = newton_schulz_batched(
+            torch.stack([matrix for *_, matrix in ready]), group_schedule(group), group["eps"]
+        )
+        for (item, grad, state, _), update in zip(ready, stack):
+            self._apply(item, finish_update(update, grad, state, self.param_groups[item.group_index]), lrs)
+
+    # -- distributed mode -----------------------------------------------------------------
+
+    def _step_distributed(
+        self,
+        scope: MuonScope,
+        items: list[MuonItem],
+        periods: Mapping[int, int],
+        gathered: Mapping[int, torch.Tensor] | None,
+        lrs: Mapping[int, float],
+    ) -> None:
+        """Owners compute, every rank applies its rows; ``gathered`` (the learning step's full
+        gradients, the same decision on every rank) spares the bucket gather."""
+        for bucket in owner_buckets([item.owner or 0 for item in items], scope.world):
+            members = [items[index] for index in bucket]
+            metadata = [BucketItem(item.owner or 0, item.shape, item.local_grad.dtype) for item in members]
+            error: BaseException | None = None
+            if gathered is not None:
+                full: list[torch.Tensor | None] = [gathered.get(item.slot) for item in members]
+            else:
+                pieces: list[torch.Tensor] = []
+                try:
+                    pieces = [item.local_grad.contiguous() for item in members]
+                except Exception as exc:
+                    error = exc
+                vote(scope, "bucket gather", error)
+                full = gather_to_owners(scope, metadata, pieces)
+            updates: list[torch.Tensor | None] = [None] * len(members)
+            try:
+                for index, (item, grad) in enumerate(zip(members, full)):
+                    if grad is None:
+                        continue
+                    state = self._state_for(item, grad, periods)
+                    updates[index] = (
+                        self._update(item, grad, state)
+                        if state is not None
+                        else torch.zeros(item.shape, dtype=torch.bfloat16, device=grad.device)
+                    )
+            except Exception as exc:
+                error = exc
+            vote(scope, "update broadcast", error)
+            for item, rows in zip(members, scatter_from_owners(scope, metadata, updates)):
+                self._apply(item, rows, lrs)
+
+    # -- kernels ----------------------------------------------------------------------------
+
+    def _kernel_queries(self, item: MuonItem) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+        """The momentum call ``item``'s next step dispatches, with stand-in tensors (no mutation)."""
+        assert item.state is not None
+        local = item.mode in (APPROX, LOCAL)
+        grad = (
+            item.local_grad.contiguous()
+            if local
+            else torch.empty(item.shape, dtype=item.param.dtype, device=item.local.device)
+        )
+        out = torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device)
+        seed = torch.zeros(1, dtype=torch.int64, device=grad.device) if self._stochastic_round else None
+        call = momentum_call(
+            grad,
+            item.state,
+            self.param_groups[item.group_index],
+            codebook=self._codebook_for(grad.device),
+            seed=seed,
+            out=out,
+            deterministic=self._deterministic,
+        )
+        return [call]
+
+    def _log(self, message: str, *args: Any) -> None:
+        if self._verbose:
+            _LOG.info("GefenMuon step %d: " + message, self._global_step, *args)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _slot_states(self) -> list[dict[str, Any] | None]:
+        return [self.state.get(p) or None for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The native state dict (``gefen.muon_native_state`` v1; tensors and primitives only).
+
+        Collective when a group uses ``sharded_mode="distributed"`` under FSDP2: every rank of
+        the mesh must call it, and every rank returns the complete, consolidated state.
+        """
+
+        def build() -> dict[str, Any]:
+            layouts, scope = slot_layouts(self.param_groups)
+            states = self._slot_states()
+            owned = [layout for layout in layouts if layout.mode == DISTRIBUTED]
+            if owned:
+                assert scope is not None
+                complete = consolidate_states(
+                    scope,
+                    [layout.owner or 0 for layout in owned],
+                    [(int(layout.param.shape[0]), int(layout.param.shape[1])) for layout in owned],
+                    [states[layout.slot] for layout in owned],
+                )
+                for layout, state in zip(owned, complete):
+                    states[layout.slot] = state
+            return export_muon_state_dict(
+                self.param_groups,
+                states,
+                layouts,
+                scope,
+                codebook=self._codebook,
+                global_step=self._global_step,
+                deterministic=self._deterministic,
+            )
+
+        return export_with_hooks(self, build)
+
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``state_dict`` completely and stage this rank's share; changes nothing."""
+        staged = stage_muon_state_dict(state_dict, param_groups=self.param_groups, deterministic=self._deterministic)
+        return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
+        payload = staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version)
+        assert isinstance(payload, StagedMuonState)
+        publish_groups_and_state(self, payload.groups, payload.state)
+        self._codebook = payload.codebook
+        self._codebook_copies = {}
+        self._global_step = payload.global_step
+        self._version += 1
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation; no collective)."""
+        load_with_hooks(self, state_dict, lambda sd: self.commit_staged_state_dict(self.stage_state_dict(sd)))
+
+    _OWN_ATTRIBUTES = (
+        "_fused",
+        "_dispatch",
+        "_stochastic_round",
+        "_deterministic",
+        "_capturable",
+        "_verbose",
+        "_codebook",
+        "_codebook_copies",
+        "_global_step",
+        "_version",
+        "_fp8_warned",
+    )

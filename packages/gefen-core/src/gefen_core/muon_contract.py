@@ -1,0 +1,232 @@
+"""GefenMuon's contract: what one instance supports for its live ``sharded_mode`` set, and why
+not the rest.
+
+Built from the instance's options only (no tensors, no collectives) and memoised, so
+``optimizer_contract()`` is cheap, pure and equal for equal optimizers. Per live mode ``m``:
+
+* training: complete 2-D matrices (``REPLICATED``), and ``Shard(0)`` DTensors on a 1-D mesh
+  tagged ``gefen.muon.sharded_mode=m`` (the exact and distributed modes work on the complete
+  logical matrix, approx on local rows);
+* native checkpoints of complete matrices, and of DTensors: ``"exact"`` and
+  ``"distributed"`` state is whole-matrix (every rank, or the owner then consolidated), so
+  those checkpoints also load under another world size, one process included
+  (``WORLD_SIZE_OWNER_REDISTRIBUTION``); ``"approx"`` state is rank-local and loads only into
+  the same topology. Loads are fail-before-mutation on each process;
+* state variants: ``quantized_muon`` (+ ``normuon``) for complete matrices, and per DTensor
+  mode ``_global`` (exact), ``_local`` (approx) or ``_owner`` (distributed; non-owners hold no
+  state), selected by :meth:`GefenMuon.state_mode_tags`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from gefen_contracts import (
+    FEATURE_CANONICAL_IDENTITY,
+    FEATURE_CANONICAL_LOCAL_STATE,
+    FEATURE_COLLECTIVE_SCOPE,
+    FEATURE_COMPOSITE,
+    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PORTABLE_STATE,
+    FEATURE_POST_SHARDING,
+    FEATURE_STAGED_NATIVE_LOAD,
+    CheckpointSupport,
+    CheckpointTransport,
+    FeatureStatus,
+    LoadAtomicity,
+    OptimizerCapabilities,
+    OptimizerContract,
+    OptimizerStateLayout,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    StateField,
+    StateGeometry,
+    StateRole,
+    StateScope,
+    StateVariant,
+    TopologyChange,
+    TopologyTransition,
+    TrainingSupport,
+)
+
+from .momentum_codec import CODEBOOK_SIZE
+from .muon_distributed import APPROX, DISTRIBUTED, EXACT
+from .muon_native_state import FORMAT, OWNERSHIP
+from .muon_state import MUON_KEYS, NORMUON_KEYS, NORMUON_STEP, NORMUON_V
+from .native_records import GROUP_MIRROR
+from .newton_schulz import SCHEDULE_NAMES
+from .ops import MUON_DISPATCHED_OPS
+from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .reference_ops import HISTOGRAM_BINS
+
+__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "mode_tag", "muon_contract"]
+
+IMPLEMENTATION = "gefen.GefenMuon"
+MODE_TAG_PREFIX = "gefen.muon.sharded_mode="
+
+_REPL = ParameterLayout.REPLICATED
+_DTENSOR = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
+_EXTENTS = {EXACT: ("global", StateExtent.GLOBAL_PARAMETER), APPROX: ("local", StateExtent.LOCAL_STORAGE)}
+_EXTENTS[DISTRIBUTED] = ("owner", StateExtent.OWNER_PARAMETER)
+
+
+def mode_tag(mode: str) -> str:
+    """The state/claim tag of a ``sharded_mode`` (``"gefen.muon.sharded_mode=exact"``)."""
+    return MODE_TAG_PREFIX + mode
+
+
+def _common(name: str, geometry: StateGeometry, description: str) -> StateField:
+    return StateField(name, StateScope.OPTIMIZER_COMMON, StateRole.AUTHORITATIVE, geometry, description=description)
+
+
+def _param(name: str, geometry: StateGeometry, description: str) -> StateField:
+    return StateField(name, StateScope.PARAMETER, StateRole.AUTHORITATIVE, geometry, description=description)
+
+
+_FIELDS = (
+    _common("gefen_format_version", StateGeometry.SCALAR, "native format version (int)"),
+    _common("gefen_global_step", StateGeometry.SCALAR, "completed step() calls (int)"),
+    _common("gefen_codebook", StateGeometry.TABLE, "shared fp32[256] momentum codebook, or None before learning"),
+    _common("gefen_deterministic", StateGeometry.SCALAR, "the deterministic policy the state was produced under"),
+    _common("gefen_topology", StateGeometry.OPAQUE, "per-slot topology records of approx DTensors, else None"),
+    _common("gefen_muon_owners", StateGeometry.OPAQUE, "owner manifest of distributed-mode matrices, else None"),
+    StateField(
+        GROUP_MIRROR,
+        StateScope.CHECKPOINT_CARRIER,
+        StateRole.TRANSPORT,
+        StateGeometry.OPAQUE,
+        optional=True,
+        description="param-group copy of the optimizer-common record (survives torch DCP state-dict helpers)",
+    ),
+    _param(PERIOD, StateGeometry.SCALAR, "block period P (int)"),
+    _param(STEP, StateGeometry.SCALAR, "the matrix's update count"),
+    _param(INDICES, StateGeometry.PARAMETER, "uint8 [B, P] codeword indices of the momentum"),
+    _param(MAGNITUDE, StateGeometry.BLOCK, "fp32 [B, 1] per-block momentum scale"),
+    _param(NORMUON_V, StateGeometry.ROW, "fp32 [rows, 1] EMA of squared row norms / cols (NorMuon)"),
+    _param(NORMUON_STEP, StateGeometry.SCALAR, "age of normuon_v"),
+)
+
+
+def _variants(modes: tuple[str, ...]) -> tuple[StateVariant, ...]:
+    kinds = (("quantized_muon", MUON_KEYS, "momentum"), ("quantized_normuon", (*MUON_KEYS, *NORMUON_KEYS), "NorMuon"))
+    variants = []
+    for prefix, fields, what in kinds:
+        variants.append(
+            StateVariant(
+                prefix,
+                fields,
+                frozenset({_REPL}),
+                StateExtent.GLOBAL_PARAMETER,
+                parameter_ranks=(2,),
+                description=f"quantized {what} state of a complete matrix",
+            )
+        )
+        for mode in modes:
+            suffix, extent = _EXTENTS[mode]
+            variants.append(
+                StateVariant(
+                    f"{prefix}_{suffix}",
+                    fields,
+                    frozenset({_DTENSOR}),
+                    extent,
+                    parameter_ranks=(2,),
+                    mode_tags=frozenset({mode_tag(mode)}),
+                    description=f"quantized {what} state of a Shard(0) DTensor under sharded_mode={mode!r}",
+                )
+            )
+    return tuple(variants)
+
+
+_NOT_YET = "not implemented for GefenMuon yet"
+
+
+@lru_cache(maxsize=64)
+def muon_contract(
+    *,
+    modes: tuple[str, ...],
+    normuon: tuple[bool, ...],
+    deterministic: bool,
+    stochastic_round: bool,
+    fused: bool | None,
+) -> OptimizerContract:
+    """The contract of a GefenMuon with these live ``sharded_mode`` values and options."""
+    tags = frozenset(mode_tag(mode) for mode in modes)
+    training = [TrainingSupport(_REPL, ProcessGroupScope.NONE, requires_complete_logical_matrix=True)]
+    for mode in modes:
+        training.append(
+            TrainingSupport(
+                _DTENSOR,
+                ProcessGroupScope.INFERRED_DEVICE_MESH,
+                mesh_dimensions=(1,),
+                mode_tags=frozenset({mode_tag(mode)}),
+                requires_complete_logical_matrix=mode != APPROX,
+            )
+        )
+    global_state = set(modes) <= {EXACT, DISTRIBUTED}
+    checkpoints = (
+        CheckpointSupport(
+            CheckpointTransport.NATIVE_OPTIMIZER,
+            frozenset({_REPL}),
+            ProcessGroupScope.NONE,
+            LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+            mode_tags=tags,
+        ),
+        CheckpointSupport(
+            CheckpointTransport.NATIVE_OPTIMIZER,
+            frozenset({_DTENSOR}),
+            ProcessGroupScope.INFERRED_DEVICE_MESH,
+            LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+            transitions=(
+                (
+                    TopologyTransition(
+                        frozenset({_DTENSOR}),
+                        frozenset({_DTENSOR, _REPL}),
+                        frozenset({TopologyChange.WORLD_SIZE_OWNER_REDISTRIBUTION}),
+                    ),
+                )
+                if global_state
+                else ()
+            ),
+            mesh_dimensions=(1,),
+            mode_tags=tags,
+            requires_collective=DISTRIBUTED in modes,
+        ),
+    )
+    capabilities = OptimizerCapabilities(
+        training=tuple(training),
+        checkpoints=checkpoints,
+        precisions=frozenset(Precision),
+        supported_parameter_ranks=(2,),
+        features={
+            FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
+            FEATURE_POST_SHARDING: FeatureStatus.no(f"post_sharding (shard identity binding) is {_NOT_YET}"),
+            FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("canonical identity needs post_sharding"),
+            FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no(f"the canonical local state document is {_NOT_YET}"),
+            FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
+            FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
+            FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(
+                "the codebook is agreed over the device mesh inferred from exact/distributed DTensors; "
+                f"an explicit codebook process-group scope is {_NOT_YET}"
+            ),
+            FEATURE_COMPOSITE: FeatureStatus.no("GefenMuon has no child optimizers"),
+        },
+    )
+    extensions: dict[str, object] = {
+        "gefen.codebook_size": CODEBOOK_SIZE,
+        "gefen.histogram_bins": HISTOGRAM_BINS,
+        "gefen.native_format": FORMAT.name,
+        "gefen.native_format_version": FORMAT.version,
+        "gefen.op_ids": sorted(MUON_DISPATCHED_OPS),
+        "gefen.fused": "auto" if fused is None else ("required" if fused else "reference"),
+        "gefen.deterministic": deterministic,
+        "gefen.stochastic_round": stochastic_round,
+        "gefen.muon.sharded_modes": list(modes),
+        "gefen.muon.normuon": list(normuon),
+        "gefen.muon.ownership": OWNERSHIP,
+        "gefen.muon.ns_schedules": list(SCHEDULE_NAMES),
+    }
+    return OptimizerContract(
+        IMPLEMENTATION, OptimizerStateLayout(_FIELDS, _variants(modes)), capabilities, extensions=extensions
+    )

@@ -1,0 +1,315 @@
+"""GefenMuon's native state dict (``gefen.muon_native_state`` v1): export and staged loading.
+
+::
+
+    {
+      "state": {pid: {"automatic_period": int, "step": int,
+                      "m_codebook": uint8[B, P], "m_magnitude": fp32[B, 1],
+                      ["normuon_v": fp32[R, 1], "normuon_step": int]}},
+      "param_groups": [{"params": [pid, ...], <the GefenMuon options>, ["param_names"],
+                        "_gefen_checkpoint_metadata": <mirror of the record>}],
+      "gefen_format_version": 1,
+      "gefen_global_step": int,
+      "gefen_codebook": fp32[256] | None,
+      "gefen_deterministic": bool,
+      "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement", "global_shape",
+                                        "local_shape"} per slot],          # "approx" DTensors only
+      "gefen_muon_owners": None | <owner manifest>,
+    }
+
+Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). Which state a
+slot holds, and what it depends on:
+
+* local and ``"exact"`` slots hold whole-matrix state, identical on every rank, so their
+  checkpoints do not depend on the topology (no topology record);
+* ``"approx"`` slots hold local rows: their topology record must match the live one;
+* ``"distributed"`` slots hold state on their owner only, so ``state_dict()`` is **collective**
+  (every rank must call it): it first gives every rank every owner's state
+  (:func:`gefen_core.muon_exchange.consolidate_states`) and records the *owner manifest*::
+
+      {"ownership": "stable_index_mod_world", "consolidated": True, "world_size": W,
+       "entries": [{"slot": int, "name": str, "shape": [R, C], "owner": int, "initialized": bool}]}
+
+  Loading checks the manifest (owners follow the rule, names and shapes match the live
+  parameters, a slot has state exactly when it was initialized) and keeps on each rank only
+  the state of the matrices it owns under the **live** world size, which may differ from
+  ``W`` (one process included).
+
+Group options come from the checkpoint, as in torch; the live parameters' names must match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .distributed import local_tensor, topology_record
+from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, build_scope, execution_mode
+from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
+from .muon_state import MUON_KEYS, NORMUON_KEYS, NORMUON_STEP, NORMUON_V
+from .native_records import (
+    GROUP_MIRROR,
+    NativeFormat,
+    check_common_record,
+    check_state_tensor,
+    check_top_level,
+    exact_int,
+    fail,
+    native_state_dict,
+    parameter_slots,
+    reconcile_record,
+    stage_group,
+)
+from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+
+__all__ = [
+    "FORMAT",
+    "OWNERSHIP",
+    "SlotLayout",
+    "StagedMuonState",
+    "export_muon_state_dict",
+    "slot_layouts",
+    "stage_muon_state_dict",
+]
+
+FORMAT = NativeFormat(
+    "gefen.muon_native_state",
+    1,
+    (
+        ("global_step", "gefen_global_step"),
+        ("codebook", "gefen_codebook"),
+        ("deterministic", "gefen_deterministic"),
+        ("topology", "gefen_topology"),
+        ("owners", "gefen_muon_owners"),
+    ),
+    "GefenMuon",
+)
+OWNERSHIP = "stable_index_mod_world"
+_ALL_KEYS = frozenset(MUON_KEYS) | frozenset(NORMUON_KEYS)
+_VARIANTS = (frozenset(MUON_KEYS), _ALL_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """How one slot executes under given groups: its mode, owner (distributed) and state extent."""
+
+    slot: int
+    param: torch.Tensor
+    name: str
+    mode: str
+    owner: int | None
+
+    @property
+    def rows(self) -> int:
+        return int(local_tensor(self.param).shape[0]) if self.mode == APPROX else int(self.param.shape[0])
+
+    @property
+    def numel(self) -> int:
+        return local_tensor(self.param).numel() if self.mode == APPROX else self.param.numel()
+
+
+def slot_layouts(param_groups: Sequence[Mapping[str, Any]]) -> tuple[list[SlotLayout], MuonScope | None]:
+    """Every slot's layout under ``param_groups`` (their ``sharded_mode``), and the scope."""
+    raw: list[tuple[torch.Tensor, str, str]] = []
+    for group in param_groups:
+        names = group.get("param_names")
+        for position, param in enumerate(group["params"]):
+            name = str(names[position]) if names is not None else f"param_{len(raw)}"
+            raw.append((param, name, execution_mode(param, group["sharded_mode"])))
+    scope = build_scope([(p, m) for p, _, m in raw], [n for _, n, _ in raw])
+    layouts, distributed = [], 0
+    for slot, (param, name, mode) in enumerate(raw):
+        owner = None
+        if mode == DISTRIBUTED:
+            assert scope is not None
+            owner = distributed % scope.world
+            distributed += 1
+        layouts.append(SlotLayout(slot, param, name, mode, owner))
+    return layouts, scope
+
+
+def _topology(layouts: Sequence[SlotLayout]) -> list[dict[str, object] | None] | None:
+    records = [topology_record(layout.param) if layout.mode == APPROX else None for layout in layouts]
+    return records if any(r is not None for r in records) else None
+
+
+def _entry(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: int(value) if key in (STEP, NORMUON_STEP) else value for key, value in state.items()}
+
+
+def export_muon_state_dict(
+    param_groups: Sequence[Mapping[str, Any]],
+    states: Sequence[Mapping[str, Any] | None],
+    layouts: Sequence[SlotLayout],
+    scope: MuonScope | None,
+    *,
+    codebook: torch.Tensor | None,
+    global_step: int,
+    deterministic: bool,
+) -> dict[str, Any]:
+    """The native state dict; ``states`` are per slot, already consolidated for distributed slots."""
+    entries = {layout.slot: _entry(state) for layout, state in zip(layouts, states) if state}
+    owned = [layout for layout in layouts if layout.mode == DISTRIBUTED]
+    owners = None
+    if owned:
+        assert scope is not None
+        owners = {
+            "ownership": OWNERSHIP,
+            "consolidated": True,
+            "world_size": scope.world,
+            "entries": [
+                {
+                    "slot": layout.slot,
+                    "name": layout.name,
+                    "shape": [int(d) for d in layout.param.shape],
+                    "owner": layout.owner,
+                    "initialized": layout.slot in entries,
+                }
+                for layout in owned
+            ],
+        }
+    record = {
+        "global_step": global_step,
+        "codebook": None if codebook is None else codebook.detach().clone(),
+        "deterministic": deterministic,
+        "topology": _topology(layouts),
+        "owners": owners,
+    }
+    return native_state_dict(FORMAT, param_groups, entries, record)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedMuonState:
+    """A validated load: new group dicts, new state (this rank's share), common values."""
+
+    groups: tuple[dict[str, Any], ...]
+    state: dict[torch.Tensor, dict[str, Any]]
+    codebook: torch.Tensor | None
+    global_step: int
+
+
+def _check_owners(owners: object, layouts: Sequence[SlotLayout], initialized: set[int]) -> None:
+    if owners is None:
+        return
+    where = "the owner manifest (gefen_muon_owners)"
+    if not isinstance(owners, Mapping) or set(owners) != {"ownership", "consolidated", "world_size", "entries"}:
+        raise fail(f"{where} must hold exactly ownership, consolidated, world_size and entries")
+    if owners["ownership"] != OWNERSHIP:
+        raise fail(f"{where} uses ownership {owners['ownership']!r}; GefenMuon reads {OWNERSHIP!r}")
+    if owners["consolidated"] is not True:
+        raise fail(f"{where} is not consolidated: it holds one rank's share, not every owner's state")
+    world = exact_int(owners["world_size"], f"{where} world_size", 1)
+    entries = owners["entries"]
+    if not isinstance(entries, list):
+        raise fail(f"{where} entries must be a list")
+    by_slot = {layout.slot: layout for layout in layouts}
+    seen: set[int] = set()
+    for index, entry in enumerate(entries):
+        label = f"{where} entry {index}"
+        if not isinstance(entry, Mapping) or set(entry) != {"slot", "name", "shape", "owner", "initialized"}:
+            raise fail(f"{label} must hold exactly slot, name, shape, owner and initialized")
+        slot = exact_int(entry["slot"], f"{label} slot", 0)
+        if slot in seen or slot not in by_slot:
+            raise fail(f"{label} names slot {slot}, which is repeated or not a parameter of this optimizer")
+        seen.add(slot)
+        layout = by_slot[slot]
+        if entry["name"] != layout.name:
+            raise fail(f"{label} is named {entry['name']!r}, the live parameter {layout.name!r}")
+        if entry["shape"] != [int(d) for d in layout.param.shape]:
+            raise fail(f"{label} has shape {entry['shape']!r}, the live parameter {list(layout.param.shape)}")
+        if exact_int(entry["owner"], f"{label} owner", 0) != index % world:
+            raise fail(f"{label} owner {entry['owner']} breaks the rule owner = index mod world_size ({index % world})")
+        if type(entry["initialized"]) is not bool or entry["initialized"] != (slot in initialized):
+            raise fail(f"{label} says initialized={entry['initialized']!r} but the checkpoint disagrees")
+
+
+def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int) -> dict[str, Any] | None:
+    if not isinstance(entry, Mapping):
+        raise fail(f"{where} must be a dict, got {type(entry).__name__}")
+    if not entry:
+        return None
+    keys = frozenset(entry)
+    undeclared = sorted(map(str, keys - _ALL_KEYS))
+    if undeclared:
+        raise fail(f"{where} has undeclared keys {undeclared}")
+    if keys not in _VARIANTS:
+        missing = sorted((_ALL_KEYS if keys & frozenset(NORMUON_KEYS) else frozenset(MUON_KEYS)) - keys)
+        raise fail(f"{where} matches no state variant: missing authoritative fields {missing}")
+    numel = layout.numel
+    period = exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)
+    if numel % period:
+        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the {numel} elements its state describes")
+    step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
+    if step > global_step:
+        raise fail(f"{where}[{STEP!r}] {step} exceeds the global step {global_step}")
+    device = local_tensor(layout.param).device
+    blocks = numel // period
+    tensors = {
+        INDICES: check_state_tensor(
+            entry[INDICES], f"{where}[{INDICES!r}]", torch.uint8, (blocks, period), finite_nonnegative=False
+        ),
+        MAGNITUDE: check_state_tensor(
+            entry[MAGNITUDE], f"{where}[{MAGNITUDE!r}]", torch.float32, (blocks, 1), finite_nonnegative=True
+        ),
+    }
+    staged: dict[str, Any] = {PERIOD: period, STEP: step}
+    if NORMUON_V in keys:
+        tensors[NORMUON_V] = check_state_tensor(
+            entry[NORMUON_V], f"{where}[{NORMUON_V!r}]", torch.float32, (layout.rows, 1), finite_nonnegative=True
+        )
+        normuon_step = exact_int(entry[NORMUON_STEP], f"{where}[{NORMUON_STEP!r}]", 1)
+        if normuon_step > step:
+            raise fail(f"{where}[{NORMUON_STEP!r}] {normuon_step} exceeds step {step}")
+        staged[NORMUON_STEP] = normuon_step
+    for key, tensor in tensors.items():
+        staged[key] = tensor.detach().to(device=device, copy=True)
+    return staged
+
+
+def stage_muon_state_dict(
+    state_dict: object,
+    *,
+    param_groups: Sequence[Mapping[str, Any]],
+    deterministic: bool,
+) -> StagedMuonState:
+    """Validate ``state_dict`` against the live optimizer and stage this rank's share (no collective)."""
+    groups = check_top_level(state_dict, FORMAT, len(param_groups))
+    assert isinstance(state_dict, Mapping)
+    record = reconcile_record(state_dict, FORMAT)
+    new_groups: list[dict[str, Any]] = []
+    saved_ids: list[list[object]] = []
+    for index, (saved, live) in enumerate(zip(groups, param_groups)):
+        new, ids = stage_group(saved, live, index, required=MUON_GROUP_OPTIONS, normalize=normalize_muon_options)
+        new_groups.append(new)
+        saved_ids.append(ids)
+    layouts, scope = slot_layouts(new_groups)
+    global_step, codebook = check_common_record(
+        record, deterministic=deterministic, topology=_topology(layouts), optimizer="GefenMuon"
+    )
+    by_id = parameter_slots(saved_ids, param_groups)
+    saved_state = state_dict["state"]
+    if not isinstance(saved_state, Mapping):
+        raise fail(f"'state' must be a mapping, got {type(saved_state).__name__}")
+    staged_slots: dict[int, dict[str, Any]] = {}
+    for pid, entry in saved_state.items():
+        found = by_id.get(pid) if type(pid) in (int, str) else None
+        if found is None:
+            raise fail(f"state entry {pid!r} names no parameter of this optimizer")
+        slot, _, where = found
+        staged = _stage_entry(entry, layouts[slot], where, global_step)
+        if staged is not None:
+            staged_slots[slot] = staged
+    _check_owners(record["owners"], layouts, set(staged_slots))
+    if any(bool(s[MAGNITUDE].ne(0).any()) for s in staged_slots.values()) and codebook is None:
+        raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
+    new_state = {
+        layouts[slot].param: staged
+        for slot, staged in staged_slots.items()
+        if layouts[slot].mode != DISTRIBUTED or (scope is not None and layouts[slot].owner == scope.rank)
+    }
+    for group in new_groups:
+        group.pop(GROUP_MIRROR, None)
+    return StagedMuonState(tuple(new_groups), new_state, codebook, global_step)

@@ -1,0 +1,203 @@
+"""GefenMuon's preflight: every check a step makes before it mutates anything.
+
+:func:`check_entry` validates what does not depend on gradients (capture, the live groups,
+the parameters); :func:`plan_muon_step` adds the gradients and the stored state and returns
+a :class:`MuonPlan` describing the work. Both raise the same specific error ``step()`` would,
+change nothing, run no closure and no collective. ``GefenMuon.preflight_step()`` is
+:func:`plan_muon_step` with the plan discarded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from gefen_contracts import KernelUnavailableError
+
+from .distributed import check_parameter_layout, local_tensor
+from .errors import CaptureError, GradientError, ParameterError
+from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, build_scope, execution_mode
+from .muon_options import check_muon_group
+from .muon_state import check_muon_state
+from .ops import HISTOGRAM, MUON_MOMENTUM, KernelDispatch
+from .param_groups import SUPPORTED_DTYPES
+from .step_plan import capturing, check_gradient
+
+__all__ = ["MuonItem", "MuonPlan", "check_entry", "check_matrix", "plan_muon_step"]
+
+_NAME = "GefenMuon"
+
+
+@dataclass(slots=True)
+class MuonItem:
+    """One parameter of the optimizer in ``param_groups`` order, with or without a gradient."""
+
+    group_index: int
+    position: int
+    slot: int
+    param: torch.Tensor
+    name: str
+    mode: str
+    grad: torch.Tensor | None
+    owner: int | None = None
+    state: dict[str, Any] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"param_groups[{self.group_index}]['params'][{self.position}] ({self.name!r})"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.param.shape
+        return int(rows), int(cols)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return local_tensor(self.param)
+
+    @property
+    def local_grad(self) -> torch.Tensor:
+        assert self.grad is not None
+        return local_tensor(self.grad)
+
+    @property
+    def state_numel(self) -> int:
+        """Elements the state describes: local rows under approx, the whole matrix otherwise."""
+        return self.local.numel() if self.mode == APPROX else self.param.numel()
+
+
+@dataclass(slots=True)
+class MuonPlan:
+    items: list[MuonItem] = field(default_factory=list)
+    scope: MuonScope | None = None
+
+    @property
+    def active(self) -> list[MuonItem]:
+        return [item for item in self.items if item.grad is not None]
+
+    def scope_items(self) -> list[MuonItem]:
+        return [item for item in self.items if item.mode in (EXACT, DISTRIBUTED)]
+
+
+def check_matrix(param: object, where: str) -> None:
+    """A GefenMuon parameter: a real, dense, 2-D floating tensor in a supported layout."""
+    if not isinstance(param, torch.Tensor):
+        return  # torch's add_param_group raises its own TypeError
+    if param.dim() != 2:
+        raise ParameterError(
+            f"{where}: GefenMuon only supports 2D parameters, got shape {tuple(param.shape)} "
+            "(route embeddings, heads, norms and biases to Gefen or AdamW; a ZeRO-style wrapper that flattens "
+            "parameters cannot be used with GefenMuon)"
+        )
+    if param.is_complex():
+        raise ParameterError(f"{where}: {_NAME} does not support complex parameters ({param.dtype})")
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise ParameterError(
+            f"{where}: dtype {param.dtype} is not supported (use float32, bfloat16, float16 or float64)"
+        )
+    if param.layout is not torch.strided:
+        raise ParameterError(f"{where}: only strided (dense) parameters are supported, got {param.layout}")
+    check_parameter_layout(param, where)
+
+
+def _names(group: dict[str, Any], first_slot: int) -> list[str]:
+    names = group.get("param_names")
+    if names is not None:
+        return [str(n) for n in names]
+    return [f"param_{first_slot + i}" for i in range(len(group["params"]))]
+
+
+def check_entry(param_groups: Sequence[dict[str, Any]]) -> list[MuonItem]:
+    """Capture, options and parameters; returns every parameter as an item (no gradients read)."""
+    if capturing():
+        raise CaptureError("GefenMuon steps cannot be captured in a CUDA graph (capturable=True is not implemented)")
+    items: list[MuonItem] = []
+    slot = 0
+    for group_index, group in enumerate(param_groups):
+        check_muon_group(group, group_index)
+        names = _names(group, slot)
+        for position, param in enumerate(group["params"]):
+            name = names[position]
+            where = f"param_groups[{group_index}]['params'][{position}] ({name!r})"
+            check_matrix(param, where)
+            items.append(
+                MuonItem(group_index, position, slot, param, name, execution_mode(param, group["sharded_mode"]), None)
+            )
+            slot += 1
+    return items
+
+
+def _assign_owners(items: list[MuonItem], scope: MuonScope | None) -> None:
+    counters = {EXACT: 0, DISTRIBUTED: 0}
+    for item in items:
+        if item.mode in counters:
+            assert scope is not None
+            item.owner = counters[item.mode] % scope.world
+            counters[item.mode] += 1
+
+
+def plan_muon_step(
+    param_groups: Sequence[dict[str, Any]],
+    state: Any,
+    *,
+    dispatch: KernelDispatch,
+    fused: bool | None,
+    codebook_ready: bool,
+    kernel_queries: Callable[[MuonItem], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+) -> MuonPlan:
+    """Validate everything a step needs and describe its work (see the module docstring)."""
+    items = check_entry(param_groups)
+    scope = build_scope([(item.param, item.mode) for item in items], [item.where for item in items])
+    seen: dict[tuple[str, tuple[int, ...], torch.dtype], str] = {}
+    for item in items:
+        if item.mode in (EXACT, DISTRIBUTED):
+            key = (item.name, tuple(item.param.shape), item.param.dtype)
+            if key in seen:
+                raise ParameterError(
+                    f"{item.where}: two sharded parameters share the name, shape and dtype of {seen[key]}; pass "
+                    "model.named_parameters() so every rank can check the registration order"
+                )
+            seen[key] = item.where
+        item.state = state.get(item.param) or None
+        grad = item.param.grad
+        if grad is not None:
+            check_gradient(item.param, grad, item.where, optimizer=_NAME)
+            item.grad = grad
+        if item.state is not None:
+            check_muon_state(item.state, item.state_numel, item.where)
+        if grad is not None and item.state is None:
+            local_grad = item.local_grad
+            if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
+                raise GradientError(
+                    f"{item.where}: the first gradient is not finite; the period and the codebook cannot be learned from it"
+                )
+    _assign_owners(items, scope)
+    plan = MuonPlan(items, scope)
+    if fused is True:
+        _check_kernels(plan, dispatch, codebook_ready, kernel_queries)
+    return plan
+
+
+def _check_kernels(
+    plan: MuonPlan,
+    dispatch: KernelDispatch,
+    codebook_ready: bool,
+    kernel_queries: Callable[[MuonItem], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+) -> None:
+    active = plan.active
+    needed = {MUON_MOMENTUM} if active else set()
+    if active and not codebook_ready:
+        needed.add(HISTOGRAM)
+    for op_id in sorted(needed):
+        if not dispatch.available(op_id):
+            failures = "; ".join(f"{f.entry_point}: {f.error}" for f in dispatch.registry.failures)
+            raise KernelUnavailableError(
+                f"fused=True needs a kernel for {op_id}: no registered provider implements it"
+                + (f"; providers that failed to load: {failures}" if failures else "")
+            )
+    for item in active:
+        if item.state is not None:
+            for op_id, args, kwargs in kernel_queries(item):
+                dispatch.resolve(op_id, *args, **kwargs)

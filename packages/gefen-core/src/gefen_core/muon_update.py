@@ -1,0 +1,99 @@
+"""One matrix's GefenMuon update: quantized momentum, Newton-Schulz, levers, and the write.
+
+The same functions serve every path (plain tensors, ``"exact"``, ``"approx"``, the
+``"distributed"`` owner and batched Newton-Schulz)::
+
+    X = momentum_input(G)            # gefen.muon_momentum/1: EMA on the codes, Nesterov, bf16 NS input
+    O = orthogonalize(X)             # bf16 Newton-Schulz (fp8 where eligible)
+    O = finish_update(O, G)          # NorMuon, then cautious, when the group enables them
+    apply_update(p, O)               # p <- p * (1 - lr * wd) ; p <- p - lr * rho * O
+
+``G`` is the whole matrix's gradient, or the local rows under ``"approx"``; ``rho`` comes
+from the **global** shape (:func:`gefen_core.muon_options.lr_ratio`). Decay uses the
+unscaled ``lr``, as ``torch.optim.Muon`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .fp8_newton_schulz import newton_schulz_fp8
+from .newton_schulz import Schedule, newton_schulz
+from .normuon import cautious_mask, normuon_rescale
+from .ops import MUON_MOMENTUM, KernelDispatch
+from .param_state import INDICES, MAGNITUDE, STEP
+from .step_scalars import muon_scalars
+
+__all__ = ["apply_update", "finish_update", "momentum_call", "momentum_input", "orthogonalize"]
+
+Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def momentum_call(
+    grad: torch.Tensor,
+    state: Mapping[str, Any],
+    group: Mapping[str, Any],
+    *,
+    codebook: torch.Tensor,
+    seed: torch.Tensor | None,
+    out: torch.Tensor,
+    deterministic: bool,
+) -> Call:
+    """The ``gefen.muon_momentum/1`` call for a contiguous 2-D gradient (also used for kernel queries)."""
+    scalars = muon_scalars(grad.device, group["momentum"])
+    args = (grad, state[INDICES], state[MAGNITUDE], codebook, scalars, seed, out)
+    return MUON_MOMENTUM, args, {"nesterov": bool(group["nesterov"]), "deterministic": deterministic}
+
+
+def momentum_input(
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    group: Mapping[str, Any],
+    *,
+    dispatch: KernelDispatch,
+    codebook: torch.Tensor,
+    seed: torch.Tensor | None,
+    deterministic: bool,
+) -> torch.Tensor:
+    """Advance the quantized momentum in ``state`` and return the bf16 Newton-Schulz input."""
+    contiguous = grad.contiguous()
+    out = torch.empty(contiguous.shape, dtype=torch.bfloat16, device=contiguous.device)
+    op_id, args, kwargs = momentum_call(
+        contiguous, state, group, codebook=codebook, seed=seed, out=out, deterministic=deterministic
+    )
+    dispatch(op_id, *args, **kwargs)
+    state[STEP] = int(state[STEP]) + 1
+    return out
+
+
+def orthogonalize(
+    matrix: torch.Tensor, schedule: Schedule, eps: float, *, fp8: bool, compile_fp8: bool
+) -> torch.Tensor:
+    """Newton-Schulz in bf16, or the fp8 iteration when the caller found it eligible."""
+    if fp8:
+        return newton_schulz_fp8(matrix, schedule, eps, compile=compile_fp8)
+    return newton_schulz(matrix, schedule, eps)
+
+
+def finish_update(
+    update: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]
+) -> torch.Tensor:
+    """NorMuon, then the cautious mask, as the group enables them."""
+    if group["normuon"]:
+        update = normuon_rescale(update, state, group["normuon_beta2"], group["normuon_eps"])
+    if group["cautious"]:
+        update = cautious_mask(update, grad)
+    return update
+
+
+def apply_update(
+    local: torch.Tensor, update: torch.Tensor | None, *, lr: float, weight_decay: float, ratio: float
+) -> None:
+    """Decoupled decay with the unscaled ``lr``, then ``local -= lr * ratio * update`` (in place)."""
+    if weight_decay > 0:
+        local.mul_(1.0 - lr * weight_decay)
+    if update is not None and local.numel():
+        local.add_(update, alpha=-(lr * ratio))

@@ -1,0 +1,267 @@
+"""The parts of a native state dict that Gefen's and GefenMuon's formats share, and their checks.
+
+Both formats are torch-shaped (``{"state": {pid: {...}}, "param_groups": [...]}``) plus an
+optimizer-common *record* (global step, codebook, deterministic policy, topology, ...) stored
+twice: as top-level ``gefen_*`` keys and as a mirror in every group (torch's DCP helpers keep
+only ``state`` and ``param_groups``). A :class:`NativeFormat` names one format's record;
+:func:`native_state_dict` writes it and the functions below validate a loaded one, raising
+:class:`~gefen_contracts.StateValidationError` that names what is wrong. Nothing here mutates
+its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gefen_contracts import StateValidationError
+
+from .codebook import validate_codebook
+from .errors import GefenOptionError, GefenOptionTypeError
+
+__all__ = [
+    "GROUP_MIRROR",
+    "NativeFormat",
+    "check_common_record",
+    "check_state_tensor",
+    "check_top_level",
+    "exact_int",
+    "fail",
+    "native_state_dict",
+    "parameter_slots",
+    "reconcile_record",
+    "stage_group",
+]
+
+GROUP_MIRROR = "_gefen_checkpoint_metadata"
+_VERSION_KEY = "gefen_format_version"
+
+
+@dataclass(frozen=True, slots=True)
+class NativeFormat:
+    """One native format: its name and version, and its record's ``(field, top-level key)`` pairs."""
+
+    name: str
+    version: int
+    records: tuple[tuple[str, str], ...]
+    optimizer: str
+
+    @property
+    def top_level_keys(self) -> tuple[str, ...]:
+        return (_VERSION_KEY, *(key for _, key in self.records))
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.records)
+
+    def mirror(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """The per-group copy of ``record`` (tagged with the format's name and version)."""
+        return {"format": self.name, "format_version": self.version, **{f: record[f] for f in self.fields}}
+
+
+def fail(message: str) -> StateValidationError:
+    return StateValidationError(message)
+
+
+def native_state_dict(
+    fmt: NativeFormat,
+    param_groups: Sequence[Mapping[str, Any]],
+    entries: dict[int, dict[str, Any]],
+    record: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``{"state": entries, "param_groups": [...], <top-level record>}``; ids are slot positions."""
+    groups: list[dict[str, Any]] = []
+    pid = 0
+    for group in param_groups:
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = list(range(pid, pid + len(group["params"])))
+        pid += len(group["params"])
+        saved[GROUP_MIRROR] = fmt.mirror(record)
+        groups.append(saved)
+    out: dict[str, Any] = {"state": entries, "param_groups": groups, _VERSION_KEY: fmt.version}
+    for name, key in fmt.records:
+        out[key] = record[name]
+    return out
+
+
+def exact_int(value: object, where: str, minimum: int) -> int:
+    """An ``int`` (``bool`` refused) of at least ``minimum``."""
+    if type(value) is not int:
+        raise fail(f"{where} must be an int (bool rejected), got {type(value).__name__}")
+    if value < minimum:
+        raise fail(f"{where} must be >= {minimum}, got {value}")
+    return value
+
+
+def _same_tensor(a: object, b: object) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.detach().cpu(), b.detach().cpu())
+    )
+
+
+def check_top_level(state_dict: object, fmt: NativeFormat, live_groups: int) -> list[Any]:
+    """The dict's shape: a mapping with ``state`` and ``param_groups`` (one per live group), no unknown keys."""
+    if not isinstance(state_dict, Mapping):
+        raise fail(f"a state dict must be a mapping, got {type(state_dict).__name__}")
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise fail(f"state_dict lacks {key!r}")
+    unknown = set(state_dict) - {"state", "param_groups", *fmt.top_level_keys}
+    if unknown:
+        raise fail(f"state_dict has unknown top-level keys {sorted(map(str, unknown))}")
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, list) or len(groups) != live_groups:
+        count = len(groups) if isinstance(groups, list) else "no"
+        raise fail(f"state_dict has {count} parameter groups, the optimizer has {live_groups}")
+    return groups
+
+
+def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]:
+    """Reconcile the top-level record and the per-group mirrors (both, either, never neither)."""
+    present = [key for key in fmt.top_level_keys if key in sd]
+    top: dict[str, Any] | None = None
+    if present:
+        if len(present) != len(fmt.top_level_keys):
+            missing = sorted(set(fmt.top_level_keys) - set(present))
+            raise fail(f"state_dict has some Gefen top-level keys but lacks {missing}")
+        if sd[_VERSION_KEY] != fmt.version or type(sd[_VERSION_KEY]) is not int:
+            raise fail(f"state_dict {_VERSION_KEY} must be {fmt.version}, got {sd[_VERSION_KEY]!r}")
+        top = {name: sd[key] for name, key in fmt.records}
+    mirrors = [g.get(GROUP_MIRROR) if isinstance(g, Mapping) else None for g in sd["param_groups"]]
+    with_mirror = [m for m in mirrors if m is not None]
+    if with_mirror and len(with_mirror) != len(mirrors):
+        raise fail(f"{GROUP_MIRROR} is present on only some parameter groups")
+    records = [] if top is None else [("top level", top)]
+    expected_keys = {"format", "format_version", *fmt.fields}
+    for index, mirror in enumerate(with_mirror):
+        if not isinstance(mirror, Mapping) or set(mirror) != expected_keys:
+            raise fail(f"param_groups[{index}][{GROUP_MIRROR!r}] has unexpected keys")
+        if mirror["format"] != fmt.name or mirror["format_version"] != fmt.version:
+            raise fail(
+                f"param_groups[{index}] holds format {mirror['format']!r} version {mirror['format_version']!r}; "
+                f"{fmt.optimizer} reads {fmt.name!r} version {fmt.version}"
+            )
+        records.append((f"param_groups[{index}] mirror", {f: mirror[f] for f in fmt.fields}))
+    if not records:
+        raise fail(
+            "state_dict carries no Gefen metadata (neither top-level gefen_* keys nor group mirrors); "
+            f"it was not produced by {fmt.optimizer}.state_dict()"
+        )
+    first_where, first = records[0]
+    for where, other in records[1:]:
+        for key in fmt.fields:
+            if key == "codebook":
+                a, b = first[key], other[key]
+                if (a is None) != (b is None) or (a is not None and not _same_tensor(a, b)):
+                    raise fail(f"{where} and {first_where} disagree on the codebook")
+            elif other[key] != first[key] or type(other[key]) is not type(first[key]):
+                raise fail(f"{where} and {first_where} disagree on {key}")
+    return first
+
+
+def check_common_record(
+    record: Mapping[str, Any], *, deterministic: bool, topology: object, optimizer: str
+) -> tuple[int, torch.Tensor | None]:
+    """Global step, deterministic policy, topology and codebook of a reconciled record."""
+    global_step = exact_int(record["global_step"], "global_step", 0)
+    if type(record["deterministic"]) is not bool:
+        raise fail("the checkpoint's deterministic policy must be a bool")
+    if record["deterministic"] != deterministic:
+        raise fail(
+            f"the checkpoint was produced with deterministic={record['deterministic']} but this optimizer has "
+            f"deterministic={deterministic}; construct the optimizer with the checkpoint's policy"
+        )
+    if record["topology"] != topology:
+        raise fail(
+            "the checkpoint's DTensor topology (mesh size, coordinate, placements, shapes) differs from the live one; "
+            f"rank-local {optimizer} state loads only into the same topology"
+        )
+    codebook = record["codebook"]
+    if codebook is not None:
+        codebook = validate_codebook(codebook, "codebook").clone()
+    return global_step, codebook
+
+
+def check_state_tensor(
+    value: object, where: str, dtype: torch.dtype, shape: tuple[int, ...], *, finite_nonnegative: bool
+) -> torch.Tensor:
+    """A plain dense tensor of exactly ``dtype`` and ``shape`` (finite and >= 0 when asked)."""
+    if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+        raise fail(f"{where} must be a plain tensor, got {type(value).__name__}")
+    if value.layout is not torch.strided:
+        raise fail(f"{where} must be a dense tensor")
+    if value.dtype != dtype:
+        raise fail(f"{where} must be {dtype}, got {value.dtype}")
+    if tuple(value.shape) != shape:
+        raise fail(f"{where} must have shape {shape}, got {tuple(value.shape)}")
+    if finite_nonnegative and value.numel():
+        if not bool(torch.isfinite(value).all()):
+            raise fail(f"{where} must be finite")
+        if bool((value < 0).any()):
+            raise fail(f"{where} must be >= 0")
+    return value
+
+
+def stage_group(
+    saved: object,
+    live: Mapping[str, Any],
+    index: int,
+    *,
+    required: Sequence[str],
+    normalize: Callable[[Mapping[str, Any], int], dict[str, Any]],
+) -> tuple[dict[str, Any], list[object]]:
+    """A new group dict for live group ``index`` from its saved copy, and the saved parameter ids.
+
+    ``required`` options must all be present; ``normalize(saved, index)`` validates them (its
+    option errors become :class:`StateValidationError`). Names must match the live ones.
+    """
+    if not isinstance(saved, Mapping):
+        raise fail(f"param_groups[{index}] must be a dict, got {type(saved).__name__}")
+    ids = saved.get("params")
+    count = len(live["params"])
+    if not isinstance(ids, list) or len(ids) != count:
+        raise fail(f"param_groups[{index}] must list exactly {count} parameter ids (a parameter group changed)")
+    for pid in ids:
+        if type(pid) not in (int, str):
+            raise fail(f"param_groups[{index}] parameter ids must be ints or strings, got {type(pid).__name__}")
+    missing = [name for name in required if name not in saved]
+    if missing:
+        raise fail(f"param_groups[{index}] lacks options {missing}")
+    try:
+        options = normalize(saved, index)
+    except (GefenOptionError, GefenOptionTypeError) as exc:
+        raise fail(f"invalid hyperparameter in the checkpoint: {exc}") from None
+    new = {key: value for key, value in saved.items() if key not in ("params", GROUP_MIRROR)}
+    new.update(options)
+    if isinstance(new.get("lr"), torch.Tensor):
+        new["lr"] = new["lr"].detach().clone()
+    live_names = live.get("param_names")
+    if live_names is not None:
+        if "param_names" in saved and list(saved["param_names"]) != list(live_names):
+            raise fail(f"param_groups[{index}] param_names differ from the live parameter names")
+        new["param_names"] = live_names
+    elif "param_names" in saved:
+        raise fail(f"param_groups[{index}] names its parameters but the live group is unnamed")
+    new["params"] = live["params"]
+    return new, ids
+
+
+def parameter_slots(
+    saved_ids: Sequence[list[object]], live_groups: Sequence[Mapping[str, Any]]
+) -> dict[object, tuple[int, torch.Tensor, str]]:
+    """Saved parameter id -> ``(slot, live parameter, where)``; ids must be unique."""
+    by_id: dict[object, tuple[int, torch.Tensor, str]] = {}
+    slot = 0
+    for index, (ids, live) in enumerate(zip(saved_ids, live_groups)):
+        for position, (pid, param) in enumerate(zip(ids, live["params"])):
+            if pid in by_id:
+                raise fail(f"parameter id {pid!r} appears twice")
+            by_id[pid] = (slot, param, f"state[{pid!r}] (param_groups[{index}] position {position})")
+            slot += 1
+    return by_id

@@ -1,0 +1,83 @@
+"""Plumbing shared by Gefen and GefenMuon: torch's state-dict hooks around our own formats,
+pickling of the optimizer's own attributes, and per-device copies of the codebook."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["OwnAttributesPickling", "codebook_on", "export_with_hooks", "load_with_hooks", "publish_groups_and_state"]
+
+
+def export_with_hooks(optimizer: torch.optim.Optimizer, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``state_dict()`` semantics: pre-hooks, ``build()``, post-hooks (which may replace the result)."""
+    for pre_hook in optimizer._optimizer_state_dict_pre_hooks.values():
+        pre_hook(optimizer)
+    result = build()
+    for post_hook in optimizer._optimizer_state_dict_post_hooks.values():
+        replaced = post_hook(optimizer, result)
+        if replaced is not None:
+            result = replaced
+    return result
+
+
+def load_with_hooks(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    load: Callable[[Mapping[str, Any]], None],
+) -> None:
+    """``load_state_dict()`` semantics: pre-hooks (which may replace the dict), ``load``, post-hooks."""
+    for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        replaced = pre_hook(optimizer, state_dict)  # type: ignore[arg-type]
+        if replaced is not None:
+            state_dict = replaced
+    load(state_dict)
+    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        post_hook(optimizer)
+
+
+class OwnAttributesPickling:
+    """Mixin (before ``torch.optim.Optimizer``): pickling and ``copy.deepcopy`` keep the
+    attributes named in ``_OWN_ATTRIBUTES``, which torch's ``__getstate__`` drops."""
+
+    _OWN_ATTRIBUTES: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[assignment]
+        state["_gefen"] = {name: getattr(self, name) for name in self._OWN_ATTRIBUTES}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        own = dict(state.pop("_gefen", {}))
+        super().__setstate__(state)  # type: ignore[misc]
+        for name, value in own.items():
+            setattr(self, name, value)
+
+
+def codebook_on(codebook: torch.Tensor, copies: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The CPU codebook itself on CPU, else its cached copy on ``device`` (made on first use)."""
+    if device.type == "cpu":
+        return codebook
+    copy = copies.get(device)
+    if copy is None:
+        copy = codebook.to(device)
+        copies[device] = copy
+    return copy
+
+
+def publish_groups_and_state(
+    optimizer: torch.optim.Optimizer,
+    groups: Sequence[dict[str, Any]],
+    state: Mapping[torch.Tensor, dict[str, Any]],
+) -> None:
+    """Swap staged group contents and per-parameter state in (the live group dicts keep their
+    identity, so schedulers holding them see the new values). Cannot raise."""
+    for live, new in zip(optimizer.param_groups, groups):
+        live.clear()
+        live.update(new)
+    fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+    fresh.update(state)
+    optimizer.state = fresh
