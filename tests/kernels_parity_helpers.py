@@ -157,7 +157,17 @@ def compare_block_step(
         block_step_reference(
             ref.param.view(-1), grad.view(-1), ref.indices, ref.magnitude, ref.second[0], codebook, sc, sr_seed, **flags
         )
-        op(mine.param.view(-1), grad.view(-1), mine.indices, mine.magnitude, mine.second[0], codebook, sc, sr_seed, **flags)
+        op(
+            mine.param.view(-1),
+            grad.view(-1),
+            mine.indices,
+            mine.magnitude,
+            mine.second[0],
+            codebook,
+            sc,
+            sr_seed,
+            **flags,
+        )
         _assert_states(before, ref, mine)
         grad = grad.roll(1)  # a different gradient for the next step
 
@@ -208,3 +218,34 @@ def compare_histogram(op: StepOp, grad: torch.Tensor, period: int) -> None:
     histogram_reference(grad, period, expected, deterministic=False)
     op(grad, period, got, deterministic=False)
     assert torch.equal(expected, got)
+
+
+def compare_muon_momentum(
+    op: StepOp,
+    grad: torch.Tensor,
+    period: int,
+    codebook: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    nesterov: bool,
+    sr_seed: torch.Tensor | None,
+) -> None:
+    """``gefen.muon_momentum/1`` against the reference, two steps from the reference's state."""
+    from gefen_core.reference_ops import muon_momentum_reference
+
+    device = grad.device
+    blocks = grad.numel() // period
+    indices = torch.randint(0, 256, (blocks, period), dtype=torch.uint8, device=device)
+    magnitude = torch.rand(blocks, 1, device=device) * 0.1
+    packet = step_scalars.muon_scalars(device, 0.95)
+    for _ in range(2):
+        expected = torch.empty(grad.shape, dtype=out_dtype, device=device)
+        got = torch.empty(grad.shape, dtype=out_dtype, device=device)
+        mine_indices, mine_magnitude = indices.clone(), magnitude.clone()
+        flags = {"nesterov": nesterov, "deterministic": False}
+        muon_momentum_reference(grad, indices, magnitude, codebook, packet, sr_seed, expected, **flags)
+        op(grad, mine_indices, mine_magnitude, codebook, packet, sr_seed, got, **flags)
+        assert_indices_close(indices, mine_indices)
+        assert ulp_distance(magnitude, mine_magnitude) <= 1
+        assert ulp_distance(expected, got) <= 1
+        grad = grad.roll(1, dims=1)

@@ -13,6 +13,7 @@ from kernels_parity_helpers import (
     compare_block_step,
     compare_factored_step,
     compare_histogram,
+    compare_muon_momentum,
     random_state,
     shared_codebook,
 )
@@ -144,3 +145,24 @@ def test_provider_supports_cpu_tensors_and_explains_refusals() -> None:
     assert not kernels.supports("gefen.block_step/1", *args[:-1], **flags)
     with pytest.raises(ValueError, match="indices"):
         cpu_ops.block_step(*wrong, **flags)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0, 4, 4), (3, 5, 5), (16, 48, 48), (6, 10, 4), (2, 4100, 8200)], ids=str)
+@pytest.mark.parametrize(
+    "variant", [(torch.bfloat16, True, False), (torch.float32, False, True)], ids=["bf16-nesterov", "fp32-sr"]
+)
+def test_muon_momentum_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int, int], variant: tuple) -> None:
+    torch.manual_seed(5)
+    rows, cols, period = shape
+    out_dtype, nesterov, stochastic = variant
+    grad = torch.randn(rows, cols, dtype=dtype)
+    compare_muon_momentum(
+        cpu_ops.muon_momentum,
+        grad,
+        period,
+        shared_codebook(),
+        out_dtype=out_dtype,
+        nesterov=nesterov,
+        sr_seed=_seed(stochastic),
+    )

@@ -114,7 +114,7 @@ def test_fused_true_requires_and_uses_the_kernels() -> None:
     fused = _train(True, KernelRegistry([counting]), factored_v_2d=False)
     assert counting.calls["gefen.block_step/1"] == 5 * STEPS
     _assert_same_training(_train(False, None, factored_v_2d=False), fused)
-    with pytest.raises(KernelUnavailableError, match="gefen.block_step/1"):
+    with pytest.raises(KernelUnavailableError, match=r"gefen\.block_step/1"):
         Gefen(_params(), fused=True, kernel_registry=KernelRegistry())
 
 
@@ -141,7 +141,16 @@ def test_without_a_compiler_cpu_steps_fall_back_with_one_clear_warning(
         assert not list((tmp_path / "cache").glob("*.so"))
         param = torch.zeros(4)
         block = torch.zeros(1, 1)
-        args = (param, param, torch.zeros(1, 4, dtype=torch.uint8), block, block, torch.zeros(256), torch.zeros(9), None)
+        args = (
+            param,
+            param,
+            torch.zeros(1, 4, dtype=torch.uint8),
+            block,
+            block,
+            torch.zeros(256),
+            torch.zeros(9),
+            None,
+        )
         flags = {"apply_decay": False, "maximize": False, "deterministic": False}
         assert "C compiler" in (fresh.explain("gefen.block_step/1", *args, **flags) or "")
         reference = _train(False, None)

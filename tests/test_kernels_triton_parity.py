@@ -42,11 +42,14 @@ from kernels_parity_helpers import (  # noqa: E402
     compare_block_step,
     compare_factored_step,
     compare_histogram,
+    compare_muon_momentum,
     random_state,
     shared_codebook,
 )
 
-BLOCKS = [(0, 3), (3, 5), (17, 1), (2, 64)] if not ON_GPU else [(0, 3), (3, 5), (17, 1), (2, 64), (300, 2048), (3, 70001)]
+BLOCKS = (
+    [(0, 3), (3, 5), (17, 1), (2, 64)] if not ON_GPU else [(0, 3), (3, 5), (17, 1), (2, 64), (300, 2048), (3, 70001)]
+)
 FACTORED = [(3, 5, 5), (4, 6, 8), (2, 17, 34)] if not ON_GPU else [(3, 5, 5), (4, 6, 8), (2, 17, 34), (512, 1000, 500)]
 VARIANTS = [(0.0, False, False), (0.1, True, True)]
 
@@ -113,3 +116,22 @@ def test_triton_uniforms_equal_the_pinned_hash() -> None:
     seed = torch.tensor([-(2**63) + 12345], dtype=torch.int64, device=DEVICE)
     many = torch.arange(0, 3000, 7, dtype=torch.int64, device=DEVICE)
     assert torch.equal(T.stochastic_uniform(seed, many).cpu(), splitmix_uniform(seed.cpu(), many.cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "variant", [(torch.bfloat16, True, False), (torch.float32, False, True)], ids=["bf16-nesterov", "fp32-sr"]
+)
+def test_triton_muon_momentum_matches_the_reference(dtype: torch.dtype, variant: tuple) -> None:
+    torch.manual_seed(6)
+    out_dtype, nesterov, stochastic = variant
+    grad = torch.randn(4, 6, dtype=dtype, device=DEVICE)
+    compare_muon_momentum(
+        T.muon_momentum,
+        grad,
+        8,
+        shared_codebook().to(DEVICE),
+        out_dtype=out_dtype,
+        nesterov=nesterov,
+        sr_seed=_seed(stochastic),
+    )

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .signatures import CODEBOOK_SIZE, HISTOGRAM_BINS, NUM_SCALARS
+from .signatures import CODEBOOK_SIZE, HISTOGRAM_BINS, MUON_NUM_SCALARS, NUM_SCALARS
 
 __all__ = [
     "PARAM_DTYPES",
@@ -21,6 +21,7 @@ __all__ = [
     "check_factored_stats",
     "check_factored_step",
     "check_histogram",
+    "check_muon_momentum",
     "check_stochastic_uniform",
 ]
 
@@ -71,7 +72,13 @@ def _param_grad(param: Any, grad: Any) -> str | None:
 
 
 def _momentum(
-    param: torch.Tensor, indices: Any, magnitude: Any, codebook: Any, scalars: Any, sr_seed: Any
+    param: torch.Tensor,
+    indices: Any,
+    magnitude: Any,
+    codebook: Any,
+    scalars: Any,
+    sr_seed: Any,
+    num_scalars: int = NUM_SCALARS,
 ) -> str | None:
     device = param.device
     reason = _tensor(indices, "indices", torch.uint8, device)
@@ -92,8 +99,8 @@ def _momentum(
     reason = _tensor(scalars, "scalars", torch.float32, device)
     if reason:
         return reason
-    if scalars.numel() < NUM_SCALARS:
-        return f"scalars must hold {NUM_SCALARS} values, got {scalars.numel()}"
+    if scalars.numel() < num_scalars:
+        return f"scalars must hold {num_scalars} values, got {scalars.numel()}"
     if sr_seed is not None:
         reason = _tensor(sr_seed, "sr_seed", torch.int64, device)
         if reason:
@@ -195,4 +202,26 @@ def check_stochastic_uniform(*args: Any, **kwargs: Any) -> str | None:
         return reason
     if seed.numel() != 1:
         return f"seed must hold exactly one value, got {seed.numel()}"
+    return None
+
+
+def check_muon_momentum(*args: Any, **kwargs: Any) -> str | None:
+    """``(grad, indices, magnitude, codebook, scalars, sr_seed, out, *, nesterov, deterministic)``."""
+    if len(args) != 7:
+        return f"gefen.muon_momentum/1 takes 7 positional arguments, got {len(args)}"
+    grad, indices, magnitude, codebook, scalars, sr_seed, out = args
+    reason = _flags(kwargs, ("nesterov", "deterministic"))
+    if reason:
+        return reason
+    if not isinstance(grad, torch.Tensor) or grad.dtype not in PARAM_DTYPES or not grad.is_contiguous():
+        return "grad must be a contiguous floating-point tensor"
+    if grad.dim() != 2:
+        return f"grad must be a 2-D matrix, got {grad.dim()}-D"
+    reason = _momentum(grad, indices, magnitude, codebook, scalars, sr_seed, MUON_NUM_SCALARS)
+    if reason:
+        return reason
+    if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bfloat16, torch.float32):
+        return "out must be a bf16 or fp32 tensor"
+    if out.device != grad.device or out.shape != grad.shape or not out.is_contiguous():
+        return f"out must be contiguous, of shape {tuple(grad.shape)}, on {grad.device}"
     return None

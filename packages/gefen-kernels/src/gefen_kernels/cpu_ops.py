@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 from . import arguments
 from .cpu_build import load_cpu_library
 
-__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "stochastic_uniform"]
+__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "muon_momentum", "stochastic_uniform"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 #: Row chunks of the factored statistics (fixed, so the sum order does not depend on threads).
@@ -33,6 +33,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "gefen_factored_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT, _P],
     "gefen_factored_stats": [_INT, _P, _I64, _I64, _P, _P, _P, _I64, _INT],
     "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
+    "gefen_muon_momentum": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _INT, _P],
     "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
 }
 _BOUND: dict[str, Callable[..., int]] = {}
@@ -278,3 +279,45 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             torch.get_num_threads(),
         )
     return out
+
+
+def muon_momentum(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    nesterov: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.muon_momentum/1`` on CPU: requantised momentum EMA, Newton-Schulz input in ``out``."""
+    _check(
+        arguments.check_muon_momentum(
+            grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic
+        )
+    )
+    _on_cpu(grad)
+    if grad.numel() == 0:
+        return
+    blocks, period = indices.shape
+    _call(
+        "gefen_muon_momentum",
+        _DTYPE_CODES[grad.dtype],
+        grad.data_ptr(),
+        indices.data_ptr(),
+        magnitude.data_ptr(),
+        codebook.data_ptr(),
+        scalars.data_ptr(),
+        _seed_pointer(sr_seed),
+        out.data_ptr(),
+        int(out.dtype is torch.bfloat16),
+        blocks,
+        period,
+        int(nesterov),
+        torch.get_num_threads(),
+        _codebook_table(),
+    )
+    _bump(indices, magnitude, out)

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from . import arguments
-from .signatures import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, GEFEN_OPS, HISTOGRAM, STOCHASTIC_UNIFORM
+from .signatures import (
+    BLOCK_STEP,
+    FACTORED_STATS,
+    FACTORED_STEP,
+    GEFEN_OPS,
+    HISTOGRAM,
+    MUON_MOMENTUM,
+    STOCHASTIC_UNIFORM,
+)
 
 __all__ = ["GefenKernelProvider", "provider"]
 
@@ -26,15 +34,24 @@ _CHECKS: dict[str, Callable[..., str | None]] = {
     FACTORED_STATS: arguments.check_factored_stats,
     HISTOGRAM: arguments.check_histogram,
     STOCHASTIC_UNIFORM: arguments.check_stochastic_uniform,
+    MUON_MOMENTUM: arguments.check_muon_momentum,
 }
 #: Which positional argument decides the device.
-_DEVICE_ARG = {BLOCK_STEP: 0, FACTORED_STEP: 0, FACTORED_STATS: 0, HISTOGRAM: 0, STOCHASTIC_UNIFORM: 1}
+_DEVICE_ARG = {
+    BLOCK_STEP: 0,
+    FACTORED_STEP: 0,
+    FACTORED_STATS: 0,
+    HISTOGRAM: 0,
+    STOCHASTIC_UNIFORM: 1,
+    MUON_MOMENTUM: 0,
+}
 _FUNCTION_NAMES = {
     BLOCK_STEP: "block_step",
     FACTORED_STEP: "factored_step",
     FACTORED_STATS: "factored_stats",
     HISTOGRAM: "histogram",
     STOCHASTIC_UNIFORM: "stochastic_uniform",
+    MUON_MOMENTUM: "muon_momentum",
 }
 
 

@@ -15,6 +15,9 @@ __all__ = [
     "GEFEN_OPS",
     "HISTOGRAM",
     "HISTOGRAM_BINS",
+    "MUON_MOMENTUM",
+    "MUON_NUM_SCALARS",
+    "MUON_SCALAR_INDEX",
     "CODEBOOK_SIZE",
     "NUM_SCALARS",
     "SCALAR_INDEX",
@@ -26,9 +29,10 @@ FACTORED_STATS = "gefen.factored_stats/1"
 FACTORED_STEP = "gefen.factored_step/1"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
+MUON_MOMENTUM = "gefen.muon_momentum/1"
 
-#: Gefen's ops (GefenMuon's op is added where its owner signs it).
-GEFEN_OPS = frozenset({BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, STOCHASTIC_UNIFORM})
+#: Every op this package implements.
+GEFEN_OPS = frozenset({BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, STOCHASTIC_UNIFORM, MUON_MOMENTUM})
 
 CODEBOOK_SIZE = 256
 HISTOGRAM_BINS = 4096
@@ -46,3 +50,6 @@ SCALAR_INDEX = {
     "EPS": 8,
 }
 NUM_SCALARS = 9
+#: ``gefen.muon_momentum/1``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
+MUON_SCALAR_INDEX = {"MUON_BETA": 0, "MUON_ONE_MINUS_BETA": 1}
+MUON_NUM_SCALARS = 2

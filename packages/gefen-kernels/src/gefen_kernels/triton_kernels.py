@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-any-return"
 """Triton kernels for Gefen's step ops (launched by :mod:`gefen_kernels.triton_ops`).
 
 Numerics follow ``gefen_core.reference_ops``: every launch passes ``enable_fp_fusion=False``
@@ -20,7 +21,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-# ruff: noqa: N803  (Triton's constexpr parameters are upper case by convention)
+# ruff: noqa: N803, PLR0124  (constexpr parameters are upper case; x != x is the NaN test in Triton)
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -106,8 +107,9 @@ def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl
 
 
 @triton.jit
-def _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS: tl.constexpr,
-                 COLS: tl.constexpr):
+def _block_stats(
+    g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS: tl.constexpr, COLS: tl.constexpr
+):
     """Pass 1 over ROWS blocks: (max |u| with NaN propagated, float64 sum of g^2)."""
     amax = tl.zeros((ROWS,), dtype=tl.float32)
     nan = tl.zeros((ROWS,), dtype=tl.int32)
@@ -127,9 +129,24 @@ def _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, p
 
 
 @triton.jit
-def block_step_kernel(p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period, sign,
-                      ROWS: tl.constexpr, COLS: tl.constexpr, STOCHASTIC: tl.constexpr,
-                      APPLY_DECAY: tl.constexpr, F64: tl.constexpr):
+def block_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    v_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     lr = tl.load(sc_ptr + 0)
@@ -159,7 +176,7 @@ def block_step_kernel(p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_
         cols = c0 + tl.arange(0, COLS)
         mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
-        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
+        _, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
         code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         d = (value * s[:, None]) * lr
@@ -167,9 +184,26 @@ def block_step_kernel(p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_
 
 
 @triton.jit
-def factored_step_kernel(p_ptr, g_ptr, q_ptr, mag_ptr, rf_ptr, vc_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period,
-                         ncols, sign, ROWS: tl.constexpr, COLS: tl.constexpr, STOCHASTIC: tl.constexpr,
-                         APPLY_DECAY: tl.constexpr, F64: tl.constexpr):
+def factored_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    rf_ptr,
+    vc_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    ncols,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     lr = tl.load(sc_ptr + 0)
@@ -190,7 +224,7 @@ def factored_step_kernel(p_ptr, g_ptr, q_ptr, mag_ptr, rf_ptr, vc_ptr, cb_ptr, s
         cols = c0 + tl.arange(0, COLS)
         mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
-        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
+        _, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
         code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         prow = offs // ncols
@@ -202,8 +236,54 @@ def factored_step_kernel(p_ptr, g_ptr, q_ptr, mag_ptr, rf_ptr, vc_ptr, cb_ptr, s
 
 
 @triton.jit
-def factored_stats_kernel(g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group,
-                          RB: tl.constexpr, CT: tl.constexpr):
+def muon_momentum_kernel(
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    out_ptr,
+    blocks,
+    period,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """GefenMuon: requantise the momentum EMA and write the Newton-Schulz input (bf16 or fp32)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < blocks
+    beta = tl.load(sc_ptr + 0)
+    omb = tl.load(sc_ptr + 1)
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.uint64)
+    else:
+        seed = 0
+    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
+    m_new, _ = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, 1.0, beta, omb, period, ROWS, COLS)
+    tl.store(mag_ptr + rows, m_new, mask=row_ok)
+    safe = tl.where(m_new > 0.0, m_new, 1.0)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], 1.0, beta, omb)
+        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+        if NESTEROV:
+            value = value * beta + g * omb
+        if OUT_BF16:
+            tl.store(out_ptr + offs, _to_param_dtype(value, tl.bfloat16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, value, mask=mask)
+
+
+@triton.jit
+def factored_stats_kernel(
+    g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB: tl.constexpr, CT: tl.constexpr
+):
     """Program (group, column tile): float64 partial sums of g^2 of its rows and of its columns.
 
     Row partials go to ``row_part[tile, row]``, column partials to ``col_part[group, col]``;

@@ -16,7 +16,7 @@ from . import arguments
 from . import triton_kernels as K
 from .triton_support import interpreting
 
-__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "stochastic_uniform"]
+__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "muon_momentum", "stochastic_uniform"]
 
 #: Elements per program tile (ROWS x COLS).
 _TILE = 1024
@@ -214,6 +214,50 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         block = 1024
         K.uniform_kernel[(triton_cdiv(flat.numel(), block),)](seed, flat, out, flat.numel(), BLOCK=block)
     return out
+
+
+def muon_momentum(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    nesterov: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.muon_momentum/1`` with Triton: one pass requantises and writes the Newton-Schulz input."""
+    _check(
+        arguments.check_muon_momentum(
+            grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic
+        ),
+        grad,
+    )
+    if grad.numel() == 0:
+        return
+    blocks, period = indices.shape
+    rows, cols = _tile(blocks, period)
+    K.muon_momentum_kernel[(triton_cdiv(blocks, rows),)](
+        grad,
+        indices,
+        magnitude,
+        codebook,
+        scalars,
+        sr_seed,
+        out,
+        blocks,
+        period,
+        ROWS=rows,
+        COLS=cols,
+        STOCHASTIC=sr_seed is not None,
+        NESTEROV=nesterov,
+        OUT_BF16=out.dtype is torch.bfloat16,
+        enable_fp_fusion=False,
+    )
+    for tensor in (indices, magnitude, out):
+        increment_version(tensor)
 
 
 def triton_cdiv(a: int, b: int) -> int:

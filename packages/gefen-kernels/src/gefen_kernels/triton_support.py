@@ -19,7 +19,7 @@ def triton_unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:
-        import triton  # noqa: F401
+        import triton  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as exc:
         return f"Triton is not installed ({exc}); install gefen-kernels[triton]"
     return None

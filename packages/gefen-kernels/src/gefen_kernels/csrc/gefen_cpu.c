@@ -325,6 +325,25 @@ static void factored_stepsizes(float rf, const float* restrict vc, float* restri
     }
 }
 
+
+static void nesterov_tile(float* restrict v, const float* restrict g, float beta, float omb, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        float a = v[j] * beta;
+        float c = g[j] * omb;
+        v[j] = a + c;
+    }
+}
+
+static void store_tile(void* out, int64_t offset, const float* restrict v, int64_t n, int out_bf16) {
+    if (out_bf16) {
+        uint16_t* restrict o = (uint16_t*)out + offset;
+        for (int64_t j = 0; j < n; j++) o[j] = f32_to_bf16(v[j]);
+    } else {
+        float* restrict o = (float*)out + offset;
+        for (int64_t j = 0; j < n; j++) o[j] = v[j];
+    }
+}
+
 /* ---- dtype-specific loads and parameter writes --------------------------------------- */
 
 #define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
@@ -451,6 +470,35 @@ static void factored_stepsizes(float rf, const float* restrict vc, float* restri
                 quantize_tile(ctx, u, indices + flat, sbuf, dbuf, m_new, len, (uint64_t)flat);                 \
                 write_tile_##SUF(param + flat, dbuf, ctx->decay, ctx->apply_decay, len);                       \
                 done += len;                                                                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+                                                                                                               \
+    /* GefenMuon: requantise the momentum EMA u = fl(fl(C[q] M) beta) + fl(g (1 - beta)) and write   \
+     * the Newton-Schulz input C[q'] M' (Nesterov: fl(fl(C[q'] M' beta) + fl(g (1 - beta)))). */           \
+    static void muon_momentum_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
+                                    void* out, int out_bf16, int64_t blocks, int64_t period, int nesterov,     \
+                                    int threads) {                                                             \
+        int64_t b;                                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
+        for (b = 0; b < blocks; b++) {                                                                         \
+            float ubuf[UBUF], ones[TILE], vbuf[TILE], gbuf[TILE], scratch[TILE];                               \
+            int64_t off = b * period;                                                                          \
+            double sumsq = 0.0;                                                                                \
+            float m_old = magnitude[b];                                                                        \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            magnitude[b] = m_new;                                                                              \
+            for (int k = 0; k < TILE; k++) ones[k] = 1.0f;                                                     \
+            for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
+                int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
+                const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
+                                                     ubuf, scratch);                                           \
+                quantize_tile(ctx, u, indices + off + t0, ones, vbuf, m_new, len, (uint64_t)(off + t0));       \
+                if (nesterov) {                                                                                \
+                    load_tile_##SUF(grad + off + t0, gbuf, 1.0f, len);                                         \
+                    nesterov_tile(vbuf, gbuf, ctx->beta1, ctx->omb1, len);                                     \
+                }                                                                                              \
+                store_tile(out, off + t0, vbuf, len, out_bf16);                                                \
             }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
@@ -619,6 +667,25 @@ int gefen_factored_stats(int dtype, const void* grad, int64_t rows, int64_t cols
         default: return -1;
     }
 #undef STATS_ARGS
+}
+
+/* scalars: [beta, 1 - beta] (gefen_core.step_scalars.muon_scalars); out: bf16 or fp32. */
+int gefen_muon_momentum(int dtype, const void* grad, uint8_t* indices, float* magnitude, const float* codebook,
+                        const float* scalars, const int64_t* seed, void* out, int out_bf16, int64_t blocks,
+                        int64_t period, int nesterov, int threads, void* table) {
+    float packet[9] = {1.0f, 1.0f, 1.0f, 1.0f, scalars[0], scalars[1], 0.0f, 0.0f, 0.0f};
+    StepContext ctx;
+    prepare_table((CodebookTable*)table, codebook);
+    read_context(&ctx, packet, codebook, (const CodebookTable*)table, seed, 0, 0);
+#define MUON_ARGS grad, indices, magnitude, out, out_bf16, blocks, period, nesterov, threads
+    switch (dtype) {
+        case DT_F32: muon_momentum_f32(&ctx, MUON_ARGS); return 0;
+        case DT_BF16: muon_momentum_bf16(&ctx, MUON_ARGS); return 0;
+        case DT_F16: muon_momentum_f16(&ctx, MUON_ARGS); return 0;
+        case DT_F64: muon_momentum_f64(&ctx, MUON_ARGS); return 0;
+        default: return -1;
+    }
+#undef MUON_ARGS
 }
 
 int gefen_histogram(int dtype, const void* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) {
