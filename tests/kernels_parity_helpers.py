@@ -23,7 +23,6 @@ from gefen_core.reference_ops import (
     factored_step_reference,
     histogram_reference,
 )
-from gefen_core.second_moment import update_factored_moments
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MAX_TIE_FRACTION = 1e-4
@@ -130,6 +129,25 @@ def scalars(device: str, *, step: int, weight_decay: float, factored: bool) -> t
 
 
 StepOp = Callable[..., Any]
+
+
+def update_factored_moments(
+    v_row: torch.Tensor,
+    v_col: torch.Tensor,
+    row_sumsq: torch.Tensor,
+    col_sumsq: torch.Tensor,
+    rows: int,
+    sc: torch.Tensor,
+) -> torch.Tensor:
+    """The factored second moment's small O(R + K) update, as documented in gefen-core (the
+    kernels' input ``row_factor``; both sides receive the same one)."""
+    beta2, one_minus_beta2, bc2 = sc[6], sc[7], sc[2]
+    row_mean = (row_sumsq / float(v_col.numel())).to(torch.float32)
+    col_mean = (col_sumsq / float(rows)).to(torch.float32)
+    v_row.copy_(v_row * beta2 + row_mean * one_minus_beta2)
+    v_col.copy_(v_col * beta2 + col_mean * one_minus_beta2)
+    scale = (v_col.double().sum() / v_col.numel()).to(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+    return (v_row / scale) * bc2
 
 
 def _flags(weight_decay: float, maximize: bool) -> dict[str, bool]:

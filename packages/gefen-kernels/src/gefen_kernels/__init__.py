@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._version import __version__
 from .arguments import KernelArgumentError
 from .cpu_build import CpuKernelStatus, CpuKernelUnavailableWarning, cpu_kernel_status
-from .provider import GefenKernelProvider, provider
+from .kernel_provider import GefenKernelProvider, provider
 
 __all__ = [
     "CpuKernelStatus",
