@@ -170,8 +170,11 @@ def _peer_arms(device: str) -> dict[str, Callable[[list[tuple[str, torch.nn.Para
     try:
         from torchao.optim import AdamW4bit, AdamW8bit  # type: ignore[import-not-found]
 
-        for name, cls in (("torchao-adamw8bit", AdamW8bit), ("torchao-adamw4bit", AdamW4bit)):
-            arms[name] = lambda params, cls=cls: cls([p for _, p in params], lr=1e-3).step
+        def torchao_arm(cls: Any) -> Callable[[list[tuple[str, torch.nn.Parameter]]], Callable[[], Any]]:
+            return lambda params: cls([p for _, p in params], lr=1e-3).step
+
+        arms["torchao-adamw8bit"] = torchao_arm(AdamW8bit)
+        arms["torchao-adamw4bit"] = torchao_arm(AdamW4bit)
     except ImportError:
         pass
     try:
