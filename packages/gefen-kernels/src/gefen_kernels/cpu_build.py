@@ -1,0 +1,247 @@
+"""Building and loading the CPU kernel library: the system C compiler, a per-user cache, ctypes.
+
+The C source (``csrc/gefen_cpu.c``) includes no torch headers, so compiling it takes about
+a second. The shared library is cached under a name derived from a hash of the source,
+the compiler's identity, the flags and the CPU's feature flags (``-march=native`` code must
+not run on another CPU), and is written to a temporary file and renamed into place, so
+concurrent processes (for example spawned ranks) never see a half-written library.
+
+Environment:
+
+* ``GEFEN_KERNELS_CC``: the C compiler (default: ``$CC``, else ``cc``, ``gcc``, ``clang``);
+* ``GEFEN_KERNELS_CACHE_DIR``: the cache directory (default:
+  ``$XDG_CACHE_HOME/gefen-kernels`` or ``~/.cache/gefen-kernels``);
+* ``GEFEN_KERNELS_CPU=0``: do not build or use the CPU kernel.
+
+When no compiler works, :func:`load_cpu_library` warns once (:class:`CpuKernelUnavailableWarning`)
+and returns ``None``; the provider then declines CPU tensors and the reference path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "ABI_VERSION",
+    "CpuKernelStatus",
+    "CpuKernelUnavailableWarning",
+    "cpu_kernel_status",
+    "load_cpu_library",
+    "reset_cpu_library",
+]
+
+#: Must equal ``GEFEN_ABI_VERSION`` in the C source.
+ABI_VERSION = 1
+_SOURCE = Path(__file__).with_name("csrc") / "gefen_cpu.c"
+_BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+#: Tried in order; the first set that compiles is used. GCC's generic tuning emulates vector
+#: gathers with scalar loads, which made the step 6x slower here: ``-mgather`` (GCC >= 13) or
+#: ``-mtune-ctrl=use_gather`` (GCC 12) turn real gathers back on; other compilers reject both
+#: flags and fall through to the plain native set.
+_FLAG_SETS = (
+    ("-march=native", "-mgather", "-fopenmp"),
+    ("-march=native", "-mtune-ctrl=use_gather", "-fopenmp"),
+    ("-march=native", "-fopenmp"),
+    ("-fopenmp",),
+    (),
+)
+_COMPILE_TIMEOUT_S = 180
+
+
+class CpuKernelUnavailableWarning(RuntimeWarning):
+    """The CPU kernel could not be built or loaded; Gefen runs its reference path on CPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernelStatus:
+    """What happened when the CPU kernel was first needed in this process.
+
+    ``available``: the library is loaded. ``path``: the shared library. ``compiled``: it was
+    built in this process (``False``: found in the cache). ``build_seconds``: compile time
+    when built here. ``flags``: the compiler flags used. ``openmp``: multi-threaded build.
+    ``reason``: why it is unavailable (empty when available).
+    """
+
+    available: bool
+    path: str = ""
+    compiler: str = ""
+    compiled: bool = False
+    build_seconds: float = 0.0
+    flags: tuple[str, ...] = ()
+    openmp: bool = False
+    reason: str = ""
+
+
+_LOCK = threading.Lock()
+_LIBRARY: ctypes.CDLL | None = None
+_STATUS: CpuKernelStatus | None = None
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("GEFEN_KERNELS_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gefen-kernels"
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("GEFEN_KERNELS_CC"), os.environ.get("CC")):
+        if candidate:
+            return shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _requested_compiler() -> str:
+    return os.environ.get("GEFEN_KERNELS_CC") or os.environ.get("CC") or "cc"
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux), or the machine name elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
+def _compiler_identity(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    return done.stdout.strip()
+
+
+def _library_name(source: bytes, compiler: str, identity: str, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for part in (source, compiler.encode(), identity.encode(), " ".join(flags).encode(), _cpu_features().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"gefen_cpu-{ABI_VERSION}-{digest.hexdigest()[:20]}.so"
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str:
+    """Compile into ``target`` atomically; return the compiler's error text ('' on success)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-o", temporary, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=_COMPILE_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+        os.replace(temporary, target)
+        return ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _first_error(text: str) -> str:
+    lines = [line for line in text.splitlines() if "error" in line.lower()]
+    return (lines or text.splitlines() or ["failed"])[0].strip()
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    version = library.gefen_abi_version()
+    if version != ABI_VERSION:
+        raise OSError(f"{path} has ABI version {version}, expected {ABI_VERSION}")
+    return library
+
+
+def _build() -> tuple[ctypes.CDLL | None, CpuKernelStatus]:
+    if os.environ.get("GEFEN_KERNELS_CPU", "").strip().lower() in ("0", "false", "no", "off"):
+        return None, CpuKernelStatus(False, reason="disabled by GEFEN_KERNELS_CPU=0")
+    compiler = _compiler()
+    if compiler is None:
+        return None, CpuKernelStatus(False, reason=f"no C compiler found (looked for {_requested_compiler()!r})")
+    source = _SOURCE.read_bytes()
+    identity = _compiler_identity(compiler)
+    errors: list[str] = []
+    for extra in _FLAG_SETS:
+        flags = (*_BASE_FLAGS, *extra)
+        target = _cache_dir() / _library_name(source, compiler, identity, flags)
+        compiled, seconds = False, 0.0
+        if not target.exists():
+            started = time.perf_counter()
+            error = _compile(compiler, flags, target)
+            seconds = time.perf_counter() - started
+            if error:
+                errors.append(f"{' '.join(extra) or 'plain'}: {_first_error(error)}")
+                continue
+            compiled = True
+        try:
+            library = _open(target)
+        except OSError as exc:
+            errors.append(f"loading {target}: {exc}")
+            continue
+        openmp = bool(library.gefen_openmp_enabled())
+        return library, CpuKernelStatus(True, str(target), compiler, compiled, seconds, flags, openmp)
+    return None, CpuKernelStatus(
+        False, compiler=compiler, reason=f"{compiler} could not build it: " + "; ".join(errors)
+    )
+
+
+def load_cpu_library() -> ctypes.CDLL | None:
+    """The loaded CPU kernel library, built on first use; ``None`` (after one warning) if it cannot be."""
+    global _LIBRARY, _STATUS
+    if _STATUS is not None:
+        return _LIBRARY
+    with _LOCK:
+        if _STATUS is None:
+            library, status = _build()
+            _LIBRARY = library
+            _STATUS = status
+            if library is None:
+                warnings.warn(
+                    f"gefen-kernels: the CPU kernel is unavailable ({status.reason}); Gefen runs its reference "
+                    "path on CPU tensors. Set GEFEN_KERNELS_CC to a working C compiler to enable it.",
+                    CpuKernelUnavailableWarning,
+                    stacklevel=2,
+                )
+    return _LIBRARY
+
+
+def cpu_kernel_status() -> CpuKernelStatus:
+    """The status of the CPU kernel, building it first if this process has not tried yet."""
+    load_cpu_library()
+    assert _STATUS is not None
+    return _STATUS
+
+
+def reset_cpu_library() -> None:
+    """Forget this process's attempt so the next use tries again (after changing the environment).
+
+    A library already loaded stays mapped; the next load reopens the cached file.
+    """
+    global _LIBRARY, _STATUS
+    with _LOCK:
+        _LIBRARY = None
+        _STATUS = None

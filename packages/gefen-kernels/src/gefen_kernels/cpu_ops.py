@@ -1,0 +1,323 @@
+"""Gefen's ops on CPU tensors, through the compiled library of :mod:`gefen_kernels.cpu_build`.
+
+Each function has its op's signature (``gefen_core.ops``), checks its arguments
+(:mod:`gefen_kernels.arguments`), passes raw data pointers to the C kernel and bumps the
+autograd version counter of every tensor it wrote, as the in-place torch ops of the
+reference would. The kernels use ``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.graph import increment_version
+
+from . import arguments
+from .cpu_build import load_cpu_library
+
+__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "muon_momentum", "stochastic_uniform"]
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+#: Row chunks of the factored statistics (fixed, so the sum order does not depend on threads).
+_STATS_CHUNKS = 16
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_SIGNATURES: dict[str, list[Any]] = {
+    "gefen_block_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT, _P],
+    "gefen_factored_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT, _P],
+    "gefen_factored_stats": [_INT, _P, _I64, _I64, _P, _P, _P, _I64, _INT],
+    "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
+    "gefen_muon_momentum": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _INT, _P],
+    "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
+}
+_BOUND: dict[str, Callable[..., int]] = {}
+_BOUND_TO: list[ctypes.CDLL] = []
+_TABLES = threading.local()
+
+
+def _library() -> ctypes.CDLL:
+    library = load_cpu_library()
+    if library is None:
+        raise RuntimeError("gefen-kernels: the CPU kernel library is unavailable (see the earlier warning)")
+    return library
+
+
+def _codebook_table() -> int:
+    """This thread's codebook lookup table (the kernel rebuilds it when the codebook changes)."""
+    library = _library()
+    table = getattr(_TABLES, "buffer", None)
+    if table is None or getattr(_TABLES, "library", None) is not library:
+        library.gefen_table_bytes.restype = ctypes.c_int64
+        table = ctypes.create_string_buffer(int(library.gefen_table_bytes()))
+        _TABLES.buffer = table
+        _TABLES.library = library
+    return ctypes.addressof(table)
+
+
+def _function(name: str) -> Callable[..., int]:
+    library = _library()
+    if not _BOUND_TO or _BOUND_TO[0] is not library:
+        _BOUND.clear()
+        _BOUND_TO[:] = [library]
+    found = _BOUND.get(name)
+    if found is None:
+        raw = getattr(library, name)
+        raw.argtypes = _SIGNATURES[name]
+        raw.restype = ctypes.c_int
+        found = raw
+        _BOUND[name] = found
+    return found
+
+
+def _check(reason: str | None) -> None:
+    if reason is not None:
+        raise arguments.KernelArgumentError(reason)
+
+
+def _on_cpu(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            raise arguments.KernelArgumentError(f"the CPU kernels need CPU tensors, got one on {tensor.device}")
+
+
+def _call(name: str, *args: Any) -> None:
+    status = _function(name)(*args)
+    if status != 0:
+        raise RuntimeError(f"gefen-kernels: {name} failed with status {status}")
+
+
+def _seed_pointer(sr_seed: torch.Tensor | None) -> int | None:
+    return None if sr_seed is None else sr_seed.data_ptr()
+
+
+def _bump(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        increment_version(tensor)
+
+
+def block_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    vmean: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.block_step/1`` on CPU (deterministic always: each block is summed by one thread)."""
+    _check(
+        arguments.check_block_step(
+            param,
+            grad,
+            indices,
+            magnitude,
+            vmean,
+            codebook,
+            scalars,
+            sr_seed,
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
+        )
+    )
+    _on_cpu(param)
+    if param.numel() == 0:
+        return
+    blocks, period = indices.shape
+    _call(
+        "gefen_block_step",
+        _DTYPE_CODES[param.dtype],
+        param.data_ptr(),
+        grad.data_ptr(),
+        indices.data_ptr(),
+        magnitude.data_ptr(),
+        vmean.data_ptr(),
+        codebook.data_ptr(),
+        scalars.data_ptr(),
+        _seed_pointer(sr_seed),
+        blocks,
+        period,
+        int(apply_decay),
+        int(maximize),
+        torch.get_num_threads(),
+        _codebook_table(),
+    )
+    _bump(param, indices, magnitude, vmean)
+
+
+def factored_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    row_factor: torch.Tensor,
+    v_col: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.factored_step/1`` on CPU."""
+    _check(
+        arguments.check_factored_step(
+            param,
+            grad,
+            indices,
+            magnitude,
+            row_factor,
+            v_col,
+            codebook,
+            scalars,
+            sr_seed,
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
+        )
+    )
+    _on_cpu(param)
+    if param.numel() == 0:
+        return
+    blocks, period = indices.shape
+    _call(
+        "gefen_factored_step",
+        _DTYPE_CODES[param.dtype],
+        param.data_ptr(),
+        grad.data_ptr(),
+        indices.data_ptr(),
+        magnitude.data_ptr(),
+        row_factor.data_ptr(),
+        v_col.data_ptr(),
+        codebook.data_ptr(),
+        scalars.data_ptr(),
+        _seed_pointer(sr_seed),
+        blocks,
+        period,
+        param.shape[1],
+        int(apply_decay),
+        int(maximize),
+        torch.get_num_threads(),
+        _codebook_table(),
+    )
+    _bump(param, indices, magnitude)
+
+
+def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gefen.factored_stats/1`` on CPU: float64 row and column sums of ``g^2``.
+
+    Rows are summed in 16 fixed chunks whose column partials are added in order, so the
+    result does not depend on the thread count (always deterministic).
+    """
+    _check(arguments.check_factored_stats(grad, deterministic=deterministic))
+    _on_cpu(grad)
+    rows, cols = grad.shape
+    row_sums = torch.zeros(rows, dtype=torch.float64)
+    col_sums = torch.zeros(cols, dtype=torch.float64)
+    if grad.numel() == 0:
+        return row_sums, col_sums
+    chunks = min(_STATS_CHUNKS, rows)
+    scratch = torch.empty(chunks * cols, dtype=torch.float64)
+    _call(
+        "gefen_factored_stats",
+        _DTYPE_CODES[grad.dtype],
+        grad.data_ptr(),
+        rows,
+        cols,
+        row_sums.data_ptr(),
+        col_sums.data_ptr(),
+        scratch.data_ptr(),
+        chunks,
+        torch.get_num_threads(),
+    )
+    return row_sums, col_sums
+
+
+def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
+    """``gefen.histogram/1`` on CPU: adds the block-normalised bin counts to ``counts``."""
+    _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic))
+    _on_cpu(grad)
+    if grad.numel() == 0:
+        return
+    _call(
+        "gefen_histogram",
+        _DTYPE_CODES[grad.dtype],
+        grad.data_ptr(),
+        grad.numel() // period,
+        period,
+        counts.data_ptr(),
+        torch.get_num_threads(),
+    )
+    _bump(counts)
+
+
+def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``gefen.stochastic_uniform/1`` on CPU."""
+    _check(arguments.check_stochastic_uniform(seed, index))
+    _on_cpu(index)
+    flat = index.contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32)
+    if flat.numel():
+        _call(
+            "gefen_stochastic_uniform",
+            seed.data_ptr(),
+            flat.data_ptr(),
+            out.data_ptr(),
+            flat.numel(),
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def muon_momentum(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    nesterov: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.muon_momentum/1`` on CPU: requantised momentum EMA, Newton-Schulz input in ``out``."""
+    _check(
+        arguments.check_muon_momentum(
+            grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic
+        )
+    )
+    _on_cpu(grad)
+    if grad.numel() == 0:
+        return
+    blocks, period = indices.shape
+    _call(
+        "gefen_muon_momentum",
+        _DTYPE_CODES[grad.dtype],
+        grad.data_ptr(),
+        indices.data_ptr(),
+        magnitude.data_ptr(),
+        codebook.data_ptr(),
+        scalars.data_ptr(),
+        _seed_pointer(sr_seed),
+        out.data_ptr(),
+        int(out.dtype is torch.bfloat16),
+        blocks,
+        period,
+        int(nesterov),
+        torch.get_num_threads(),
+        _codebook_table(),
+    )
+    _bump(indices, magnitude, out)

@@ -1,0 +1,707 @@
+/* gefen-kernels CPU kernels: Gefen's named step ops for CPU tensors.
+ *
+ * Built at first use by gefen_kernels.cpu_build with the system C compiler
+ * (-O3 -march=native -fopenmp -ffp-contract=off) and called through ctypes with raw
+ * data pointers. No torch headers, so the build takes about two seconds.
+ *
+ * Numerics follow gefen_core.reference_ops: every fp32 operation is rounded separately
+ * (-ffp-contract=off forbids fused multiply-add), division and square root are IEEE
+ * (correctly rounded), sums of squares are accumulated in double and rounded once, and
+ * bf16/fp16 parameters are rounded to their dtype after the decay and after the update,
+ * as two separate in-place torch ops would. The order of the double sums differs from
+ * torch's, which can move an fp32 mean by one ulp, very rarely.
+ *
+ * Structure: work is split over blocks (OpenMP, static schedule); one thread handles a
+ * block in two passes over its P elements (statistics, then requantise and write), in
+ * tiles of TILE elements so the second pass reads from cache. Each tile is converted from
+ * the parameter dtype into an fp32 buffer, processed by dtype-free loops written for the
+ * auto-vectoriser (restrict pointers, scalars in locals, selects instead of branches),
+ * and the parameter write converts back.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define GEFEN_ABI_VERSION 1
+#define CODEBOOK 256
+#define BUCKETS 4096
+#define LANES 16
+#define TILE 512
+/* Blocks up to this many elements keep their momentum in a buffer between the two passes. */
+#define UBUF 4096
+/* Below this many elements a call runs on one thread (a fork/join costs more). */
+#define PARALLEL_MIN 32768
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_F64 = 3 };
+/* Layout of the scalars tensor (gefen_core.step_scalars). */
+enum { S_LR = 0, S_INV_BC1, S_BC2, S_DECAY, S_BETA1, S_OMB1, S_BETA2, S_OMB2, S_EPS };
+
+int gefen_abi_version(void) { return GEFEN_ABI_VERSION; }
+
+int gefen_openmp_enabled(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- dtype conversions (round to nearest even, like c10) ------------------------------ */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(f != f ? 0x7FC0u : rounded);
+}
+
+#if defined(__FLT16_MAX__) && !defined(GEFEN_NO_FLOAT16)
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+#else
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24, exact in fp32 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u); /* NaN */
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds to inf */
+    if (a < 0x38800000u) {                                   /* fp16 subnormal or zero */
+        float mag;
+        memcpy(&mag, &a, 4);
+        return (uint16_t)(sign | (uint16_t)nearbyintf(mag * 16777216.0f));
+    }
+    uint32_t rounded = a + 0x0FFFu + ((a >> 13) & 1u);
+    return (uint16_t)(sign | (uint16_t)((rounded - 0x38000000u) >> 13));
+}
+#endif
+
+/* ---- SplitMix64-style counter hash (gefen_core.momentum_codec.splitmix_uniform) ------- */
+
+static inline float splitmix_uniform(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1u);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z = z ^ (z >> 31);
+    return (float)(int32_t)(z >> 40) * 5.9604644775390625e-08f; /* 2^-24 */
+}
+
+/* ---- codebook lookup ----------------------------------------------------------------- */
+
+/* clamp(int32(fl(x + 1) * 2048), 0, 4095), as torch's .to(torch.int32).clamp_(0, 4095): the
+ * conversion truncates, and x86 turns NaN and out-of-range values into INT32_MIN (bucket 0).
+ * Converting before clamping (integer clamps) is also what lets the loops vectorise. */
+static inline int32_t bucket_of(float x) {
+    int32_t b = (int32_t)((x + 1.0f) * 2048.0f);
+    b = b > 0 ? b : 0;
+    return b < BUCKETS - 1 ? b : BUCKETS - 1;
+}
+
+/* The lookup table of one codebook, by bucket b of z (see bucket_of). momentum_codec's
+ * lower_bound is k = start + [n > 0 and C[start] < z] + [n > 1 and C[start + 1] < z], with
+ * start = #codewords in buckets below b and n the codewords in bucket b; the bracket is
+ * (max(k - 1, 0), min(k, 255)). Everything the quantiser reads is stored per bucket, so the
+ * five loads of one element are independent (no load waits for another's index). */
+typedef struct {
+    float codebook[CODEBOOK]; /* the codebook this table was built from */
+    int32_t valid;
+    int32_t info[BUCKETS];    /* start | min(n, 2) << 16 */
+    float below[BUCKETS];     /* C[max(start - 1, 0)] */
+    float at0[BUCKETS];       /* C[min(start, 255)] */
+    float at1[BUCKETS];       /* C[min(start + 1, 255)] */
+    float at2[BUCKETS];       /* C[min(start + 2, 255)] */
+} CodebookTable;
+
+int64_t gefen_table_bytes(void) { return (int64_t)sizeof(CodebookTable); }
+
+static inline int32_t clamp_code(int32_t k) { return k < 0 ? 0 : (k > CODEBOOK - 1 ? CODEBOOK - 1 : k); }
+
+/* Rebuild the table unless it was built from the same codebook (bitwise). */
+static void prepare_table(CodebookTable* t, const float* codebook) {
+    if (t->valid == 1 && memcmp(t->codebook, codebook, sizeof t->codebook) == 0) return;
+    int32_t counts[BUCKETS];
+    memset(counts, 0, sizeof counts);
+    for (int i = 0; i < CODEBOOK; i++) counts[bucket_of(codebook[i])]++;
+    int32_t start = 0;
+    for (int b = 0; b < BUCKETS; b++) {
+        int32_t n = counts[b] < 2 ? counts[b] : 2;
+        t->info[b] = start | (n << 16);
+        t->below[b] = codebook[clamp_code(start - 1)];
+        t->at0[b] = codebook[clamp_code(start)];
+        t->at1[b] = codebook[clamp_code(start + 1)];
+        t->at2[b] = codebook[clamp_code(start + 2)];
+        start += counts[b];
+    }
+    memcpy(t->codebook, codebook, sizeof t->codebook);
+    t->valid = 1;
+}
+
+typedef struct {
+    float lr, inv_bc1, bc2, decay, beta1, omb1, beta2, omb2, eps;
+    int apply_decay, stochastic;
+    float sign; /* -1 when maximizing */
+    uint64_t seed;
+    const float* codebook;
+    const CodebookTable* table;
+} StepContext;
+
+static void read_context(StepContext* ctx, const float* scalars, const float* codebook, const CodebookTable* table,
+                         const int64_t* seed, int apply_decay, int maximize) {
+    ctx->lr = scalars[S_LR];
+    ctx->inv_bc1 = scalars[S_INV_BC1];
+    ctx->bc2 = scalars[S_BC2];
+    ctx->decay = scalars[S_DECAY];
+    ctx->beta1 = scalars[S_BETA1];
+    ctx->omb1 = scalars[S_OMB1];
+    ctx->beta2 = scalars[S_BETA2];
+    ctx->omb2 = scalars[S_OMB2];
+    ctx->eps = scalars[S_EPS];
+    ctx->apply_decay = apply_decay;
+    ctx->stochastic = seed != NULL;
+    ctx->sign = maximize ? -1.0f : 1.0f;
+    ctx->seed = seed != NULL ? (uint64_t)seed[0] : 0u;
+    ctx->codebook = codebook;
+    ctx->table = table;
+}
+
+/* ---- dtype-free tile loops ----------------------------------------------------------- */
+
+static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_t n) {
+    for (int64_t j = 0; j < n; j++) out[j] = q[j];
+}
+
+/* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1))), kept in
+ * u_out, with max |u| and a NaN flag per lane and the double sums of g^2 per lane. */
+static void momentum_tile(const float* restrict g, const uint8_t* restrict q, const float* restrict cb, float m_old,
+                          float beta1, float omb1, int64_t n, float* restrict u_out, double* restrict acc,
+                          float* restrict amax, int32_t* restrict nan) {
+    int32_t codes[TILE];
+    widen_codes(q, codes, n);
+    for (int64_t j = 0; j < n; j++) {
+        float m = cb[codes[j]] * m_old;
+        u_out[j] = m * beta1 + g[j] * omb1;
+    }
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        for (int k = 0; k < LANES; k++) {
+            float gf = g[j + k];
+            float u = u_out[j + k];
+            float a = fabsf(u);
+            acc[k] += (double)gf * (double)gf;
+            amax[k] = a > amax[k] ? a : amax[k];
+            nan[k] |= u != u;
+        }
+    }
+    for (; j < n; j++) {
+        float gf = g[j];
+        float u = u_out[j];
+        float a = fabsf(u);
+        acc[0] += (double)gf * (double)gf;
+        amax[0] = a > amax[0] ? a : amax[0];
+        nan[0] |= u != u;
+    }
+}
+
+/* Bracket of z: codes (lo, hi) and their codewords, from the bucket table. */
+#define BRACKET(t, z, lo, hi, clo, chi)                                              \
+    do {                                                                             \
+        int32_t b_ = bucket_of(z);                                                   \
+        int32_t info_ = (t)->info[b_];                                               \
+        float below_ = (t)->below[b_], a0_ = (t)->at0[b_], a1_ = (t)->at1[b_];       \
+        float a2_ = (t)->at2[b_];                                                    \
+        int32_t start_ = info_ & 0xFFFF, n_ = info_ >> 16;                           \
+        int32_t s1_ = (n_ > 0) & (a0_ < (z));                                        \
+        int32_t s2_ = (n_ > 1) & (a1_ < (z));                                        \
+        int32_t step_ = s1_ + s2_;                                                   \
+        int32_t k_ = start_ + step_;                                                 \
+        lo = k_ - 1 > 0 ? k_ - 1 : 0;                                                \
+        hi = k_ < CODEBOOK - 1 ? k_ : CODEBOOK - 1;                                  \
+        clo = step_ == 0 ? below_ : (step_ == 1 ? a0_ : a1_);                        \
+        chi = step_ == 0 ? a0_ : (step_ == 1 ? a1_ : a2_);                           \
+    } while (0)
+
+/* Requantise one tile of momentum u (nearest codeword, ties low) and produce the updates
+ * d = fl(fl(fl(C[q'] * M') * s) * lr); q is rewritten. */
+static void quantize_tile_nearest(const float* restrict u, uint8_t* restrict q, const float* restrict s,
+                                  float* restrict d, const CodebookTable* restrict t, float m_new, float lr,
+                                  int64_t n) {
+    float safe = m_new > 0.0f ? m_new : 1.0f;
+    int32_t codes[TILE];
+    for (int64_t j = 0; j < n; j++) {
+        float z = u[j] / safe;
+        int32_t lo, hi;
+        float clo, chi;
+        BRACKET(t, z, lo, hi, clo, chi);
+        int take_lo = fabsf(z - clo) <= fabsf(z - chi);
+        codes[j] = take_lo ? lo : hi;
+        float mq = (take_lo ? clo : chi) * m_new;
+        float x = mq * s[j];
+        d[j] = x * lr;
+    }
+    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)codes[j];
+}
+
+/* The same with unbiased stochastic rounding: up = (clamp(z) - lo) / (hi - lo), choose hi
+ * when U(seed, first + j) < up. */
+static void quantize_tile_stochastic(const float* restrict u, uint8_t* restrict q, const float* restrict s,
+                                     float* restrict d, const CodebookTable* restrict t, float m_new, float lr,
+                                     int64_t n, uint64_t seed, uint64_t first) {
+    float safe = m_new > 0.0f ? m_new : 1.0f;
+    int32_t codes[TILE];
+    for (int64_t j = 0; j < n; j++) {
+        float z = u[j] / safe;
+        int32_t lo, hi;
+        float clo, chi;
+        BRACKET(t, z, lo, hi, clo, chi);
+        float width = chi - clo;
+        float clamped = z > clo ? z : clo;
+        clamped = clamped < chi ? clamped : chi;
+        float up = (clamped - clo) / (width > 0.0f ? width : 1.0f);
+        up = width > 0.0f ? up : 0.0f;
+        int take_hi = splitmix_uniform(seed, first + (uint64_t)j) < up;
+        codes[j] = take_hi ? hi : lo;
+        float mq = (take_hi ? chi : clo) * m_new;
+        float x = mq * s[j];
+        d[j] = x * lr;
+    }
+    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)codes[j];
+}
+
+static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, const float* s, float* d, float m_new,
+                          int64_t n, uint64_t first) {
+    if (ctx->stochastic)
+        quantize_tile_stochastic(u, q, s, d, ctx->table, m_new, ctx->lr, n, ctx->seed, first);
+    else
+        quantize_tile_nearest(u, q, s, d, ctx->table, m_new, ctx->lr, n);
+}
+
+/* Per-element factored stepsizes of one row segment: s = fl(inv_bc1 / fl(fl(sqrt(fl(r * c))) + eps)). */
+static void factored_stepsizes(float rf, const float* restrict vc, float* restrict s, float inv_bc1, float eps,
+                               int64_t n) {
+    for (int64_t t = 0; t < n; t++) {
+        float w = rf * vc[t];
+        float h = sqrtf(w) + eps;
+        s[t] = inv_bc1 / h;
+    }
+}
+
+
+static void nesterov_tile(float* restrict v, const float* restrict g, float beta, float omb, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        float a = v[j] * beta;
+        float c = g[j] * omb;
+        v[j] = a + c;
+    }
+}
+
+static void store_tile(void* out, int64_t offset, const float* restrict v, int64_t n, int out_bf16) {
+    if (out_bf16) {
+        uint16_t* restrict o = (uint16_t*)out + offset;
+        for (int64_t j = 0; j < n; j++) o[j] = f32_to_bf16(v[j]);
+    } else {
+        float* restrict o = (float*)out + offset;
+        for (int64_t j = 0; j < n; j++) o[j] = v[j];
+    }
+}
+
+/* ---- dtype-specific loads and parameter writes --------------------------------------- */
+
+#define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
+    static void load_tile_##SUF(const PT* restrict src, float* restrict dst, float sign, int64_t n) {          \
+        for (int64_t j = 0; j < n; j++) dst[j] = LOADG(src[j]) * sign;                                         \
+    }                                                                                                          \
+                                                                                                               \
+    static void write_tile_##SUF(PT* restrict p, const float* restrict d, float decay, int apply_decay,        \
+                                 int64_t n) {                                                                  \
+        if (apply_decay) {                                                                                     \
+            CT f = (CT)decay;                                                                                  \
+            for (int64_t j = 0; j < n; j++) {                                                                  \
+                CT x = LOADP(p[j]) * f;                                                                        \
+                x = LOADP(STOREP(x));                                                                          \
+                p[j] = STOREP(x - (CT)d[j]);                                                                   \
+            }                                                                                                  \
+        } else {                                                                                               \
+            for (int64_t j = 0; j < n; j++) p[j] = STOREP(LOADP(p[j]) - (CT)d[j]);                             \
+        }                                                                                                      \
+    }                                                                                                          \
+                                                                                                               \
+    /* Pass 1 over one block: the momentum u (kept in ubuf when the block fits), max |u| (NaN    \
+     * if any u is NaN) and the double sum of g^2. */                                                      \
+    static float block_stats_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, float m_old,         \
+                                   int64_t n, double* sumsq, float* ubuf) {                                    \
+        float gbuf[TILE], spill[TILE];                                                                         \
+        double acc[LANES];                                                                                     \
+        float amax[LANES];                                                                                     \
+        int32_t nan[LANES];                                                                                    \
+        for (int k = 0; k < LANES; k++) {                                                                      \
+            acc[k] = 0.0;                                                                                      \
+            amax[k] = 0.0f;                                                                                    \
+            nan[k] = 0;                                                                                        \
+        }                                                                                                      \
+        for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                             \
+            int64_t len = n - t0 < TILE ? n - t0 : TILE;                                                       \
+            load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                     \
+            momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
+                          n <= UBUF ? ubuf + t0 : spill, acc, amax, nan);                                      \
+        }                                                                                                      \
+        double total = 0.0;                                                                                    \
+        float best = 0.0f;                                                                                     \
+        int32_t any_nan = 0;                                                                                   \
+        for (int k = 0; k < LANES; k++) {                                                                      \
+            total += acc[k];                                                                                   \
+            best = amax[k] > best ? amax[k] : best;                                                            \
+            any_nan |= nan[k];                                                                                 \
+        }                                                                                                      \
+        *sumsq = total;                                                                                        \
+        return any_nan ? NAN : best;                                                                           \
+    }                                                                                                          \
+                                                                                                               \
+    /* The momentum of one tile for pass 2: from ubuf, or recomputed when the block did not fit. */            \
+    static const float* tile_momentum_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q,             \
+                                            float m_old, int64_t n_block, int64_t t0, int64_t len,             \
+                                            const float* ubuf, float* scratch) {                               \
+        if (n_block <= UBUF) return ubuf + t0;                                                                 \
+        float gbuf[TILE];                                                                                      \
+        double acc[LANES];                                                                                     \
+        float amax[LANES];                                                                                     \
+        int32_t nan[LANES];                                                                                    \
+        for (int k = 0; k < LANES; k++) {                                                                      \
+            acc[k] = 0.0;                                                                                      \
+            amax[k] = 0.0f;                                                                                    \
+            nan[k] = 0;                                                                                        \
+        }                                                                                                      \
+        load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                         \
+        momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, acc, amax, nan); \
+        return scratch;                                                                                        \
+    }                                                                                                          \
+                                                                                                               \
+    static void block_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices,          \
+                                 float* magnitude, float* vmean, int64_t blocks, int64_t period, int threads) { \
+        int64_t b;                                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
+        for (b = 0; b < blocks; b++) {                                                                         \
+            float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                           \
+            int64_t off = b * period;                                                                          \
+            double sumsq = 0.0;                                                                                \
+            float m_old = magnitude[b];                                                                        \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            float mean = (float)(sumsq / (double)period);                                                      \
+            float v = vmean[b] * ctx->beta2;                                                                   \
+            float w = mean * ctx->omb2;                                                                        \
+            v = v + w;                                                                                         \
+            vmean[b] = v;                                                                                      \
+            float h = sqrtf(v) * ctx->bc2;                                                                     \
+            h = h + ctx->eps;                                                                                  \
+            float s = ctx->inv_bc1 / h;                                                                        \
+            magnitude[b] = m_new;                                                                              \
+            for (int k = 0; k < TILE; k++) sbuf[k] = s;                                                        \
+            for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
+                int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
+                const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
+                                                     ubuf, scratch);                                           \
+                quantize_tile(ctx, u, indices + off + t0, sbuf, dbuf, m_new, len, (uint64_t)(off + t0));       \
+                write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);                   \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+                                                                                                               \
+    static void factored_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices,       \
+                                    float* magnitude, const float* row_factor, const float* v_col,             \
+                                    int64_t blocks, int64_t period, int64_t cols, int threads) {               \
+        int64_t b;                                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
+        for (b = 0; b < blocks; b++) {                                                                         \
+            float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                           \
+            int64_t off = b * period;                                                                          \
+            double sumsq = 0.0;                                                                                \
+            float m_old = magnitude[b];                                                                        \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            magnitude[b] = m_new;                                                                              \
+            for (int64_t done = 0; done < period;) {                                                           \
+                int64_t flat = off + done;                                                                     \
+                int64_t row = flat / cols;                                                                     \
+                int64_t col = flat - row * cols;                                                               \
+                int64_t len = period - done;                                                                   \
+                if (len > TILE) len = TILE;                                                                    \
+                if (len > cols - col) len = cols - col;                                                        \
+                factored_stepsizes(row_factor[row], v_col + col, sbuf, ctx->inv_bc1, ctx->eps, len);           \
+                const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, done, len, \
+                                                     ubuf, scratch);                                           \
+                quantize_tile(ctx, u, indices + flat, sbuf, dbuf, m_new, len, (uint64_t)flat);                 \
+                write_tile_##SUF(param + flat, dbuf, ctx->decay, ctx->apply_decay, len);                       \
+                done += len;                                                                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+                                                                                                               \
+    /* GefenMuon: requantise the momentum EMA u = fl(fl(C[q] M) beta) + fl(g (1 - beta)) and write   \
+     * the Newton-Schulz input C[q'] M' (Nesterov: fl(fl(C[q'] M' beta) + fl(g (1 - beta)))). */           \
+    static void muon_momentum_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
+                                    void* out, int out_bf16, int64_t blocks, int64_t period, int nesterov,     \
+                                    int threads) {                                                             \
+        int64_t b;                                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
+        for (b = 0; b < blocks; b++) {                                                                         \
+            float ubuf[UBUF], ones[TILE], vbuf[TILE], gbuf[TILE], scratch[TILE];                               \
+            int64_t off = b * period;                                                                          \
+            double sumsq = 0.0;                                                                                \
+            float m_old = magnitude[b];                                                                        \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            magnitude[b] = m_new;                                                                              \
+            for (int k = 0; k < TILE; k++) ones[k] = 1.0f;                                                     \
+            for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
+                int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
+                const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
+                                                     ubuf, scratch);                                           \
+                quantize_tile(ctx, u, indices + off + t0, ones, vbuf, m_new, len, (uint64_t)(off + t0));       \
+                if (nesterov) {                                                                                \
+                    load_tile_##SUF(grad + off + t0, gbuf, 1.0f, len);                                         \
+                    nesterov_tile(vbuf, gbuf, ctx->beta1, ctx->omb1, len);                                     \
+                }                                                                                              \
+                store_tile(out, off + t0, vbuf, len, out_bf16);                                                \
+            }                                                                                                  \
+        }                                                                                                      \
+    }                                                                                                          \
+                                                                                                               \
+    static void histogram_##SUF(const PT* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) { \
+        _Pragma("omp parallel num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)")       \
+        {                                                                                                      \
+            int64_t* local = (int64_t*)calloc(BUCKETS, sizeof(int64_t));                                       \
+            float gbuf[TILE];                                                                                  \
+            int64_t b;                                                                                         \
+            _Pragma("omp for schedule(static)")                                                                \
+            for (b = 0; b < blocks; b++) {                                                                     \
+                const PT* g = grad + b * period;                                                               \
+                float amax = 0.0f;                                                                             \
+                for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                \
+                    int64_t len = period - t0 < TILE ? period - t0 : TILE;                                     \
+                    load_tile_##SUF(g + t0, gbuf, 1.0f, len);                                                  \
+                    amax = tile_absmax(gbuf, len, amax);                                                       \
+                }                                                                                              \
+                float safe = amax > 0.0f ? amax : 1.0f;                                                        \
+                for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                \
+                    int64_t len = period - t0 < TILE ? period - t0 : TILE;                                     \
+                    load_tile_##SUF(g + t0, gbuf, 1.0f, len);                                                  \
+                    count_tile(gbuf, len, safe, local);                                                        \
+                }                                                                                              \
+            }                                                                                                  \
+            _Pragma("omp critical")                                                                            \
+            for (int k = 0; k < BUCKETS; k++) counts[k] += local[k];                                           \
+            free(local);                                                                                       \
+        }                                                                                                      \
+    }                                                                                                          \
+                                                                                                               \
+    static void factored_stats_##SUF(const PT* grad, int64_t rows, int64_t cols, double* row_sums,             \
+                                     double* col_sums, double* scratch, int64_t chunks, int threads) {         \
+        int64_t per_chunk = (rows + chunks - 1) / chunks;                                                      \
+        int64_t c;                                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows * cols >= PARALLEL_MIN && threads > 1)") \
+        for (c = 0; c < chunks; c++) {                                                                         \
+            double* partial = scratch + c * cols;                                                              \
+            for (int64_t j = 0; j < cols; j++) partial[j] = 0.0;                                               \
+            int64_t r1 = (c + 1) * per_chunk < rows ? (c + 1) * per_chunk : rows;                              \
+            for (int64_t r = c * per_chunk; r < r1; r++) {                                                     \
+                const PT* g = grad + r * cols;                                                                 \
+                double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                      \
+                int64_t j = 0;                                                                                 \
+                for (; j + 8 <= cols; j += 8) {                                                                \
+                    for (int k = 0; k < 8; k++) {                                                              \
+                        double x = SQUARE_SOURCE_##SUF(g[j + k]);                                              \
+                        double sq = x * x;                                                                     \
+                        acc[k] += sq;                                                                          \
+                        partial[j + k] += sq;                                                                  \
+                    }                                                                                          \
+                }                                                                                              \
+                for (; j < cols; j++) {                                                                        \
+                    double x = SQUARE_SOURCE_##SUF(g[j]);                                                      \
+                    double sq = x * x;                                                                         \
+                    acc[0] += sq;                                                                              \
+                    partial[j] += sq;                                                                          \
+                }                                                                                              \
+                double total = 0.0;                                                                            \
+                for (int k = 0; k < 8; k++) total += acc[k];                                                   \
+                row_sums[r] = total;                                                                           \
+            }                                                                                                  \
+        }                                                                                                      \
+        int64_t j;                                                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(chunks * cols >= PARALLEL_MIN && threads > 1)") \
+        for (j = 0; j < cols; j++) {                                                                           \
+            double total = 0.0;                                                                                \
+            for (int64_t k = 0; k < chunks; k++) total += scratch[k * cols + j];                               \
+            col_sums[j] = total;                                                                               \
+        }                                                                                                      \
+    }
+
+static float tile_absmax(const float* restrict g, int64_t n, float start) {
+    float lanes[LANES];
+    for (int k = 0; k < LANES; k++) lanes[k] = start;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int k = 0; k < LANES; k++) {
+            float a = fabsf(g[j + k]);
+            lanes[k] = a > lanes[k] ? a : lanes[k];
+        }
+    for (; j < n; j++) {
+        float a = fabsf(g[j]);
+        lanes[0] = a > lanes[0] ? a : lanes[0];
+    }
+    float best = lanes[0];
+    for (int k = 1; k < LANES; k++) best = lanes[k] > best ? lanes[k] : best;
+    return best;
+}
+
+/* bin = clamp(floor(fl(fl(g / a) + 1) * 2048), 0, 4095) */
+static void count_tile(const float* restrict g, int64_t n, float safe, int64_t* restrict counts) {
+    int32_t bins[TILE];
+    for (int64_t j = 0; j < n; j++) {
+        float z = g[j] / safe;
+        int32_t b = (int32_t)floorf((z + 1.0f) * 2048.0f);
+        b = b > 0 ? b : 0;
+        bins[j] = b < BUCKETS - 1 ? b : BUCKETS - 1;
+    }
+    for (int64_t j = 0; j < n; j++) counts[bins[j]]++;
+}
+
+#define ID(x) (x)
+#define TO_FLOAT(x) ((float)(x))
+#define SQUARE_SOURCE_f32(x) ((double)(x))
+#define SQUARE_SOURCE_bf16(x) ((double)bf16_to_f32(x))
+#define SQUARE_SOURCE_f16(x) ((double)f16_to_f32(x))
+#define SQUARE_SOURCE_f64(x) (x)
+
+DEFINE_DTYPE(f32, float, float, ID, ID, ID)
+DEFINE_DTYPE(bf16, uint16_t, float, bf16_to_f32, bf16_to_f32, f32_to_bf16)
+DEFINE_DTYPE(f16, uint16_t, float, f16_to_f32, f16_to_f32, f32_to_f16)
+DEFINE_DTYPE(f64, double, double, TO_FLOAT, ID, ID)
+
+/* ---- exported entry points ----------------------------------------------------------- */
+/* Each returns 0 on success, -1 for an unknown dtype (the Python side checks first). */
+
+/* table: a caller-owned CodebookTable (gefen_table_bytes() bytes, zeroed once), reused across
+ * calls and rebuilt only when the codebook changes; one per calling thread. */
+int gefen_block_step(int dtype, void* param, const void* grad, uint8_t* indices, float* magnitude, float* vmean,
+                     const float* codebook, const float* scalars, const int64_t* seed, int64_t blocks, int64_t period,
+                     int apply_decay, int maximize, int threads, void* table) {
+    StepContext ctx;
+    prepare_table((CodebookTable*)table, codebook);
+    read_context(&ctx, scalars, codebook, (const CodebookTable*)table, seed, apply_decay, maximize);
+#define BLOCK_ARGS param, grad, indices, magnitude, vmean, blocks, period, threads
+    switch (dtype) {
+        case DT_F32: block_step_f32(&ctx, BLOCK_ARGS); return 0;
+        case DT_BF16: block_step_bf16(&ctx, BLOCK_ARGS); return 0;
+        case DT_F16: block_step_f16(&ctx, BLOCK_ARGS); return 0;
+        case DT_F64: block_step_f64(&ctx, BLOCK_ARGS); return 0;
+        default: return -1;
+    }
+#undef BLOCK_ARGS
+}
+
+int gefen_factored_step(int dtype, void* param, const void* grad, uint8_t* indices, float* magnitude,
+                        const float* row_factor, const float* v_col, const float* codebook, const float* scalars,
+                        const int64_t* seed, int64_t blocks, int64_t period, int64_t cols, int apply_decay,
+                        int maximize, int threads, void* table) {
+    StepContext ctx;
+    prepare_table((CodebookTable*)table, codebook);
+    read_context(&ctx, scalars, codebook, (const CodebookTable*)table, seed, apply_decay, maximize);
+#define FACTORED_ARGS param, grad, indices, magnitude, row_factor, v_col, blocks, period, cols, threads
+    switch (dtype) {
+        case DT_F32: factored_step_f32(&ctx, FACTORED_ARGS); return 0;
+        case DT_BF16: factored_step_bf16(&ctx, FACTORED_ARGS); return 0;
+        case DT_F16: factored_step_f16(&ctx, FACTORED_ARGS); return 0;
+        case DT_F64: factored_step_f64(&ctx, FACTORED_ARGS); return 0;
+        default: return -1;
+    }
+#undef FACTORED_ARGS
+}
+
+/* scratch: chunks * cols doubles; chunks is fixed by the caller, so the summation order does
+ * not depend on the thread count. */
+int gefen_factored_stats(int dtype, const void* grad, int64_t rows, int64_t cols, double* row_sums, double* col_sums,
+                         double* scratch, int64_t chunks, int threads) {
+#define STATS_ARGS grad, rows, cols, row_sums, col_sums, scratch, chunks, threads
+    switch (dtype) {
+        case DT_F32: factored_stats_f32(STATS_ARGS); return 0;
+        case DT_BF16: factored_stats_bf16(STATS_ARGS); return 0;
+        case DT_F16: factored_stats_f16(STATS_ARGS); return 0;
+        case DT_F64: factored_stats_f64(STATS_ARGS); return 0;
+        default: return -1;
+    }
+#undef STATS_ARGS
+}
+
+/* scalars: [beta, 1 - beta] (gefen_core.step_scalars.muon_scalars); out: bf16 or fp32. */
+int gefen_muon_momentum(int dtype, const void* grad, uint8_t* indices, float* magnitude, const float* codebook,
+                        const float* scalars, const int64_t* seed, void* out, int out_bf16, int64_t blocks,
+                        int64_t period, int nesterov, int threads, void* table) {
+    float packet[9] = {1.0f, 1.0f, 1.0f, 1.0f, scalars[0], scalars[1], 0.0f, 0.0f, 0.0f};
+    StepContext ctx;
+    prepare_table((CodebookTable*)table, codebook);
+    read_context(&ctx, packet, codebook, (const CodebookTable*)table, seed, 0, 0);
+#define MUON_ARGS grad, indices, magnitude, out, out_bf16, blocks, period, nesterov, threads
+    switch (dtype) {
+        case DT_F32: muon_momentum_f32(&ctx, MUON_ARGS); return 0;
+        case DT_BF16: muon_momentum_bf16(&ctx, MUON_ARGS); return 0;
+        case DT_F16: muon_momentum_f16(&ctx, MUON_ARGS); return 0;
+        case DT_F64: muon_momentum_f64(&ctx, MUON_ARGS); return 0;
+        default: return -1;
+    }
+#undef MUON_ARGS
+}
+
+int gefen_histogram(int dtype, const void* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) {
+    switch (dtype) {
+        case DT_F32: histogram_f32(grad, blocks, period, counts, threads); return 0;
+        case DT_BF16: histogram_bf16(grad, blocks, period, counts, threads); return 0;
+        case DT_F16: histogram_f16(grad, blocks, period, counts, threads); return 0;
+        case DT_F64: histogram_f64(grad, blocks, period, counts, threads); return 0;
+        default: return -1;
+    }
+}
+
+int gefen_stochastic_uniform(const int64_t* seed, const int64_t* index, float* out, int64_t n, int threads) {
+    uint64_t s = (uint64_t)seed[0];
+    int64_t i;
+#pragma omp parallel for schedule(static) num_threads(threads) if(n >= PARALLEL_MIN && threads > 1)
+    for (i = 0; i < n; i++) out[i] = splitmix_uniform(s, (uint64_t)index[i]);
+    return 0;
+}

@@ -1,0 +1,55 @@
+"""The op ids this package implements and the argument conventions they share.
+
+gefen-core owns these ids, their signatures and their numerics (``gefen_core.ops`` and
+``gefen_core.reference_ops``); gefen-kernels never imports gefen-core, so the ids and the
+layout of the packed ``scalars`` tensor are restated here. A top-level test checks that
+both packages agree.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BLOCK_STEP",
+    "FACTORED_STATS",
+    "FACTORED_STEP",
+    "GEFEN_OPS",
+    "HISTOGRAM",
+    "HISTOGRAM_BINS",
+    "MUON_MOMENTUM",
+    "MUON_NUM_SCALARS",
+    "MUON_SCALAR_INDEX",
+    "CODEBOOK_SIZE",
+    "NUM_SCALARS",
+    "SCALAR_INDEX",
+    "STOCHASTIC_UNIFORM",
+]
+
+BLOCK_STEP = "gefen.block_step/1"
+FACTORED_STATS = "gefen.factored_stats/1"
+FACTORED_STEP = "gefen.factored_step/1"
+HISTOGRAM = "gefen.histogram/1"
+STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
+MUON_MOMENTUM = "gefen.muon_momentum/1"
+
+#: Every op this package implements.
+GEFEN_OPS = frozenset({BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, STOCHASTIC_UNIFORM, MUON_MOMENTUM})
+
+CODEBOOK_SIZE = 256
+HISTOGRAM_BINS = 4096
+
+#: Position of each step scalar in the fp32 ``scalars`` tensor (``gefen_core.step_scalars``).
+SCALAR_INDEX = {
+    "LR": 0,
+    "INV_BC1": 1,
+    "BC2": 2,
+    "DECAY": 3,
+    "BETA1": 4,
+    "ONE_MINUS_BETA1": 5,
+    "BETA2": 6,
+    "ONE_MINUS_BETA2": 7,
+    "EPS": 8,
+}
+NUM_SCALARS = 9
+#: ``gefen.muon_momentum/1``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
+MUON_SCALAR_INDEX = {"MUON_BETA": 0, "MUON_ONE_MINUS_BETA": 1}
+MUON_NUM_SCALARS = 2

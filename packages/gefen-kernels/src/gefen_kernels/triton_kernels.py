@@ -1,0 +1,341 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-any-return"
+"""Triton kernels for Gefen's step ops (launched by :mod:`gefen_kernels.triton_ops`).
+
+Numerics follow ``gefen_core.reference_ops``: every launch passes ``enable_fp_fusion=False``
+so no multiply-add is contracted into an FMA, fp32 divisions and square roots use the
+correctly rounded ``div_rn`` / ``sqrt_rn``, sums of squares are accumulated in float64 and
+rounded once, and bf16/fp16 parameters are rounded to their dtype after the decay and
+after the update. The codeword search is a branchless binary search over the 256 sorted
+codewords (the true lower bound, which is what the reference's bucket table computes for
+every valid codebook). Stochastic rounding uses the same SplitMix64 hash of
+``(seed, flat index)`` as the reference, in uint64 arithmetic.
+
+A program handles ``ROWS`` blocks and walks them in ``COLS``-wide column chunks: pass 1
+forms the momentum EMA, its block max and the block sum of squares; pass 2 recomputes the
+momentum (from the same inputs, bit for bit), quantises it and writes. No full-size
+temporary is allocated.
+"""
+
+from __future__ import annotations
+
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+# ruff: noqa: N803, PLR0124  (constexpr parameters are upper case; x != x is the NaN test in Triton)
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+@triton.jit
+def _uniform(seed, index):
+    """SplitMix64-style uniform in [0, 1) from uint64 ``seed`` and ``index`` (24-bit resolution)."""
+    z = seed + (index + 1) * _GOLDEN
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    z = z ^ (z >> 31)
+    return (z >> 40).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old, sign, beta1, omb1):
+    """g (fp32, signed) and u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1)))."""
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * sign
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    c = tl.load(cb_ptr + q, mask=mask, other=0.0)
+    m = c * m_old
+    u = m * beta1 + g * omb1
+    return g, u
+
+
+@triton.jit
+def _requantize(u, m_new, safe, cb_ptr, mask, flat, seed, STOCHASTIC: tl.constexpr):
+    """New codes and their decoded momentum C[q'] * M' for momentum u of a block with scale m_new."""
+    z = tl.math.div_rn(u, safe)
+    k = tl.zeros(z.shape, dtype=tl.int32)
+    for shift in tl.static_range(8):
+        step = 128 >> shift
+        probe = tl.load(cb_ptr + (k + step - 1), mask=mask, other=2.0)
+        k = tl.where(probe < z, k + step, k)
+    top = tl.load(cb_ptr + 255)
+    k = tl.where(top < z, 256, k)
+    lo = tl.maximum(k - 1, 0)
+    hi = tl.minimum(k, 255)
+    clo = tl.load(cb_ptr + lo, mask=mask, other=0.0)
+    chi = tl.load(cb_ptr + hi, mask=mask, other=0.0)
+    if STOCHASTIC:
+        width = chi - clo
+        clamped = tl.minimum(tl.maximum(z, clo), chi)
+        up = tl.math.div_rn(clamped - clo, tl.where(width > 0.0, width, 1.0))
+        up = tl.where(width > 0.0, up, 0.0)
+        take_hi = _uniform(seed, flat.to(tl.uint64)) < up
+    else:
+        take_hi = tl.abs(z - clo) > tl.abs(z - chi)
+    code = tl.where(take_hi, hi, lo)
+    value = tl.where(take_hi, chi, clo) * m_new
+    return code, value
+
+
+@triton.jit
+def _to_param_dtype(x, dtype: tl.constexpr):
+    """Round fp32 ``x`` to the parameter dtype to nearest even; bf16 by explicit bit arithmetic
+    (the same on every backend, the interpreter included)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl.constexpr):
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if F64:
+        pc = p.to(tl.float64)
+        if APPLY_DECAY:
+            pc = pc * decay.to(tl.float64)
+        out = (pc - d.to(tl.float64)).to(p.dtype)
+    else:
+        pc = p.to(tl.float32)
+        if APPLY_DECAY:
+            pc = _to_param_dtype(pc * decay, p.dtype).to(tl.float32)
+        out = _to_param_dtype(pc - d, p.dtype)
+    tl.store(p_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _block_stats(
+    g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS: tl.constexpr, COLS: tl.constexpr
+):
+    """Pass 1 over ROWS blocks: (max |u| with NaN propagated, float64 sum of g^2)."""
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    nan = tl.zeros((ROWS,), dtype=tl.int32)
+    sumsq = tl.zeros((ROWS,), dtype=tl.float64)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
+        a = tl.where(mask, tl.abs(u), 0.0)
+        amax = tl.maximum(amax, tl.max(a, axis=1))
+        nan = nan | tl.max(((u != u) & mask).to(tl.int32), axis=1)
+        g64 = g.to(tl.float64)
+        sumsq += tl.sum(g64 * g64, axis=1)
+    amax = tl.where(nan != 0, float("nan"), amax)
+    return amax, sumsq
+
+
+@triton.jit
+def block_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    v_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < blocks
+    lr = tl.load(sc_ptr + 0)
+    inv_bc1 = tl.load(sc_ptr + 1)
+    bc2 = tl.load(sc_ptr + 2)
+    decay = tl.load(sc_ptr + 3)
+    beta1 = tl.load(sc_ptr + 4)
+    omb1 = tl.load(sc_ptr + 5)
+    beta2 = tl.load(sc_ptr + 6)
+    omb2 = tl.load(sc_ptr + 7)
+    eps = tl.load(sc_ptr + 8)
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.uint64)
+    else:
+        seed = 0
+    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
+    m_new, sumsq = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS, COLS)
+    mean = (sumsq / period).to(tl.float32)
+    v = tl.load(v_ptr + rows, mask=row_ok, other=0.0)
+    v = v * beta2 + mean * omb2
+    h = tl.math.sqrt_rn(v) * bc2 + eps
+    s = tl.math.div_rn(inv_bc1 + tl.zeros_like(h), h)
+    tl.store(v_ptr + rows, v, mask=row_ok)
+    tl.store(mag_ptr + rows, m_new, mask=row_ok)
+    safe = tl.where(m_new > 0.0, m_new, 1.0)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        _, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
+        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+        d = (value * s[:, None]) * lr
+        _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)
+
+
+@triton.jit
+def factored_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    rf_ptr,
+    vc_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    ncols,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < blocks
+    lr = tl.load(sc_ptr + 0)
+    inv_bc1 = tl.load(sc_ptr + 1)
+    decay = tl.load(sc_ptr + 3)
+    beta1 = tl.load(sc_ptr + 4)
+    omb1 = tl.load(sc_ptr + 5)
+    eps = tl.load(sc_ptr + 8)
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.uint64)
+    else:
+        seed = 0
+    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
+    m_new, _ = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS, COLS)
+    tl.store(mag_ptr + rows, m_new, mask=row_ok)
+    safe = tl.where(m_new > 0.0, m_new, 1.0)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        _, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
+        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+        prow = offs // ncols
+        pcol = offs - prow * ncols
+        w = tl.load(rf_ptr + prow, mask=mask, other=1.0) * tl.load(vc_ptr + pcol, mask=mask, other=1.0)
+        s = tl.math.div_rn(inv_bc1 + tl.zeros_like(w), tl.math.sqrt_rn(w) + eps)
+        d = (value * s) * lr
+        _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)
+
+
+@triton.jit
+def muon_momentum_kernel(
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    out_ptr,
+    blocks,
+    period,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """GefenMuon: requantise the momentum EMA and write the Newton-Schulz input (bf16 or fp32)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < blocks
+    beta = tl.load(sc_ptr + 0)
+    omb = tl.load(sc_ptr + 1)
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.uint64)
+    else:
+        seed = 0
+    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
+    m_new, _ = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, 1.0, beta, omb, period, ROWS, COLS)
+    tl.store(mag_ptr + rows, m_new, mask=row_ok)
+    safe = tl.where(m_new > 0.0, m_new, 1.0)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], 1.0, beta, omb)
+        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+        if NESTEROV:
+            value = value * beta + g * omb
+        if OUT_BF16:
+            tl.store(out_ptr + offs, _to_param_dtype(value, tl.bfloat16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, value, mask=mask)
+
+
+@triton.jit
+def factored_stats_kernel(
+    g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB: tl.constexpr, CT: tl.constexpr
+):
+    """Program (group, column tile): float64 partial sums of g^2 of its rows and of its columns.
+
+    Row partials go to ``row_part[tile, row]``, column partials to ``col_part[group, col]``;
+    the host adds the partials in a fixed order (no atomics: deterministic).
+    """
+    group = tl.program_id(0)
+    tile = tl.program_id(1)
+    cols = tile * CT + tl.arange(0, CT)
+    col_ok = cols < ncols
+    col_acc = tl.zeros((CT,), dtype=tl.float64)
+    first = group * rows_per_group
+    for r0 in range(0, rows_per_group, RB):
+        rows = first + r0 + tl.arange(0, RB)
+        row_ok = (rows < nrows) & (r0 + tl.arange(0, RB) < rows_per_group)
+        mask = row_ok[:, None] & col_ok[None, :]
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * ncols + cols[None, :], mask=mask, other=0.0)
+        g64 = g.to(tl.float64)
+        sq = g64 * g64
+        tl.store(row_part_ptr + tile.to(tl.int64) * nrows + rows, tl.sum(sq, axis=1), mask=row_ok)
+        col_acc += tl.sum(sq, axis=0)
+    tl.store(col_part_ptr + group.to(tl.int64) * ncols + cols, col_acc, mask=col_ok)
+
+
+@triton.jit
+def histogram_kernel(g_ptr, counts_ptr, blocks, period, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Adds each element's bin clamp(floor(fl(fl(g / max_block |g|) + 1) * 2048), 0, 4095)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < blocks
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
+    safe = tl.where(amax > 0.0, amax, 1.0)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.math.div_rn(g, safe[:, None])
+        t = tl.floor((z + 1.0) * 2048.0)
+        t = tl.minimum(tl.maximum(t, 0.0), 4095.0)
+        ones = tl.full(t.shape, 1, dtype=tl.int64)
+        tl.atomic_add(counts_ptr + t.to(tl.int32), ones, mask=mask)
+
+
+@triton.jit
+def uniform_kernel(seed_ptr, index_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    index = tl.load(index_ptr + offs, mask=mask, other=0)
+    seed = tl.load(seed_ptr).to(tl.uint64)
+    tl.store(out_ptr + offs, _uniform(seed, index.to(tl.uint64)), mask=mask)

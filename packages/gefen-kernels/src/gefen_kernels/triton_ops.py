@@ -1,0 +1,264 @@
+"""Gefen's ops on CUDA tensors through the Triton kernels of :mod:`gefen_kernels.triton_kernels`.
+
+Each function has its op's signature (``gefen_core.ops``), checks its arguments
+(:mod:`gefen_kernels.arguments`), launches with ``enable_fp_fusion=False`` (no FMA
+contraction) and bumps the autograd version counter of every tensor it wrote. Under
+``TRITON_INTERPRET=1`` the same functions also accept CPU tensors, which is how the parity
+tests run them on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import increment_version
+
+from . import arguments
+from . import triton_kernels as K
+from .triton_support import interpreting
+
+__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "muon_momentum", "stochastic_uniform"]
+
+#: Elements per program tile (ROWS x COLS).
+_TILE = 1024
+#: Row groups of the factored statistics (fixed per shape: the sum order never depends on the device).
+_STATS_GROUPS = 64
+_STATS_ROWS = 16
+_STATS_COLS = 256
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _tile(blocks: int, period: int) -> tuple[int, int]:
+    cols = min(_next_pow2(period), _TILE)
+    rows = max(1, min(_next_pow2(blocks), _TILE // cols))
+    return rows, cols
+
+
+def _check(reason: str | None, *tensors: torch.Tensor) -> None:
+    if reason is not None:
+        raise arguments.KernelArgumentError(reason)
+    for tensor in tensors:
+        if tensor.device.type != "cuda" and not interpreting():
+            raise arguments.KernelArgumentError(
+                f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got one on {tensor.device}"
+            )
+
+
+def block_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    vmean: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.block_step/1`` with Triton (deterministic always: one program sums each block)."""
+    _check(
+        arguments.check_block_step(
+            param,
+            grad,
+            indices,
+            magnitude,
+            vmean,
+            codebook,
+            scalars,
+            sr_seed,
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
+        ),
+        param,
+    )
+    if param.numel() == 0:
+        return
+    blocks, period = indices.shape
+    rows, cols = _tile(blocks, period)
+    grid = (triton_cdiv(blocks, rows),)
+    K.block_step_kernel[grid](
+        param,
+        grad,
+        indices,
+        magnitude,
+        vmean,
+        codebook,
+        scalars,
+        sr_seed,
+        blocks,
+        period,
+        -1.0 if maximize else 1.0,
+        ROWS=rows,
+        COLS=cols,
+        STOCHASTIC=sr_seed is not None,
+        APPLY_DECAY=apply_decay,
+        F64=param.dtype is torch.float64,
+        enable_fp_fusion=False,
+    )
+    for tensor in (param, indices, magnitude, vmean):
+        increment_version(tensor)
+
+
+def factored_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    row_factor: torch.Tensor,
+    v_col: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.factored_step/1`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
+    _check(
+        arguments.check_factored_step(
+            param,
+            grad,
+            indices,
+            magnitude,
+            row_factor,
+            v_col,
+            codebook,
+            scalars,
+            sr_seed,
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
+        ),
+        param,
+    )
+    if param.numel() == 0:
+        return
+    blocks, period = indices.shape
+    rows, cols = _tile(blocks, period)
+    grid = (triton_cdiv(blocks, rows),)
+    K.factored_step_kernel[grid](
+        param,
+        grad,
+        indices,
+        magnitude,
+        row_factor,
+        v_col,
+        codebook,
+        scalars,
+        sr_seed,
+        blocks,
+        period,
+        param.shape[1],
+        -1.0 if maximize else 1.0,
+        ROWS=rows,
+        COLS=cols,
+        STOCHASTIC=sr_seed is not None,
+        APPLY_DECAY=apply_decay,
+        F64=param.dtype is torch.float64,
+        enable_fp_fusion=False,
+    )
+    for tensor in (param, indices, magnitude):
+        increment_version(tensor)
+
+
+def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gefen.factored_stats/1`` with Triton (phase 1): float64 row and column sums of ``g^2``.
+
+    Partial sums per (row group, column tile) are added in a fixed order: deterministic.
+    """
+    _check(arguments.check_factored_stats(grad, deterministic=deterministic), grad)
+    rows, cols = grad.shape
+    if grad.numel() == 0:
+        return (
+            torch.zeros(rows, dtype=torch.float64, device=grad.device),
+            torch.zeros(cols, dtype=torch.float64, device=grad.device),
+        )
+    groups = min(_STATS_GROUPS, triton_cdiv(rows, _STATS_ROWS))
+    per_group = triton_cdiv(rows, groups)
+    col_tile = min(_next_pow2(cols), _STATS_COLS)
+    tiles = triton_cdiv(cols, col_tile)
+    row_part = torch.empty((tiles, rows), dtype=torch.float64, device=grad.device)
+    col_part = torch.empty((groups, cols), dtype=torch.float64, device=grad.device)
+    K.factored_stats_kernel[(groups, tiles)](
+        grad, row_part, col_part, rows, cols, per_group, RB=_STATS_ROWS, CT=col_tile, enable_fp_fusion=False
+    )
+    return row_part.sum(dim=0), col_part.sum(dim=0)
+
+
+def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
+    """``gefen.histogram/1`` with Triton (integer atomics: the counts are exact in any order)."""
+    _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic), grad)
+    if grad.numel() == 0:
+        return
+    blocks = grad.numel() // period
+    rows, cols = _tile(blocks, period)
+    K.histogram_kernel[(triton_cdiv(blocks, rows),)](
+        grad, counts, blocks, period, ROWS=rows, COLS=cols, enable_fp_fusion=False
+    )
+    increment_version(counts)
+
+
+def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``gefen.stochastic_uniform/1`` with Triton."""
+    _check(arguments.check_stochastic_uniform(seed, index), index)
+    flat = index.contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    if flat.numel():
+        block = 1024
+        K.uniform_kernel[(triton_cdiv(flat.numel(), block),)](seed, flat, out, flat.numel(), BLOCK=block)
+    return out
+
+
+def muon_momentum(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    nesterov: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen.muon_momentum/1`` with Triton: one pass requantises and writes the Newton-Schulz input."""
+    _check(
+        arguments.check_muon_momentum(
+            grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic
+        ),
+        grad,
+    )
+    if grad.numel() == 0:
+        return
+    blocks, period = indices.shape
+    rows, cols = _tile(blocks, period)
+    K.muon_momentum_kernel[(triton_cdiv(blocks, rows),)](
+        grad,
+        indices,
+        magnitude,
+        codebook,
+        scalars,
+        sr_seed,
+        out,
+        blocks,
+        period,
+        ROWS=rows,
+        COLS=cols,
+        STOCHASTIC=sr_seed is not None,
+        NESTEROV=nesterov,
+        OUT_BF16=out.dtype is torch.bfloat16,
+        enable_fp_fusion=False,
+    )
+    for tensor in (indices, magnitude, out):
+        increment_version(tensor)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

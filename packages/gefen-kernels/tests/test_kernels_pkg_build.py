@@ -1,0 +1,75 @@
+"""Building the CPU kernel: cache reuse, a missing or failing compiler, and the provider's refusals."""
+
+from __future__ import annotations
+
+import stat
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from gefen_kernels import CpuKernelUnavailableWarning, GefenKernelProvider, cpu_kernel_status
+from gefen_kernels.cpu_build import load_cpu_library, reset_cpu_library
+
+
+@pytest.fixture
+def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    monkeypatch.setenv("GEFEN_KERNELS_CACHE_DIR", str(tmp_path / "cache"))
+    reset_cpu_library()
+    yield tmp_path
+    monkeypatch.undo()
+    reset_cpu_library()
+
+
+def test_a_cached_library_is_reused_without_compiling(fresh_build: Path) -> None:
+    first = cpu_kernel_status()
+    assert first.available and first.compiled and first.build_seconds > 0
+    assert Path(first.path).parent == fresh_build / "cache"
+    reset_cpu_library()
+    second = cpu_kernel_status()
+    assert second.available and not second.compiled and second.path == first.path
+
+
+def test_a_missing_compiler_warns_once_and_declines_cpu_tensors(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GEFEN_KERNELS_CC", str(fresh_build / "absent-cc"))
+    with pytest.warns(CpuKernelUnavailableWarning, match="no C compiler found"):
+        assert load_cpu_library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_cpu_library() is None  # no second warning
+    assert "absent-cc" in cpu_kernel_status().reason
+    reason = GefenKernelProvider().explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=False)
+    assert reason is not None and "CPU kernel is unavailable" in reason
+
+
+def test_a_compiler_that_fails_is_reported_with_its_error(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = fresh_build / "broken-cc"
+    fake.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("GEFEN_KERNELS_CC", str(fake))
+    with pytest.warns(CpuKernelUnavailableWarning, match="this compiler is broken"):
+        assert load_cpu_library() is None
+    assert not list((fresh_build / "cache").glob("*.so"))
+
+
+def test_the_switch_disables_the_cpu_kernel(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEFEN_KERNELS_CPU", "0")
+    with pytest.warns(CpuKernelUnavailableWarning, match="GEFEN_KERNELS_CPU=0"):
+        assert not cpu_kernel_status().available
+
+
+def test_the_provider_explains_what_it_cannot_run() -> None:
+    kernels = GefenKernelProvider()
+    assert "does not implement" in (kernels.explain("gefen.unknown/1") or "")
+    meta = torch.empty(2, 3, device="meta")
+    assert "no gefen-kernels backend for meta" in (
+        kernels.explain("gefen.factored_stats/1", meta, deterministic=False) or ""
+    )
+    assert "3-D" not in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=False) or "")
+    assert "2-D" in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3, 4), deterministic=False) or "")
+    assert "bool" in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=1) or "")
+    with pytest.raises(KeyError):
+        kernels.implementation("gefen.unknown/1")

@@ -1,0 +1,269 @@
+"""Shared cases and tolerances of the kernel-vs-reference parity tests (tests/test_kernels_*).
+
+Tolerances (the issue's): codebook indices equal except adjacent-codeword ties (at most
+1e-4 of the elements, and never more than one code apart), ``v`` and block scales within
+1 ulp, parameters within 2 ulp per step. ULPs are counted in the parameter dtype, except
+for fp64 parameters, whose update is computed in fp32 and which are compared in fp32.
+One step is compared at a time from identical states, so differences never accumulate.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gefen_core import step_scalars
+from gefen_core.codebook import codebook_from_counts
+from gefen_core.reference_ops import (
+    block_step_reference,
+    factored_stats_reference,
+    factored_step_reference,
+    histogram_reference,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MAX_TIE_FRACTION = 1e-4
+
+
+@functools.cache
+def shared_codebook(kind: str = "gaussian") -> torch.Tensor:
+    """A learned codebook, solved once per process (the exact solve takes a few tenths of a second)."""
+    generator = torch.Generator().manual_seed(1234)
+    sample = torch.randn(8192, generator=generator)
+    return learned_codebook(sample if kind == "gaussian" else sample**3, 64)
+
+
+def learned_codebook(grad: torch.Tensor, period: int) -> torch.Tensor:
+    """The codebook Gefen would learn from ``grad`` (a real, non-uniform one)."""
+    counts = torch.zeros(4096, dtype=torch.int64)
+    histogram_reference(grad.cpu(), period, counts, deterministic=False)
+    codebook = codebook_from_counts(counts)
+    assert codebook is not None
+    return codebook.to(grad.device)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between equal-shaped float tensors."""
+    if a.numel() == 0:
+        return 0
+    dtype = torch.float32 if a.dtype is torch.float64 else a.dtype
+    x, y = a.to(dtype).cpu(), b.to(dtype).cpu()
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    xi, yi = x.view(bits).to(torch.int64), y.view(bits).to(torch.int64)
+    sign = 1 << (torch.iinfo(bits).bits - 1)
+    # map the sign-magnitude float order onto integers
+    xi = torch.where(xi < 0, -(xi + sign), xi)
+    yi = torch.where(yi < 0, -(yi + sign), yi)
+    return int((xi - yi).abs().max())
+
+
+def assert_params_close(before: torch.Tensor, expected: torch.Tensor, got: torch.Tensor, ulps: int = 2) -> None:
+    """``|got - expected| <= ulps`` units in the last place of the step's larger operand.
+
+    The step is ``p - d``: when the result nearly cancels, one ulp of ``d`` is many ulps of
+    the result, so the unit is taken at ``max(|p before|, |p after|)`` (fp64 parameters in
+    fp32 units, since their update is computed in fp32).
+    """
+    if expected.numel() == 0:
+        return
+    dtype = torch.float32 if expected.dtype is torch.float64 else expected.dtype
+    info = torch.finfo(dtype)
+    scale = torch.maximum(before.double().abs(), expected.double().abs()).clamp_min(info.tiny)
+    unit = torch.exp2(torch.floor(torch.log2(scale))) * info.eps
+    excess = (got.double() - expected.double()).abs() - ulps * unit
+    worst = float(excess.max())
+    assert worst <= 0.0, f"parameters differ by more than {ulps} ulp (by {worst:.3g} beyond it)"
+
+
+def assert_indices_close(expected: torch.Tensor, got: torch.Tensor) -> None:
+    diff = (expected.to(torch.int32) - got.to(torch.int32)).abs().cpu()
+    if diff.numel() == 0:
+        return
+    assert int(diff.max()) <= 1, "indices differ by more than one codeword"
+    assert int((diff > 0).sum()) <= max(1, int(MAX_TIE_FRACTION * expected.numel())), "too many index ties"
+
+
+@dataclass
+class MomentumState:
+    param: torch.Tensor
+    indices: torch.Tensor
+    magnitude: torch.Tensor
+    second: list[torch.Tensor]  # [vmean] (block) or [v_row, v_col] (factored)
+
+    def clone(self) -> MomentumState:
+        return MomentumState(
+            self.param.clone(), self.indices.clone(), self.magnitude.clone(), [t.clone() for t in self.second]
+        )
+
+
+def random_state(shape: tuple[int, ...], period: int, dtype: torch.dtype, device: str, factored: bool) -> MomentumState:
+    numel = 1
+    for size in shape:
+        numel *= size
+    blocks = numel // period if period else 0
+    param = torch.randn(shape, dtype=dtype, device=device)
+    indices = torch.randint(0, 256, (blocks, period), dtype=torch.uint8, device=device)
+    magnitude = torch.rand(blocks, 1, device=device) * 0.1
+    if factored:
+        second = [torch.rand(shape[0], device=device) * 1e-2, torch.rand(shape[1], device=device) * 1e-2]
+    else:
+        second = [torch.rand(blocks, 1, device=device) * 1e-2]
+    return MomentumState(param, indices, magnitude, second)
+
+
+def scalars(device: str, *, step: int, weight_decay: float, factored: bool) -> torch.Tensor:
+    return step_scalars.host_scalars(
+        torch.device(device),
+        lr=3e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=weight_decay,
+        step=step,
+        age=step,
+        factored=factored,
+    )
+
+
+StepOp = Callable[..., Any]
+
+
+def update_factored_moments(
+    v_row: torch.Tensor,
+    v_col: torch.Tensor,
+    row_sumsq: torch.Tensor,
+    col_sumsq: torch.Tensor,
+    rows: int,
+    sc: torch.Tensor,
+) -> torch.Tensor:
+    """The factored second moment's small O(R + K) update, as documented in gefen-core (the
+    kernels' input ``row_factor``; both sides receive the same one)."""
+    beta2, one_minus_beta2, bc2 = sc[6], sc[7], sc[2]
+    row_mean = (row_sumsq / float(v_col.numel())).to(torch.float32)
+    col_mean = (col_sumsq / float(rows)).to(torch.float32)
+    v_row.copy_(v_row * beta2 + row_mean * one_minus_beta2)
+    v_col.copy_(v_col * beta2 + col_mean * one_minus_beta2)
+    scale = (v_col.double().sum() / v_col.numel()).to(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+    return (v_row / scale) * bc2
+
+
+def _flags(weight_decay: float, maximize: bool) -> dict[str, bool]:
+    return {"apply_decay": weight_decay != 0.0, "maximize": maximize, "deterministic": False}
+
+
+def compare_block_step(
+    op: StepOp,
+    state: MomentumState,
+    grad: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    steps: int,
+    weight_decay: float,
+    maximize: bool,
+    sr_seed: torch.Tensor | None,
+) -> None:
+    """Run ``steps`` steps of the reference and of ``op``, each from the reference's state, and compare."""
+    ref = state.clone()
+    flags = _flags(weight_decay, maximize)
+    for step in range(1, steps + 1):
+        sc = scalars(str(grad.device), step=step, weight_decay=weight_decay, factored=False)
+        mine = ref.clone()
+        before = ref.param.clone()
+        block_step_reference(
+            ref.param.view(-1), grad.view(-1), ref.indices, ref.magnitude, ref.second[0], codebook, sc, sr_seed, **flags
+        )
+        op(
+            mine.param.view(-1),
+            grad.view(-1),
+            mine.indices,
+            mine.magnitude,
+            mine.second[0],
+            codebook,
+            sc,
+            sr_seed,
+            **flags,
+        )
+        _assert_states(before, ref, mine)
+        grad = grad.roll(1)  # a different gradient for the next step
+
+
+def compare_factored_step(
+    stats_op: StepOp,
+    step_op: StepOp,
+    state: MomentumState,
+    grad: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    steps: int,
+    weight_decay: float,
+    maximize: bool,
+    sr_seed: torch.Tensor | None,
+) -> None:
+    """Both phases of the factored update against the reference, one step at a time."""
+    ref = state.clone()
+    flags = _flags(weight_decay, maximize)
+    for step in range(1, steps + 1):
+        sc = scalars(str(grad.device), step=step, weight_decay=weight_decay, factored=True)
+        rows_ref, cols_ref = factored_stats_reference(grad, deterministic=False)
+        rows_mine, cols_mine = stats_op(grad, deterministic=False)
+        assert rows_mine.dtype is torch.float64 and cols_mine.dtype is torch.float64
+        torch.testing.assert_close(rows_mine, rows_ref, rtol=1e-13, atol=0.0)
+        torch.testing.assert_close(cols_mine, cols_ref, rtol=1e-13, atol=0.0)
+        row_factor = update_factored_moments(ref.second[0], ref.second[1], rows_ref, cols_ref, grad.shape[0], sc)
+        mine = ref.clone()
+        before = ref.param.clone()
+        common = (row_factor, ref.second[1], codebook, sc, sr_seed)
+        factored_step_reference(ref.param, grad, ref.indices, ref.magnitude, *common, **flags)
+        step_op(mine.param, grad, mine.indices, mine.magnitude, *common, **flags)
+        _assert_states(before, ref, mine)
+        grad = grad.roll(1, dims=1)
+
+
+def _assert_states(before: torch.Tensor, ref: MomentumState, mine: MomentumState) -> None:
+    assert_indices_close(ref.indices, mine.indices)
+    assert ulp_distance(ref.magnitude, mine.magnitude) <= 1, "block scales differ by more than 1 ulp"
+    for expected, got in zip(ref.second, mine.second):
+        assert ulp_distance(expected, got) <= 1, "second moments differ by more than 1 ulp"
+    assert_params_close(before, ref.param, mine.param)
+
+
+def compare_histogram(op: StepOp, grad: torch.Tensor, period: int) -> None:
+    expected = torch.zeros(4096, dtype=torch.int64, device=grad.device)
+    got = torch.zeros(4096, dtype=torch.int64, device=grad.device)
+    histogram_reference(grad, period, expected, deterministic=False)
+    op(grad, period, got, deterministic=False)
+    assert torch.equal(expected, got)
+
+
+def compare_muon_momentum(
+    op: StepOp,
+    grad: torch.Tensor,
+    period: int,
+    codebook: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    nesterov: bool,
+    sr_seed: torch.Tensor | None,
+) -> None:
+    """``gefen.muon_momentum/1`` against the reference, two steps from the reference's state."""
+    from gefen_core.reference_ops import muon_momentum_reference
+
+    device = grad.device
+    blocks = grad.numel() // period
+    indices = torch.randint(0, 256, (blocks, period), dtype=torch.uint8, device=device)
+    magnitude = torch.rand(blocks, 1, device=device) * 0.1
+    packet = step_scalars.muon_scalars(device, 0.95)
+    for _ in range(2):
+        expected = torch.empty(grad.shape, dtype=out_dtype, device=device)
+        got = torch.empty(grad.shape, dtype=out_dtype, device=device)
+        mine_indices, mine_magnitude = indices.clone(), magnitude.clone()
+        flags = {"nesterov": nesterov, "deterministic": False}
+        muon_momentum_reference(grad, indices, magnitude, codebook, packet, sr_seed, expected, **flags)
+        op(grad, mine_indices, mine_magnitude, codebook, packet, sr_seed, got, **flags)
+        assert_indices_close(indices, mine_indices)
+        assert ulp_distance(magnitude, mine_magnitude) <= 1
+        assert ulp_distance(expected, got) <= 1
+        grad = grad.roll(1, dims=1)

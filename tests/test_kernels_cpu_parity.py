@@ -1,0 +1,168 @@
+"""The compiled CPU kernels against gefen-core's reference ops (odd, empty and large-block shapes, every dtype)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from gefen_core.momentum_codec import splitmix_uniform
+from gefen_kernels import cpu_kernel_status, cpu_ops, provider
+from kernels_parity_helpers import (
+    DTYPES,
+    compare_block_step,
+    compare_factored_step,
+    compare_histogram,
+    compare_muon_momentum,
+    random_state,
+    shared_codebook,
+)
+
+SMALL_BLOCKS = [(0, 5), (1, 1), (7, 13), (33, 64)]  # (blocks, period)
+LARGE_BLOCKS = [(1, 1031), (2, 4099)]  # 4099 > the kernel's momentum buffer (recomputing path)
+SMALL_FACTORED = [(5, 7, 35), (6, 10, 4), (9, 33, 33), (0, 3, 1)]  # (rows, cols, period)
+LARGE_FACTORED = [(4, 1030, 515), (2, 5000, 10000)]
+BLOCK_CASES = [(d, s) for d in DTYPES for s in SMALL_BLOCKS] + [
+    (d, s) for d in (torch.float32, torch.bfloat16) for s in LARGE_BLOCKS
+]
+FACTORED_CASES = [(d, s) for d in DTYPES for s in SMALL_FACTORED] + [
+    (d, s) for d in (torch.float32, torch.bfloat16) for s in LARGE_FACTORED
+]
+VARIANTS = [  # (weight decay, maximize, stochastic rounding)
+    (0.0, False, False),
+    (0.1, True, True),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled_kernel() -> Iterator[None]:
+    """Build (or load) the CPU kernel once, and make sure it really runs (no silent fallback)."""
+    status = cpu_kernel_status()
+    assert status.available, status.reason
+    assert status.openmp, "the CPU kernel was built without OpenMP"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # exercise the multi-threaded path
+    yield
+    torch.set_num_threads(previous)
+
+
+def _seed(stochastic: bool) -> torch.Tensor | None:
+    return torch.tensor([(3 << 32) + 5], dtype=torch.int64) if stochastic else None
+
+
+@pytest.mark.parametrize(("dtype", "shape"), BLOCK_CASES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=["nearest", "decay-maximize-sr"])
+def test_block_step_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int], variant: tuple) -> None:
+    torch.manual_seed(hash((str(dtype), shape)) % 2**31)
+    blocks, period = shape
+    weight_decay, maximize, stochastic = variant
+    grad = torch.randn(blocks * period, dtype=dtype)
+    codebook = shared_codebook()
+    state = random_state((blocks * period,), period, dtype, "cpu", factored=False)
+    compare_block_step(
+        cpu_ops.block_step,
+        state,
+        grad,
+        codebook,
+        steps=2,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        sr_seed=_seed(stochastic),
+    )
+
+
+@pytest.mark.parametrize(("dtype", "shape"), FACTORED_CASES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=["nearest", "decay-maximize-sr"])
+def test_factored_step_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int, int], variant: tuple) -> None:
+    torch.manual_seed(hash((str(dtype), shape)) % 2**31)
+    rows, cols, period = shape
+    weight_decay, maximize, stochastic = variant
+    grad = torch.randn(rows, cols, dtype=dtype)
+    codebook = shared_codebook()
+    state = random_state((rows, cols), period, dtype, "cpu", factored=True)
+    compare_factored_step(
+        cpu_ops.factored_stats,
+        cpu_ops.factored_step,
+        state,
+        grad,
+        codebook,
+        steps=2,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        sr_seed=_seed(stochastic),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0, 4), (1, 1), (37, 11), (3, 5000)], ids=str)
+def test_histogram_counts_equal_the_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(7)
+    blocks, period = shape
+    grad = torch.randn(blocks * period, dtype=dtype) * torch.rand(blocks * period, dtype=dtype)
+    if grad.numel() > 3:
+        grad[:period] = 0  # an all-zero block
+    compare_histogram(cpu_ops.histogram, grad, period)
+
+
+def test_uniforms_equal_the_pinned_hash() -> None:
+    index = torch.tensor([0, 1, 2, 1000, 2**31 + 5], dtype=torch.int64)
+    got = cpu_ops.stochastic_uniform(torch.tensor([0], dtype=torch.int64), index)
+    assert [int(v * 2**24) for v in got.tolist()] == [14819496, 7239838, 443485, 2947631, 1177231]
+    many = torch.arange(-5, 100_000, 7, dtype=torch.int64)
+    for seed in (0, 1, (7 << 32) | 3, -(2**63) + 12345):
+        expected = splitmix_uniform(torch.tensor([seed], dtype=torch.int64), many)
+        assert torch.equal(cpu_ops.stochastic_uniform(torch.tensor([seed], dtype=torch.int64), many), expected)
+
+
+def test_the_kernel_reads_whatever_codebook_it_is_given() -> None:
+    """The per-thread lookup table is rebuilt when the codebook changes (no stale table)."""
+    torch.manual_seed(3)
+    grad = torch.randn(8 * 32)
+    first = shared_codebook()
+    second = shared_codebook("cubed")
+    for codebook in (first, second, first):
+        state = random_state((8 * 32,), 32, torch.float32, "cpu", factored=False)
+        compare_block_step(
+            cpu_ops.block_step, state, grad, codebook, steps=1, weight_decay=0.0, maximize=False, sr_seed=None
+        )
+
+
+def test_provider_supports_cpu_tensors_and_explains_refusals() -> None:
+    kernels = provider()
+    param = torch.zeros(12)
+    indices = torch.zeros(3, 4, dtype=torch.uint8)
+    block = torch.zeros(3, 1)
+    codebook = torch.linspace(-1, 1, 256)
+    scalars = torch.zeros(9)
+    flags = {"apply_decay": False, "maximize": False, "deterministic": False}
+    args = (param, param.clone(), indices, block, block.clone(), codebook, scalars, None)
+    assert kernels.supports("gefen.block_step/1", *args, **flags)
+    assert kernels.explain("gefen.block_step/1", *args, **flags) is None
+    wrong = (param, param.clone(), indices.float(), *args[3:])
+    assert "indices must be torch.uint8" in (kernels.explain("gefen.block_step/1", *wrong, **flags) or "")
+    strided = torch.zeros(24)[::2]
+    assert "contiguous" in (kernels.explain("gefen.block_step/1", strided, *args[1:], **flags) or "")
+    assert not kernels.supports("gefen.block_step/1", *args[:-1], **flags)
+    with pytest.raises(ValueError, match="indices"):
+        cpu_ops.block_step(*wrong, **flags)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0, 4, 4), (3, 5, 5), (16, 48, 48), (6, 10, 4), (2, 4100, 8200)], ids=str)
+@pytest.mark.parametrize(
+    "variant", [(torch.bfloat16, True, False), (torch.float32, False, True)], ids=["bf16-nesterov", "fp32-sr"]
+)
+def test_muon_momentum_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int, int], variant: tuple) -> None:
+    torch.manual_seed(5)
+    rows, cols, period = shape
+    out_dtype, nesterov, stochastic = variant
+    grad = torch.randn(rows, cols, dtype=dtype)
+    compare_muon_momentum(
+        cpu_ops.muon_momentum,
+        grad,
+        period,
+        shared_codebook(),
+        out_dtype=out_dtype,
+        nesterov=nesterov,
+        sr_seed=_seed(stochastic),
+    )

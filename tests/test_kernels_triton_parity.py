@@ -1,0 +1,137 @@
+"""The Triton kernels against gefen-core's reference ops.
+
+With a GPU they run compiled on CUDA tensors; without one, Triton's interpreter
+(``TRITON_INTERPRET=1``, set before the kernels are imported) runs them on CPU tensors at
+tiny sizes (the interpreter is slow).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated
+triton = pytest.importorskip("triton")
+
+
+def _load_triton_ops() -> ModuleType:
+    if not ON_GPU:
+        triton.knobs.runtime.interpret = True  # in case triton was imported (and read the knob) earlier
+    import gefen_kernels.triton_kernels as kernels
+    import gefen_kernels.triton_ops as ops
+
+    if not ON_GPU and "Interpreted" not in type(kernels.block_step_kernel).__name__:
+        importlib.reload(kernels)  # imported earlier without the interpreter
+        ops = importlib.reload(ops)
+    assert ON_GPU or "Interpreted" in type(kernels.block_step_kernel).__name__
+    return ops
+
+
+T = _load_triton_ops()
+
+from gefen_core.momentum_codec import splitmix_uniform  # noqa: E402
+from kernels_parity_helpers import (  # noqa: E402
+    DTYPES,
+    compare_block_step,
+    compare_factored_step,
+    compare_histogram,
+    compare_muon_momentum,
+    random_state,
+    shared_codebook,
+)
+
+BLOCKS = (
+    [(0, 3), (3, 5), (17, 1), (2, 64)] if not ON_GPU else [(0, 3), (3, 5), (17, 1), (2, 64), (300, 2048), (3, 70001)]
+)
+FACTORED = [(3, 5, 5), (4, 6, 8), (2, 17, 34)] if not ON_GPU else [(3, 5, 5), (4, 6, 8), (2, 17, 34), (512, 1000, 500)]
+VARIANTS = [(0.0, False, False), (0.1, True, True)]
+
+
+def _seed(stochastic: bool) -> torch.Tensor | None:
+    return torch.tensor([(9 << 32) + 2], dtype=torch.int64, device=DEVICE) if stochastic else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", BLOCKS, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=["nearest", "decay-maximize-sr"])
+def test_triton_block_step_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int], variant: tuple) -> None:
+    torch.manual_seed(2)
+    blocks, period = shape
+    weight_decay, maximize, stochastic = variant
+    grad = torch.randn(blocks * period, dtype=dtype, device=DEVICE)
+    state = random_state((blocks * period,), period, dtype, DEVICE, factored=False)
+    compare_block_step(
+        T.block_step,
+        state,
+        grad,
+        shared_codebook().to(DEVICE),
+        steps=2,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        sr_seed=_seed(stochastic),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FACTORED, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=["nearest", "decay-maximize-sr"])
+def test_triton_factored_step_matches_the_reference(dtype: torch.dtype, shape: tuple, variant: tuple) -> None:
+    torch.manual_seed(3)
+    rows, cols, period = shape
+    weight_decay, maximize, stochastic = variant
+    grad = torch.randn(rows, cols, dtype=dtype, device=DEVICE)
+    state = random_state((rows, cols), period, dtype, DEVICE, factored=True)
+    compare_factored_step(
+        T.factored_stats,
+        T.factored_step,
+        state,
+        grad,
+        shared_codebook().to(DEVICE),
+        steps=2,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        sr_seed=_seed(stochastic),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_histogram_counts_equal_the_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    grad = torch.randn(5 * 13, dtype=dtype, device=DEVICE)
+    grad[:13] = 0
+    compare_histogram(T.histogram, grad, 13)
+
+
+def test_triton_uniforms_equal_the_pinned_hash() -> None:
+    index = torch.tensor([0, 1, 2, 1000, 2**31 + 5], dtype=torch.int64, device=DEVICE)
+    got = T.stochastic_uniform(torch.tensor([0], dtype=torch.int64, device=DEVICE), index)
+    assert [int(v * 2**24) for v in got.tolist()] == [14819496, 7239838, 443485, 2947631, 1177231]
+    seed = torch.tensor([-(2**63) + 12345], dtype=torch.int64, device=DEVICE)
+    many = torch.arange(0, 3000, 7, dtype=torch.int64, device=DEVICE)
+    assert torch.equal(T.stochastic_uniform(seed, many).cpu(), splitmix_uniform(seed.cpu(), many.cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "variant", [(torch.bfloat16, True, False), (torch.float32, False, True)], ids=["bf16-nesterov", "fp32-sr"]
+)
+def test_triton_muon_momentum_matches_the_reference(dtype: torch.dtype, variant: tuple) -> None:
+    torch.manual_seed(6)
+    out_dtype, nesterov, stochastic = variant
+    grad = torch.randn(4, 6, dtype=dtype, device=DEVICE)
+    compare_muon_momentum(
+        T.muon_momentum,
+        grad,
+        8,
+        shared_codebook().to(DEVICE),
+        out_dtype=out_dtype,
+        nesterov=nesterov,
+        sr_seed=_seed(stochastic),
+    )
