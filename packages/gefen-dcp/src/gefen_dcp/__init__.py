@@ -1,7 +1,70 @@
-"""PyTorch Distributed Checkpoint persistence and FSDP2 N->M resharding for contracted optimizers."""
+"""gefen-dcp: PyTorch Distributed Checkpoint persistence for optimizers that keep the Gefen
+convention.
+
+* :func:`save_portable_dcp` / :func:`load_portable_dcp` (and :func:`async_save_portable_dcp`)
+  persist any :class:`gefen_contracts.PortableAdapter` optimizer's portable state
+  rank-sharded: each member writes its own fragments with chunk digests under one catalog
+  root digest, and reads back only the fragments its target layout needs.
+
+* :class:`GefenDCPState` saves any :class:`gefen_contracts.DenseShardCodec` optimizer beside
+  its FSDP2 model in one ``dcp.save`` / ``dcp.load`` and reshards it N -> M;
+  :class:`GefenSavePlanner` keeps the save memory-bounded, :class:`GefenLoadPlanner` loads
+  and verifies it, and :class:`GefenFileSystemWriter` streams, survives crashes and makes
+  ``dcp.async_save`` hold the state at the call.
+"""
 
 from __future__ import annotations
 
 from ._version import __version__
+from .digest_table import DIGEST_TABLE_FORMAT, DIGEST_TABLE_FORMAT_VERSION
+from .envelope import DENSE_SHARD_FORMAT, DENSE_SHARD_FORMAT_VERSION
+from .errors import (
+    CheckpointIntegrityError,
+    CheckpointLayoutError,
+    DenseFieldError,
+    EnvelopeFormatError,
+    GefenCheckpointError,
+    PlannerRequiredError,
+    StorageMismatchError,
+)
+from .field_source import DenseFieldRows, DenseFieldSource, DenseShardSnapshot
+from .planners import GefenLoadPlanner, GefenSavePlanner
+from .portable_format import (
+    CHUNK_TABLE_FORMAT,
+    CHUNK_TABLE_FORMAT_VERSION,
+    PORTABLE_DCP_FORMAT,
+    PORTABLE_DCP_FORMAT_VERSION,
+)
+from .portable_load import load_portable_dcp
+from .portable_save import async_save_portable_dcp, save_portable_dcp
+from .state import GefenDCPState
+from .writer import GefenFileSystemWriter
 
-__all__ = ["__version__"]
+__all__ = [
+    "CHUNK_TABLE_FORMAT",
+    "CHUNK_TABLE_FORMAT_VERSION",
+    "DENSE_SHARD_FORMAT",
+    "DENSE_SHARD_FORMAT_VERSION",
+    "DIGEST_TABLE_FORMAT",
+    "DIGEST_TABLE_FORMAT_VERSION",
+    "PORTABLE_DCP_FORMAT",
+    "PORTABLE_DCP_FORMAT_VERSION",
+    "CheckpointIntegrityError",
+    "CheckpointLayoutError",
+    "DenseFieldError",
+    "DenseFieldRows",
+    "DenseFieldSource",
+    "DenseShardSnapshot",
+    "EnvelopeFormatError",
+    "GefenCheckpointError",
+    "GefenDCPState",
+    "GefenFileSystemWriter",
+    "GefenLoadPlanner",
+    "GefenSavePlanner",
+    "PlannerRequiredError",
+    "StorageMismatchError",
+    "__version__",
+    "async_save_portable_dcp",
+    "load_portable_dcp",
+    "save_portable_dcp",
+]

@@ -1,0 +1,58 @@
+"""The process group a dense-shard checkpoint votes and agrees over.
+
+gefen-dcp reuses the convention's primitives (:func:`gefen_contracts.torch_support.failure_vote`,
+:func:`~gefen_contracts.torch_support.agree_digest`) over a
+:class:`~gefen_contracts.torch_support.CheckpointProcessGroupBinding` built from the group
+DCP saves or loads with. A world of one (or no initialised distributed runtime) has no
+binding and runs no collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gefen_contracts import ContractError, ProcessGroupIdentity
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding, agree_digest
+
+from .errors import CheckpointLayoutError
+
+__all__ = ["GROUP_NAME", "agree_layout", "checkpoint_binding", "member_coordinate"]
+
+GROUP_NAME = "gefen_dcp.checkpoint"
+
+
+def checkpoint_binding(process_group: Any) -> CheckpointProcessGroupBinding | None:
+    """A binding over ``process_group`` (``None``: the default world), or ``None`` when the
+    group has one member or ``torch.distributed`` is not initialised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise RuntimeError("a process_group was given but torch.distributed is not initialized")
+        return None
+    group = dist.group.WORLD if process_group is None else process_group
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError("this process is not a member of the checkpoint process group")
+    if size == 1:
+        return None
+    members = tuple(f"member{index}" for index in range(size))
+    backend = str(dist.get_backend(group)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    binding = CheckpointProcessGroupBinding(ProcessGroupIdentity(GROUP_NAME, members), members[rank], group, device)
+    binding.validate_runtime()
+    return binding
+
+
+def member_coordinate(binding: CheckpointProcessGroupBinding | None) -> int:
+    return 0 if binding is None else binding.coordinate
+
+
+def agree_layout(binding: CheckpointProcessGroupBinding | None, digest: str) -> None:
+    """Every member must hold the same envelope digest (``CheckpointLayoutError`` on every member)."""
+    try:
+        agree_digest(binding, digest, what="the dense-shard layout (FQNs, shapes, options, variants, counters, fields)")
+    except ContractError as exc:
+        raise CheckpointLayoutError(str(exc)) from None

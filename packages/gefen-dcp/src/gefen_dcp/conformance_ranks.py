@@ -1,0 +1,182 @@
+"""Helpers and spawned-rank functions of gefen-dcp's conformance checks.
+
+Rank functions take ``(rank, world_size, spec, ...)`` and rebuild the target from its
+importable ``MODULE:FACTORY`` spec; models are sharded with FSDP2 ``fully_shard`` on a
+CPU device mesh over the whole gloo world.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from gefen_contracts import DenseShardLoad
+from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .planners import GefenLoadPlanner, GefenSavePlanner
+from .state import GefenDCPState
+from .writer import GefenFileSystemWriter
+
+__all__ = [
+    "CORRUPTIONS",
+    "LOAD_ERRORS",
+    "corrupt",
+    "load_sharded",
+    "load_state",
+    "loads_of",
+    "refuse_corrupted",
+    "save_sharded",
+    "save_state",
+]
+
+#: What a refused ``dcp.load`` raises (DCP's ``CheckpointException`` is a ``BaseException``).
+LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+CORRUPTIONS = ("flipped_chunk_byte", "edited_envelope", "edited_digest_table", "truncated_data_file")
+
+
+def save_state(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
+    """``dcp.save`` of the model and the optimizer's dense-shard state."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+    save(state, storage_writer=GefenFileSystemWriter(path), planner=GefenSavePlanner())
+
+
+def load_state(model: torch.nn.Module, optimizer: Any, path: Path, *, with_model: bool) -> None:
+    """``dcp.load`` of the optimizer (and, with ``with_model``, the model) from ``path``."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    state: dict[str, Any] = {"optim": GefenDCPState(optimizer)}
+    if with_model:
+        state["model"] = model.state_dict()
+    load(state, checkpoint_id=path, planner=GefenLoadPlanner())
+
+
+def loads_of(optimizer: Any) -> dict[str, DenseShardLoad]:
+    """The optimizer's own state as the loads a dense-shard checkpoint would hand back."""
+    return {
+        slot.fqn: DenseShardLoad(
+            slot.fqn,
+            slot.options,
+            slot.variant,
+            slot.counters,
+            {field: optimizer.materialize_dense_field(slot.fqn, field) for field in slot.fields},
+        )
+        for slot in optimizer.dense_shard_slots()
+    }
+
+
+def _storage(path: Path, key: str) -> list[Any]:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    metadata = FileSystemReader(path).read_metadata()
+    return [info for index, info in metadata.storage_data.items() if index.fqn == key]
+
+
+def _patch(path: Path, info: Any, position: int, value: int) -> None:
+    target = path / info.relative_path
+    data = bytearray(target.read_bytes())
+    data[info.offset + position] = value
+    target.write_bytes(bytes(data))
+
+
+def corrupt(path: Path, corruption: str, optimizer: Any) -> None:
+    """Apply one corruption class from :data:`CORRUPTIONS` to a single-process checkpoint."""
+    if corruption == "flipped_chunk_byte":
+        for slot in sorted(
+            optimizer.dense_shard_slots(), key=lambda s: -int(getattr(s.parameter, "numel", lambda: 0)())
+        ):
+            for field in slot.fields:
+                values = optimizer.materialize_dense_field(slot.fqn, field).reshape(-1)[:4]
+                if values.numel() < 4 or not bool(values.ne(0).all()):
+                    continue
+                (info, *_) = _storage(path, f"optim.dense.{slot.fqn}.{field}")
+                region = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+                position = region.find(values.contiguous().numpy().tobytes())
+                if position >= 0:
+                    _patch(path, info, position + 1, region[position + 1] ^ 0x10)
+                    return
+        raise AssertionError("no dense field with non-zero leading elements to corrupt")
+    if corruption in ("edited_envelope", "edited_digest_table"):
+        key = "optim.envelope" if corruption == "edited_envelope" else "optim.digests.writer_00000"
+        (info,) = _storage(path, key)
+        region = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        position = region.find(b'"format"')
+        _patch(path, info, position + 2, ord("F"))
+        return
+    if corruption == "truncated_data_file":
+        data_files = sorted(p for p in path.iterdir() if p.suffix == ".distcp")
+        target = max(data_files, key=lambda p: p.stat().st_size)
+        with open(target, "r+b") as handle:
+            handle.truncate(target.stat().st_size // 2)
+        return
+    raise ValueError(f"unknown corruption {corruption!r}")
+
+
+# -- spawned ranks --------------------------------------------------------------------------------
+
+
+def _build(spec: str, world_size: int) -> tuple[Any, Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    target = load_target(spec)
+    torch.manual_seed(0)
+    model = target.model_builder(0)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = target.factory([(name, p) for name, p in model.named_parameters() if p.requires_grad])
+    return target, model, optimizer
+
+
+def _train(target: Any, model: Any, optimizer: Any, start: int, steps: int) -> list[float]:
+    losses = []
+    for index in range(start, start + steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = target.loss_fn(model, index)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def save_sharded(rank: int, world_size: int, spec: str, path: str, steps: int) -> list[float]:
+    """Train ``steps``, save model + optimizer, return the next ``steps`` losses (uninterrupted)."""
+    target, model, optimizer = _build(spec, world_size)
+    _train(target, model, optimizer, 0, steps)
+    save_state(model, optimizer, Path(path))
+    return _train(target, model, optimizer, steps, steps)
+
+
+def load_sharded(rank: int, world_size: int, spec: str, path: str, steps: int) -> list[float]:
+    """Load model + optimizer into a fresh sharded run and return its next ``steps`` losses."""
+    target, model, optimizer = _build(spec, world_size)
+    load_state(model, optimizer, Path(path), with_model=True)
+    return _train(target, model, optimizer, steps, steps)
+
+
+def refuse_corrupted(rank: int, world_size: int, spec: str, path: str, steps: int) -> str:
+    """Every rank loads a copy of ``path`` whose envelope rank 0 edited; all must refuse unchanged."""
+    import torch.distributed as dist
+
+    target, model, optimizer = _build(spec, world_size)
+    _train(target, model, optimizer, 0, steps)
+    copy = Path(f"{path}-corrupted")
+    if rank == 0:
+        shutil.copytree(path, copy)
+        corrupt(copy, "edited_envelope", optimizer)
+    dist.barrier()
+    before = deep_snapshot(optimizer)
+    try:
+        load_state(model, optimizer, copy, with_model=False)
+    except LOAD_ERRORS as exc:
+        diffs = snapshot_diff(before, optimizer)
+        return "refused unchanged" if not diffs else f"refused ({type(exc).__name__}) but changed: {diffs[:2]}"
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(copy, ignore_errors=True)
+    return "accepted a corrupted checkpoint"

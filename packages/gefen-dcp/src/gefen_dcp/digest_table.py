@@ -1,0 +1,159 @@
+"""Per-writer chunk digest tables, ``gefen.dense_shard_digests`` version 1.
+
+Every rank saves one table listing the dense chunks it holds locally; for each chunk it
+actually writes (after DCP's de-duplication of replicas) it records the SHA-256 of the
+chunk's fp32 little-endian bytes, computed from the very tensor handed to the writer, so a
+save materialises each chunk once. Chunks another replica writes are listed as absent.
+On load, every stored chunk must have exactly one recorded digest across all tables, and
+every chunk a rank reads is hashed and compared before any value reaches the optimizer:
+corruption and truncation are caught whatever storage reader DCP was given, and after any
+resharding.
+
+The table's byte length is fixed when DCP plans (digests and flags have fixed widths), so
+it can be planned before the digests exist::
+
+    {"format": "gefen.dense_shard_digests", "format_version": 1, "writer": int,
+     "chunks": [[fqn, field, [offset...], [size...], "w" | "-", "<64 hex or zeros>"], ...]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+
+import torch
+from gefen_contracts import PortableStateLimits
+from gefen_contracts.validation import exact_int, identity_name
+
+from .canonical_json import dump_canonical, load_canonical
+from .envelope import field_name
+from .errors import EnvelopeFormatError
+
+__all__ = [
+    "DIGEST_TABLE_FORMAT",
+    "DIGEST_TABLE_FORMAT_VERSION",
+    "ChunkKey",
+    "ChunkRecord",
+    "DigestTable",
+    "chunk_digest",
+    "decode_digest_table",
+    "encode_digest_table",
+]
+
+DIGEST_TABLE_FORMAT = "gefen.dense_shard_digests"
+DIGEST_TABLE_FORMAT_VERSION = 1
+_PLACEHOLDER = "0" * 64
+_HEX = frozenset("0123456789abcdef")
+_KEYS = frozenset({"format", "format_version", "writer", "chunks"})
+
+#: ``(fqn, field, global offsets)`` names one stored chunk.
+ChunkKey = tuple[str, str, tuple[int, ...]]
+
+
+def chunk_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's elements as contiguous little-endian bytes."""
+    data = tensor.detach().contiguous()
+    if data.device.type != "cpu":
+        raise ValueError("chunk_digest needs a CPU tensor")
+    array = data.reshape(-1).numpy()
+    if sys.byteorder == "big" and data.element_size() > 1:  # pragma: no cover - little-endian CI
+        array = array.byteswap()
+    return hashlib.sha256(array.tobytes() if not array.flags.c_contiguous else memoryview(array).cast("B")).hexdigest()  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One chunk a writer held: where it sits, whether this writer wrote it, and its digest."""
+
+    fqn: str
+    field: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    written: bool
+    digest: str
+
+    @property
+    def key(self) -> ChunkKey:
+        return (self.fqn, self.field, self.offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class DigestTable:
+    writer: int
+    chunks: tuple[ChunkRecord, ...]
+
+
+def _record_list(record: ChunkRecord) -> list[object]:
+    return [
+        record.fqn,
+        record.field,
+        list(record.offsets),
+        list(record.sizes),
+        "w" if record.written else "-",
+        record.digest if record.written else _PLACEHOLDER,
+    ]
+
+
+def encode_digest_table(table: DigestTable, *, limits: PortableStateLimits) -> bytes:
+    """Canonical bytes of ``table``; the length does not depend on flags or digests."""
+    chunks = sorted(table.chunks, key=lambda r: (r.fqn, r.field, r.offsets))
+    for record in chunks:
+        if record.written and (len(record.digest) != 64 or not set(record.digest) <= _HEX):
+            raise EnvelopeFormatError(f"chunk {record.key} has a malformed digest {record.digest!r}")
+    value = {
+        "format": DIGEST_TABLE_FORMAT,
+        "format_version": DIGEST_TABLE_FORMAT_VERSION,
+        "writer": table.writer,
+        "chunks": [_record_list(r) for r in chunks],
+    }
+    return dump_canonical(value, limits=limits, what="digest table")
+
+
+def _ints(value: object, where: str, limits: PortableStateLimits) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > limits.max_tensor_rank:
+        raise EnvelopeFormatError(f"{where} must be a list of at most {limits.max_tensor_rank} ints")
+    try:
+        return tuple(exact_int(v, f"{where}[{i}]", minimum=0, maximum=2**63 - 1) for i, v in enumerate(value))
+    except (TypeError, ValueError) as exc:
+        raise EnvelopeFormatError(str(exc)) from None
+
+
+def decode_digest_table(data: bytes, *, limits: PortableStateLimits) -> DigestTable:
+    """Parse a digest table (exact keys, format, version, record shapes, sorted records)."""
+    value = load_canonical(data, limits=limits, what="digest table")
+    if type(value) is not dict or set(value) != _KEYS:
+        raise EnvelopeFormatError(f"a digest table must be a dict with keys {sorted(_KEYS)}")
+    if value["format"] != DIGEST_TABLE_FORMAT:
+        raise EnvelopeFormatError(f"digest table format {value['format']!r} is not {DIGEST_TABLE_FORMAT!r}")
+    if type(value["format_version"]) is not int or value["format_version"] != DIGEST_TABLE_FORMAT_VERSION:
+        raise EnvelopeFormatError(f"digest table format_version {value['format_version']!r} is unsupported")
+    try:
+        writer = exact_int(value["writer"], "digest table writer", minimum=0)
+    except (TypeError, ValueError) as exc:
+        raise EnvelopeFormatError(str(exc)) from None
+    chunks = value["chunks"]
+    if type(chunks) is not list or len(chunks) > limits.max_tensors:
+        raise EnvelopeFormatError(f"digest table chunks must be a list of at most {limits.max_tensors} records")
+    records = []
+    for index, item in enumerate(chunks):
+        where = f"digest table chunks[{index}]"
+        if type(item) is not list or len(item) != 6:
+            raise EnvelopeFormatError(f"{where} must be [fqn, field, offsets, sizes, flag, digest]")
+        try:
+            fqn = identity_name(item[0], f"{where} fqn")
+        except (TypeError, ValueError) as exc:
+            raise EnvelopeFormatError(str(exc)) from None
+        name = field_name(item[1], f"{where} field")
+        offsets = _ints(item[2], f"{where} offsets", limits)
+        sizes = _ints(item[3], f"{where} sizes", limits)
+        if len(offsets) != len(sizes):
+            raise EnvelopeFormatError(f"{where}: offsets and sizes differ in rank")
+        flag, digest = item[4], item[5]
+        if flag not in ("w", "-") or type(digest) is not str or len(digest) != 64 or not set(digest) <= _HEX:
+            raise EnvelopeFormatError(f"{where}: malformed flag or digest")
+        records.append(ChunkRecord(fqn, name, offsets, sizes, flag == "w", digest))
+    keys = [r.key for r in records]
+    if keys != sorted(keys) or len(set(keys)) != len(keys):
+        raise EnvelopeFormatError("digest table records must be sorted and unique")
+    return DigestTable(writer, tuple(records))

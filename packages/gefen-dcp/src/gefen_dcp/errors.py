@@ -1,0 +1,60 @@
+"""Specific exception types of gefen-dcp (all but :class:`PlannerRequiredError` are
+:class:`GefenCheckpointError`, a :class:`gefen_contracts.StateValidationError`).
+
+Every refusal names what was wrong and where. Errors raised while DCP plans or reads
+(inside ``dcp.save`` / ``dcp.load``) reach the caller wrapped in DCP's own
+``CheckpointException`` (its ``failures`` hold these per rank); errors raised by
+:meth:`gefen_dcp.GefenDCPState.load_state_dict` reach the caller directly, on every rank.
+"""
+
+from __future__ import annotations
+
+from gefen_contracts import StateValidationError
+
+__all__ = [
+    "CheckpointIntegrityError",
+    "CheckpointLayoutError",
+    "DenseFieldError",
+    "EnvelopeFormatError",
+    "GefenCheckpointError",
+    "PlannerRequiredError",
+    "StorageMismatchError",
+]
+
+
+class GefenCheckpointError(StateValidationError):
+    """Base class: a checkpoint cannot be saved or loaded; no optimizer was changed."""
+
+
+class EnvelopeFormatError(GefenCheckpointError):
+    """An envelope or digest table is malformed, over a limit, of another format or version,
+    or its own digest does not match its content."""
+
+
+class CheckpointLayoutError(GefenCheckpointError):
+    """The checkpoint's parameters, fields, shapes, dtypes or chunks do not fit the live
+    optimizer (or the ranks of the group disagree about the live layout)."""
+
+
+class CheckpointIntegrityError(GefenCheckpointError):
+    """Checkpoint bytes were corrupted or truncated: a chunk's SHA-256 digest does not match
+    the digest recorded when it was written, a chunk has no (or several) recorded digests, or
+    a record does not belong to the checkpoint's catalog."""
+
+
+class DenseFieldError(GefenCheckpointError):
+    """A dense-shard codec produced a field that is not a finite fp32 CPU-movable tensor of
+    the local shard's shape (a broken ``materialize_dense_field``)."""
+
+
+class StorageMismatchError(GefenCheckpointError):
+    """The members of the checkpoint group named different storage (class or location),
+    namespaces, transactions or limits; raised on every member before any I/O."""
+
+
+class PlannerRequiredError(TypeError):
+    """A :class:`~gefen_dcp.GefenDCPState` entry reached a DCP planner that cannot handle it.
+
+    Save with ``planner=GefenSavePlanner()`` and load with ``planner=GefenLoadPlanner()``;
+    both handle every other entry of the state dict exactly like DCP's default planners.
+    """

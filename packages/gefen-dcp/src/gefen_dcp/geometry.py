@@ -1,0 +1,152 @@
+"""Where a parameter's local shard sits in the global tensor, and how it is cut into chunks.
+
+A dense field of a parameter is saved as DCP ``SHARD`` items at the local shard's global
+offsets, so DCP can reshard it onto any later layout. Large local shards are cut along
+their first dimension into row chunks of at most ``chunk_bytes`` (one row at least), so
+a single huge embedding never has to exist densely in memory at once while it is written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointLayoutError
+
+__all__ = ["FIELD_ELEMENT_BYTES", "RowChunk", "ShardGeometry", "shard_geometry"]
+
+#: Dense fields are fp32.
+FIELD_ELEMENT_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RowChunk:
+    """Rows ``[start, stop)`` of a local shard (``start == stop == 0`` for a 0-d shard),
+    placed at global ``offsets`` with shape ``sizes``."""
+
+    start: int
+    stop: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGeometry:
+    """A local shard: the global shape, the shard's global ``offsets`` and its ``sizes``."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        rank = len(self.global_shape)
+        if len(self.offsets) != rank or len(self.sizes) != rank:
+            raise CheckpointLayoutError(
+                f"shard geometry rank mismatch: global {self.global_shape}, offsets {self.offsets}, sizes {self.sizes}"
+            )
+        for axis, (offset, size, dim) in enumerate(zip(self.offsets, self.sizes, self.global_shape)):
+            if offset < 0 or size < 0 or offset + size > dim:
+                raise CheckpointLayoutError(
+                    f"shard geometry axis {axis}: [{offset}, {offset + size}) is outside dimension {dim}"
+                )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def global_numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    def row_chunks(self, chunk_bytes: int) -> tuple[RowChunk, ...]:
+        """The chunks written for this shard, each at most ``chunk_bytes`` (one row at least).
+
+        An empty local shard writes nothing, unless the whole parameter is empty (then one
+        empty chunk keeps the key in the checkpoint). A 0-d shard is one chunk.
+        """
+        if not self.sizes:
+            return (RowChunk(0, 0, (), ()),)
+        if self.numel == 0:
+            if self.global_numel == 0:
+                return (RowChunk(0, self.sizes[0], self.offsets, self.sizes),)
+            return ()
+        rows = self.sizes[0]
+        row_bytes = max(1, math.prod(self.sizes[1:]) * FIELD_ELEMENT_BYTES)
+        per_chunk = max(1, chunk_bytes // row_bytes)
+        chunks = []
+        for start in range(0, rows, per_chunk):
+            stop = min(rows, start + per_chunk)
+            offsets = (self.offsets[0] + start, *self.offsets[1:])
+            chunks.append(RowChunk(start, stop, offsets, (stop - start, *self.sizes[1:])))
+        return tuple(chunks)
+
+    def overlap(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The intersection of a global box with this shard, as (global offsets, sizes), or ``None``."""
+        starts = tuple(max(a, b) for a, b in zip(self.offsets, offsets))
+        ends = tuple(min(a + la, b + lb) for a, la, b, lb in zip(self.offsets, self.sizes, offsets, sizes))
+        if not starts:
+            return (), ()
+        if any(end <= start for start, end in zip(starts, ends)):
+            return None
+        return starts, tuple(end - start for start, end in zip(starts, ends))
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(value: object) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(value, dtensor)
+
+
+def local_tensor(parameter: Any) -> torch.Tensor:
+    """The process-local tensor of a (DTensor or plain) parameter."""
+    if is_dtensor(parameter):
+        return parameter.to_local()  # type: ignore[no-any-return]
+    return parameter  # type: ignore[no-any-return]
+
+
+def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
+    """The geometry of ``parameter``'s local shard (a plain tensor is its own full shard)."""
+    if is_dtensor(parameter):
+        mesh = parameter.device_mesh  # type: ignore[attr-defined]
+        if mesh.get_coordinate() is None:
+            raise CheckpointLayoutError(f"{where}: this process is not in the parameter's device mesh")
+        chunks = parameter.__create_chunk_list__()  # type: ignore[attr-defined]
+        if len(chunks) != 1:
+            raise CheckpointLayoutError(f"{where}: a DTensor local shard must be one box, got {len(chunks)} chunks")
+        chunk = chunks[0]
+        geometry = ShardGeometry(
+            tuple(int(d) for d in parameter.shape),  # type: ignore[attr-defined]
+            tuple(int(o) for o in chunk.offsets),
+            tuple(int(s) for s in chunk.sizes),
+        )
+        local_shape = tuple(int(d) for d in local_tensor(parameter).shape)
+        if local_shape != geometry.sizes:
+            raise CheckpointLayoutError(
+                f"{where}: the DTensor's local tensor has shape {local_shape} but its chunk is {geometry.sizes}"
+            )
+        return geometry
+    if isinstance(parameter, torch.Tensor):
+        shape = tuple(int(d) for d in parameter.shape)
+        return ShardGeometry(shape, (0,) * len(shape), shape)
+    raise CheckpointLayoutError(
+        f"{where}: the parameter must be a torch.Tensor or DTensor, got {type(parameter).__name__}"
+    )
+
+
+__all__ += ["is_dtensor", "local_tensor"]

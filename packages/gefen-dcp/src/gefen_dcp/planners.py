@@ -1,0 +1,152 @@
+"""DCP planners that handle :class:`~gefen_dcp.GefenDCPState` entries (and everything else
+exactly like DCP's defaults).
+
+:class:`GefenSavePlanner` resolves a stand-in's write item by materialising that one chunk
+(no caching), so a streaming writer holds at most one chunk per writer thread; it tells the
+state which chunks this rank writes once DCP's global plan is final, and orders each rank's
+writes so its digest table comes after its chunks.
+
+:class:`GefenLoadPlanner` plans a dense-shard state from the checkpoint's metadata (its
+keys and shapes are only known there): it validates everything before allocating, reads
+whole stored chunks that overlap this rank's shards into scratch buffers, hashes and
+copies them, and lets DCP's default machinery load every other entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from gefen_contracts import PortableStateLimits
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
+
+from .digest_table import ChunkKey
+from .load_session import LoadSession
+from .save_session import SaveSession
+from .standins import DenseFieldStandIn, DigestTableStandIn, GefenDenseShardStateDict, StandIn
+
+__all__ = ["GefenLoadPlanner", "GefenSavePlanner"]
+
+
+class GefenSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` plus bounded, lazy writes of dense-shard stand-ins.
+
+    Accepts ``DefaultSavePlanner``'s arguments; ``flatten_state_dict`` must stay ``True``
+    (unflattened, a stand-in would become one opaque pickled item).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.flatten_state_dict:
+            raise ValueError("GefenSavePlanner needs flatten_state_dict=True to plan dense-shard stand-ins")
+        self._standins: dict[str, StandIn] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+        self._standins = {key: value for key, value in self.state_dict.items() if isinstance(value, StandIn)}
+        for session in self._sessions():
+            session.bind()
+
+    def _sessions(self) -> list[SaveSession]:
+        seen: dict[int, SaveSession] = {}
+        for standin in self._standins.values():
+            seen.setdefault(id(standin.session), standin.session)
+        return list(seen.values())
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        written: dict[int, set[ChunkKey]] = {id(s): set() for s in self._sessions()}
+        for item in plan.items:
+            standin = self._standins.get(item.index.fqn)
+            if isinstance(standin, DenseFieldStandIn):
+                offsets = tuple(int(o) for o in (item.index.offset or ()))
+                written[id(standin.session)].add((standin.fqn, standin.field, offsets))
+        for session in self._sessions():
+            session.mark_written(written[id(session)])
+        return plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        standin = self._standins.get(write_item.index.fqn)
+        if standin is None:
+            return super().resolve_data(write_item)
+        return standin.resolve(write_item)
+
+    def write_phases(self, items: Sequence[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:
+        """``(first, last)``: a writer that writes ``last`` after everything in ``first`` (as
+        :class:`~gefen_dcp.GefenFileSystemWriter` does) lets each chunk be materialised once,
+        since a digest table then only reports digests already computed."""
+        tables = [i for i in items if isinstance(self._standins.get(i.index.fqn), DigestTableStandIn)]
+        rest = [i for i in items if not isinstance(self._standins.get(i.index.fqn), DigestTableStandIn)]
+        return rest, tables
+
+
+def _find_states(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], GefenDenseShardStateDict]]:
+    if isinstance(value, GefenDenseShardStateDict):
+        yield path, value
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _find_states(item, (*path, str(key)))
+
+
+class GefenLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` plus dynamic, verified loads of dense-shard states.
+
+    ``limits`` bound what the metadata may ask this rank to allocate (defaults:
+    :class:`gefen_contracts.PortableStateLimits`).
+    """
+
+    def __init__(self, *args: Any, limits: PortableStateLimits | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.flatten_state_dict:
+            raise ValueError("GefenLoadPlanner needs flatten_state_dict=True to find dense-shard states")
+        self.limits = limits if limits is not None else PortableStateLimits()
+        self._sessions: list[LoadSession] = []
+        self._by_key: dict[str, LoadSession] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if metadata is None:
+            raise ValueError("GefenLoadPlanner needs the checkpoint metadata")
+        self._sessions, self._by_key = [], {}
+        for path, target in list(_find_states(state_dict, ())):
+            session = LoadSession(path=path, live=target.session, metadata=metadata, limits=self.limits)
+            target.load_session = session
+            target["envelope"] = session.envelope_buffer
+            target["digests"] = dict(session.table_buffers)
+            target["dense"] = {}  # read by this planner, not the default machinery
+            self._sessions.append(session)
+            for key in session.keys:
+                self._by_key[key] = session
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        extra = [item for session in self._sessions for item in session.read_items()]
+        return dataclasses.replace(plan, items=[*plan.items, *extra])
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        session = self._by_key.get(read_item.dest_index.fqn)
+        if session is None:
+            return super().resolve_tensor(read_item)  # type: ignore[no-any-return]
+        return session.resolve(read_item)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        session = self._by_key.get(read_item.dest_index.fqn)
+        if session is None:
+            super().commit_tensor(read_item, tensor)
+            return
+        session.commit(read_item, tensor)

@@ -1,0 +1,206 @@
+"""Lazy stand-ins: what ``GefenDCPState.state_dict()`` hands to DCP instead of dense tensors.
+
+A stand-in holds no tensor data. It implements DCP's planning hook
+``__create_write_items__`` (so DCP plans ``SHARD`` items at the local shard's global
+offsets, one per row chunk) and produces its bytes only when
+:class:`~gefen_dcp.GefenSavePlanner` resolves a write item, one chunk at a time, so the
+writer consumes and drops each chunk.
+
+Copying a stand-in (``copy.deepcopy``, which DCP's staging for ``dcp.async_save`` does)
+freezes it: the copy reads from a snapshot of the optimizer's state taken at that moment,
+shared by all stand-ins of one state dict. Pickling a stand-in is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .errors import PlannerRequiredError
+from .save_session import SaveSession
+
+__all__ = [
+    "DenseFieldStandIn",
+    "DigestTableStandIn",
+    "EnvelopeStandIn",
+    "GefenDenseShardStateDict",
+    "StandIn",
+]
+
+_HINT = (
+    "save GefenDCPState with dcp.save(..., planner=GefenSavePlanner()) and load it with "
+    "dcp.load(..., planner=GefenLoadPlanner())"
+)
+
+
+def _bytes_item(key: str, nbytes: int) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex(key, torch.Size([0])),
+        type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([nbytes])),
+            properties=TensorProperties(dtype=torch.uint8),
+            size=torch.Size([nbytes]),
+        ),
+    )
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+class StandIn:
+    """Base of the stand-ins: planner binding checks, copy-freezes, no pickling."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: SaveSession) -> None:
+        self.session = session
+
+    def _require_planner(self, key: str) -> None:
+        if not self.session.bound:
+            raise PlannerRequiredError(f"{key!r} is a GefenDCPState stand-in and needs the Gefen planners: {_HINT}")
+
+    def size(self) -> torch.Size:
+        """Reached only by DCP's default load planner, which cannot load a stand-in."""
+        raise PlannerRequiredError(f"a GefenDCPState stand-in reached a DCP planner that cannot load it: {_HINT}")
+
+    def __create_write_items__(self, key: str, obj: object) -> list[WriteItem]:
+        raise NotImplementedError
+
+    def resolve(self, item: WriteItem) -> torch.Tensor:
+        raise NotImplementedError
+
+    def frozen(self, memo: dict[int, Any]) -> StandIn:
+        raise NotImplementedError
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StandIn:
+        return self.frozen(memo)
+
+    def __copy__(self) -> StandIn:
+        return self
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise TypeError(
+            f"a GefenDCPState stand-in cannot be pickled (it would be saved as an opaque BYTE_IO object); {_HINT} "
+            f"and keep flatten_state_dict=True"
+        )
+
+
+class DenseFieldStandIn(StandIn):
+    """One dense field of one parameter's local shard."""
+
+    __slots__ = ("field", "fqn")
+
+    def __init__(self, session: SaveSession, fqn: str, field: str) -> None:
+        super().__init__(session)
+        self.fqn = fqn
+        self.field = field
+
+    def __create_write_items__(self, key: str, obj: object) -> list[WriteItem]:
+        self._require_planner(key)
+        slot = self.session.slots[self.fqn]
+        size = torch.Size(slot.geometry.global_shape)
+        return [
+            WriteItem(
+                index=MetadataIndex(key, torch.Size(chunk.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)),
+                    properties=TensorProperties(dtype=torch.float32),
+                    size=size,
+                ),
+            )
+            for chunk in self.session.chunks(self.fqn, self.field)
+        ]
+
+    def resolve(self, item: WriteItem) -> torch.Tensor:
+        offsets = tuple(int(o) for o in (item.index.offset or ()))
+        return self.session.resolve_chunk(self.fqn, self.field, offsets)
+
+    def frozen(self, memo: dict[int, Any]) -> DenseFieldStandIn:
+        return DenseFieldStandIn(self.session.snapshot(), self.fqn, self.field)
+
+    def __repr__(self) -> str:
+        shape = tuple(self.session.slots[self.fqn].geometry.sizes)
+        return f"<DenseFieldStandIn {self.fqn}.{self.field} local {shape} fp32>"
+
+
+class EnvelopeStandIn(StandIn):
+    """The envelope (identical on every rank; DCP writes it once)."""
+
+    __slots__ = ()
+
+    def __create_write_items__(self, key: str, obj: object) -> list[WriteItem]:
+        self._require_planner(key)
+        return [_bytes_item(key, len(self.session.envelope_bytes))]
+
+    def resolve(self, item: WriteItem) -> torch.Tensor:
+        return _bytes_tensor(self.session.envelope_bytes)
+
+    def frozen(self, memo: dict[int, Any]) -> EnvelopeStandIn:
+        return EnvelopeStandIn(self.session.snapshot())
+
+    def __repr__(self) -> str:
+        return f"<EnvelopeStandIn {len(self.session.envelope_bytes)} bytes>"
+
+
+class DigestTableStandIn(StandIn):
+    """This rank's chunk digest table (written after its chunks)."""
+
+    __slots__ = ()
+
+    def __create_write_items__(self, key: str, obj: object) -> list[WriteItem]:
+        self._require_planner(key)
+        return [_bytes_item(key, self.session.table_nbytes())]
+
+    def resolve(self, item: WriteItem) -> torch.Tensor:
+        return _bytes_tensor(self.session.table_bytes())
+
+    def frozen(self, memo: dict[int, Any]) -> DigestTableStandIn:
+        return DigestTableStandIn(self.session.snapshot())
+
+    def __repr__(self) -> str:
+        return f"<DigestTableStandIn writer {self.session.writer}>"
+
+
+class GefenDenseShardStateDict(dict[str, Any]):
+    """The dict ``GefenDCPState.state_dict()`` returns (a plain ``dict`` to DCP).
+
+    Keys: ``"envelope"``, ``"digests"`` (``{"writer_NNNNN": table}``) and ``"dense"``
+    (``{fqn: {field: stand-in}}``). ``session`` is its save session; ``load_session`` is set
+    by :class:`~gefen_dcp.GefenLoadPlanner` when DCP loads into it.
+    """
+
+    session: SaveSession
+    load_session: Any
+
+    def __init__(self, session: SaveSession) -> None:
+        super().__init__()
+        self.session = session
+        self.load_session = None
+        self["envelope"] = EnvelopeStandIn(session)
+        self["digests"] = {writer_key(session.writer): DigestTableStandIn(session)}
+        self["dense"] = {
+            fqn: {name: DenseFieldStandIn(session, fqn, name) for name in slot.fields}
+            for fqn, slot in sorted(session.slots.items())
+            if slot.fields
+        }
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return {key: copy.deepcopy(value, memo) for key, value in self.items()}
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise TypeError(f"a GefenDCPState state dict cannot be pickled; {_HINT}")
+
+
+def writer_key(writer: int) -> str:
+    """The key of a writer's digest table (``writer_00003``)."""
+    return f"writer_{writer:05d}"
+
+
+__all__.append("writer_key")

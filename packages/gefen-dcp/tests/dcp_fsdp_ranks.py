@@ -1,0 +1,250 @@
+"""Rank functions for gefen-dcp's FSDP2/gloo tests (imported by spawned GlooWorld ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_dcp import GefenDCPState, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
+from gefen_dcp.testing import Int8MomentumSGD
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+VOCAB = 64
+WIDTH = 32
+BATCH = 24
+SEQ = 6
+LR = 0.2
+MOMENTUM = 0.9
+
+warnings.filterwarnings("ignore", message=".*overwriting.*")
+warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.*")
+
+
+class TinyDecoder(torch.nn.Module):
+    """Embedding, a residual MLP block and a (larger) output head: decoder-shaped, small."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = torch.nn.Linear(2 * WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        hidden = hidden + self.down(torch.nn.functional.gelu(self.up(hidden)))
+        return self.head(self.norm(hidden))  # type: ignore[no-any-return]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10_000 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def build(world_size: int) -> tuple[torch.nn.Module, Int8MomentumSGD]:
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    if dist.is_initialized() and world_size > 1:
+        fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    elif dist.is_initialized():
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = Int8MomentumSGD(list(model.named_parameters()), lr=LR, momentum=MOMENTUM, weight_decay=0.01)
+    return model, optimizer
+
+
+def train(model: torch.nn.Module, optimizer: Int8MomentumSGD, start: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        inputs, targets = batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def full_momentum(optimizer: Int8MomentumSGD) -> dict[str, torch.Tensor]:
+    """Every parameter's dense momentum, gathered to full tensors (collective)."""
+    out = {}
+    for slot in optimizer.dense_shard_slots():
+        if not slot.fields:
+            continue
+        local = optimizer.materialize_dense_field(slot.fqn, "momentum")
+        parameter: Any = slot.parameter
+        if hasattr(parameter, "device_mesh"):
+            from torch.distributed.tensor import DTensor
+
+            full = DTensor.from_local(
+                local, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride()
+            ).full_tensor()
+        else:
+            full = local
+        out[slot.fqn] = full
+    return out
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, parameter in model.named_parameters():
+        out[name] = (
+            parameter.full_tensor().detach().clone()
+            if hasattr(parameter, "full_tensor")
+            else parameter.detach().clone()
+        )
+    return out
+
+
+def save(model: torch.nn.Module, optimizer: Int8MomentumSGD, path: str, **writer: Any) -> None:
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+    dcp.save(state, storage_writer=GefenFileSystemWriter(path, **writer), planner=GefenSavePlanner())
+
+
+def load(model: torch.nn.Module, optimizer: Int8MomentumSGD | None, path: str) -> None:
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = GefenDCPState(optimizer)
+    dcp.load(state, checkpoint_id=path, planner=GefenLoadPlanner())
+
+
+# -- N -> M continuation ----------------------------------------------------------------
+
+
+def train_save_continue(rank: int, world_size: int, path: str, before: int, after: int) -> list[float]:
+    model, optimizer = build(world_size)
+    train(model, optimizer, 0, before)
+    save(model, optimizer, path, thread_count=2)
+    return train(model, optimizer, before, after)
+
+
+def load_continue(rank: int, world_size: int, path: str, before: int, after: int, keep_state: bool) -> list[float]:
+    model, optimizer = build(world_size)
+    load(model, optimizer if keep_state else None, path)
+    return train(model, optimizer, before, after)
+
+
+def momentum_after_load(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    model, optimizer = build(world_size)
+    load(model, optimizer, path)
+    return full_momentum(optimizer)
+
+
+def momentum_after_training(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    model, optimizer = build(world_size)
+    train(model, optimizer, 0, steps)
+    return full_momentum(optimizer)
+
+
+# -- async save ---------------------------------------------------------------------------
+
+
+def async_save_then_train(rank: int, world_size: int, path: str, before: int, during: int) -> dict[str, Any]:
+    model, optimizer = build(world_size)
+    train(model, optimizer, 0, before)
+    expected_momentum = full_momentum(optimizer)
+    expected_params = full_parameters(model)
+    async_group = dist.new_group(backend="gloo")
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+    future = dcp.async_save(
+        state, storage_writer=GefenFileSystemWriter(path), planner=GefenSavePlanner(), process_group=async_group
+    )
+    train(model, optimizer, before, during)
+    result = future.result() if hasattr(future, "result") else future.upload_completion.result()
+    del result
+    moved = not all(torch.equal(a, b) for a, b in zip(full_momentum(optimizer).values(), expected_momentum.values()))
+    dist.destroy_process_group(async_group)
+    fresh_model, fresh = build(world_size)
+    load(fresh_model, fresh, path)
+    loaded_momentum = full_momentum(fresh)
+    loaded_params = full_parameters(fresh_model)
+    return {
+        "moved_during_save": moved,
+        "momentum_equal": all(torch.equal(loaded_momentum[k], v) for k, v in expected_momentum.items()),
+        "params_equal": all(torch.equal(loaded_params[k], v) for k, v in expected_params.items()),
+    }
+
+
+# -- one-rank failure and crash safety ------------------------------------------------------
+
+
+def flip_chunk_byte(path: str, key: str, offsets: tuple[int, ...], elements: torch.Tensor) -> None:
+    """Flip one bit inside the stored elements of the chunk of ``key`` at ``offsets``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(path).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == key and tuple(k.offset) == offsets]
+    target = os.path.join(path, info.relative_path)
+    with open(target, "r+b") as handle:
+        handle.seek(info.offset)
+        region = handle.read(info.length)
+        position = region.find(elements.contiguous().reshape(-1)[:4].numpy().tobytes())
+        if position < 0:
+            raise AssertionError(f"the elements of {key} at {offsets} are not in {info.relative_path}")
+        handle.seek(info.offset + position + 1)
+        handle.write(bytes([region[position + 1] ^ 0x01]))
+
+
+def corrupt_own_chunk_then_load(rank: int, world_size: int, path: str, victim: int) -> dict[str, Any]:
+    """``victim`` flips a bit of its own chunk of ``head.weight``; every rank then loads."""
+    model, optimizer = build(world_size)
+    train(model, optimizer, 0, 2)
+    if rank == victim:
+        (slot,) = [s for s in optimizer.dense_shard_slots() if s.fqn == "head.weight"]
+        offsets = tuple(int(o) for o in slot.parameter.__create_chunk_list__()[0].offsets)  # type: ignore[attr-defined]
+        local = optimizer.materialize_dense_field("head.weight", "momentum")
+        flip_chunk_byte(path, "optim.dense.head.weight.momentum", offsets, local)
+    dist.barrier()
+    before = deep_snapshot(optimizer)
+    try:
+        load(model, optimizer, path)
+    except Exception as exc:
+        cause = exc.__cause__
+        return {
+            "error": type(exc).__name__,
+            "cause": type(cause).__name__ if cause is not None else None,
+            "unchanged": not snapshot_diff(before, optimizer),
+        }
+    return {"error": None, "cause": None, "unchanged": not snapshot_diff(before, optimizer)}
+
+
+def _kill_self(written: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_then_crash(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Save checkpoint A, train on, start overwriting it with B; rank 1 dies mid-write."""
+    model, optimizer = build(world_size)
+    train(model, optimizer, 0, 3)
+    save(model, optimizer, path)
+    reference = {"momentum": full_momentum(optimizer), "params": full_parameters(model)}
+    torch.save(reference, os.path.join(path, f"reference_{rank}.pt"))
+    train(model, optimizer, 3, 2)
+    dist.barrier()
+    started = time.monotonic()
+    try:
+        save(model, optimizer, path, fault_hook=_kill_self if rank == 1 else None)
+    except Exception as exc:
+        return {"failed": True, "error": type(exc).__name__, "seconds": time.monotonic() - started}
+    return {"failed": False}
+
+
+def load_after_crash(rank: int, world_size: int, path: str) -> bool:
+    reference = torch.load(os.path.join(path, f"reference_{rank}.pt"), weights_only=True)
+    model, optimizer = build(world_size)
+    load(model, optimizer, path)
+    momentum = full_momentum(optimizer)
+    params = full_parameters(model)
+    return all(torch.equal(momentum[k], v) for k, v in reference["momentum"].items()) and all(
+        torch.equal(params[k], v) for k, v in reference["params"].items()
+    )
