@@ -35,6 +35,7 @@ from torch import nn
 
 from .composite_binding import ChangeCounter, CompositeIdentityMethods
 from .composite_contract import derive_composite_contract
+from .composite_exchange import CompositeExchangeMethods
 from .composite_format import build_composite_state_dict, children_of_state_dict
 from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
@@ -79,14 +80,15 @@ def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedP
     return named
 
 
-class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
+class CompositeOptimizer(CompositeIdentityMethods, CompositeExchangeMethods, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` over a ``"muon"`` child and a ``"backup"`` child.
 
     Build it from ready children (``CompositeOptimizer({"muon": a, "backup": b})``, each
     built from named parameters) or let it route and build them
     (:meth:`from_factories`). It implements the ``ContractProvider``, ``StagedNativeLoad``,
-    ``CompositeOptimizer``, ``StepPreflight``, ``ModeTaggedState``, ``IdentityBindable`` and
-    ``CanonicalLocalState`` Protocols (the last two work when every child implements them).
+    ``CompositeOptimizer``, ``StepPreflight``, ``ModeTaggedState``, ``IdentityBindable``,
+    ``CanonicalLocalState``, ``PortableAdapter`` and ``DenseShardCodec`` Protocols (the last
+    four work when every child implements them).
 
     Promises:
 
@@ -105,6 +107,10 @@ class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
       untouched) and seals the composite; afterwards routing is by canonical FQN.
     * Canonical local state nests each child's document by role
       (``gefen.composite_bound_state``, see :mod:`gefen_hybrid.composite_bound_state`).
+    * Portable state and dense-shard checkpoints delegate to the children (role-tagged
+      variants, loads partitioned by routing, every child prepared before any commits; see
+      :mod:`gefen_hybrid.composite_exchange`), so ``gefen_portable`` and ``gefen_dcp`` take
+      the composite as they take any adapter.
     """
 
     _step_supports_amp_scaling = False
