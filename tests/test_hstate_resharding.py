@@ -6,7 +6,8 @@ continuation against a replicated reference, bit-exact continuation at the same 
 refusal on one rank that fails every rank unchanged. Dense-shard state (GefenDCPState): FSDP2
 ``fully_shard`` models saved on 2 ranks and loaded on 1 and 3 ranks continue within the issue's
 bound (relative loss difference <= 5e-3 at every step over 20 steps) and far below a run that
-drops the optimizer state; a corrupted checkpoint is refused on every rank unchanged.
+drops the optimizer state; a single-process checkpoint resumes on 2 FSDP2 ranks; a corrupted
+checkpoint is refused on every rank unchanged.
 """
 
 from __future__ import annotations
@@ -93,6 +94,16 @@ def test_an_fsdp2_checkpoint_of_two_ranks_resumes_on_one_and_three(
     kept, lost = _relative(resumed, uninterrupted), _relative(dropped, uninterrupted)
     assert kept <= BOUND, f"resumed run differs by {kept:.2e} (bound {BOUND})"
     assert lost > 10 * max(kept, 1e-4) and lost > BOUND, f"dropping the state differs by only {lost:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["adamw", "composite_with_child"])
+def test_a_single_process_checkpoint_resumes_on_two_fsdp2_ranks(world2: GlooWorld, kind: str, tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        uninterrupted = ranks.fsdp_train_save_continue(0, None, kind, str(tmp_path))
+    resumed = world2.run(ranks.fsdp_load_continue, kind, str(tmp_path), True)
+    assert resumed[0] == resumed[1]
+    assert _relative(resumed[0], uninterrupted) <= BOUND
 
 
 def test_a_corrupted_fsdp2_checkpoint_is_refused_on_every_rank_unchanged(
