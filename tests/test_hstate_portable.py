@@ -35,7 +35,6 @@ from gefen_portable import (
     import_portable_state,
     portable_state_digest,
 )
-from gefen_portable.composite import wrapper_payload
 from hstate_child import sign_child_factory
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -159,8 +158,9 @@ def _reseal(document: dict[str, Any]) -> None:
 
 
 def _reseal_wrapper(wrapper: dict[str, Any]) -> None:
-    digests = {role: child["completion"]["digest"] for role, child in wrapper["children"].items()}
-    payload = wrapper_payload(wrapper["implementation"], tuple(wrapper["roles"]), wrapper["routing"], digests)
+    """The documented wrapper digest: everything but ``completion``, each child by its own digest."""
+    payload = {key: value for key, value in wrapper.items() if key != "completion"}
+    payload["children"] = {role: child["completion"]["digest"] for role, child in wrapper["children"].items()}
     wrapper["completion"]["digest"] = tensor_digest(payload)
 
 
