@@ -242,7 +242,7 @@ def test_dense_refusals_leave_both_children_untouched(monkeypatch: pytest.Monkey
     _, moved = _trained(rules=RoutingRules(overrides={"hidden.weight": "backup", "norm.weight": "muon"}))
     model, target = _trained(3, seed=1)
     before = deep_snapshot(target, model)
-    with pytest.raises(StateValidationError, match="routes to '(muon|backup)' here"):
+    with pytest.raises(StateValidationError, match=r"routes to '(muon|backup)' here"):
         target.prepare_dense_shard_load(common, _loads(moved))
     with pytest.raises(StateValidationError, match="differ from this composite's"):
         target.prepare_dense_shard_load({**common, "child_implementations": {"muon": "x", "backup": "y"}}, loads)

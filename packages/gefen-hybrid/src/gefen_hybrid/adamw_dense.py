@@ -25,10 +25,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import DenseShardLoad, DenseShardSlot, ParameterLayout, StateValidationError
+from gefen_contracts import (
+    FEATURE_DENSE_SHARD_CODEC,
+    DenseShardLoad,
+    DenseShardSlot,
+    NotSupportedError,
+    ParameterLayout,
+    StateValidationError,
+)
 from gefen_contracts.torch_support import SealedLayout
 
 from .adamw_records import (
+    TRANSPORTABLE_DTYPES,
     AdamWRecord,
     document_options,
     dtype_blockers,
@@ -95,8 +103,13 @@ def materialize_field(
     fqn: str,
     field: str,
 ) -> torch.Tensor:
-    """A fresh fp32 CPU copy of one moment of one parameter's local shard (``KeyError`` if absent)."""
+    """A fresh fp32 CPU copy of one moment of one parameter's local shard (``KeyError`` if absent;
+    ``NotSupportedError`` for a flattened shard or a dtype the fp32 field would round)."""
     slot = find_slot(param_groups, sealed, fqn)
+    if slot.shard is not None and slot.shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
+        raise NotSupportedError(FEATURE_DENSE_SHARD_CODEC, (f"{fqn!r} is a flattened element shard",))
+    if slot.tensor.dtype not in TRANSPORTABLE_DTYPES:
+        raise NotSupportedError(FEATURE_DENSE_SHARD_CODEC, (f"{fqn!r} is {slot.tensor.dtype}",))
     record = live_record(param_groups[slot.group_index], state.get(slot.tensor), f"parameter {fqn!r}")
     if field not in record.moments:
         raise KeyError(f"parameter {fqn!r} ({record.variant}) has no dense field {field!r}")

@@ -132,8 +132,12 @@ class AdamWExchangeMethods:
         return dense_slots_of(self.param_groups, self.state, self._sealed)
 
     def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        """A fresh fp32 CPU copy of one moment, shaped like the parameter's local shard."""
-        self._require(FEATURE_DENSE_SHARD_CODEC, "materialize_dense_field")
+        """A fresh fp32 CPU copy of one moment, shaped like the parameter's local shard.
+
+        Called once per field by a checkpoint writer, so it checks only what concerns this
+        parameter (the sealed layout, its layout and dtype) instead of the whole readiness.
+        """
+        self._verify_layout("materialize_dense_field")
         return materialize_field(self.param_groups, self.state, self._sealed, fqn, field)
 
     def prepare_dense_shard_load(

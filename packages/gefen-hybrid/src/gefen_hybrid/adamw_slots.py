@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import ContractError, ContractTypeError, ParameterIdentity, ShardIdentity, StateValidationError
+from gefen_contracts import ContractError, ContractTypeError, ShardIdentity, StateValidationError
 from gefen_contracts.torch_support import SealedLayout
+from gefen_contracts.validation import identity_name
 
 __all__ = ["NamedSlot", "find_slot", "named_slots", "naming_blockers"]
 
@@ -33,10 +34,14 @@ class NamedSlot:
 
 
 def _name_problem(name: object) -> str | None:
+    """The rule of ``ParameterIdentity.fqn`` (checked without building one: this runs per query)."""
     try:
-        ParameterIdentity(name, ())  # type: ignore[arg-type]
+        identity_name(name, "a parameter name")
     except (ContractError, ContractTypeError) as exc:
         return str(exc)
+    assert isinstance(name, str)
+    if any(not part for part in name.split(".")):
+        return "it has an empty dot component"
     return None
 
 
@@ -84,8 +89,16 @@ def named_slots(param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout 
 
 
 def find_slot(param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout | None, fqn: str) -> NamedSlot:
-    """The live slot named ``fqn`` (``KeyError`` when there is none)."""
-    for slot in named_slots(param_groups, sealed):
-        if slot.fqn == fqn:
-            return slot
+    """The live slot named ``fqn`` (``KeyError`` when there is none); a scan of names, no validation."""
+    for g, group in enumerate(param_groups):
+        if sealed is not None:
+            for k, tensor in enumerate(group["params"]):
+                shard = sealed.shard_identity(tensor)
+                if shard.fqn == fqn:
+                    return NamedSlot(g, k, tensor, fqn, sealed.compatibility_names(g)[k], shard)
+            continue
+        names = group.get("param_names")
+        if names is not None and fqn in names:
+            k = list(names).index(fqn)
+            return NamedSlot(g, k, group["params"][k], fqn, fqn, None)
     raise KeyError(f"ContractedAdamW has no parameter named {fqn!r}")

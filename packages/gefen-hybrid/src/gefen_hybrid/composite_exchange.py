@@ -39,8 +39,10 @@ import torch
 from gefen_contracts import (
     FEATURE_DENSE_SHARD_CODEC,
     FEATURE_PORTABLE_STATE,
+    DenseShardCodec,
     DenseShardLoad,
     DenseShardSlot,
+    NotSupportedError,
     OptimizerContract,
     PortableExport,
     PortableLayout,
@@ -115,6 +117,9 @@ class CompositeExchangeMethods:
         raise NotImplementedError
 
     def _verify_identity(self, where: str) -> None:
+        raise NotImplementedError
+
+    def parameter_routing(self) -> tuple[tuple[str, str], ...]:
         raise NotImplementedError
 
     def _freshness(self) -> tuple[object, ...]:
@@ -301,11 +306,14 @@ class CompositeExchangeMethods:
 
     def materialize_dense_field(self, fqn: str, field: str) -> Any:
         """The owning child's field (``KeyError`` for an unknown parameter or field)."""
-        self._ready(FEATURE_DENSE_SHARD_CODEC, "materialize_dense_field")
-        routing = self._dense_routing()
-        if fqn not in routing:
+        self._verify_identity("materialize_dense_field")  # called per field: no contract derivation
+        role = dict(self.parameter_routing()).get(fqn)
+        if role is None:
             raise KeyError(f"the composite has no parameter named {fqn!r}")
-        return routing[fqn][1].materialize_dense_field(fqn, field)
+        child = dict(self._children)[role]
+        if not isinstance(child, DenseShardCodec):
+            raise NotSupportedError(FEATURE_DENSE_SHARD_CODEC, (f"child {role!r} is not a DenseShardCodec",))
+        return child.materialize_dense_field(fqn, field)
 
     def prepare_dense_shard_load(
         self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
