@@ -90,7 +90,7 @@ class WorkerSpec:
     port: int
     root: str
     optimizer: str
-    chunk_bytes: int
+    chunk_bytes: int | None
     threads: int
     batch_size: int
     sequence_length: int
@@ -405,7 +405,7 @@ def run_benchmark(
     model: str,
     ranks: Sequence[int],
     optimizer: str = DEFAULT_OPTIMIZER,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int | None = None,
     threads: int = 1,
     batch_size: int = 2,
     sequence_length: int = 64,
@@ -520,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="decoder-50m", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, help="MODULE:FACTORY of a DenseShardCodec optimizer")
-    parser.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="GefenDCPState chunk_bytes (default: its own)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--sequence-length", type=int, default=64)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import (
+    FEATURE_COMPOSITE,
     FEATURE_PORTABLE_STATE,
     CheckpointSupport,
     CheckpointTransport,
@@ -22,6 +23,7 @@ from gefen_contracts import (
     LogicalRegion,
     LogicalSlice,
     OptimizerCapabilities,
+    OptimizerChildContract,
     OptimizerContract,
     OptimizerStateLayout,
     ParameterIdentity,
@@ -83,11 +85,14 @@ def cuts(total: int, parts: int, uneven: bool) -> list[int]:
     return [total * i // parts for i in range(parts + 1)]
 
 
-def manifest(kind: str, size: int, *, uneven: bool = False) -> ShardingManifest:
-    """``replicated`` (ungrouped when ``size == 1``), ``flat`` slices or dimension-0 ``region``s."""
+def manifest(kind: str, size: int, *, uneven: bool = False, only: frozenset[str] | None = None) -> ShardingManifest:
+    """``replicated`` (ungrouped when ``size == 1``), ``flat`` slices or dimension-0 ``region``s
+    (of the parameters in ``only``, default all)."""
     shards = []
     pg = group(size)
     for fqn, shape in SPECS.items():
+        if only is not None and fqn not in only:
+            continue
         identity = ParameterIdentity(fqn, shape)
         if kind == "replicated" and size == 1:
             shards.append(ShardIdentity(identity, ParameterLayout.REPLICATED, LogicalSlice.full(identity)))
@@ -226,6 +231,50 @@ class PieceSGD(torch.optim.Optimizer):
         fresh.update(payload)  # type: ignore[call-overload]
         self.state = fresh
         self._version += 1
+
+
+ROLES = {"first": frozenset({"embed.weight", "scale"}), "second": frozenset({"head.weight", "head.bias"})}
+COMPOSITE_IMPLEMENTATION = "gefen_dcp_test.PieceComposite"
+
+
+class PieceComposite:
+    """Two PieceSGD children (a ``CompositeOptimizer``) splitting the parameters by :data:`ROLES`."""
+
+    def __init__(self, kind: str, size: int, member: str | None, *, uneven: bool = False) -> None:
+        self.children = {
+            role: PieceSGD(manifest(kind, size, uneven=uneven, only=fqns), member) for role, fqns in ROLES.items()
+        }
+
+    def child_optimizers(self) -> Mapping[str, PieceSGD]:
+        return dict(self.children)
+
+    def parameter_routing(self) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((fqn, role) for role, fqns in ROLES.items() for fqn in fqns))
+
+    def optimizer_contract(self) -> OptimizerContract:
+        roles = tuple(self.children)
+        return OptimizerContract(
+            implementation=COMPOSITE_IMPLEMENTATION,
+            state_layout=OptimizerStateLayout((), (), composite_namespaces=roles),
+            capabilities=OptimizerCapabilities(
+                training=(TrainingSupport(ParameterLayout.REPLICATED, ProcessGroupScope.ADAPTER_DEFINED),),
+                checkpoints=(),
+                precisions=frozenset({Precision.FLOAT32}),
+                supported_parameter_ranks=None,
+                features={
+                    FEATURE_COMPOSITE: FeatureStatus.yes(),
+                    FEATURE_PORTABLE_STATE: FeatureStatus.no("exported child by child through the composite wrapper"),
+                },
+            ),
+            children=tuple(OptimizerChildContract(role, IMPLEMENTATION, CONTRACT) for role in roles),
+        )
+
+    def train(self, start: int, count: int) -> None:
+        for child in self.children.values():
+            child.train(start, count)
+
+    def momentum(self) -> dict[str, torch.Tensor | None]:
+        return {fqn: m for child in self.children.values() for fqn, m in child.momentum().items()}
 
 
 def reference_momentum(steps: int) -> dict[str, torch.Tensor]:

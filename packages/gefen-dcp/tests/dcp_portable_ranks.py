@@ -155,3 +155,32 @@ def async_save_then_train(rank: int, world_size: int, path: str) -> dict[str, An
     )
     loaded = fresh.momentum()
     return {"equal": all(torch.equal(loaded[k], v) for k, v in expected.items() if v is not None)}
+
+
+def composite_save(rank: int, world_size: int, path: str, steps: int) -> None:
+    from dcp_portable_adopter import PieceComposite
+
+    composite = PieceComposite("flat", world_size, f"rank:{rank}", uneven=True)
+    composite.train(0, steps)
+    save_portable_dcp(
+        composite,
+        checkpoint_process_group=binding(rank, world_size),
+        storage_writer=GefenFileSystemWriter(path),
+        transaction_id="save",
+        limits=LIMITS,
+    )
+
+
+def composite_load(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    from dcp_portable_adopter import PieceComposite
+
+    composite = PieceComposite("region", world_size, f"rank:{rank}")
+    load_portable_dcp(
+        composite,
+        checkpoint_process_group=binding(rank, world_size),
+        storage_reader=FileSystemReader(path),
+        transaction_id="l",
+        limits=LIMITS,
+    )
+    shards = {fqn: s for child in composite.children.values() for fqn, s in child.shards.items()}
+    return {"momentum": composite.momentum(), "shards": shards}

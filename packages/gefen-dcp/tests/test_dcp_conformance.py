@@ -44,3 +44,16 @@ def test_broken_adopters_fail_the_check_they_break(factory: str, check: str, fra
     failed = {r.name: r.detail for r in report.failures}
     assert check in failed, report.format()
     assert fragment in failed[check], failed[check]
+
+
+def test_checks_cover_nothing_for_optimizers_without_the_dense_shard_feature() -> None:
+    from gefen_dcp.conformance import checks
+
+    claims = frozenset(
+        {
+            "contract",
+            "training:dtensor_1d_default_world",
+            "checkpoint:canonical_global:transition:replicated->dtensor_1d_default_world:placement_reshard",
+        }
+    )
+    assert all(not check.covers(claims) for check in checks())

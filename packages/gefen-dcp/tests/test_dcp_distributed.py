@@ -140,6 +140,19 @@ def test_portable_async_save_holds_the_state_at_the_call(world2: GlooWorld, tmp_
     assert world2.run("dcp_portable_ranks:async_save_then_train", str(tmp_path)) == [{"equal": True}] * 2
 
 
+def test_portable_composite_saved_on_two_loads_exactly_on_three(
+    world2: GlooWorld, world3: GlooWorld, tmp_path: Path
+) -> None:
+    from dcp_portable_adopter import piece_of, reference_momentum
+
+    world2.run("dcp_portable_ranks:composite_save", str(tmp_path), PORTABLE_STEPS)
+    reference = reference_momentum(PORTABLE_STEPS)
+    for result in world3.run("dcp_portable_ranks:composite_load", str(tmp_path)):
+        assert set(result["momentum"]) == set(reference)
+        for fqn, momentum in result["momentum"].items():
+            assert torch.equal(momentum, piece_of(reference[fqn], result["shards"][fqn])), fqn
+
+
 # -- last: this case kills a rank of world2 ------------------------------------------------
 
 

@@ -25,11 +25,14 @@ from gefen_dcp import (
 )
 from gefen_dcp.portable_format import (
     ChunkTable,
+    CompositeEnvelope,
     FragmentChunk,
     PortableEnvelope,
     decode_chunk_table,
+    decode_composite_envelope,
     decode_portable_envelope,
     encode_chunk_table,
+    encode_composite_envelope,
     encode_portable_envelope,
 )
 from gefen_portable import PortableIntegrityError
@@ -45,7 +48,7 @@ SINGLE = CheckpointProcessGroupBinding(ProcessGroupIdentity("single", ("rank:0",
 STEPS = 3
 
 
-def test_portable_envelope_and_chunk_table_golden_vectors() -> None:
+def test_portable_envelope_chunk_table_and_composite_golden_vectors() -> None:
     limits = PortableStateLimits()
     envelope = PortableEnvelope("optimizer", "a" * 64, "b" * 64, 2, 3, 8 << 20)
     golden = (GOLDEN / "portable_dcp_envelope_v1.json").read_bytes()
@@ -64,6 +67,17 @@ def test_portable_envelope_and_chunk_table_golden_vectors() -> None:
     assert encode_chunk_table(table, limits=limits) == golden
     assert decode_chunk_table(golden, limits=limits) == table
     assert json.loads(golden)["format"] == CHUNK_TABLE_FORMAT
+    composite = CompositeEnvelope(
+        "optimizer",
+        "vendor.Composite",
+        ("muon", "backup"),
+        (("embed.weight", "backup"), ("layers.0.w", "muon")),
+        (("muon", "a" * 64), ("backup", "b" * 64)),
+        "c" * 64,
+    )
+    golden = (GOLDEN / "portable_dcp_composite_v1.json").read_bytes()
+    assert encode_composite_envelope(composite, limits=limits) == golden
+    assert decode_composite_envelope(golden, limits=limits) == composite
     tampered = json.loads((GOLDEN / "portable_dcp_envelope_v1.json").read_bytes())
     tampered["writers"] = 4
     with pytest.raises(EnvelopeFormatError, match="digest"):
@@ -210,3 +224,46 @@ def test_wrong_namespace_and_limits_are_refused_from_the_metadata(tmp_path: Path
         _load(target, tmp_path, namespace="first", limits=small)
     assert any("max_fragment_tensor_bytes" in str(f[0]) for f in caught.value.failures.values())
     assert not snapshot_diff(before, target)
+
+
+def test_composite_round_trip_and_refusals(tmp_path: Path) -> None:
+    from dcp_portable_adopter import PieceComposite
+
+    composite = PieceComposite("replicated", 1, None)
+    composite.train(0, STEPS)
+    save_portable_dcp(
+        composite,
+        checkpoint_process_group=SINGLE,
+        storage_writer=GefenFileSystemWriter(tmp_path),
+        transaction_id="s",
+        limits=LIMITS,
+    )
+    keys = set(FileSystemReader(tmp_path).read_metadata().state_dict_metadata)
+    assert "optimizer.composite" in keys and "optimizer.roles.first.envelope" in keys
+    assert "optimizer.roles.second.fragments.head.weight.0.momentum" in keys
+    fresh = PieceComposite("replicated", 1, None)
+    load_portable_dcp(
+        fresh,
+        checkpoint_process_group=SINGLE,
+        storage_reader=FileSystemReader(tmp_path),
+        transaction_id="l",
+        limits=LIMITS,
+    )
+    reference = reference_momentum(STEPS)
+    assert all(torch.equal(v, reference[k]) for k, v in fresh.momentum().items())  # type: ignore[arg-type]
+    single = PieceSGD(manifest("replicated", 1), None)
+    with pytest.raises(CheckpointException) as caught:
+        _load(single, tmp_path)
+    assert any("composite" in str(f[0]) for f in caught.value.failures.values())
+    _flip(tmp_path, "optimizer.composite", b'"roles":["first"', delta=12)
+    target = PieceComposite("replicated", 1, None)
+    before = deep_snapshot(*target.children.values())
+    with pytest.raises(EnvelopeFormatError):
+        load_portable_dcp(
+            target,
+            checkpoint_process_group=SINGLE,
+            storage_reader=FileSystemReader(tmp_path),
+            transaction_id="l",
+            limits=LIMITS,
+        )
+    assert not snapshot_diff(before, *target.children.values())

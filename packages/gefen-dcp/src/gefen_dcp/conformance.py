@@ -178,6 +178,8 @@ class DenseShardReshardCheck:
     name = "dcp.dense_shard_reshard"
 
     def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        if "feature:dense_shard_codec" not in claims:
+            return frozenset()
         # Sharded training from a loaded replicated state is compared with the replicated
         # run, which also executes the plain DTensor training claim.
         covered = {"training:dtensor_1d_default_world"} & claims

@@ -80,10 +80,6 @@ class DenseSnapshotSource:
     def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> torch.Tensor:
         return self._fields[(fqn, field)][start:stop]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._fields.values())
-
 
 def _owned_cpu(value: object, shape: tuple[int, ...], where: str) -> torch.Tensor:
     if type(value) is not torch.Tensor:

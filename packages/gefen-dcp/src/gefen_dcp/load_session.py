@@ -207,9 +207,6 @@ class LoadSession:
                 )
         return items
 
-    def owns(self, key: str) -> bool:
-        return key in self.keys
-
     def resolve(self, item: ReadItem) -> torch.Tensor:
         """A scratch buffer for one whole stored chunk."""
         offsets = tuple(int(o) for o in (item.dest_index.offset or ()))

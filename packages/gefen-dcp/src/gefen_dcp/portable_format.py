@@ -214,3 +214,105 @@ def decode_chunk_table(data: bytes, *, limits: PortableStateLimits) -> ChunkTabl
         _int(value["writer"], "chunk table writer"),
         tuple(chunks),
     )
+
+
+COMPOSITE_DCP_FORMAT = "gefen.portable_dcp_composite"
+COMPOSITE_DCP_FORMAT_VERSION = 1
+_COMPOSITE_KEYS = frozenset(
+    {
+        "format",
+        "format_version",
+        "namespace",
+        "implementation",
+        "roles",
+        "routing",
+        "children",
+        "wrapper_digest",
+        "digest",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompositeEnvelope:
+    """A composite optimizer's record (``gefen.portable_dcp_composite`` v1): its implementation,
+    roles in order, the FQN -> role routing, each child's catalog root digest and the
+    ``gefen.portable_composite_state`` wrapper digest over all of them; each child's state is
+    stored below ``ns.roles.<role>`` like a non-composite one."""
+
+    namespace: str
+    implementation: str
+    roles: tuple[str, ...]
+    routing: tuple[tuple[str, str], ...]
+    children: tuple[tuple[str, str], ...]
+    wrapper_digest: str
+
+    def body(self) -> dict[str, object]:
+        return {
+            "format": COMPOSITE_DCP_FORMAT,
+            "format_version": COMPOSITE_DCP_FORMAT_VERSION,
+            "namespace": self.namespace,
+            "implementation": self.implementation,
+            "roles": list(self.roles),
+            "routing": dict(self.routing),
+            "children": dict(self.children),
+            "wrapper_digest": self.wrapper_digest,
+        }
+
+
+def encode_composite_envelope(envelope: CompositeEnvelope, *, limits: PortableStateLimits) -> bytes:
+    body = envelope.body()
+    return dump_canonical({**body, "digest": canonical_digest(body)}, limits=limits, what="composite DCP envelope")
+
+
+def _names(value: object, where: str) -> tuple[str, ...]:
+    if type(value) is not list:
+        raise EnvelopeFormatError(f"{where} must be a list of names")
+    try:
+        names = tuple(identity_name(v, f"{where} item") for v in value)
+    except (TypeError, ValueError) as exc:
+        raise EnvelopeFormatError(str(exc)) from None
+    if len(set(names)) != len(names):
+        raise EnvelopeFormatError(f"{where} must not repeat a name")
+    return names
+
+
+def decode_composite_envelope(data: bytes, *, limits: PortableStateLimits) -> CompositeEnvelope:
+    """Parse and authenticate a composite envelope (exact keys, format, version, digest, roles)."""
+    value = load_canonical(data, limits=limits, what="composite DCP envelope")
+    if type(value) is not dict or set(value) != _COMPOSITE_KEYS:
+        raise EnvelopeFormatError(f"the composite DCP envelope must have keys {sorted(_COMPOSITE_KEYS)}")
+    if value["format"] != COMPOSITE_DCP_FORMAT:
+        raise EnvelopeFormatError(f"composite envelope format {value['format']!r} is not {COMPOSITE_DCP_FORMAT!r}")
+    if type(value["format_version"]) is not int or value["format_version"] != COMPOSITE_DCP_FORMAT_VERSION:
+        raise EnvelopeFormatError(f"composite envelope format_version {value['format_version']!r} is unsupported")
+    body = {k: v for k, v in value.items() if k != "digest"}
+    if value["digest"] != canonical_digest(body):
+        raise EnvelopeFormatError("the composite DCP envelope's digest does not match its content (corrupted)")
+    roles = _names(value["roles"], "composite envelope roles")
+    routing, children = value["routing"], value["children"]
+    if type(routing) is not dict or any(type(r) is not str or r not in roles for r in routing.values()):
+        raise EnvelopeFormatError("composite envelope routing must map FQNs to listed roles")
+    if type(children) is not dict or set(children) != set(roles):
+        raise EnvelopeFormatError("composite envelope children must give one catalog digest per role")
+    try:
+        implementation = identity_name(value["implementation"], "composite envelope implementation")
+    except (TypeError, ValueError) as exc:
+        raise EnvelopeFormatError(str(exc)) from None
+    return CompositeEnvelope(
+        check_namespace(value["namespace"], limits),
+        implementation,
+        roles,
+        tuple(sorted(routing.items())),
+        tuple((role, _hex(children[role], f"composite envelope children[{role!r}]")) for role in roles),
+        _hex(value["wrapper_digest"], "composite envelope wrapper_digest"),
+    )
+
+
+__all__ += [
+    "COMPOSITE_DCP_FORMAT",
+    "COMPOSITE_DCP_FORMAT_VERSION",
+    "CompositeEnvelope",
+    "decode_composite_envelope",
+    "encode_composite_envelope",
+]

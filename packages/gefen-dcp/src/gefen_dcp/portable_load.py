@@ -31,8 +31,10 @@ from gefen_contracts import PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding, failure_vote
 from gefen_portable import (
     Catalog,
+    PortableCompositeState,
     PortableFragment,
     PortableState,
+    import_portable_composite_state,
     import_portable_state,
     needed_fragments,
     parse_wire,
@@ -45,7 +47,16 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .digest_table import chunk_digest
 from .errors import CheckpointIntegrityError, CheckpointLayoutError
-from .portable_format import ChunkTable, FragmentChunk, PortableEnvelope, decode_chunk_table, decode_portable_envelope
+from .portable_format import (
+    ChunkTable,
+    CompositeEnvelope,
+    FragmentChunk,
+    PortableEnvelope,
+    decode_chunk_table,
+    decode_composite_envelope,
+    decode_portable_envelope,
+)
+from .portable_save import is_composite
 from .storage_identity import preflight, require_binding
 
 __all__ = ["load_portable_dcp"]
@@ -82,17 +93,24 @@ def _whole_bytes(metadata: Metadata, key: str, limit: int) -> int:
     return size[0]
 
 
-def _layout(metadata: Metadata, namespace: str, limits: PortableStateLimits) -> _Layout:
+def _keys_under(metadata: Metadata, prefix: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(flat key, path below prefix)`` for every checkpoint key under ``prefix``."""
     if type(metadata) is not Metadata or type(metadata.planner_data) is not dict:
         raise CheckpointLayoutError("the checkpoint has no flattened key mapping (not a portable DCP checkpoint)")
+    found = []
+    for key, path in metadata.planner_data.items():
+        if type(path) is tuple and tuple(str(p) for p in path[: len(prefix)]) == prefix and len(path) > len(prefix):
+            found.append((key, tuple(str(p) for p in path[len(prefix) :])))
+    return found
+
+
+def _layout(metadata: Metadata, prefix: tuple[str, ...], limits: PortableStateLimits) -> _Layout:
+    namespace = ".".join(prefix)
     envelope = wire = None
     tensors: dict[int, str] = {}
     writers: dict[int, str] = {}
     fragments: dict[tuple[str, int, str], str] = {}
-    for key, path in metadata.planner_data.items():
-        if type(path) is not tuple or not path or path[0] != namespace:
-            continue
-        rest = tuple(str(p) for p in path[1:])
+    for key, rest in _keys_under(metadata, prefix):
         if rest == ("envelope",):
             envelope = key
         elif rest == ("catalog", "wire"):
@@ -103,6 +121,8 @@ def _layout(metadata: Metadata, namespace: str, limits: PortableStateLimits) -> 
             writers[int(rest[1][7:])] = key
         elif len(rest) == 4 and rest[0] == "fragments" and rest[2].isdigit():
             fragments[(rest[1], int(rest[2]), rest[3])] = key
+        elif rest[0] in ("composite", "roles"):
+            raise CheckpointLayoutError(f"{namespace!r} holds a composite optimizer's state; load it into a composite")
         else:
             raise CheckpointLayoutError(f"{key}: unexpected key under the portable namespace {namespace!r}")
     if envelope is None or wire is None:
@@ -160,10 +180,16 @@ class _Header:
     layout: _Layout
 
 
+def _nest(target: dict[str, Any], prefix: tuple[str, ...], value: dict[str, Any]) -> None:
+    for key in prefix[:-1]:
+        target = target.setdefault(key, {})
+    target[prefix[-1]] = value
+
+
 def _read_header(
-    binding: ProcessGroupBinding,
-    storage_reader: StorageReader,
+    prefix: tuple[str, ...],
     namespace: str,
+    storage_reader: StorageReader,
     limits: PortableStateLimits,
     dcp: dict[str, Any],
 ) -> _Header:
@@ -173,7 +199,7 @@ def _read_header(
     found: dict[str, Any] = {}
 
     def plan(metadata: Metadata) -> None:
-        layout = _layout(metadata, namespace, limits)
+        layout = _layout(metadata, prefix, limits)
         total = 0
         tensors = {}
         for index, key in sorted(layout.tensors.items()):
@@ -183,7 +209,7 @@ def _read_header(
                 raise CheckpointLayoutError(f"{key}: rank {len(size)} exceeds max_tensor_rank")
             total += math.prod(size) * md.properties.dtype.itemsize
             if total > collective.max_fragment_tensor_bytes:
-                raise CheckpointLayoutError(f"{namespace}: catalog tensors exceed max_collective_tensor_bytes")
+                raise CheckpointLayoutError(f"{key}: catalog tensors exceed max_collective_tensor_bytes")
             tensors[f"t{index:06d}"] = torch.empty(size, dtype=md.properties.dtype)
         destinations = {
             "envelope": torch.empty(
@@ -204,7 +230,7 @@ def _read_header(
         }
         found["layout"] = layout
         found["destinations"] = destinations
-        planner.state_dict_target[namespace] = destinations
+        _nest(planner.state_dict_target, prefix, destinations)
 
     planner = _Planner(plan)
     load({}, storage_reader=storage_reader, planner=planner, **dcp)
@@ -333,6 +359,123 @@ def _read_fragments(
     return fragments, mismatches
 
 
+def _read_composite(
+    namespace: str, storage_reader: StorageReader, limits: PortableStateLimits, dcp: dict[str, Any]
+) -> CompositeEnvelope:
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    found: dict[str, torch.Tensor] = {}
+
+    def plan(metadata: Metadata) -> None:
+        keys = {rest: key for key, rest in _keys_under(metadata, (namespace,))}
+        key = keys.get(("composite",))
+        if key is None or any(rest[0] not in ("composite", "roles") for rest in keys):
+            raise CheckpointLayoutError(f"{namespace!r} holds no composite optimizer's state")
+        found["envelope"] = torch.empty(_whole_bytes(metadata, key, limits.max_metadata_bytes), dtype=torch.uint8)
+        planner.state_dict_target[namespace] = {"composite": found["envelope"]}
+
+    planner = _Planner(plan)
+    load({}, storage_reader=storage_reader, planner=planner, **dcp)
+    envelope = decode_composite_envelope(bytes(found["envelope"].numpy().tobytes()), limits=limits)
+    if envelope.namespace != namespace:
+        raise CheckpointLayoutError(f"the composite envelope names namespace {envelope.namespace!r}, not {namespace!r}")
+    return envelope
+
+
+def _load_single(
+    optimizer: Any,
+    binding: ProcessGroupBinding,
+    storage_reader: StorageReader,
+    transaction_id: str,
+    limits: PortableStateLimits,
+    namespace: str,
+    dcp: dict[str, Any],
+) -> None:
+    error: BaseException | None = None
+    header: _Header | None = None
+    needed: frozenset[tuple[str, int]] = frozenset()
+    try:
+        header = _read_header((namespace,), namespace, storage_reader, limits, dcp)
+    except Exception as exc:
+        error = exc
+    failure_vote(binding, "gefen_dcp.portable_load.catalog", error)
+    assert header is not None
+    try:
+        needed = needed_fragments(header.catalog, optimizer.portable_layout())
+    except Exception as exc:
+        error = exc
+    failure_vote(binding, "gefen_dcp.portable_load.plan", error)
+    fragments, mismatches = _read_fragments(header, needed, storage_reader, limits, dcp)
+    _vote_mismatches(binding, mismatches)
+    state = PortableState(header.catalog, fragments)
+    import_portable_state(
+        optimizer, state, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
+    )
+
+
+def _load_composite(
+    optimizer: Any,
+    binding: ProcessGroupBinding,
+    storage_reader: StorageReader,
+    transaction_id: str,
+    limits: PortableStateLimits,
+    namespace: str,
+    dcp: dict[str, Any],
+) -> None:
+    error: BaseException | None = None
+    envelope: CompositeEnvelope | None = None
+    headers: dict[str, _Header] = {}
+    needed: dict[str, frozenset[tuple[str, int]]] = {}
+    try:
+        envelope = _read_composite(namespace, storage_reader, limits, dcp)
+        digests = dict(envelope.children)
+        for role in envelope.roles:
+            headers[role] = _read_header((namespace, "roles", role), namespace, storage_reader, limits, dcp)
+            if headers[role].catalog.digest != digests[role]:
+                raise CheckpointIntegrityError(f"the catalog of role {role!r} differs from the composite envelope's")
+        children = dict(optimizer.child_optimizers())
+        if tuple(children) != envelope.roles:
+            raise CheckpointLayoutError(
+                f"the checkpoint's roles {envelope.roles} differ from the composite's {tuple(children)}"
+            )
+        needed = {
+            role: needed_fragments(headers[role].catalog, children[role].portable_layout()) for role in envelope.roles
+        }
+    except Exception as exc:
+        error = exc
+    failure_vote(binding, "gefen_dcp.portable_load.catalog", error)
+    assert envelope is not None
+    states: dict[str, PortableState] = {}
+    mismatches: list[str] = []
+    for role in envelope.roles:
+        fragments, bad = _read_fragments(headers[role], needed[role], storage_reader, limits, dcp)
+        mismatches += [f"role {role!r}: {m}" for m in bad]
+        states[role] = PortableState(headers[role].catalog, fragments)
+    _vote_mismatches(binding, mismatches)
+    composite: PortableCompositeState | None = None
+    try:
+        composite = PortableCompositeState(envelope.implementation, dict(envelope.routing), states)
+        if composite.digest != envelope.wrapper_digest:
+            raise CheckpointIntegrityError("the composite wrapper digest differs from the composite envelope's")
+    except Exception as exc:
+        error = exc
+    failure_vote(binding, "gefen_dcp.portable_load.composite", error)
+    assert composite is not None
+    import_portable_composite_state(
+        optimizer, composite, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
+    )
+
+
+def _vote_mismatches(binding: ProcessGroupBinding, mismatches: list[str]) -> None:
+    error = None
+    if mismatches:
+        error = CheckpointIntegrityError(
+            f"{len(mismatches)} fragment chunk(s) are corrupted (SHA-256 differs from the recorded digest): "
+            + "; ".join(mismatches[:3])
+        )
+    failure_vote(binding, "gefen_dcp.portable_load.verify", error)
+
+
 def load_portable_dcp(
     optimizer: Any,
     *,
@@ -348,9 +491,11 @@ def load_portable_dcp(
     contract declares). Every member agrees on the namespace, storage, transaction and limits
     first; reads and authenticates the envelope, catalog and chunk tables; reads only the
     fragments overlapping its target pieces, checking each chunk's SHA-256; and imports with
-    :func:`gefen_portable.import_portable_state`. Any failure makes every member raise
-    (planning and read failures as DCP's ``CheckpointException``, the others as the typed
-    error or a :class:`~gefen_contracts.CollectiveFailureError`) with no optimizer changed.
+    :func:`gefen_portable.import_portable_state` (a composite: every child's state, checked
+    against the composite envelope, then :func:`gefen_portable.import_portable_composite_state`).
+    Any failure makes every member raise (planning and read failures as DCP's
+    ``CheckpointException``, the others as the typed error or a
+    :class:`~gefen_contracts.CollectiveFailureError`) with no optimizer changed.
     """
     binding = require_binding(checkpoint_process_group)
     preflight(
@@ -362,28 +507,5 @@ def load_portable_dcp(
         limits=limits,
     )
     dcp: dict[str, Any] = {"process_group": binding.process_group} if binding.communicates else {"no_dist": True}
-    error: BaseException | None = None
-    header: _Header | None = None
-    needed: frozenset[tuple[str, int]] = frozenset()
-    try:
-        header = _read_header(binding, storage_reader, namespace, limits, dcp)
-    except Exception as exc:
-        error = exc
-    failure_vote(binding, "gefen_dcp.portable_load.catalog", error)
-    assert header is not None
-    try:
-        needed = needed_fragments(header.catalog, optimizer.portable_layout())
-    except Exception as exc:
-        error = exc
-    failure_vote(binding, "gefen_dcp.portable_load.plan", error)
-    fragments, mismatches = _read_fragments(header, needed, storage_reader, limits, dcp)
-    if mismatches:
-        error = CheckpointIntegrityError(
-            f"{len(mismatches)} fragment chunk(s) are corrupted (SHA-256 differs from the recorded digest): "
-            + "; ".join(mismatches[:3])
-        )
-    failure_vote(binding, "gefen_dcp.portable_load.verify", error)
-    state = PortableState(header.catalog, fragments)
-    import_portable_state(
-        optimizer, state, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
-    )
+    load = _load_composite if is_composite(optimizer) else _load_single
+    load(optimizer, binding, storage_reader, transaction_id, limits, namespace, dcp)

@@ -24,16 +24,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts import CompositeOptimizer, PortableAdapter, PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding, failure_vote
-from gefen_portable import PortableState, encode_wire, export_portable_state
+from gefen_portable import PortableState, encode_wire, export_portable_composite_state, export_portable_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from .digest_table import chunk_digest
-from .portable_format import ChunkTable, FragmentChunk, PortableEnvelope, encode_chunk_table, encode_portable_envelope
+from .portable_format import (
+    ChunkTable,
+    CompositeEnvelope,
+    FragmentChunk,
+    PortableEnvelope,
+    encode_chunk_table,
+    encode_composite_envelope,
+    encode_portable_envelope,
+)
 from .standins import writer_key
 from .storage_identity import preflight, require_binding
 
@@ -157,17 +165,46 @@ def _export(
         transaction_id=transaction_id,
         limits=limits,
     )
-    state = export_portable_state(
-        optimizer, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
-    )
     error: BaseException | None = None
     local: dict[str, Any] = {}
-    try:
-        local = build_state_dict(state, binding, namespace=namespace, limits=limits)
-    except Exception as exc:
-        error = exc
+    if is_composite(optimizer):
+        composite = export_portable_composite_state(
+            optimizer, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
+        )
+        try:
+            children = composite.children
+            envelope = CompositeEnvelope(
+                namespace,
+                composite.implementation,
+                composite.roles,
+                tuple(sorted(composite.routing.items())),
+                tuple((role, children[role].catalog_digest) for role in composite.roles),
+                composite.digest,
+            )
+            local = {
+                "composite": _bytes_tensor(encode_composite_envelope(envelope, limits=limits)),
+                "roles": {
+                    role: build_state_dict(children[role], binding, namespace=namespace, limits=limits)
+                    for role in composite.roles
+                },
+            }
+        except Exception as exc:
+            error = exc
+    else:
+        state = export_portable_state(
+            optimizer, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
+        )
+        try:
+            local = build_state_dict(state, binding, namespace=namespace, limits=limits)
+        except Exception as exc:
+            error = exc
     failure_vote(binding, "gefen_dcp.portable_save.encode", error)
     return {namespace: local}
+
+
+def is_composite(optimizer: object) -> bool:
+    """A composite optimizer whose children (not itself) are portable adapters."""
+    return isinstance(optimizer, CompositeOptimizer) and not isinstance(optimizer, PortableAdapter)
 
 
 def _dcp_group(binding: ProcessGroupBinding) -> dict[str, Any]:
@@ -189,7 +226,10 @@ def save_portable_dcp(
 
     Collective over ``checkpoint_process_group`` (a
     :class:`~gefen_contracts.torch_support.CheckpointProcessGroupBinding` matching the
-    optimizer's layout; a one-member binding runs DCP in single-process mode). Every member
+    optimizer's layout; a one-member binding runs DCP in single-process mode). A
+    :class:`gefen_contracts.CompositeOptimizer` of portable children is saved child by child
+    (:func:`gefen_portable.export_portable_composite_state`) under ``ns.roles.<role>`` with a
+    composite envelope at ``ns.composite``. Every member
     first agrees on the namespace, storage class and location, transaction and limits
     (:class:`~gefen_dcp.StorageMismatchError` on every member otherwise, before any I/O), then
     exports (:func:`gefen_portable.export_portable_state`) and writes only its own fragments.

@@ -41,6 +41,8 @@ from .standins import GefenDenseShardStateDict
 
 __all__ = ["GefenDCPState"]
 
+_MIN_DEFAULT_CHUNK_BYTES = 256 << 10
+
 
 def _implementation(optimizer: object) -> str:
     if isinstance(optimizer, ContractProvider):
@@ -55,9 +57,10 @@ class GefenDCPState(Stateful):
     """A ``torch.distributed.checkpoint.stateful.Stateful`` over a dense-shard codec.
 
     ``process_group`` is the group DCP saves and loads with (``None``: the default world);
-    ``state_dict()`` and ``load_state_dict()`` are collective over it. ``chunk_bytes``
-    (default ``limits.chunk_bytes``, 8 MiB) caps each written chunk; ``limits`` bound what a
-    load may allocate and parse.
+    ``state_dict()`` and ``load_state_dict()`` are collective over it. ``chunk_bytes`` caps
+    each written chunk; by default it is a sixteenth of a byte per local element (so a
+    chunk and its decode transient stay well under half a byte per parameter), clamped to
+    ``[256 KiB, limits.chunk_bytes]``. ``limits`` bound what a load may allocate and parse.
 
     Promises:
 
@@ -89,8 +92,8 @@ class GefenDCPState(Stateful):
         self.limits = limits if limits is not None else PortableStateLimits()
         if type(self.limits) is not PortableStateLimits:
             raise TypeError("GefenDCPState limits must be a gefen_contracts.PortableStateLimits")
-        self.chunk_bytes = exact_int(
-            self.limits.chunk_bytes if chunk_bytes is None else chunk_bytes, "GefenDCPState chunk_bytes", minimum=1
+        self.chunk_bytes = (
+            None if chunk_bytes is None else exact_int(chunk_bytes, "GefenDCPState chunk_bytes", minimum=1)
         )
 
     def _session(self, writer: int) -> SaveSession:
@@ -113,12 +116,16 @@ class GefenDCPState(Stateful):
                 ParameterEntry(slot.fqn, geometry.global_shape, slot.options, slot.variant, slot.counters, fields)
             )
         envelope = DenseShardEnvelope(implementation, FrozenMap(common), tuple(sorted(entries, key=lambda e: e.fqn)))
+        chunk_bytes = self.chunk_bytes
+        if chunk_bytes is None:
+            local = sum(layout.geometry.numel for layout in layouts.values())
+            chunk_bytes = min(self.limits.chunk_bytes, max(_MIN_DEFAULT_CHUNK_BYTES, local // 16))
         return SaveSession(
             envelope=envelope,
             slots=layouts,
             source=optimizer,
             writer=writer,
-            chunk_bytes=self.chunk_bytes,
+            chunk_bytes=chunk_bytes,
             limits=self.limits,
         )
 
