@@ -32,7 +32,15 @@ from gefen_dcp import (
     save_portable_dcp,
 )
 from gefen_hybrid import CompositeOptimizer, ContractedAdamW
-from gefen_portable import PortableCollectiveError, PortableState, export_portable_state, import_portable_state
+from gefen_portable import (
+    PortableCollectiveError,
+    PortableCompositeState,
+    PortableState,
+    export_portable_composite_state,
+    export_portable_state,
+    import_portable_composite_state,
+    import_portable_state,
+)
 from hstate_child import sign_child_factory
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -204,8 +212,35 @@ def differences(ref: Reference, shard: Sharded, what: str) -> list[str]:
     return problems
 
 
+def export_state(optimizer: Any, rank: int, size: int, transaction: str) -> Any:
+    """A composite's state through gefen-portable's composite wrapper, anything else directly."""
+    export = export_portable_composite_state if isinstance(optimizer, CompositeOptimizer) else export_portable_state
+    return export(optimizer, checkpoint_process_group=binding(rank, size), transaction_id=transaction, limits=LIMITS)
+
+
+def import_state(optimizer: Any, state: Any, rank: int, size: int, transaction: str) -> None:
+    load = import_portable_composite_state if isinstance(optimizer, CompositeOptimizer) else import_portable_state
+    load(optimizer, state, checkpoint_process_group=binding(rank, size), transaction_id=transaction, limits=LIMITS)
+
+
+def _catalogs(state: Any) -> Any:
+    """What a member without fragments needs: the agreed catalog(s), as plain records."""
+    if isinstance(state, PortableCompositeState):
+        roles = {role: child.catalog_record() for role, child in state.children.items()}
+        return {"implementation": state.implementation, "routing": state.routing, "roles": roles}
+    return {"catalog": state.catalog_record()}
+
+
+def _without_fragments(shared: Any) -> Any:
+    if "catalog" in shared:
+        return PortableState.from_parts(shared["catalog"], [], limits=LIMITS)
+    children = {role: PortableState.from_parts(record, [], limits=LIMITS) for role, record in shared["roles"].items()}
+    return PortableCompositeState(shared["implementation"], shared["routing"], children)
+
+
 def flattened_two_to_three(rank: int, world_size: int, kind: str) -> dict[str, Any]:
-    """Flattened on 2 members -> export (PortableState, no document) -> flattened on 3 members.
+    """Flattened on 2 members -> export (a PortableState, or a composite's PortableCompositeState;
+    no document) -> flattened on 3 members.
 
     Also: the same state imported into a fresh 2-member twin continues bit-identically, and a
     target whose rank 1 refuses (another ``maximize`` flag) makes every rank fail unchanged.
@@ -217,26 +252,22 @@ def flattened_two_to_three(rank: int, world_size: int, kind: str) -> dict[str, A
         mirror_step(ref, [source] if source else [], step)
     state = twin = None
     if source is not None:
-        state = export_portable_state(source.optimizer, checkpoint_process_group=binding(rank, 2),
-                                      transaction_id="export", limits=LIMITS)  # fmt: skip
+        state = export_state(source.optimizer, rank, 2, "export")
         twin = sharded(kind, rank, 2, values=ref.model)
-        import_portable_state(twin.optimizer, state, checkpoint_process_group=binding(rank, 2),
-                              transaction_id="same-layout", limits=LIMITS)  # fmt: skip
-    record = _share(state.catalog_record() if state is not None else None)
+        import_state(twin.optimizer, state, rank, 2, "same-layout")
+    shared = _share(_catalogs(state) if state is not None else None)
     if state is None:
-        state = PortableState.from_parts(record, [], limits=LIMITS)
+        state = _without_fragments(shared)
     refused = None
     if kind == "adamw":
         stubborn = sharded(kind, rank, 3, values=ref.model, maximize=rank == 1)
         before = deep_snapshot(stubborn.optimizer)
         try:
-            import_portable_state(stubborn.optimizer, state, checkpoint_process_group=binding(rank, 3),
-                                  transaction_id="refused", limits=LIMITS)  # fmt: skip
+            import_state(stubborn.optimizer, state, rank, 3, "refused")
         except PortableCollectiveError as exc:
             refused = {"message": str(exc), "unchanged": not snapshot_diff(before, stubborn.optimizer)}
     target = sharded(kind, rank, 3, values=ref.model)
-    import_portable_state(target.optimizer, state, checkpoint_process_group=binding(rank, 3),
-                          transaction_id="reshard", limits=LIMITS)  # fmt: skip
+    import_state(target.optimizer, state, rank, 3, "reshard")
     problems = differences(ref, target, "after import")
     if twin is not None:
         problems += differences(ref, twin, "same-layout twin after import")

@@ -1,5 +1,6 @@
 """ContractedAdamW and the composite through gefen-portable and gefen-dcp in one process: portable
-documents (flat and composite wrapper) survive a weights-only file and continue bit-exactly,
+documents (the composite's through gefen-portable's composite wrapper) survive a weights-only
+file and continue bit-exactly,
 corrupted documents are refused with the optimizer deep-snapshot unchanged, and the composite
 (ContractedAdamW + a test-local child) round-trips through save_portable_dcp / load_portable_dcp
 and GefenDCPState."""
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from gefen_contracts import ContractError, PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts import ContractError, ContractTypeError, PortableStateLimits, ProcessGroupIdentity
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest
 from gefen_dcp import (
@@ -134,19 +135,19 @@ def test_a_contracted_adamw_document_round_trips_through_a_weights_only_file(tmp
     assert _continues_identically((model, optimizer), twin)
 
 
-@pytest.mark.parametrize("form", ["flat", "wrapper"])
-def test_a_composite_document_round_trips_through_a_weights_only_file(tmp_path: Path, form: str) -> None:
+def test_a_composite_document_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
     model, optimizer = _trained(_composite)
-    if form == "flat":
-        exported = export_portable_state(optimizer, checkpoint_process_group=BINDING, transaction_id="s", limits=LIMITS)
-    else:
-        exported = export_portable_composite_state(  # type: ignore[assignment]
-            optimizer, checkpoint_process_group=BINDING, transaction_id="s", limits=LIMITS
-        )
+    with pytest.raises(ContractTypeError, match="export_portable_composite_state"):
+        export_portable_state(optimizer, checkpoint_process_group=BINDING, transaction_id="s", limits=LIMITS)
+    exported = export_portable_composite_state(
+        optimizer, checkpoint_process_group=BINDING, transaction_id="s", limits=LIMITS
+    )
+    assert exported.roles == ("muon", "backup")
     document = _weights_only(exported.materialize(), tmp_path / "composite.pt")
+    assert document["children"]["backup"]["implementation"] == "gefen.ContractedAdamW"
     twin = _twin_of(model, _composite)
-    importer = import_portable_state if form == "flat" else import_portable_composite_state
-    importer(twin[1], document, checkpoint_process_group=BINDING, transaction_id="l", limits=LIMITS)
+    import_portable_composite_state(twin[1], document, checkpoint_process_group=BINDING, transaction_id="l",
+                                    limits=LIMITS)  # fmt: skip
     assert _continues_identically((model, optimizer), twin)
 
 
@@ -235,12 +236,6 @@ def test_fp32_state_is_refused_by_a_bfloat16_target_instead_of_rounded() -> None
     assert not snapshot_diff(before, target, model)
 
 
-def _swap_roles(document: dict[str, Any]) -> None:
-    record = document["parameters"]["hidden.weight"]
-    record["variant"] = record["variant"].replace("muon.", "backup.")
-    _reseal(document)
-
-
 def _reroute_wrapper(wrapper: dict[str, Any]) -> None:
     wrapper["routing"]["hidden.weight"] = "backup"
     _reseal_wrapper(wrapper)
@@ -253,28 +248,28 @@ def _child_counter(wrapper: dict[str, Any]) -> None:
     _reseal_wrapper(wrapper)
 
 
-COMPOSITE_CORRUPTIONS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
-    ("flat: a parameter under another role", "flat", _swap_roles, "routes to"),
-    ("wrapper: routing changed", "wrapper", _reroute_wrapper, "routing"),
-    ("wrapper: a child's counter", "wrapper", _child_counter, "counters"),
+COMPOSITE_CORRUPTIONS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("routing changed", _reroute_wrapper, "routing"),
+    ("a child's counter", _child_counter, "counters"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "form", "corrupt", "fragment"), COMPOSITE_CORRUPTIONS, ids=[c[0] for c in COMPOSITE_CORRUPTIONS]
+    ("name", "corrupt", "fragment"), COMPOSITE_CORRUPTIONS, ids=[c[0] for c in COMPOSITE_CORRUPTIONS]
 )
 def test_corrupted_composite_documents_leave_both_children_unchanged(
-    name: str, form: str, corrupt: Callable[[dict[str, Any]], None], fragment: str
+    name: str, corrupt: Callable[[dict[str, Any]], None], fragment: str
 ) -> None:
     _, source = _trained(_composite)
-    exporter = export_portable_state if form == "flat" else export_portable_composite_state
-    document = exporter(source, checkpoint_process_group=BINDING, transaction_id="s", limits=LIMITS).materialize()
+    exported = export_portable_composite_state(source, checkpoint_process_group=BINDING, transaction_id="s",
+                                               limits=LIMITS)  # fmt: skip
+    document = exported.materialize()
     corrupt(document)
     model, target = _trained(_composite, steps=4, seed=1)
     before = deep_snapshot(target, model)
-    importer = import_portable_state if form == "flat" else import_portable_composite_state
     with pytest.raises((ContractError, PortableStateError), match=fragment):
-        importer(target, document, checkpoint_process_group=BINDING, transaction_id="l", limits=LIMITS)
+        import_portable_composite_state(target, document, checkpoint_process_group=BINDING, transaction_id="l",
+                                        limits=LIMITS)  # fmt: skip
     assert not snapshot_diff(before, target, model)
 
 

@@ -9,9 +9,10 @@ Depends only on gefen-contracts and torch. Public API:
   contract: :func:`adamw_contract` of an :class:`AdamWReadiness`);
 * shard identity (``post_sharding``) and canonical local state on both, the composite's
   document being ``gefen.composite_bound_state`` (:data:`COMPOSITE_DOCUMENT_FORMAT`);
-* portable state (``PortableAdapter``) and dense-shard checkpoints (``DenseShardCodec``) on
-  both, driven by gefen-portable and gefen-dcp (:data:`PORTABLE_SUPPORT`,
-  :data:`DENSE_SHARD_SUPPORT`; the composite delegates to its children);
+* portable state (``PortableAdapter`` on ContractedAdamW; the composite is served child by
+  child through gefen-portable's composite wrapper) and dense-shard checkpoints
+  (``DenseShardCodec`` on both, the composite delegating to its children), driven by
+  gefen-portable and gefen-dcp (:data:`PORTABLE_SUPPORT`, :data:`DENSE_SHARD_SUPPORT`);
 * :mod:`gefen_hybrid.conformance`: factories for the conformance kit.
 """
 
@@ -32,7 +33,7 @@ from .adamw_contract import (
 from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, CompositeOptimizer
 from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_VERSION
 from .composite_contract import derive_composite_contract, intersect_checkpoint_support
-from .composite_exchange import COMPOSITE_EXCHANGE_VERSION
+from .composite_dense import COMPOSITE_DENSE_SHARD_VERSION
 from .composite_format import FORMAT, FORMAT_VERSION
 from .composite_state import CompositeState
 from .roles import ROLE_BACKUP, ROLE_MUON, ROLE_TAG_PREFIX, ROLES, role_tag
@@ -52,7 +53,7 @@ __all__ = [
     "ADAMW_STATE_LAYOUT",
     "COMPOSITE_DOCUMENT_FORMAT",
     "COMPOSITE_DOCUMENT_VERSION",
-    "COMPOSITE_EXCHANGE_VERSION",
+    "COMPOSITE_DENSE_SHARD_VERSION",
     "DEFAULT_BACKUP_SUBSTRINGS",
     "DEFAULT_IMPLEMENTATION",
     "DENSE_SHARD_SUPPORT",

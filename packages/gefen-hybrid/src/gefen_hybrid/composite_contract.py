@@ -16,9 +16,11 @@
   reason is the ``staged_native_load`` feature's). Other transports are claimed only for
   features the composite itself implements, as the intersection of the children's entries.
 * Features: ``composite`` is supported; any other feature only if every child supports it
-  and the composite implements its Protocol (for the features it serves by delegation,
-  ``staged_native_load``, ``portable_state`` and ``dense_shard_codec``, every child must
-  implement the Protocol too). Every negative says why, naming the child.
+  and the composite implements its Protocol, or (``portable_state``) is served through its
+  children: the caller lists those in ``implemented_features``. For the features served by
+  the children's methods, ``staged_native_load``, ``portable_state`` and
+  ``dense_shard_codec``, every child must implement the Protocol too. Every negative says
+  why, naming the child.
 * Precisions: those every child accepts. Parameter ranks: any rank some child accepts.
 """
 
@@ -87,7 +89,8 @@ def derive_composite_contract(
 ) -> OptimizerContract:
     """The contract of a composite named ``implementation`` over ``(role, child)`` pairs.
 
-    ``implemented_features`` are the features whose Protocol the composite itself implements;
+    ``implemented_features`` are the features whose Protocol the composite itself implements
+    or serves through its children (``portable_state`` through a composite wrapper);
     ``own_blockers`` maps a feature to the composite's own reasons against it (for example
     "not finalized through the composite"), which make it negative whatever the children
     say. Raises :class:`~gefen_contracts.ContractError` when the children cannot be described
