@@ -9,6 +9,10 @@ Depends only on gefen-contracts and torch. Public API:
   contract: :func:`adamw_contract` of an :class:`AdamWReadiness`);
 * shard identity (``post_sharding``) and canonical local state on both, the composite's
   document being ``gefen.composite_bound_state`` (:data:`COMPOSITE_DOCUMENT_FORMAT`);
+* portable state (``PortableAdapter`` on ContractedAdamW; the composite is served child by
+  child through gefen-portable's composite wrapper) and dense-shard checkpoints
+  (``DenseShardCodec`` on both, the composite delegating to its children), driven by
+  gefen-portable and gefen-dcp (:data:`PORTABLE_SUPPORT`, :data:`DENSE_SHARD_SUPPORT`);
 * :mod:`gefen_hybrid.conformance`: factories for the conformance kit.
 """
 
@@ -17,10 +21,19 @@ from __future__ import annotations
 from ._version import __version__
 from .adamw import ContractedAdamW
 from .adamw_canonical import NO_STATE_VARIANT
-from .adamw_contract import ADAMW_CONTRACT, ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT, AdamWReadiness, adamw_contract
+from .adamw_contract import (
+    ADAMW_CONTRACT,
+    ADAMW_IMPLEMENTATION,
+    ADAMW_STATE_LAYOUT,
+    DENSE_SHARD_SUPPORT,
+    PORTABLE_SUPPORT,
+    AdamWReadiness,
+    adamw_contract,
+)
 from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, CompositeOptimizer
 from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_VERSION
 from .composite_contract import derive_composite_contract, intersect_checkpoint_support
+from .composite_dense import COMPOSITE_DENSE_SHARD_VERSION
 from .composite_format import FORMAT, FORMAT_VERSION
 from .composite_state import CompositeState
 from .roles import ROLE_BACKUP, ROLE_MUON, ROLE_TAG_PREFIX, ROLES, role_tag
@@ -40,11 +53,14 @@ __all__ = [
     "ADAMW_STATE_LAYOUT",
     "COMPOSITE_DOCUMENT_FORMAT",
     "COMPOSITE_DOCUMENT_VERSION",
+    "COMPOSITE_DENSE_SHARD_VERSION",
     "DEFAULT_BACKUP_SUBSTRINGS",
     "DEFAULT_IMPLEMENTATION",
+    "DENSE_SHARD_SUPPORT",
     "FORMAT",
     "FORMAT_VERSION",
     "NO_STATE_VARIANT",
+    "PORTABLE_SUPPORT",
     "ROLES",
     "ROLE_BACKUP",
     "ROLE_MUON",

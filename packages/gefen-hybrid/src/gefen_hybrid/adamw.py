@@ -2,9 +2,10 @@
 
 Same constructor, same ``foreach``/``fused`` flags, same numerics (the step is torch's own
 code path), plus: a published (dynamic) contract, an atomic staged native load, a side-effect
-free step preflight, post-sharding identity binding with a sealed layout, and canonical
-local state documents, so that it can be the backup child of a composite and refuse a bad
-gradient, checkpoint or layout change before anything changes.
+free step preflight, post-sharding identity binding with a sealed layout, canonical local
+state documents, portable state and dense-shard (DCP) checkpoints, so that it can be the
+backup child of a composite and refuse a bad gradient, checkpoint or layout change before
+anything changes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gefen_contracts import (
     LayoutTamperedError,
     NotSupportedError,
     OptimizerContract,
+    ParameterLayout,
     ParameterRebinding,
     ShardIdentity,
     ShardingManifest,
@@ -32,6 +34,8 @@ from gefen_contracts.torch_support import SealedLayout, plan_rebinding, state_ve
 
 from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
 from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
+from .adamw_dense import dense_blockers
+from .adamw_exchange import AdamWExchangeMethods
 from .adamw_identity import (
     StagedBinding,
     check_adamw_layout,
@@ -40,6 +44,7 @@ from .adamw_identity import (
     stage_binding,
     state_blockers,
 )
+from .adamw_portable import portable_blockers
 from .adamw_state import StagedAdamWState, stage_adamw_state
 from .tensor_checks import is_dtensor
 
@@ -71,9 +76,10 @@ def _fused_device_check() -> Callable[[torch.Tensor], None] | None:
     return _device_dtype_check_for_fused
 
 
-class ContractedAdamW(torch.optim.AdamW):
+class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
     """AdamW with a contract (``"gefen.ContractedAdamW"``) implementing ``StagedNativeLoad``,
-    ``StepPreflight``, ``IdentityBindable`` and ``CanonicalLocalState``.
+    ``StepPreflight``, ``IdentityBindable``, ``CanonicalLocalState``, ``PortableAdapter`` and
+    ``DenseShardCodec``.
 
     ``step`` is bit-identical to ``torch.optim.AdamW`` with the same arguments (it runs
     torch's own implementation) but first checks every gradient, so a bad one raises before
@@ -89,7 +95,11 @@ class ContractedAdamW(torch.optim.AdamW):
     verify the sealed layout in O(local parameters) and raise ``LayoutTamperedError`` before
     any mutation if public containers were changed. ``export_local_state`` /
     ``prepare_local_import`` / ``commit_local_import`` move FQN-keyed ``gefen.bound_state``
-    documents (see :mod:`gefen_hybrid.adamw_canonical`).
+    documents (see :mod:`gefen_hybrid.adamw_canonical`). Portable state
+    (:mod:`gefen_hybrid.adamw_portable`) works on the sealed layout or, before
+    ``post_sharding``, on an implicit ungrouped replicated layout keyed by torch's parameter
+    names; dense-shard checkpoints (:mod:`gefen_hybrid.adamw_dense`) work on plain and DTensor
+    (FSDP2) parameters.
     """
 
     def __init__(
@@ -153,24 +163,31 @@ class ContractedAdamW(torch.optim.AdamW):
 
     def _readiness(self) -> AdamWReadiness:
         sealed = self._sealed
+        layouts: frozenset[ParameterLayout] = frozenset()
         if sealed is None:
             blockers = state_blockers(self.state)
-            if not blockers:
-                return FRESH_READINESS
-            return AdamWReadiness(
-                post_sharding=FeatureStatus.no(*blockers),
-                identity=FRESH_READINESS.identity,
-                canonical=FRESH_READINESS.canonical,
-            )
-        layouts = frozenset(shard.layout for _, shard in sealed.bindings)
-        try:
-            sealed.verify(self.param_groups, self.state, where="optimizer_contract")
-        except LayoutTamperedError as exc:
-            broken = FeatureStatus.no(str(exc))
-            return AdamWReadiness(FeatureStatus.yes(), broken, broken, layouts)
-        options = option_blockers(self.param_groups)
-        canonical = FeatureStatus.no(*options) if options else FeatureStatus.yes()
-        return AdamWReadiness(FeatureStatus.yes(), FeatureStatus.yes(), canonical, layouts)
+            post = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
+            identity, canonical = FRESH_READINESS.identity, FRESH_READINESS.canonical
+        else:
+            layouts = frozenset(shard.layout for _, shard in sealed.bindings)
+            try:
+                sealed.verify(self.param_groups, self.state, where="optimizer_contract")
+            except LayoutTamperedError as exc:
+                broken = FeatureStatus.no(str(exc))
+                return AdamWReadiness(FeatureStatus.yes(), broken, broken, layouts, broken, broken)
+            options = option_blockers(self.param_groups)
+            post, identity = FeatureStatus.yes(), FeatureStatus.yes()
+            canonical = FeatureStatus.no(*options) if options else FeatureStatus.yes()
+        portable = portable_blockers(self.param_groups, sealed)
+        dense = dense_blockers(self.param_groups, sealed, layouts)
+        return AdamWReadiness(
+            post,
+            identity,
+            canonical,
+            layouts,
+            FeatureStatus.no(*portable) if portable else FeatureStatus.yes(),
+            FeatureStatus.no(*dense) if dense else FeatureStatus.yes(),
+        )
 
     def _verify_layout(self, where: str) -> None:
         """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""

@@ -26,7 +26,6 @@ aliases the document.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ from gefen_contracts import StateValidationError, match_variants
 from gefen_contracts.torch_support import BoundParameter, SealedLayout, build_bound_state, parse_bound_state
 
 from .adamw_contract import ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT
+from .adamw_records import NO_STATE_VARIANT, AdamWRecord, document_options, native_state_dict, step_count
 from .adamw_state import EXECUTION_FLAGS
 
 __all__ = [
@@ -47,8 +47,6 @@ __all__ = [
 
 #: ContractedAdamW's policy record: empty (see the module docstring).
 ADAMW_POLICY: dict[str, Any] = {}
-#: The ``variant`` of a parameter without state (it has not stepped yet).
-NO_STATE_VARIANT = "uninitialized"
 _NOT_EXPORTED = frozenset({"params", "param_names", *EXECUTION_FLAGS})
 
 
@@ -87,18 +85,6 @@ def option_blockers(param_groups: Sequence[Mapping[str, Any]]) -> tuple[str, ...
     return tuple(reasons)
 
 
-def _listify(value: Any) -> Any:
-    if type(value) in (list, tuple):
-        return [_listify(v) for v in value]
-    if type(value) is dict:
-        return {k: _listify(v) for k, v in value.items()}
-    return value
-
-
-def _document_options(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: _listify(value) for key, value in group.items() if key not in _NOT_EXPORTED}
-
-
 def _variant_of(keys: Sequence[str], layout: Any, rank: int, where: str) -> str:
     if not keys:
         return NO_STATE_VARIANT
@@ -112,10 +98,10 @@ def _exported_state(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in entry.items():
         if key == "step":
-            number = float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-            if not math.isfinite(number) or number < 1 or number != math.floor(number):
-                raise _fail(f"{where}: 'step' must be a whole number >= 1, got {number!r}")
-            values[key] = int(number)
+            try:
+                values[key] = step_count(value, where)
+            except StateValidationError as exc:
+                raise _fail(str(exc)) from None
         else:
             values[key] = value
     return values
@@ -127,7 +113,7 @@ def export_adamw_document(
     """The ``gefen.bound_state`` document of a finalized ContractedAdamW (owned CPU copies)."""
     parameters: dict[str, BoundParameter] = {}
     for index, group in enumerate(param_groups):
-        options = _document_options(group)
+        options = document_options(group)
         names = sealed.compatibility_names(index)
         for slot, tensor in enumerate(group["params"]):
             shard = sealed.shard_identity(tensor)
@@ -142,24 +128,6 @@ def export_adamw_document(
         manifest=sealed.manifest,
         parameters=parameters,
     )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and bool(torch.equal(a, b))
-        )
-    if type(a) is not type(b):
-        return False
-    if type(a) is list:
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 def _native_entry(entry: BoundParameter, where: str) -> dict[str, Any]:
@@ -191,12 +159,9 @@ def native_state_from_document(
     missing, extra = sorted(set(local) - set(parsed.parameters)), sorted(set(parsed.parameters) - set(local))
     if missing or extra:
         raise _fail(f"the document's parameters differ from the local ones (missing {missing}, not local {extra})")
-    groups: list[dict[str, Any]] = []
-    state: dict[int, dict[str, Any]] = {}
-    pid = 0
-    for index, group in enumerate(param_groups):
-        ids: list[int] = []
-        options: tuple[str, dict[str, Any]] | None = None
+    records: list[list[AdamWRecord]] = []
+    for group in param_groups:
+        slots = []
         for tensor in group["params"]:
             shard = sealed.shard_identity(tensor)
             entry = parsed.parameters[shard.fqn]
@@ -206,25 +171,10 @@ def native_state_from_document(
             variant = _variant_of(list(entry.state), shard.layout, len(shard.parameter.global_shape), where)
             if entry.variant != variant:
                 raise _fail(f"{where} declares variant {entry.variant!r} but its state keys make it {variant!r}")
-            group_options = dict(entry.group_options)
-            if options is None:
-                options = (shard.fqn, group_options)
-            elif not _equal(options[1], group_options):
-                raise _fail(
-                    f"param group {index} holds {options[0]!r} and {shard.fqn!r}, whose document group options "
-                    "differ; regroup the target so that each group's parameters share their options"
-                )
-            if entry.state:
-                state[pid] = _native_entry(entry, where)
-            ids.append(pid)
-            pid += 1
-        saved: dict[str, Any] = {key: group[key] for key in EXECUTION_FLAGS if key in group}
-        if options is None:  # an empty group keeps its own options
-            saved.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
-        else:
-            saved.update(options[1])
-        saved["params"] = ids
-        if "param_names" in group:
-            saved["param_names"] = list(group["param_names"])
-        groups.append(saved)
-    return {"state": state, "param_groups": groups}
+            native = _native_entry(entry, where) if entry.state else None
+            slots.append(AdamWRecord(shard.fqn, dict(entry.group_options), native))
+        records.append(slots)
+    try:
+        return native_state_dict(param_groups, records)
+    except StateValidationError as exc:
+        raise _fail(str(exc)) from None

@@ -1,7 +1,8 @@
 """What ``ContractedAdamW`` declares: its state keys, variants, claims and honest negatives.
 
-The contract is dynamic: identity and canonical-state claims appear only while the live
-optimizer is ready for them, and every negative says why (:class:`AdamWReadiness`).
+The contract is dynamic: identity, canonical-state, portable-state and dense-shard claims
+appear only while the live optimizer is ready for them, and every negative says why
+(:class:`AdamWReadiness`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from gefen_contracts import (
     StateRole,
     StateScope,
     StateVariant,
+    TopologyChange,
+    TopologyTransition,
     TrainingSupport,
 )
 
@@ -42,7 +45,11 @@ __all__ = [
     "ADAMW_IMPLEMENTATION",
     "ADAMW_STATE_LAYOUT",
     "COLLECTIVE_SCOPE_REASON",
+    "DENSE_SHARD_LAYOUTS",
+    "DENSE_SHARD_SUPPORT",
     "FRESH_READINESS",
+    "PORTABLE_LAYOUTS",
+    "PORTABLE_SUPPORT",
     "AdamWReadiness",
     "adamw_contract",
 ]
@@ -102,31 +109,74 @@ ADAMW_STATE_LAYOUT = OptimizerStateLayout(
     ),
 )
 
-_LATER = "added to ContractedAdamW by a later issue"
 _NATIVE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD})
 _TRAINING = tuple(TrainingSupport(layout, ProcessGroupScope.NONE) for layout in _LAYOUT_ORDER)
+
+
+#: Why a feature is negative when the readiness record did not assess it.
+_NOT_ASSESSED = FeatureStatus.no("not assessed for this readiness record")
 
 
 @dataclass(frozen=True, slots=True)
 class AdamWReadiness:
     """The live facts the contract depends on (computed by ``ContractedAdamW`` per query).
 
-    ``post_sharding`` / ``identity`` / ``canonical`` are the statuses of the features
-    ``post_sharding``, ``canonical_identity`` and ``canonical_local_state``; ``local_layouts``
-    are the layouts of the finalized local bindings (empty before ``post_sharding``).
+    ``post_sharding`` / ``identity`` / ``canonical`` / ``portable`` / ``dense_shard`` are the
+    statuses of the features ``post_sharding``, ``canonical_identity``,
+    ``canonical_local_state``, ``portable_state`` and ``dense_shard_codec``;
+    ``local_layouts`` are the layouts of the finalized local bindings (empty before
+    ``post_sharding``). ``portable`` and ``dense_shard`` default to negative, so a record
+    built with the first four fields only claims neither.
     """
 
     post_sharding: FeatureStatus
     identity: FeatureStatus
     canonical: FeatureStatus
     local_layouts: frozenset[ParameterLayout] = frozenset()
+    portable: FeatureStatus = _NOT_ASSESSED
+    dense_shard: FeatureStatus = _NOT_ASSESSED
 
 
-#: A fresh ContractedAdamW: pristine, not finalized.
+#: A fresh ContractedAdamW built from named parameters: pristine, not finalized, portable
+#: through its implicit ungrouped replicated layout and ready for dense-shard checkpoints.
 FRESH_READINESS = AdamWReadiness(
     post_sharding=FeatureStatus.yes(),
     identity=FeatureStatus.no("no shard identity is bound yet: call post_sharding first"),
     canonical=FeatureStatus.no("canonical local state is keyed by canonical FQNs: call post_sharding first"),
+    portable=FeatureStatus.yes(),
+    dense_shard=FeatureStatus.yes(),
+)
+
+#: Layouts whose portable state ContractedAdamW exports and imports (AdamW is elementwise, so
+#: any element of the dense moments can be re-projected onto any piece).
+PORTABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
+#: Layouts whose dense-shard (DCP) state ContractedAdamW saves and loads.
+DENSE_SHARD_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD})
+
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported: both layouts round
+#: trip, and any source layout and member count reshards onto any target layout and member
+#: count (a world-size change of replicated or flattened pieces is a placement reshard).
+PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    PORTABLE_LAYOUTS,
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(PORTABLE_LAYOUTS, PORTABLE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+    ),
+    requires_collective=True,
+)
+#: The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported: replicated tensors and
+#: DTensor (FSDP2) shards, resharded N -> M ranks by DCP.
+DENSE_SHARD_SUPPORT = CheckpointSupport(
+    CheckpointTransport.DENSE_SHARD,
+    DENSE_SHARD_LAYOUTS,
+    ProcessGroupScope.DEFAULT_WORLD,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(DENSE_SHARD_LAYOUTS, DENSE_SHARD_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+    ),
+    requires_collective=True,
 )
 
 
@@ -139,7 +189,8 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
     layouts; ``staged_native_load``. Dynamic: ``FLATTENED_ELEMENT_SHARD`` joins the native
     entry once flattened shards are bound; the ``CANONICAL_LOCAL`` entry (same-topology over
     the bound local layouts, fail-before-mutation, no collective) exists exactly while
-    ``canonical_local_state`` is supported.
+    ``canonical_local_state`` is supported, :data:`PORTABLE_SUPPORT` exactly while
+    ``portable_state`` is, and :data:`DENSE_SHARD_SUPPORT` exactly while ``dense_shard_codec`` is.
     """
     native = _NATIVE_LAYOUTS
     if ParameterLayout.FLATTENED_ELEMENT_SHARD in readiness.local_layouts:
@@ -161,6 +212,10 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
                 LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
             )
         )
+    if readiness.portable.supported:
+        checkpoints.append(PORTABLE_SUPPORT)
+    if readiness.dense_shard.supported:
+        checkpoints.append(DENSE_SHARD_SUPPORT)
     return OptimizerContract(
         implementation=ADAMW_IMPLEMENTATION,
         state_layout=ADAMW_STATE_LAYOUT,
@@ -174,8 +229,8 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
                 FEATURE_POST_SHARDING: readiness.post_sharding,
                 FEATURE_CANONICAL_IDENTITY: readiness.identity,
                 FEATURE_CANONICAL_LOCAL_STATE: readiness.canonical,
-                FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable adapter is {_LATER}"),
-                FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_LATER}"),
+                FEATURE_PORTABLE_STATE: readiness.portable,
+                FEATURE_DENSE_SHARD_CODEC: readiness.dense_shard,
                 FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(COLLECTIVE_SCOPE_REASON),
                 FEATURE_COMPOSITE: FeatureStatus.no("ContractedAdamW has no child optimizers"),
             },
@@ -186,5 +241,5 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
 #: Why ContractedAdamW has no collective scope (also the refusal of a ``scope`` argument).
 COLLECTIVE_SCOPE_REASON = "AdamW learns nothing collectively (no codebook, no scope)"
 
-#: The contract of a fresh ContractedAdamW (pristine, not finalized).
+#: The contract of a fresh ContractedAdamW built from named parameters (pristine, not finalized).
 ADAMW_CONTRACT = adamw_contract(FRESH_READINESS)

@@ -18,6 +18,7 @@ import torch
 from gefen_contracts import (
     FEATURE_CANONICAL_IDENTITY,
     FEATURE_CANONICAL_LOCAL_STATE,
+    FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
     FEATURE_PROTOCOLS,
     FEATURE_STAGED_NATIVE_LOAD,
@@ -25,6 +26,7 @@ from gefen_contracts import (
     ModeTaggedState,
     NotSupportedError,
     OptimizerContract,
+    PortableAdapter,
     StagedNativeLoad,
     StagedTransaction,
     StepPreflight,
@@ -35,6 +37,7 @@ from torch import nn
 
 from .composite_binding import ChangeCounter, CompositeIdentityMethods
 from .composite_contract import derive_composite_contract
+from .composite_dense import CompositeDenseShardMethods
 from .composite_format import build_composite_state_dict, children_of_state_dict
 from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
@@ -79,14 +82,16 @@ def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedP
     return named
 
 
-class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
+class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` over a ``"muon"`` child and a ``"backup"`` child.
 
     Build it from ready children (``CompositeOptimizer({"muon": a, "backup": b})``, each
     built from named parameters) or let it route and build them
     (:meth:`from_factories`). It implements the ``ContractProvider``, ``StagedNativeLoad``,
-    ``CompositeOptimizer``, ``StepPreflight``, ``ModeTaggedState``, ``IdentityBindable`` and
-    ``CanonicalLocalState`` Protocols (the last two work when every child implements them).
+    ``CompositeOptimizer``, ``StepPreflight``, ``ModeTaggedState``, ``IdentityBindable``,
+    ``CanonicalLocalState`` and ``DenseShardCodec`` Protocols (the last three work when every
+    child implements them), and claims ``portable_state`` when every child is a portable
+    adapter (served child by child through gefen-portable's composite wrapper).
 
     Promises:
 
@@ -105,6 +110,12 @@ class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
       untouched) and seals the composite; afterwards routing is by canonical FQN.
     * Canonical local state nests each child's document by role
       (``gefen.composite_bound_state``, see :mod:`gefen_hybrid.composite_bound_state`).
+    * Dense-shard checkpoints delegate to the children (role-tagged variants, loads
+      partitioned by routing, every child prepared before any commits; see
+      :mod:`gefen_hybrid.composite_dense`). Portable state is exported and imported child by
+      child by ``gefen_portable.export_portable_composite_state`` /
+      ``import_portable_composite_state`` (and ``gefen_dcp.save_portable_dcp`` /
+      ``load_portable_dcp``), which stage every child before one vote.
     """
 
     _step_supports_amp_scaling = False
@@ -290,6 +301,8 @@ class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
     def optimizer_contract(self) -> OptimizerContract:
         """Derived from the children's contracts (see :mod:`gefen_hybrid.composite_contract`)."""
         implemented = frozenset(f for f, protocol in FEATURE_PROTOCOLS.items() if isinstance(self, protocol))
+        if all(isinstance(child, PortableAdapter) for _, child in self._children):
+            implemented |= {FEATURE_PORTABLE_STATE}  # served through its children (composite wrapper)
         return derive_composite_contract(
             self._implementation, self._children, implemented, own_blockers=self._identity_blockers()
         )

@@ -16,7 +16,11 @@
   reason is the ``staged_native_load`` feature's). Other transports are claimed only for
   features the composite itself implements, as the intersection of the children's entries.
 * Features: ``composite`` is supported; any other feature only if every child supports it
-  and the composite implements its Protocol. Every negative says why, naming the child.
+  and the composite implements its Protocol, or (``portable_state``) is served through its
+  children: the caller lists those in ``implemented_features``. For the features served by
+  the children's methods, ``staged_native_load``, ``portable_state`` and
+  ``dense_shard_codec``, every child must implement the Protocol too. Every negative says
+  why, naming the child.
 * Precisions: those every child accepts. Parameter ranks: any rank some child accepts.
 """
 
@@ -48,7 +52,6 @@ from gefen_contracts import (
     OptimizerStateLayout,
     ParameterLayout,
     ProcessGroupScope,
-    StagedNativeLoad,
     StateField,
     StateGeometry,
     StateRole,
@@ -71,6 +74,9 @@ _FEATURE_TRANSPORTS = {
     FEATURE_DENSE_SHARD_CODEC: CheckpointTransport.DENSE_SHARD,
 }
 
+#: Features the composite serves by calling its children's Protocol methods.
+_DELEGATED_FEATURES = frozenset({FEATURE_STAGED_NATIVE_LOAD, FEATURE_PORTABLE_STATE, FEATURE_DENSE_SHARD_CODEC})
+
 ChildEntry = tuple[str, Any, OptimizerContract]
 
 
@@ -83,7 +89,8 @@ def derive_composite_contract(
 ) -> OptimizerContract:
     """The contract of a composite named ``implementation`` over ``(role, child)`` pairs.
 
-    ``implemented_features`` are the features whose Protocol the composite itself implements;
+    ``implemented_features`` are the features whose Protocol the composite itself implements
+    or serves through its children (``portable_state`` through a composite wrapper);
     ``own_blockers`` maps a feature to the composite's own reasons against it (for example
     "not finalized through the composite"), which make it negative whatever the children
     say. Raises :class:`~gefen_contracts.ContractError` when the children cannot be described
@@ -137,8 +144,9 @@ def _features(entries: list[ChildEntry], implemented: frozenset[str]) -> dict[st
             who = f"child {role!r} ({contract.implementation})"
             if not status.supported:
                 reasons.extend(f"{who}: {reason}" for reason in status.reasons)
-            elif feature == FEATURE_STAGED_NATIVE_LOAD and not isinstance(child, StagedNativeLoad):
-                reasons.append(f"{who} claims staged_native_load but does not implement StagedNativeLoad")
+            elif feature in _DELEGATED_FEATURES and not isinstance(child, FEATURE_PROTOCOLS[feature]):
+                protocol = FEATURE_PROTOCOLS[feature].__name__
+                reasons.append(f"{who} claims {feature} but does not implement {protocol}")
         if not reasons and feature not in implemented:
             protocol = FEATURE_PROTOCOLS[feature].__name__
             reasons.append(f"every child supports {feature}, but the composite does not implement {protocol} yet")

@@ -6,9 +6,10 @@ import dataclasses
 
 import torch
 
+from ...capabilities import FEATURE_PORTABLE_STATE
 from ...codec import from_primitive, to_primitive
 from ...contract import OptimizerContract, schema_compatible
-from ...protocols import FEATURE_PROTOCOLS, PROTOCOL_FEATURES, ContractProvider
+from ...protocols import FEATURE_PROTOCOLS, PROTOCOL_FEATURES, CompositeOptimizer, ContractProvider, PortableAdapter
 from ...revalidate import revalidate
 from ..claims import CONTRACT_CLAIM
 from ..context import CheckContext, Unverifiable
@@ -87,9 +88,19 @@ class ContractNoCollectivesCheck:
         assert counter.total == 0, f"optimizer_contract() ran collectives: {counter.calls}"
 
 
+def _served_through_children(optimizer: object, feature: str) -> bool:
+    """A composite serves ``portable_state`` when every child is a ``PortableAdapter``: that is
+    how an optimizer-agnostic driver (gefen-portable's composite wrapper) exports and imports it."""
+    if feature != FEATURE_PORTABLE_STATE or not isinstance(optimizer, CompositeOptimizer):
+        return False
+    children = list(optimizer.child_optimizers().values())
+    return bool(children) and all(isinstance(child, PortableAdapter) for child in children)
+
+
 class ProtocolDeclarationCheck:
     """Each implemented Protocol has an explicit feature status; each claimed feature has
-    its Protocol implemented."""
+    its Protocol implemented (a composite's ``portable_state`` claim may instead be served by
+    children that all implement ``PortableAdapter``)."""
 
     name = "contract.protocols_declared"
 
@@ -108,5 +119,7 @@ class ProtocolDeclarationCheck:
         for feature, status in features.items():
             wanted = FEATURE_PROTOCOLS.get(feature)
             if status.supported and wanted is not None and not isinstance(optimizer, wanted):
+                if _served_through_children(optimizer, feature):
+                    continue
                 problems.append(f"claims feature {feature!r} but does not implement {wanted.__name__}")
         assert not problems, "; ".join(problems)
