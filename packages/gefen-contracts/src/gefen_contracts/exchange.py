@@ -91,10 +91,11 @@ class PortableLayout:
         if type(self.manifest) is not ShardingManifest:
             raise ContractTypeError("PortableLayout.manifest must be a ShardingManifest")
         slots = tuple(self.slots)
+        shards = frozenset(self.manifest.shards)
         for index, slot in enumerate(slots):
             if type(slot) is not PortableSlotLayout:
                 raise ContractTypeError(f"PortableLayout.slots[{index}] must be a PortableSlotLayout")
-            if slot.shard not in self.manifest.shards:
+            if slot.shard not in shards:
                 raise ContractError(f"PortableLayout slot {slot.fqn!r} is not an element of the manifest")
         if len({s.fqn for s in slots}) != len(slots):
             raise ContractError("PortableLayout.slots must hold one slot per FQN")
