@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 from gefen_core import Gefen
+from gefen_hybrid import DEFAULT_BACKUP_SUBSTRINGS
 
 __all__ = [
+    "HYBRID_BACKUP_SUBSTRINGS",
     "OptimizerEntry",
     "UnknownOptimizerError",
     "build_optimizer",
@@ -58,6 +60,27 @@ def _gefen_builder(**options: Any) -> Callable[[NamedParameters, float, float], 
     def build(named: NamedParameters, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         # Named parameters give Gefen stable names (used by name-based options and in checkpoints).
         return Gefen(list(named), lr=lr, weight_decay=weight_decay, **options)
+
+    return build
+
+
+#: The hybrid arms route names containing these to the backup (the registry's defaults plus the
+#: demo decoder's untied ``head``, which a name-and-shape routing would otherwise give to Muon).
+HYBRID_BACKUP_SUBSTRINGS = (*DEFAULT_BACKUP_SUBSTRINGS, "head")
+
+
+def _hybrid_builder(backup: str) -> Callable[[NamedParameters, float, float], torch.optim.Optimizer]:
+    def build(named: NamedParameters, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        # Imported here: gefen.hybrid pulls in gefen-hybrid, which the other arms do not need.
+        from ..hybrid import GefenMuonHybrid
+
+        return GefenMuonHybrid(
+            list(named),
+            lr=lr,
+            weight_decay=weight_decay,
+            backup_optimizer=backup,
+            backup_substrings=HYBRID_BACKUP_SUBSTRINGS,
+        )
 
     return build
 
@@ -121,6 +144,18 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             "gefen-p1",
             "ablation: Gefen with every compression off (per-element v and exact momentum): AdamW through Gefen's code",
             _gefen_builder(force_1d_period_one=True, force_2d_period_one=True, factored_v_2d=False),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-muon-hybrid",
+            "gefen.GefenMuonHybrid: GefenMuon for hidden matrices, Gefen(factored_v_2d=False) for the rest",
+            _hybrid_builder("gefen"),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-muon-hybrid-adamw",
+            "gefen.GefenMuonHybrid(backup_optimizer='adamw'): GefenMuon plus ContractedAdamW (fp32 state)",
+            _hybrid_builder("adamw"),
             _always_available,
         ),
         OptimizerEntry(

@@ -1,0 +1,178 @@
+"""torch's training machinery around Gefen, GefenMuon and GefenMuonHybrid: LR schedulers
+(through the hybrid's live ``param_groups``), ``GradScaler`` (exact unscaling, overflow skips
+both halves), and ``torch.compile`` of the model's forward and backward with the optimizer
+step left eager."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from mhyb_models import TinyLlama, seeded, train
+from torch import nn
+from torch.optim import lr_scheduler
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_torch() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _hybrid(model: nn.Module, backup: str = "gefen") -> GefenMuonHybrid:
+    return GefenMuonHybrid(model, lr=1e-3, backup_lr=2.5e-4, backup_optimizer=backup)
+
+
+def _rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [group["lr"] for group in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_a_multiplicative_scheduler_keeps_the_muon_backup_ratio(backup: str) -> None:
+    model = seeded(TinyLlama)
+    optimizer = _hybrid(model, backup)
+    scheduler = lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    train(model, optimizer, 1)
+    scheduler.step()
+    assert _rates(optimizer) == pytest.approx([1e-4, 2.5e-5])
+    assert optimizer.muon.param_groups[0]["lr"] == pytest.approx(1e-4)  # type: ignore[union-attr]
+    assert optimizer.backup.param_groups[0]["lr"] == pytest.approx(2.5e-5)  # type: ignore[union-attr]
+
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler]] = {
+    "linear warmup (LambdaLR)": lambda o: lr_scheduler.LambdaLR(o, lambda step: min(1.0, (step + 1) / 3)),
+    "cosine": lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=4),
+    "warmup then cosine (SequentialLR)": lambda o: lr_scheduler.SequentialLR(
+        o,
+        [lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=2), lr_scheduler.CosineAnnealingLR(o, T_max=3)],
+        milestones=[2],
+    ),
+    "one-cycle (lr only)": lambda o: lr_scheduler.OneCycleLR(
+        o, max_lr=[2e-3, 5e-4], total_steps=6, cycle_momentum=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_schedulers_drive_both_halves_and_resume_with_the_optimizer(name: str) -> None:
+    """A scheduler on the hybrid sets each child's rates; both resume from their state dicts."""
+    model = seeded(TinyLlama)
+    optimizer = _hybrid(model)
+    scheduler = SCHEDULERS[name](optimizer)
+    seen = []
+    for step in range(3):
+        train(model, optimizer, 1, start=step)
+        scheduler.step()
+        seen.append(_rates(optimizer))
+    assert len({tuple(rates) for rates in seen}) > 1, "the scheduler changed nothing"
+    checkpoint = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    twin_model = copy.deepcopy(model)
+    twin = _hybrid(twin_model)
+    twin_scheduler = SCHEDULERS[name](twin)
+    twin.load_state_dict(checkpoint["optimizer"])
+    twin_scheduler.load_state_dict(checkpoint["scheduler"])
+    assert _rates(twin) == _rates(optimizer)
+    for step in range(3, 5):
+        for m, o, s in ((model, optimizer, scheduler), (twin_model, twin, twin_scheduler)):
+            train(m, o, 1, start=step)
+            s.step()
+    assert _rates(twin) == _rates(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_reduce_on_plateau_lowers_both_halves() -> None:
+    model = seeded(TinyLlama)
+    optimizer = _hybrid(model)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+    scheduler.step(1.0)
+    scheduler.step(2.0)  # worse: reduce
+    assert _rates(optimizer) == pytest.approx([5e-4, 1.25e-4])
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "gefen": lambda model: Gefen(model.named_parameters(), lr=1e-3),
+    "gefen-muon": lambda model: GefenMuon(
+        [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n], lr=1e-3
+    ),
+    "hybrid": lambda model: GefenMuonHybrid(model, lr=1e-3),
+    "hybrid-adamw": lambda model: GefenMuonHybrid(model, lr=1e-3, backup_optimizer="adamw"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_grad_scaler_unscales_exactly_and_an_overflow_skips_the_whole_step(name: str) -> None:
+    model, twin = seeded(TinyLlama), seeded(TinyLlama)
+    optimizer, reference = OPTIMIZERS[name](model), OPTIMIZERS[name](twin)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        optimizer.zero_grad()
+        scaler.scale(model.loss(step)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        train(twin, reference, 1, start=step)
+    # A power-of-two scale unscales exactly: the scaled run is the unscaled run, bit for bit.
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+    optimizer.zero_grad()
+    scaler.scale(model.loss(3)).backward()
+    optimizer.param_groups[-1]["params"][0].grad.reshape(-1)[0] = math.inf  # in the last half that steps
+    parameters = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(optimizer.state_dict())
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(parameters, model.parameters()))
+    assert _same(state, optimizer.state_dict())  # neither half stepped
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _compile_loss(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    vocab = model.vocab  # type: ignore[attr-defined]
+
+    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+    return loss_of
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_a_compiled_forward_and_backward_trains_like_eager_with_an_eager_optimizer_step(backup: str) -> None:
+    """``torch.compile`` (inductor) of the loss; ``optimizer.step()`` stays eager.
+
+    Inductor fuses the forward/backward differently from eager, so the two runs agree to
+    float tolerance, not bit for bit.
+    """
+    torch._dynamo.reset()
+    eager_model = seeded(TinyLlama)
+    compiled_model = copy.deepcopy(eager_model)
+    eager, compiled = _hybrid(eager_model, backup), _hybrid(compiled_model, backup)
+    compiled_loss = torch.compile(_compile_loss(compiled_model))
+    eager_loss = _compile_loss(eager_model)
+    for step in range(4):
+        tokens = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(500 + step % 2))
+        for loss_fn, optimizer in ((eager_loss, eager), (compiled_loss, compiled)):
+            optimizer.zero_grad()
+            loss = loss_fn(tokens)
+            loss.backward()
+            optimizer.step()
+        assert math.isfinite(float(loss.detach()))
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

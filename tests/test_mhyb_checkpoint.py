@@ -1,0 +1,147 @@
+"""GefenMuonHybrid checkpoints: bit-exact resume through ``torch.save``/``torch.load(weights_only=True)``
+for both backups, and atomic loads: every corruption class applied to either half, and every
+envelope problem, is refused with the model and both children unchanged."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from gefen import GefenMuonHybrid
+from gefen_contracts import StateValidationError
+from gefen_contracts.testing import CORRUPTIONS, deep_snapshot, snapshot_diff
+from gefen_contracts.testing.corruption import corrupted_variants
+from mhyb_models import TinyLlama, seeded, train
+
+BACKUPS = ["gefen", "adamw"]
+
+
+def _hybrid(model: torch.nn.Module, backup: str, **options: Any) -> GefenMuonHybrid:
+    return GefenMuonHybrid(model, lr=3e-3, backup_optimizer=backup, weight_decay=0.01, **options)
+
+
+def _round_trip(state: dict[str, Any]) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
+
+
+def same_tree(a: object, b: object) -> bool:
+    """Equal structure, equal primitives, tensors equal in dtype, shape and every bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _trained(backup: str, steps: int = 3) -> tuple[TinyLlama, GefenMuonHybrid]:
+    model = seeded(TinyLlama)
+    optimizer = _hybrid(model, backup)
+    train(model, optimizer, steps)
+    return model, optimizer  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_resume_from_a_weights_only_checkpoint_is_bit_exact(backup: str) -> None:
+    model, optimizer = _trained(backup)
+    checkpoint = _round_trip({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    resumed_model = seeded(TinyLlama, seed=1)  # other initial values: everything must come from the checkpoint
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed = _hybrid(resumed_model, backup)
+    resumed.load_state_dict(checkpoint["optimizer"])
+    expected = train(model, optimizer, 3, start=3)
+    got = train(resumed_model, resumed, 3, start=3)
+    assert got == expected
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    assert same_tree(optimizer.state_dict(), resumed.state_dict())
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_every_corruption_class_on_either_half_is_refused_with_nothing_changed(backup: str) -> None:
+    _, source = _trained(backup)
+    saved = source.state_dict()
+    target_model, target = _trained(backup, steps=1)  # live state that a refused load must keep
+    applied: set[str] = set()
+    subject = (target_model, target)
+    for name, corrupted in corrupted_variants(saved):
+        before = deep_snapshot(subject)
+        with pytest.raises((StateValidationError, ValueError, TypeError, KeyError)):
+            target.load_state_dict(corrupted)
+        assert snapshot_diff(before, subject) == [], name
+        applied.add(name)
+    for half in ("muon", "backup"):
+        classes = {name.partition("@")[0] for name in applied if name.endswith(f"@{half}")}
+        assert classes == {c.name for c in CORRUPTIONS}, (half, classes)  # every class, on each half
+    target.load_state_dict(saved)  # the uncorrupted checkpoint still loads afterwards
+    assert same_tree(saved, target.state_dict())
+
+
+def _envelope_edits(backup: str) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+    def set_key(key: str, value: object) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        return lambda state: {**state, key: value}
+
+    return {
+        "flat torch layout": lambda state: {"state": {}, "param_groups": []},
+        "muon half missing": lambda state: {k: v for k, v in state.items() if k != "muon"},
+        "backup half is None": set_key("backup", None),
+        "other backup implementation": lambda state: {
+            **state,
+            "child_implementations": {
+                **state["child_implementations"],
+                "backup": "gefen.Gefen" if backup == "adamw" else "gefen.ContractedAdamW",
+            },
+        },
+        "other routing": lambda state: {**state, "routing": [[n, "backup"] for n, _ in state["routing"]]},
+        "future format version": set_key("format_version", 99),
+        "unknown top-level key": set_key("backup_optimizer", backup),
+    }
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_envelope_problems_are_refused_before_either_half_is_touched(backup: str) -> None:
+    _, source = _trained(backup)
+    saved = source.state_dict()
+    target_model, target = _trained(backup, steps=1)
+    subject = (target_model, target)
+    for label, edit in _envelope_edits(backup).items():
+        before = deep_snapshot(subject)
+        with pytest.raises((StateValidationError, ValueError), match=r"."):
+            target.load_state_dict(edit(dict(saved)))
+        assert snapshot_diff(before, subject) == [], label
+
+
+def test_a_checkpoint_of_one_backup_is_refused_by_a_hybrid_with_the_other() -> None:
+    _, gefen_backed = _trained("gefen")
+    model, adamw_backed = _trained("adamw", steps=1)
+    subject = (model, adamw_backed)
+    before = deep_snapshot(subject)
+    with pytest.raises(StateValidationError, match=r"gefen\.Gefen"):
+        adamw_backed.load_state_dict(gefen_backed.state_dict())
+    assert snapshot_diff(before, subject) == []
+
+
+def test_a_hybrid_with_one_half_round_trips_and_refuses_a_two_half_checkpoint() -> None:
+    model = seeded(TinyLlama)
+    matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
+    muon_only = GefenMuonHybrid(matrices, [], lr=3e-3)
+    train(model, muon_only, 2)
+    muon_only.load_state_dict(_round_trip(muon_only.state_dict()))
+    _, both = _trained("gefen")
+    before = deep_snapshot(muon_only)
+    with pytest.raises(StateValidationError):
+        muon_only.load_state_dict(both.state_dict())
+    assert snapshot_diff(before, muon_only) == []

@@ -1,0 +1,158 @@
+"""GefenMuonHybrid's three call forms and its routing on real module trees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, ParameterError
+from mhyb_models import SmallCNN, TiedHeadFirst, TinyLlama, seeded, train
+from torch import nn
+
+LLAMA_MUON = {
+    f"model.layers.{i}.{part}"
+    for i in range(2)
+    for part in (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    )
+}
+LLAMA_BACKUP = {"model.embed_tokens.weight", "model.norm.weight"} | {
+    f"model.layers.{i}.{norm}.weight" for i in range(2) for norm in ("input_layernorm", "post_attention_layernorm")
+}
+
+
+def _roles(optimizer: GefenMuonHybrid) -> dict[str, set[str]]:
+    roles: dict[str, set[str]] = {"muon": set(), "backup": set()}
+    for name, role in optimizer.parameter_routing():
+        roles[role].add(name)
+    return roles
+
+
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_a_llama_like_model_routes_matrices_to_muon_and_the_tied_embedding_once_to_the_backup(backup: str) -> None:
+    model = seeded(TinyLlama)
+    optimizer = GefenMuonHybrid(model, lr=3e-3, backup_optimizer=backup)
+    assert _roles(optimizer) == {"muon": LLAMA_MUON, "backup": LLAMA_BACKUP}
+    assert isinstance(optimizer.muon, GefenMuon)
+    assert type(optimizer.backup).__name__ == ("Gefen" if backup == "gefen" else "ContractedAdamW")
+    # The tied head is the embedding's tensor: optimized once, by the backup.
+    backup_params = [p for group in optimizer.backup.param_groups for p in group["params"]]
+    assert sum(p is model.lm_head.weight for p in backup_params) == 1
+    losses = train(model, optimizer, 6)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+def test_named_parameters_of_the_llama_route_the_same_way_by_name() -> None:
+    model = seeded(TinyLlama)
+    optimizer = GefenMuonHybrid(model.named_parameters(), lr=3e-3)
+    assert _roles(optimizer) == {"muon": LLAMA_MUON, "backup": LLAMA_BACKUP}
+
+
+def test_a_tied_head_registered_before_its_embedding_goes_to_the_backup_by_identity() -> None:
+    model = TiedHeadFirst()
+    routing = dict(GefenMuonHybrid(model, lr=1e-3).parameter_routing())
+    assert routing == {"decoder.weight": "backup", "hidden.weight": "muon", "hidden.bias": "backup"}
+    # By name only, the same tensor would be taken for a hidden matrix: module types matter.
+    assert dict(GefenMuonHybrid(model.named_parameters(), lr=1e-3).parameter_routing())["decoder.weight"] == "muon"
+
+
+def test_a_cnn_keeps_convolutions_norms_and_the_classifier_in_the_backup() -> None:
+    model = seeded(SmallCNN)
+    optimizer = GefenMuonHybrid(model, lr=3e-3)
+    assert _roles(optimizer) == {
+        "muon": {"fc1.weight"},
+        "backup": {
+            "conv1.weight",
+            "conv1.bias",
+            "bn1.weight",
+            "bn1.bias",
+            "conv2.weight",
+            "conv2.bias",
+            "fc1.bias",
+            "classifier.weight",
+            "classifier.bias",
+        },
+    }
+    losses = train(model, optimizer, 5)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+def test_backup_substrings_and_rules_override_the_defaults() -> None:
+    model = seeded(TinyLlama)
+    moved = GefenMuonHybrid(model, lr=1e-3, backup_substrings=("embed", "down_proj"))
+    assert {name for name, role in moved.parameter_routing() if role == "backup" and "down_proj" in name} == {
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    }
+    from gefen import RoutingRules
+
+    pinned = GefenMuonHybrid(
+        model, lr=1e-3, rules=RoutingRules(overrides={"model.layers.0.self_attn.q_proj.weight": "backup"})
+    )
+    assert dict(pinned.parameter_routing())["model.layers.0.self_attn.q_proj.weight"] == "backup"
+    with pytest.raises(TypeError, match="not both"):
+        GefenMuonHybrid(model, lr=1e-3, backup_substrings=("x",), rules=RoutingRules())
+
+
+def test_the_two_list_form_is_used_as_given() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    named = dict(model.named_parameters())
+    optimizer = GefenMuonHybrid(
+        [("0.weight", named["0.weight"])], [(n, named[n]) for n in ("0.bias", "1.weight")], lr=1e-3
+    )
+    assert optimizer.parameter_routing() == (("0.bias", "backup"), ("0.weight", "muon"), ("1.weight", "backup"))
+    backup_only = GefenMuonHybrid([], list(model.named_parameters()), lr=1e-3)
+    assert backup_only.muon is None and isinstance(backup_only.backup, Gefen)
+    muon_only = GefenMuonHybrid([("0.weight", named["0.weight"])], [], lr=1e-3)
+    assert muon_only.backup is None and repr(muon_only) == (
+        "GefenMuonHybrid(muon_params=1, backup_params=0, backup_optimizer='gefen')"
+    )
+    with pytest.raises(TypeError, match="two explicit lists"):
+        GefenMuonHybrid([], list(model.named_parameters()), lr=1e-3, backup_substrings=("norm",))
+    with pytest.raises(ValueError, match="stepped twice"):
+        GefenMuonHybrid([("0.weight", named["0.weight"])], [("again", named["0.weight"])], lr=1e-3)
+    with pytest.raises(ParameterError, match="2D"):
+        GefenMuonHybrid([("0.bias", named["0.bias"])], [], lr=1e-3)
+
+
+def test_unnamed_parameters_are_refused_with_how_to_pass_names() -> None:
+    model = nn.Linear(4, 4)
+    for params in (list(model.parameters()), model.parameters(), [{"params": list(model.parameters())}]):
+        with pytest.raises(TypeError, match=r"GefenMuonHybrid routes parameters by name.*named_parameters\(\)"):
+            GefenMuonHybrid(params, lr=1e-3)
+    with pytest.raises(TypeError, match="param-group dicts"):
+        GefenMuonHybrid([{"params": list(model.named_parameters())}], lr=1e-3)
+    with pytest.raises(TypeError, match="backup_params"):
+        GefenMuonHybrid(list(model.named_parameters())[:1], [model.bias], lr=1e-3)
+    with pytest.raises(TypeError, match="iterable of"):
+        GefenMuonHybrid(model.weight, lr=1e-3)
+
+
+def test_frozen_placeholder_and_empty_parameter_sets_are_refused() -> None:
+    model = nn.Linear(4, 4)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        GefenMuonHybrid(model, lr=1e-3)
+    placeholders = [("w", nn.Parameter(torch.empty(0))), ("b", nn.Parameter(torch.empty(0)))]
+    with pytest.raises(ValueError, match="zero elements"):
+        GefenMuonHybrid(placeholders, lr=1e-3)
+    with pytest.raises(ValueError, match="zero elements"):
+        GefenMuonHybrid([], placeholders, lr=1e-3)
+
+
+def test_add_param_group_routes_new_parameters_into_the_right_child_with_its_options() -> None:
+    model = seeded(TinyLlama)
+    optimizer = GefenMuonHybrid(model, lr=1e-3)
+    extra = nn.Linear(16, 16)
+    optimizer.add_param_group({"params": [("extra.weight", extra.weight), ("extra.bias", extra.bias)], "lr": 5e-4})
+    routing = dict(optimizer.parameter_routing())
+    assert routing["extra.weight"] == "muon" and routing["extra.bias"] == "backup"
+    new_muon_group = optimizer.muon.param_groups[-1]  # type: ignore[union-attr]
+    assert new_muon_group["lr"] == 5e-4 and new_muon_group["ns_schedule"] == "tuned3" and new_muon_group["normuon"]
