@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ def _error(exc: BaseException) -> str:
     if isinstance(failures, Mapping) and failures:
         inner = next(iter(failures.values()))
         cause = getattr(inner, "exc", inner)
+        if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+            cause = cause[0]  # DCP's WrappedException: (exception, traceback frames)
         return f"{type(cause).__name__}: {cause}"
     return f"{type(exc).__name__}: {exc}"
 
@@ -135,6 +138,7 @@ def _dense_shard(
                 _nest(prefix, GefenDCPState(recorder, limits=limits)),
                 checkpoint_id=str(root),
                 planner=GefenLoadPlanner(limits=limits),
+                no_dist=True,
             )
             verified.append(
                 f"envelope digest and the SHA-256 of every dense chunk against {writers} writer table(s) (gefen-dcp)"
@@ -300,6 +304,7 @@ def _portable_composite(
             implementation=catalog.implementation,
             parameters=_catalog_parameters(catalog),
             facts=(("root digest", catalog.digest),),
+            tensor_bytes=catalog.total_fragment_bytes,
         )
         for role, catalog in catalogs.items()
     )
@@ -323,6 +328,13 @@ def _portable_composite(
 
 def describe_dcp(root: Path, *, verify: bool = True) -> CheckpointDescription:
     """Describe (and verify) every gefen namespace of a DCP folder (module docstring)."""
+    with warnings.catch_warnings():
+        # single-process DCP loads say so on every call; that is what inspection wants
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return _describe_dcp(root, verify)
+
+
+def _describe_dcp(root: Path, verify: bool) -> CheckpointDescription:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     file_bytes = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

@@ -124,6 +124,7 @@ def _describe_portable_composite(
             implementation=child.implementation,
             parameters=_portable_parameters(child),
             facts=_portable_facts(child),
+            tensor_bytes=sum(p.state_bytes for p in _portable_parameters(child)),
         )
         for role, child in state.children.items()
     )

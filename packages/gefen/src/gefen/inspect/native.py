@@ -144,7 +144,7 @@ def _gefen_entry(
                 shape = (int(rows.shape[0]), numel // max(1, int(rows.shape[0])))
             if not _is_count(entry.get("normuon_step"), 1):
                 check.fail(f"{where}.normuon_step", f"must be an int >= 1, got {entry.get('normuon_step')!r}")
-        return variant, shape if shape is not None else ((numel,) if numel is not None else None)
+        return variant, shape
     if "v_row" in entry or "v_col" in entry:
         rows = check.tensor(entry, "v_row", where, torch.float32, 1)
         cols = check.tensor(entry, "v_col", where, torch.float32, 1)
@@ -164,7 +164,7 @@ def _gefen_entry(
             )
         if not _is_count(entry.get("vmean_step"), 1):
             check.fail(f"{where}.vmean_step", f"must be an int >= 1, got {entry.get('vmean_step')!r}")
-        return "block", (numel,) if numel is not None else None
+        return "block", None
     check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
     return "broken", None
 
@@ -273,7 +273,10 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
         if fmt in _RECORD_KEYS:
             variant, shape = _gefen_entry(check, entry, where, fmt == _MUON)
             period = entry.get("automatic_period")
+            indices = entry.get("m_codebook")
             detail = f"period {period}" if type(period) is int else ""
+            if shape is None and isinstance(indices, torch.Tensor):
+                detail += f", {indices.numel():,} elements"
         else:
             variant, shape = _torch_entry(check, entry, where) if entry else ("no state", None)
             detail = f"step {entry.get('step')}" if "step" in entry else ""

@@ -103,7 +103,8 @@ class CheckpointDescription:
         if self.file_bytes is not None:
             facts.append(("size on disk", format_bytes(self.file_bytes)))
         facts.append(("tensor bytes", format_bytes(self.tensor_bytes)))
-        facts.append(("parameters", str(len(self.parameters))))
+        if self.parameters or not self.children:
+            facts.append(("parameters", str(len(self.parameters))))
         facts.extend(self.facts)
         width = max(len(key) for key, _ in facts)
         lines.extend(f"{indent}  {key.ljust(width)}  {value}" for key, value in facts)
