@@ -151,7 +151,7 @@ def _ratios_hold(document: dict[str, object]) -> None:
             assert row["ratio"] is None if base == 0 else math.isclose(row["ratio"], row["value"] / base)
 
 
-def test_bench_step_smoke(tmp_path: Path) -> None:
+def test_bench_step_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Folds tools/bench_step.py: every arm runs on a tiny decoder, ratios against fused AdamW."""
     code = main(
         ["bench", "step", "--d-model", "64", "--layers", "1", "--vocab", "256", "--warmup", "1", "--repeats", "2",
@@ -169,6 +169,9 @@ def test_bench_step_smoke(tmp_path: Path) -> None:
     assert report.config["parameters"] == 64 * 256 + 3 * 64 + 64 * 64 * (1 + 0.25 + 0.25 + 1 + 12)
     assert report.config["kernels"]["cpu_available"] is True  # type: ignore[index]
     _ratios_hold(document)
+    table = capsys.readouterr().out  # the figures tools/bench_step.py printed: size, ms, ns/param, ratio
+    assert f"{report.config['parameters']:,} float32 parameters in 11 tensors" in table
+    assert "ns/param" in table and "vs adamw-fused" in table
 
 
 def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,7 +201,7 @@ def test_bench_muon_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert "device check skipped" in capsys.readouterr().err
 
 
-def test_bench_guard_smoke(tmp_path: Path) -> None:
+def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Folds tools/bench_guard.py; Gefen's arms are notes until its contract claims them."""
     code = main(
         ["bench", "guard", "--tensors", "6", "--numel", "16", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)]
@@ -210,6 +213,9 @@ def test_bench_guard_smoke(tmp_path: Path) -> None:
     share = report.row("contracted-adamw/guard-per-step", "step_time")
     assert share.baseline == "contracted-adamw/step-bound" and share.ratio is not None
     assert report.row("composite/guard-per-step", "step_time").baseline == "composite/step-bound"
+    assert "µs per parameter tensor per pass" in capsys.readouterr().out and any(
+        note.startswith("contracted-adamw: guard") and "% of a bound step" in note for note in report.notes
+    )
     _ratios_hold(document)
     from gefen_contracts import FEATURE_POST_SHARDING
     from gefen_core import Gefen

@@ -153,6 +153,11 @@ def _measure_single(
     builder.add(
         f"{label}/guard-per-step-with-closure", "step_time", 2 * timed["guard"], "us", baseline=f"{label}/step-bound"
     )
+    if timed["bound"] > 0:
+        builder.note(
+            f"{label}: guard {timed['guard'] / options.tensors:.3f} µs per parameter tensor per pass; "
+            f"{100 * timed['guard'] / timed['bound']:.2f} % of a bound step (one pass; two with a closure)"
+        )
 
 
 def _measure_composite(builder: ReportBuilder, options: GuardOptions) -> None:

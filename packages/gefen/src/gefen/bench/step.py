@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import statistics
 import time
 import warnings
@@ -32,7 +33,7 @@ import torch
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
 
-__all__ = ["BASELINE", "StepOptions", "decoder_shapes", "run_step", "step_panels"]
+__all__ = ["BASELINE", "StepOptions", "decoder_shapes", "run_step", "step_panels", "step_table"]
 
 BASELINE = "adamw-fused"
 #: Bytes per parameter the cheapest Gefen step must move (fp32 parameter and gradient read,
@@ -275,9 +276,31 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
             f"median of {options.repeats} interleaved rounds after {options.warmup} warm-up rounds, "
             f"{options.threads} thread(s); timings on a shared machine are noisy, ratios less so"
         )
+        if hasattr(os, "getloadavg"):
+            load = os.getloadavg()
+            builder.note(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
         return builder.build()
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def step_table(report: BenchmarkReport) -> str:
+    """The model size, then per arm: median and minimum ms, ns per parameter, ratio to fused AdamW; notes."""
+    config = report.config
+    lines = [
+        f"step benchmark: {config['parameters']:,} {config['dtype']} parameters in {config['tensors']} tensors "
+        f"on {config['device']}, {config['threads']} thread(s)",
+        f"{'name':28s} {'median ms':>10s} {'min ms':>10s} {'ns/param':>9s} {'vs ' + BASELINE:>15s}",
+    ]
+    for row in report.rows:
+        if row.metric != "step_time":
+            continue
+        ratio = "" if row.ratio is None else f"{row.ratio:.3f}x"
+        minimum, per_param = row.detail.get("min_ms"), row.detail.get("ns_per_param")
+        assert isinstance(minimum, float) and isinstance(per_param, float)  # run_step writes both
+        lines.append(f"{row.name:28s} {row.value:10.3f} {minimum:10.3f} {per_param:9.3f} {ratio:>15s}")
+    lines.extend(f"note: {note}" for note in report.notes)
+    return "\n".join(lines)
 
 
 def step_panels(report: BenchmarkReport) -> list[Panel]:

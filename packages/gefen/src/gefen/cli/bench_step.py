@@ -40,7 +40,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..bench.output import emit
-    from ..bench.step import StepOptions, run_step, step_panels
+    from ..bench.step import StepOptions, run_step, step_panels, step_table
     from .progress import progress_bar
 
     try:
@@ -58,6 +58,12 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar(options.warmup + options.repeats, "step", "round") as advance:
         report = run_step(options, progress=advance)
     emit(
-        report, out=args.out, stem="step", panels=step_panels(report), plot_title="gefen bench step", as_json=args.json
+        report,
+        out=args.out,
+        stem="step",
+        panels=step_panels(report),
+        plot_title="gefen bench step",
+        table=step_table(report),
+        as_json=args.json,
     )
     return 0
