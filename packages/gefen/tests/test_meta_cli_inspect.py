@@ -213,3 +213,35 @@ def test_unknown_files_and_folders_are_problems_and_missing_paths_usage_errors(
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect", str(tmp_path / "absent")])
     assert exit_info.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+
+
+def test_dense_shard_dcp_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from gefen_dcp import GefenDCPState, GefenSavePlanner
+    from gefen_dcp.testing import conformance_factory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    optimizer = conformance_factory(list(model.named_parameters()))  # gefen-dcp's Int8MomentumSGD codec
+    model(torch.randn(5, 16)).sum().backward()
+    optimizer.step()
+    root = tmp_path / "dense"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            {"optim": GefenDCPState(optimizer)}, storage_writer=GefenFileSystemWriter(root), planner=GefenSavePlanner()
+        )
+    folder = inspect_checkpoint(root)
+    assert folder.ok, folder.format_text()
+    (child,) = folder.children
+    assert child.format == "gefen.dense_shard_state" and len(child.parameters) == 4
+    assert {p.name: p.variant for p in child.parameters}["0.weight"] == "int8_rows"
+    dense = optimizer.materialize_dense_field("0.weight", "momentum")
+    needle = dense.contiguous().numpy().tobytes()
+    (data,) = [path for path in root.glob("*.distcp") if needle in path.read_bytes()]  # stored verbatim, once
+    raw = bytearray(data.read_bytes())
+    raw[raw.find(needle) + 5] ^= 0x01
+    data.write_bytes(bytes(raw))
+    broken = inspect_checkpoint(root)
+    assert not broken.ok
+    assert any("0.weight" in str(problem) for problem in broken.all_problems()), broken.format_text()
