@@ -242,3 +242,28 @@ def test_dense_shard_dcp_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_pa
     broken = inspect_checkpoint(root)
     assert not broken.ok
     assert any("0.weight" in str(problem) for problem in broken.all_problems()), broken.format_text()
+
+
+def test_canonical_local_state_document_is_validated(tmp_path: Path) -> None:
+    from gefen_contracts.testing import flattened_plan
+    from gefen_hybrid import ContractedAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    named = list(model.named_parameters())
+    optimizer = ContractedAdamW(named, lr=1e-3)
+    plan = flattened_plan(named, 0)  # member 0 of a two-member flattened layout
+    optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest)
+    for target in plan.targets.values():
+        target.grad = torch.randn_like(target)
+    optimizer.step()
+    document = optimizer.export_local_state()
+    torch.save(document, tmp_path / "bound.pt")
+    description = inspect_checkpoint(tmp_path / "bound.pt")
+    assert description.ok, description.format_text()
+    assert (description.format, description.implementation) == ("gefen.bound_state", "gefen.ContractedAdamW")
+    assert {p.name: p.shape for p in description.parameters}["0.weight"] == (8, 4)  # the global shape
+    document["parameters"]["0.weight"]["state"]["exp_avg"].view(-1)[0] = float("nan")
+    torch.save(document, tmp_path / "tampered.pt")
+    problems = inspect_checkpoint(tmp_path / "tampered.pt").all_problems()
+    assert problems and "parameters['0.weight'].state.exp_avg" in problems[0].message, problems
