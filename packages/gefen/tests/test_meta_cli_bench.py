@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,15 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-COMMANDS = [[], ["demo"], ["bench"], ["bench", "memory"], ["bench", "quality"], ["bench", "dp"], ["conformance"]]
+COMMANDS = [
+    [],
+    ["demo"],
+    ["bench"],
+    *(["bench", name] for name in ("memory", "quality", "step", "muon", "portable", "dcp", "guard", "dp")),
+    ["conformance"],
+    ["inspect"],
+    ["find-lr"],
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "gefen")
@@ -130,3 +140,147 @@ def test_bench_dp_smoke(tmp_path: Path) -> None:
     assert fast.baseline == "full-256/bruteforce" and fast.ratio is not None
     assert fast.detail["identical_to_bruteforce"] is True
     assert {row.name for row in report.rows} >= {"gaussian-4096/fast", "student-t-4096/fast", "full-4096/fast"}
+
+
+def _ratios_hold(document: dict[str, object]) -> None:
+    """Every row with a baseline carries value / baseline value (the schema check does too)."""
+    rows = {(row["name"], row["metric"]): row for row in document["rows"]}  # type: ignore[attr-defined, index]
+    for (_, metric), row in rows.items():
+        if row["baseline"] is not None:
+            base = rows[(row["baseline"], metric)]["value"]
+            assert row["ratio"] is None if base == 0 else math.isclose(row["ratio"], row["value"] / base)
+
+
+def test_bench_step_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Folds tools/bench_step.py: every arm runs on a tiny decoder, ratios against fused AdamW."""
+    code = main(
+        ["bench", "step", "--d-model", "64", "--layers", "1", "--vocab", "256", "--warmup", "1", "--repeats", "2",
+         "--threads", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    document = _check_files(tmp_path, "step")
+    report = read_report(tmp_path / "step.json")
+    names = {row.name for row in report.rows}
+    assert {"adamw-fused", "adamw-default", "copy-14B", "gefen-reference", "gefen-fused"} <= names
+    assert "gefenmuon-momentum-fused" in names and "gefen-block-fused" in names
+    for row in report.rows:
+        assert row.metric == "step_time" and row.unit == "ms" and row.value > 0
+        assert row.baseline == (None if row.name == "adamw-fused" else "adamw-fused")
+    assert report.config["parameters"] == 64 * 256 + 3 * 64 + 64 * 64 * (1 + 0.25 + 0.25 + 1 + 12)
+    assert report.config["kernels"]["cpu_available"] is True  # type: ignore[index]
+    _ratios_hold(document)
+    table = capsys.readouterr().out  # the figures tools/bench_step.py printed: size, ms, ns/param, ratio
+    assert f"{report.config['parameters']:,} float32 parameters in 11 tensors" in table
+    assert "ns/param" in table and "vs adamw-fused" in table
+
+
+def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "step", "--d-model", "66"])
+    assert exit_info.value.code == 2
+    assert "d_model must be divisible by 4" in capsys.readouterr().err
+
+
+def test_bench_muon_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Folds tools/bench_muon.py: every schedule against torch's Muon, state bytes, orthogonality."""
+    assert main(["bench", "muon", "--tiny", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
+    _check_files(tmp_path, "muon")
+    report = read_report(tmp_path / "muon.json")
+    for schedule in ("standard", "tuned3", "tuned4"):
+        step = report.row(f"muon/gefen-{schedule}-reference", "step_time")
+        assert step.baseline == "muon/torch-ns5" and step.ratio is not None
+        assert report.row(f"ns/gefen-{schedule}", "ns_time").baseline == "ns/torch-ns5"
+        assert report.row(f"ns/gefen-{schedule}@64x256", "orthogonality_error").value > 0
+    assert report.row("muon/torch-ns5", "state_bytes_per_param").value == 4.0
+    assert 1.0 < report.row("muon/gefen-tuned3-reference", "state_bytes_per_param").value < 1.1
+    # tuned4 orthogonalises a rectangular Gaussian matrix far better than NS5 (deterministic, not a timing)
+    assert report.row("ns/gefen-tuned4@64x256", "orthogonality_error").ratio < 0.5  # type: ignore[operator]
+    capsys.readouterr()
+    if not torch.cuda.is_available():  # the fp8 device check says it cannot run here and succeeds
+        assert main(["bench", "muon", "--device-check", "--out", str(tmp_path / "fp8")]) == 0
+        assert "device check skipped" in capsys.readouterr().err
+
+
+def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Folds tools/bench_guard.py; Gefen's arms are notes until its contract claims them."""
+    code = main(
+        ["bench", "guard", "--tensors", "6", "--numel", "16", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    document = _check_files(tmp_path, "guard")
+    report = read_report(tmp_path / "guard.json")
+    assert report.row("contracted-adamw/guard-pass", "time_per_tensor").unit == "us/tensor"
+    share = report.row("contracted-adamw/guard-per-step", "step_time")
+    assert share.baseline == "contracted-adamw/step-bound" and share.ratio is not None
+    assert report.row("composite/guard-per-step", "step_time").baseline == "composite/step-bound"
+    assert "µs per parameter tensor per pass" in capsys.readouterr().out and any(
+        note.startswith("contracted-adamw: guard") and "% of a bound step" in note for note in report.notes
+    )
+    _ratios_hold(document)
+    from gefen_contracts import FEATURE_POST_SHARDING
+    from gefen_core import Gefen
+
+    claims = Gefen([torch.nn.Parameter(torch.ones(2))]).optimizer_contract().capabilities.feature(FEATURE_POST_SHARDING)
+    gefen_rows = {row.name for row in report.rows if row.name.startswith("gefen/")}
+    if claims.supported:
+        assert "gefen/guard-pass" in gefen_rows
+    else:
+        assert not gefen_rows and any(note.startswith("gefen: guard not measured") for note in report.notes)
+
+
+@pytest.mark.slow
+def test_bench_dcp_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Folds tools/bench_dcp.py: one rank, the reference codec against torch DCP of AdamW."""
+    code = main(
+        ["bench", "dcp", "--model", "tiny", "--ranks", "1", "--optimizers", "gefen,int8-sgd", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    document = _check_files(tmp_path, "dcp")
+    report = read_report(tmp_path / "dcp.json")
+    metrics = {f"{op}_{kind}" for op in ("save", "async_save", "load") for kind in ("seconds", "peak_bytes_per_param")}
+    for arm in ("torch-dcp-adamw", "int8-sgd"):
+        assert {row.metric for row in report.rows if row.name == f"tiny/1ranks/{arm}"} == metrics
+    assert report.row("tiny/1ranks/int8-sgd", "save_seconds").baseline == "tiny/1ranks/torch-dcp-adamw"
+    assert all(row.value > 0 for row in report.rows if row.metric.endswith("seconds"))
+    _ratios_hold(document)
+    assert "int8-sgd" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank: a portable test adopter against torch's optimizer state-dict API; Gefen is a note
+    until it claims portable_state."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    arm = "meta_portable_sgd:factory"
+    code = main(
+        [
+            "bench",
+            "portable",
+            "--models",
+            "tiny",
+            "--ranks",
+            "1",
+            "--optimizers",
+            f"gefen,{arm}",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    document = _check_files(tmp_path, "portable")
+    report = read_report(tmp_path / "portable.json")
+    operations = ("memory_export", "memory_import", "storage_export", "storage_import")
+    metrics = {f"{op}_{kind}" for op in operations for kind in ("seconds", "peak_bytes_per_param")}
+    for name in ("torch-adamw", arm):
+        assert {row.metric for row in report.rows if row.name == f"tiny/1ranks/{name}"} == metrics
+    assert report.row(f"tiny/1ranks/{arm}", "storage_import_seconds").baseline == "tiny/1ranks/torch-adamw"
+    _ratios_hold(document)
+    from gefen_contracts import FEATURE_PORTABLE_STATE
+    from gefen_core import Gefen
+
+    status = (
+        Gefen([torch.nn.Parameter(torch.ones(2))]).optimizer_contract().capabilities.feature(FEATURE_PORTABLE_STATE)
+    )
+    if not status.supported:
+        assert any(note.startswith("gefen: not measured on one rank") for note in report.notes)

@@ -24,7 +24,7 @@ Speed. The segment cost satisfies the quadrangle inequality, so the smallest opt
 point is monotone in ``e`` and each layer is solved by divide and conquer. All nodes of one
 recursion depth have disjoint candidate ranges, so a depth is one vectorised numpy pass:
 about ``(K - 2) * log2(N)`` passes of ``O(N)`` work (a full 4096-bin, 256-codeword solve takes
-a fraction of a second on one CPU core; ``tools/bench_dp.py`` measures it).
+a fraction of a second on one CPU core; ``gefen bench dp`` measures it).
 
 Exactness. Points are handled in integer coordinates (bin centre ``x = y / 4096`` with odd
 ``y``), segment sums are exact int64 prefix differences, and every candidate value is

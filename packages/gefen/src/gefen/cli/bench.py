@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bench_dp, bench_memory, bench_quality
+from . import bench_dcp, bench_dp, bench_guard, bench_memory, bench_muon, bench_portable, bench_quality, bench_step
 
 __all__ = ["register"]
 
-_BENCHMARKS = (bench_memory, bench_quality, bench_dp)
+_BENCHMARKS = (bench_memory, bench_quality, bench_step, bench_muon, bench_portable, bench_dcp, bench_guard, bench_dp)
 
 
 def register(sub: Any) -> None:

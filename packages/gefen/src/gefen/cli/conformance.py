@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from .errors import UsageError
+
 __all__ = ["register"]
 
 
@@ -30,7 +32,12 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from gefen_contracts.testing import run_conformance
 
-    report = run_conformance(args.target, waive=args.waive)
+    if ":" not in args.target:
+        raise UsageError(f"the target must be MODULE:FACTORY, got {args.target!r}")
+    try:
+        report = run_conformance(args.target, waive=args.waive)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"cannot load {args.target}: {type(exc).__name__}: {exc}") from None
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

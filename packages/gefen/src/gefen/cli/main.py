@@ -6,11 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import bench, conformance, demo
+from . import bench, conformance, demo, find_lr, inspect_checkpoint
+from .errors import UsageError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (demo, bench, conformance)
+_COMMANDS = (demo, bench, conformance, inspect_checkpoint, find_lr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the exit status is the command's (2 for a usage error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.handler(args)
+    try:
+        result: int = args.handler(args)
+    except UsageError as exc:
+        parser.exit(2, f"gefen {args.command}: error: {exc}\n")
     return result
 
 

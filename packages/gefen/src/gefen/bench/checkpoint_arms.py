@@ -1,0 +1,79 @@
+"""Optimizer arms of the checkpoint benchmarks (``bench dcp``, ``bench portable``), by name.
+
+An arm is a name of :mod:`gefen.bench.optimizers` (``gefen``, ``adamw``, ...), one of the
+extra names below, or ``MODULE:FACTORY`` where ``FACTORY(named_parameters)`` returns an
+optimizer (the conformance kit's factory). :func:`claim_status` builds the arm on a tiny
+model and says whether its contract claims a feature, so a benchmark can skip an arm with
+the contract's own reason until the optimizer implements the Protocol.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from gefen_contracts import ContractProvider
+
+__all__ = ["EXTRA_ARMS", "build_arm", "claim_status"]
+
+NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
+
+
+def _contracted_adamw(named: NamedParameters) -> torch.optim.Optimizer:
+    from gefen_hybrid import ContractedAdamW
+
+    return ContractedAdamW(list(named), lr=1e-3, weight_decay=0.01)
+
+
+def _int8_sgd(named: NamedParameters) -> torch.optim.Optimizer:
+    from gefen_dcp.testing import conformance_factory
+
+    return conformance_factory(list(named))
+
+
+#: Arms that are not in the training registry of :mod:`gefen.bench.optimizers`:
+#: ``contracted-adamw`` (gefen-hybrid's ``ContractedAdamW``) and ``int8-sgd`` (gefen-dcp's
+#: reference dense-shard codec ``Int8MomentumSGD``, about 1 B/param of state).
+EXTRA_ARMS: dict[str, Callable[[NamedParameters], torch.optim.Optimizer]] = {
+    "contracted-adamw": _contracted_adamw,
+    "int8-sgd": _int8_sgd,
+}
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    module, _, attribute = spec.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"{spec} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def build_arm(name: str, named: NamedParameters) -> torch.optim.Optimizer:
+    """Build arm ``name`` over ``named`` (module docstring)."""
+    if ":" in name:
+        optimizer: torch.optim.Optimizer = _resolve(name)(list(named))
+        return optimizer
+    if name in EXTRA_ARMS:
+        return EXTRA_ARMS[name](named)
+    from .optimizers import build_optimizer
+
+    return build_optimizer(name, named, lr=1e-3, weight_decay=0.01)
+
+
+def claim_status(name: str, feature: str) -> str | None:
+    """``None`` when arm ``name``'s contract claims ``feature``; otherwise why not."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    try:
+        optimizer = build_arm(name, list(model.named_parameters()))
+    except Exception as exc:
+        return f"cannot be built here ({type(exc).__name__}: {exc})"
+    if not isinstance(optimizer, ContractProvider):
+        return "it publishes no optimizer contract"
+    status = optimizer.optimizer_contract().capabilities.feature(feature)
+    if status.supported:
+        return None
+    return f"its contract does not claim {feature} ({'; '.join(status.reasons) or 'no reason given'})"

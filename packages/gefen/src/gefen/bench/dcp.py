@@ -1,0 +1,148 @@
+"""``gefen bench dcp``: save/load seconds and per-rank peak memory of DCP checkpoints vs torch DCP.
+
+For each world size and arm, fresh processes (one per rank, gloo on 127.0.0.1) build the
+benchmark's decoder under FSDP2, take two optimizer steps and measure a synchronous
+``dcp.save``, a ``dcp.async_save`` (until the write completed) and a ``dcp.load`` into a
+fresh model and optimizer (:mod:`gefen.bench.dcp_worker`). Reported per operation: the
+slowest rank's seconds, and the peak resident growth above the resident size just before
+the operation on the worst rank, per parameter element that rank holds.
+
+Arms save their optimizer through :class:`gefen_dcp.GefenDCPState` and must claim
+``dense_shard_codec`` (an arm whose contract does not is skipped with the contract's
+reason): ``gefen`` (once Gefen implements the codec) and gefen-dcp's reference codec
+``int8-sgd`` (``gefen_dcp.testing.Int8MomentumSGD``, about 1 B/param) by default. The
+baseline ``torch-dcp-adamw`` is ``torch.optim.AdamW`` through ``get_state_dict`` /
+``set_state_dict`` with DCP's stock planner and writer; ratios are against it at the same
+world size, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gefen_contracts import FEATURE_DENSE_SHARD_CODEC
+
+from .checkpoint_arms import claim_status
+from .dcp_worker import TORCH_ARM
+from .model_sizes import bench_decoder
+from .plot import Panel, Series
+from .rank_processes import MALLOC_ENV, run_ranks
+from .schema import BenchmarkReport, ReportBuilder
+
+__all__ = ["DEFAULT_ARMS", "OPERATIONS", "TORCH_ARM", "DcpOptions", "dcp_panels", "run_dcp"]
+
+DEFAULT_ARMS = ("gefen", "int8-sgd")
+OPERATIONS = ("save", "async_save", "load")
+
+
+@dataclass(frozen=True, slots=True)
+class DcpOptions:
+    """Model (a preset or ``<N>m``), world sizes, arms and the training batch of the workers."""
+
+    model: str = "decoder-50m"
+    ranks: tuple[int, ...] = (1, 2, 3)
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    chunk_bytes: int | None = None
+    threads: int = 1
+    batch_size: int = 2
+    sequence_length: int = 64
+    with_model: bool = False
+
+    def __post_init__(self) -> None:
+        bench_decoder(self.model)  # raises on an unknown model
+        if not self.ranks or any(type(n) is not int or n < 1 for n in self.ranks):
+            raise ValueError(f"DcpOptions.ranks must be positive ints, got {list(self.ranks)!r}")
+        if not self.arms or TORCH_ARM in self.arms:
+            raise ValueError(f"DcpOptions.arms must name at least one arm besides the baseline {TORCH_ARM!r}")
+        if self.chunk_bytes is not None and (type(self.chunk_bytes) is not int or self.chunk_bytes < 1):
+            raise ValueError(f"DcpOptions.chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
+        for name in ("threads", "batch_size", "sequence_length"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"DcpOptions.{name} must be a positive int, got {value!r}")
+
+
+def run_dcp(options: DcpOptions, *, progress: Callable[[str], None] | None = None) -> BenchmarkReport:
+    """Run every claiming arm on every world size; return the report (module docstring)."""
+    tick = progress or (lambda _label: None)
+    config = bench_decoder(options.model)
+    builder = ReportBuilder(
+        "dcp", config={**asdict(options), "parameters": config.parameter_count(), "malloc_env": dict(MALLOC_ENV)}
+    )
+    arms = []
+    for arm in options.arms:
+        reason = claim_status(arm, FEATURE_DENSE_SHARD_CODEC)
+        if reason is None:
+            arms.append(arm)
+        else:
+            builder.note(f"{arm}: not measured: {reason}")
+    with tempfile.TemporaryDirectory(prefix="gefen-bench-dcp-") as root:
+        for world_size in options.ranks:
+            for arm in (TORCH_ARM, *arms):
+                spec = {**asdict(options), "arm": arm, "root": root}
+                results = run_ranks(
+                    "gefen.bench.dcp_worker", spec, world_size, threads=options.threads, label=f"dcp {arm}"
+                )
+                tick(f"{world_size} ranks / {arm}")
+                _add_rows(builder, options.model, world_size, arm, results)
+    builder.note(
+        "peak = resident-set high-water mark (or 1 ms samples) above the resident size just before the operation, "
+        "on the worst rank, per parameter element held by that rank; seconds = the slowest rank"
+    )
+    builder.note("async_save is measured from the call until the write completed")
+    builder.note("load goes into a freshly built model and optimizer, so its peak includes the state it allocates")
+    builder.note(
+        "checkpoints hold the optimizer only unless config.with_model (then DCP also stages the model for async "
+        "saves: 4 B/param of fp32 parameters in either arm)"
+    )
+    return builder.build()
+
+
+def _add_rows(builder: ReportBuilder, model: str, world_size: int, arm: str, results: Sequence[dict[str, Any]]) -> None:
+    name = f"{model}/{world_size}ranks/{arm}"
+    base = None if arm == TORCH_ARM else f"{model}/{world_size}ranks/{TORCH_ARM}"
+    for operation in OPERATIONS:
+        worst = max(results, key=lambda r: r[operation]["peak_extra_bytes"] / max(1, r["local_parameters"]))
+        detail = {
+            "per_rank_peak_extra_bytes": [r[operation]["peak_extra_bytes"] for r in results],
+            "per_rank_seconds": [r[operation]["seconds"] for r in results],
+            "per_rank_local_parameters": [r["local_parameters"] for r in results],
+            "per_rank_resident_before_bytes": [r["resident_bytes"] for r in results],
+            "exact_peak": all(r[operation]["exact_peak"] for r in results),
+        }
+        builder.add(
+            name,
+            f"{operation}_seconds",
+            max(r[operation]["seconds"] for r in results),
+            "s",
+            baseline=base,
+            detail=detail,
+        )
+        builder.add(
+            name,
+            f"{operation}_peak_bytes_per_param",
+            worst[operation]["peak_extra_bytes"] / max(1, worst["local_parameters"]),
+            "B/param",
+            baseline=base,
+        )
+
+
+def dcp_panels(report: BenchmarkReport) -> list[Panel]:
+    """Per operation and metric: groups of bars by world size, one bar per arm."""
+    panels = []
+    for operation in OPERATIONS:
+        for metric, unit in ((f"{operation}_peak_bytes_per_param", "B/param"), (f"{operation}_seconds", "s")):
+            rows = [row for row in report.rows if row.metric == metric]
+            if not rows:
+                continue
+            worlds = tuple(dict.fromkeys(row.name.split("/")[1] for row in rows))
+            arms = tuple(dict.fromkeys(row.name.split("/", 2)[2] for row in rows))
+            values = {(row.name.split("/")[1], row.name.split("/", 2)[2]): row.value for row in rows}
+            series = tuple(
+                Series(arm, tuple(range(len(worlds))), tuple(values.get((w, arm), 0.0) for w in worlds)) for arm in arms
+            )
+            panels.append(Panel(metric, "world size", unit, series, kind="bar", categories=worlds))
+    return panels

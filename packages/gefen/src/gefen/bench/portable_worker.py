@@ -1,0 +1,208 @@
+"""One rank of ``gefen bench portable``: ``python -m gefen.bench.portable_worker SPEC.json RANK RESULT.json``.
+
+Every rank builds the same seeded decoder (:func:`gefen.bench.model_sizes.bench_decoder`)
+and takes one optimizer step on a small random batch, then measures four operations, each
+with :func:`gefen.bench.peak_memory.measure_operation` between barriers:
+
+* ``memory_export`` / ``memory_import``: the state in memory; ``storage_export`` /
+  ``storage_import``: the same through a DCP checkpoint on local disk. Imports go into a
+  freshly built optimizer on the same model.
+* The baseline ``torch-adamw`` shards the model with FSDP2 ``fully_shard`` and uses torch's
+  ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (plus ``dcp.save`` /
+  ``dcp.load`` with DCP's stock writer for storage).
+* Any other arm keeps the convention: on one rank it optimizes the whole parameters, on
+  ``W > 1`` ranks it is bound by ``post_sharding`` to this rank's contiguous slice of each
+  flattened parameter (gefen-contracts' ``flattened_plan``); it exports and imports with
+  :func:`gefen_portable.export_portable_state` / :func:`gefen_portable.import_portable_state`
+  and saves and loads with :func:`gefen_dcp.save_portable_dcp` /
+  :func:`gefen_dcp.load_portable_dcp`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["OPERATIONS", "TORCH_ARM"]
+
+TORCH_ARM = "torch-adamw"
+OPERATIONS = ("memory_export", "memory_import", "storage_export", "storage_import")
+
+
+def _batch(model: Any, spec: Mapping[str, Any]) -> tuple[Any, Any]:
+    import torch
+
+    length = min(int(spec["sequence_length"]), model.config.context)
+    ids = torch.randint(
+        0, model.config.vocab_size, (int(spec["batch_size"]), length + 1), generator=torch.Generator().manual_seed(0)
+    )
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _model(spec: Mapping[str, Any]) -> Any:
+    import torch
+
+    from ..demo.model import TinyDecoder
+    from .model_sizes import bench_decoder
+
+    torch.manual_seed(0)
+    return TinyDecoder(bench_decoder(spec["model"]))
+
+
+def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object] | None) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .peak_memory import measure_operation
+
+    model = _model(spec)
+    fully_shard(model, mesh=init_device_mesh("cpu", (int(spec["world_size"]),)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.loss(*_batch(model, spec)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    local = sum(int(p.to_local().numel()) for p in model.parameters())
+    path = Path(spec["root"]) / f"torch-{spec['world_size']}"
+    held: dict[str, Any] = {}
+
+    def memory_export() -> None:
+        held["state"] = get_optimizer_state_dict(model, optimizer)
+
+    def memory_import() -> None:
+        set_optimizer_state_dict(model, torch.optim.AdamW(model.parameters(), lr=1e-3), optim_state_dict=held["state"])
+
+    def storage_export() -> None:
+        dcp_save({"optim": get_optimizer_state_dict(model, optimizer)}, storage_writer=FileSystemWriter(str(path)))
+
+    def storage_import() -> None:
+        fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        state = {"optim": get_optimizer_state_dict(model, fresh)}
+        dcp_load(state, checkpoint_id=str(path))
+        set_optimizer_state_dict(model, fresh, optim_state_dict=state["optim"])
+
+    result: dict[str, Any] = {"local_parameters": local}
+    for name, operation in zip(OPERATIONS, (memory_export, memory_import, storage_export, storage_import)):
+        result[name] = measure_operation(operation, barrier=barrier).to_json()
+        if name == "memory_import":
+            held.clear()
+    return result
+
+
+def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object] | None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+    from gefen_contracts.testing import flattened_plan, scatter_flat_grads
+    from gefen_contracts.torch_support import CheckpointProcessGroupBinding
+    from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp
+    from gefen_portable import export_portable_state, import_portable_state
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from .checkpoint_arms import build_arm
+    from .peak_memory import measure_operation
+
+    world = int(spec["world_size"])
+    group = ProcessGroupIdentity("bench.world", tuple(f"rank:{r}" for r in range(world)))
+    model = _model(spec)
+    named = list(model.named_parameters())
+    model.loss(*_batch(model, spec)).backward()
+
+    def build() -> Any:
+        optimizer = build_arm(spec["arm"], named)
+        if world == 1:
+            return optimizer, dict(named)
+        grads = {name: p.grad for name, p in named}
+        for _, parameter in named:
+            parameter.grad = None  # post_sharding refuses tensors that carry gradients
+        plan = flattened_plan(named, rank, group=group)
+        optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest)  # type: ignore[attr-defined]
+        for name, parameter in named:
+            parameter.grad = grads[name]
+        scatter_flat_grads(model, plan, plan.targets)
+        return optimizer, plan.targets
+
+    optimizer, tensors = build()
+    optimizer.step()
+    local = sum(int(t.numel()) for t in tensors.values())
+    binding = CheckpointProcessGroupBinding(
+        group if world > 1 else ProcessGroupIdentity("bench.world", ("rank:0",)),
+        f"rank:{rank}",
+        dist.group.WORLD if world > 1 else None,
+        torch.device("cpu"),
+    )
+    limits = PortableStateLimits()
+    path = Path(spec["root"]) / f"{spec['arm'].replace(':', '_')}-{world}"
+    held: dict[str, Any] = {}
+
+    def memory_export() -> None:
+        held["state"] = export_portable_state(
+            optimizer, checkpoint_process_group=binding, transaction_id="bench-export", limits=limits
+        )
+
+    def memory_import() -> None:
+        fresh, _ = build()
+        import_portable_state(
+            fresh, held["state"], checkpoint_process_group=binding, transaction_id="bench-import", limits=limits
+        )
+
+    def storage_export() -> None:
+        save_portable_dcp(
+            optimizer,
+            checkpoint_process_group=binding,
+            storage_writer=GefenFileSystemWriter(str(path)),
+            transaction_id="bench-save",
+            limits=limits,
+        )
+
+    def storage_import() -> None:
+        fresh, _ = build()
+        load_portable_dcp(
+            fresh,
+            checkpoint_process_group=binding,
+            storage_reader=FileSystemReader(str(path)),
+            transaction_id="bench-load",
+            limits=limits,
+        )
+
+    result: dict[str, Any] = {"local_parameters": local}
+    for name, operation in zip(OPERATIONS, (memory_export, memory_import, storage_export, storage_import)):
+        result[name] = measure_operation(operation, barrier=barrier).to_json()
+        if name == "memory_import":
+            held.clear()
+    return result
+
+
+def _run(spec: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    import warnings
+
+    import torch.distributed as dist
+
+    from .rank_processes import join_group
+
+    warnings.filterwarnings("ignore")
+    join_group(spec, rank)
+    try:
+        barrier = dist.barrier if int(spec["world_size"]) > 1 else None
+        arm = _torch_arm if spec["arm"] == TORCH_ARM else _convention_arm
+        return arm(spec, rank, barrier)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    from .rank_processes import read_rank_arguments, write_rank_result
+
+    spec, rank, result_path = read_rank_arguments(argv)
+    write_rank_result(result_path, _run(spec, rank))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,330 @@
+"""``gefen bench step``: the whole optimizer ``step()`` of Gefen against torch's AdamW.
+
+Every arm gets its own copy of the same fp32 parameters and gradients, shaped like a
+decoder (an embedding, attention and MLP matrices, 1-D norm weights; at least 16M
+parameters by default). Arms are stepped round-robin, one step each per round, so slow
+drifts of a shared machine hit them alike; after ``warmup`` rounds (Gefen's first step also
+learns its codebook and periods) the median of ``repeats`` timed rounds is reported, with
+the minimum in the detail. Ratios are against ``torch.optim.AdamW(fused=True)`` measured in
+the same run.
+
+Arms: AdamW fused and default (torch's for-each path), a copy of the bytes Gefen's step
+moves at least (14 B/param for fp32: read parameter, gradient, indices, write parameter and
+indices; the bandwidth bound), Gefen on its reference path and with kernels (factored and
+block v), GefenMuon's quantised-momentum update alone on the 2-D matrices (the op its step
+dispatches), and torchao's and bitsandbytes' 8-bit/4-bit AdamW when installed. An arm that
+cannot run here (no kernel provider, a peer that fails on this device) becomes a note.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .plot import Panel, Series
+from .schema import BenchmarkReport, ReportBuilder
+
+__all__ = ["BASELINE", "StepOptions", "decoder_shapes", "run_step", "step_panels", "step_table"]
+
+BASELINE = "adamw-fused"
+#: Bytes per parameter the cheapest Gefen step must move (fp32 parameter and gradient read,
+#: uint8 index read, parameter and index written), the copy arm's size.
+MOVED_BYTES_PER_PARAM = 14
+
+Shape = tuple[int, ...]
+NamedParameters = list[tuple[str, torch.nn.Parameter]]
+StepFactory = Callable[[NamedParameters], Callable[[], object]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """Model shape, threads, device and timing rounds (defaults: 23.6M parameters)."""
+
+    d_model: int = 512
+    layers: int = 4
+    vocab: int = 16384
+    threads: int = 2
+    warmup: int = 3
+    repeats: int = 21
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "layers", "vocab", "threads", "repeats"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"StepOptions.{name} must be a positive int, got {value!r}")
+        if type(self.warmup) is not int or self.warmup < 1:
+            raise ValueError(f"StepOptions.warmup must be an int >= 1 (Gefen learns its codebook), got {self.warmup!r}")
+        if self.d_model % 4:
+            raise ValueError(f"StepOptions.d_model must be divisible by 4 (grouped k/v), got {self.d_model}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"StepOptions.device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+def decoder_shapes(d_model: int, layers: int, vocab: int) -> list[tuple[str, Shape]]:
+    """``(name, shape)`` of a decoder: embedding, grouped-query attention, SwiGLU MLP, norms."""
+    shapes: list[tuple[str, Shape]] = [("embed", (vocab, d_model))]
+    for layer in range(layers):
+        prefix = f"layers.{layer}"
+        shapes += [
+            (f"{prefix}.attn_norm", (d_model,)),
+            (f"{prefix}.q", (d_model, d_model)),
+            (f"{prefix}.k", (d_model // 4, d_model)),
+            (f"{prefix}.v", (d_model // 4, d_model)),
+            (f"{prefix}.o", (d_model, d_model)),
+            (f"{prefix}.mlp_norm", (d_model,)),
+            (f"{prefix}.gate", (4 * d_model, d_model)),
+            (f"{prefix}.up", (4 * d_model, d_model)),
+            (f"{prefix}.down", (d_model, 4 * d_model)),
+        ]
+    shapes.append(("final_norm", (d_model,)))
+    return shapes
+
+
+def _parameters(shapes: list[tuple[str, Shape]], device: str, seed: int) -> NamedParameters:
+    generator = torch.Generator().manual_seed(seed)
+    named = []
+    for name, shape in shapes:
+        parameter = torch.nn.Parameter(torch.randn(shape, generator=generator).mul_(0.02).to(device))
+        parameter.grad = torch.randn(shape, generator=generator).to(device)
+        named.append((name, parameter))
+    return named
+
+
+def _adamw(fused: bool | None) -> StepFactory:
+    def build(named: NamedParameters) -> Callable[[], object]:
+        return torch.optim.AdamW([p for _, p in named], lr=1e-3, weight_decay=0.01, fused=fused).step
+
+    return build
+
+
+def _gefen(fused: bool, **options: Any) -> StepFactory:
+    def build(named: NamedParameters) -> Callable[[], object]:
+        from gefen_core import Gefen
+
+        return Gefen(named, lr=1e-3, weight_decay=0.01, fused=fused, **options).step
+
+    return build
+
+
+def _copy_bound(numel: int, device: str) -> StepFactory:
+    def build(named: NamedParameters) -> Callable[[], object]:
+        del named
+        half = (MOVED_BYTES_PER_PARAM * numel) // 2  # read half, write half
+        source = torch.ones(half, dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        return lambda: target.copy_(source)
+
+    return build
+
+
+def _muon_momentum(named: NamedParameters) -> Callable[[], object]:
+    """GefenMuon's quantised-momentum op alone (``gefen.muon_momentum/1``) on the 2-D matrices."""
+    from gefen_contracts import KernelUnavailableError, default_kernel_registry
+    from gefen_core.ops import MUON_MOMENTUM
+    from gefen_core.step_scalars import muon_scalars
+
+    providers = [p for p in default_kernel_registry().providers if MUON_MOMENTUM in p.op_ids()]
+    if not providers:
+        raise KernelUnavailableError(f"no kernel provider registers {MUON_MOMENTUM}")
+    run = providers[0].implementation(MUON_MOMENTUM)
+    work = []
+    device = named[0][1].device
+    codebook = torch.linspace(-1.0, 1.0, 256, device=device)
+    for _, parameter in named:
+        if parameter.dim() != 2:
+            continue
+        grad = parameter.grad
+        assert grad is not None
+        period = parameter.shape[1]
+        blocks = parameter.numel() // period
+        indices = torch.zeros(blocks, period, dtype=torch.uint8, device=device)
+        magnitude = torch.zeros(blocks, 1, device=device)
+        out = torch.empty(parameter.shape, dtype=torch.bfloat16, device=device)
+        work.append((grad, indices, magnitude, codebook, muon_scalars(device, 0.95), None, out))
+
+    def step() -> None:
+        for arguments in work:
+            run(*arguments, nesterov=True, deterministic=False)
+
+    return step
+
+
+def _peer(module: str, attribute: str) -> StepFactory:
+    def build(named: NamedParameters) -> Callable[[], object]:
+        target: Any = importlib.import_module(module)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+        optimizer: torch.optim.Optimizer = target([p for _, p in named], lr=1e-3)
+        return optimizer.step
+
+    return build
+
+
+def _arms(numel: int, device: str) -> tuple[dict[str, StepFactory], list[str]]:
+    arms: dict[str, StepFactory] = {
+        BASELINE: _adamw(True),
+        "adamw-default": _adamw(None),
+        f"copy-{MOVED_BYTES_PER_PARAM}B": _copy_bound(numel, device),
+        "gefen-reference": _gefen(False),
+        "gefen-fused": _gefen(True),
+        "gefen-block-fused": _gefen(True, factored_v_2d=False),
+        "gefenmuon-momentum-fused": _muon_momentum,
+    }
+    notes = []
+    peers = {
+        "torchao-adamw8bit": ("torchao", "torchao.optim", "AdamW8bit"),
+        "torchao-adamw4bit": ("torchao", "torchao.optim", "AdamW4bit"),
+        "bnb-adamw8bit": ("bitsandbytes", "bitsandbytes", "optim.AdamW8bit"),
+    }
+    for name, (distribution, module, attribute) in peers.items():
+        if importlib.util.find_spec(distribution) is None:
+            notes.append(f"{name}: not measured ({distribution} is not installed)")
+        else:
+            arms[name] = _peer(module, attribute)
+    return arms, notes
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _kernel_config() -> dict[str, Any]:
+    try:
+        from gefen_kernels import cpu_kernel_status
+    except ImportError:  # pragma: no cover - gefen-kernels is a dependency of the meta-package
+        return {"cpu_available": False, "reason": "gefen-kernels is not installed"}
+    status = cpu_kernel_status()
+    return {"cpu_available": status.available, "flags": " ".join(status.flags), "reason": status.reason}
+
+
+def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = None) -> BenchmarkReport:
+    """Build every arm, time interleaved rounds, and return the report (module docstring)."""
+    tick = progress or (lambda _label: None)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(options.threads)
+    try:
+        shapes = decoder_shapes(options.d_model, options.layers, options.vocab)
+        numel = sum(int(torch.Size(shape).numel()) for _, shape in shapes)
+        factories, notes = _arms(numel, options.device)
+        builder = ReportBuilder(
+            "step",
+            config={
+                **asdict(options),
+                "parameters": numel,
+                "tensors": len(shapes),
+                "dtype": "float32",
+                "kernels": _kernel_config(),
+            },
+        )
+        steps: dict[str, Callable[[], object]] = {}
+        for name, factory in factories.items():
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    steps[name] = factory(_parameters(shapes, options.device, options.seed))
+            except Exception as exc:  # an arm that cannot run here is reported, not fatal
+                notes.append(f"{name}: not measured ({type(exc).__name__}: {exc})")
+        samples: dict[str, list[float]] = {name: [] for name in steps}
+        failed: set[str] = set()
+        for round_index in range(options.warmup + options.repeats):
+            for name, step in steps.items():
+                if name in failed:
+                    continue
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        _sync(options.device)
+                        started = time.perf_counter()
+                        step()
+                        _sync(options.device)
+                except Exception as exc:  # e.g. a peer whose compiled step fails on this machine
+                    failed.add(name)
+                    notes.append(f"{name}: not measured ({type(exc).__name__}: {exc})")
+                    continue
+                if round_index >= options.warmup:
+                    samples[name].append(time.perf_counter() - started)
+            tick("warm-up" if round_index < options.warmup else f"round {round_index - options.warmup + 1}")
+        measured = {name: values for name, values in samples.items() if name not in failed and values}
+        baseline = BASELINE if BASELINE in measured else None
+        if baseline is None:
+            notes.append(f"{BASELINE} was not measured: no ratios")
+        for name in sorted(measured, key=lambda n: n != BASELINE):
+            median = statistics.median(measured[name])
+            builder.add(
+                name,
+                "step_time",
+                median * 1e3,
+                "ms",
+                baseline=None if name == BASELINE else baseline,
+                detail={"ns_per_param": median / numel * 1e9, "min_ms": min(measured[name]) * 1e3},
+            )
+        for note in notes:
+            builder.note(note)
+        builder.note(
+            f"median of {options.repeats} interleaved rounds after {options.warmup} warm-up rounds, "
+            f"{options.threads} thread(s); timings on a shared machine are noisy, ratios less so"
+        )
+        if hasattr(os, "getloadavg"):
+            load = os.getloadavg()
+            builder.note(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+        return builder.build()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def step_table(report: BenchmarkReport) -> str:
+    """The model size, then per arm: median and minimum ms, ns per parameter, ratio to fused AdamW; notes."""
+    config = report.config
+    lines = [
+        f"step benchmark: {config['parameters']:,} {config['dtype']} parameters in {config['tensors']} tensors "
+        f"on {config['device']}, {config['threads']} thread(s)",
+        f"{'name':28s} {'median ms':>10s} {'min ms':>10s} {'ns/param':>9s} {'vs ' + BASELINE:>15s}",
+    ]
+    for row in report.rows:
+        if row.metric != "step_time":
+            continue
+        ratio = "" if row.ratio is None else f"{row.ratio:.3f}x"
+        minimum, per_param = row.detail.get("min_ms"), row.detail.get("ns_per_param")
+        assert isinstance(minimum, float) and isinstance(per_param, float)  # run_step writes both
+        lines.append(f"{row.name:28s} {row.value:10.3f} {minimum:10.3f} {per_param:9.3f} {ratio:>15s}")
+    lines.extend(f"note: {note}" for note in report.notes)
+    return "\n".join(lines)
+
+
+def step_panels(report: BenchmarkReport) -> list[Panel]:
+    """Step time per arm (bars, log scale) and its ratio to fused AdamW."""
+    rows = [row for row in report.rows if row.metric == "step_time"]
+    times = Panel(
+        "optimizer step (median)",
+        "",
+        "ms",
+        tuple(Series(row.name, (0.0,), (row.value,)) for row in rows),
+        kind="bar",
+        log_y=True,
+    )
+    ratios = [row for row in rows if row.ratio is not None]
+    panels = [times]
+    if ratios:
+        panels.append(
+            Panel(
+                f"ratio to {BASELINE}",
+                "",
+                "x",
+                tuple(Series(row.name, (0.0,), (row.ratio or 0.0,)) for row in ratios),
+                kind="bar",
+                log_y=True,
+            )
+        )
+    return panels

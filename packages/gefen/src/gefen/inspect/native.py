@@ -1,0 +1,360 @@
+"""Native optimizer state dicts: Gefen's, GefenMuon's, the composite's and torch's.
+
+Native formats carry no digests, so "verifying" one means checking everything the format
+promises that can be checked without the model: exact key sets and types, the shapes that
+tie a parameter's entries together (``m_codebook [B, P]`` with ``P = automatic_period``,
+``m_magnitude [B, 1]``, ``v_row [R]`` and ``v_col [K]`` with ``R K = B P``, ...), dtypes,
+finite and non-negative statistics, whole-number counters, a valid codebook whenever
+momentum indices exist, the per-group mirror of the optimizer-wide record agreeing with
+the top-level keys, and every state entry belonging to a parameter of the groups. Each
+problem names the parameter (by name when the groups record names) and the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .report import CheckpointDescription, ParameterSummary, Problem
+
+__all__ = ["describe_native", "is_native_state_dict"]
+
+_GEFEN = "gefen.native_state"
+_MUON = "gefen.muon_native_state"
+_COMPOSITE = "gefen.composite_native_state"
+_MIRROR = "_gefen_checkpoint_metadata"
+_RECORD_KEYS = {
+    _GEFEN: ("gefen_global_step", "gefen_codebook", "gefen_deterministic", "gefen_topology"),
+    _MUON: ("gefen_global_step", "gefen_codebook", "gefen_deterministic", "gefen_topology", "gefen_muon_owners"),
+}
+_MIRROR_FIELDS = {
+    "gefen_global_step": "global_step",
+    "gefen_codebook": "codebook",
+    "gefen_deterministic": "deterministic",
+    "gefen_topology": "topology",
+    "gefen_muon_owners": "owners",
+}
+_IMPLEMENTATIONS = {_GEFEN: "gefen.Gefen", _MUON: "gefen.GefenMuon"}
+
+
+def is_native_state_dict(value: object) -> bool:
+    """A torch-style ``{"state", "param_groups", ...}`` dict or the composite's envelope."""
+    return isinstance(value, Mapping) and (
+        value.get("format") == _COMPOSITE or ("state" in value and "param_groups" in value)
+    )
+
+
+def _tensor_bytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.numel() * value.element_size())
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _is_count(value: object, minimum: int = 0) -> bool:
+    return type(value) is int and value >= minimum
+
+
+class _Checker:
+    """Collects problems while walking one state dict."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def fail(self, where: str, message: str) -> None:
+        self.problems.append(Problem(where, message))
+
+    def tensor(
+        self,
+        entry: Mapping[str, Any],
+        key: str,
+        where: str,
+        dtype: torch.dtype,
+        rank: int,
+        *,
+        non_negative: bool = True,
+    ) -> torch.Tensor | None:
+        value = entry.get(key)
+        if not isinstance(value, torch.Tensor):
+            self.fail(f"{where}.{key}", f"must be a tensor, got {type(value).__name__}")
+            return None
+        if value.dtype is not dtype or value.dim() != rank:
+            self.fail(f"{where}.{key}", f"must be a {rank}-D {dtype} tensor, got {value.dim()}-D {value.dtype}")
+            return None
+        if value.is_floating_point():
+            data = value.detach().cpu()
+            bad = int((~torch.isfinite(data)).sum())
+            if bad:
+                self.fail(f"{where}.{key}", f"{bad} non-finite value(s)")
+            elif non_negative and bool((data < 0).any()):
+                self.fail(f"{where}.{key}", "has negative values (a second moment or scale must be >= 0)")
+        return value
+
+
+def _names(groups: list[Any]) -> dict[object, str]:
+    names: dict[object, str] = {}
+    for index, group in enumerate(groups):
+        params = group.get("params", []) if isinstance(group, Mapping) else []
+        labels = group.get("param_names") if isinstance(group, Mapping) else None
+        for slot, pid in enumerate(params):
+            if isinstance(labels, list) and slot < len(labels) and isinstance(labels[slot], str):
+                names[pid] = labels[slot]
+            else:
+                names[pid] = f"group {index} param {slot} (id {pid!r})"
+    return names
+
+
+def _gefen_entry(
+    check: _Checker, entry: Mapping[str, Any], where: str, muon: bool
+) -> tuple[str, tuple[int, ...] | None]:
+    """Check one Gefen/GefenMuon parameter entry; return its variant and shape when known."""
+    period = entry.get("automatic_period")
+    if "m_codebook" not in entry and "m_magnitude" not in entry:
+        extra = sorted(set(entry) - {"automatic_period"})
+        if extra:
+            check.fail(where, f"has {extra} but no momentum (m_codebook, m_magnitude)")
+        return "uninitialized", None
+    if not _is_count(period, 1):
+        check.fail(f"{where}.automatic_period", f"must be a positive int, got {period!r}")
+    if not _is_count(entry.get("step"), 1):
+        check.fail(f"{where}.step", f"must be an int >= 1 once momentum exists, got {entry.get('step')!r}")
+    indices = check.tensor(entry, "m_codebook", where, torch.uint8, 2)
+    magnitude = check.tensor(entry, "m_magnitude", where, torch.float32, 2)
+    blocks = numel = None
+    if indices is not None:
+        blocks, width = indices.shape
+        numel = blocks * width
+        if _is_count(period, 1) and width != period:
+            check.fail(f"{where}.m_codebook", f"has blocks of {width}, but automatic_period is {period}")
+    if indices is not None and magnitude is not None and tuple(magnitude.shape) != (blocks, 1):
+        check.fail(f"{where}.m_magnitude", f"must be [{blocks}, 1] (one scale per block), got {list(magnitude.shape)}")
+    if muon:
+        variant, shape = "muon", None
+        if "normuon_v" in entry or "normuon_step" in entry:
+            variant = "muon+normuon"
+            rows = check.tensor(entry, "normuon_v", where, torch.float32, 2)
+            if rows is not None and (rows.shape[1] != 1 or (numel is not None and numel % max(1, rows.shape[0]))):
+                check.fail(f"{where}.normuon_v", f"must be [rows, 1] dividing the matrix, got {list(rows.shape)}")
+            elif rows is not None and numel is not None:
+                shape = (int(rows.shape[0]), numel // max(1, int(rows.shape[0])))
+            if not _is_count(entry.get("normuon_step"), 1):
+                check.fail(f"{where}.normuon_step", f"must be an int >= 1, got {entry.get('normuon_step')!r}")
+        return variant, shape
+    if "v_row" in entry or "v_col" in entry:
+        rows = check.tensor(entry, "v_row", where, torch.float32, 1)
+        cols = check.tensor(entry, "v_col", where, torch.float32, 1)
+        if not _is_count(entry.get("factored_step"), 1):
+            check.fail(f"{where}.factored_step", f"must be an int >= 1, got {entry.get('factored_step')!r}")
+        if rows is not None and cols is not None:
+            shape = (int(rows.numel()), int(cols.numel()))
+            if numel is not None and shape[0] * shape[1] != numel:
+                check.fail(where, f"v_row x v_col is {shape[0]}x{shape[1]} but the momentum has {numel} elements")
+            return "factored", shape
+        return "factored", None
+    if "vmean" in entry:
+        vmean = check.tensor(entry, "vmean", where, torch.float32, 2)
+        if vmean is not None and blocks is not None and tuple(vmean.shape) != (blocks, 1):
+            check.fail(
+                f"{where}.vmean", f"must be [{blocks}, 1] (one second moment per block), got {list(vmean.shape)}"
+            )
+        if not _is_count(entry.get("vmean_step"), 1):
+            check.fail(f"{where}.vmean_step", f"must be an int >= 1, got {entry.get('vmean_step')!r}")
+        return "block", None
+    check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
+    return "broken", None
+
+
+def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tuple[str, str]]:
+    """Check the optimizer-wide record and its per-group mirrors; return facts."""
+    from gefen_contracts import StateValidationError
+    from gefen_core.codebook import validate_codebook
+
+    keys = _RECORD_KEYS[fmt]
+    version = state_dict.get("gefen_format_version")
+    if version != 1 or type(version) is not int:
+        check.fail("gefen_format_version", f"must be the int 1 (the version this library reads), got {version!r}")
+    missing = [key for key in keys if key not in state_dict]
+    if missing:
+        check.fail("top level", f"missing {missing}")
+    step = state_dict.get("gefen_global_step")
+    if not _is_count(step):
+        check.fail("gefen_global_step", f"must be a non-negative int, got {step!r}")
+    codebook = state_dict.get("gefen_codebook")
+    if codebook is not None:
+        try:
+            validate_codebook(codebook, "gefen_codebook")
+        except StateValidationError as exc:
+            check.fail("gefen_codebook", str(exc).removeprefix("gefen_codebook "))
+    if type(state_dict.get("gefen_deterministic")) is not bool:
+        check.fail("gefen_deterministic", f"must be a bool, got {state_dict.get('gefen_deterministic')!r}")
+    groups = state_dict.get("param_groups")
+    for index, group in enumerate(groups if isinstance(groups, list) else []):
+        mirror = group.get(_MIRROR) if isinstance(group, Mapping) else None
+        where = f"param_groups[{index}].{_MIRROR}"
+        if not isinstance(mirror, Mapping):
+            check.fail(where, "is missing (every group mirrors the optimizer-wide record)")
+            continue
+        if mirror.get("format") != fmt or mirror.get("format_version") != 1:
+            check.fail(where, f"names format {mirror.get('format')!r} v{mirror.get('format_version')!r}, not {fmt} v1")
+        for key in keys:
+            field = _MIRROR_FIELDS[key]
+            mine, top = mirror.get(field), state_dict.get(key)
+            same = (isinstance(mine, torch.Tensor) and isinstance(top, torch.Tensor) and torch.equal(mine, top)) or (
+                not isinstance(mine, torch.Tensor) and not isinstance(top, torch.Tensor) and mine == top
+            )
+            if not same:
+                check.fail(f"{where}.{field}", f"disagrees with the top-level {key}")
+    facts = [("global step", str(step))]
+    facts.append(("codebook", "none (not learned yet)" if codebook is None else "256 entries"))
+    facts.append(("deterministic", str(state_dict.get("gefen_deterministic"))))
+    topology = state_dict.get("gefen_topology")
+    if isinstance(topology, list):
+        meshes = {str(entry.get("mesh_size")) for entry in topology if isinstance(entry, Mapping)}
+        facts.append(("topology", f"rank-local DTensor state, mesh size {sorted(meshes)}"))
+    owners = state_dict.get("gefen_muon_owners")
+    if isinstance(owners, Mapping):
+        facts.append(("owners", f"{owners.get('ownership')}, saved on {owners.get('world_size')} rank(s)"))
+    return facts
+
+
+def _torch_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
+    shape = None
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = int((~torch.isfinite(value.detach().cpu())).sum())
+            if bad:
+                check.fail(f"{where}.{key}", f"{bad} non-finite value(s)")
+            if value.dim() > 0 and shape is None:
+                shape = tuple(int(d) for d in value.shape)
+    second = entry.get("exp_avg_sq")
+    if isinstance(second, torch.Tensor) and bool((second.detach().cpu() < 0).any()):
+        check.fail(f"{where}.exp_avg_sq", "has negative values (a second moment must be >= 0)")
+    return "+".join(sorted(entry)) or "empty", shape
+
+
+def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes: int | None) -> CheckpointDescription:
+    check = _Checker()
+    groups = state_dict.get("param_groups")
+    state = state_dict.get("state")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        check.fail("param_groups", "must be a list of dicts")
+        groups = []
+    if not isinstance(state, Mapping):
+        check.fail("state", "must be a dict keyed by parameter id")
+        state = {}
+    mirror = next((g.get(_MIRROR) for g in groups if isinstance(g.get(_MIRROR), Mapping)), None)
+    fmt = mirror.get("format") if isinstance(mirror, Mapping) else None
+    if fmt is None and "gefen_format_version" in state_dict:
+        fmt = _GEFEN if "gefen_muon_owners" not in state_dict else _MUON
+    names = _names(groups)
+    listed = [pid for g in groups for pid in g.get("params", [])]
+    if len(set(map(repr, listed))) != len(listed):
+        check.fail("param_groups", "list a parameter id more than once")
+    for pid in state:
+        if pid not in names:
+            check.fail(f"state[{pid!r}]", "belongs to no parameter of param_groups")
+    facts: list[tuple[str, str]] = []
+    if fmt in _RECORD_KEYS:
+        facts = _record(check, state_dict, fmt)
+        if state and state_dict.get("gefen_codebook") is None and any("m_codebook" in e for e in state.values()):
+            check.fail("gefen_codebook", "is None but momentum indices exist (they would be meaningless)")
+    parameters = []
+    for pid in listed:
+        entry = state.get(pid, {})
+        where = f"state[{names[pid]}]"
+        if not isinstance(entry, Mapping):
+            check.fail(where, f"must be a dict, got {type(entry).__name__}")
+            continue
+        if fmt in _RECORD_KEYS:
+            variant, shape = _gefen_entry(check, entry, where, fmt == _MUON)
+            period = entry.get("automatic_period")
+            indices = entry.get("m_codebook")
+            detail = f"period {period}" if type(period) is int else ""
+            if shape is None and isinstance(indices, torch.Tensor):
+                detail += f", {indices.numel():,} elements"
+        else:
+            variant, shape = _torch_entry(check, entry, where) if entry else ("no state", None)
+            detail = f"step {entry.get('step')}" if "step" in entry else ""
+        parameters.append(ParameterSummary(names[pid], shape, variant, _tensor_bytes(entry), detail))
+    if fmt in _RECORD_KEYS:
+        kind, implementation, version = "native optimizer state dict", _IMPLEMENTATIONS[fmt], 1
+    else:
+        kind, implementation, version = "torch optimizer state dict", None, None
+        fmt = "torch.optim state_dict"
+        facts.append(("note", "torch's format (AdamW, ContractedAdamW, ...): no optimizer name is recorded"))
+    facts.append(("param groups", str(len(groups))))
+    return CheckpointDescription(
+        path=path,
+        kind=kind,
+        format=fmt,
+        format_version=version,
+        implementation=implementation,
+        parameters=tuple(parameters),
+        facts=tuple(facts),
+        verified=("structure, shapes, dtypes, finiteness and counters (native formats carry no digest)",),
+        problems=tuple(check.problems),
+        file_bytes=file_bytes,
+        tensor_bytes=_tensor_bytes(state_dict),
+    )
+
+
+def _describe_composite(state_dict: Mapping[str, Any], path: str, file_bytes: int | None) -> CheckpointDescription:
+    check = _Checker()
+    version = state_dict.get("format_version")
+    if version != 1 or type(version) is not int:
+        check.fail("format_version", f"must be the int 1, got {version!r}")
+    implementations = state_dict.get("child_implementations")
+    if not isinstance(implementations, Mapping) or not implementations:
+        check.fail("child_implementations", "must map each present role to its implementation")
+        implementations = {}
+    routing = state_dict.get("routing")
+    routed: dict[str, int] = {}
+    if not isinstance(routing, list) or any(not isinstance(r, list) or len(r) != 2 for r in routing):
+        check.fail("routing", "must be a sorted list of [fqn, role] pairs")
+    else:
+        if routing != sorted(routing):
+            check.fail("routing", "must be sorted by FQN")
+        for fqn, role in routing:
+            if role not in implementations:
+                check.fail("routing", f"routes {fqn!r} to {role!r}, which has no child")
+            routed[role] = routed.get(role, 0) + 1
+    children = []
+    for role, implementation in implementations.items():
+        child = state_dict.get(role)
+        if not isinstance(child, Mapping):
+            check.fail(role, f"the {role!r} child's state dict is missing")
+            continue
+        described = describe_native(child, f"{role} ({implementation})", None)
+        children.append(described)
+        if routed.get(role, 0) != len(described.parameters):
+            check.fail(
+                role, f"routing lists {routed.get(role, 0)} parameter(s), the child holds {len(described.parameters)}"
+            )
+    extra = sorted(set(state_dict) - {"format", "format_version", "child_implementations", "routing", *implementations})
+    if extra and any(state_dict.get(key) is not None for key in extra):
+        check.fail("top level", f"unexpected keys {extra}")
+    return CheckpointDescription(
+        path=path,
+        kind="composite native state dict",
+        format=_COMPOSITE,
+        format_version=version if type(version) is int else None,
+        implementation="composite of " + ", ".join(f"{r}={i}" for r, i in implementations.items()),
+        facts=(("roles", ", ".join(implementations)), ("routed parameters", str(sum(routed.values())))),
+        verified=("envelope, routing and each child's structure",),
+        problems=tuple(check.problems),
+        children=tuple(children),
+        file_bytes=file_bytes,
+        tensor_bytes=_tensor_bytes(state_dict),
+    )
+
+
+def describe_native(state_dict: Mapping[str, Any], path: str, file_bytes: int | None) -> CheckpointDescription:
+    """Describe and check a native state dict (module docstring)."""
+    if state_dict.get("format") == _COMPOSITE:
+        return _describe_composite(state_dict, path, file_bytes)
+    return _describe_torch_shaped(state_dict, path, file_bytes)

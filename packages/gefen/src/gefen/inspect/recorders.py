@@ -1,0 +1,222 @@
+"""Stand-in optimizers that let gefen-dcp's own loaders verify a checkpoint without a model.
+
+Verification must use the code paths real loads use, not a second reading of the formats,
+so ``gefen inspect`` loads a DCP checkpoint into a *recorder*: an object that implements
+the Protocol the loader drives (:class:`gefen_contracts.DenseShardCodec` or
+:class:`gefen_contracts.PortableAdapter`, or a :class:`gefen_contracts.CompositeOptimizer`
+of portable recorders), takes its implementation name and parameter shapes from the
+checkpoint's own records, holds every parameter as one whole ``REPLICATED`` piece in this
+process, accepts whatever options and variants were saved, and keeps only a summary of what
+it was handed (bytes and non-finite values per parameter). Everything the loader checks
+(envelope digests, chunk digests, catalog and fragment digests, coverage, shapes, limits)
+is checked exactly as it would be for a real optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gefen_contracts import (
+    FEATURE_COMPOSITE,
+    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PORTABLE_STATE,
+    CheckpointSupport,
+    CheckpointTransport,
+    DenseShardLoad,
+    DenseShardSlot,
+    FeatureStatus,
+    LoadAtomicity,
+    LogicalSlice,
+    OptimizerCapabilities,
+    OptimizerContract,
+    OptimizerStateLayout,
+    ParameterIdentity,
+    ParameterLayout,
+    PortableExport,
+    PortableLayout,
+    PortableSlotLayout,
+    PortableSlotState,
+    Precision,
+    ProcessGroupScope,
+    ShardIdentity,
+    ShardingManifest,
+    StagedTransaction,
+    TopologyChange,
+    TopologyTransition,
+    TrainingSupport,
+)
+
+__all__ = ["LoadedParameter", "RecordingComposite", "RecordingDenseCodec", "RecordingPortableAdapter"]
+
+_REPLICATED = frozenset({ParameterLayout.REPLICATED})
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedParameter:
+    """What a recorder was handed for one parameter."""
+
+    fqn: str
+    variant: str
+    counters: Mapping[str, int]
+    field_bytes: int
+    nonfinite: Mapping[str, int]
+
+
+def _contract(
+    implementation: str, features: Mapping[str, FeatureStatus], transport: CheckpointTransport
+) -> OptimizerContract:
+    entry = CheckpointSupport(
+        transport,
+        _REPLICATED,
+        ProcessGroupScope.NONE,
+        LoadAtomicity.GROUP_VOTED,
+        transitions=(TopologyTransition(frozenset(ParameterLayout), _REPLICATED, frozenset(TopologyChange)),),
+    )
+    return OptimizerContract(
+        implementation=implementation,
+        state_layout=OptimizerStateLayout(fields=(), parameter_variants=()),
+        capabilities=OptimizerCapabilities(
+            training=(TrainingSupport(ParameterLayout.REPLICATED, ProcessGroupScope.NONE),),
+            checkpoints=(entry,),
+            precisions=frozenset(Precision),
+            supported_parameter_ranks=None,
+            features=dict(features),
+        ),
+    )
+
+
+def _summary(fqn: str, variant: str, counters: Mapping[str, int], fields: Mapping[str, object]) -> LoadedParameter:
+    nbytes = 0
+    nonfinite: dict[str, int] = {}
+    for name, tensor in fields.items():
+        assert isinstance(tensor, torch.Tensor)
+        nbytes += int(tensor.numel() * tensor.element_size())
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+        if bad:
+            nonfinite[name] = bad
+    return LoadedParameter(fqn, variant, dict(counters), nbytes, nonfinite)
+
+
+class RecordingDenseCodec:
+    """A :class:`gefen_contracts.DenseShardCodec` shaped like a dense-shard envelope."""
+
+    def __init__(
+        self, implementation: str, common: Mapping[str, Any], parameters: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        self._implementation = implementation
+        self._common = dict(common)
+        self._slots = tuple(
+            DenseShardSlot(
+                fqn,
+                torch.empty(tuple(record["global_shape"]), device="meta"),
+                record["options"],
+                record["variant"],
+                record["counters"],
+                tuple(record["fields"]),
+            )
+            for fqn, record in sorted(parameters.items())
+        )
+        self.loaded: dict[str, LoadedParameter] = {}
+
+    def optimizer_contract(self) -> OptimizerContract:
+        return _contract(
+            self._implementation, {FEATURE_DENSE_SHARD_CODEC: FeatureStatus.yes()}, CheckpointTransport.DENSE_SHARD
+        )
+
+    def dense_shard_common(self) -> Mapping[str, Any]:
+        return dict(self._common)
+
+    def dense_shard_slots(self) -> tuple[DenseShardSlot, ...]:
+        return self._slots
+
+    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
+        raise NotImplementedError("a recorder only loads")
+
+    def prepare_dense_shard_load(
+        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
+    ) -> StagedTransaction:
+        summaries = {fqn: _summary(fqn, load.variant, load.counters, load.fields) for fqn, load in slots.items()}
+        return StagedTransaction(self, kind="inspect", token=0, payload=summaries)
+
+    def commit_dense_shard_load(self, staged: StagedTransaction) -> None:
+        loaded = staged.claim(self, kind="inspect", current_token=0)
+        assert isinstance(loaded, dict)
+        self.loaded = loaded
+
+
+class RecordingPortableAdapter:
+    """A :class:`gefen_contracts.PortableAdapter` holding every parameter of a catalog whole."""
+
+    def __init__(self, implementation: str, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+        self._implementation = implementation
+        shards = [
+            ShardIdentity(ParameterIdentity(fqn, shape), ParameterLayout.REPLICATED, LogicalSlice(0, _numel(shape)))
+            for fqn, shape in shapes
+        ]
+        self._layout = PortableLayout(
+            implementation,
+            ShardingManifest(tuple(shards)),
+            tuple(PortableSlotLayout(shard, (0, index), shard.fqn) for index, shard in enumerate(shards)),
+        )
+        self.loaded: dict[str, LoadedParameter] = {}
+
+    def optimizer_contract(self) -> OptimizerContract:
+        return _contract(
+            self._implementation, {FEATURE_PORTABLE_STATE: FeatureStatus.yes()}, CheckpointTransport.CANONICAL_GLOBAL
+        )
+
+    def portable_layout(self) -> PortableLayout:
+        return self._layout
+
+    def portable_export(self) -> PortableExport:
+        raise NotImplementedError("a recorder only loads")
+
+    def portable_prepare_import(
+        self,
+        *,
+        implementation: str,
+        policy: Mapping[str, Any],
+        common: Mapping[str, Any],
+        slots: Sequence[PortableSlotState],
+    ) -> StagedTransaction:
+        summaries = {
+            slot.fqn: _summary(slot.fqn, slot.variant, slot.counters, {**slot.element_fields, **slot.replica_fields})
+            for slot in slots
+        }
+        return StagedTransaction(self, kind="inspect", token=0, payload=summaries)
+
+    def portable_commit_import(self, staged: StagedTransaction) -> None:
+        loaded = staged.claim(self, kind="inspect", current_token=0)
+        assert isinstance(loaded, dict)
+        self.loaded = loaded
+
+
+class RecordingComposite:
+    """A :class:`gefen_contracts.CompositeOptimizer` of portable recorders, one per role."""
+
+    def __init__(
+        self, implementation: str, children: Mapping[str, RecordingPortableAdapter], routing: Mapping[str, str]
+    ) -> None:
+        self._implementation = implementation
+        self._children = dict(children)
+        self._routing = tuple(sorted(routing.items()))
+
+    def optimizer_contract(self) -> OptimizerContract:
+        features = {FEATURE_PORTABLE_STATE: FeatureStatus.yes(), FEATURE_COMPOSITE: FeatureStatus.yes()}
+        return _contract(self._implementation, features, CheckpointTransport.CANONICAL_GLOBAL)
+
+    def child_optimizers(self) -> dict[str, RecordingPortableAdapter]:
+        return dict(self._children)
+
+    def parameter_routing(self) -> tuple[tuple[str, str], ...]:
+        return self._routing
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total

@@ -1,0 +1,269 @@
+"""``gefen inspect``: every checkpoint kind is described, and every corruption is named (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gefen.cli.main import main
+from gefen.inspect import inspect_checkpoint
+from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding
+from gefen_core import Gefen, GefenMuon
+from gefen_dcp import GefenFileSystemWriter, save_portable_dcp
+from gefen_portable import export_portable_state
+from meta_portable_sgd import IMPLEMENTATION, factory
+
+
+def _stepped(optimizer: torch.optim.Optimizer, steps: int = 2) -> torch.optim.Optimizer:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    return optimizer
+
+
+def _parameters() -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(8, 16, generator=generator)), torch.nn.Parameter(torch.randn(16))]
+
+
+@pytest.fixture(scope="module")
+def portable_optimizer() -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = factory(list(model.named_parameters()))
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def _binding() -> CheckpointProcessGroupBinding:
+    return CheckpointProcessGroupBinding(
+        ProcessGroupIdentity("inspect.test", ("rank:0",)), "rank:0", None, torch.device("cpu")
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, portable_optimizer: Any) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {name: root / f"{name}.pt" for name in ("gefen", "muon", "adamw", "portable")}
+    torch.save(_stepped(Gefen(_parameters(), lr=1e-2, fused=False)).state_dict(), paths["gefen"])
+    muon_parameter = torch.nn.Parameter(torch.randn(16, 32, generator=torch.Generator().manual_seed(2)))
+    torch.save(_stepped(GefenMuon([muon_parameter], lr=1e-2, fused=False)).state_dict(), paths["muon"])
+    torch.save(_stepped(torch.optim.AdamW(_parameters()), 1).state_dict(), paths["adamw"])
+    limits = PortableStateLimits()
+    state = export_portable_state(
+        portable_optimizer, checkpoint_process_group=_binding(), transaction_id="inspect-export", limits=limits
+    )
+    torch.save(state.materialize(), paths["portable"])
+    paths["dcp"] = root / "dcp"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_portable_dcp(
+            portable_optimizer,
+            checkpoint_process_group=_binding(),
+            storage_writer=GefenFileSystemWriter(str(paths["dcp"])),
+            transaction_id="inspect-save",
+            limits=limits,
+        )
+    return paths
+
+
+def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> None:
+    description = inspect_checkpoint(checkpoints["gefen"])
+    assert description.ok, description.format_text()
+    assert (description.format, description.format_version, description.implementation) == (
+        "gefen.native_state",
+        1,
+        "gefen.Gefen",
+    )
+    facts = dict(description.facts)
+    assert facts["global step"] == "2" and facts["codebook"] == "256 entries"
+    assert [p.variant for p in description.parameters] == ["factored", "block"]
+    assert description.parameters[0].shape == (8, 16)  # v_row [8] x v_col [16]
+    stored = torch.load(checkpoints["gefen"], weights_only=True)
+    expected = sum(
+        value.numel() * value.element_size()
+        for entry in stored["state"].values()
+        for value in entry.values()
+        if isinstance(value, torch.Tensor)
+    )
+    assert sum(p.state_bytes for p in description.parameters) == expected
+
+
+def test_native_muon_and_torch_state_dicts_are_described(checkpoints: dict[str, Path]) -> None:
+    muon = inspect_checkpoint(checkpoints["muon"])
+    assert muon.ok and muon.format == "gefen.muon_native_state" and muon.implementation == "gefen.GefenMuon"
+    assert [p.variant for p in muon.parameters] == ["muon"]
+    adamw = inspect_checkpoint(checkpoints["adamw"])
+    assert adamw.ok and adamw.implementation is None
+    assert [p.shape for p in adamw.parameters] == [(8, 16), (16,)]
+    assert adamw.parameters[0].variant == "exp_avg+exp_avg_sq+step"
+
+
+def test_portable_document_and_dcp_folder_are_verified(checkpoints: dict[str, Path]) -> None:
+    document = inspect_checkpoint(checkpoints["portable"])
+    assert document.ok and document.format == "gefen.portable_state" and document.implementation == IMPLEMENTATION
+    assert {p.name for p in document.parameters} == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert document.tensor_bytes == (8 * 4 + 8 + 2 * 8 + 2) * 4  # one fp32 momentum buffer per element
+    assert any("completion digest" in item for item in document.verified)
+    folder = inspect_checkpoint(checkpoints["dcp"])
+    assert folder.ok, folder.format_text()
+    (child,) = folder.children
+    assert child.implementation == IMPLEMENTATION and len(child.parameters) == 4
+    assert any("SHA-256" in item for item in child.verified)
+    assert dict(child.facts)["root digest"] == dict(document.facts)["root digest"]  # the same state, two formats
+
+
+def test_cli_prints_a_report_and_json(checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(checkpoints["gefen"])]) == 0
+    text = capsys.readouterr().out
+    assert "gefen.native_state v1" in text and "OK: no problem found" in text and "factored" in text
+    assert main(["inspect", str(checkpoints["dcp"]), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["ok"] is True and document["children"][0]["format"] == "gefen.portable_dcp"
+    assert main(["inspect", str(checkpoints["dcp"]), "--no-verify"]) == 0
+    assert "verified: envelope" not in capsys.readouterr().out
+
+
+def _corrupt_native(path: Path, target: Path) -> None:
+    stored = torch.load(path, weights_only=True)
+    stored["state"][1]["vmean"] = torch.full_like(stored["state"][1]["vmean"], float("nan"))
+    stored["state"][0]["v_col"] = stored["state"][0]["v_col"][:-1].clone()
+    torch.save(stored, target)
+
+
+def test_corrupted_native_state_names_parameter_and_key(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "broken.pt"
+    _corrupt_native(checkpoints["gefen"], target)
+    description = inspect_checkpoint(target)
+    assert not description.ok
+    wheres = " | ".join(str(problem) for problem in description.all_problems())
+    assert "vmean" in wheres and "v_col" in wheres, wheres
+    assert main(["inspect", str(target)]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "PROBLEM" in out and "vmean" in out
+
+
+def test_corrupted_portable_document_fails_its_digest(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    document = torch.load(checkpoints["portable"], weights_only=True)
+    tensors = [value for value in _walk(document["parameters"]) if isinstance(value, torch.Tensor)]
+    assert tensors, "the document must hold the momentum buffers as tensors"
+    tensors[0].view(-1)[0] += 1.0
+    target = tmp_path / "tampered.pt"
+    torch.save(document, target)
+    description = inspect_checkpoint(target)
+    assert not description.ok
+    assert "digest" in " ".join(p.message for p in description.all_problems()).lower()
+
+
+def _walk(value: object) -> list[object]:
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _walk(item)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _walk(item)]
+    return [value]
+
+
+def test_corrupted_dcp_chunk_is_named(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "dcp"
+    shutil.copytree(checkpoints["dcp"], copy)
+    needle = _momentum_bytes(torch.load(checkpoints["portable"], weights_only=True))
+    (data,) = [path for path in copy.glob("*.distcp") if needle in path.read_bytes()]  # stored verbatim, once
+    raw = bytearray(data.read_bytes())
+    raw[raw.find(needle)] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    description = inspect_checkpoint(copy)
+    assert not description.ok
+    problems = description.all_problems()
+    assert problems and all(p.where.startswith("optimizer") for p in problems), problems
+    assert "SHA-256" in problems[0].message and "'0.weight'" in problems[0].message, problems  # the largest buffer
+    assert main(["inspect", str(copy)]) == 1
+
+
+def _momentum_bytes(document: dict[str, Any]) -> bytes:
+    tensors = [value for value in _walk(document["parameters"]) if isinstance(value, torch.Tensor)]
+    largest = max(tensors, key=lambda t: t.numel())
+    return largest.contiguous().numpy().tobytes()
+
+
+def test_unknown_files_and_folders_are_problems_and_missing_paths_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "garbage.pt").write_bytes(b"not a pickle at all")
+    assert "torch.load(weights_only=True) failed" in inspect_checkpoint(tmp_path / "garbage.pt").problems[0].message
+    torch.save({"weights": torch.ones(2)}, tmp_path / "model.pt")
+    assert "not a checkpoint format gefen knows" in inspect_checkpoint(tmp_path / "model.pt").problems[0].message
+    (tmp_path / "folder").mkdir()
+    assert "not a DCP checkpoint" in inspect_checkpoint(tmp_path / "folder").problems[0].message
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", str(tmp_path / "absent")])
+    assert exit_info.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+
+
+def test_dense_shard_dcp_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from gefen_dcp import GefenDCPState, GefenSavePlanner
+    from gefen_dcp.testing import conformance_factory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    optimizer = conformance_factory(list(model.named_parameters()))  # gefen-dcp's Int8MomentumSGD codec
+    model(torch.randn(5, 16)).sum().backward()
+    optimizer.step()
+    root = tmp_path / "dense"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            {"optim": GefenDCPState(optimizer)}, storage_writer=GefenFileSystemWriter(root), planner=GefenSavePlanner()
+        )
+    folder = inspect_checkpoint(root)
+    assert folder.ok, folder.format_text()
+    (child,) = folder.children
+    assert child.format == "gefen.dense_shard_state" and len(child.parameters) == 4
+    assert {p.name: p.variant for p in child.parameters}["0.weight"] == "int8_rows"
+    dense = optimizer.materialize_dense_field("0.weight", "momentum")
+    needle = dense.contiguous().numpy().tobytes()
+    (data,) = [path for path in root.glob("*.distcp") if needle in path.read_bytes()]  # stored verbatim, once
+    raw = bytearray(data.read_bytes())
+    raw[raw.find(needle) + 5] ^= 0x01
+    data.write_bytes(bytes(raw))
+    broken = inspect_checkpoint(root)
+    assert not broken.ok
+    assert any("0.weight" in str(problem) for problem in broken.all_problems()), broken.format_text()
+
+
+def test_canonical_local_state_document_is_validated(tmp_path: Path) -> None:
+    from gefen_contracts.testing import flattened_plan
+    from gefen_hybrid import ContractedAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    named = list(model.named_parameters())
+    optimizer = ContractedAdamW(named, lr=1e-3)
+    plan = flattened_plan(named, 0)  # member 0 of a two-member flattened layout
+    optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest)
+    for target in plan.targets.values():
+        target.grad = torch.randn_like(target)
+    optimizer.step()
+    document = optimizer.export_local_state()
+    torch.save(document, tmp_path / "bound.pt")
+    description = inspect_checkpoint(tmp_path / "bound.pt")
+    assert description.ok, description.format_text()
+    assert (description.format, description.implementation) == ("gefen.bound_state", "gefen.ContractedAdamW")
+    assert {p.name: p.shape for p in description.parameters}["0.weight"] == (8, 4)  # the global shape
+    document["parameters"]["0.weight"]["state"]["exp_avg"].view(-1)[0] = float("nan")
+    torch.save(document, tmp_path / "tampered.pt")
+    problems = inspect_checkpoint(tmp_path / "tampered.pt").all_problems()
+    assert problems and "parameters['0.weight'].state.exp_avg" in problems[0].message, problems

@@ -1,0 +1,32 @@
+"""``gefen conformance MODULE:FACTORY``: exit 0 on an honest adopter, non-zero naming the failed claim otherwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conformance_broken_adopters import EXPECTED_FAILURES
+from gefen.cli.main import main
+
+
+def test_honest_adopter_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["conformance", "gefen_example_sgd:conformance_factory"]) == 0
+    assert "checkpoint.native_roundtrip" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("factory", ["mutating_query_factory", "undeclared_state_key_factory"])
+def test_broken_adopter_exits_one_and_names_the_check(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    check, fragment = EXPECTED_FAILURES[factory]
+    assert main(["conformance", f"conformance_broken_adopters:{factory}"]) == 1
+    out = capsys.readouterr().out
+    assert check in out and fragment in out
+
+
+def test_json_report_and_unimportable_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["conformance", "conformance_broken_adopters:mutating_query_factory", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    for target in ("no_such_module:factory", "conformance_broken_adopters:absent", "no_colon"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["conformance", target])
+        assert exit_info.value.code == 2 and target.partition(":")[0] in capsys.readouterr().err
