@@ -215,33 +215,24 @@ class IdentityMethods:
     def _identity_readiness(self) -> IdentityReadiness:
         """Post-sharding, identity and scope status for the contract (O(local parameters))."""
         identity = self._identity
-        capturable = (
-            ("capturable=True: the scope protocol synchronises with the host, so no codebook scope can be installed",)
+        scope = (
+            FeatureStatus.no(
+                "capturable=True: the scope protocol and codebook learning on demand synchronise with the host"
+            )
             if self._capturable
-            else ()
+            else FeatureStatus.yes()
         )
         if identity is None:
             blockers = self._pristine_blockers()
             unbound = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
-            if blockers:
-                scope = FeatureStatus.no(
-                    *blockers, "a codebook scope is installed only by post_sharding on a pristine optimizer"
-                )
-                return IdentityReadiness(FeatureStatus.no(*blockers), unbound, scope)
-            scope = FeatureStatus.no(*capturable) if capturable else FeatureStatus.yes()
-            return IdentityReadiness(FeatureStatus.yes(), unbound, scope)
+            post_sharding = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
+            return IdentityReadiness(post_sharding, unbound, scope)
         pruned = any(tensor is None for tensor, _ in identity.sealed.bindings)
         try:
             self._verify_layout("optimizer_contract")
         except LayoutTamperedError as exc:
             broken = FeatureStatus.no(str(exc))
             return IdentityReadiness(FeatureStatus.yes(), broken, broken, identity.layouts, identity.scope is not None)
-        if identity.scope is None:
-            scope = FeatureStatus.no(
-                "finalized by post_sharding without a codebook scope: the codebook is learned from local gradients"
-            )
-        else:
-            scope = FeatureStatus.yes()
         return IdentityReadiness(
             FeatureStatus.yes(), FeatureStatus.yes(), scope, identity.layouts, identity.scope is not None, pruned
         )
@@ -376,17 +367,20 @@ class IdentityMethods:
             raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, status.reasons)
 
     def initialize_collective_state(self) -> bool:
-        """Learn the codebook from the attached gradients if none exists, collectively over the
-        scope; returns whether a codebook exists afterwards (periods are still chosen by each
-        parameter's first step). Every member must call it; a local failure raises
-        ``CollectiveFailureError`` on every member with nothing changed."""
+        """Learn the codebook from the attached gradients if none exists; returns whether a
+        codebook exists afterwards (periods are still chosen by each parameter's first step).
+
+        With a codebook scope it is collective: every member must call it, and a local failure
+        raises ``CollectiveFailureError`` on every member with nothing changed. Without one it
+        learns from this process's gradients.
+        """
         self._require_scope_feature()
         return self._run_initialize()
 
     def refresh_collective_state(self) -> bool:
         """Relearn the codebook from the attached gradients (stored periods) and re-express every
-        momentum index in it, collectively over the scope; returns whether the codebook changed
-        (``False`` without a codebook or when no member has a gradient)."""
+        momentum index in it (collectively over the scope, if any); returns whether the codebook
+        changed (``False`` without a codebook or when no member has a gradient)."""
         self._require_scope_feature()
         return self._run_refresh()
 

@@ -8,8 +8,9 @@ document or checkpoint is exported or prepared), and a missing claim says why:
 * ``canonical_identity``: finalized and the sealed layout intact;
 * ``canonical_local_state`` and its ``CANONICAL_LOCAL`` entry (same topology, the bound
   layouts it supports, fail-before-mutation): see :mod:`gefen_core.canonical_state`;
-* ``collective_scope``: a codebook scope is installed, or can still be (pristine,
-  ``capturable=False``);
+* ``collective_scope``: ``capturable=False`` (the protocol and learning on demand synchronise
+  with the host). ``collective_scope()`` returns the installed binding, ``None`` when unscoped;
+  ``initialize_collective_state()`` / ``refresh_collective_state()`` then learn locally;
 * training and native checkpoints: before ``post_sharding`` the unbound layouts (plus the
   layouts ``post_sharding`` could bind while pristine); afterwards exactly the bound layouts,
   with ``ADAPTER_DEFINED`` scope when a codebook scope is installed.
