@@ -569,7 +569,7 @@ class Matrices(torch.nn.Module):
         self.c = torch.nn.Parameter(torch.randn(24, 24) * 0.2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(torch.tanh(x @ self.b) @ self.c) @ self.a
+        return torch.tanh(torch.tanh(x @ self.c) @ self.a) @ self.b
 
 
 def make_matrices(seed: int = 0) -> Matrices:
@@ -580,7 +580,7 @@ def make_matrices(seed: int = 0) -> Matrices:
 def matrix_backward(model: torch.nn.Module, step: int) -> None:
     generator = torch.Generator().manual_seed(500 + step)
     x = torch.randn(6, 24, generator=generator)
-    target = torch.randn(6, 16, generator=generator)
+    target = torch.randn(6, 24, generator=generator)
     model.zero_grad(set_to_none=True)
     torch.nn.functional.mse_loss(model(x), target).backward()  # type: ignore[no-untyped-call]
 
@@ -636,8 +636,9 @@ def muon_whole_owner(rank: int, world: int, steps: int = 3) -> dict[str, Any]:
     }
 
 
-def muon_one_rank_failure(rank: int, world: int, phases: Sequence[str]) -> dict[str, Any]:
-    """GefenMuon under a scope: a one-rank failure at ``phases`` raises everywhere, nothing changed."""
+def muon_one_rank_failure(rank: int, world: int, phases: Sequence[str], failing: int = 0) -> dict[str, Any]:
+    """GefenMuon under a scope: a one-rank failure at ``phases`` of a first ``step(closure)``
+    raises everywhere with nothing changed; the retried step succeeds."""
     layouts = {"a": Spec("owner", owner=0), "b": Spec("owner", owner=1 % world), "c": Spec("repl")}
 
     def factory(named: list[tuple[str, torch.nn.Parameter]]) -> GefenMuon:
@@ -650,9 +651,14 @@ def muon_one_rank_failure(rank: int, world: int, phases: Sequence[str]) -> dict[
         matrix_backward(driver, 0)
         bound.feed(driver)
         roots = (bound.optimizer, *[p for p in bound.pieces.values() if p is not None])
-        with _hooks(rank == 0, phase):
-            results[phase] = _outcome(bound.optimizer.step, roots)
-        results[phase]["retry"] = _outcome(bound.optimizer.step, roots)["raised"]
+        step = bound.optimizer.step
+
+        def act(step: Callable[..., object] = step) -> object:
+            return step(lambda: torch.zeros(()))
+
+        with _hooks(rank == failing, phase):
+            results[phase] = _outcome(act, roots)
+        results[phase]["retry"] = _outcome(act, roots)["raised"]
     return results
 
 
@@ -685,15 +691,15 @@ def tower_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
 
 def fsdp2_scoped_matches_one_process(rank: int, world: int, steps: int = 4) -> dict[str, Any]:
     """FSDP2 (fully_shard, Shard(0)) + Gefen bound to each DTensor's local shard as a flattened
-    element shard, with a codebook scope over the world: bit-exact with one process."""
+    element shard, with a codebook scope over the world: bit-exact with one process (on more
+    than two ranks, one process stepping on FSDP's reduced gradient, since averaging three
+    equal gradients rounds before the optimizer sees them)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     model = make_tower()
     fully_shard(model, mesh=mesh)
-    if world > 2:
-        model.set_gradient_divide_factor(1.0)  # type: ignore[operator]
     named = list(model.named_parameters())
     optimizer = Gefen(named, lr=LR, fused=False, factored_v_2d=False)
     scope = binding(rank, world)
@@ -727,13 +733,16 @@ def fsdp2_scoped_matches_one_process(rank: int, world: int, steps: int = 4) -> d
     oracle = Gefen(list(oracle_model.named_parameters()), lr=LR, fused=False, factored_v_2d=False)
     for step in range(steps):
         model.zero_grad(set_to_none=True)
-        loss = tower_loss(model, step) * (1.0 if rank == 0 or world == 2 else 0.0)
-        loss.backward()  # type: ignore[no-untyped-call]
+        tower_loss(model, step).backward()  # type: ignore[no-untyped-call]
         for name, parameter in named:
             flats[name].grad = parameter.grad.to_local().reshape(-1)  # type: ignore[union-attr]
         optimizer.step()
         oracle_model.zero_grad(set_to_none=True)
-        tower_loss(oracle_model, step).backward()  # type: ignore[no-untyped-call]
+        if world == 2:  # FSDP's average of two equal gradients is exact: the oracle runs its own backward
+            tower_loss(oracle_model, step).backward()  # type: ignore[no-untyped-call]
+        else:  # (g + g + g) / 3 rounds: the oracle steps on FSDP's reduced gradient, gathered in full
+            for (_, parameter), reference in zip(named, oracle_model.parameters()):
+                reference.grad = parameter.grad.full_tensor()  # type: ignore[union-attr]
         oracle.step()
     periods = {name: int(optimizer.state[flats[name]]["automatic_period"]) for name in flats}
     oracle_periods = {name: int(oracle.state[p]["automatic_period"]) for name, p in oracle_model.named_parameters()}
