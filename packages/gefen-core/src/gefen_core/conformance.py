@@ -56,7 +56,6 @@ _TRANSITION = "checkpoint:native_optimizer:transition:dtensor_1d_default_world->
 #: Claim name -> why a single-process kit run accepts it as unverified (GefenMuon, every mode).
 MUON_WAIVERS: dict[str, str] = {
     "feature:collective_scope": _SCOPE,
-    "feature:collective_scope": _SCOPE,
     **{
         f"training:{_DTENSOR}[{mode_tag(mode)}]": f"FSDP2 training in sharded_mode={mode!r} is {_MUON_GLOO}"
         for mode in SHARDED_MODES

@@ -361,7 +361,8 @@ class IdentityMethods:
         vote when a closure is given, and the operation header)."""
         return STEADY_STEP_BUDGET
 
-    def _require_scope_feature(self) -> None:
+    def _require_scope_feature(self, where: str) -> None:
+        self._verify_layout(where)  # a tampered layout raises LayoutTamperedError, not a contract refusal
         status = self._identity_readiness().collective_scope
         if not status.supported:
             raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, status.reasons)
@@ -374,14 +375,14 @@ class IdentityMethods:
         raises ``CollectiveFailureError`` on every member with nothing changed. Without one it
         learns from this process's gradients.
         """
-        self._require_scope_feature()
+        self._require_scope_feature("initialize_collective_state")
         return self._run_initialize()
 
     def refresh_collective_state(self) -> bool:
         """Relearn the codebook from the attached gradients (stored periods) and re-express every
         momentum index in it (collectively over the scope, if any); returns whether the codebook
         changed (``False`` without a codebook or when no member has a gradient)."""
-        self._require_scope_feature()
+        self._require_scope_feature("refresh_collective_state")
         return self._run_refresh()
 
     def initialize_codebook(self) -> bool:

@@ -310,10 +310,9 @@ class GefenMuon(MuonBindingMethods, OwnAttributesPickling, torch.optim.Optimizer
         error: BaseException | None = None
         scope: MuonScope | None = None
         try:
+            self._verify_layout("step")  # before anything reads the (possibly tampered) groups
             scope = self._scope()
             check_entry(self.param_groups)
-            if closure is not None:
-                self._verify_layout("step")
         except Exception as exc:
             error = exc
         loss = None
