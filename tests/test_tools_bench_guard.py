@@ -18,6 +18,7 @@ def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     spec.loader.exec_module(module)
     out = tmp_path / "guard.json"
     args = ["--tensors", "6", "--numel", "16", "--steps", "2", "--repeats", "1", "--json", str(out)]
+    args += ["--collective-ranks", "0"]  # the gloo count is exercised by packages/gefen-core/tests/test_core_scope.py
     assert module.main(args) == 0
     report = json.loads(out.read_text())
     assert report["schema"] == "gefen.bench" and report["benchmark"] == "guard"
@@ -26,4 +27,8 @@ def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     share = rows["guard/per-step"]
     assert share["baseline"] == "contracted-adamw/step-bound"
     assert share["ratio"] == pytest.approx(share["value"] / rows["contracted-adamw/step-bound"]["value"])
-    assert "µs per parameter tensor per pass" in capsys.readouterr().out
+    gefen = rows["gefen/guard-per-step"]
+    assert gefen["baseline"] == "gefen/step-bound" and rows["gefen/guard-passes-per-step"]["value"] >= 1
+    assert rows["gefen/guard-per-step-with-closure"]["value"] > gefen["value"]  # the closure adds a pass
+    out_text = capsys.readouterr().out
+    assert "µs per parameter tensor per pass" in out_text and "gefen:" in out_text
