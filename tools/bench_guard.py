@@ -166,11 +166,11 @@ def scope_collective_counts(rank: int, world_size: int, numel: int) -> dict[str,
     torch.set_num_threads(1)
     members = tuple(f"rank:{r}" for r in range(world_size))
     group = ProcessGroupIdentity("dp", members)
-    scope = CodebookProcessGroupBinding(group, members[rank], dist.group.WORLD, "cpu")
+    scope = CodebookProcessGroupBinding(group, members[rank], dist.group.WORLD, torch.device("cpu"))
     named = _named(4, numel)
     optimizer = Gefen(named, lr=1e-3, fused=False)
     rebindings, shards = [], []
-    grads = {}
+    grads: dict[str, torch.Tensor] = {}
     for name, parameter in named:
         identity = ParameterIdentity(name, tuple(parameter.shape))
         for member in range(world_size):
@@ -181,6 +181,7 @@ def scope_collective_counts(rank: int, world_size: int, numel: int) -> dict[str,
             shards.append(shard)
             if member == rank:
                 rebindings.append(ParameterRebinding(parameter, parameter, shard))
+        assert parameter.grad is not None
         grads[name] = parameter.grad
         parameter.grad = None
     optimizer.post_sharding(rebindings, manifest=ShardingManifest(tuple(shards)), scope=scope)
