@@ -82,7 +82,7 @@ def _bind(model: nn.Module, optimizer: CompositeOptimizer, rank: int, world: int
     group = ProcessGroupIdentity("dp", members)
     import torch.distributed as dist
 
-    scope = CodebookProcessGroupBinding(group, members[rank], dist.group.WORLD, "cpu")
+    scope = CodebookProcessGroupBinding(group, members[rank], dist.group.WORLD, torch.device("cpu"))
     rebindings, shards = [], []
     for name, parameter in model.named_parameters():
         identity = ParameterIdentity(name, tuple(parameter.shape))

@@ -43,7 +43,9 @@ def members(world: int) -> tuple[str, ...]:
 
 def binding(rank: int, world: int, name: str = "dp") -> CodebookProcessGroupBinding:
     group = dist.group.WORLD if world > 1 else None
-    return CodebookProcessGroupBinding(ProcessGroupIdentity(name, members(world)), f"rank:{rank}", group, "cpu")
+    return CodebookProcessGroupBinding(
+        ProcessGroupIdentity(name, members(world)), f"rank:{rank}", group, torch.device("cpu")
+    )
 
 
 # -- plans ----------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def _refused(optimizer: Any, roots: tuple[Any, ...], action: Callable[[], object
 
 
 def _solo_scope() -> CodebookProcessGroupBinding:
-    return CodebookProcessGroupBinding(ProcessGroupIdentity("solo", ("rank:0",)), "rank:0", None, "cpu")
+    return CodebookProcessGroupBinding(ProcessGroupIdentity("solo", ("rank:0",)), "rank:0", None, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
