@@ -24,7 +24,7 @@ def world() -> Iterator[GlooWorld]:
 
 
 def test_scoped_training_with_an_empty_member_is_bit_exact(world: GlooWorld) -> None:
-    for result in world.run(cases.scoped_training_matches_one_process, 4, 2):
+    for result in world.run(cases.scoped_training_matches_one_process, 3, 2):
         assert result["exact"] and result["codebook_equal_oracle"] and result["codebooks_agree"]
 
 
