@@ -3,10 +3,10 @@
 
 Each factory carries ``conformance_waive``: the claims the kit cannot execute in one process
 (DTensor training and checkpoints, world-size changes, torch's DCP state-dict helpers), each
-with the test that executes it in this repository. ``WAIVERS`` / ``MUON_WAIVERS`` also waive
-``feature:collective_scope`` for in-process targets; the packaged factories do not, so
-``gefen conformance gefen_core.conformance:factory`` runs the kit's 2-rank scope check
-(:mod:`gefen_core.scope_conformance`). GefenMuon takes only 2-D parameters, so its
+with the test that executes it in this repository. ``gefen conformance
+gefen_core.conformance:factory`` also runs the kit's 2-rank scope check
+(:mod:`gefen_core.scope_conformance`); ``CHECK_WAIVERS`` lets in-process runs of many
+configurations skip it by name. GefenMuon takes only 2-D parameters, so its
 factory also carries a model of matrices (``conformance_model_builder``) and its loss.
 """
 
@@ -19,19 +19,31 @@ from .muon import GefenMuon
 from .muon_contract import mode_tag
 from .muon_options import SHARDED_MODES
 
-__all__ = ["MUON_WAIVERS", "WAIVERS", "MatrixModel", "factory", "matrix_loss", "matrix_model", "muon_factory"]
+__all__ = [
+    "CHECK_WAIVERS",
+    "MUON_WAIVERS",
+    "WAIVERS",
+    "MatrixModel",
+    "factory",
+    "matrix_loss",
+    "matrix_model",
+    "muon_factory",
+]
 
 _DISTRIBUTED = "executed in two gloo processes by packages/gefen-core/tests/test_core_distributed.py"
-_SCOPE_CLAIM = "feature:collective_scope"
-_SCOPE = (
-    "executed in 2 gloo processes by the kit's scope.collective_protocol check (gefen_core.scope_conformance) "
-    "on the packaged factories, and in 2 and 3 processes by packages/gefen-core/tests/test_core_scope.py and "
-    "test_core_scope_three.py; waived here only to keep the per-configuration runs single-process"
-)
+#: Checks an in-process run of many configurations may skip by name: the 2-rank scope check
+#: spawns gloo processes; it runs on the packaged factories (``gefen conformance
+#: gefen_core.conformance:factory`` / ``:muon_factory``).
+CHECK_WAIVERS: dict[str, str] = {
+    "scope.collective_protocol": (
+        "executed in 2 gloo processes on the packaged factories (tests/test_core_conformance.py and "
+        "tests/test_muon_conformance.py, test_the_packaged_factory_passes_through_the_cli_loader), and in 2 and 3 "
+        "processes by packages/gefen-core/tests/test_core_scope.py and test_core_scope_three.py"
+    ),
+}
 
 #: Claim name -> why it is accepted as unverified by a single-process kit run.
 WAIVERS: dict[str, str] = {
-    _SCOPE_CLAIM: _SCOPE,
     "training:dtensor_1d_default_world": f"FSDP2 training {_DISTRIBUTED} (parity with one process)",
     "checkpoint:native_optimizer:dtensor_1d_default_world": f"rank-local native resume {_DISTRIBUTED}",
     "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": (
@@ -50,8 +62,7 @@ def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> torch.opt
     return Gefen(named_parameters, lr=1e-2, fused=False)
 
 
-#: The packaged factory executes the scope check (spawned ranks import it by name).
-factory.conformance_waive = {k: v for k, v in WAIVERS.items() if k != _SCOPE_CLAIM}  # type: ignore[attr-defined]
+factory.conformance_waive = WAIVERS  # type: ignore[attr-defined]
 
 
 _MUON_GLOO = "executed in gloo processes by packages/gefen-core/tests/test_core_muon_distributed.py"
@@ -60,7 +71,6 @@ _TRANSITION = "checkpoint:native_optimizer:transition:dtensor_1d_default_world->
 
 #: Claim name -> why a single-process kit run accepts it as unverified (GefenMuon, every mode).
 MUON_WAIVERS: dict[str, str] = {
-    _SCOPE_CLAIM: _SCOPE,
     **{
         f"training:{_DTENSOR}[{mode_tag(mode)}]": f"FSDP2 training in sharded_mode={mode!r} is {_MUON_GLOO}"
         for mode in SHARDED_MODES
@@ -112,8 +122,6 @@ def muon_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> torc
     return GefenMuon(named_parameters, lr=1e-2, fused=False)
 
 
-muon_factory.conformance_waive = {  # type: ignore[attr-defined]
-    k: v for k, v in MUON_WAIVERS.items() if k != _SCOPE_CLAIM
-}
+muon_factory.conformance_waive = MUON_WAIVERS  # type: ignore[attr-defined]
 muon_factory.conformance_model_builder = matrix_model  # type: ignore[attr-defined]
 muon_factory.conformance_loss = matrix_loss  # type: ignore[attr-defined]
