@@ -141,6 +141,17 @@ def rank_scoped_composite(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def kit_composite_factory(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    """The kit's target: GefenMuon on the kit model's matrices, Gefen on the rest (routed by the composite)."""
+    return CompositeOptimizer.from_factories(
+        named,
+        {
+            "muon": lambda params: GefenMuon(params, lr=1e-2, fused=False),
+            "backup": lambda params: Gefen(params, lr=1e-2, fused=False),
+        },
+    )
+
+
 @pytest.fixture(scope="module")
 def world() -> Iterator[GlooWorld]:
     with GlooWorld(2) as gloo:
@@ -155,3 +166,16 @@ def test_a_scoped_gefen_composite_trains_like_one_process_and_fails_together(wor
         assert result["raised"] == ("CollectiveFailureError", rank == 0), result
         assert result["diffs"] == [], result["diffs"]
     assert results[0]["steady_collectives"] == results[1]["steady_collectives"]
+
+
+def test_the_composite_does_not_claim_collective_scope_and_says_why() -> None:
+    """Both Gefen children claim ``collective_scope``, but the composite does not implement
+    ``CollectiveScoped`` itself (no ``collective_budget()``), so it does not claim it and the kit's
+    scope check does not apply to it; it still hands its scope binding to both children (above)."""
+    from gefen_contracts.testing.model import make_kit_model
+
+    optimizer = kit_composite_factory(list(make_kit_model(0).named_parameters()))
+    status = optimizer.optimizer_contract().capabilities.feature("collective_scope")  # type: ignore[attr-defined]
+    assert not status.supported and "CollectiveScoped" in status.reasons[0]
+    for child in optimizer.child_optimizers().values():  # type: ignore[attr-defined]
+        assert child.optimizer_contract().capabilities.supports("collective_scope")

@@ -31,6 +31,12 @@ __all__ = [
 ]
 
 _DISTRIBUTED = "executed in two gloo processes by packages/gefen-core/tests/test_core_distributed.py"
+_SCOPE_CLAIM = "feature:collective_scope"
+_SCOPE = (
+    "needs spawned ranks: executed by the kit's scope.collective_protocol check on importable targets (the "
+    "packaged factories) and by packages/gefen-core/tests/test_core_scope.py (2 and 3 gloo ranks)"
+)
+
 #: Checks an in-process run of many configurations may skip by name: the 2-rank scope check
 #: spawns gloo processes; it runs on the packaged factories (``gefen conformance
 #: gefen_core.conformance:factory`` / ``:muon_factory``).
@@ -44,6 +50,7 @@ CHECK_WAIVERS: dict[str, str] = {
 
 #: Claim name -> why it is accepted as unverified by a single-process kit run.
 WAIVERS: dict[str, str] = {
+    _SCOPE_CLAIM: _SCOPE,
     "training:dtensor_1d_default_world": f"FSDP2 training {_DISTRIBUTED} (parity with one process)",
     "checkpoint:native_optimizer:dtensor_1d_default_world": f"rank-local native resume {_DISTRIBUTED}",
     "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": (
@@ -71,6 +78,7 @@ _TRANSITION = "checkpoint:native_optimizer:transition:dtensor_1d_default_world->
 
 #: Claim name -> why a single-process kit run accepts it as unverified (GefenMuon, every mode).
 MUON_WAIVERS: dict[str, str] = {
+    _SCOPE_CLAIM: _SCOPE,
     **{
         f"training:{_DTENSOR}[{mode_tag(mode)}]": f"FSDP2 training in sharded_mode={mode!r} is {_MUON_GLOO}"
         for mode in SHARDED_MODES
