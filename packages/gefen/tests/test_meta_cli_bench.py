@@ -224,6 +224,11 @@ def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     gefen_rows = {row.name for row in report.rows if row.name.startswith("gefen/")}
     if claims.supported:
         assert "gefen/guard-pass" in gefen_rows
+        counted = report.row("gefen/scoped-step-counted", "collectives_per_step")
+        assert (
+            counted.baseline == "gefen/scoped-step"
+            and 1 <= counted.value <= report.row("gefen/scoped-step", "collectives_per_step").value
+        )
     else:
         assert not gefen_rows and any(note.startswith("gefen: guard not measured") for note in report.notes)
 

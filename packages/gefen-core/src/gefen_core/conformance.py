@@ -3,7 +3,10 @@
 
 Each factory carries ``conformance_waive``: the claims the kit cannot execute in one process
 (DTensor training and checkpoints, world-size changes, torch's DCP state-dict helpers), each
-with the test that executes it in this repository. GefenMuon takes only 2-D parameters, so its
+with the test that executes it in this repository. ``gefen conformance
+gefen_core.conformance:factory`` also runs the kit's 2-rank scope check
+(:mod:`gefen_core.scope_conformance`); ``CHECK_WAIVERS`` lets in-process runs of many
+configurations skip it by name. GefenMuon takes only 2-D parameters, so its
 factory also carries a model of matrices (``conformance_model_builder``) and its loss.
 """
 
@@ -16,12 +19,38 @@ from .muon import GefenMuon
 from .muon_contract import mode_tag
 from .muon_options import SHARDED_MODES
 
-__all__ = ["MUON_WAIVERS", "WAIVERS", "MatrixModel", "factory", "matrix_loss", "matrix_model", "muon_factory"]
+__all__ = [
+    "CHECK_WAIVERS",
+    "MUON_WAIVERS",
+    "WAIVERS",
+    "MatrixModel",
+    "factory",
+    "matrix_loss",
+    "matrix_model",
+    "muon_factory",
+]
 
 _DISTRIBUTED = "executed in two gloo processes by packages/gefen-core/tests/test_core_distributed.py"
+_SCOPE_CLAIM = "feature:collective_scope"
+_SCOPE = (
+    "needs spawned ranks: executed by the kit's scope.collective_protocol check on importable targets (the "
+    "packaged factories) and by packages/gefen-core/tests/test_core_scope.py (2 and 3 gloo ranks)"
+)
+
+#: Checks an in-process run of many configurations may skip by name: the 2-rank scope check
+#: spawns gloo processes; it runs on the packaged factories (``gefen conformance
+#: gefen_core.conformance:factory`` / ``:muon_factory``).
+CHECK_WAIVERS: dict[str, str] = {
+    "scope.collective_protocol": (
+        "executed in 2 gloo processes on the packaged factories (tests/test_core_conformance.py and "
+        "tests/test_muon_conformance.py, test_the_packaged_factory_passes_through_the_cli_loader), and in 2 and 3 "
+        "processes by packages/gefen-core/tests/test_core_scope.py and test_core_scope_three.py"
+    ),
+}
 
 #: Claim name -> why it is accepted as unverified by a single-process kit run.
 WAIVERS: dict[str, str] = {
+    _SCOPE_CLAIM: _SCOPE,
     "training:dtensor_1d_default_world": f"FSDP2 training {_DISTRIBUTED} (parity with one process)",
     "checkpoint:native_optimizer:dtensor_1d_default_world": f"rank-local native resume {_DISTRIBUTED}",
     "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": (
@@ -49,6 +78,7 @@ _TRANSITION = "checkpoint:native_optimizer:transition:dtensor_1d_default_world->
 
 #: Claim name -> why a single-process kit run accepts it as unverified (GefenMuon, every mode).
 MUON_WAIVERS: dict[str, str] = {
+    _SCOPE_CLAIM: _SCOPE,
     **{
         f"training:{_DTENSOR}[{mode_tag(mode)}]": f"FSDP2 training in sharded_mode={mode!r} is {_MUON_GLOO}"
         for mode in SHARDED_MODES

@@ -1,7 +1,8 @@
 """Gefen's contract: what one ``Gefen`` instance supports today, and why not the rest.
 
-Built from the instance's options only (no tensors, no collectives) and memoised per option
-set, so ``optimizer_contract()`` is cheap, pure and equal for equal optimizers.
+Built from the instance's options and its identity readiness (:mod:`gefen_core.identity_claims`;
+no tensors read, no collectives) and memoised per option set, so ``optimizer_contract()`` is
+cheap, pure and equal for equal optimizers.
 """
 
 from __future__ import annotations
@@ -9,13 +10,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from gefen_contracts import (
-    FEATURE_CANONICAL_IDENTITY,
-    FEATURE_CANONICAL_LOCAL_STATE,
-    FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
     FEATURE_DENSE_SHARD_CODEC,
     FEATURE_PORTABLE_STATE,
-    FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
     CheckpointTransport,
@@ -37,6 +34,9 @@ from gefen_contracts import (
 )
 
 from . import native_format as F
+from .codebook_scope import STEADY_STEP_BUDGET
+from .identity import IdentityReadiness
+from .identity_claims import FRESH, canonical_local_entry, identity_features, training_scope
 from .momentum_codec import CODEBOOK_SIZE
 from .ops import OPS
 from .param_state import (
@@ -57,12 +57,15 @@ from .param_state import (
 from .periods import FALLBACK_PERIOD_CAP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["IMPLEMENTATION", "STATE_LAYOUT", "gefen_contract"]
+__all__ = ["CANONICAL_LAYOUTS", "IMPLEMENTATION", "STATE_LAYOUT", "gefen_contract"]
 
 IMPLEMENTATION = "gefen.Gefen"
 
 _REPL = ParameterLayout.REPLICATED
+_FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
 _DTENSOR = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
+#: Layouts whose state a canonical local document covers.
+CANONICAL_LAYOUTS = frozenset({_REPL, _FLAT})
 
 
 def _param(name: str, geometry: StateGeometry, description: str) -> StateField:
@@ -104,9 +107,9 @@ STATE_LAYOUT = OptimizerStateLayout(
         StateVariant(
             BLOCK,
             BLOCK_KEYS,
-            frozenset({_REPL, _DTENSOR}),
+            frozenset({_REPL, _FLAT, _DTENSOR}),
             StateExtent.LOCAL_STORAGE,
-            description="block-shared second moment (non-2-D parameters, or factored_v_2d=False)",
+            description="block-shared second moment (non-2-D parameters, flattened shards, or factored_v_2d=False)",
         ),
         StateVariant(
             FACTORED,
@@ -130,9 +133,56 @@ STATE_LAYOUT = OptimizerStateLayout(
 _NOT_YET = "not implemented in gefen-core yet"
 
 
+def _training(readiness: IdentityReadiness) -> tuple[TrainingSupport, ...]:
+    if readiness.finalized:
+        scope = training_scope(readiness)
+        return tuple(TrainingSupport(layout, scope) for layout in sorted(readiness.layouts))
+    training = [
+        TrainingSupport(_REPL, ProcessGroupScope.NONE),
+        TrainingSupport(_DTENSOR, ProcessGroupScope.INFERRED_DEVICE_MESH, mesh_dimensions=(1,)),
+    ]
+    if readiness.post_sharding.supported:  # reachable through post_sharding
+        training.append(TrainingSupport(_FLAT, ProcessGroupScope.NONE))
+    return tuple(training)
+
+
+def _checkpoints(readiness: IdentityReadiness, canonical: FeatureStatus) -> tuple[CheckpointSupport, ...]:
+    native = readiness.layouts if readiness.finalized else frozenset({_REPL, _DTENSOR})
+    rank_local = frozenset({_REPL, _DTENSOR})
+    if readiness.finalized:
+        # torch's DCP helpers keep only state and param_groups, so the shard-identity guard is
+        # dropped: positions suffice only for ungrouped replicated parameters without a scope.
+        rank_local = frozenset({_REPL}) if readiness.layouts == {_REPL} and not readiness.scoped else frozenset()
+    entries = [
+        CheckpointSupport(
+            CheckpointTransport.NATIVE_OPTIMIZER,
+            native,
+            ProcessGroupScope.NONE,
+            LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+        )
+    ]
+    if rank_local:
+        entries.append(
+            CheckpointSupport(
+                CheckpointTransport.PYTORCH_RANK_LOCAL,
+                rank_local,
+                ProcessGroupScope.NONE,
+                # torch's set_optimizer_state_dict steps a stateless optimizer once with zero
+                # gradients before it calls load_state_dict, so a failed load is not a no-op.
+                LoadAtomicity.NONE,
+            )
+        )
+    return (*entries, *canonical_local_entry(readiness, canonical, CANONICAL_LAYOUTS))
+
+
+_UNBOUND = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
+
+
 @lru_cache(maxsize=64)
 def gefen_contract(
     *,
+    readiness: IdentityReadiness = FRESH,
+    canonical: FeatureStatus = _UNBOUND,
     deterministic: bool,
     stochastic_round: bool,
     capturable: bool,
@@ -140,48 +190,26 @@ def gefen_contract(
     fused: bool | None,
     factored_v_2d: tuple[bool, ...],
 ) -> OptimizerContract:
-    """The contract of a Gefen instance with these options (memoised, immutable)."""
+    """The contract of a Gefen instance with these options and this identity readiness
+    (memoised, immutable)."""
     capabilities = OptimizerCapabilities(
-        training=(
-            TrainingSupport(_REPL, ProcessGroupScope.NONE),
-            TrainingSupport(_DTENSOR, ProcessGroupScope.INFERRED_DEVICE_MESH, mesh_dimensions=(1,)),
-        ),
-        checkpoints=(
-            CheckpointSupport(
-                CheckpointTransport.NATIVE_OPTIMIZER,
-                frozenset({_REPL, _DTENSOR}),
-                ProcessGroupScope.NONE,
-                LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
-            ),
-            CheckpointSupport(
-                CheckpointTransport.PYTORCH_RANK_LOCAL,
-                frozenset({_REPL, _DTENSOR}),
-                ProcessGroupScope.NONE,
-                # torch's set_optimizer_state_dict steps a stateless optimizer once with zero
-                # gradients before it calls load_state_dict, so a failed load is not a no-op.
-                LoadAtomicity.NONE,
-            ),
-        ),
+        training=_training(readiness),
+        checkpoints=_checkpoints(readiness, canonical),
         precisions=frozenset(Precision),
         supported_parameter_ranks=None,
         features={
             FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
-            FEATURE_POST_SHARDING: FeatureStatus.no(f"post_sharding (shard identity binding) is {_NOT_YET}"),
-            FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("canonical identity needs post_sharding"),
-            FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no(f"the canonical local state document is {_NOT_YET}"),
+            **identity_features(readiness, canonical),
             FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
             FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
-            FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(
-                "the codebook and periods are learned rank-locally from each rank's own gradients; "
-                f"an explicit codebook process-group scope is {_NOT_YET}"
-            ),
             FEATURE_COMPOSITE: FeatureStatus.no("Gefen has no child optimizers"),
         },
     )
     extensions: dict[str, object] = {
         "gefen.codebook_size": CODEBOOK_SIZE,
         "gefen.histogram_bins": HISTOGRAM_BINS,
-        "gefen.codebook_scope": "rank_local",
+        "gefen.codebook_scope": "process_group" if readiness.scoped else "rank_local",
+        "gefen.scope_collective_budget": STEADY_STEP_BUDGET,
         "gefen.period_search": "within_block_spread_drop",
         "gefen.period_fallback_cap": FALLBACK_PERIOD_CAP,
         "gefen.native_format": F.FORMAT_NAME,

@@ -15,10 +15,12 @@ from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
 
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
-from .contract import gefen_contract
+from .contract import IMPLEMENTATION, gefen_contract
 from .distributed import all_reduce_column_sums, topology_record
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
+from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
+from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
 from .optimizer_support import (
@@ -32,7 +34,8 @@ from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
 from .parameter_update import decay_only, kernel_queries, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
-from .step_plan import ParamWork, StepPlan, capturing, plan_step
+from .scoped_step import scoped_step
+from .step_plan import ParamWork, StepDecision, StepPlan, capturing, plan_step
 
 __all__ = ["Gefen"]
 
@@ -40,7 +43,7 @@ _NATIVE_LOAD = "gefen.native_load"
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -64,7 +67,16 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
 
     The options ``lr`` to ``period_one_substrings`` may differ per parameter group; the rest
     are optimizer-wide.
+
+    Identity and scope (see the package README): ``post_sharding`` binds every slot to its live
+    local tensor (replicated or flattened element shards) and seals the layout, optionally with
+    a codebook scope over which the codebook is learned; ``initialize_codebook`` /
+    ``refresh_codebook`` (``initialize_collective_state`` / ``refresh_collective_state``) learn
+    it on demand; ``export_local_state`` / ``prepare_local_import`` / ``commit_local_import``
+    move FQN-keyed canonical documents.
     """
+
+    _identity_implementation = IMPLEMENTATION
 
     def __init__(
         self,
@@ -132,6 +144,7 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
         self._global_step = 0
         self._device_global_steps: dict[torch.device, torch.Tensor] = {}
         self._version = 0
+        self._identity = None
         super().__init__(params, defaults)
         if fused is True:
             self._check_kernel_provider()
@@ -139,7 +152,9 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
     # -- construction -------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validate the whole group (options and parameters) first, then register it."""
+        """Validate the whole group (options and parameters) first, then register it
+        (``RuntimeError`` once ``post_sharding`` sealed the layout)."""
+        self._refuse_when_sealed()
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
@@ -189,7 +204,10 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        return has_fp16_gradients(self.param_groups)
+        # A multi-member scope always takes the scaler's optimizer protocol, so every member
+        # agrees on one overflow decision in its step header.
+        identity = self._identity
+        return (identity is not None and identity.communicates) or has_fp16_gradients(self.param_groups)
 
     def state_bytes(self) -> int:
         """Bytes of every tensor storage reachable from the optimizer's state (codebook included)."""
@@ -218,8 +236,11 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
     # -- contract and preflight ---------------------------------------------------------
 
     def optimizer_contract(self) -> OptimizerContract:
-        """What this instance supports now (cheap, pure, no collectives)."""
+        """What this instance supports now (cheap: O(local parameters), pure, no collectives)."""
+        readiness = self._identity_readiness()
         return gefen_contract(
+            readiness=readiness,
+            canonical=self._canonical_status(readiness.identity),
             deterministic=self._deterministic,
             stochastic_round=self._stochastic_round,
             capturable=self._capturable,
@@ -233,6 +254,7 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
         return bool(self._refresh_every and self._codebook is not None and step > 0 and step % self._refresh_every == 0)
 
     def _plan(self) -> StepPlan:
+        self._verify_layout("step")
         return plan_step(
             self.param_groups,
             self.state,
@@ -252,11 +274,18 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One AdamW-like update of every parameter with a gradient; returns ``closure()``'s loss."""
+        """One AdamW-like update of every parameter with a gradient; returns ``closure()``'s loss.
+
+        With a codebook scope every member must call it (see :mod:`gefen_core.scoped_step`).
+        """
+        identity = self._identity
+        if identity is not None and identity.scope is not None:
+            return scoped_step(self, closure)
         if capturing() and not self._capturable:
             raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
         loss = None
         if closure is not None:
+            self._verify_layout("step")
             with torch.enable_grad():
                 loss = closure()
         plan = self._plan()
@@ -272,6 +301,12 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
             if work.state_device_differs:
                 self._move_state(work)
         stats = self._factored_stats(works)
+        self._publish(plan, self._decide(plan, stats), stats)
+
+    def _decide(self, plan: StepPlan, stats: Stats) -> StepDecision:
+        """Learn what this step needs from local gradients (periods of starting parameters, the
+        codebook, a due refresh) and stage it; nothing of the optimizer is touched."""
+        works = plan.works
         starting = [w for w in works if w.needs_state and self._starts_now(w, stats)]
         idle = [w for w in works if w.needs_state and not self._starts_now(w, stats)]
         periods = {
@@ -283,7 +318,7 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
             return periods[work.slot] if work.slot in periods else int(work.state[PERIOD])  # type: ignore[index]
 
         learners = [w for w in works if w.state or w.slot in periods]
-        old_codebook, old_copies = self._codebook, self._codebook_copies
+        old_codebook = self._codebook
         new_codebook = old_codebook
         if old_codebook is None:
             contributing = [(w, period_of(w)) for w in learners if self._locally_nonzero(w)]
@@ -295,34 +330,46 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
             if relearned is not None:
                 refreshed = self._requantize_all(old_codebook, relearned)
                 new_codebook = relearned
-        created = []
-        for work in starting:
-            state = new_state(work.local, periods[work.slot], work.variant, self._capturable)
-            self.state[work.param] = state
-            work.state = state
-            created.append(work)
-        if new_codebook is not old_codebook:
-            self._codebook = new_codebook
-            self._codebook_copies = {}
+        return self._stage_decision(starting, idle, periods, new_codebook, refreshed)
+
+    def _stage_decision(
+        self,
+        starting: list[ParamWork],
+        idle: list[ParamWork],
+        periods: Mapping[int, int],
+        codebook: torch.Tensor | None,
+        refreshed: list[tuple[dict[str, Any], torch.Tensor]],
+    ) -> StepDecision:
+        """New zero states for ``starting`` (not inserted) and, with ``fused=True``, the kernel
+        checks of their first step."""
+        states = {w.slot: new_state(w.local, periods[w.slot], w.variant, self._capturable) for w in starting}
         if self._fused is True:
-            try:
-                for work in created:
+            for work in starting:
+                work.state = states[work.slot]
+                try:
                     for op_id, args, kwargs in self._kernel_queries(work):
                         self._dispatch.resolve(op_id, *args, **kwargs)
-            except Exception:
-                for work in created:
-                    del self.state[work.param]
+                finally:
                     work.state = None
-                self._codebook, self._codebook_copies = old_codebook, old_copies
-                raise
-        for state, indices in refreshed:
+        return StepDecision(starting, states, idle, codebook, refreshed)
+
+    def _publish(self, plan: StepPlan, decision: StepDecision, stats: Stats) -> None:
+        """Publish a staged decision, then update every parameter (no failure path but the kernels')."""
+        for work in decision.starting:
+            state = decision.states[work.slot]
+            self.state[work.param] = state
+            work.state = state
+        if decision.codebook is not self._codebook:
+            self._codebook = decision.codebook
+            self._codebook_copies = {}
+        for state, indices in decision.refreshed:
             state[INDICES].copy_(indices)
-        for work in idle:
+        for work in decision.idle:
             decay_only(work.local, self.param_groups[work.group_index])
-        for work in works:
+        for work in plan.works:
             if work.state:
                 self._update(work, stats)
-        self._advance_global_step({w.local.device for w in works})
+        self._advance_global_step({w.local.device for w in plan.works})
 
     def _locally_nonzero(self, work: ParamWork) -> bool:
         if work.local_nonzero is None:
@@ -429,33 +476,45 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The native state dict (format ``gefen.native_state`` v1: tensors and primitives only)."""
-        return export_with_hooks(
-            self,
-            lambda: export_state_dict(
-                self.param_groups,
-                self.state,
-                codebook=self._codebook,
-                global_step=self.global_step,
-                deterministic=self._deterministic,
-                topology=self._topology(),
-            ),
+        """The native state dict (format ``gefen.native_state`` v1: tensors and primitives only;
+        a finalized optimizer adds its shard-identity guard, :mod:`gefen_core.native_identity`)."""
+        return export_with_hooks(self, self._export_native)
+
+    def _export_native(self) -> dict[str, Any]:
+        self._verify_layout("state_dict")
+        exported = export_state_dict(
+            self.param_groups,
+            self.state,
+            codebook=self._codebook,
+            global_step=self.global_step,
+            deterministic=self._deterministic,
+            topology=self._topology(),
         )
+        if self._identity is not None:
+            exported[IDENTITY_KEY] = identity_guard(self._identity)
+        return exported
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage the new state; changes nothing."""
-        staged = stage_state_dict(
+        self._verify_layout("load_state_dict")
+        staged = self._stage_native_state(split_identity_guard(state_dict, self._identity))  # type: ignore[arg-type]
+        return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
+
+    def _stage_native_state(self, state_dict: Mapping[str, Any]) -> StagedNativeState:
+        return stage_state_dict(
             state_dict,
             param_groups=self.param_groups,
             deterministic=self._deterministic,
             capturable=self._capturable,
             topology=self._topology(),
         )
-        return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
-        payload = staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version)
+        self._verify_layout("load_state_dict")
+        self._publish_native_state(staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version))
+
+    def _publish_native_state(self, payload: object) -> None:
         assert isinstance(payload, StagedNativeState)
         publish_groups_and_state(self, payload.groups, payload.state)
         self._codebook = payload.codebook

@@ -23,15 +23,17 @@ from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
-from .muon_contract import mode_tag, muon_contract
+from .muon_binding import MuonBindingMethods
+from .muon_contract import IMPLEMENTATION, REPLICATED_STATE_LAYOUT, mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, ScopeEntry, agree_step, shard_rows, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
-from .muon_learning import is_nonzero, learn_codebook
+from .muon_learning import LearningResult, is_nonzero, learn_codebook
 from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, group_schedule, lr_ratio, normalize_muon_options
 from .muon_plan import MuonItem, MuonPlan, batched_chunks, check_entry, check_matrix, plan_muon_step
 from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_call, momentum_input, orthogonalize
+from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .ops import MUON_DISPATCHED_OPS, KernelDispatch
 from .optimizer_support import (
@@ -44,6 +46,7 @@ from .optimizer_support import (
 from .param_state import storage_bytes
 from .parameter_update import placeholder_codebook
 from .periods import search_period
+from .scoped_step import scoped_step
 
 __all__ = ["GefenMuon"]
 
@@ -51,7 +54,7 @@ _NATIVE_LOAD = "gefen.muon_native_load"
 _LOG = logging.getLogger("gefen_core.muon")
 
 
-class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
+class GefenMuon(MuonBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """Muon (momentum, Newton-Schulz orthogonalisation, a shape-scaled step) for 2-D matrices,
     with the momentum stored as uint8 codes into one learned 256-entry codebook plus one fp32
     scale per block (Gefen's codec): about 1 byte of state per parameter instead of 4.
@@ -84,7 +87,16 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
 
     Every option from ``lr`` to ``cautious`` except ``fused``, ``stochastic_round`` and
     ``deterministic`` may differ per parameter group.
+
+    Identity and scope (see the package README): ``post_sharding`` binds every slot to a
+    complete local matrix (replicated) or to its owner (whole-parameter owner; non-owner slots
+    are pruned) and seals the layout, optionally with a codebook scope;
+    ``initialize_collective_state`` / ``refresh_collective_state`` learn the codebook on
+    demand; canonical local documents cover replicated matrices.
     """
+
+    _identity_implementation = IMPLEMENTATION
+    _canonical_layout = REPLICATED_STATE_LAYOUT
 
     def __init__(
         self,
@@ -165,6 +177,7 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
         self._global_step = 0
         self._version = 0
         self._fp8_warned = False
+        self._identity = None
         super().__init__(params, defaults)
         if fused is True:
             missing = [op for op in MUON_DISPATCHED_OPS if not self._dispatch.available(op)]
@@ -177,7 +190,9 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
     # -- construction -------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validate the whole group (every option and every parameter) first, then register it."""
+        """Validate the whole group (every option and every parameter) first, then register it
+        (``RuntimeError`` once ``post_sharding`` sealed the layout)."""
+        self._refuse_when_sealed()
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
@@ -227,7 +242,8 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        return has_fp16_gradients(self.param_groups)
+        identity = self._identity
+        return (identity is not None and identity.communicates) or has_fp16_gradients(self.param_groups)
 
     def state_bytes(self) -> int:
         """Bytes of every tensor storage reachable from this rank's optimizer state (codebook included)."""
@@ -245,8 +261,12 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
         raise KeyError("the tensor is not a parameter of this optimizer")
 
     def optimizer_contract(self) -> OptimizerContract:
-        """What this instance supports now (cheap, pure, no collectives)."""
+        """What this instance supports now (cheap: O(local parameters), pure, no collectives)."""
+        readiness = self._identity_readiness()
         return muon_contract(
+            readiness=readiness,
+            canonical=self._canonical_status(readiness.identity),
+            whole_owner_blocker=self._whole_owner_blocker(),
             modes=tuple(sorted({group["sharded_mode"] for group in self.param_groups})),
             normuon=tuple(sorted({bool(group["normuon"]) for group in self.param_groups})),
             deterministic=self._deterministic,
@@ -257,6 +277,7 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
     # -- preflight and step -------------------------------------------------------------
 
     def _plan(self) -> MuonPlan:
+        self._verify_layout("step")
         return plan_muon_step(
             self.param_groups,
             self.state,
@@ -277,11 +298,19 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon update of every 2-D parameter with a gradient; returns ``closure()``'s loss.
 
-        Under FSDP2 every rank of the mesh must call it (collectives; failures are voted).
+        Under FSDP2 every rank of the mesh must call it (collectives; failures are voted), and
+        so must every member of a codebook scope (see :mod:`gefen_core.scoped_step`).
         """
+        blocker = self._whole_owner_blocker()
+        if blocker is not None:
+            raise RuntimeError(f"GefenMuon.step: {blocker}")
+        identity = self._identity
+        if identity is not None and identity.scope is not None:
+            return scoped_step(self, closure)
         error: BaseException | None = None
         scope: MuonScope | None = None
         try:
+            self._verify_layout("step")  # before anything reads the (possibly tampered) groups
             scope = self._scope()
             check_entry(self.param_groups)
         except Exception as exc:
@@ -312,13 +341,19 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
         self._execute(plan)
         return loss
 
-    def _execute(self, plan: MuonPlan) -> None:
+    def _execute(self, plan: MuonPlan, learned: LearningResult | None = None) -> None:
+        """Learn what is missing (unless a scope already did: ``learned``), then update every
+        active matrix and advance the step."""
         active = plan.active
         for item in active:
             self._move_state(item)
         periods: dict[int, int] = {}
         gathered: dict[int, torch.Tensor] | None = None  # distributed gradients already at their owners
-        if self._codebook is None and active:
+        if learned is not None:
+            periods = learned.periods
+            if learned.codebook is not None:
+                self._codebook, self._codebook_copies = learned.codebook, {}
+        elif self._codebook is None and active:
             learned = learn_codebook(active, plan.scope, self._dispatch, deterministic=self._deterministic)
             periods = learned.periods
             if any(item.mode == DISTRIBUTED for item in active):
@@ -543,25 +578,36 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
         Collective when a group uses ``sharded_mode="distributed"`` under FSDP2: every rank of
         the mesh must call it, and every rank returns the complete, consolidated state.
         """
-        return export_with_hooks(
-            self,
-            lambda: muon_state_dict(
-                self.param_groups,
-                self.state,
-                codebook=self._codebook,
-                global_step=self._global_step,
-                deterministic=self._deterministic,
-            ),
+        return export_with_hooks(self, self._export_native)
+
+    def _export_native(self) -> dict[str, Any]:
+        self._verify_layout("state_dict")
+        exported = muon_state_dict(
+            self.param_groups,
+            self.state,
+            codebook=self._codebook,
+            global_step=self._global_step,
+            deterministic=self._deterministic,
         )
+        if self._identity is not None:
+            exported[IDENTITY_KEY] = identity_guard(self._identity)
+        return exported
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage this rank's share; changes nothing."""
-        staged = stage_muon_state_dict(state_dict, param_groups=self.param_groups, deterministic=self._deterministic)
+        self._verify_layout("load_state_dict")
+        staged = self._stage_native_state(split_identity_guard(state_dict, self._identity))  # type: ignore[arg-type]
         return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
+
+    def _stage_native_state(self, state_dict: Mapping[str, Any]) -> StagedMuonState:
+        return stage_muon_state_dict(state_dict, param_groups=self.param_groups, deterministic=self._deterministic)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
-        payload = staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version)
+        self._verify_layout("load_state_dict")
+        self._publish_native_state(staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version))
+
+    def _publish_native_state(self, payload: object) -> None:
         assert isinstance(payload, StagedMuonState)
         publish_groups_and_state(self, payload.groups, payload.state)
         self._codebook = payload.codebook

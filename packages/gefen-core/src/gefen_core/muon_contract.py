@@ -22,13 +22,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from gefen_contracts import (
-    FEATURE_CANONICAL_IDENTITY,
-    FEATURE_CANONICAL_LOCAL_STATE,
-    FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
     FEATURE_DENSE_SHARD_CODEC,
     FEATURE_PORTABLE_STATE,
-    FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
     CheckpointTransport,
@@ -38,6 +34,7 @@ from gefen_contracts import (
     OptimizerContract,
     OptimizerStateLayout,
     ParameterLayout,
+    ParameterStateRole,
     Precision,
     ProcessGroupScope,
     StateExtent,
@@ -51,6 +48,9 @@ from gefen_contracts import (
     TrainingSupport,
 )
 
+from .codebook_scope import STEADY_STEP_BUDGET
+from .identity import IdentityReadiness
+from .identity_claims import FRESH, canonical_local_entry, identity_features, training_scope
 from .momentum_codec import CODEBOOK_SIZE
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT
 from .muon_native_state import FORMAT, OWNERSHIP
@@ -61,12 +61,13 @@ from .ops import MUON_DISPATCHED_OPS
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "mode_tag", "muon_contract"]
+__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "REPLICATED_STATE_LAYOUT", "mode_tag", "muon_contract"]
 
 IMPLEMENTATION = "gefen.GefenMuon"
 MODE_TAG_PREFIX = "gefen.muon.sharded_mode="
 
 _REPL = ParameterLayout.REPLICATED
+_OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
 _DTENSOR = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
 _EXTENTS = {EXACT: ("global", StateExtent.GLOBAL_PARAMETER), APPROX: ("local", StateExtent.LOCAL_STORAGE)}
 _EXTENTS[DISTRIBUTED] = ("owner", StateExtent.OWNER_PARAMETER)
@@ -123,6 +124,17 @@ def _variants(modes: tuple[str, ...]) -> tuple[StateVariant, ...]:
                 description=f"quantized {what} state of a complete matrix",
             )
         )
+        variants.append(
+            StateVariant(
+                f"{prefix}_whole_owner",
+                fields,
+                frozenset({_OWNER}),
+                StateExtent.OWNER_PARAMETER,
+                role=ParameterStateRole.OWNER,
+                parameter_ranks=(2,),
+                description=f"quantized {what} state of a whole-parameter-owner matrix, on its owner only",
+            )
+        )
         for mode in modes:
             suffix, extent = _EXTENTS[mode]
             variants.append(
@@ -140,19 +152,49 @@ def _variants(modes: tuple[str, ...]) -> tuple[StateVariant, ...]:
 
 
 _NOT_YET = "not implemented for GefenMuon yet"
+_UNBOUND = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
+
+#: The state layout of matrices bound by post_sharding (complete matrices, no DTensor modes).
+REPLICATED_STATE_LAYOUT = OptimizerStateLayout(_FIELDS, _variants(()))
+
+
+def _bound_training(readiness: IdentityReadiness, whole_owner_blocker: str | None) -> list[TrainingSupport]:
+    scope = training_scope(readiness)
+    training = []
+    if _REPL in readiness.layouts:
+        training.append(TrainingSupport(_REPL, scope, requires_complete_logical_matrix=True))
+    if _OWNER in readiness.layouts and whole_owner_blocker is None:
+        training.append(
+            TrainingSupport(
+                _OWNER,
+                ProcessGroupScope.ADAPTER_DEFINED,
+                requires_complete_parameter_storage=True,
+                requires_complete_logical_matrix=True,
+                requires_post_step_parameter_sync=True,
+            )
+        )
+    return training
 
 
 @lru_cache(maxsize=64)
 def muon_contract(
     *,
+    readiness: IdentityReadiness = FRESH,
+    canonical: FeatureStatus = _UNBOUND,
+    whole_owner_blocker: str | None = None,
     modes: tuple[str, ...],
     normuon: tuple[bool, ...],
     deterministic: bool,
     stochastic_round: bool,
     fused: bool | None,
 ) -> OptimizerContract:
-    """The contract of a GefenMuon with these live ``sharded_mode`` values and options."""
+    """The contract of a GefenMuon with these live ``sharded_mode`` values, options and identity
+    readiness (after ``post_sharding``: exactly the bound layouts)."""
     tags = frozenset(mode_tag(mode) for mode in modes)
+    if readiness.finalized:
+        return _bound_contract(
+            readiness, canonical, whole_owner_blocker, modes, normuon, deterministic, stochastic_round, fused
+        )
     training = [TrainingSupport(_REPL, ProcessGroupScope.NONE, requires_complete_logical_matrix=True)]
     for mode in modes:
         training.append(
@@ -194,22 +236,74 @@ def muon_contract(
             requires_collective=DISTRIBUTED in modes,
         ),
     )
+    return _assemble(
+        tuple(training),
+        checkpoints,
+        OptimizerStateLayout(_FIELDS, _variants(modes)),
+        readiness,
+        canonical,
+        modes,
+        normuon,
+        deterministic,
+        stochastic_round,
+        fused,
+    )
+
+
+def _bound_contract(
+    readiness: IdentityReadiness,
+    canonical: FeatureStatus,
+    whole_owner_blocker: str | None,
+    modes: tuple[str, ...],
+    normuon: tuple[bool, ...],
+    deterministic: bool,
+    stochastic_round: bool,
+    fused: bool | None,
+) -> OptimizerContract:
+    """After ``post_sharding``: complete matrices only (replicated, whole-parameter owner)."""
+    native = CheckpointSupport(
+        CheckpointTransport.NATIVE_OPTIMIZER,
+        readiness.layouts,
+        ProcessGroupScope.NONE,
+        LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+    )
+    checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})))
+    return _assemble(
+        tuple(_bound_training(readiness, whole_owner_blocker)),
+        checkpoints,
+        REPLICATED_STATE_LAYOUT,
+        readiness,
+        canonical,
+        modes,
+        normuon,
+        deterministic,
+        stochastic_round,
+        fused,
+    )
+
+
+def _assemble(
+    training: tuple[TrainingSupport, ...],
+    checkpoints: tuple[CheckpointSupport, ...],
+    layout: OptimizerStateLayout,
+    readiness: IdentityReadiness,
+    canonical: FeatureStatus,
+    modes: tuple[str, ...],
+    normuon: tuple[bool, ...],
+    deterministic: bool,
+    stochastic_round: bool,
+    fused: bool | None,
+) -> OptimizerContract:
     capabilities = OptimizerCapabilities(
-        training=tuple(training),
+        training=training,
         checkpoints=checkpoints,
         precisions=frozenset(Precision),
         supported_parameter_ranks=(2,),
         features={
             FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
-            FEATURE_POST_SHARDING: FeatureStatus.no(f"post_sharding (shard identity binding) is {_NOT_YET}"),
-            FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("canonical identity needs post_sharding"),
-            FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no(f"the canonical local state document is {_NOT_YET}"),
+            **identity_features(readiness, canonical),
             FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
             FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
-            FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(
-                "the codebook is agreed over the device mesh inferred from exact/distributed DTensors; "
-                f"an explicit codebook process-group scope is {_NOT_YET}"
-            ),
             FEATURE_COMPOSITE: FeatureStatus.no("GefenMuon has no child optimizers"),
         },
     )
@@ -226,7 +320,7 @@ def muon_contract(
         "gefen.muon.normuon": list(normuon),
         "gefen.muon.ownership": OWNERSHIP,
         "gefen.muon.ns_schedules": list(SCHEDULE_NAMES),
+        "gefen.codebook_scope": "process_group" if readiness.scoped else "mesh_or_rank_local",
+        "gefen.scope_collective_budget": STEADY_STEP_BUDGET,
     }
-    return OptimizerContract(
-        IMPLEMENTATION, OptimizerStateLayout(_FIELDS, _variants(modes)), capabilities, extensions=extensions
-    )
+    return OptimizerContract(IMPLEMENTATION, layout, capabilities, extensions=extensions)

@@ -31,7 +31,7 @@ from .param_state import (
     state_variant,
 )
 
-__all__ = ["ParamWork", "StepPlan", "capturing", "check_gradient", "plan_step"]
+__all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
 
 
 @dataclass(slots=True)
@@ -63,6 +63,19 @@ class ParamWork:
 class StepPlan:
     works: list[ParamWork] = field(default_factory=list)
     refresh_due: bool = False
+
+
+@dataclass(slots=True)
+class StepDecision:
+    """What a step learned, staged without touching the optimizer: parameters whose state
+    starts now (with their new states), stateless ones that only decay, the codebook the
+    step uses, and re-quantised momentum indices ``(state, new indices)`` of a refresh."""
+
+    starting: list[ParamWork] = field(default_factory=list)
+    states: dict[int, dict[str, Any]] = field(default_factory=dict)
+    idle: list[ParamWork] = field(default_factory=list)
+    codebook: torch.Tensor | None = None
+    refreshed: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list)
 
 
 def capturing() -> bool:

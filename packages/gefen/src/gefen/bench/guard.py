@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, FEATURE_POST_SHARDING, ContractProvider
+from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, FEATURE_POST_SHARDING, ContractProvider, ProcessGroupIdentity
 from gefen_contracts.testing import replicated_copy_plan
 
 from .plot import Panel, Series
@@ -182,23 +182,67 @@ def _measure_composite(builder: ReportBuilder, options: GuardOptions) -> None:
     builder.add("composite/guard-per-step", "step_time", 2 * guard, "us", baseline="composite/step-bound")
 
 
+def _scoped_rebindings(named: NamedParameters, group: ProcessGroupIdentity, rank: int) -> tuple[list[Any], Any]:
+    """Replicated shards of every parameter on every member of ``group`` (the manifest names the
+    group, as a codebook scope requires), and this rank's rebindings onto the same tensors."""
+    from gefen_contracts import (
+        LogicalSlice,
+        ParameterIdentity,
+        ParameterLayout,
+        ParameterRebinding,
+        PlacementKind,
+        ShardIdentity,
+        ShardingManifest,
+        ShardPlacement,
+    )
+
+    members = group.ordered_members
+    rebindings, shards = [], []
+    for name, parameter in named:
+        identity = ParameterIdentity(name, tuple(parameter.shape))
+        for member in range(len(members)):
+            placement = ShardPlacement(group.semantic_name, PlacementKind.REPLICATE, member, len(members))
+            shard = ShardIdentity(
+                identity, ParameterLayout.REPLICATED, LogicalSlice.full(identity), (placement,), group, members[member]
+            )
+            shards.append(shard)
+            if member == rank:
+                rebindings.append(ParameterRebinding(parameter, parameter, shard))
+    return rebindings, ShardingManifest(tuple(shards))
+
+
 def scoped_step_collectives(rank: int, world_size: int, tensors: int, numel: int) -> dict[str, int]:
     """Rank function (for :class:`gefen_contracts.testing.GlooWorld`): Gefen bound with a
-    codebook scope over the world; collectives of one steady-state step and the budget."""
+    codebook scope over the world; the collectives of each scoped operation and the budget."""
     import torch.distributed as dist
-    from gefen_contracts import ProcessGroupIdentity
     from gefen_contracts.torch_support import CodebookProcessGroupBinding, CollectiveCounter
 
+    torch.set_num_threads(1)
     named = _named(tensors, numel)  # the same seed on every rank: replicated parameters
     optimizer: Any = _gefen(named)
     identity = ProcessGroupIdentity("bench.codebook", tuple(f"rank:{r}" for r in range(world_size)))
     scope = CodebookProcessGroupBinding(identity, f"rank:{rank}", dist.group.WORLD, torch.device("cpu"))
-    _bind(optimizer, named, scope)
-    optimizer.step()  # learns the codebook over the scope
-    counter = CollectiveCounter()
-    with counter.patched():
-        optimizer.step()
-    return {"collectives": counter.total, "budget": int(optimizer.collective_budget())}
+    grads = {name: p.grad for name, p in named}
+    for _, p in named:
+        p.grad = None  # post_sharding refuses tensors that carry gradients
+    rebindings, manifest = _scoped_rebindings(named, identity, rank)
+    optimizer.post_sharding(rebindings, manifest=manifest, scope=scope)
+
+    def counted(action: Callable[[], object]) -> int:
+        for name, parameter in named:
+            parameter.grad = grads[name].clone()  # type: ignore[union-attr]
+        counter = CollectiveCounter()
+        with counter.patched():
+            action()
+        return counter.total
+
+    return {
+        "learning-step": counted(optimizer.step),  # first gradient: learns the codebook over the scope
+        "collectives": counted(optimizer.step),
+        "with-closure": counted(lambda: optimizer.step(lambda: None)),
+        "refresh": counted(optimizer.refresh_codebook),
+        "budget": int(optimizer.collective_budget()),
+    }
 
 
 def _measure_scoped(builder: ReportBuilder, options: GuardOptions) -> None:
@@ -216,6 +260,19 @@ def _measure_scoped(builder: ReportBuilder, options: GuardOptions) -> None:
         "calls",
         baseline="gefen/scoped-step",
         detail={"per_rank": [r["collectives"] for r in results], "ranks": options.scoped_ranks},
+    )
+    for operation in ("with-closure", "learning-step", "refresh"):
+        builder.add(
+            f"gefen/scoped-{operation}-counted",
+            "collectives",
+            float(max(r[operation] for r in results)),
+            "calls",
+            detail={"per_rank": [r[operation] for r in results]},
+        )
+    builder.note(
+        f"gefen scoped collectives on {options.scoped_ranks} gloo ranks: steady step {worst['collectives']}, "
+        f"with a closure {worst['with-closure']}, learning step {worst['learning-step']}, "
+        f"refresh_codebook {worst['refresh']} (budget {budget} per steady step)"
     )
 
 

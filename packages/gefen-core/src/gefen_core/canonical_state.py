@@ -1,0 +1,352 @@
+"""Canonical local state of ``Gefen`` and ``GefenMuon``: their part of a ``gefen.bound_state`` document.
+
+The envelope is gefen-contracts' (``build_bound_state`` / ``parse_bound_state``, format
+version 1, committed golden vectors in the tests). :class:`CanonicalStateMethods` (a base
+class of both optimizers) supplies:
+
+* ``policy``: the optimizer-wide options that change what the state means:
+  ``codebook_refresh_every`` (Gefen), ``stochastic_round`` and ``deterministic``; equal on
+  import;
+* ``common``: ``global_step`` (int), ``codebook`` (fp32 ``[256]`` or ``None``) and
+  ``codebook_scope`` (the scope's rank-neutral record, or ``None``; equal to the live one);
+* per parameter, keyed by exact FQN: its compatibility name, its shard, its group options
+  (every group key but ``params``, ``param_names`` and the native mirror; tuples become
+  lists), its declared state variant (``gefen_contracts.match_variants``; ``"uninitialized"``
+  before its first step) and its authoritative state with int counters.
+
+``prepare_local_import`` validates the envelope, the scope, the local FQN set and every
+entry's shard (another member's slice is refused) and variant, regroups the entries by the
+target's own groups (each group takes its options from the document, which must agree for
+every parameter of the group) and rebuilds a positional native state dict that the
+optimizer's native staging validates completely (shapes, dtypes, finiteness, counters,
+codebook). So an import routes by FQN across regrouped or reordered targets, never mutates
+the optimizer or the document, and bypasses hooks. The prepared import is single use; its
+freshness token is the optimizer's mutation counter plus the version counters of every
+parameter, option and state value (``gefen_contracts.torch_support.state_version_token``),
+not a hash of the state.
+
+Not supported (the contract says why): stochastic rounding (its random stream follows slot
+positions, so a reordered target would continue differently), ``capturable=True`` (device
+counters), layouts other than the optimizer's canonical ones (whole-parameter owners: the
+state lives on one member; use portable state), and group options that are not
+primitives or plain tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from gefen_contracts import (
+    FEATURE_CANONICAL_LOCAL_STATE,
+    FeatureStatus,
+    NotSupportedError,
+    OptimizerStateLayout,
+    ParameterLayout,
+    StagedTransaction,
+    StateValidationError,
+    canonical_digest,
+    match_variants,
+    require_transaction,
+)
+from gefen_contracts.torch_support import BoundParameter, build_bound_state, parse_bound_state, state_version_token
+
+from .identity import IdentityReadiness, IdentityRecord
+from .native_records import GROUP_MIRROR
+
+__all__ = ["NO_STATE_VARIANT", "CanonicalStateMethods"]
+
+#: The ``variant`` of a parameter without state (it has not stepped yet).
+NO_STATE_VARIANT = "uninitialized"
+_IMPORT_KIND = "gefen.local_import"
+_NOT_EXPORTED = frozenset({"params", "param_names", GROUP_MIRROR})
+_COMMON_KEYS = frozenset({"global_step", "codebook", "codebook_scope"})
+
+
+def _fail(message: str) -> StateValidationError:
+    return StateValidationError(f"canonical local state: {message}")
+
+
+def _primitive_kind(value: object, depth: int = 0) -> str | None:
+    """``None`` when ``value`` can be written into a document, else the offending type."""
+    if value is None or type(value) in (bool, int, str):
+        return None
+    if type(value) is float:
+        return None if math.isfinite(value) else "non-finite float"
+    if type(value) is torch.Tensor:
+        return None if value.layout is torch.strided and not value.is_meta else "non-strided tensor"
+    if depth < 8 and isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return next((k for v in value if (k := _primitive_kind(v, depth + 1))), None)
+    if depth < 8 and isinstance(value, dict) and type(value) is dict:
+        if any(type(key) is not str for key in value):
+            return "dict with non-str keys"
+        return next((k for v in value.values() if (k := _primitive_kind(v, depth + 1))), None)
+    return type(value).__name__
+
+
+def _listify(value: Any) -> Any:
+    if type(value) in (list, tuple):
+        return [_listify(v) for v in value]
+    if type(value) is dict:
+        return {k: _listify(v) for k, v in value.items()}
+    return value
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        )
+    if type(a) is not type(b):
+        return False
+    if type(a) is list:
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _int_counter(value: object, where: str) -> int:
+    number = float(value.item()) if isinstance(value, torch.Tensor) else value
+    if type(number) is float and number.is_integer():
+        number = int(number)
+    if type(number) is not int or number < 0:
+        raise _fail(f"{where} must be a whole number >= 0, got {value!r}")
+    return number
+
+
+class CanonicalStateMethods:
+    """``CanonicalLocalState`` for Gefen-family optimizers (see the module docstring).
+
+    The host provides ``_identity``, ``_version``, ``_identity_implementation``,
+    ``_canonical_layout`` (its ``OptimizerStateLayout``), ``_canonical_counters``,
+    ``_canonical_policy()``, ``_canonical_common()``, ``_canonical_record(common)``,
+    ``_canonical_blockers()``, ``_stage_native_state(state_dict)`` and
+    ``_publish_native_state(payload)``.
+    """
+
+    _identity: IdentityRecord | None
+    _version: int
+    _global_step: int
+    _codebook: torch.Tensor | None
+    _identity_implementation: str
+    _canonical_layout: OptimizerStateLayout
+    _canonical_layouts: frozenset[ParameterLayout]
+    _canonical_counters: tuple[str, ...]
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    if TYPE_CHECKING:  # provided by IdentityMethods
+
+        def _verify_layout(self, where: str) -> None: ...
+
+        def _identity_readiness(self) -> IdentityReadiness: ...
+
+    def _canonical_policy(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _canonical_common(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _canonical_blockers(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _stage_native_state(self, state_dict: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _publish_native_state(self, payload: Any) -> None:
+        raise NotImplementedError
+
+    # -- readiness -----------------------------------------------------------------------------
+
+    def _canonical_status(self, identity_ready: FeatureStatus) -> FeatureStatus:
+        """Whether canonical local state is supported now (cheap: types and structure only)."""
+        if not identity_ready.supported:
+            return FeatureStatus.no(*identity_ready.reasons)
+        reasons = list(self._canonical_blockers())
+        identity = self._identity
+        if identity is not None:
+            other = sorted(layout.value for layout in identity.layouts - self._canonical_layouts)
+            if other:
+                allowed = sorted(layout.value for layout in self._canonical_layouts)
+                reasons.append(
+                    f"canonical local documents cover {allowed} shards; this member also holds {other} shards (their "
+                    "state is not local to one member: use portable state)"
+                )
+        for index, group in enumerate(self.param_groups):
+            for key, value in group.items():
+                if key in _NOT_EXPORTED:
+                    continue
+                kind = _primitive_kind(value)
+                if kind is not None:
+                    reasons.append(
+                        f"param group {index} option {key!r} holds a {kind}; canonical documents hold primitives and "
+                        "plain tensors only"
+                    )
+        return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
+
+    def _require_canonical(self, where: str, identity_ready: FeatureStatus) -> IdentityRecord:
+        self._verify_layout(where)
+        status = self._canonical_status(identity_ready)
+        if not status.supported or self._identity is None:
+            raise NotSupportedError(FEATURE_CANONICAL_LOCAL_STATE, status.reasons)
+        return self._identity
+
+    def _canonical_freshness(self) -> Hashable:
+        return (
+            self._version,
+            self._global_step,
+            id(self._codebook),
+            id(self.state),
+            state_version_token(self.param_groups, self.state),
+        )
+
+    # -- export ---------------------------------------------------------------------------------
+
+    def _variant_of(self, keys: Sequence[str], layout: Any, rank: int, where: str) -> str:
+        if not keys:
+            return NO_STATE_VARIANT
+        matches = match_variants(self._canonical_layout, keys, parameter_layout=layout, parameter_rank=rank)
+        if len(matches) != 1:
+            raise _fail(f"{where}: state keys {sorted(keys)} match {len(matches)} declared variants (one required)")
+        return matches[0].name
+
+    def _export_state(self, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+        return {
+            key: _int_counter(value, f"{where} {key!r}") if key in self._canonical_counters else value
+            for key, value in entry.items()
+        }
+
+    def _export_document(self, identity_ready: FeatureStatus) -> dict[str, Any]:
+        identity = self._require_canonical("export_local_state", identity_ready)
+        sealed = identity.sealed
+        parameters: dict[str, BoundParameter] = {}
+        for index, group in enumerate(self.param_groups):
+            options = {key: _listify(value) for key, value in group.items() if key not in _NOT_EXPORTED}
+            names = sealed.compatibility_names(index)
+            for position, tensor in enumerate(group["params"]):
+                shard = sealed.shard_identity(tensor)
+                where = f"parameter {shard.fqn!r}"
+                entry = self.state.get(tensor) or {}
+                variant = self._variant_of(list(entry), shard.layout, len(shard.parameter.global_shape), where)
+                state = self._export_state(entry, where)
+                parameters[shard.fqn] = BoundParameter(names[position], shard, options, variant, state)
+        return build_bound_state(
+            implementation=self._identity_implementation,
+            policy=self._canonical_policy(),
+            common=self._canonical_common(),
+            manifest=sealed.manifest,
+            parameters=parameters,
+        )
+
+    # -- import ---------------------------------------------------------------------------------
+
+    def _check_common(self, common: Mapping[str, Any]) -> None:
+        if set(common) != _COMMON_KEYS:
+            raise _fail(f"'common' keys must be {sorted(_COMMON_KEYS)}, got {sorted(map(str, common))}")
+        if type(common["global_step"]) is not int or common["global_step"] < 0:
+            raise _fail("'common.global_step' must be an int >= 0")
+        live = self._canonical_common()["codebook_scope"]
+        try:
+            same = canonical_digest(common["codebook_scope"]) == canonical_digest(live)
+        except Exception:
+            same = False
+        if not same:
+            raise _fail(
+                f"the document's codebook scope {common['codebook_scope']!r} does not match this optimizer's {live!r}"
+            )
+
+    def _native_from_document(self, identity: IdentityRecord, document: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate ``document`` for this optimizer and rebuild it as a positional native state dict."""
+        sealed = identity.sealed
+        parsed = parse_bound_state(
+            document,
+            implementation=self._identity_implementation,
+            policy=self._canonical_policy(),
+            manifest=sealed.manifest,
+        )
+        self._check_common(parsed.common)
+        local = {shard.fqn for tensor, shard in sealed.bindings if tensor is not None}
+        missing, extra = sorted(local - set(parsed.parameters)), sorted(set(parsed.parameters) - local)
+        if missing or extra:
+            raise _fail(f"the document's parameters differ from the local ones (missing {missing}, not local {extra})")
+        groups: list[dict[str, Any]] = []
+        state: dict[int, dict[str, Any]] = {}
+        pid = 0
+        for index, group in enumerate(self.param_groups):
+            ids: list[int] = []
+            options: tuple[str, dict[str, Any]] | None = None
+            for tensor in group["params"]:
+                shard = sealed.shard_identity(tensor)
+                entry = parsed.parameters[shard.fqn]
+                where = f"parameter {shard.fqn!r}"
+                if entry.shard != shard:
+                    raise _fail(f"{where} was exported for another shard (another member's slice or another layout)")
+                keys = list(entry.state)
+                variant = self._variant_of(keys, shard.layout, len(shard.parameter.global_shape), where)
+                if entry.variant != variant:
+                    raise _fail(f"{where} declares variant {entry.variant!r} but its state keys make it {variant!r}")
+                for key in self._canonical_counters:
+                    if key in entry.state and type(entry.state[key]) is not int:
+                        raise _fail(f"{where} counter {key!r} must be an int, got {type(entry.state[key]).__name__}")
+                group_options = dict(entry.group_options)
+                if options is None:
+                    options = (shard.fqn, group_options)
+                elif not _equal(options[1], group_options):
+                    raise _fail(
+                        f"param group {index} holds {options[0]!r} and {shard.fqn!r}, whose document group options "
+                        "differ; regroup the target so that each group's parameters share their options"
+                    )
+                if entry.state:
+                    state[pid] = dict(entry.state)
+                ids.append(pid)
+                pid += 1
+            saved: dict[str, Any] = (
+                {k: v for k, v in group.items() if k not in _NOT_EXPORTED} if options is None else dict(options[1])
+            )
+            saved["params"] = ids
+            if "param_names" in group:
+                saved["param_names"] = list(group["param_names"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups, **self._canonical_record(parsed.common)}
+
+    def _prepare_import(self, document: Mapping[str, Any], identity_ready: FeatureStatus) -> StagedTransaction:
+        identity = self._require_canonical("prepare_local_import", identity_ready)
+        native = self._native_from_document(identity, document)
+        payload = self._stage_native_state(native)
+        return StagedTransaction(self, kind=_IMPORT_KIND, token=self._canonical_freshness(), payload=payload)
+
+    def _commit_import(self, staged: StagedTransaction) -> None:
+        self._verify_layout("commit_local_import")
+        payload = require_transaction(staged).claim(self, kind=_IMPORT_KIND, current_token=self._canonical_freshness())
+        self._publish_native_state(payload)
+
+    # -- CanonicalLocalState -------------------------------------------------------------------
+
+    def export_local_state(self) -> dict[str, Any]:
+        """This member's ``gefen.bound_state`` document (owned, tight, finite CPU copies; no collectives).
+
+        ``NotSupportedError`` (with the contract's reasons) when canonical state is not
+        supported now; ``StateValidationError`` for state that cannot be exported.
+        """
+        return self._export_document(self._identity_readiness().identity)
+
+    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``document`` completely and stage it, routed by FQN into this optimizer's own
+        groups; never mutates the optimizer or the document, runs no hooks
+        (``StateValidationError`` names the first problem)."""
+        return self._prepare_import(document, self._identity_readiness().identity)
+
+    def commit_local_import(self, staged: StagedTransaction) -> None:
+        """Publish a prepared import (single use; ``StaleTransactionError`` and no change for a
+        foreign, consumed or stale one). Hooks are bypassed."""
+        self._commit_import(staged)

@@ -1,0 +1,265 @@
+"""What is specific to ``Gefen`` in post-sharding, the codebook scope and canonical local state.
+
+:class:`GefenBindingMethods` is a base class of :class:`~gefen_core.gefen.Gefen`; the generic
+parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
+:mod:`gefen_core.canonical_state`. Gefen adds:
+
+* **layouts**: ``REPLICATED`` (the target has the global shape) and
+  ``FLATTENED_ELEMENT_SHARD`` (a contiguous 1-D run of the row-major flattened parameter).
+  Every other layout is refused. A flattened 2-D parameter keeps the block second moment
+  (factored row and column statistics would need a collective per step); that is the only
+  representation change. Without a scope, a flattened shard trains exactly like a Gefen
+  built directly on the 1-D shard (its period, policies and codebook are local); with one,
+  periods are chosen on the complete logical gradient and the codebook is learned over the
+  scope, so a layout whose cuts fall on block boundaries trains exactly like one process
+  (``factored_v_2d=False``, or parameters that are not 2-D);
+* **pristine**: no parameter state, global step 0, no codebook, no device counters;
+* **the scope protocol's host side**: the step plan with its presence bytes and needs bits,
+  learning items per FQN (gradients unscaled by the agreed scaler scale), staging of new
+  states and re-quantised indices, and publication;
+* **canonical policy** ``{codebook_refresh_every, stochastic_round, deterministic}`` and the
+  native record the rebuilt state dict carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from gefen_contracts import ContractError, ParameterLayout, ShardIdentity
+
+from . import native_format as F
+from .amp import unscale_gradients
+from .canonical_state import CanonicalStateMethods
+from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
+from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
+from .identity import IdentityMethods
+from .param_state import COUNTER_KEYS, INDICES, PERIOD
+from .periods import PeriodPolicy
+from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
+from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
+from .step_plan import ParamWork, StepDecision, StepPlan
+
+if TYPE_CHECKING:
+    from .ops import KernelDispatch
+
+__all__ = ["GEFEN_BINDABLE_LAYOUTS", "GefenBindingMethods"]
+
+#: The layouts ``Gefen.post_sharding`` binds.
+GEFEN_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
+
+Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _period_search(policy: PeriodPolicy, name: str | None, shape: tuple[int, ...]) -> PeriodOf:
+    """The period of a parameter named ``name`` of ``shape`` from a gradient (overrides, then the search)."""
+
+    def search(gradient: torch.Tensor) -> int:
+        return policy.resolve(name, shape, gradient)
+
+    return search
+
+
+class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
+    """Gefen's side of ``IdentityBindable``, ``CollectiveScoped`` and ``CanonicalLocalState``."""
+
+    _scope_who = "Gefen"
+    _canonical_layout = STATE_LAYOUT
+    _canonical_layouts = CANONICAL_LAYOUTS
+    _canonical_counters = COUNTER_KEYS
+    _codebook: torch.Tensor | None
+    _codebook_copies: dict[torch.device, torch.Tensor]
+    _global_step: int
+    _device_global_steps: dict[torch.device, torch.Tensor]
+    _refresh_every: int
+    _stochastic_round: bool
+    _deterministic: bool
+    _capturable: bool
+    _dispatch: KernelDispatch
+
+    if TYPE_CHECKING:  # provided by Gefen
+
+        def _plan(self) -> StepPlan: ...
+
+        def _policy(self, group: Mapping[str, Any]) -> PeriodPolicy: ...
+
+        def _locally_nonzero(self, work: ParamWork) -> bool: ...
+
+        def _move_state(self, work: ParamWork) -> None: ...
+
+        def _factored_stats(self, works: list[ParamWork]) -> Stats: ...
+
+        def _stage_decision(
+            self,
+            starting: list[ParamWork],
+            idle: list[ParamWork],
+            periods: Mapping[int, int],
+            codebook: torch.Tensor | None,
+            refreshed: list[tuple[dict[str, Any], torch.Tensor]],
+        ) -> StepDecision: ...
+
+        def _publish(self, plan: StepPlan, decision: StepDecision, stats: Stats) -> None: ...
+
+        def _requantize_all(
+            self, old: torch.Tensor, new: torch.Tensor
+        ) -> list[tuple[dict[str, Any], torch.Tensor]]: ...
+
+        def _topology(self) -> list[dict[str, object] | None] | None: ...
+
+        def _refresh_due(self) -> bool: ...
+
+    # -- identity rules --------------------------------------------------------------------------
+
+    def _check_bind_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
+        if shard.layout not in GEFEN_BINDABLE_LAYOUTS:
+            allowed = ", ".join(sorted(layout.value for layout in GEFEN_BINDABLE_LAYOUTS))
+            raise ContractError(f"post_sharding: Gefen binds {allowed} shards; {shard.fqn!r} is {shard.layout.value}")
+
+    def _pristine_blockers(self) -> tuple[str, ...]:
+        reasons = []
+        stepped = sum(1 for entry in self.state.values() if entry)
+        if stepped:
+            reasons.append(
+                f"{stepped} parameter(s) already have Gefen state: post_sharding binds a pristine optimizer, before "
+                "its first step"
+            )
+        if self._global_step:
+            reasons.append(f"the optimizer already took {self._global_step} step(s)")
+        if self._codebook is not None:
+            reasons.append("a codebook was already learned")
+        if self._device_global_steps:
+            reasons.append("device step counters already exist (a capturable step ran)")
+        return tuple(reasons)
+
+    def _scope_policy(self) -> dict[str, object]:
+        return {
+            "deterministic": self._deterministic,
+            "codebook_refresh_every": self._refresh_every,
+            "stochastic_round": self._stochastic_round,
+        }
+
+    def _run_initialize(self) -> bool:
+        return scoped_initialize(self)
+
+    def _run_refresh(self) -> bool:
+        return scoped_refresh(self)
+
+    # -- the scope protocol's host side -----------------------------------------------------------
+
+    def _scope_plan(self) -> ScopePlan:
+        plan = self._plan()
+        identity = self._identity
+        presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
+        needs = NEEDS_GRAD if plan.works else 0
+        if any(w.needs_state and self._locally_nonzero(w) for w in plan.works):
+            needs |= NEEDS_START
+        if self._codebook is None and any(self._locally_nonzero(w) for w in plan.works):
+            needs |= NEEDS_NONZERO
+        grads = [w.param.grad for w in plan.works if w.param.grad is not None]
+        return ScopePlan(plan, presence, needs, grads)
+
+    def _scope_key(self, work: ParamWork) -> str:
+        identity = self._identity
+        return f"slot {work.slot}" if identity is None else identity.sealed.shard_identity(work.param).fqn
+
+    def _scope_items(self, plan: ScopePlan, inverse: float | None) -> list[LearnItem]:
+        inner: StepPlan = plan.inner
+        works = {id(work.param): work for work in inner.works}
+        identity = self._identity
+        items: list[LearnItem] = []
+        slot = 0
+        for group in self.param_groups:
+            policy = self._policy(group)
+            for param in group["params"]:
+                work = works.get(id(param))
+                shard = None if identity is None else identity.sealed.shard_identity(param)
+                entry = self.state.get(param)
+                name = None if work is None else work.name
+                local_shape = tuple(param.shape)
+                logical_shape = local_shape if shard is None else shard.parameter.global_shape
+                grad = None
+                if work is not None:
+                    grad = work.grad if inverse is None else work.grad.mul(inverse)
+                items.append(
+                    LearnItem(
+                        fqn=f"slot {slot}" if shard is None else shard.fqn,
+                        shard=shard,
+                        grad=grad,
+                        has_state=bool(entry),
+                        period=int(entry[PERIOD]) if entry else None,
+                        signed=bool(group["maximize"]),
+                        local_period=_period_search(policy, name, local_shape),
+                        logical_period=_period_search(policy, name, logical_shape),
+                    )
+                )
+                slot += 1
+        items.sort(key=lambda item: item.fqn if identity is not None else 0)
+        return items
+
+    def _scope_stage(self, plan: ScopePlan, outcome: LearningOutcome) -> StepDecision:
+        inner: StepPlan = plan.inner
+        starting = [w for w in inner.works if w.needs_state and self._scope_key(w) in outcome.starting]
+        idle = [w for w in inner.works if w.needs_state and self._scope_key(w) not in outcome.starting]
+        periods = {w.slot: outcome.periods[self._scope_key(w)] for w in starting}
+        codebook = outcome.codebook if outcome.codebook is not None else self._codebook
+        return self._stage_decision(starting, idle, periods, codebook, [])
+
+    def _scope_requantize(self, codebook: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        assert self._codebook is not None
+        return self._requantize_all(self._codebook, codebook)
+
+    def _scope_publish(self, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
+        inner: StepPlan = plan.inner
+        unscale_gradients(self, plan.grads)
+        for work in inner.works:
+            if work.state_device_differs:
+                self._move_state(work)
+        stats = self._factored_stats(inner.works)
+        decision = staged if isinstance(staged, StepDecision) else None
+        if decision is None:
+            decision = StepDecision(idle=[w for w in inner.works if w.needs_state], codebook=self._codebook)
+        if requantized:
+            decision.refreshed = requantized
+        self._publish(inner, decision, stats)
+
+    def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None:
+        for state, indices in requantized or ():
+            state[INDICES].copy_(indices)
+        self._codebook = codebook
+        self._codebook_copies = {}
+        self._version += 1
+
+    # -- canonical local state --------------------------------------------------------------------
+
+    def _canonical_policy(self) -> dict[str, Any]:
+        return {
+            "codebook_refresh_every": self._refresh_every,
+            "stochastic_round": self._stochastic_round,
+            "deterministic": self._deterministic,
+        }
+
+    def _canonical_common(self) -> dict[str, Any]:
+        identity = self._identity
+        scope = None if identity is None or identity.scope is None else identity.scope.scope_record()
+        return {"global_step": self._global_step, "codebook": self._codebook, "codebook_scope": scope}
+
+    def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            F.FORMAT_VERSION: F.VERSION,
+            F.GLOBAL_STEP: common["global_step"],
+            F.CODEBOOK: common["codebook"],
+            F.DETERMINISTIC: self._deterministic,
+            F.TOPOLOGY: self._topology(),
+        }
+
+    def _canonical_blockers(self) -> tuple[str, ...]:
+        reasons = []
+        if self._stochastic_round:
+            reasons.append(
+                "stochastic_round=True: the rounding stream follows slot positions, so a regrouped or reordered "
+                "target would not continue bit-exactly"
+            )
+        if self._capturable:
+            reasons.append("capturable=True keeps counters on the device; canonical documents hold int counters")
+        return tuple(reasons)

@@ -1,0 +1,416 @@
+"""Post-sharding identity binding and the codebook scope entry points of ``Gefen`` and ``GefenMuon``.
+
+:class:`IdentityMethods` is a base class of both optimizers (one concept: binding every slot
+to its live local tensor and stable shard identity, sealing the layout, and exposing the
+codebook scope). The request itself is validated by the generic
+``gefen_contracts.torch_support.plan_rebinding``; the optimizer adds what is its own:
+
+* the layouts it binds (``_check_bind_layout``): ``Gefen`` replicated and flattened element
+  shards, ``GefenMuon`` replicated and whole-parameter owner (2-D parameters);
+* pristine (``_pristine_blockers``): no parameter state, global step 0, no codebook, no
+  device counters, i.e. ``post_sharding`` runs before the first step;
+* a multi-member ``scope``: every manifest shard names the scope's process group, and
+  ``capturable=False`` (the scope protocol synchronises with the host).
+
+``prepare_post_sharding`` stages new group dicts and an immutable :class:`IdentityRecord`
+(the sealed layout of ``gefen_contracts.torch_support.SealedLayout``, the scope and the
+scope fingerprint every member compares in its step headers) without touching anything;
+``commit_post_sharding`` publishes them by swaps that cannot raise. Afterwards
+``add_param_group`` and a second ``post_sharding`` raise, and every entry point (``step``
+before and after its closure, ``preflight_step``, checkpoints, canonical state, the scope
+operations, the identity queries) verifies the sealed layout against the public
+containers in O(local parameters), raising ``LayoutTamperedError`` before any mutation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from gefen_contracts import (
+    FEATURE_COLLECTIVE_SCOPE,
+    FEATURE_POST_SHARDING,
+    ContractError,
+    FeatureStatus,
+    LayoutTamperedError,
+    NotSupportedError,
+    ParameterLayout,
+    ParameterRebinding,
+    ShardIdentity,
+    ShardingManifest,
+    StagedTransaction,
+    require_transaction,
+)
+from gefen_contracts.torch_support import (
+    ProcessGroupBinding,
+    RebindingPlan,
+    SealedLayout,
+    SlotRebinding,
+    plan_rebinding,
+    state_version_token,
+    tensor_digest,
+)
+
+from .codebook_scope import STEADY_STEP_BUDGET, digest_words
+
+__all__ = ["IdentityMethods", "IdentityReadiness", "IdentityRecord", "scope_fingerprint"]
+
+_BIND_KIND = "gefen.post_sharding"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class IdentityRecord:
+    """A finalized layout: the sealed slots and bindings, the codebook scope (``None`` when
+    unscoped), the scope fingerprint (four int64 of the scope, manifest and policy digest),
+    the manifest's FQNs and the tensors of shared (replicated and flattened) parameters in
+    binding order, whose gradient presence every member compares."""
+
+    sealed: SealedLayout
+    scope: ProcessGroupBinding | None
+    fingerprint: tuple[int, ...]
+    fqns: tuple[str, ...]
+    shared: tuple[torch.Tensor, ...]
+
+    @property
+    def manifest(self) -> ShardingManifest:
+        return self.sealed.manifest
+
+    @property
+    def communicates(self) -> bool:
+        return self.scope is not None and self.scope.communicates
+
+    @property
+    def layouts(self) -> frozenset[ParameterLayout]:
+        return frozenset(shard.layout for _, shard in self.sealed.bindings)
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityReadiness:
+    """The identity and scope facts a contract is built from (cheap, hashable)."""
+
+    post_sharding: FeatureStatus
+    identity: FeatureStatus
+    collective_scope: FeatureStatus
+    layouts: frozenset[ParameterLayout] = frozenset()
+    scoped: bool = False
+    pruned: bool = False
+
+    @property
+    def finalized(self) -> bool:
+        return bool(self.layouts) or self.pruned
+
+
+def scope_fingerprint(
+    implementation: str, scope: ProcessGroupBinding | None, manifest: ShardingManifest, policy: Mapping[str, object]
+) -> tuple[int, ...]:
+    """Four int64 of the canonical digest of what every member of a scope must share."""
+    from gefen_contracts import to_primitive
+
+    record = {
+        "implementation": implementation,
+        "scope": None if scope is None else scope.scope_record(),
+        "manifest": to_primitive(manifest),
+        "policy": dict(policy),
+    }
+    return tuple(digest_words(bytes.fromhex(tensor_digest(record))))
+
+
+def _record(plan: RebindingPlan, group_count: int, implementation: str, policy: Mapping[str, object]) -> IdentityRecord:
+    sealed = SealedLayout(plan, group_count)
+    shared = tuple(
+        tensor
+        for tensor, shard in sealed.bindings
+        if tensor is not None and shard.layout is not ParameterLayout.WHOLE_PARAMETER_OWNER
+    )
+    return IdentityRecord(
+        sealed,
+        plan.scope,
+        scope_fingerprint(implementation, plan.scope, plan.manifest, policy),
+        plan.manifest.fqns,
+        shared,
+    )
+
+
+def _rebuild(
+    param_groups: Sequence[Mapping[str, Any]],
+    manifest: ShardingManifest,
+    slots: Sequence[Any],
+    scope: ProcessGroupBinding | None,
+    implementation: str,
+    policy: Mapping[str, object],
+) -> IdentityRecord:
+    """The record of a copied optimizer: the k-th kept slot of group g is its k-th parameter."""
+    entries = []
+    position = [0] * len(param_groups)
+    for slot in slots:
+        pruned = slot.shard.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not slot.shard.is_owner
+        group = slot.group_index
+        tensor = None if pruned else param_groups[group]["params"][position[group]]
+        if not pruned:
+            position[group] += 1
+        entries.append(SlotRebinding(slot, tensor if tensor is not None else torch.empty(0), tensor))
+    plan = RebindingPlan(manifest, tuple(entries), scope)
+    return _record(plan, len(param_groups), implementation, policy)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _StagedBinding:
+    groups: tuple[dict[str, Any], ...]
+    record: IdentityRecord
+
+
+class IdentityMethods:
+    """``IdentityBindable`` and ``CollectiveScoped`` for Gefen-family optimizers (module docstring).
+
+    The host optimizer provides ``_check_bind_layout(shard, target)``, ``_pristine_blockers()``,
+    ``_scope_policy()``, ``_identity_implementation`` and the scope drivers
+    ``_run_initialize()`` / ``_run_refresh()``.
+    """
+
+    _identity: IdentityRecord | None
+    _version: int
+    _capturable: bool
+    _identity_implementation: str
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    # -- host hooks --------------------------------------------------------------------------
+
+    def _check_bind_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _pristine_blockers(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _scope_policy(self) -> dict[str, object]:
+        raise NotImplementedError
+
+    def _run_initialize(self) -> bool:
+        raise NotImplementedError
+
+    def _run_refresh(self) -> bool:
+        raise NotImplementedError
+
+    # -- the sealed layout -------------------------------------------------------------------
+
+    def _verify_layout(self, where: str) -> None:
+        """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""
+        identity = self._identity
+        if identity is not None:
+            identity.sealed.verify(self.param_groups, self.state, where=where)
+
+    def _refuse_when_sealed(self) -> None:
+        if getattr(self, "_identity", None) is not None:
+            raise RuntimeError(
+                "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
+                "parameter group before calling post_sharding"
+            )
+
+    def _identity_freshness(self) -> Hashable:
+        return (self._version, id(self.state), state_version_token(self.param_groups, self.state))
+
+    def _identity_readiness(self) -> IdentityReadiness:
+        """Post-sharding, identity and scope status for the contract (O(local parameters))."""
+        identity = self._identity
+        scope = (
+            FeatureStatus.no(
+                "capturable=True: the scope protocol and codebook learning on demand synchronise with the host"
+            )
+            if self._capturable
+            else FeatureStatus.yes()
+        )
+        if identity is None:
+            blockers = self._pristine_blockers()
+            unbound = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
+            post_sharding = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
+            return IdentityReadiness(post_sharding, unbound, scope)
+        pruned = any(tensor is None for tensor, _ in identity.sealed.bindings)
+        try:
+            self._verify_layout("optimizer_contract")
+        except LayoutTamperedError as exc:
+            broken = FeatureStatus.no(str(exc))
+            return IdentityReadiness(FeatureStatus.yes(), broken, broken, identity.layouts, identity.scope is not None)
+        return IdentityReadiness(
+            FeatureStatus.yes(), FeatureStatus.yes(), scope, identity.layouts, identity.scope is not None, pruned
+        )
+
+    # -- IdentityBindable --------------------------------------------------------------------
+
+    def _compatibility_name(self, group_index: int, slot_index: int, source: torch.Tensor) -> str:
+        names = self.param_groups[group_index].get("param_names")
+        if names is None or slot_index >= len(names) or type(names[slot_index]) is not str:
+            return ""
+        return str(names[slot_index])
+
+    def _check_scope(self, plan: RebindingPlan) -> None:
+        scope = plan.scope
+        if scope is None or not scope.communicates:
+            return
+        if self._capturable:
+            raise ContractError(
+                "post_sharding: a multi-member codebook scope needs capturable=False (its protocol synchronises with "
+                "the host every step)"
+            )
+        for shard in plan.manifest.shards:
+            if shard.process_group != scope.identity:
+                raise ContractError(
+                    f"post_sharding: with a {scope.member_count}-member codebook scope every manifest shard must name "
+                    f"its process group {scope.identity.semantic_name!r}; {shard.fqn!r} does not"
+                )
+
+    def prepare_post_sharding(
+        self,
+        rebindings: Sequence[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        scope: object | None = None,
+    ) -> StagedTransaction:
+        """Validate a post-sharding request and stage the new layout; nothing is mutated.
+
+        Raises ``RuntimeError`` if already finalized, ``NotSupportedError`` (with reasons)
+        when the optimizer is not pristine, and ``ContractError`` / ``ContractTypeError`` /
+        ``RuntimeError`` for an invalid request: see the module docstring and
+        ``gefen_contracts.torch_support.plan_rebinding``. ``scope`` is a
+        ``CodebookProcessGroupBinding`` (its runtime is validated here, with local queries).
+        """
+        if self._identity is not None:
+            raise RuntimeError("post_sharding: this optimizer is already finalized (its layout is sealed)")
+        blockers = self._pristine_blockers()
+        if blockers:
+            raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
+        plan = plan_rebinding(
+            self.param_groups,
+            rebindings,
+            manifest=manifest,
+            scope=scope,
+            name_of=self._compatibility_name,
+            check_layout=self._check_bind_layout,
+        )
+        self._check_scope(plan)
+        groups = []
+        kept = plan.group_params(len(self.param_groups))
+        names: list[list[str]] = [[] for _ in self.param_groups]
+        for entry in plan.entries:
+            if entry.target is not None:
+                names[entry.slot.group_index].append(entry.slot.compatibility_name)
+        for index, group in enumerate(self.param_groups):
+            staged = dict(group)
+            staged["params"] = kept[index]
+            if "param_names" in group:
+                staged["param_names"] = names[index]
+            groups.append(staged)
+        record = _record(plan, len(self.param_groups), self._identity_implementation, self._scope_policy())
+        payload = _StagedBinding(tuple(groups), record)
+        return StagedTransaction(self, kind=_BIND_KIND, token=self._identity_freshness(), payload=payload)
+
+    def commit_post_sharding(self, staged: StagedTransaction) -> None:
+        """Publish a staged binding by swaps that cannot raise, and seal the layout.
+
+        ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
+        transaction (the optimizer, its parameters, options or state changed since prepare).
+        """
+        payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=self._identity_freshness())
+        assert isinstance(payload, _StagedBinding)
+        for live, new in zip(self.param_groups, payload.groups):
+            live.clear()
+            live.update(new)
+        self.state = defaultdict(dict)
+        self._identity = payload.record
+        self._version += 1
+
+    def post_sharding(
+        self,
+        rebindings: Sequence[ParameterRebinding],
+        *,
+        manifest: ShardingManifest,
+        scope: object | None = None,
+    ) -> None:
+        """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
+        self.commit_post_sharding(self.prepare_post_sharding(rebindings, manifest=manifest, scope=scope))
+
+    def sharding_manifest(self) -> ShardingManifest | None:
+        """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
+        self._verify_layout("sharding_manifest")
+        return None if self._identity is None else self._identity.manifest
+
+    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+        """``(tensor or None, shard)`` per local slot sorted by ``sort_key`` (pruned non-owners
+        carry ``None``; ``()`` before ``post_sharding``)."""
+        self._verify_layout("shard_bindings")
+        return () if self._identity is None else self._identity.sealed.bindings
+
+    def shard_identity(self, parameter: Any) -> ShardIdentity:
+        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
+        self._verify_layout("shard_identity")
+        if self._identity is None:
+            raise KeyError("no shard identity is bound: call post_sharding first")
+        return self._identity.sealed.shard_identity(parameter)
+
+    # -- CollectiveScoped --------------------------------------------------------------------
+
+    def collective_scope(self) -> ProcessGroupBinding | None:
+        """The installed codebook scope binding (``None`` when unscoped)."""
+        identity = self._identity
+        return None if identity is None else identity.scope
+
+    def collective_budget(self) -> int:
+        """Most host-synchronising collectives of one steady-state scoped ``step()`` (2: an entry
+        vote when a closure is given, and the operation header)."""
+        return STEADY_STEP_BUDGET
+
+    def _require_scope_feature(self, where: str) -> None:
+        self._verify_layout(where)  # a tampered layout raises LayoutTamperedError, not a contract refusal
+        status = self._identity_readiness().collective_scope
+        if not status.supported:
+            raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, status.reasons)
+
+    def initialize_collective_state(self) -> bool:
+        """Learn the codebook from the attached gradients if none exists; returns whether a
+        codebook exists afterwards (periods are still chosen by each parameter's first step).
+
+        With a codebook scope it is collective: every member must call it, and a local failure
+        raises ``CollectiveFailureError`` on every member with nothing changed. Without one it
+        learns from this process's gradients.
+        """
+        self._require_scope_feature("initialize_collective_state")
+        return self._run_initialize()
+
+    def refresh_collective_state(self) -> bool:
+        """Relearn the codebook from the attached gradients (stored periods) and re-express every
+        momentum index in it (collectively over the scope, if any); returns whether the codebook
+        changed (``False`` without a codebook or when no member has a gradient)."""
+        self._require_scope_feature("refresh_collective_state")
+        return self._run_refresh()
+
+    def initialize_codebook(self) -> bool:
+        """Gefen's name for :meth:`initialize_collective_state`."""
+        return self.initialize_collective_state()
+
+    def refresh_codebook(self) -> bool:
+        """Gefen's name for :meth:`refresh_collective_state`."""
+        return self.refresh_collective_state()
+
+    # -- copies ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The sealed layout holds tensors by identity; it travels as its tensor-free record and
+        # is rebuilt around the copied tensors.
+        state = cast(dict[str, Any], super().__getstate__())
+        identity = self.__dict__.get("_identity")
+        state["_identity_record"] = (
+            None if identity is None else (identity.manifest, identity.sealed.slots, identity.scope)
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        record = state.pop("_identity_record", None)
+        super().__setstate__(state)  # type: ignore[misc]
+        self._identity = None
+        if record is not None:
+            manifest, slots, scope = record
+            self._identity = _rebuild(
+                self.param_groups, manifest, slots, scope, self._identity_implementation, self._scope_policy()
+            )

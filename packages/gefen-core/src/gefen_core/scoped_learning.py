@@ -1,0 +1,304 @@
+"""Learning periods and the codebook over a codebook scope, one logical parameter at a time.
+
+The aim is what one process would learn from the complete logical gradients, whatever the
+placement: every member ends with the same codebook and, for shared parameters, the same
+periods. Parameters are named by FQN (the manifest's sorted FQNs are the common index):
+
+1. **Which parameters start.** A parameter's state starts at its first non-zero gradient,
+   judged on the complete logical gradient: one ``all_reduce(MAX)`` of per-FQN flags tells
+   every member which parameters are non-zero anywhere, and which have state (a member
+   holding a shared parameter with state while another holds it without raises everywhere).
+2. **Periods.** Replicated parameters and whole-parameter owners run the period search on
+   their complete local gradient. A starting ``FLATTENED_ELEMENT_SHARD`` parameter's slices
+   are gathered (one ``all_gather`` per bucket of at most :data:`GATHER_BUDGET_BYTES`, as
+   float64, an exact widening) so every member runs the search on the complete gradient
+   with the logical shape, exactly as one process would. A member whose slice starts and
+   ends on multiples of that period uses it (blocks then coincide with one process's
+   blocks); otherwise it searches its own slice (as without a scope).
+3. **Codebook.** Each logical parameter is counted once in the 4096-bin histogram: a
+   replicated parameter by member 0, a flattened one by every non-empty slice, a
+   whole-parameter one by its owner. One ``all_reduce(SUM)`` of int64 counts (exact, order
+   free) gives every member the same histogram and so the same exact-DP codebook.
+
+Every exchange carries the sender's failure flag (see :mod:`gefen_core.codebook_scope`);
+a failure after the last exchange here (the solve) is returned for the commit exchange.
+Nothing is published here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from gefen_contracts import ParameterLayout, ShardIdentity
+from gefen_contracts.torch_support import ProcessGroupBinding
+
+from .codebook import codebook_from_counts, gradient_histogram
+from .codebook_scope import (
+    HISTOGRAM_PHASE,
+    PERIOD_PHASE,
+    Failure,
+    digest_words,
+    fault_point,
+    gather_bytes,
+    reduce_with_failure,
+)
+from .errors import ShardAgreementError
+from .ops import KernelDispatch
+
+__all__ = ["GATHER_BUDGET_BYTES", "LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
+
+#: Largest gathered buffer (bytes, all members together) of one flattened-gradient gather.
+GATHER_BUDGET_BYTES = 256 << 20
+
+PeriodOf = Callable[[torch.Tensor], int]
+
+
+@dataclass(slots=True, eq=False)
+class LearnItem:
+    """One local parameter as the learning sees it.
+
+    ``shard`` is ``None`` for a slot of an unfinalized optimizer (learned locally). ``grad``
+    is this member's local gradient, already unscaled (``None`` without one, or for a pruned
+    non-owner slot). ``period`` is the stored period when the parameter has state.
+    ``local_period`` searches a local gradient (the rule without a scope); ``logical_period``
+    searches the complete logical gradient of a flattened parameter (logical shape).
+    """
+
+    fqn: str
+    shard: ShardIdentity | None
+    grad: torch.Tensor | None
+    has_state: bool
+    period: int | None
+    signed: bool
+    local_period: PeriodOf
+    logical_period: PeriodOf
+
+    @property
+    def layout(self) -> ParameterLayout:
+        return ParameterLayout.REPLICATED if self.shard is None else self.shard.layout
+
+
+@dataclass(slots=True)
+class LearningOutcome:
+    """What this member learned: parameters that start now (by FQN, the same everywhere),
+    their periods on this member, the new codebook (``None`` when none was learned), the
+    shared periods every member must agree on, and a failure left for the commit exchange."""
+
+    starting: frozenset[str] = frozenset()
+    periods: dict[str, int] = field(default_factory=dict)
+    codebook: torch.Tensor | None = None
+    shared_periods: dict[str, int] = field(default_factory=dict)
+    failure: Failure | None = None
+
+
+def periods_digest(periods: dict[str, int]) -> list[int]:
+    """Two int64 over the sorted ``(fqn, period)`` pairs (what the commit exchange compares)."""
+    text = "\x1f".join(f"{fqn}\x1e{period}" for fqn, period in sorted(periods.items()))
+    return digest_words(text.encode(), 2)
+
+
+def _shared(item: LearnItem) -> bool:
+    """Held (possibly empty) by every member of the scope: replicated and flattened parameters."""
+    return item.shard is not None and item.layout is not ParameterLayout.WHOLE_PARAMETER_OWNER
+
+
+def _contributes(item: LearnItem, binding: ProcessGroupBinding | None) -> bool:
+    """Whether this member's gradient of ``item`` enters the shared histogram (once per parameter)."""
+    if item.shard is None or binding is None:
+        return True
+    layout = item.layout
+    if layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
+        return item.shard.local_numel > 0
+    if layout is ParameterLayout.WHOLE_PARAMETER_OWNER:
+        return item.shard.is_owner
+    group = item.shard.process_group
+    return group is None or item.shard.member_index == 0
+
+
+def _decide_starts(
+    binding: ProcessGroupBinding | None,
+    fqns: Sequence[str],
+    items: Sequence[LearnItem],
+    failure: Failure | None,
+    who: str,
+) -> tuple[frozenset[str], frozenset[str]]:
+    """Globally non-zero FQNs and FQNs that start now (one ``all_reduce(MAX)``)."""
+    index = {fqn: i for i, fqn in enumerate(fqns)}
+    count = len(fqns)
+    flags = torch.zeros(3 * count, dtype=torch.int64)
+    if failure is None:
+        try:
+            for item in items:
+                if item.grad is None:
+                    continue
+                i = index[item.fqn]
+                if item.grad.numel() and bool(item.grad.ne(0).any()):
+                    flags[i] = 1
+                if _shared(item):
+                    flags[count + i + (count if item.has_state else 0)] = 1
+        except Exception as exc:
+            failure = Failure(PERIOD_PHASE, exc)
+    reduced = reduce_with_failure(binding, flags, maximum=True, failure=failure, phase=PERIOD_PHASE, who=who)
+    both = (reduced[count : 2 * count] * reduced[2 * count :]).nonzero().flatten().tolist()
+    if both:
+        raise ShardAgreementError(
+            f"{who}: members disagree on whether {[fqns[i] for i in both]} already have optimizer state (a "
+            "checkpoint was loaded on some members only?); nothing was changed"
+        )
+    nonzero = frozenset(fqns[i] for i in reduced[:count].nonzero().flatten().tolist())
+    starting = frozenset(
+        item.fqn for item in items if item.grad is not None and not item.has_state and item.fqn in nonzero
+    )
+    return nonzero, starting
+
+
+def _flat_buckets(binding: ProcessGroupBinding, flats: list[LearnItem]) -> list[list[LearnItem]]:
+    buckets: list[list[LearnItem]] = []
+    used = 0
+    for item in flats:
+        assert item.shard is not None
+        cost = 8 * item.shard.parameter.numel * binding.member_count
+        if buckets and used + cost <= GATHER_BUDGET_BYTES:
+            buckets[-1].append(item)
+            used += cost
+        else:
+            buckets.append([item])
+            used = cost
+    return buckets
+
+
+def _member_slices(binding: ProcessGroupBinding, shards: Sequence[ShardIdentity]) -> dict[str, tuple[int, int]]:
+    """Member -> ``(flat_offset, length)`` of one flattened parameter (from the manifest)."""
+    out: dict[str, tuple[int, int]] = {}
+    for shard in shards:
+        assert shard.local_member is not None
+        out[shard.local_member] = (shard.extent.flat_offset, shard.extent.numel)  # type: ignore[union-attr]
+    return out
+
+
+def _flattened_periods(
+    binding: ProcessGroupBinding,
+    manifest_shards: Callable[[str], Sequence[ShardIdentity]],
+    flats: list[LearnItem],
+    failure: Failure | None,
+    who: str,
+) -> tuple[dict[str, int], dict[str, int], Failure | None]:
+    """Periods of starting flattened parameters from their complete gradients (gathered)."""
+    periods: dict[str, int] = {}
+    logical: dict[str, int] = {}
+    members = binding.identity.ordered_members
+    for bucket in _flat_buckets(binding, flats):
+        layouts = [_member_slices(binding, manifest_shards(item.fqn)) for item in bucket]
+        sizes = [8 * sum(layout[member][1] for layout in layouts) for member in members]
+        payload = b""
+        if failure is None:
+            try:
+                parts = [item.grad.detach().reshape(-1).to(torch.float64).contiguous() for item in bucket]  # type: ignore[union-attr]
+                payload = b"".join(part.numpy().tobytes() for part in parts)
+            except Exception as exc:
+                failure = Failure(PERIOD_PHASE, exc)
+        received = gather_bytes(binding, payload, sizes, failure=failure, phase=PERIOD_PHASE, who=who)
+        if failure is not None:
+            continue
+        try:
+            fulls = [torch.zeros(item.shard.parameter.numel, dtype=torch.float64) for item in bucket]  # type: ignore[union-attr]
+            for member, data in zip(members, received):
+                raw = torch.frombuffer(bytearray(data), dtype=torch.float64) if data else torch.zeros(0)
+                cursor = 0
+                for full, layout in zip(fulls, layouts):
+                    offset, length = layout[member]
+                    full[offset : offset + length] = raw[cursor : cursor + length]
+                    cursor += length
+            for item, full in zip(bucket, fulls):
+                assert item.shard is not None and item.grad is not None
+                period = item.logical_period(full.view(item.shard.parameter.global_shape))
+                logical[item.fqn] = period
+                offset, length = item.shard.extent.flat_offset, item.shard.local_numel  # type: ignore[union-attr]
+                aligned = offset % period == 0 and length % period == 0
+                periods[item.fqn] = period if aligned else item.local_period(item.grad)
+        except Exception as exc:
+            failure = Failure(PERIOD_PHASE, exc)
+    return periods, logical, failure
+
+
+def learn_over_scope(
+    binding: ProcessGroupBinding | None,
+    fqns: Sequence[str],
+    items: Sequence[LearnItem],
+    *,
+    manifest_shards: Callable[[str], Sequence[ShardIdentity]],
+    decide_starts: bool,
+    learn_codebook: bool,
+    refresh: bool,
+    dispatch: KernelDispatch,
+    deterministic: bool,
+    failure: Failure | None = None,
+    who: str,
+) -> LearningOutcome:
+    """Learn over ``binding`` (see the module docstring); collective, publishes nothing.
+
+    ``decide_starts``: decide which stateless parameters start and choose their periods.
+    ``learn_codebook``: solve a codebook from the parameters that have state or start, with a
+    non-zero gradient somewhere. ``refresh``: solve one from every such parameter with a
+    gradient (zero or not), with its stored period. ``items`` lists this member's parameters
+    in FQN order; ``fqns`` is the manifest's FQN list, the same on every member. ``failure``
+    is a local failure that happened before (it is voted at the first exchange).
+    """
+    assert decide_starts or not learn_codebook, "learning a codebook needs the non-zero decision"
+    outcome = LearningOutcome()
+    nonzero: frozenset[str] = frozenset()
+    if decide_starts:
+        nonzero, outcome.starting = _decide_starts(binding, fqns, items, failure, who)
+    selected = [item for item in items if item.fqn in outcome.starting and item.grad is not None]
+    gathered = binding is not None
+    flats = [item for item in selected if gathered and item.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD]
+    if failure is None:
+        try:
+            for item in selected:
+                if any(item is flat for flat in flats):
+                    continue
+                assert item.grad is not None
+                period = item.local_period(item.grad)
+                outcome.periods[item.fqn] = period
+                if _shared(item):
+                    outcome.shared_periods[item.fqn] = period
+        except Exception as exc:
+            failure = Failure(PERIOD_PHASE, exc)
+    if flats:
+        assert binding is not None
+        periods, logical, failure = _flattened_periods(binding, manifest_shards, flats, failure, who)
+        outcome.periods.update(periods)
+        outcome.shared_periods.update(logical)
+    if failure is None:
+        try:
+            fault_point(PERIOD_PHASE)
+        except Exception as exc:
+            failure = Failure(PERIOD_PHASE, exc)
+    if not (learn_codebook or refresh):
+        outcome.failure = failure
+        return outcome
+    counts = torch.zeros(4096, dtype=torch.int64)
+    if failure is None:
+        try:
+            contributions = []
+            for item in items:
+                if item.grad is None or not (item.has_state or item.fqn in outcome.starting):
+                    continue
+                if learn_codebook and not refresh and item.fqn not in nonzero:
+                    continue
+                if not _contributes(item, binding):
+                    continue
+                period = outcome.periods[item.fqn] if item.period is None else item.period
+                contributions.append((item.grad.neg() if item.signed else item.grad, period))
+            counts = gradient_histogram(contributions, dispatch, deterministic=deterministic)
+            fault_point(HISTOGRAM_PHASE)
+        except Exception as exc:
+            failure = Failure(HISTOGRAM_PHASE, exc)
+    counts = reduce_with_failure(binding, counts, maximum=False, failure=failure, phase=HISTOGRAM_PHASE, who=who)
+    try:
+        outcome.codebook = codebook_from_counts(counts)
+    except Exception as exc:
+        outcome.failure = Failure(HISTOGRAM_PHASE, exc)
+    return outcome

@@ -1,0 +1,364 @@
+"""Driving ``step()``, ``initialize_collective_state()`` and ``refresh_collective_state()`` over a
+codebook scope, for any Gefen-family optimizer (the protocol is in
+:mod:`gefen_core.codebook_scope`, the learning in :mod:`gefen_core.scoped_learning`).
+
+A scoped ``step(closure)``:
+
+1. entry checks (graph capture, the sealed layout, the binding's runtime) - with a closure,
+   voted before the closure runs (so no member runs a closure with collectives in it after
+   a peer failed);
+2. the closure, then the preflight (the identity record unchanged, the sealed layout again,
+   every gradient check of ``preflight_step``), then the gradient scaler's state;
+3. the header: every member sees every member's failures, fingerprints, gradient presence,
+   scaler state and needs; all raise together, skip together (agreed overflow) or go on;
+4. steady state: update locally, no further collective. Otherwise learn over the scope,
+   stage everything (new states, re-quantised indices, kernel checks), exchange the commit,
+   then publish by swaps that cannot raise, unscale the gradients and update.
+
+The host optimizer implements :class:`ScopedHost`. Every phase has a named fault point
+(:func:`gefen_core.codebook_scope.injected_failures`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from gefen_contracts import LayoutTamperedError
+
+from .codebook_scope import (
+    AMP_PHASE,
+    CLOSURE_PHASE,
+    COMMIT_PHASE,
+    ENTRY_PHASE,
+    INITIALIZE_PREAMBLE_PHASE,
+    NEEDS_GRAD,
+    NEEDS_NONZERO,
+    NEEDS_START,
+    OP_INITIALIZE,
+    OP_REFRESH,
+    OP_STEP,
+    PERIOD_PHASE,
+    PREFLIGHT_PHASE,
+    REFRESH_PREAMBLE_PHASE,
+    REQUANTIZE_PHASE,
+    AmpReading,
+    Failure,
+    codebook_digest,
+    commit_exchange,
+    entry_vote,
+    exchange_header,
+    fault_point,
+    read_amp,
+)
+from .errors import CaptureError
+from .identity import IdentityRecord
+from .ops import KernelDispatch
+from .scoped_learning import LearningOutcome, LearnItem, learn_over_scope, periods_digest
+from .step_plan import capturing
+
+__all__ = ["ScopePlan", "ScopedHost", "scoped_initialize", "scoped_refresh", "scoped_step"]
+
+
+@dataclass(slots=True)
+class ScopePlan:
+    """A preflighted step as the protocol sees it: the optimizer's own plan, the gradient
+    presence of shared parameters (bytes in binding order), the header's needs bits, and
+    every attached gradient (unscaled after the commit)."""
+
+    inner: Any
+    presence: bytes
+    needs: int
+    grads: list[torch.Tensor] = field(default_factory=list)
+
+
+class ScopedHost(Protocol):
+    """What a Gefen-family optimizer provides to the scope drivers."""
+
+    _identity: IdentityRecord | None
+    _codebook: torch.Tensor | None
+    _global_step: int
+    _dispatch: KernelDispatch
+    _deterministic: bool
+    _scope_who: str
+
+    def _verify_layout(self, where: str) -> None: ...
+
+    def _scope_plan(self) -> ScopePlan: ...
+
+    def _scope_items(self, plan: ScopePlan, inverse: float | None) -> list[LearnItem]: ...
+
+    def _scope_stage(self, plan: ScopePlan, outcome: LearningOutcome) -> Any: ...
+
+    def _scope_requantize(self, codebook: torch.Tensor) -> Any: ...
+
+    def _scope_publish(self, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None: ...
+
+    def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None: ...
+
+    def _refresh_due(self) -> bool: ...
+
+
+def _attempt(phase: str, action: Callable[[], object]) -> tuple[object, Failure | None]:
+    try:
+        return action(), None
+    except Exception as exc:
+        return None, Failure(phase, exc)
+
+
+def _entry_checks(host: ScopedHost, identity: IdentityRecord | None, where: str) -> None:
+    if capturing():
+        raise CaptureError(f"{where}: a scoped operation synchronises with the host and cannot be graph-captured")
+    host._verify_layout(where)
+    if identity is not None and identity.scope is not None:
+        identity.scope.validate_runtime()
+
+
+def _fqns(identity: IdentityRecord | None, items: Sequence[LearnItem]) -> tuple[str, ...]:
+    return identity.fqns if identity is not None else tuple(item.fqn for item in items)
+
+
+def _learn(
+    host: ScopedHost,
+    identity: IdentityRecord | None,
+    items: list[LearnItem],
+    *,
+    decide_starts: bool,
+    learn_codebook: bool,
+    refresh: bool,
+    failure: Failure | None,
+    who: str,
+) -> LearningOutcome:
+    binding = None if identity is None else identity.scope
+    manifest = None if identity is None else identity.manifest
+    return learn_over_scope(
+        binding,
+        _fqns(identity, items),
+        items,
+        manifest_shards=manifest.for_parameter if manifest is not None else (lambda fqn: ()),
+        decide_starts=decide_starts,
+        learn_codebook=learn_codebook,
+        refresh=refresh,
+        dispatch=host._dispatch,
+        deterministic=host._deterministic,
+        failure=failure,
+        who=who,
+    )
+
+
+def _commit_point() -> None:
+    fault_point(COMMIT_PHASE)
+
+
+def _requantize(host: ScopedHost, codebook: torch.Tensor) -> tuple[Any, Failure | None]:
+    def run() -> Any:
+        staged = host._scope_requantize(codebook)
+        fault_point(REQUANTIZE_PHASE)
+        return staged
+
+    return _attempt(REQUANTIZE_PHASE, run)
+
+
+def _agreed(outcome: LearningOutcome) -> list[int]:
+    return [*codebook_digest(outcome.codebook), *periods_digest(outcome.shared_periods)]
+
+
+_AGREED = "the new codebook or the periods of shared parameters"
+
+
+def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
+    """One scoped ``step(closure)`` (module docstring); returns the closure's loss."""
+    identity = host._identity
+    assert identity is not None
+    binding = identity.scope
+    who = f"{host._scope_who} step"
+
+    def entry() -> None:
+        fault_point(ENTRY_PHASE)
+        _entry_checks(host, identity, "step")
+
+    _, failure = _attempt(ENTRY_PHASE, entry)
+    loss = None
+    if closure is not None:
+        entry_vote(binding, failure, who)
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            fault_point(CLOSURE_PHASE)
+        except Exception as exc:
+            failure = Failure(CLOSURE_PHASE, exc)
+    plan: ScopePlan | None = None
+    if failure is None:
+
+        def preflight() -> ScopePlan:
+            if host._identity is not identity:
+                raise LayoutTamperedError("step: the post_sharding identity (and its codebook scope) was replaced")
+            planned = host._scope_plan()
+            fault_point(PREFLIGHT_PHASE)
+            return planned
+
+        planned, failure = _attempt(PREFLIGHT_PHASE, preflight)
+        plan = planned if isinstance(planned, ScopePlan) else None
+    amp = AmpReading()
+    if failure is None:
+
+        def scaler() -> AmpReading:
+            reading = read_amp(host)
+            fault_point(AMP_PHASE)
+            return reading
+
+        read, failure = _attempt(AMP_PHASE, scaler)
+        amp = read if isinstance(read, AmpReading) else amp
+    agreement = exchange_header(
+        binding,
+        operation=OP_STEP,
+        failure=failure,
+        global_step=host._global_step,
+        codebook=host._codebook,
+        static=identity.fingerprint,
+        presence=b"" if plan is None else plan.presence,
+        amp=amp,
+        needs=0 if plan is None else plan.needs,
+        who=who,
+    )
+    assert plan is not None
+    if agreement.overflow:
+        return loss
+    learn = not agreement.codebook_present and agreement.any_needs(NEEDS_NONZERO)
+    refresh = agreement.codebook_present and host._refresh_due() and agreement.any_needs(NEEDS_GRAD)
+    starts = agreement.any_needs(NEEDS_START)
+    if not (learn or refresh or starts):
+        host._scope_publish(plan, None, None, amp)
+        return loss
+    items, failure = _attempt(PERIOD_PHASE, lambda: host._scope_items(plan, amp.inverse))
+    outcome = _learn(
+        host,
+        identity,
+        items if isinstance(items, list) else [],
+        decide_starts=starts or learn,
+        learn_codebook=learn,
+        refresh=refresh,
+        failure=failure,
+        who=who,
+    )
+    failure = outcome.failure
+    requantized: Any = None
+    if failure is None and refresh and outcome.codebook is not None:
+        requantized, failure = _requantize(host, outcome.codebook)
+    staged: Any = None
+    if failure is None:
+
+        def stage() -> Any:
+            staging = host._scope_stage(plan, outcome)
+            fault_point(COMMIT_PHASE)
+            return staging
+
+        staged, failure = _attempt(COMMIT_PHASE, stage)
+    commit_exchange(binding, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who)
+    host._scope_publish(plan, staged, requantized, amp)
+    return loss
+
+
+def _preamble(host: ScopedHost, phase: str, where: str) -> tuple[ScopePlan | None, Failure | None]:
+    identity = host._identity
+
+    def run() -> ScopePlan:
+        fault_point(phase)
+        _entry_checks(host, identity, where)
+        return host._scope_plan()
+
+    plan, failure = _attempt(phase, run)
+    return (plan if isinstance(plan, ScopePlan) else None), failure
+
+
+def _header(host: ScopedHost, operation: int, plan: ScopePlan | None, failure: Failure | None, who: str) -> Any:
+    identity = host._identity
+    return exchange_header(
+        None if identity is None else identity.scope,
+        operation=operation,
+        failure=failure,
+        global_step=host._global_step,
+        codebook=host._codebook,
+        static=(0, 0, 0, 0) if identity is None else identity.fingerprint,
+        presence=b"" if plan is None else plan.presence,
+        amp=AmpReading(),
+        needs=0 if plan is None else plan.needs,
+        who=who,
+    )
+
+
+def scoped_initialize(host: ScopedHost) -> bool:
+    """``initialize_collective_state()``: learn the codebook if none exists (no state is created)."""
+    who = f"{host._scope_who} initialize_collective_state"
+    plan, failure = _preamble(host, INITIALIZE_PREAMBLE_PHASE, "initialize_collective_state")
+    agreement = _header(host, OP_INITIALIZE, plan, failure, who)
+    assert plan is not None
+    if agreement.codebook_present:
+        return True
+    if not agreement.any_needs(NEEDS_NONZERO):
+        return False
+    identity = host._identity
+    items, failure = _attempt(PERIOD_PHASE, lambda: host._scope_items(plan, None))
+    outcome = _learn(
+        host,
+        identity,
+        items if isinstance(items, list) else [],
+        decide_starts=True,
+        learn_codebook=True,
+        refresh=False,
+        failure=failure,
+        who=who,
+    )
+    failure = outcome.failure
+    if failure is None:
+        _, failure = _attempt(COMMIT_PHASE, _commit_point)
+    commit_exchange(
+        None if identity is None else identity.scope, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who
+    )
+    if outcome.codebook is None:
+        return False
+    host._scope_publish_codebook(outcome.codebook, None)
+    return True
+
+
+def scoped_refresh(host: ScopedHost) -> bool:
+    """``refresh_collective_state()``: relearn the codebook with the stored periods and re-express
+    every momentum index in it; ``True`` when the codebook changed."""
+    who = f"{host._scope_who} refresh_collective_state"
+    plan, failure = _preamble(host, REFRESH_PREAMBLE_PHASE, "refresh_collective_state")
+    agreement = _header(host, OP_REFRESH, plan, failure, who)
+    assert plan is not None
+    if not agreement.codebook_present or not agreement.any_needs(NEEDS_GRAD):
+        return False
+    identity = host._identity
+    old = host._codebook
+    items, failure = _attempt(PERIOD_PHASE, lambda: host._scope_items(plan, None))
+    outcome = _learn(
+        host,
+        identity,
+        items if isinstance(items, list) else [],
+        decide_starts=False,
+        learn_codebook=False,
+        refresh=True,
+        failure=failure,
+        who=who,
+    )
+    failure = outcome.failure
+    new = outcome.codebook
+    changed = new is not None and (old is None or not torch.equal(old, new))
+    requantized: Any = None
+    if failure is None and changed:
+        assert new is not None
+        requantized, failure = _requantize(host, new)
+    if failure is None:
+        _, failure = _attempt(COMMIT_PHASE, _commit_point)
+    commit_exchange(
+        None if identity is None else identity.scope, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who
+    )
+    if not changed:
+        return False
+    assert new is not None
+    host._scope_publish_codebook(new, requantized)
+    return True
