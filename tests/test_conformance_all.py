@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen import ContractedAdamW, Gefen, GefenMuon, GefenMuonHybrid
 from gefen.integrations.conformance import HYBRID_WAIVERS
 from gefen_contracts.testing import (
     CheckStatus,
@@ -158,7 +158,10 @@ TARGETS: dict[str, ConformanceTarget | str] = {
     ),
     # ContractedAdamW alone, gefen-hybrid's own composite, the docs' example adopter.
     "contracted-adamw": "gefen_hybrid.conformance:adamw_factory",
-    "contracted-adamw[amsgrad,foreach]": "mhyb_conformance_targets:adamw_amsgrad_foreach_factory",
+    "contracted-adamw[amsgrad,foreach]": ConformanceTarget(
+        lambda named: ContractedAdamW(named, lr=1e-2, amsgrad=True, foreach=True),
+        "contracted-adamw[amsgrad,foreach]",
+    ),
     "composite[adamw+adamw]": "gefen_hybrid.conformance:composite_factory",
     "example-adopter[contracted-sgd]": "gefen_example_sgd:conformance_factory",
     "composite[gefen-muon+contracted-sgd]": ConformanceTarget(
