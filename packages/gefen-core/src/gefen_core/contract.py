@@ -33,6 +33,8 @@ from gefen_contracts import (
     StateRole,
     StateScope,
     StateVariant,
+    TopologyChange,
+    TopologyTransition,
     TrainingSupport,
 )
 
@@ -57,7 +59,7 @@ from .param_state import (
 from .periods import FALLBACK_PERIOD_CAP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["IMPLEMENTATION", "STATE_LAYOUT", "gefen_contract"]
+__all__ = ["DENSE_SHARD_SUPPORT", "IMPLEMENTATION", "PORTABLE_SUPPORT", "STATE_LAYOUT", "gefen_contract"]
 
 IMPLEMENTATION = "gefen.Gefen"
 
@@ -128,6 +130,35 @@ STATE_LAYOUT = OptimizerStateLayout(
 )
 
 _NOT_YET = "not implemented in gefen-core yet"
+_NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
+
+_FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
+_PORTABLE_LAYOUTS = frozenset({_REPL, _FLAT})
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported: replicated and
+#: flattened layouts round trip, and any of them on any member count re-blocks onto any of
+#: them on any member count (gefen_core.reblocking).
+PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    _PORTABLE_LAYOUTS,
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(_PORTABLE_LAYOUTS, _PORTABLE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+    ),
+    requires_collective=True,
+)
+_DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
+#: The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported: plain tensors and
+#: DTensor (FSDP2) shards, resharded N -> M ranks by DCP and re-blocked on load.
+DENSE_SHARD_SUPPORT = CheckpointSupport(
+    CheckpointTransport.DENSE_SHARD,
+    _DENSE_LAYOUTS,
+    ProcessGroupScope.DEFAULT_WORLD,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(TopologyTransition(_DENSE_LAYOUTS, _DENSE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),),
+    mesh_dimensions=(1,),
+    requires_collective=True,
+)
 
 
 @lru_cache(maxsize=64)
@@ -139,8 +170,18 @@ def gefen_contract(
     codebook_refresh_every: int,
     fused: bool | None,
     factored_v_2d: tuple[bool, ...],
+    portable: FeatureStatus = _NOT_ASSESSED,
+    dense_shard: FeatureStatus = _NOT_ASSESSED,
 ) -> OptimizerContract:
-    """The contract of a Gefen instance with these options (memoised, immutable)."""
+    """The contract of a Gefen instance with these options (memoised, immutable).
+
+    ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
+    ``dense_shard_codec``; :data:`PORTABLE_SUPPORT` and :data:`DENSE_SHARD_SUPPORT` are
+    declared exactly while they are supported.
+    """
+    transports = ((PORTABLE_SUPPORT,) if portable.supported else ()) + (
+        (DENSE_SHARD_SUPPORT,) if dense_shard.supported else ()
+    )
     capabilities = OptimizerCapabilities(
         training=(
             TrainingSupport(_REPL, ProcessGroupScope.NONE),
@@ -161,6 +202,7 @@ def gefen_contract(
                 # gradients before it calls load_state_dict, so a failed load is not a no-op.
                 LoadAtomicity.NONE,
             ),
+            *transports,
         ),
         precisions=frozenset(Precision),
         supported_parameter_ranks=None,
@@ -169,8 +211,8 @@ def gefen_contract(
             FEATURE_POST_SHARDING: FeatureStatus.no(f"post_sharding (shard identity binding) is {_NOT_YET}"),
             FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("canonical identity needs post_sharding"),
             FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no(f"the canonical local state document is {_NOT_YET}"),
-            FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
-            FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
+            FEATURE_PORTABLE_STATE: portable,
+            FEATURE_DENSE_SHARD_CODEC: dense_shard,
             FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(
                 "the codebook and periods are learned rank-locally from each rank's own gradients; "
                 f"an explicit codebook process-group scope is {_NOT_YET}"
@@ -194,5 +236,7 @@ def gefen_contract(
         "gefen.codebook_refresh_every": codebook_refresh_every,
         "gefen.factored_v_2d": list(factored_v_2d),
         "gefen.row_sharded_factored_v": "local v_row, replicated v_col, one all_reduce per mesh per step",
+        "gefen.transport_variants": ["pristine", "block", "factored"],
+        "gefen.reblocking": "exact_structure_then_reinfer_v1",
     }
     return OptimizerContract(IMPLEMENTATION, STATE_LAYOUT, capabilities, extensions=extensions)
