@@ -24,12 +24,14 @@ from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
 from .muon_contract import mode_tag, muon_contract
+from .muon_dense_shard import GefenMuonDenseShard
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, ScopeEntry, agree_step, shard_rows, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_learning import is_nonzero, learn_codebook
 from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, group_schedule, lr_ratio, normalize_muon_options
 from .muon_plan import MuonItem, MuonPlan, batched_chunks, check_entry, check_matrix, plan_muon_step
+from .muon_portable import GefenMuonPortableState
 from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_call, momentum_input, orthogonalize
 from .newton_schulz import DEFAULT_COEFFICIENTS
@@ -51,7 +53,7 @@ _NATIVE_LOAD = "gefen.muon_native_load"
 _LOG = logging.getLogger("gefen_core.muon")
 
 
-class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
+class GefenMuon(GefenMuonPortableState, GefenMuonDenseShard, OwnAttributesPickling, torch.optim.Optimizer):
     """Muon (momentum, Newton-Schulz orthogonalisation, a shape-scaled step) for 2-D matrices,
     with the momentum stored as uint8 codes into one learned 256-entry codebook plus one fp32
     scale per block (Gefen's codec): about 1 byte of state per parameter instead of 4.
@@ -252,6 +254,8 @@ class GefenMuon(OwnAttributesPickling, torch.optim.Optimizer):
             deterministic=self._deterministic,
             stochastic_round=self._stochastic_round,
             fused=self._fused,
+            portable=self._portable_status(),
+            dense_shard=self._dense_shard_status(),
         )
 
     # -- preflight and step -------------------------------------------------------------

@@ -61,7 +61,7 @@ from .ops import MUON_DISPATCHED_OPS
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "mode_tag", "muon_contract"]
+__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "MUON_PORTABLE_SUPPORT", "mode_tag", "muon_contract"]
 
 IMPLEMENTATION = "gefen.GefenMuon"
 MODE_TAG_PREFIX = "gefen.muon.sharded_mode="
@@ -140,6 +140,43 @@ def _variants(modes: tuple[str, ...]) -> tuple[StateVariant, ...]:
 
 
 _NOT_YET = "not implemented for GefenMuon yet"
+_NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
+_OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
+_PORTABLE_LAYOUTS = frozenset({_REPL, _OWNER})
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported: replicated matrices
+#: and whole-parameter owners round trip, and move between those layouts, member counts and
+#: owners (whole matrices keep their blocks, so the move is exact).
+MUON_PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    _PORTABLE_LAYOUTS,
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(
+            _PORTABLE_LAYOUTS,
+            _PORTABLE_LAYOUTS,
+            frozenset({TopologyChange.PLACEMENT_RESHARD, TopologyChange.WORLD_SIZE_OWNER_REDISTRIBUTION}),
+        ),
+    ),
+    requires_collective=True,
+)
+_DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
+
+
+def _dense_support(tags: frozenset[str]) -> CheckpointSupport:
+    """The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported (exact and approx modes)."""
+    return CheckpointSupport(
+        CheckpointTransport.DENSE_SHARD,
+        _DENSE_LAYOUTS,
+        ProcessGroupScope.DEFAULT_WORLD,
+        LoadAtomicity.GROUP_VOTED,
+        transitions=(
+            TopologyTransition(_DENSE_LAYOUTS, _DENSE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+        ),
+        mesh_dimensions=(1,),
+        mode_tags=tags,
+        requires_collective=True,
+    )
 
 
 @lru_cache(maxsize=64)
@@ -150,8 +187,14 @@ def muon_contract(
     deterministic: bool,
     stochastic_round: bool,
     fused: bool | None,
+    portable: FeatureStatus = _NOT_ASSESSED,
+    dense_shard: FeatureStatus = _NOT_ASSESSED,
 ) -> OptimizerContract:
-    """The contract of a GefenMuon with these live ``sharded_mode`` values and options."""
+    """The contract of a GefenMuon with these live ``sharded_mode`` values and options.
+
+    ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
+    ``dense_shard_codec``; their checkpoint entries are declared exactly while supported.
+    """
     tags = frozenset(mode_tag(mode) for mode in modes)
     training = [TrainingSupport(_REPL, ProcessGroupScope.NONE, requires_complete_logical_matrix=True)]
     for mode in modes:
@@ -193,6 +236,8 @@ def muon_contract(
             mode_tags=tags,
             requires_collective=DISTRIBUTED in modes,
         ),
+        *((MUON_PORTABLE_SUPPORT,) if portable.supported else ()),
+        *((_dense_support(tags),) if dense_shard.supported else ()),
     )
     capabilities = OptimizerCapabilities(
         training=tuple(training),
@@ -204,8 +249,8 @@ def muon_contract(
             FEATURE_POST_SHARDING: FeatureStatus.no(f"post_sharding (shard identity binding) is {_NOT_YET}"),
             FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("canonical identity needs post_sharding"),
             FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no(f"the canonical local state document is {_NOT_YET}"),
-            FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
-            FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
+            FEATURE_PORTABLE_STATE: portable,
+            FEATURE_DENSE_SHARD_CODEC: dense_shard,
             FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(
                 "the codebook is agreed over the device mesh inferred from exact/distributed DTensors; "
                 f"an explicit codebook process-group scope is {_NOT_YET}"
@@ -226,6 +271,8 @@ def muon_contract(
         "gefen.muon.normuon": list(normuon),
         "gefen.muon.ownership": OWNERSHIP,
         "gefen.muon.ns_schedules": list(SCHEDULE_NAMES),
+        "gefen.transport_variants": ["pristine", "muon", "normuon"],
+        "gefen.reblocking": "exact_structure_then_reinfer_v1",
     }
     return OptimizerContract(
         IMPLEMENTATION, OptimizerStateLayout(_FIELDS, _variants(modes)), capabilities, extensions=extensions
