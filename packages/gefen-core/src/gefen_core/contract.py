@@ -59,7 +59,14 @@ from .param_state import (
 from .periods import FALLBACK_PERIOD_CAP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["DENSE_SHARD_SUPPORT", "IMPLEMENTATION", "PORTABLE_SUPPORT", "STATE_LAYOUT", "gefen_contract"]
+__all__ = [
+    "DENSE_SHARD_SUPPORT",
+    "IMPLEMENTATION",
+    "IMPLICIT_PORTABLE_SUPPORT",
+    "PORTABLE_SUPPORT",
+    "STATE_LAYOUT",
+    "gefen_contract",
+]
 
 IMPLEMENTATION = "gefen.Gefen"
 
@@ -134,9 +141,20 @@ _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 
 _FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
 _PORTABLE_LAYOUTS = frozenset({_REPL, _FLAT})
-#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported: replicated and
-#: flattened layouts round trip, and any of them on any member count re-blocks onto any of
-#: them on any member count (gefen_core.reblocking).
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
+#: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
+#: parameter, one member) round trips; no topology transition is claimed, because nothing
+#: else can be bound yet.
+IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    frozenset({_REPL}),
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    requires_collective=True,
+)
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported over a sealed
+#: ``post_sharding`` layout: replicated and flattened layouts round trip, and any of them on
+#: any member count re-blocks onto any of them on any member count (gefen_core.reblocking).
 PORTABLE_SUPPORT = CheckpointSupport(
     CheckpointTransport.CANONICAL_GLOBAL,
     _PORTABLE_LAYOUTS,
@@ -172,14 +190,17 @@ def gefen_contract(
     factored_v_2d: tuple[bool, ...],
     portable: FeatureStatus = _NOT_ASSESSED,
     dense_shard: FeatureStatus = _NOT_ASSESSED,
+    portable_sealed: bool = False,
 ) -> OptimizerContract:
     """The contract of a Gefen instance with these options (memoised, immutable).
 
     ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
-    ``dense_shard_codec``; :data:`PORTABLE_SUPPORT` and :data:`DENSE_SHARD_SUPPORT` are
-    declared exactly while they are supported.
+    ``dense_shard_codec``; their entries are declared exactly while they are supported:
+    :data:`PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout (``portable_sealed``),
+    else :data:`IMPLICIT_PORTABLE_SUPPORT`, and :data:`DENSE_SHARD_SUPPORT`.
     """
-    transports = ((PORTABLE_SUPPORT,) if portable.supported else ()) + (
+    portable_entry = PORTABLE_SUPPORT if portable_sealed else IMPLICIT_PORTABLE_SUPPORT
+    transports = ((portable_entry,) if portable.supported else ()) + (
         (DENSE_SHARD_SUPPORT,) if dense_shard.supported else ()
     )
     capabilities = OptimizerCapabilities(

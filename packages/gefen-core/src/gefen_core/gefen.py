@@ -230,6 +230,7 @@ class Gefen(GefenPortableState, GefenDenseShard, OwnAttributesPickling, torch.op
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
             portable=self._portable_status(),
             dense_shard=self._dense_shard_status(),
+            portable_sealed=self._bound_layout() is not None,
         )
 
     def _refresh_due(self) -> bool:

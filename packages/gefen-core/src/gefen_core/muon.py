@@ -256,6 +256,7 @@ class GefenMuon(GefenMuonPortableState, GefenMuonDenseShard, OwnAttributesPickli
             fused=self._fused,
             portable=self._portable_status(),
             dense_shard=self._dense_shard_status(),
+            portable_sealed=self._bound_layout() is not None,
         )
 
     # -- preflight and step -------------------------------------------------------------

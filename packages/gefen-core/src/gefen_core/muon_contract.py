@@ -61,7 +61,14 @@ from .ops import MUON_DISPATCHED_OPS
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "MUON_PORTABLE_SUPPORT", "mode_tag", "muon_contract"]
+__all__ = [
+    "IMPLEMENTATION",
+    "MODE_TAG_PREFIX",
+    "MUON_IMPLICIT_PORTABLE_SUPPORT",
+    "MUON_PORTABLE_SUPPORT",
+    "mode_tag",
+    "muon_contract",
+]
 
 IMPLEMENTATION = "gefen.GefenMuon"
 MODE_TAG_PREFIX = "gefen.muon.sharded_mode="
@@ -143,9 +150,20 @@ _NOT_YET = "not implemented for GefenMuon yet"
 _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 _OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
 _PORTABLE_LAYOUTS = frozenset({_REPL, _OWNER})
-#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported: replicated matrices
-#: and whole-parameter owners round trip, and move between those layouts, member counts and
-#: owners (whole matrices keep their blocks, so the move is exact).
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
+#: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
+#: matrix, one member) round trips; no topology transition is claimed until one can be bound.
+MUON_IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    frozenset({_REPL}),
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    requires_collective=True,
+)
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported over a sealed
+#: ``post_sharding`` layout: replicated matrices and whole-parameter owners round trip, and
+#: move between those layouts, member counts and owners (whole matrices keep their blocks, so
+#: the move is exact).
 MUON_PORTABLE_SUPPORT = CheckpointSupport(
     CheckpointTransport.CANONICAL_GLOBAL,
     _PORTABLE_LAYOUTS,
@@ -189,12 +207,16 @@ def muon_contract(
     fused: bool | None,
     portable: FeatureStatus = _NOT_ASSESSED,
     dense_shard: FeatureStatus = _NOT_ASSESSED,
+    portable_sealed: bool = False,
 ) -> OptimizerContract:
     """The contract of a GefenMuon with these live ``sharded_mode`` values and options.
 
     ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
-    ``dense_shard_codec``; their checkpoint entries are declared exactly while supported.
+    ``dense_shard_codec``; their checkpoint entries are declared exactly while supported
+    (:data:`MUON_PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout, else
+    :data:`MUON_IMPLICIT_PORTABLE_SUPPORT`).
     """
+    portable_entry = MUON_PORTABLE_SUPPORT if portable_sealed else MUON_IMPLICIT_PORTABLE_SUPPORT
     tags = frozenset(mode_tag(mode) for mode in modes)
     training = [TrainingSupport(_REPL, ProcessGroupScope.NONE, requires_complete_logical_matrix=True)]
     for mode in modes:
@@ -236,7 +258,7 @@ def muon_contract(
             mode_tags=tags,
             requires_collective=DISTRIBUTED in modes,
         ),
-        *((MUON_PORTABLE_SUPPORT,) if portable.supported else ()),
+        *((portable_entry,) if portable.supported else ()),
         *((_dense_support(tags),) if dense_shard.supported else ()),
     )
     capabilities = OptimizerCapabilities(
