@@ -36,6 +36,13 @@ def _bf16_model(seed: int) -> torch.nn.Module:
     return matrix_model(seed).to(torch.bfloat16)
 
 
+#: gefen-dcp's resharding check spawns two gloo worlds per target; every configuration runs the
+#: other contributed checks, and the claims this one executes are executed by
+#: tests/test_cstate_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
+RESHARD_WAIVER = {
+    "dcp.dense_shard_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
+}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "exact": {},
     "approx": {"sharded_mode": "approx"},
@@ -54,7 +61,7 @@ def test_conformance(name: str) -> None:
         model_builder=_bf16_model if name == "bf16" else matrix_model,
         loss_fn=matrix_loss,
         spec="gefen_core.conformance:muon_factory",
-        waive=MUON_WAIVERS,
+        waive={**MUON_WAIVERS, **RESHARD_WAIVER},
     )
     report = run_conformance(target)
     assert_conformant(report)
@@ -67,11 +74,14 @@ def test_conformance(name: str) -> None:
     } <= executed
     _, optimizer = target.build()
     claims = enumerate_claims(optimizer.optimizer_contract())  # type: ignore[attr-defined]
-    waived = {r.name for r in report.results if r.status.value == "waived"}
-    assert waived == {f"claim {c}" for c in MUON_WAIVERS if c in claims}
+    waived = {r.name for r in report.results if r.status.value == "waived"} - {"dcp.dense_shard_reshard"}
+    covered = {c for r in report.results if r.name == "dcp.dense_shard_reshard" for c in r.claims}
+    assert waived == {f"claim {c}" for c in MUON_WAIVERS if c in claims - covered}
     assert any(c.startswith("training:dtensor") for c in claims)
 
 
 def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
-    report = run_conformance("gefen_core.conformance:muon_factory")
+    report = run_conformance("gefen_core.conformance:muon_factory", waive=RESHARD_WAIVER)
     assert_conformant(report)
+    passed = {r.name for r in report.results if r.status.value == "passed"}
+    assert {"portable.roundtrip", "portable.atomic_import", "dcp.dense_shard_roundtrip"} <= passed
