@@ -39,9 +39,10 @@ __all__ = [
     "row_values",
 ]
 
-#: Elements decoded per sub-chunk: about 3 MiB of transient buffers (int32 codes, fp32
-#: gather, fp32 product), small next to any chunk a checkpoint writer holds.
-DECODE_CHUNK_ELEMENTS = 1 << 18
+#: Elements decoded per sub-chunk: about 1 MiB of transient buffers (int32 codes, fp32
+#: gather, fp32 scales, fp32 product), small next to any chunk a checkpoint writer holds
+#: (a DCP save's bound is per parameter held, so this fixed transient weighs more on more ranks).
+DECODE_CHUNK_ELEMENTS = 1 << 16
 
 
 def _range(numel: int, start: int, stop: int | None) -> tuple[int, int]:
