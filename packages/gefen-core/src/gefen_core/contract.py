@@ -30,6 +30,8 @@ from gefen_contracts import (
     StateRole,
     StateScope,
     StateVariant,
+    TopologyChange,
+    TopologyTransition,
     TrainingSupport,
 )
 
@@ -57,7 +59,15 @@ from .param_state import (
 from .periods import FALLBACK_PERIOD_CAP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["CANONICAL_LAYOUTS", "IMPLEMENTATION", "STATE_LAYOUT", "gefen_contract"]
+__all__ = [
+    "CANONICAL_LAYOUTS",
+    "DENSE_SHARD_SUPPORT",
+    "IMPLEMENTATION",
+    "IMPLICIT_PORTABLE_SUPPORT",
+    "PORTABLE_SUPPORT",
+    "STATE_LAYOUT",
+    "gefen_contract",
+]
 
 IMPLEMENTATION = "gefen.Gefen"
 
@@ -131,6 +141,46 @@ STATE_LAYOUT = OptimizerStateLayout(
 )
 
 _NOT_YET = "not implemented in gefen-core yet"
+_NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
+
+_FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
+_PORTABLE_LAYOUTS = frozenset({_REPL, _FLAT})
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
+#: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
+#: parameter, one member) round trips; no topology transition is claimed, because nothing
+#: else can be bound yet.
+IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    frozenset({_REPL}),
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    requires_collective=True,
+)
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported over a sealed
+#: ``post_sharding`` layout: replicated and flattened layouts round trip, and any of them on
+#: any member count re-blocks onto any of them on any member count (gefen_core.reblocking).
+PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    _PORTABLE_LAYOUTS,
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(_PORTABLE_LAYOUTS, _PORTABLE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+    ),
+    requires_collective=True,
+)
+_DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
+#: The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported: plain tensors and
+#: DTensor (FSDP2) shards, resharded N -> M ranks by DCP and re-blocked on load.
+DENSE_SHARD_SUPPORT = CheckpointSupport(
+    CheckpointTransport.DENSE_SHARD,
+    _DENSE_LAYOUTS,
+    ProcessGroupScope.DEFAULT_WORLD,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(TopologyTransition(_DENSE_LAYOUTS, _DENSE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),),
+    mesh_dimensions=(1,),
+    requires_collective=True,
+)
 
 
 def _training(readiness: IdentityReadiness) -> tuple[TrainingSupport, ...]:
@@ -189,19 +239,32 @@ def gefen_contract(
     codebook_refresh_every: int,
     fused: bool | None,
     factored_v_2d: tuple[bool, ...],
+    portable: FeatureStatus = _NOT_ASSESSED,
+    dense_shard: FeatureStatus = _NOT_ASSESSED,
+    portable_sealed: bool = False,
 ) -> OptimizerContract:
     """The contract of a Gefen instance with these options and this identity readiness
-    (memoised, immutable)."""
+    (memoised, immutable).
+
+    ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
+    ``dense_shard_codec``; their entries are declared exactly while they are supported:
+    :data:`PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout (``portable_sealed``),
+    else :data:`IMPLICIT_PORTABLE_SUPPORT`, and :data:`DENSE_SHARD_SUPPORT`.
+    """
+    portable_entry = PORTABLE_SUPPORT if portable_sealed else IMPLICIT_PORTABLE_SUPPORT
+    transports = ((portable_entry,) if portable.supported else ()) + (
+        (DENSE_SHARD_SUPPORT,) if dense_shard.supported else ()
+    )
     capabilities = OptimizerCapabilities(
         training=_training(readiness),
-        checkpoints=_checkpoints(readiness, canonical),
+        checkpoints=(*_checkpoints(readiness, canonical), *transports),
         precisions=frozenset(Precision),
         supported_parameter_ranks=None,
         features={
             FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
             **identity_features(readiness, canonical),
-            FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
-            FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
+            FEATURE_PORTABLE_STATE: portable,
+            FEATURE_DENSE_SHARD_CODEC: dense_shard,
             FEATURE_COMPOSITE: FeatureStatus.no("Gefen has no child optimizers"),
         },
     )
@@ -222,5 +285,7 @@ def gefen_contract(
         "gefen.codebook_refresh_every": codebook_refresh_every,
         "gefen.factored_v_2d": list(factored_v_2d),
         "gefen.row_sharded_factored_v": "local v_row, replicated v_col, one all_reduce per mesh per step",
+        "gefen.transport_variants": ["pristine", "block", "factored"],
+        "gefen.reblocking": "exact_structure_then_reinfer_v1",
     }
     return OptimizerContract(IMPLEMENTATION, STATE_LAYOUT, capabilities, extensions=extensions)

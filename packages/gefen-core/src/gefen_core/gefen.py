@@ -16,6 +16,7 @@ from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
+from .dense_shard import GefenDenseShard
 from .distributed import all_reduce_column_sums, topology_record
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
@@ -34,6 +35,7 @@ from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
 from .parameter_update import decay_only, kernel_queries, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
+from .portable_adapter import GefenPortableState
 from .scoped_step import scoped_step
 from .step_plan import ParamWork, StepDecision, StepPlan, capturing, plan_step
 
@@ -43,7 +45,7 @@ _NATIVE_LOAD = "gefen.native_load"
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -247,6 +249,9 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
             codebook_refresh_every=self._refresh_every,
             fused=self._fused,
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
+            portable=self._portable_status(),
+            dense_shard=self._dense_shard_status(),
+            portable_sealed=self._bound_layout() is not None,
         )
 
     def _refresh_due(self) -> bool:

@@ -209,6 +209,10 @@ class IdentityMethods:
                 "parameter group before calling post_sharding"
             )
 
+    def _post_sharded(self) -> bool:
+        """Whether ``post_sharding`` has bound a layout (the transports refuse until they read it)."""
+        return self._identity is not None
+
     def _identity_freshness(self) -> Hashable:
         return (self._version, id(self.state), state_version_token(self.param_groups, self.state))
 

@@ -25,12 +25,14 @@ from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
 from .muon_binding import MuonBindingMethods
 from .muon_contract import IMPLEMENTATION, REPLICATED_STATE_LAYOUT, mode_tag, muon_contract
+from .muon_dense_shard import GefenMuonDenseShard
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, ScopeEntry, agree_step, shard_rows, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_learning import LearningResult, is_nonzero, learn_codebook
 from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, group_schedule, lr_ratio, normalize_muon_options
 from .muon_plan import MuonItem, MuonPlan, batched_chunks, check_entry, check_matrix, plan_muon_step
+from .muon_portable import GefenMuonPortableState
 from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_call, momentum_input, orthogonalize
 from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
@@ -54,7 +56,9 @@ _NATIVE_LOAD = "gefen.muon_native_load"
 _LOG = logging.getLogger("gefen_core.muon")
 
 
-class GefenMuon(MuonBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
+class GefenMuon(
+    MuonBindingMethods, GefenMuonPortableState, GefenMuonDenseShard, OwnAttributesPickling, torch.optim.Optimizer
+):
     """Muon (momentum, Newton-Schulz orthogonalisation, a shape-scaled step) for 2-D matrices,
     with the momentum stored as uint8 codes into one learned 256-entry codebook plus one fp32
     scale per block (Gefen's codec): about 1 byte of state per parameter instead of 4.
@@ -272,6 +276,9 @@ class GefenMuon(MuonBindingMethods, OwnAttributesPickling, torch.optim.Optimizer
             deterministic=self._deterministic,
             stochastic_round=self._stochastic_round,
             fused=self._fused,
+            portable=self._portable_status(),
+            dense_shard=self._dense_shard_status(),
+            portable_sealed=self._bound_layout() is not None,
         )
 
     # -- preflight and step -------------------------------------------------------------

@@ -61,7 +61,15 @@ from .ops import MUON_DISPATCHED_OPS
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
 from .reference_ops import HISTOGRAM_BINS
 
-__all__ = ["IMPLEMENTATION", "MODE_TAG_PREFIX", "REPLICATED_STATE_LAYOUT", "mode_tag", "muon_contract"]
+__all__ = [
+    "IMPLEMENTATION",
+    "MODE_TAG_PREFIX",
+    "MUON_IMPLICIT_PORTABLE_SUPPORT",
+    "MUON_PORTABLE_SUPPORT",
+    "REPLICATED_STATE_LAYOUT",
+    "mode_tag",
+    "muon_contract",
+]
 
 IMPLEMENTATION = "gefen.GefenMuon"
 MODE_TAG_PREFIX = "gefen.muon.sharded_mode="
@@ -152,6 +160,56 @@ def _variants(modes: tuple[str, ...]) -> tuple[StateVariant, ...]:
 
 
 _NOT_YET = "not implemented for GefenMuon yet"
+_NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
+_OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
+_PORTABLE_LAYOUTS = frozenset({_REPL, _OWNER})
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
+#: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
+#: matrix, one member) round trips; no topology transition is claimed until one can be bound.
+MUON_IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    frozenset({_REPL}),
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    requires_collective=True,
+)
+#: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported over a sealed
+#: ``post_sharding`` layout: replicated matrices and whole-parameter owners round trip, and
+#: move between those layouts, member counts and owners (whole matrices keep their blocks, so
+#: the move is exact).
+MUON_PORTABLE_SUPPORT = CheckpointSupport(
+    CheckpointTransport.CANONICAL_GLOBAL,
+    _PORTABLE_LAYOUTS,
+    ProcessGroupScope.ADAPTER_DEFINED,
+    LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(
+            _PORTABLE_LAYOUTS,
+            _PORTABLE_LAYOUTS,
+            frozenset({TopologyChange.PLACEMENT_RESHARD, TopologyChange.WORLD_SIZE_OWNER_REDISTRIBUTION}),
+        ),
+    ),
+    requires_collective=True,
+)
+_DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
+
+
+def _dense_support(tags: frozenset[str]) -> CheckpointSupport:
+    """The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported (exact and approx modes)."""
+    return CheckpointSupport(
+        CheckpointTransport.DENSE_SHARD,
+        _DENSE_LAYOUTS,
+        ProcessGroupScope.DEFAULT_WORLD,
+        LoadAtomicity.GROUP_VOTED,
+        transitions=(
+            TopologyTransition(_DENSE_LAYOUTS, _DENSE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+        ),
+        mesh_dimensions=(1,),
+        mode_tags=tags,
+        requires_collective=True,
+    )
+
+
 _UNBOUND = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
 
 #: The state layout of matrices bound by post_sharding (complete matrices, no DTensor modes).
@@ -187,13 +245,31 @@ def muon_contract(
     deterministic: bool,
     stochastic_round: bool,
     fused: bool | None,
+    portable: FeatureStatus = _NOT_ASSESSED,
+    dense_shard: FeatureStatus = _NOT_ASSESSED,
+    portable_sealed: bool = False,
 ) -> OptimizerContract:
     """The contract of a GefenMuon with these live ``sharded_mode`` values, options and identity
-    readiness (after ``post_sharding``: exactly the bound layouts)."""
+    readiness (after ``post_sharding``: exactly the bound layouts).
+
+    ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
+    ``dense_shard_codec``; their checkpoint entries are declared exactly while supported
+    (:data:`MUON_PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout, else
+    :data:`MUON_IMPLICIT_PORTABLE_SUPPORT`).
+    """
+    portable_entry = MUON_PORTABLE_SUPPORT if portable_sealed else MUON_IMPLICIT_PORTABLE_SUPPORT
     tags = frozenset(mode_tag(mode) for mode in modes)
     if readiness.finalized:
         return _bound_contract(
-            readiness, canonical, whole_owner_blocker, modes, normuon, deterministic, stochastic_round, fused
+            readiness,
+            canonical,
+            whole_owner_blocker,
+            modes,
+            normuon,
+            deterministic,
+            stochastic_round,
+            fused,
+            (portable, dense_shard),
         )
     training = [TrainingSupport(_REPL, ProcessGroupScope.NONE, requires_complete_logical_matrix=True)]
     for mode in modes:
@@ -235,6 +311,8 @@ def muon_contract(
             mode_tags=tags,
             requires_collective=DISTRIBUTED in modes,
         ),
+        *((portable_entry,) if portable.supported else ()),
+        *((_dense_support(tags),) if dense_shard.supported else ()),
     )
     return _assemble(
         tuple(training),
@@ -247,6 +325,7 @@ def muon_contract(
         deterministic,
         stochastic_round,
         fused,
+        (portable, dense_shard),
     )
 
 
@@ -259,6 +338,7 @@ def _bound_contract(
     deterministic: bool,
     stochastic_round: bool,
     fused: bool | None,
+    transports: tuple[FeatureStatus, FeatureStatus],
 ) -> OptimizerContract:
     """After ``post_sharding``: complete matrices only (replicated, whole-parameter owner)."""
     native = CheckpointSupport(
@@ -279,6 +359,7 @@ def _bound_contract(
         deterministic,
         stochastic_round,
         fused,
+        transports,
     )
 
 
@@ -293,7 +374,9 @@ def _assemble(
     deterministic: bool,
     stochastic_round: bool,
     fused: bool | None,
+    transports: tuple[FeatureStatus, FeatureStatus],
 ) -> OptimizerContract:
+    portable, dense_shard = transports
     capabilities = OptimizerCapabilities(
         training=training,
         checkpoints=checkpoints,
@@ -302,8 +385,8 @@ def _assemble(
         features={
             FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
             **identity_features(readiness, canonical),
-            FEATURE_PORTABLE_STATE: FeatureStatus.no(f"the portable-state adapter is {_NOT_YET}"),
-            FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no(f"the dense-shard codec for DCP resharding is {_NOT_YET}"),
+            FEATURE_PORTABLE_STATE: portable,
+            FEATURE_DENSE_SHARD_CODEC: dense_shard,
             FEATURE_COMPOSITE: FeatureStatus.no("GefenMuon has no child optimizers"),
         },
     )
@@ -322,5 +405,7 @@ def _assemble(
         "gefen.muon.ns_schedules": list(SCHEDULE_NAMES),
         "gefen.codebook_scope": "process_group" if readiness.scoped else "mesh_or_rank_local",
         "gefen.scope_collective_budget": STEADY_STEP_BUDGET,
+        "gefen.transport_variants": ["pristine", "muon", "normuon"],
+        "gefen.reblocking": "exact_structure_then_reinfer_v1",
     }
     return OptimizerContract(IMPLEMENTATION, layout, capabilities, extensions=extensions)

@@ -164,7 +164,7 @@ class DenseShardAtomicLoadCheck:
             problems.append("a stale staged dense-shard load (the optimizer stepped) was committed")
         except StaleTransactionError:
             pass
-        fresh = optimizer.prepare_dense_shard_load(common, ranks.loads_of(optimizer))
+        fresh = optimizer.prepare_dense_shard_load(dict(optimizer.dense_shard_common()), ranks.loads_of(optimizer))
         optimizer.commit_dense_shard_load(fresh)
         try:
             optimizer.commit_dense_shard_load(fresh)

@@ -1,0 +1,305 @@
+"""``Gefen``'s state in transport form, shared by the portable adapter and the dense-shard codec.
+
+One piece of one parameter travels as
+
+* a **variant**: ``"pristine"`` (no state yet), ``"block"`` (block second moment) or
+  ``"factored"`` (factored second moment);
+* **counters**: ``step`` and the second moment's age (``vmean_step`` or ``factored_step``);
+* **fields** (:mod:`gefen_core.compact_piece`): the dense ``momentum``, and the dense
+  ``second_moment``, except that a portable document keeps a complete piece's factored
+  second moment exactly as its two vectors, the *replica fields* ``v_row`` and ``v_col``.
+
+Coming back, :func:`check_incoming` validates a record for one target piece and
+:func:`native_entry` re-encodes it into the native per-parameter state of the target
+(:mod:`gefen_core.param_state`), re-blocked by :mod:`gefen_core.reblocking`. The target's
+representation follows the target: factored for a 2-D tensor of a group with
+``factored_v_2d`` (its statistics copied from the replica fields, or re-factored from the
+dense field by row and column means), block otherwise (block means of the dense field,
+which a factored source provides through ``outer(v_row, v_col) / mean(v_col)``). The age
+counter carries over whichever representation the target takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gefen_contracts import StateValidationError
+
+from .compact_piece import MOMENTUM, SECOND_MOMENT, CompactPiece
+from .dense_view import factored_statistics, factored_values
+from .errors import GefenOptionError, GefenOptionTypeError
+from .param_groups import normalize_group_options
+from .param_state import (
+    AGE_KEYS,
+    BLOCK,
+    FACTORED,
+    FACTORED_STEP,
+    INDICES,
+    MAGNITUDE,
+    PERIOD,
+    STEP,
+    V_COL,
+    V_ROW,
+    VMEAN,
+    VMEAN_STEP,
+    counter_value,
+    state_variant,
+)
+from .parameter_update import placeholder_codebook
+from .periods import PeriodPolicy
+from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
+from .transport_slots import plain_options
+
+__all__ = [
+    "PRISTINE",
+    "IncomingPiece",
+    "check_incoming",
+    "complete_factors",
+    "period_policy",
+    "slot_options",
+    "live_piece",
+    "native_entry",
+    "plan_piece",
+]
+
+#: The variant of a parameter without state.
+PRISTINE = "pristine"
+_COUNTERS = {BLOCK: frozenset({STEP, VMEAN_STEP}), FACTORED: frozenset({STEP, FACTORED_STEP})}
+
+
+def _fail(message: str) -> StateValidationError:
+    return StateValidationError(message)
+
+
+def live_piece(
+    state: Mapping[str, Any] | None, shape: tuple[int, ...], codebook: torch.Tensor | None
+) -> tuple[str, dict[str, int], CompactPiece | None]:
+    """``(variant, counters, compact piece)`` of one live state entry (``shape``: the local tensor's)."""
+    if not state:
+        return PRISTINE, {}, None
+    variant = state_variant(dict(state))
+    assert variant is not None
+    indices = state[INDICES]
+    table = codebook if codebook is not None else placeholder_codebook(indices.device)
+    age_key = AGE_KEYS[variant]
+    counters = {STEP: counter_value(state[STEP]), age_key: counter_value(state[age_key])}
+    common = (shape, int(state[PERIOD]), indices, state[MAGNITUDE], table)
+    if variant == FACTORED:
+        return variant, counters, CompactPiece(*common, v_row=state[V_ROW], v_col=state[V_COL])
+    return variant, counters, CompactPiece(*common, vmean=state[VMEAN])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class IncomingPiece:
+    """A validated incoming record for one non-empty-or-empty target piece.
+
+    ``momentum`` is flat (the piece's row-major order). The second moment is one of:
+    ``block_v`` (dense, block-shaped), ``dense_v`` (dense, from a factored source) or
+    ``factors`` (the complete parameter's ``v_row`` and ``v_col``). ``flat_offset`` is the
+    piece's first element within the parameter of ``global_shape``.
+    """
+
+    fqn: str
+    variant: str
+    step: int
+    age: int
+    momentum: torch.Tensor
+    block_v: torch.Tensor | None
+    dense_v: torch.Tensor | None
+    factors: tuple[torch.Tensor, torch.Tensor] | None
+    flat_offset: int
+    global_shape: tuple[int, ...]
+
+    def second_moment(self) -> torch.Tensor:
+        """The dense second moment of the piece, flat."""
+        if self.block_v is not None:
+            return self.block_v
+        if self.dense_v is not None:
+            return self.dense_v
+        assert self.factors is not None
+        v_row, v_col = self.factors
+        return factored_values(v_row, v_col, self.flat_offset, self.flat_offset + self.momentum.numel())
+
+
+def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bool) -> torch.Tensor:
+    if type(value) is not torch.Tensor:
+        raise _fail(f"{where} must be a torch.Tensor, got {type(value).__name__}")
+    tensor: torch.Tensor = value
+    if tensor.dtype is not torch.float32 or tensor.layout is not torch.strided or tensor.is_meta:
+        raise _fail(f"{where} must be a strided float32 tensor, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
+    flat = tensor.detach().reshape(-1)
+    if flat.numel():
+        if not bool(torch.isfinite(flat).all()):
+            raise _fail(f"{where} holds non-finite values")
+        if nonnegative and bool((flat < 0).any()):
+            raise _fail(f"{where} holds negative values (a second moment is never negative)")
+    return flat
+
+
+def _counter(counters: Mapping[str, int], key: str, where: str, maximum: int) -> int:
+    value = counters[key]
+    if type(value) is not int or not 1 <= value <= maximum:
+        raise _fail(f"{where} counter {key!r} must be an int in [1, {maximum}], got {value!r}")
+    return value
+
+
+def check_incoming(
+    fqn: str,
+    variant: str,
+    counters: Mapping[str, int],
+    element_fields: Mapping[str, object],
+    replica_fields: Mapping[str, object],
+    *,
+    piece_shape: tuple[int, ...],
+    flat_offset: int,
+    global_shape: tuple[int, ...],
+    global_step: int,
+) -> IncomingPiece | None:
+    """Validate one record for a target piece of ``piece_shape`` (``None`` for ``"pristine"``).
+
+    Raises :class:`~gefen_contracts.StateValidationError` naming the parameter, the field and
+    what is wrong (unknown variant, counters other than the variant's, a counter outside
+    ``[1, global_step]`` or an age above ``step``, missing or extra fields, wrong dtype or
+    shape, non-finite values, a negative second moment).
+    """
+    where = f"parameter {fqn!r}"
+    if variant == PRISTINE:
+        if counters or element_fields or replica_fields:
+            raise _fail(f"{where}: a {PRISTINE!r} record has no counters or fields")
+        return None
+    if variant not in _COUNTERS:
+        raise _fail(f"{where}: unknown variant {variant!r} (Gefen knows {[PRISTINE, BLOCK, FACTORED]})")
+    if set(counters) != _COUNTERS[variant]:
+        raise _fail(f"{where}: variant {variant!r} needs counters {sorted(_COUNTERS[variant])}, got {sorted(counters)}")
+    step = _counter(counters, STEP, where, global_step)
+    age = _counter(counters, AGE_KEYS[variant], where, step)
+    factors = None
+    if variant == FACTORED and replica_fields:
+        if sorted(element_fields) != [MOMENTUM] or sorted(replica_fields) != sorted((V_ROW, V_COL)):
+            raise _fail(
+                f"{where}: a factored record holds element field {MOMENTUM!r} and replica fields "
+                f"{[V_COL, V_ROW]}, got {sorted(element_fields)} and {sorted(replica_fields)}"
+            )
+        if len(global_shape) != 2:
+            raise _fail(f"{where}: a factored second moment needs a 2-D parameter, the parameter is {global_shape}")
+        rows, cols = global_shape
+        factors = (
+            _field(replica_fields[V_ROW], (rows,), f"{where} replica field {V_ROW!r}", nonnegative=True),
+            _field(replica_fields[V_COL], (cols,), f"{where} replica field {V_COL!r}", nonnegative=True),
+        )
+    else:
+        if replica_fields:
+            raise _fail(f"{where}: variant {variant!r} has no replica fields, got {sorted(replica_fields)}")
+        if sorted(element_fields) != sorted((MOMENTUM, SECOND_MOMENT)):
+            raise _fail(
+                f"{where}: variant {variant!r} needs element fields {sorted((MOMENTUM, SECOND_MOMENT))}, "
+                f"got {sorted(element_fields)}"
+            )
+    momentum = _field(element_fields[MOMENTUM], piece_shape, f"{where} field {MOMENTUM!r}", nonnegative=False)
+    dense = None
+    if factors is None:
+        dense = _field(element_fields[SECOND_MOMENT], piece_shape, f"{where} field {SECOND_MOMENT!r}", nonnegative=True)
+    return IncomingPiece(
+        fqn,
+        variant,
+        step,
+        age,
+        momentum,
+        dense if variant == BLOCK else None,
+        dense if variant == FACTORED else None,
+        factors,
+        flat_offset,
+        global_shape,
+    )
+
+
+def plan_piece(
+    piece: IncomingPiece,
+    *,
+    search_shape: tuple[int, ...],
+    policy: PeriodPolicy,
+    name: str | None,
+    ndim: int,
+    codebook: torch.Tensor | None,
+) -> PeriodChoice:
+    """The target period of ``piece`` (:func:`gefen_core.reblocking.choose_period`).
+
+    Re-inference runs the group's :class:`~gefen_core.periods.PeriodPolicy` on ``sqrt(v)``
+    (a gradient whose square is the second moment), as a first step would on a gradient.
+    """
+
+    def reinfer() -> int:
+        return policy.resolve(name, search_shape, piece.second_moment().sqrt())
+
+    return choose_period(
+        piece.momentum,
+        shape=search_shape,
+        second_moment=piece.block_v,
+        codebook=codebook,
+        forced_one=policy.forces_period_one(name, ndim),
+        reinfer=reinfer,
+    )
+
+
+def complete_factors(piece: IncomingPiece, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v_row, v_col)`` fp32 for a factored target that holds every row of the parameter:
+    the record's own vectors when it kept them, else the float64 row and column means of the
+    dense second moment (which re-factor a rank-one field to fp32 rounding)."""
+    if piece.factors is not None:
+        v_row, v_col = piece.factors
+        return v_row.clone(), v_col.clone()
+    row_means, col_sums = factored_statistics(piece.second_moment().view(rows, cols))
+    return row_means.to(torch.float32), (col_sums / max(rows, 1)).to(torch.float32)
+
+
+def native_entry(
+    piece: IncomingPiece,
+    period: int,
+    codebook: torch.Tensor | None,
+    *,
+    device: torch.device,
+    factors: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict[str, Any]:
+    """The native state entry of a target piece (tensors on ``device``).
+
+    ``factors`` are the target's ``(v_row, v_col)`` when it keeps a factored second moment
+    (:func:`complete_factors`, or a row shard's rows with every shard's columns); ``None``
+    gives the block second moment (block means of the dense field at ``period``).
+    """
+    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
+    indices, magnitude = encode_momentum(piece.momentum, period, table, device)
+    entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
+    if factors is None:
+        entry[VMEAN] = block_means(piece.second_moment(), period, device)
+        entry[VMEAN_STEP] = piece.age
+        return entry
+    v_row, v_col = factors
+    entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: piece.age})
+    return entry
+
+
+def slot_options(options: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(recorded options as plain values, normalised Gefen options)``."""
+    plain = plain_options(options)
+    try:
+        normalized = normalize_group_options(plain)
+    except (GefenOptionError, GefenOptionTypeError) as exc:
+        raise _fail(f"{where}: invalid recorded option: {exc}") from None
+    missing = {"factored_v_2d", "force_1d_period_one", "force_2d_period_one", "period_one_substrings"} - set(normalized)
+    if missing:
+        raise _fail(f"{where}: the recorded options lack {sorted(missing)}")
+    return plain, normalized
+
+
+def period_policy(options: Mapping[str, Any]) -> PeriodPolicy:
+    """The period overrides of normalised group options."""
+    return PeriodPolicy(
+        bool(options["force_1d_period_one"]),
+        bool(options["force_2d_period_one"]),
+        tuple(options["period_one_substrings"]),
+    )

@@ -1,0 +1,183 @@
+"""``GefenMuon``'s state in transport form, shared by its portable adapter and dense-shard codec.
+
+One matrix's state (the whole matrix, or an ``"approx"`` row shard's rows) travels as
+
+* a **variant**: ``"pristine"`` (no state yet), ``"muon"`` (quantized momentum) or
+  ``"normuon"`` (momentum and NorMuon row statistics);
+* **counters**: ``step``, plus ``normuon_step`` for ``"normuon"``;
+* **fields**: the dense ``momentum``; the NorMuon statistic ``normuon_v`` as a replica field
+  ``[rows, 1]`` in portable documents (complete matrices) and as a dense field repeated along
+  each row in dense-shard checkpoints (so DCP can reshard it with the rows).
+
+Coming back, the momentum is re-blocked (:mod:`gefen_core.reblocking`; GefenMuon has no
+second moment, so the period follows the momentum's exact structure, else a fresh search)
+and re-encoded. Group options are adopted from the record except the execution choices
+(:data:`EXECUTION_OPTIONS`), which stay the target's: they decide where the state lives,
+not what it means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gefen_contracts import StateValidationError
+
+from .compact_piece import MOMENTUM, NORMUON_V_FIELD, CompactPiece
+from .muon_state import NORMUON_STEP, NORMUON_V
+from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .parameter_update import placeholder_codebook
+from .periods import search_period
+from .reblocking import PeriodChoice, choose_period, encode_momentum
+
+__all__ = [
+    "EXECUTION_OPTIONS",
+    "MUON",
+    "NORMUON",
+    "PRISTINE",
+    "IncomingMuonPiece",
+    "check_incoming_muon",
+    "live_muon_piece",
+    "muon_entry",
+    "plan_muon_piece",
+]
+
+PRISTINE = "pristine"
+MUON = "muon"
+NORMUON = "normuon"
+#: Group options that are the target's own choice (where state lives and how steps run).
+EXECUTION_OPTIONS = ("sharded_mode", "fp8_ns", "fp8_ns_compile", "batched_ns", "batched_ns_workspace_bytes")
+_COUNTERS = {MUON: frozenset({STEP}), NORMUON: frozenset({STEP, NORMUON_STEP})}
+
+
+def _fail(message: str) -> StateValidationError:
+    return StateValidationError(message)
+
+
+def live_muon_piece(
+    state: Mapping[str, Any] | None, shape: tuple[int, ...], codebook: torch.Tensor | None
+) -> tuple[str, dict[str, int], CompactPiece | None]:
+    """``(variant, counters, compact piece)`` of one live entry (``shape``: the matrix or rows it describes)."""
+    if not state:
+        return PRISTINE, {}, None
+    indices = state[INDICES]
+    table = codebook if codebook is not None else placeholder_codebook(indices.device)
+    counters = {STEP: int(state[STEP])}
+    common = (shape, int(state[PERIOD]), indices, state[MAGNITUDE], table)
+    if NORMUON_V in state:
+        counters[NORMUON_STEP] = int(state[NORMUON_STEP])
+        return NORMUON, counters, CompactPiece(*common, normuon_v=state[NORMUON_V])
+    return MUON, counters, CompactPiece(*common)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class IncomingMuonPiece:
+    """A validated incoming record for one target matrix (or row shard) of ``shape``."""
+
+    fqn: str
+    variant: str
+    step: int
+    normuon_step: int
+    momentum: torch.Tensor
+    normuon_v: torch.Tensor | None
+    shape: tuple[int, int]
+
+
+def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bool) -> torch.Tensor:
+    if type(value) is not torch.Tensor:
+        raise _fail(f"{where} must be a torch.Tensor, got {type(value).__name__}")
+    tensor: torch.Tensor = value
+    if tensor.dtype is not torch.float32 or tensor.layout is not torch.strided or tensor.is_meta:
+        raise _fail(f"{where} must be a strided float32 tensor, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
+    detached = tensor.detach()
+    if detached.numel():
+        if not bool(torch.isfinite(detached).all()):
+            raise _fail(f"{where} holds non-finite values")
+        if nonnegative and bool((detached < 0).any()):
+            raise _fail(f"{where} holds negative values")
+    return detached
+
+
+def check_incoming_muon(
+    fqn: str,
+    variant: str,
+    counters: Mapping[str, int],
+    element_fields: Mapping[str, object],
+    replica_fields: Mapping[str, object],
+    *,
+    shape: tuple[int, int],
+    global_step: int,
+) -> IncomingMuonPiece | None:
+    """Validate one record for a target of ``shape`` (``None`` for ``"pristine"``).
+
+    ``normuon_v`` may come as a replica field ``[rows, 1]`` or as a dense element field
+    ``[rows, cols]`` whose rows are constant. Raises
+    :class:`~gefen_contracts.StateValidationError` naming the parameter and the problem.
+    """
+    where = f"parameter {fqn!r}"
+    if variant == PRISTINE:
+        if counters or element_fields or replica_fields:
+            raise _fail(f"{where}: a {PRISTINE!r} record has no counters or fields")
+        return None
+    if variant not in _COUNTERS:
+        raise _fail(f"{where}: unknown variant {variant!r} (GefenMuon knows {[PRISTINE, MUON, NORMUON]})")
+    if set(counters) != _COUNTERS[variant]:
+        raise _fail(f"{where}: variant {variant!r} needs counters {sorted(_COUNTERS[variant])}, got {sorted(counters)}")
+    step = counters[STEP]
+    if type(step) is not int or not 1 <= step <= global_step:
+        raise _fail(f"{where} counter {STEP!r} must be an int in [1, {global_step}], got {step!r}")
+    normuon_step = 0
+    if variant == NORMUON:
+        normuon_step = counters[NORMUON_STEP]
+        if type(normuon_step) is not int or not 1 <= normuon_step <= step:
+            raise _fail(f"{where} counter {NORMUON_STEP!r} must be an int in [1, {step}], got {normuon_step!r}")
+    rows, cols = shape
+    names = set(element_fields) | set(replica_fields)
+    expected = {MOMENTUM} | ({NORMUON_V_FIELD} if variant == NORMUON else set())
+    if names != expected or MOMENTUM not in element_fields or set(element_fields) & set(replica_fields):
+        raise _fail(f"{where}: variant {variant!r} needs the fields {sorted(expected)}, got {sorted(names)}")
+    momentum = _field(element_fields[MOMENTUM], shape, f"{where} field {MOMENTUM!r}", nonnegative=False)
+    normuon_v = None
+    if variant == NORMUON:
+        if NORMUON_V_FIELD in replica_fields:
+            normuon_v = _field(
+                replica_fields[NORMUON_V_FIELD], (rows, 1), f"{where} replica field 'normuon_v'", nonnegative=True
+            )
+        else:
+            dense = _field(element_fields[NORMUON_V_FIELD], shape, f"{where} field 'normuon_v'", nonnegative=True)
+            normuon_v = dense[:, :1].contiguous()
+            if not torch.equal(dense, normuon_v.expand(rows, cols)):
+                raise _fail(f"{where} field 'normuon_v' must repeat one value along each row")
+    return IncomingMuonPiece(fqn, variant, step, normuon_step, momentum.reshape(-1), normuon_v, shape)
+
+
+def plan_muon_piece(
+    piece: IncomingMuonPiece, *, search_shape: tuple[int, int], codebook: torch.Tensor | None
+) -> PeriodChoice:
+    """The target period (:func:`gefen_core.reblocking.choose_period`; re-inference searches the
+    momentum, GefenMuon's first-step rule applied to it as a gradient proxy)."""
+    return choose_period(
+        piece.momentum,
+        shape=search_shape,
+        second_moment=None,
+        codebook=codebook,
+        forced_one=False,
+        reinfer=lambda: search_period(piece.momentum.view(piece.shape), search_shape),
+    )
+
+
+def muon_entry(
+    piece: IncomingMuonPiece, period: int, codebook: torch.Tensor | None, *, device: torch.device
+) -> dict[str, Any]:
+    """The native state entry of a target matrix (tensors on ``device``)."""
+    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
+    indices, magnitude = encode_momentum(piece.momentum, period, table, device)
+    entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
+    if piece.normuon_v is not None:
+        entry[NORMUON_V] = piece.normuon_v.to(device=device, copy=True)
+        entry[NORMUON_STEP] = piece.normuon_step
+    return entry

@@ -1,0 +1,134 @@
+"""The optimizer-wide records ``Gefen`` and ``GefenMuon`` put into transports, and their checks.
+
+Portable documents (``gefen_portable``):
+
+* ``policy``: ``{"schema_version": 1, "deterministic": bool}``. An import requires the
+  target's ``deterministic`` to be the same, as native loads do (the reference adopted the
+  source's flag silently, spec portable-dcp.md section 12.9);
+* ``common``: ``{"global_step": int, "codebook": fp32[256] | None}``, identical on every
+  member of the checkpoint group.
+
+Dense-shard checkpoints (``gefen_dcp.GefenDCPState``): ``common`` is
+``{"schema_version": 1, "global_step": int, "deterministic": bool}``; the codebook does not
+travel (each rank learns its own without a codebook scope, so each learns one on load).
+
+:func:`portable_layout_of` builds the local target layout both optimizers describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from gefen_contracts import PortableLayout, PortableSlotLayout, ShardingManifest, StateValidationError
+from gefen_contracts.torch_support import SealedLayout
+
+from .codebook import validate_codebook
+from .transport_slots import implicit_shard, named_slots
+
+__all__ = [
+    "DENSE_SCHEMA_VERSION",
+    "POLICY_SCHEMA_VERSION",
+    "check_common",
+    "check_dense_common",
+    "check_policy",
+    "dense_common",
+    "portable_common",
+    "portable_layout_of",
+    "portable_policy",
+]
+
+#: Version of the portable policy and common records.
+POLICY_SCHEMA_VERSION = 1
+#: Version of the dense-shard common record.
+DENSE_SCHEMA_VERSION = 1
+_MAX_STEP = 1 << 53
+
+
+def portable_policy(deterministic: bool) -> dict[str, Any]:
+    return {"schema_version": POLICY_SCHEMA_VERSION, "deterministic": deterministic}
+
+
+def portable_common(global_step: int, codebook: torch.Tensor | None) -> dict[str, Any]:
+    """The common record, with a fresh host copy of the codebook."""
+    copy = None if codebook is None else codebook.detach().to("cpu", copy=True)
+    return {"global_step": global_step, "codebook": copy}
+
+
+def dense_common(global_step: int, deterministic: bool) -> dict[str, Any]:
+    return {"schema_version": DENSE_SCHEMA_VERSION, "global_step": global_step, "deterministic": deterministic}
+
+
+def _step(value: object, where: str) -> int:
+    if type(value) is not int or not 0 <= value < _MAX_STEP:
+        raise StateValidationError(f"{where} must be an int in [0, 2**53), got {value!r}")
+    return value
+
+
+def _deterministic(value: object, live: bool, who: str) -> None:
+    if type(value) is not bool:
+        raise StateValidationError(f"{who}: deterministic must be a bool, got {type(value).__name__}")
+    if value != live:
+        raise StateValidationError(
+            f"{who}: the state was produced with deterministic={value} but this optimizer has deterministic={live}; "
+            "construct the optimizer with the state's policy"
+        )
+
+
+def check_policy(policy: Mapping[str, Any], deterministic: bool, who: str) -> None:
+    """A portable policy record of this version that keeps ``deterministic``."""
+    if set(policy) != {"schema_version", "deterministic"}:
+        raise StateValidationError(
+            f"{who}: policy must hold exactly schema_version and deterministic, got {sorted(policy)}"
+        )
+    if type(policy["schema_version"]) is not int or policy["schema_version"] != POLICY_SCHEMA_VERSION:
+        raise StateValidationError(
+            f"{who}: policy schema_version {policy['schema_version']!r} is not {POLICY_SCHEMA_VERSION}"
+        )
+    _deterministic(policy["deterministic"], deterministic, who)
+
+
+def check_common(common: Mapping[str, Any], who: str) -> tuple[int, torch.Tensor | None]:
+    """``(global_step, codebook copy)`` of a portable common record."""
+    if set(common) != {"global_step", "codebook"}:
+        raise StateValidationError(f"{who}: common must hold exactly global_step and codebook, got {sorted(common)}")
+    step = _step(common["global_step"], f"{who}: common global_step")
+    codebook = common["codebook"]
+    if codebook is not None:
+        codebook = validate_codebook(codebook, f"{who}: common codebook").clone()
+    return step, codebook
+
+
+def check_dense_common(common: Mapping[str, Any], deterministic: bool, who: str) -> int:
+    """The global step of a dense-shard common record of this version that keeps ``deterministic``."""
+    if set(common) != {"schema_version", "global_step", "deterministic"}:
+        raise StateValidationError(
+            f"{who}: common must hold exactly schema_version, global_step and deterministic, got {sorted(common)}"
+        )
+    if type(common["schema_version"]) is not int or common["schema_version"] != DENSE_SCHEMA_VERSION:
+        raise StateValidationError(
+            f"{who}: common schema_version {common['schema_version']!r} is not {DENSE_SCHEMA_VERSION}"
+        )
+    step = _step(common["global_step"], f"{who}: common global_step")
+    _deterministic(common["deterministic"], deterministic, who)
+    return step
+
+
+def portable_layout_of(
+    param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout | None, implementation: str
+) -> PortableLayout:
+    """The local target layout: the sealed one, or the implicit one (one ungrouped replicated
+    shard per named parameter); no state, no tensors."""
+    shards = []
+    slots = []
+    for slot in named_slots(param_groups, sealed):
+        if slot.shard is not None:
+            shard = slot.shard
+        else:
+            assert slot.tensor is not None
+            shard = implicit_shard(slot.fqn, slot.tensor)
+        shards.append(shard)
+        slots.append(PortableSlotLayout(shard, slot.position, slot.compatibility_name))
+    manifest = sealed.manifest if sealed is not None else ShardingManifest(tuple(shards))
+    return PortableLayout(implementation, manifest, tuple(slots))
