@@ -265,6 +265,13 @@ static void prepare_table(CodebookTable* t, const float* codebook) {
     t->valid = 1;
 }
 
+/* 1 when nearest rounding with this codebook takes the threshold table, 0 when it takes the
+ * reference's bucket search (the table is prepared for the codebook either way). */
+int gefen_uses_threshold_table(const float* codebook, void* table) {
+    prepare_table((CodebookTable*)table, codebook);
+    return ((const CodebookTable*)table)->thresholds;
+}
+
 typedef struct {
     float lr, inv_bc1, bc2, decay, beta1, omb1, beta2, omb2, eps;
     int apply_decay, stochastic;
