@@ -16,7 +16,9 @@
  * tiles of TILE elements so the second pass reads from cache. Each tile is converted from
  * the parameter dtype into an fp32 buffer, processed by dtype-free loops written for the
  * auto-vectoriser (restrict pointers, scalars in locals, selects instead of branches),
- * and the parameter write converts back.
+ * and the parameter write converts back. Nearest rounding reads a threshold table derived
+ * from the reference's rule (build_thresholds) when the codebook allows, else the
+ * reference's bucket search; both give the reference's codes bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -205,11 +207,8 @@ static int32_t build_thresholds(CodebookTable* t, const int32_t* counts) {
         int32_t below_one = counts[b] - (b == BUCKETS - 1); /* C[255] = 1 sits in the last bucket */
         if (below_one > 2) return 0;
     }
-    for (int f = 0; f < FINE_BUCKETS; f++) {
-        t->threshold[f] = INFINITY;
-        t->base[f] = 0;
-    }
-    memset(t->base + FINE_BUCKETS, 0, 4);
+    for (int f = 0; f < FINE_BUCKETS; f++) t->threshold[f] = INFINITY;
+    memset(t->base, 0, sizeof t->base);
     int32_t low_key = float_key(-1.0f), high_key = float_key(1.0f);
     if (nearest_code_reference(t, -1.0f) != 0) return 0;
     int32_t previous_key = low_key - 1;
@@ -227,7 +226,11 @@ static int32_t build_thresholds(CodebookTable* t, const int32_t* counts) {
         int32_t f = fine_bucket_of(threshold);
         if (t->threshold[f] != INFINITY) return 0; /* two thresholds in one fine bucket */
         t->threshold[f] = threshold;
-        for (int32_t g = f + 1; g < FINE_BUCKETS; g++) t->base[g]++;
+    }
+    int32_t below = 0; /* base[f]: the thresholds in buckets below f */
+    for (int f = 0; f < FINE_BUCKETS; f++) {
+        t->base[f] = (uint8_t)below;
+        below += t->threshold[f] != INFINITY;
     }
     /* Check the table against the reference rule at every threshold and its neighbours. */
     for (int f = 0; f < FINE_BUCKETS; f++) {
