@@ -196,6 +196,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     arms = _arms(args.device, numel)
+    if args.arms:
+        wanted = [name.strip() for name in args.arms.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - set(arms))
+        if unknown:
+            raise SystemExit(f"--arms: unknown arm(s) {unknown}; known: {sorted(arms)}")
+        arms = {name: build for name, build in arms.items() if name in wanted or name == "adamw-fused"}
     baseline = "adamw-fused"
     medians: dict[str, float] = {}
     for name, build in arms.items():
@@ -289,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--tiny", action="store_true", help="a smoke run at tiny sizes")
+    parser.add_argument(
+        "--arms", default="", help="comma-separated arms to run (the adamw-fused baseline always runs); default: all"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     args = parser.parse_args(argv)
     if args.tiny:
