@@ -164,8 +164,14 @@ def compare_block_step(
     weight_decay: float,
     maximize: bool,
     sr_seed: torch.Tensor | None,
+    exact: bool = False,
 ) -> None:
-    """Run ``steps`` steps of the reference and of ``op``, each from the reference's state, and compare."""
+    """Run ``steps`` steps of the reference and of ``op``, each from the reference's state, and compare.
+
+    ``exact``: the kernel must reproduce the reference bit for bit (indices, block scales,
+    and every parameter of a block whose ``v`` came out identical; ``v`` itself may differ
+    by one ulp where the float64 sum of squares was added in another order).
+    """
     ref = state.clone()
     flags = _flags(weight_decay, maximize)
     for step in range(1, steps + 1):
@@ -187,6 +193,8 @@ def compare_block_step(
             **flags,
         )
         _assert_states(before, ref, mine)
+        if exact:
+            _assert_exact_block_states(ref, mine)
         grad = grad.roll(1)  # a different gradient for the next step
 
 
@@ -201,8 +209,13 @@ def compare_factored_step(
     weight_decay: float,
     maximize: bool,
     sr_seed: torch.Tensor | None,
+    exact: bool = False,
 ) -> None:
-    """Both phases of the factored update against the reference, one step at a time."""
+    """Both phases of the factored update against the reference, one step at a time.
+
+    ``exact``: phase 2 (which gets the reference's statistics) must reproduce the reference
+    bit for bit.
+    """
     ref = state.clone()
     flags = _flags(weight_decay, maximize)
     for step in range(1, steps + 1):
@@ -219,7 +232,31 @@ def compare_factored_step(
         factored_step_reference(ref.param, grad, ref.indices, ref.magnitude, *common, **flags)
         step_op(mine.param, grad, mine.indices, mine.magnitude, *common, **flags)
         _assert_states(before, ref, mine)
+        if exact:
+            _assert_exact(ref, mine)
         grad = grad.roll(1, dims=1)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _assert_exact(ref: MomentumState, mine: MomentumState) -> None:
+    assert torch.equal(ref.indices, mine.indices), "indices differ"
+    assert _same_bits(ref.magnitude, mine.magnitude), "block scales differ"
+    for expected, got in zip(ref.second, mine.second):
+        assert _same_bits(expected, got), "second moments differ"
+    assert _same_bits(ref.param, mine.param), "params differ"
+
+
+def _assert_exact_block_states(ref: MomentumState, mine: MomentumState) -> None:
+    assert torch.equal(ref.indices, mine.indices), "indices differ"
+    assert _same_bits(ref.magnitude, mine.magnitude), "block scales differ"
+    blocks, period = ref.indices.shape
+    same_v = (ref.second[0] == mine.second[0]).view(blocks)
+    expected = ref.param.view(blocks, period)[same_v]
+    got = mine.param.view(blocks, period)[same_v]
+    assert _same_bits(expected, got), "params differ"
 
 
 def _assert_states(before: torch.Tensor, ref: MomentumState, mine: MomentumState) -> None:
@@ -247,8 +284,10 @@ def compare_muon_momentum(
     out_dtype: torch.dtype,
     nesterov: bool,
     sr_seed: torch.Tensor | None,
+    exact: bool = False,
 ) -> None:
-    """``gefen.muon_momentum/1`` against the reference, two steps from the reference's state."""
+    """``gefen.muon_momentum/1`` against the reference, two steps from the reference's state
+    (``exact``: bit for bit)."""
     from gefen_core.reference_ops import muon_momentum_reference
 
     device = grad.device
@@ -266,4 +305,8 @@ def compare_muon_momentum(
         assert_indices_close(indices, mine_indices)
         assert ulp_distance(magnitude, mine_magnitude) <= 1
         assert ulp_distance(expected, got) <= 1
+        if exact:
+            assert torch.equal(indices, mine_indices), "indices differ"
+            assert _same_bits(magnitude, mine_magnitude), "block scales differ"
+            assert _same_bits(expected, got), "outputs differ"
         grad = grad.roll(1, dims=1)

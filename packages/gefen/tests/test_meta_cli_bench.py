@@ -179,6 +179,19 @@ def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> N
         main(["bench", "step", "--d-model", "66"])
     assert exit_info.value.code == 2
     assert "d_model must be divisible by 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "step", "--d-model", "16", "--layers", "1", "--vocab", "32", "--arms", "gefen-fused,no-such"])
+    assert exit_info.value.code == 2
+    assert "unknown arm(s) ['no-such']" in capsys.readouterr().err
+
+
+def test_bench_step_runs_only_the_chosen_arms_and_the_baseline(tmp_path: Path) -> None:
+    code = main(
+        ["bench", "step", "--d-model", "32", "--layers", "1", "--vocab", "64", "--warmup", "1", "--repeats", "1",
+         "--threads", "1", "--arms", "gefen-block-fused", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    assert {row.name for row in read_report(tmp_path / "step.json").rows} == {"adamw-fused", "gefen-block-fused"}
 
 
 def test_bench_muon_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

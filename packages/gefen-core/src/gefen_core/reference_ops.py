@@ -84,6 +84,13 @@ def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
     return total / torch.full((1,), float(count), dtype=torch.float64, device=total.device)
 
 
+def _sqrt(values: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root: through float64, which is exact enough that the one
+    rounding back to fp32 is the correct one (torch's vectorised fp32 ``sqrt`` on CPU is
+    sometimes one ulp off, e.g. for 0.010247663)."""
+    return values.double().sqrt().float()
+
+
 def _chunk_rows(period: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, period))
 
@@ -177,7 +184,7 @@ def block_step_reference(
         mean = _divide(g.to(torch.float64).square().sum(dim=1, keepdim=True), period).to(torch.float32)
         v = vmean[first:last] * scalars[S.BETA2] + mean * scalars[S.ONE_MINUS_BETA2]
         vmean[first:last] = v
-        stepsize = scalars[S.INV_BC1] / (torch.sqrt(v) * scalars[S.BC2] + scalars[S.EPS])
+        stepsize = scalars[S.INV_BC1] / (_sqrt(v) * scalars[S.BC2] + scalars[S.EPS])
         _momentum_write(
             p2[first:last],
             g,
@@ -240,7 +247,7 @@ def factored_step_reference(
         start, stop = first * period, last * period
         row0, row1 = start // cols, (stop - 1) // cols + 1
         w = row_factor[row0:row1, None] * v_col[None, :]
-        stepsize_rows = scalars[S.INV_BC1] / (torch.sqrt(w) + scalars[S.EPS])
+        stepsize_rows = scalars[S.INV_BC1] / (_sqrt(w) + scalars[S.EPS])
         stepsize = stepsize_rows.view(-1)[start - row0 * cols : stop - row0 * cols].view(-1, period)
         g = _gradient_rows(g_flat[start:stop].view(-1, period), maximize)
         _momentum_write(

@@ -19,7 +19,15 @@ from torch.autograd.graph import increment_version
 from . import arguments
 from .cpu_build import load_cpu_library
 
-__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "muon_momentum", "stochastic_uniform"]
+__all__ = [
+    "block_step",
+    "factored_stats",
+    "factored_step",
+    "histogram",
+    "muon_momentum",
+    "nearest_rounding_path",
+    "stochastic_uniform",
+]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 #: Row chunks of the factored statistics (fixed, so the sum order does not depend on threads).
@@ -35,6 +43,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
     "gefen_muon_momentum": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _INT, _P],
     "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
+    "gefen_uses_threshold_table": [_P, _P],
 }
 _BOUND: dict[str, Callable[..., int]] = {}
 _BOUND_TO: list[ctypes.CDLL] = []
@@ -321,3 +330,23 @@ def muon_momentum(
         _codebook_table(),
     )
     _bump(indices, magnitude, out)
+
+
+def nearest_rounding_path(codebook: torch.Tensor) -> str:
+    """How the CPU kernel rounds to the nearest codeword of ``codebook`` (fp32 ``[256]``).
+
+    ``"thresholds"``: one fine-bucket load, one threshold compare and one codeword load per
+    element, used when the codebook is sorted, spans ``[-1, 1]``, meets the reference's
+    lookup precondition and has at most one decision threshold per 1/4096-wide bucket
+    (every learned codebook); the table is verified against the reference rule when it is
+    built. ``"bucket search"``: the reference's own bucket search, for any other codebook.
+    Both give the reference's codes bit for bit.
+    """
+    if codebook.dtype is not torch.float32 or codebook.shape != (256,) or codebook.device.type != "cpu":
+        raise arguments.KernelArgumentError(
+            f"codebook must be a CPU float32 tensor of shape (256,), got {codebook.dtype} {tuple(codebook.shape)} "
+            f"on {codebook.device}"
+        )
+    flat = codebook.contiguous()
+    found = _function("gefen_uses_threshold_table")(flat.data_ptr(), _codebook_table())
+    return "thresholds" if found == 1 else "bucket search"

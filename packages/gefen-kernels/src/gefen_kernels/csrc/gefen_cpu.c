@@ -16,7 +16,9 @@
  * tiles of TILE elements so the second pass reads from cache. Each tile is converted from
  * the parameter dtype into an fp32 buffer, processed by dtype-free loops written for the
  * auto-vectoriser (restrict pointers, scalars in locals, selects instead of branches),
- * and the parameter write converts back.
+ * and the parameter write converts back. Nearest rounding reads a threshold table derived
+ * from the reference's rule (build_thresholds) when the codebook allows, else the
+ * reference's bucket search; both give the reference's codes bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +31,8 @@
 #define GEFEN_ABI_VERSION 1
 #define CODEBOOK 256
 #define BUCKETS 4096
+/* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
+#define FINE_BUCKETS 8192
 #define LANES 16
 #define TILE 512
 /* Blocks up to this many elements keep their momentum in a buffer between the two passes. */
@@ -150,11 +154,98 @@ typedef struct {
     float at0[BUCKETS];       /* C[min(start, 255)] */
     float at1[BUCKETS];       /* C[min(start + 1, 255)] */
     float at2[BUCKETS];       /* C[min(start + 2, 255)] */
+    /* Threshold table of nearest rounding (used when `thresholds` is 1, see build_thresholds):
+     * for z in [-1, 1] in fine bucket f, the nearest code is base[f] + (z > threshold[f]). */
+    int32_t thresholds;
+    float threshold[FINE_BUCKETS];
+    uint8_t base[FINE_BUCKETS + 4]; /* + 4: read as (unaligned) 32-bit words, low byte used */
 } CodebookTable;
 
 int64_t gefen_table_bytes(void) { return (int64_t)sizeof(CodebookTable); }
 
 static inline int32_t clamp_code(int32_t k) { return k < 0 ? 0 : (k > CODEBOOK - 1 ? CODEBOOK - 1 : k); }
+
+/* The reference's nearest code of z, from the bucket table (the fallback path, exact on any input). */
+static int32_t nearest_code_reference(const CodebookTable* t, float z);
+
+static inline int32_t fine_bucket_of(float x) {
+    int32_t f = (int32_t)((x + 1.0f) * (float)(FINE_BUCKETS / 2));
+    f = f > 0 ? f : 0;
+    return f < FINE_BUCKETS - 1 ? f : FINE_BUCKETS - 1;
+}
+
+/* Order-preserving map between floats and integers (-0.0 and +0.0 share a key). */
+static inline int32_t float_key(float x) {
+    int32_t bits;
+    memcpy(&bits, &x, 4);
+    return bits < 0 ? -(bits & 0x7FFFFFFF) : bits;
+}
+
+static inline float key_float(int32_t key) {
+    int32_t bits = key < 0 ? (int32_t)((uint32_t)(-key) | 0x80000000u) : key;
+    float x;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
+/* Nearest rounding as a threshold table. When the codebook is non-decreasing and no bucket of
+ * the reference table holds more than two codewords below +1 (the reference's lookup
+ * precondition, which every learned or loaded codebook satisfies), the reference's lower bound
+ * is exact, and its nearest code q(z) is a non-decreasing step function of z on [-1, 1]: on
+ * (C[k-1], C[k]] it picks k - 1 while fl(z - C[k-1]) <= fl(C[k] - z), a prefix of the interval.
+ * So q(z) = #{j : z > T_j}, with T_j the largest float whose code is below j, found by a binary
+ * search over the floats that evaluates the reference rule itself (every tie and rounding
+ * included). With at most one threshold per fine bucket (codewords a histogram bin apart have
+ * thresholds two fine buckets apart), q(z) = base[f] + (z > threshold[f]): two loads and a
+ * compare per element. Returns 0 (use the reference search) when a condition does not hold. */
+static int32_t build_thresholds(CodebookTable* t, const int32_t* counts) {
+    const float* c = t->codebook;
+    for (int i = 1; i < CODEBOOK; i++)
+        if (!(c[i - 1] <= c[i])) return 0; /* also rejects NaN */
+    if (c[0] != -1.0f || c[CODEBOOK - 1] != 1.0f) return 0;
+    for (int b = 0; b < BUCKETS; b++) {
+        int32_t below_one = counts[b] - (b == BUCKETS - 1); /* C[255] = 1 sits in the last bucket */
+        if (below_one > 2) return 0;
+    }
+    for (int f = 0; f < FINE_BUCKETS; f++) t->threshold[f] = INFINITY;
+    memset(t->base, 0, sizeof t->base);
+    int32_t low_key = float_key(-1.0f), high_key = float_key(1.0f);
+    if (nearest_code_reference(t, -1.0f) != 0) return 0;
+    int32_t previous_key = low_key - 1;
+    for (int32_t j = 1; j < CODEBOOK; j++) {
+        if (nearest_code_reference(t, 1.0f) < j) break; /* code j is never chosen on [-1, 1] */
+        int32_t lo = low_key, hi = high_key;             /* q(lo) < j <= q(hi) */
+        while (hi - lo > 1) {
+            int32_t mid = lo + (hi - lo) / 2;
+            if (nearest_code_reference(t, key_float(mid)) < j) lo = mid;
+            else hi = mid;
+        }
+        if (lo <= previous_key) return 0; /* two thresholds at one float: q jumps by two */
+        previous_key = lo;
+        float threshold = key_float(lo);
+        int32_t f = fine_bucket_of(threshold);
+        if (t->threshold[f] != INFINITY) return 0; /* two thresholds in one fine bucket */
+        t->threshold[f] = threshold;
+    }
+    int32_t below = 0; /* base[f]: the thresholds in buckets below f */
+    for (int f = 0; f < FINE_BUCKETS; f++) {
+        t->base[f] = (uint8_t)below;
+        below += t->threshold[f] != INFINITY;
+    }
+    /* Check the table against the reference rule at every threshold and its neighbours. */
+    for (int f = 0; f < FINE_BUCKETS; f++) {
+        if (t->threshold[f] == INFINITY) continue;
+        int32_t key = float_key(t->threshold[f]);
+        for (int32_t d = -1; d <= 1; d++) {
+            if (key + d < low_key || key + d > high_key) continue;
+            float z = key_float(key + d);
+            int32_t f2 = fine_bucket_of(z);
+            int32_t fast = t->base[f2] + (z > t->threshold[f2]);
+            if (fast != nearest_code_reference(t, z)) return 0;
+        }
+    }
+    return 1;
+}
 
 /* Rebuild the table unless it was built from the same codebook (bitwise). */
 static void prepare_table(CodebookTable* t, const float* codebook) {
@@ -173,7 +264,15 @@ static void prepare_table(CodebookTable* t, const float* codebook) {
         start += counts[b];
     }
     memcpy(t->codebook, codebook, sizeof t->codebook);
+    t->thresholds = build_thresholds(t, counts);
     t->valid = 1;
+}
+
+/* 1 when nearest rounding with this codebook takes the threshold table, 0 when it takes the
+ * reference's bucket search (the table is prepared for the codebook either way). */
+int gefen_uses_threshold_table(const float* codebook, void* table) {
+    prepare_table((CodebookTable*)table, codebook);
+    return ((const CodebookTable*)table)->thresholds;
 }
 
 typedef struct {
@@ -260,6 +359,35 @@ static void momentum_tile(const float* restrict g, const uint8_t* restrict q, co
         chi = step_ == 0 ? a0_ : (step_ == 1 ? a1_ : a2_);                           \
     } while (0)
 
+static int32_t nearest_code_reference(const CodebookTable* t, float z) {
+    int32_t lo, hi;
+    float clo, chi;
+    BRACKET(t, z, lo, hi, clo, chi);
+    return fabsf(z - clo) <= fabsf(z - chi) ? lo : hi;
+}
+
+/* Nearest rounding through the threshold table (z in [-1, 1]; see build_thresholds). */
+static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, const float* restrict s,
+                                     float* restrict d, const CodebookTable* restrict t, const float* restrict cb,
+                                     float m_new, float lr, int64_t n) {
+    float safe = m_new > 0.0f ? m_new : 1.0f;
+    int32_t codes[TILE];
+    const float* restrict threshold = t->threshold;
+    const uint8_t* restrict base = t->base;
+    for (int64_t j = 0; j < n; j++) {
+        float z = u[j] / safe;
+        int32_t f = fine_bucket_of(z);
+        uint32_t word;
+        memcpy(&word, base + f, 4);
+        int32_t k = (int32_t)(word & 0xFFu) + (z > threshold[f]);
+        codes[j] = k;
+        float mq = cb[k] * m_new;
+        float x = mq * s[j];
+        d[j] = x * lr;
+    }
+    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)codes[j];
+}
+
 /* Requantise one tile of momentum u (nearest codeword, ties low) and produce the updates
  * d = fl(fl(fl(C[q'] * M') * s) * lr); q is rewritten. */
 static void quantize_tile_nearest(const float* restrict u, uint8_t* restrict q, const float* restrict s,
@@ -311,6 +439,8 @@ static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, co
                           int64_t n, uint64_t first) {
     if (ctx->stochastic)
         quantize_tile_stochastic(u, q, s, d, ctx->table, m_new, ctx->lr, n, ctx->seed, first);
+    else if (ctx->table->thresholds && isfinite(m_new))
+        quantize_tile_thresholds(u, q, s, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
     else
         quantize_tile_nearest(u, q, s, d, ctx->table, m_new, ctx->lr, n);
 }

@@ -57,6 +57,8 @@ class StepOptions:
     repeats: int = 21
     device: str = "cpu"
     seed: int = 0
+    #: arm names to run (the fused AdamW baseline always runs); empty: every arm
+    arms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("d_model", "layers", "vocab", "threads", "repeats"):
@@ -69,6 +71,8 @@ class StepOptions:
             raise ValueError(f"StepOptions.d_model must be divisible by 4 (grouped k/v), got {self.d_model}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"StepOptions.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if type(self.arms) is not tuple or any(type(a) is not str or not a for a in self.arms):
+            raise ValueError(f"StepOptions.arms must be a tuple of non-empty arm names, got {self.arms!r}")
 
 
 def decoder_shapes(d_model: int, layers: int, vocab: int) -> list[tuple[str, Shape]]:
@@ -218,6 +222,11 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
         shapes = decoder_shapes(options.d_model, options.layers, options.vocab)
         numel = sum(int(torch.Size(shape).numel()) for _, shape in shapes)
         factories, notes = _arms(numel, options.device)
+        if options.arms:
+            unknown = sorted(set(options.arms) - set(factories))
+            if unknown:
+                raise ValueError(f"StepOptions.arms: unknown arm(s) {unknown}; known here: {sorted(factories)}")
+            factories = {n: f for n, f in factories.items() if n in options.arms or n == BASELINE}
         builder = ReportBuilder(
             "step",
             config={

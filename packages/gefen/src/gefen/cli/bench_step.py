@@ -34,6 +34,11 @@ def register(sub: Any) -> None:
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed rounds (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=defaults.repeats, help="timed rounds (default %(default)s)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors live")
+    parser.add_argument(
+        "--arms",
+        default="",
+        help="comma-separated arms to run, e.g. gefen-fused,gefen-block-fused (the adamw-fused baseline always runs)",
+    )
     add_output_options(parser)
     parser.set_defaults(handler=run)
 
@@ -52,11 +57,15 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
             device=args.device,
+            arms=tuple(name.strip() for name in args.arms.split(",") if name.strip()),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     with progress_bar(options.warmup + options.repeats, "step", "round") as advance:
-        report = run_step(options, progress=advance)
+        try:
+            report = run_step(options, progress=advance)
+        except ValueError as exc:  # an unknown arm name
+            raise UsageError(str(exc)) from None
     emit(
         report,
         out=args.out,
