@@ -347,7 +347,9 @@ def _bound_contract(
         ProcessGroupScope.NONE,
         LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
     )
-    checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})))
+    # The dense-shard codec refuses every bound layout (muon_dense_shard.py says why).
+    portable = (MUON_PORTABLE_SUPPORT,) if transports[0].supported else ()
+    checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})), *portable)
     return _assemble(
         tuple(_bound_training(readiness, whole_owner_blocker)),
         checkpoints,

@@ -44,7 +44,6 @@ from .muon_transport import (
 )
 from .transport_records import check_common, check_policy, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
-    BOUND_LAYOUT_BLOCKER,
     BoundLayoutHook,
     adopted_groups,
     named_slots,
@@ -76,7 +75,7 @@ class _Host(Protocol):
 
     def _bound_layout(self) -> SealedLayout | None: ...
 
-    def _post_sharded(self) -> bool: ...
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
 
     def _portable_status(self) -> FeatureStatus: ...
 
@@ -98,8 +97,6 @@ class GefenMuonPortableState(BoundLayoutHook):
         """Whether ``portable_state`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
         sealed = self._bound_layout()
-        if sealed is None and self._post_sharded():
-            return FeatureStatus.no(BOUND_LAYOUT_BLOCKER)
         if sealed is None:
             reasons.extend(naming_blockers(self.param_groups))
             dtensors = sum(1 for group in self.param_groups for p in group["params"] if is_dtensor(p))
@@ -202,7 +199,7 @@ class GefenMuonPortableState(BoundLayoutHook):
             deterministic=self._deterministic,
         )
         try:
-            inner = self.stage_state_dict(native)
+            inner = self.stage_state_dict(self._with_identity_guard(native))
         except StateValidationError as exc:
             raise _fail(str(exc)) from None
         return StagedTransaction(self, kind=MUON_IMPORT_KIND, token=self._version, payload=inner)
