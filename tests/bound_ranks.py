@@ -144,7 +144,7 @@ def _process_group(size: int) -> Any:
 
 
 def checkpoint_binding(rank: int, size: int) -> CheckpointProcessGroupBinding:
-    return CheckpointProcessGroupBinding(group(size), f"rank:{rank}", _process_group(size), "cpu")
+    return CheckpointProcessGroupBinding(group(size), f"rank:{rank}", _process_group(size), torch.device("cpu"))
 
 
 def _shards(name: str, shape: tuple[int, ...], spec: tuple[str, Any], size: int) -> list[ShardIdentity]:

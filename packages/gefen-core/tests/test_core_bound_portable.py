@@ -206,6 +206,8 @@ def _corruptions(export: PortableExport) -> dict[str, tuple[list[Any], str]]:
         edited[index] = replace(slot, **changes)
         return edited
 
+    global_step = export.common["global_step"]
+    assert type(global_step) is int
     nan = momentum.clone().reshape(-1)
     nan[0] = float("nan")
     return {
@@ -218,7 +220,7 @@ def _corruptions(export: PortableExport) -> dict[str, tuple[list[Any], str]]:
             "shape",
         ),
         "step beyond the global step": (
-            with_slot(counters={**slot.counters, "step": export.common["global_step"] + 1}),
+            with_slot(counters={**slot.counters, "step": global_step + 1}),
             "counter",
         ),
         "unknown variant": (with_slot(variant="adam"), "unknown variant"),
