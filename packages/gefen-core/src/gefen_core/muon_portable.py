@@ -77,6 +77,8 @@ class _Host(Protocol):
 
     def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
 
+    def _verify_layout(self, where: str) -> None: ...
+
     def _portable_status(self) -> FeatureStatus: ...
 
     def portable_layout(self) -> PortableLayout: ...
@@ -118,6 +120,7 @@ class GefenMuonPortableState(BoundLayoutHook):
 
     def portable_export(self: _Host) -> PortableExport:
         """This member's state in dense form (fresh fp32 CPU fields); no collective."""
+        self._verify_layout("portable_export")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         layout = self.portable_layout()
         exported = []
@@ -148,8 +151,10 @@ class GefenMuonPortableState(BoundLayoutHook):
     ) -> StagedTransaction:
         """Re-encode projected records for this optimizer's layout and stage them (no mutation).
 
-        Raises :class:`~gefen_contracts.StateValidationError` naming the problem.
+        Raises :class:`~gefen_contracts.StateValidationError` naming the problem
+        (``LayoutTamperedError`` when a sealed layout was changed outside ``post_sharding``).
         """
+        self._verify_layout("portable_prepare_import")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         if implementation != _IMPLEMENTATION:
             raise _fail(f"the state was exported by {implementation!r}, not {_IMPLEMENTATION!r}")

@@ -101,6 +101,8 @@ class _Host(Protocol):
 
     def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
 
+    def _verify_layout(self, where: str) -> None: ...
+
     def _topology(self) -> list[dict[str, object] | None] | None: ...
 
     def _portable_status(self) -> FeatureStatus: ...
@@ -154,6 +156,7 @@ class GefenPortableState(BoundLayoutHook):
 
         ``NotSupportedError`` when ``portable_state`` is not supported now; no collective.
         """
+        self._verify_layout("portable_export")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         layout = self.portable_layout()
         exported = []
@@ -190,8 +193,10 @@ class GefenPortableState(BoundLayoutHook):
     ) -> StagedTransaction:
         """Re-encode projected records for this optimizer's layout and stage them (no mutation).
 
-        Raises :class:`~gefen_contracts.StateValidationError` naming the problem.
+        Raises :class:`~gefen_contracts.StateValidationError` naming the problem
+        (``LayoutTamperedError`` when a sealed layout was changed outside ``post_sharding``).
         """
+        self._verify_layout("portable_prepare_import")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         if implementation != _IMPLEMENTATION:
             raise _fail(f"the state was exported by {implementation!r}, not {_IMPLEMENTATION!r}")
