@@ -7,8 +7,9 @@ block boundaries, so 1 <-> 2 keeps every block and continues bit-exactly; three-
 do not, so 1 -> 3 and 2 -> 3 re-block and must stay within the issue's bound (relative loss
 difference <= 5e-3 at every step over 20 steps against the uninterrupted run) and well below
 a run that drops the optimizer state. GefenMuon: whole-parameter owners on 2 members -> other
-owners and a replicated matrix on 3 (whole matrices keep their blocks: bit-exact). Every case
-also imports the state into a twin of the source layout, which continues bit-exactly.
+owners and a replicated matrix on 3, and -> 1 process (whole matrices keep their blocks:
+bit-exact). Every case also imports the state into a twin of the source layout, which
+continues bit-exactly.
 """
 
 from __future__ import annotations
@@ -74,3 +75,7 @@ def test_gefen_re_blocks_onto_three_flattened_members(world3: GlooWorld, source:
 
 def test_gefen_muon_whole_owners_move_from_two_to_three_members(world3: GlooWorld) -> None:
     _check(world3.run(ranks.reshard, "muon", (2, "two_owners"), (3, "three_owners")), exact=True)
+
+
+def test_gefen_muon_whole_owners_move_onto_one_process(world2: GlooWorld) -> None:
+    _check(world2.run(ranks.reshard, "muon", (2, "two_owners"), (1, "")), exact=True)

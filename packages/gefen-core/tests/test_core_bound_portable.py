@@ -1,7 +1,7 @@
 """Portable state of a ``post_sharding``-bound Gefen and GefenMuon in one process.
 
 The transports read the sealed layout: a bound replicated and a bound one-member flattened
-Gefen (and a bound replicated GefenMuon) export their own shards, and a twin bound the same
+Gefen (and a bound replicated and a one-member whole-owner GefenMuon) export their own shards, and a twin bound the same
 way imports them and continues bit-exactly. The contract then declares ``PORTABLE_SUPPORT``
 (``MUON_PORTABLE_SUPPORT``), the dense-shard codec refuses a bound layout with its reason, and
 corrupted records are refused with nothing changed. The multi-member cases (gloo) are in the
@@ -21,8 +21,15 @@ from gefen_contracts import (
     FEATURE_PORTABLE_STATE,
     CheckpointTransport,
     LogicalSlice,
+    ParameterIdentity,
+    ParameterLayout,
+    ParameterRebinding,
+    PlacementKind,
     PortableExport,
     ProcessGroupIdentity,
+    ShardIdentity,
+    ShardingManifest,
+    ShardPlacement,
     StateValidationError,
 )
 from gefen_contracts.testing import (
@@ -33,6 +40,7 @@ from gefen_contracts.testing import (
     replicated_copy_plan,
     snapshot_diff,
 )
+from gefen_contracts.torch_support import CodebookProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
 from gefen_core.contract import PORTABLE_SUPPORT
 from gefen_core.muon_contract import MUON_PORTABLE_SUPPORT
@@ -79,6 +87,35 @@ def _matrices(named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, to
     return [(name, p) for name, p in named if p.dim() == 2]
 
 
+def _owner_plan(named: list[tuple[str, torch.nn.Parameter]]) -> ShardingPlan:
+    """Every matrix owned by the one member of :data:`SOLO` (a whole-parameter-owner layout)."""
+    rebindings, shards, targets = [], [], {}
+    for name, parameter in named:
+        identity = ParameterIdentity(name, tuple(parameter.shape))
+        placement = ShardPlacement("dp", PlacementKind.WHOLE_PARAMETER_OWNER, 0, 1)
+        shard = ShardIdentity(
+            identity,
+            ParameterLayout.WHOLE_PARAMETER_OWNER,
+            LogicalSlice.full(identity),
+            (placement,),
+            SOLO,
+            "member:0",
+            owner="member:0",
+        )
+        target = torch.nn.Parameter(parameter.detach().clone())
+        rebindings.append(ParameterRebinding(parameter, target, shard))
+        shards.append(shard)
+        targets[name] = target
+    return ShardingPlan(tuple(rebindings), ShardingManifest(tuple(shards)), targets)
+
+
+def _scope(kind: str) -> CodebookProcessGroupBinding | None:
+    """A one-member codebook scope for whole-parameter owners (GefenMuon steps them only under a scope)."""
+    if kind != "muon_owner":
+        return None
+    return CodebookProcessGroupBinding(SOLO, "member:0", None, torch.device("cpu"))
+
+
 #: ``kind -> (optimizer factory, plan builder)``.
 KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], ShardingPlan]]] = {
     "gefen_replicated": (lambda named: Gefen(named, lr=1e-2, fused=False), replicated_copy_plan),
@@ -87,6 +124,7 @@ KINDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], ShardingPlan]]] = {
         lambda named: flattened_plan(named, 0, group=SOLO),
     ),
     "muon_replicated": (lambda named: GefenMuon(_matrices(named), lr=2e-2, fused=False), replicated_copy_plan),
+    "muon_owner": (lambda named: GefenMuon(_matrices(named), lr=2e-2, fused=False), _owner_plan),
 }
 
 
@@ -99,7 +137,7 @@ class Bound:
         self.optimizer = factory(named)
         covered = {name for group in self.optimizer.param_groups for name in group["param_names"]}
         self.plan = planner([(name, p) for name, p in named if name in covered])
-        self.optimizer.post_sharding(self.plan.rebindings, manifest=self.plan.manifest)
+        self.optimizer.post_sharding(self.plan.rebindings, manifest=self.plan.manifest, scope=_scope(kind))
         self.driver = driver
 
     def train(self, start: int, steps: int) -> None:
@@ -124,9 +162,9 @@ class Bound:
         with torch.no_grad():
             full = dict(self.driver.named_parameters())
             for rebinding in self.plan.rebindings:
-                if rebinding.shard.layout.value == "replicated":
+                if rebinding.shard.layout is not ParameterLayout.FLATTENED_ELEMENT_SHARD:
                     full[rebinding.shard.fqn].copy_(self.plan.targets[rebinding.shard.fqn])
-        if any(r.shard.layout.value == "flattened_element_shard" for r in self.plan.rebindings):
+        if any(r.shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD for r in self.plan.rebindings):
             gather_flat(self.driver, [self.plan])
 
 
