@@ -110,3 +110,17 @@ def test_binding_adds_the_canonical_claims_the_page_mentions() -> None:
     optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest)
     features = optimizer.optimizer_contract().capabilities.features
     assert features["canonical_identity"].supported and features["canonical_local_state"].supported
+
+
+def test_binding_gefen_widens_canonical_global_as_the_page_says() -> None:
+    from gefen_core.contract import PORTABLE_SUPPORT
+
+    named = _named()
+    optimizer = Gefen(named)
+    plan = flattened_plan(named, 0)
+    optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest)
+    capabilities = optimizer.optimizer_contract().capabilities
+    (entry,) = [c for c in capabilities.checkpoints if c.transport is CheckpointTransport.CANONICAL_GLOBAL]
+    assert entry == PORTABLE_SUPPORT
+    assert entry.allows_transition(ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD)
+    assert not capabilities.features["dense_shard_codec"].supported

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts.testing import ConformanceTarget, assert_conformant, enumerate_claims, run_conformance
+from gefen_contracts.testing import (
+    ConformanceTarget,
+    assert_conformant,
+    enumerate_claims,
+    replicated_copy_plan,
+    run_conformance,
+)
 from gefen_core import GefenMuon
 from gefen_core.conformance import CHECK_WAIVERS, MUON_WAIVERS, matrix_loss, matrix_model
 
@@ -76,6 +82,11 @@ def test_conformance(name: str) -> None:
     } <= executed
     _, optimizer = target.build()
     claims = enumerate_claims(optimizer.optimizer_contract())  # type: ignore[attr-defined]
+    # The kit also collects the claims of a bound contract (its identity checks bind a replicated copy).
+    model, bound = target.build()
+    plan = replicated_copy_plan(list(model.named_parameters()))
+    bound.post_sharding(plan.rebindings, manifest=plan.manifest)  # type: ignore[attr-defined]
+    claims |= enumerate_claims(bound.optimizer_contract())  # type: ignore[attr-defined]
     waived = {r.name for r in report.results if r.status.value == "waived"} - {"dcp.dense_shard_reshard"}
     covered = {c for r in report.results if r.name == "dcp.dense_shard_reshard" for c in r.claims}
     scope = "feature:collective_scope"  # covered by the waived scope check, so not listed separately

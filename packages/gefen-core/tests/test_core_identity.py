@@ -350,6 +350,8 @@ def test_tampering_is_caught_before_any_mutation_by_every_entry_point(kind: str,
         optimizer.refresh_codebook,
         optimizer.initialize_codebook,
         lambda: optimizer.load_state_dict({"state": {}, "param_groups": []}),
+        optimizer.portable_export,
+        lambda: optimizer.portable_prepare_import(implementation="", policy={}, common={}, slots=()),
     ):
         _refused(optimizer, (model,), action, LayoutTamperedError, "changed outside post_sharding")
     status = optimizer.optimizer_contract().capabilities.feature(FEATURE_CANONICAL_IDENTITY)

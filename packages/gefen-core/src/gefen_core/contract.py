@@ -143,17 +143,19 @@ STATE_LAYOUT = OptimizerStateLayout(
 _NOT_YET = "not implemented in gefen-core yet"
 _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 
-_FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
 _PORTABLE_LAYOUTS = frozenset({_REPL, _FLAT})
 #: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
 #: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
-#: parameter, one member) round trips; no topology transition is claimed, because nothing
-#: else can be bound yet.
+#: parameter, one member) round trips, and takes the state of a bound layout of any member
+#: count (replicated copies and flattened shards re-blocked onto whole parameters).
 IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
     CheckpointTransport.CANONICAL_GLOBAL,
     frozenset({_REPL}),
     ProcessGroupScope.ADAPTER_DEFINED,
     LoadAtomicity.GROUP_VOTED,
+    transitions=(
+        TopologyTransition(_PORTABLE_LAYOUTS, frozenset({_REPL}), frozenset({TopologyChange.PLACEMENT_RESHARD})),
+    ),
     requires_collective=True,
 )
 #: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported over a sealed

@@ -70,7 +70,6 @@ from .ops import KernelDispatch
 from .reblocking import PeriodChoice, learn_momentum_codebook
 from .transport_records import check_dense_common, dense_common
 from .transport_slots import (
-    BOUND_LAYOUT_BLOCKER,
     BoundLayoutHook,
     NamedSlot,
     adopted_groups,
@@ -101,7 +100,7 @@ class _Host(Protocol):
 
     def _bound_layout(self) -> SealedLayout | None: ...
 
-    def _post_sharded(self) -> bool: ...
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
 
     def _topology(self) -> list[dict[str, object] | None] | None: ...
 
@@ -173,14 +172,18 @@ class GefenDenseShard(BoundLayoutHook):
         """Whether ``dense_shard_codec`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
         sealed = self._bound_layout()
-        if sealed is None and self._post_sharded():
-            return FeatureStatus.no(BOUND_LAYOUT_BLOCKER)
         if sealed is None:
             reasons.extend(naming_blockers(self.param_groups))
         elif any(s.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD for _, s in sealed.bindings):
             reasons.append(
                 "flattened element shards have no DTensor geometry for DCP to reshard; save them as portable state "
                 "(gefen_dcp.save_portable_dcp)"
+            )
+        else:
+            reasons.append(
+                "a post_sharding layout is checkpointed as portable state (gefen_dcp.save_portable_dcp), which keys "
+                "it by its sealed shard identities; the dense-shard codec covers optimizers built on named plain or "
+                "DTensor (FSDP2) parameters"
             )
         reasons.extend(option_blockers(self.param_groups, "dense-shard"))
         return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
@@ -293,7 +296,7 @@ class GefenDenseShard(BoundLayoutHook):
         }
         native = native_state_dict(F.FORMAT, groups, positional_state(groups, entries), record_fields)
         try:
-            inner = self.stage_state_dict(native)
+            inner = self.stage_state_dict(self._with_identity_guard(native))
         except StateValidationError as exc:
             raise _fail(str(exc)) from None
         return StagedTransaction(self, kind=LOAD_KIND, token=self._version, payload=inner)

@@ -55,6 +55,7 @@ from gefen_contracts.torch_support import (
 )
 
 from .codebook_scope import STEADY_STEP_BUDGET, digest_words
+from .native_identity import IDENTITY_KEY, identity_guard
 
 __all__ = ["IdentityMethods", "IdentityReadiness", "IdentityRecord", "scope_fingerprint"]
 
@@ -209,9 +210,17 @@ class IdentityMethods:
                 "parameter group before calling post_sharding"
             )
 
-    def _post_sharded(self) -> bool:
-        """Whether ``post_sharding`` has bound a layout (the transports refuse until they read it)."""
-        return self._identity is not None
+    def _bound_layout(self) -> SealedLayout | None:
+        """The sealed layout the transports (portable state, dense shards) read; ``None`` before
+        ``post_sharding`` (the implicit layout: one replicated shard per named parameter)."""
+        identity = self._identity
+        return None if identity is None else identity.sealed
+
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]:
+        """A native state dict the transports built for the live layout, with the live
+        shard-identity guard when bound (the transport matched every slot by shard identity)."""
+        identity = self._identity
+        return native if identity is None else {**native, IDENTITY_KEY: identity_guard(identity)}
 
     def _identity_freshness(self) -> Hashable:
         return (self._version, id(self.state), state_version_token(self.param_groups, self.state))

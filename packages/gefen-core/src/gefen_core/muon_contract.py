@@ -163,14 +163,17 @@ _NOT_YET = "not implemented for GefenMuon yet"
 _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 _OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
 _PORTABLE_LAYOUTS = frozenset({_REPL, _OWNER})
+_MOVES = frozenset({TopologyChange.PLACEMENT_RESHARD, TopologyChange.WORLD_SIZE_OWNER_REDISTRIBUTION})
 #: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
 #: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
-#: matrix, one member) round trips; no topology transition is claimed until one can be bound.
+#: matrix, one member) round trips, and takes the state of bound replicated matrices and
+#: whole-parameter owners on any member count (whole matrices keep their blocks).
 MUON_IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
     CheckpointTransport.CANONICAL_GLOBAL,
     frozenset({_REPL}),
     ProcessGroupScope.ADAPTER_DEFINED,
     LoadAtomicity.GROUP_VOTED,
+    transitions=(TopologyTransition(_PORTABLE_LAYOUTS, frozenset({_REPL}), _MOVES),),
     requires_collective=True,
 )
 #: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported over a sealed
@@ -182,13 +185,7 @@ MUON_PORTABLE_SUPPORT = CheckpointSupport(
     _PORTABLE_LAYOUTS,
     ProcessGroupScope.ADAPTER_DEFINED,
     LoadAtomicity.GROUP_VOTED,
-    transitions=(
-        TopologyTransition(
-            _PORTABLE_LAYOUTS,
-            _PORTABLE_LAYOUTS,
-            frozenset({TopologyChange.PLACEMENT_RESHARD, TopologyChange.WORLD_SIZE_OWNER_REDISTRIBUTION}),
-        ),
-    ),
+    transitions=(TopologyTransition(_PORTABLE_LAYOUTS, _PORTABLE_LAYOUTS, _MOVES),),
     requires_collective=True,
 )
 _DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
@@ -347,7 +344,9 @@ def _bound_contract(
         ProcessGroupScope.NONE,
         LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
     )
-    checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})))
+    # The dense-shard codec refuses every bound layout (muon_dense_shard.py says why).
+    portable = (MUON_PORTABLE_SUPPORT,) if transports[0].supported else ()
+    checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})), *portable)
     return _assemble(
         tuple(_bound_training(readiness, whole_owner_blocker)),
         checkpoints,

@@ -48,7 +48,6 @@ from .ops import KernelDispatch
 from .reblocking import learn_momentum_codebook
 from .transport_records import check_dense_common, dense_common
 from .transport_slots import (
-    BOUND_LAYOUT_BLOCKER,
     BoundLayoutHook,
     NamedSlot,
     adopted_groups,
@@ -82,7 +81,7 @@ class _Host(Protocol):
 
     def _bound_layout(self) -> SealedLayout | None: ...
 
-    def _post_sharded(self) -> bool: ...
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
 
     def _dense_shard_status(self) -> FeatureStatus: ...
 
@@ -117,8 +116,6 @@ class GefenMuonDenseShard(BoundLayoutHook):
         """Whether ``dense_shard_codec`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
         sealed = self._bound_layout()
-        if sealed is None and self._post_sharded():
-            return FeatureStatus.no(BOUND_LAYOUT_BLOCKER)
         if sealed is None:
             reasons.extend(naming_blockers(self.param_groups))
         else:
@@ -235,7 +232,7 @@ class GefenMuonDenseShard(BoundLayoutHook):
             deterministic=self._deterministic,
         )
         try:
-            inner = self.stage_state_dict(native)
+            inner = self.stage_state_dict(self._with_identity_guard(native))
         except StateValidationError as exc:
             raise _fail(str(exc)) from None
         return StagedTransaction(self, kind=MUON_LOAD_KIND, token=self._version, payload=inner)

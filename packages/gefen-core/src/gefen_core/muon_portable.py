@@ -44,7 +44,6 @@ from .muon_transport import (
 )
 from .transport_records import check_common, check_policy, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
-    BOUND_LAYOUT_BLOCKER,
     BoundLayoutHook,
     adopted_groups,
     named_slots,
@@ -76,7 +75,9 @@ class _Host(Protocol):
 
     def _bound_layout(self) -> SealedLayout | None: ...
 
-    def _post_sharded(self) -> bool: ...
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
+
+    def _verify_layout(self, where: str) -> None: ...
 
     def _portable_status(self) -> FeatureStatus: ...
 
@@ -98,8 +99,6 @@ class GefenMuonPortableState(BoundLayoutHook):
         """Whether ``portable_state`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
         sealed = self._bound_layout()
-        if sealed is None and self._post_sharded():
-            return FeatureStatus.no(BOUND_LAYOUT_BLOCKER)
         if sealed is None:
             reasons.extend(naming_blockers(self.param_groups))
             dtensors = sum(1 for group in self.param_groups for p in group["params"] if is_dtensor(p))
@@ -121,6 +120,7 @@ class GefenMuonPortableState(BoundLayoutHook):
 
     def portable_export(self: _Host) -> PortableExport:
         """This member's state in dense form (fresh fp32 CPU fields); no collective."""
+        self._verify_layout("portable_export")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         layout = self.portable_layout()
         exported = []
@@ -151,8 +151,10 @@ class GefenMuonPortableState(BoundLayoutHook):
     ) -> StagedTransaction:
         """Re-encode projected records for this optimizer's layout and stage them (no mutation).
 
-        Raises :class:`~gefen_contracts.StateValidationError` naming the problem.
+        Raises :class:`~gefen_contracts.StateValidationError` naming the problem
+        (``LayoutTamperedError`` when a sealed layout was changed outside ``post_sharding``).
         """
+        self._verify_layout("portable_prepare_import")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         if implementation != _IMPLEMENTATION:
             raise _fail(f"the state was exported by {implementation!r}, not {_IMPLEMENTATION!r}")
@@ -202,7 +204,7 @@ class GefenMuonPortableState(BoundLayoutHook):
             deterministic=self._deterministic,
         )
         try:
-            inner = self.stage_state_dict(native)
+            inner = self.stage_state_dict(self._with_identity_guard(native))
         except StateValidationError as exc:
             raise _fail(str(exc)) from None
         return StagedTransaction(self, kind=MUON_IMPORT_KIND, token=self._version, payload=inner)

@@ -23,7 +23,7 @@ Unfinalized optimizers write no guard, so their checkpoints are unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gefen_contracts import (
     CodecError,
@@ -34,7 +34,8 @@ from gefen_contracts import (
     to_primitive,
 )
 
-from .identity import IdentityRecord
+if TYPE_CHECKING:  # identity.py imports this module
+    from .identity import IdentityRecord
 
 __all__ = ["IDENTITY_FORMAT", "IDENTITY_KEY", "identity_guard", "split_identity_guard"]
 

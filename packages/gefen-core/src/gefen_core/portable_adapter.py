@@ -65,7 +65,6 @@ from .native_records import native_state_dict
 from .param_state import FACTORED, V_COL, V_ROW
 from .transport_records import check_common, check_policy, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
-    BOUND_LAYOUT_BLOCKER,
     BoundLayoutHook,
     NamedSlot,
     adopted_groups,
@@ -100,7 +99,9 @@ class _Host(Protocol):
 
     def _bound_layout(self) -> SealedLayout | None: ...
 
-    def _post_sharded(self) -> bool: ...
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
+
+    def _verify_layout(self, where: str) -> None: ...
 
     def _topology(self) -> list[dict[str, object] | None] | None: ...
 
@@ -131,8 +132,6 @@ class GefenPortableState(BoundLayoutHook):
         """Whether ``portable_state`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
         sealed = self._bound_layout()
-        if sealed is None and self._post_sharded():
-            return FeatureStatus.no(BOUND_LAYOUT_BLOCKER)
         if sealed is None:
             reasons.extend(naming_blockers(self.param_groups))
             dtensors = sum(1 for group in self.param_groups for p in group["params"] if is_dtensor(p))
@@ -157,6 +156,7 @@ class GefenPortableState(BoundLayoutHook):
 
         ``NotSupportedError`` when ``portable_state`` is not supported now; no collective.
         """
+        self._verify_layout("portable_export")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         layout = self.portable_layout()
         exported = []
@@ -193,8 +193,10 @@ class GefenPortableState(BoundLayoutHook):
     ) -> StagedTransaction:
         """Re-encode projected records for this optimizer's layout and stage them (no mutation).
 
-        Raises :class:`~gefen_contracts.StateValidationError` naming the problem.
+        Raises :class:`~gefen_contracts.StateValidationError` naming the problem
+        (``LayoutTamperedError`` when a sealed layout was changed outside ``post_sharding``).
         """
+        self._verify_layout("portable_prepare_import")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         if implementation != _IMPLEMENTATION:
             raise _fail(f"the state was exported by {implementation!r}, not {_IMPLEMENTATION!r}")
@@ -256,7 +258,7 @@ class GefenPortableState(BoundLayoutHook):
         }
         native = native_state_dict(F.FORMAT, groups, state, record_fields)
         try:
-            inner = self.stage_state_dict(native)
+            inner = self.stage_state_dict(self._with_identity_guard(native))
         except StateValidationError as exc:
             raise _fail(str(exc)) from None
         return StagedTransaction(self, kind=IMPORT_KIND, token=self._version, payload=inner)

@@ -8,8 +8,8 @@ and dense-shard state, and which group options travel with it.
   (:class:`gefen_contracts.torch_support.SealedLayout`) supplies the manifest, every slot's
   original ``(group, slot)`` position and compatibility name, and the shard of each bound
   tensor; pruned non-owner slots of a whole-parameter-owner layout are listed without a
-  tensor. :meth:`BoundLayoutHook._bound_layout` is the seam: it returns ``None`` until the
-  identity side of gefen-core (``post_sharding``) overrides it with the sealed layout.
+  tensor. :meth:`BoundLayoutHook._bound_layout` is the seam: ``None`` here, and the sealed
+  layout once ``post_sharding`` ran (:class:`gefen_core.identity.IdentityMethods` overrides it).
 
 Options are every group key except ``params`` and ``param_names``, as primitives (tuples
 become lists); a tensor ``lr`` or any other non-primitive value keeps the optimizer out of
@@ -39,7 +39,6 @@ from gefen_contracts.torch_support import SealedLayout
 from gefen_contracts.validation import identity_name
 
 __all__ = [
-    "BOUND_LAYOUT_BLOCKER",
     "BoundLayoutHook",
     "NamedSlot",
     "adopted_groups",
@@ -65,19 +64,9 @@ class BoundLayoutHook:
         shard per named parameter)."""
         return None
 
-    def _post_sharded(self) -> bool:
-        """Whether ``post_sharding`` has bound a layout (the identity mixin overrides this)."""
-        return False
-
-
-#: Why the transports refuse a bound optimizer: the adapters read the implicit layout only,
-#: and reading a bound one (flattened shards, pruned owners) as implicit would describe local
-#: shards as whole parameters.
-BOUND_LAYOUT_BLOCKER = (
-    "post_sharding has bound a layout, and reading a bound layout is not wired into this transport yet "
-    "(it would describe local shards as whole parameters): export or save before post_sharding, or checkpoint "
-    "FSDP2 DTensor parameters without post_sharding through gefen_dcp.GefenDCPState"
-)
+    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]:
+        """``native`` with the live shard-identity guard when a layout is bound (unchanged here)."""
+        return native
 
 
 @dataclass(frozen=True, slots=True, eq=False)

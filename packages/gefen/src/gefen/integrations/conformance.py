@@ -39,6 +39,11 @@ HYBRID_WAIVERS: dict[str, str] = {
         "flattened binding by packages/gefen-hybrid/tests/test_hybrid_composite_identity.py"
     ),
     "checkpoint:composite_native:dtensor_1d_default_world": f"same-topology DTensor resume of the hybrid is {_FSDP2}",
+    "checkpoint:canonical_global:transition:replicated->replicated:placement_reshard": (
+        "each child's move from a post_sharding-bound layout onto one process is executed by "
+        "tests/test_bound_resharding.py (Gefen and GefenMuon, 2 gloo members -> 1 process, bit-exact), and the "
+        "composite wrapper's import across member counts by tests/test_hstate_resharding.py"
+    ),
     "checkpoint:composite_native:dtensor_1d_default_world:atomic": (
         "the staged load is the same code for DTensor parameters (covered by the replicated atomic-load check); "
         f"corrupted DTensor checkpoints refused without change are {_FSDP2}"
