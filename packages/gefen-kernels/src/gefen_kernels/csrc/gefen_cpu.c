@@ -550,6 +550,19 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
     }
 }
 
+/* Software prefetch of a byte range (64-byte lines; prefetches never fault). Each block's
+ * passes prefetch what comes next, one tile ahead of a whole pass: the parameter tile of pass 2
+ * while pass 1 runs, the next block's gradient and codes while pass 2 runs. */
+static inline void prefetch_read(const void* p, int64_t bytes) {
+    const char* c = (const char*)p;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+static inline void prefetch_write(const void* p, int64_t bytes) {
+    const char* c = (const char*)p;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 1, 3);
+}
+
 /* ---- dtype-specific loads and parameter writes --------------------------------------- */
 
 #define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
@@ -574,7 +587,7 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
     /* Pass 1 over one block: the momentum u (kept in ubuf when the block fits), max |u| (NaN    \
      * if any u is NaN) and the double sum of g^2. */                                                      \
     static float block_stats_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, float m_old,         \
-                                   int64_t n, double* sumsq, float* ubuf, int want_sumsq) {                    \
+                                   int64_t n, double* sumsq, float* ubuf, int want_sumsq, const PT* upcoming) { \
         float gbuf[TILE], spill[TILE];                                                                         \
         double acc[LANES];                                                                                     \
         float amax[LANES];                                                                                     \
@@ -586,6 +599,7 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
         }                                                                                                      \
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                             \
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                                       \
+            if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));                    \
             load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                     \
             momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
                           n <= UBUF ? ubuf + t0 : spill, acc, amax, nan, want_sumsq);                          \
@@ -630,7 +644,8 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t off = b * period;                                                                          \
             double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 1);   \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 1,    \
+                                            param + off);                                              \
             float mean = (float)(sumsq / (double)period);                                                      \
             float v = vmean[b] * ctx->beta2;                                                                   \
             float w = mean * ctx->omb2;                                                                        \
@@ -645,6 +660,10 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
                                                      ubuf, scratch);                                           \
+                if (b + 1 < blocks) {                                                                          \
+                    prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
+                    prefetch_read(indices + off + period + t0, len);                                           \
+                }                                                                                              \
                 quantize_tile(ctx, u, indices + off + t0, sbuf, dbuf, m_new, len, (uint64_t)(off + t0));       \
                 write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);                   \
             }                                                                                                  \
@@ -661,7 +680,8 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t off = b * period;                                                                          \
             double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0);   \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0,    \
+                                            param + off);                                              \
             magnitude[b] = m_new;                                                                              \
             for (int64_t done = 0; done < period;) {                                                           \
                 int64_t flat = off + done;                                                                     \
@@ -673,6 +693,10 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
                 factored_stepsizes(row_factor[row], v_col + col, sbuf, ctx->inv_bc1, ctx->eps, len);           \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, done, len, \
                                                      ubuf, scratch);                                           \
+                if (b + 1 < blocks) {                                                                          \
+                    prefetch_read(grad + flat + period, len * (int64_t)sizeof(PT));                            \
+                    prefetch_read(indices + flat + period, len);                                               \
+                }                                                                                              \
                 quantize_tile(ctx, u, indices + flat, sbuf, dbuf, m_new, len, (uint64_t)flat);                 \
                 write_tile_##SUF(param + flat, dbuf, ctx->decay, ctx->apply_decay, len);                       \
                 done += len;                                                                                   \
@@ -692,13 +716,18 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t off = b * period;                                                                          \
             double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0);   \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0,    \
+                                            (const PT*)NULL);                                          \
             magnitude[b] = m_new;                                                                              \
             for (int k = 0; k < TILE; k++) ones[k] = 1.0f;                                                     \
             for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
                                                      ubuf, scratch);                                           \
+                if (b + 1 < blocks) {                                                                          \
+                    prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
+                    prefetch_read(indices + off + period + t0, len);                                           \
+                }                                                                                              \
                 quantize_tile(ctx, u, indices + off + t0, ones, vbuf, m_new, len, (uint64_t)(off + t0));       \
                 if (nesterov) {                                                                                \
                     load_tile_##SUF(grad + off + t0, gbuf, 1.0f, len);                                         \
