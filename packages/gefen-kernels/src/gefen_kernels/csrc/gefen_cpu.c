@@ -777,6 +777,7 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
             int64_t r1 = (c + 1) * per_chunk < rows ? (c + 1) * per_chunk : rows;                              \
             for (int64_t r = c * per_chunk; r < r1; r++) {                                                     \
                 const PT* g = grad + r * cols;                                                                 \
+                if (r + 2 < r1) prefetch_read(g + 2 * cols, cols * (int64_t)sizeof(PT));                       \
                 double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                      \
                 int64_t j = 0;                                                                                 \
                 for (; j + 8 <= cols; j += 8) {                                                                \
