@@ -397,19 +397,24 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
                 work.state[key] = value.to(work.local.device)
 
     def _factored_stats(self, works: list[ParamWork]) -> Stats:
+        """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
+        all-reduced (a start decision and every rank's update need them first). The other
+        factored parameters' sums are taken just before their own update (:meth:`_local_stats`),
+        while the gradient is still in cache: the same op on the same gradient, so the same values."""
         stats: Stats = {}
         sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
         for work in works:
-            if work.variant != FACTORED:
+            if work.variant != FACTORED or not work.row_sharded:
                 continue
-            grad = work.grad.contiguous()
-            rows, cols = self._dispatch(FACTORED_STATS, grad, deterministic=self._deterministic)
-            stats[work.slot] = (rows, cols)
-            if work.row_sharded:
-                sharded.append((work.param, cols))
+            stats[work.slot] = self._local_stats(work)
+            sharded.append((work.param, stats[work.slot][1]))
         if sharded:
             all_reduce_column_sums(sharded)
         return stats
+
+    def _local_stats(self, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = self._dispatch(FACTORED_STATS, work.grad.contiguous(), deterministic=self._deterministic)
+        return rows, cols
 
     def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
         return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad
@@ -457,10 +462,13 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
 
     def _update(self, work: ParamWork, stats: Stats) -> None:
         device = work.local.device
+        sums = stats.get(work.slot)
+        if sums is None and work.variant == FACTORED:
+            sums = self._local_stats(work)
         update_parameter(
             work,
             self.param_groups[work.group_index],
-            stats.get(work.slot),
+            sums,
             dispatch=self._dispatch,
             codebook=self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
             seed=self._seed(work),

@@ -27,6 +27,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX512F__) && !defined(GEFEN_NO_INTRINSICS)
+#include <immintrin.h>
+#define GEFEN_AVX512 1
+#endif
 
 #define GEFEN_ABI_VERSION 1
 #define CODEBOOK 256
@@ -159,6 +163,9 @@ typedef struct {
     int32_t thresholds;
     float threshold[FINE_BUCKETS];
     uint8_t base[FINE_BUCKETS + 4]; /* + 4: read as (unaligned) 32-bit words, low byte used */
+    /* The same two per fine bucket in one 64-bit word (threshold bits low, base high), so the
+     * vector loop fetches both with one gather. */
+    uint64_t packed[FINE_BUCKETS];
 } CodebookTable;
 
 int64_t gefen_table_bytes(void) { return (int64_t)sizeof(CodebookTable); }
@@ -231,6 +238,9 @@ static int32_t build_thresholds(CodebookTable* t, const int32_t* counts) {
     for (int f = 0; f < FINE_BUCKETS; f++) {
         t->base[f] = (uint8_t)below;
         below += t->threshold[f] != INFINITY;
+        uint32_t bits;
+        memcpy(&bits, &t->threshold[f], 4);
+        t->packed[f] = (uint64_t)bits | ((uint64_t)t->base[f] << 32);
     }
     /* Check the table against the reference rule at every threshold and its neighbours. */
     for (int f = 0; f < FINE_BUCKETS; f++) {
@@ -310,32 +320,68 @@ static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_
 }
 
 /* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1))), kept in
- * u_out, with max |u| and a NaN flag per lane and the double sums of g^2 per lane. */
+ * u_out, with max |u| and a NaN flag per lane and (when want_sumsq) the double sums of g^2 per
+ * lane; lane k takes the elements j = k mod LANES of the tile, the tail lane 0 (the vector and
+ * the scalar loops add in the same order). */
 static void momentum_tile(const float* restrict g, const uint8_t* restrict q, const float* restrict cb, float m_old,
                           float beta1, float omb1, int64_t n, float* restrict u_out, double* restrict acc,
-                          float* restrict amax, int32_t* restrict nan) {
-    int32_t codes[TILE];
-    widen_codes(q, codes, n);
-    for (int64_t j = 0; j < n; j++) {
-        float m = cb[codes[j]] * m_old;
-        u_out[j] = m * beta1 + g[j] * omb1;
-    }
+                          float* restrict amax, int32_t* restrict nan, int want_sumsq) {
     int64_t j = 0;
-    for (; j + LANES <= n; j += LANES) {
-        for (int k = 0; k < LANES; k++) {
-            float gf = g[j + k];
-            float u = u_out[j + k];
-            float a = fabsf(u);
-            acc[k] += (double)gf * (double)gf;
-            amax[k] = a > amax[k] ? a : amax[k];
-            nan[k] |= u != u;
+#ifdef GEFEN_AVX512
+    {
+        const __m512 vm = _mm512_set1_ps(m_old), vb1 = _mm512_set1_ps(beta1), vo1 = _mm512_set1_ps(omb1);
+        __m512 best = _mm512_loadu_ps(amax);
+        __m512d lo = _mm512_loadu_pd(acc), hi = _mm512_loadu_pd(acc + 8);
+        __mmask16 bad = 0;
+        for (; j + LANES <= n; j += LANES) {
+            __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + j)));
+            __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, cb, 4), vm);
+            __m512 gv = _mm512_loadu_ps(g + j);
+            __m512 u = _mm512_add_ps(_mm512_mul_ps(m, vb1), _mm512_mul_ps(gv, vo1));
+            _mm512_storeu_ps(u_out + j, u);
+            best = _mm512_max_ps(_mm512_abs_ps(u), best); /* a > best ? a : best (NaN a keeps best) */
+            bad |= _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+            if (want_sumsq) {
+                __m512d g0 = _mm512_cvtps_pd(_mm512_castps512_ps256(gv));
+                __m512d g1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(gv), 1)));
+                lo = _mm512_add_pd(lo, _mm512_mul_pd(g0, g0));
+                hi = _mm512_add_pd(hi, _mm512_mul_pd(g1, g1));
+            }
+        }
+        _mm512_storeu_ps(amax, best);
+        _mm512_storeu_pd(acc, lo);
+        _mm512_storeu_pd(acc + 8, hi);
+        for (int k = 0; k < LANES; k++) nan[k] |= (bad >> k) & 1;
+    }
+#else
+    {
+        int32_t codes[TILE];
+        widen_codes(q, codes, n);
+        for (int64_t i = 0; i < n; i++) {
+            float m = cb[codes[i]] * m_old;
+            u_out[i] = m * beta1 + g[i] * omb1;
+        }
+        for (; j + LANES <= n; j += LANES) {
+            for (int k = 0; k < LANES; k++) {
+                float gf = g[j + k];
+                float u = u_out[j + k];
+                float a = fabsf(u);
+                if (want_sumsq) acc[k] += (double)gf * (double)gf;
+                amax[k] = a > amax[k] ? a : amax[k];
+                nan[k] |= u != u;
+            }
         }
     }
+#endif
     for (; j < n; j++) {
         float gf = g[j];
+#ifdef GEFEN_AVX512
+        float m = cb[q[j]] * m_old;
+        u_out[j] = m * beta1 + gf * omb1;
+#endif
         float u = u_out[j];
         float a = fabsf(u);
-        acc[0] += (double)gf * (double)gf;
+        if (want_sumsq) acc[0] += (double)gf * (double)gf;
         amax[0] = a > amax[0] ? a : amax[0];
         nan[0] |= u != u;
     }
@@ -371,10 +417,40 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
                                      float* restrict d, const CodebookTable* restrict t, const float* restrict cb,
                                      float m_new, float lr, int64_t n) {
     float safe = m_new > 0.0f ? m_new : 1.0f;
-    int32_t codes[TILE];
+    int64_t j = 0;
+#ifdef GEFEN_AVX512
+    {
+        const __m512 vsafe = _mm512_set1_ps(safe), one = _mm512_set1_ps(1.0f);
+        const __m512 scale = _mm512_set1_ps((float)(FINE_BUCKETS / 2));
+        const __m512 vm = _mm512_set1_ps(m_new), vlr = _mm512_set1_ps(lr);
+        const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(FINE_BUCKETS - 1);
+        const __m512i ione = _mm512_set1_epi32(1);
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        const long long* packed = (const long long*)t->packed;
+        for (; j + 16 <= n; j += 16) {
+            __m512 z = _mm512_div_ps(_mm512_loadu_ps(u + j), vsafe);
+            /* fine_bucket_of: truncating conversion (NaN -> INT32_MIN), then the integer clamp */
+            __m512i f = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(z, one), scale));
+            f = _mm512_min_epi32(_mm512_max_epi32(f, zero), top);
+            __m512i e0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(f), packed, 8);
+            __m512i e1 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(f, 1), packed, 8);
+            __m512 threshold = _mm512_castsi512_ps(_mm512_permutex2var_epi32(e0, even, e1));
+            __m512i base = _mm512_permutex2var_epi32(e0, odd, e1);
+            __mmask16 above = _mm512_cmp_ps_mask(z, threshold, _CMP_GT_OQ);
+            __m512i k = _mm512_mask_add_epi32(base, above, base, ione);
+            __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
+            __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + j));
+            _mm512_storeu_ps(d + j, _mm512_mul_ps(x, vlr));
+            _mm_storeu_si128((__m128i*)(q + j), _mm512_cvtepi32_epi8(k));
+        }
+    }
+#endif
     const float* restrict threshold = t->threshold;
     const uint8_t* restrict base = t->base;
-    for (int64_t j = 0; j < n; j++) {
+    int32_t codes[TILE];
+    int64_t first = j;
+    for (; j < n; j++) {
         float z = u[j] / safe;
         int32_t f = fine_bucket_of(z);
         uint32_t word;
@@ -385,7 +461,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         float x = mq * s[j];
         d[j] = x * lr;
     }
-    for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)codes[j];
+    for (j = first; j < n; j++) q[j] = (uint8_t)codes[j];
 }
 
 /* Requantise one tile of momentum u (nearest codeword, ties low) and produce the updates
@@ -474,6 +550,19 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
     }
 }
 
+/* Software prefetch of a byte range (64-byte lines; prefetches never fault). Each block's
+ * passes prefetch what comes next, one tile ahead of a whole pass: the parameter tile of pass 2
+ * while pass 1 runs, the next block's gradient and codes while pass 2 runs. */
+static inline void prefetch_read(const void* p, int64_t bytes) {
+    const char* c = (const char*)p;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+static inline void prefetch_write(const void* p, int64_t bytes) {
+    const char* c = (const char*)p;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 1, 3);
+}
+
 /* ---- dtype-specific loads and parameter writes --------------------------------------- */
 
 #define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
@@ -498,7 +587,7 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
     /* Pass 1 over one block: the momentum u (kept in ubuf when the block fits), max |u| (NaN    \
      * if any u is NaN) and the double sum of g^2. */                                                      \
     static float block_stats_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, float m_old,         \
-                                   int64_t n, double* sumsq, float* ubuf) {                                    \
+                                   int64_t n, double* sumsq, float* ubuf, int want_sumsq, const PT* upcoming) { \
         float gbuf[TILE], spill[TILE];                                                                         \
         double acc[LANES];                                                                                     \
         float amax[LANES];                                                                                     \
@@ -510,9 +599,10 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
         }                                                                                                      \
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                             \
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                                       \
+            if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));                    \
             load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                     \
             momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
-                          n <= UBUF ? ubuf + t0 : spill, acc, amax, nan);                                      \
+                          n <= UBUF ? ubuf + t0 : spill, acc, amax, nan, want_sumsq);                          \
         }                                                                                                      \
         double total = 0.0;                                                                                    \
         float best = 0.0f;                                                                                     \
@@ -541,7 +631,7 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             nan[k] = 0;                                                                                        \
         }                                                                                                      \
         load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                         \
-        momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, acc, amax, nan); \
+        momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, acc, amax, nan, 0); \
         return scratch;                                                                                        \
     }                                                                                                          \
                                                                                                                \
@@ -554,7 +644,8 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t off = b * period;                                                                          \
             double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 1,    \
+                                            param + off);                                              \
             float mean = (float)(sumsq / (double)period);                                                      \
             float v = vmean[b] * ctx->beta2;                                                                   \
             float w = mean * ctx->omb2;                                                                        \
@@ -569,6 +660,10 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
                                                      ubuf, scratch);                                           \
+                if (b + 1 < blocks) {                                                                          \
+                    prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
+                    prefetch_read(indices + off + period + t0, len);                                           \
+                }                                                                                              \
                 quantize_tile(ctx, u, indices + off + t0, sbuf, dbuf, m_new, len, (uint64_t)(off + t0));       \
                 write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);                   \
             }                                                                                                  \
@@ -585,7 +680,8 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t off = b * period;                                                                          \
             double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0,    \
+                                            param + off);                                              \
             magnitude[b] = m_new;                                                                              \
             for (int64_t done = 0; done < period;) {                                                           \
                 int64_t flat = off + done;                                                                     \
@@ -597,6 +693,10 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
                 factored_stepsizes(row_factor[row], v_col + col, sbuf, ctx->inv_bc1, ctx->eps, len);           \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, done, len, \
                                                      ubuf, scratch);                                           \
+                if (b + 1 < blocks) {                                                                          \
+                    prefetch_read(grad + flat + period, len * (int64_t)sizeof(PT));                            \
+                    prefetch_read(indices + flat + period, len);                                               \
+                }                                                                                              \
                 quantize_tile(ctx, u, indices + flat, sbuf, dbuf, m_new, len, (uint64_t)flat);                 \
                 write_tile_##SUF(param + flat, dbuf, ctx->decay, ctx->apply_decay, len);                       \
                 done += len;                                                                                   \
@@ -616,13 +716,18 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t off = b * period;                                                                          \
             double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf);      \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0,    \
+                                            (const PT*)NULL);                                          \
             magnitude[b] = m_new;                                                                              \
             for (int k = 0; k < TILE; k++) ones[k] = 1.0f;                                                     \
             for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
                                                      ubuf, scratch);                                           \
+                if (b + 1 < blocks) {                                                                          \
+                    prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
+                    prefetch_read(indices + off + period + t0, len);                                           \
+                }                                                                                              \
                 quantize_tile(ctx, u, indices + off + t0, ones, vbuf, m_new, len, (uint64_t)(off + t0));       \
                 if (nesterov) {                                                                                \
                     load_tile_##SUF(grad + off + t0, gbuf, 1.0f, len);                                         \
@@ -672,6 +777,7 @@ static void store_tile(void* out, int64_t offset, const float* restrict v, int64
             int64_t r1 = (c + 1) * per_chunk < rows ? (c + 1) * per_chunk : rows;                              \
             for (int64_t r = c * per_chunk; r < r1; r++) {                                                     \
                 const PT* g = grad + r * cols;                                                                 \
+                if (r + 2 < r1) prefetch_read(g + 2 * cols, cols * (int64_t)sizeof(PT));                       \
                 double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                      \
                 int64_t j = 0;                                                                                 \
                 for (; j + 8 <= cols; j += 8) {                                                                \
