@@ -63,7 +63,7 @@ from .gefen_transport import (
 )
 from .native_records import native_state_dict
 from .param_state import FACTORED, V_COL, V_ROW
-from .transport_records import check_common, check_policy, portable_common, portable_layout_of, portable_policy
+from .transport_records import checked_import_records, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
     BoundLayoutHook,
     NamedSlot,
@@ -196,29 +196,25 @@ class GefenPortableState(BoundLayoutHook):
         Raises :class:`~gefen_contracts.StateValidationError` naming the problem
         (``LayoutTamperedError`` when a sealed layout was changed outside ``post_sharding``).
         """
-        self._verify_layout("portable_prepare_import")
-        require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
-        if implementation != _IMPLEMENTATION:
-            raise _fail(f"the state was exported by {implementation!r}, not {_IMPLEMENTATION!r}")
-        check_policy(policy, self._deterministic, _WHO)
-        global_step, codebook = check_common(common, _WHO)
-        layout = self.portable_layout()
-        named = named_slots(self.param_groups, self._bound_layout())
-        incoming = tuple(slots)
-        if len(incoming) != len(layout.slots):
-            raise _fail(f"expected {len(layout.slots)} slot records, got {len(incoming)}")
+        global_step, codebook, pairs = checked_import_records(
+            self,
+            implementation=implementation,
+            expected_implementation=_IMPLEMENTATION,
+            policy=policy,
+            common=common,
+            slots=slots,
+            who=_WHO,
+        )
         records: list[list[tuple[str, dict[str, Any]]]] = [[] for _ in self.param_groups]
         entries: dict[tuple[int, int], dict[str, Any]] = {}
-        for slot, record, expected in zip(named, incoming, layout.slots):
-            if type(record) is not PortableSlotState or record.layout != expected:
-                raise _fail(f"slot records must follow portable_layout() one to one; {expected.fqn!r} is out of place")
+        for slot, record in pairs:
             where = f"parameter {slot.fqn!r}"
             plain, options = slot_options(record.options, where)
             records[slot.group_index].append((slot.fqn, plain))
             if slot.tensor is None:
                 continue
             tensor = slot.tensor
-            shard = expected.shard
+            shard = record.layout.shard
             extent = shard.extent
             offset = extent.flat_offset if type(extent) is LogicalSlice else 0
             piece = check_incoming(
