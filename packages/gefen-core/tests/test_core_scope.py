@@ -5,7 +5,9 @@ whole-parameter owners) and a single-process optimizer over the complete paramet
 oracle: scoped training, ``initialize_codebook`` and ``refresh_codebook`` match it bit for bit;
 a one-rank failure injected at every protocol phase raises on every rank with nothing changed;
 the collective budget is counted by wrapping ``torch.distributed``. The rank functions live in
-``gefen_core_scope_cases``; ``test_core_scope_three.py`` runs the same cases on three ranks.
+``gefen_core_scope_cases`` (shared helpers, training, checkpoints), ``gefen_core_scope_failure_cases``
+(injected failures, disagreements) and ``gefen_core_scope_layout_cases`` (GefenMuon whole-parameter
+owners, FSDP2); ``test_core_scope_three.py`` runs the same cases on three ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import gefen_core_scope_cases as cases
+import gefen_core_scope_failure_cases as failure_cases
+import gefen_core_scope_layout_cases as layout_cases
 import pytest
 from gefen_contracts.testing import GlooWorld
 from gefen_core.codebook_scope import PHASES
@@ -81,14 +85,14 @@ def test_collective_budget_per_operation(world: GlooWorld) -> None:
 
 
 def test_a_one_rank_failure_at_every_phase_raises_everywhere_without_mutation(world: GlooWorld) -> None:
-    results = world.run(cases.one_rank_failures, 0, PHASES)
+    results = world.run(failure_cases.one_rank_failures, 0, PHASES)
     for phase in PHASES:
         assert_raised_everywhere_unchanged(results, 0, phase)
         assert all(result[phase]["codebooks_agree"] for result in results)
 
 
 def test_amp_found_inf_disagreement_raises_and_an_agreed_overflow_skips(world: GlooWorld) -> None:
-    for result in world.run(cases.amp_disagreement):
+    for result in world.run(failure_cases.amp_disagreement):
         assert result["supports_amp"]
         assert result["divergent"]["raised"] == "ShardAgreementError" and result["divergent"]["diffs"] == []
         assert "gradient-scaler" in result["divergent"]["message"]
@@ -97,7 +101,7 @@ def test_amp_found_inf_disagreement_raises_and_an_agreed_overflow_skips(world: G
 
 
 def test_gradient_presence_and_manifest_disagreements_raise_everywhere(world: GlooWorld) -> None:
-    for result in world.run(cases.disagreements):
+    for result in world.run(failure_cases.disagreements):
         for label, needle in (("presence", "gradients"), ("manifest", "manifests")):
             outcome = result[label]
             assert outcome["raised"] == "ShardAgreementError", (label, outcome)
@@ -115,7 +119,7 @@ def test_checkpoints_carry_the_scope_record_and_refuse_another_member(world: Glo
 
 
 def test_muon_whole_parameter_owners_train_like_one_process(world: GlooWorld) -> None:
-    results = world.run(cases.muon_whole_owner)
+    results = world.run(layout_cases.muon_whole_owner)
     for result in results:
         assert result["exact"] and result["codebook_equal_oracle"]
         assert result["owner_claims"] == [("adapter_defined", True)]
@@ -124,12 +128,12 @@ def test_muon_whole_parameter_owners_train_like_one_process(world: GlooWorld) ->
 
 
 def test_muon_one_rank_failure_raises_everywhere_without_mutation(world: GlooWorld) -> None:
-    results = world.run(cases.muon_one_rank_failure, MUON_PHASES)
+    results = world.run(layout_cases.muon_one_rank_failure, MUON_PHASES)
     for phase in MUON_PHASES:
         assert_raised_everywhere_unchanged(results, 0, phase)
 
 
 def test_fsdp2_with_a_scope_is_bit_exact_with_one_process(world: GlooWorld) -> None:
-    for result in world.run(cases.fsdp2_scoped_matches_one_process):
+    for result in world.run(layout_cases.fsdp2_scoped_matches_one_process):
         assert result["exact"] and result["codebook_equal_oracle"]
         assert result["periods"] == result["oracle_periods"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import gefen_core_scope_cases as cases
+import gefen_core_scope_failure_cases as failure_cases
+import gefen_core_scope_layout_cases as layout_cases
 import pytest
 from gefen_contracts.testing import GlooWorld
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
@@ -34,7 +36,7 @@ def test_initialize_and_refresh_on_three_members(world: GlooWorld) -> None:
 
 
 def test_a_failure_on_the_empty_member_raises_everywhere(world: GlooWorld) -> None:
-    results = world.run(cases.one_rank_failures, 1, PHASES_ON_THREE)
+    results = world.run(failure_cases.one_rank_failures, 1, PHASES_ON_THREE)
     for phase in PHASES_ON_THREE:
         assert_raised_everywhere_unchanged(results, 1, phase)
 
@@ -46,14 +48,14 @@ def test_collective_budget_does_not_grow_with_members(world: GlooWorld) -> None:
 
 
 def test_muon_owners_on_three_members(world: GlooWorld) -> None:
-    for result in world.run(cases.muon_whole_owner):
+    for result in world.run(layout_cases.muon_whole_owner):
         assert result["exact"] and result["codebook_equal_oracle"]
     phases = ("closure", "histogram and solve")
-    results = world.run(cases.muon_one_rank_failure, phases, 2)
+    results = world.run(layout_cases.muon_one_rank_failure, phases, 2)
     for phase in phases:
         assert_raised_everywhere_unchanged(results, 2, phase)
 
 
 def test_fsdp2_with_a_scope_on_three_members_is_bit_exact(world: GlooWorld) -> None:
-    for result in world.run(cases.fsdp2_scoped_matches_one_process):
+    for result in world.run(layout_cases.fsdp2_scoped_matches_one_process):
         assert result["exact"] and result["codebook_equal_oracle"]

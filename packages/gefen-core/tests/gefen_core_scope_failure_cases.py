@@ -1,0 +1,152 @@
+"""Injected-failure and disagreement rank functions for the codebook-scope tests (gloo ranks).
+
+A failure injected at one phase on one member, an AMP ``found_inf`` or a gradient presence or
+manifest seen on one member only: every member raises the same error with nothing changed.
+The shared plans, models and ``_outcome`` live in ``gefen_core_scope_cases``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gefen_core.codebook_scope import PHASES, injected_failures
+from gefen_core_scope_cases import (
+    Spec,
+    _outcome,
+    backward,
+    bind,
+    binding,
+    even_cuts,
+    gefen_factory,
+    layouts_for,
+    make_net,
+    save,
+)
+
+
+class Injected(RuntimeError):
+    """The failure a test hook raises."""
+
+
+def _raise() -> None:
+    raise Injected("injected failure")
+
+
+@contextmanager
+def _hooks(active: bool, phase: str) -> Iterator[None]:
+    if active:
+        with injected_failures({phase: _raise}):
+            yield
+    else:
+        yield
+
+
+#: Phase -> the operation a failure at that phase is injected into.
+OPERATION_OF = {
+    "entry checks": "step_closure",
+    "closure": "step_closure",
+    "gradient preflight": "first_step",
+    "AMP agreement": "first_step",
+    "period selection": "first_step",
+    "histogram and solve": "first_step",
+    "re-quantisation": "refresh",
+    "refresh preamble": "refresh",
+    "initialize preamble": "initialize",
+    "commit": "first_step",
+}
+assert set(OPERATION_OF) == set(PHASES)
+
+
+def one_rank_failures(rank: int, world: int, failing: int, phases: Sequence[str]) -> dict[str, Any]:
+    """For each phase: a failure on ``failing`` only makes every rank raise, nothing changed; then
+    the same operation succeeds and every rank agrees."""
+    results: dict[str, Any] = {}
+    for phase in phases:
+        driver = make_net()
+        bound = bind(driver, layouts_for(world), rank, world, gefen_factory(), scope=binding(rank, world))
+        operation = OPERATION_OF[phase]
+        if operation in ("refresh", "step_closure"):
+            backward(driver, 0)
+            bound.feed(driver)
+            bound.optimizer.step()
+        backward(driver, 1)
+        bound.feed(driver)
+        opt = bound.optimizer
+
+        def closure() -> torch.Tensor:
+            return torch.zeros(())  # leaves the attached gradients alone (the snapshot includes them)
+
+        def act(op: str = operation, opt: Any = opt) -> object:
+            if op == "step_closure":
+                return opt.step(closure)
+            if op == "refresh":
+                return opt.refresh_codebook()
+            if op == "initialize":
+                return opt.initialize_codebook()
+            return opt.step()
+
+        roots = (opt, *[p for p in bound.pieces.values() if p is not None])
+        with _hooks(rank == failing, phase):
+            outcome = _outcome(act, roots)
+        retried = _outcome(act, roots)
+        codebooks: list[Any] = [None] * world
+        dist.all_gather_object(codebooks, save(opt.codebook))
+        outcome["retry_raised"] = retried["raised"]
+        outcome["codebooks_agree"] = all(c == codebooks[0] for c in codebooks)
+        results[phase] = outcome
+    return results
+
+
+def amp_disagreement(rank: int, world: int) -> dict[str, Any]:
+    """A found_inf seen on one member only raises everywhere (no mutation); an agreed overflow skips."""
+    driver = make_net()
+    bound = bind(driver, layouts_for(world), rank, world, gefen_factory(), scope=binding(rank, world))
+    opt = bound.optimizer
+    backward(driver, 0)
+    bound.feed(driver)
+    opt.step()
+    backward(driver, 1)
+    bound.feed(driver)
+    roots = (opt, *[p for p in bound.pieces.values() if p is not None])
+    opt.grad_scale = torch.tensor(2.0**10)
+    opt.found_inf = torch.tensor(1.0 if rank == 0 else 0.0)
+    divergent = _outcome(opt.step, roots)
+    opt.found_inf = torch.tensor(1.0)
+    overflow = _outcome(opt.step, roots)
+    skipped = opt.global_step == 1
+    opt.found_inf = torch.tensor(0.0)
+    stepped = _outcome(opt.step, roots)
+    return {
+        "supports_amp": opt._step_supports_amp_scaling,
+        "divergent": divergent,
+        "overflow": overflow,
+        "skipped": skipped,
+        "stepped": stepped["raised"] is None and opt.global_step == 2,
+    }
+
+
+def disagreements(rank: int, world: int) -> dict[str, Any]:
+    """Gradient presence or a manifest differing on one member raises the same error everywhere."""
+    results: dict[str, Any] = {}
+    driver = make_net()
+    bound = bind(driver, layouts_for(world), rank, world, gefen_factory(), scope=binding(rank, world))
+    opt = bound.optimizer
+    backward(driver, 0)
+    bound.feed(driver)
+    if rank == 0:
+        bound.pieces["up"].grad = None  # type: ignore[union-attr]
+    roots = (opt, *[p for p in bound.pieces.values() if p is not None])
+    results["presence"] = _outcome(opt.step, roots)
+    other = layouts_for(world)
+    if rank == 0:
+        other["bias"] = Spec("flat", even_cuts(32, world))
+    mismatched = bind(driver, other, rank, world, gefen_factory(), scope=binding(rank, world))
+    backward(driver, 0)
+    mismatched.feed(driver)
+    roots = (mismatched.optimizer, *[p for p in mismatched.pieces.values() if p is not None])
+    results["manifest"] = _outcome(mismatched.optimizer.step, roots)
+    return results
