@@ -286,6 +286,36 @@ def test_default_planners_are_refused_with_a_clear_error(
         state.load_state_dict(state.state_dict())
     with pytest.raises(ValueError, match="flatten_state_dict"):
         GefenSavePlanner(flatten_state_dict=False)
+    with pytest.raises(ValueError, match="enable_plan_caching"):
+        GefenSavePlanner(enable_plan_caching=True)
+
+
+def test_the_coordinator_does_not_keep_the_global_plan_while_writing(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    model, optimizer = trained
+    planner = GefenSavePlanner()
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+    dcp.save(state, storage_writer=GefenFileSystemWriter(tmp_path), planner=planner)
+    assert planner.global_plan == []  # every rank's write items, freed once DCP scattered them
+    assert planner.metadata.state_dict_metadata  # the metadata DCP commits is kept
+    fresh_model, fresh = build(1)
+    _load(fresh_model, fresh, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(_momenta(fresh).values(), _momenta(optimizer).values(), strict=True))
+
+
+def test_non_finite_values_anywhere_in_a_large_field_are_refused() -> None:
+    from gefen_dcp.field_source import DenseSnapshotSource, FieldReader
+
+    values = torch.ones(3, 50_000)
+    reader = FieldReader(DenseSnapshotSource({("w", "m"): values}), {"w": (3, 50_000)})
+    assert torch.equal(reader.whole("w", "m"), values)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = values.clone()
+        broken[2, 49_999] = bad  # past the first slices the check walks
+        reader = FieldReader(DenseSnapshotSource({("w", "m"): broken}), {"w": (3, 50_000)})
+        with pytest.raises(DenseFieldError, match="non-finite"):
+            reader.whole("w", "m")
 
 
 def test_stand_ins_refuse_pickling_and_copies_freeze(trained: tuple[torch.nn.Module, Int8MomentumSGD]) -> None:

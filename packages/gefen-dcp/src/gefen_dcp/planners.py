@@ -36,13 +36,18 @@ class GefenSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` plus bounded, lazy writes of dense-shard stand-ins.
 
     Accepts ``DefaultSavePlanner``'s arguments; ``flatten_state_dict`` must stay ``True``
-    (unflattened, a stand-in would become one opaque pickled item).
+    (unflattened, a stand-in would become one opaque pickled item) and
+    ``enable_plan_caching`` ``False`` (``ValueError`` otherwise).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self.flatten_state_dict:
             raise ValueError("GefenSavePlanner needs flatten_state_dict=True to plan dense-shard stand-ins")
+        if getattr(self, "_enable_plan_caching", False):
+            raise ValueError(
+                "GefenSavePlanner does not support enable_plan_caching=True (stand-ins are planned afresh each save)"
+            )
         self._standins: dict[str, StandIn] = {}
 
     def set_up_planner(
@@ -61,6 +66,18 @@ class GefenSavePlanner(DefaultSavePlanner):
         for standin in self._standins.values():
             seen.setdefault(id(standin.session), standin.session)
         return list(seen.values())
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan, without keeping every rank's plan on the coordinator.
+
+        ``DefaultSavePlanner`` keeps the global plan (every rank's write items) as
+        ``self.global_plan`` for the whole save, only for plan caching, which this planner
+        does not use; dropped, the other ranks' items are freed once DCP has scattered them,
+        so the coordinator writes with only its own plan and the metadata.
+        """
+        plans, metadata = super().create_global_plan(all_plans)
+        self.global_plan = []
+        return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)

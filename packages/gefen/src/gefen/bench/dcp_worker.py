@@ -1,7 +1,9 @@
 """One rank of ``gefen bench dcp``: ``python -m gefen.bench.dcp_worker SPEC.json RANK RESULT.json``.
 
 It builds the benchmark's decoder under FSDP2 ``fully_shard`` on a 1-D CPU mesh, takes two
-optimizer steps on random tokens, then measures a synchronous ``dcp.save`` of the optimizer
+optimizer steps on random tokens, imports the checkpoint modules the arm's training script
+would import at its top (``torch.distributed.checkpoint``, and ``gefen_dcp`` for the Gefen
+arms; their resident cost is reported on its own as ``checkpoint_import_bytes``), then measures a synchronous ``dcp.save`` of the optimizer
 (and the model with ``with_model``), a ``dcp.async_save`` (until the write completed, on a
 separate gloo group) and a ``dcp.load`` into a freshly built model and optimizer. The arm
 ``torch-dcp-adamw`` is ``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict``
@@ -92,6 +94,29 @@ def _async_saver(spec: Mapping[str, Any], model: Any, optimizer: Any, path: Path
     return run
 
 
+def _import_checkpoint_modules(spec: Mapping[str, Any]) -> int:
+    """Import what a training script that checkpoints this arm imports at its top; return
+    the resident growth (bytes) the imports caused.
+
+    Module code is resident for the rest of the process, whether it is imported at startup
+    or, lazily, by the first save; measured inside the save it would be charged to the save's
+    transient memory once per process. It is reported on its own instead.
+    """
+    import importlib
+
+    from .rss import ResidentMemory
+
+    gc.collect()
+    before = ResidentMemory.current() or 0
+    modules = ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
+    if spec["arm"] != TORCH_ARM:
+        modules.append("gefen_dcp")
+    for module in modules:
+        importlib.import_module(module)
+    gc.collect()
+    return (ResidentMemory.current() or 0) - before
+
+
 def _build(spec: Mapping[str, Any], mesh: Any) -> tuple[Any, Any]:
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -133,7 +158,12 @@ def _run(spec: Mapping[str, Any], rank: int) -> dict[str, Any]:
         model, optimizer = _build(spec, mesh)
         _train(model, optimizer, spec, steps=2)
         path = Path(spec["root"]) / f"{spec['arm'].replace(':', '_')}-{spec['world_size']}"
-        result: dict[str, Any] = {"local_parameters": _local_numel(model), "resident_bytes": ResidentMemory.current()}
+        imports = _import_checkpoint_modules(spec)
+        result: dict[str, Any] = {
+            "local_parameters": _local_numel(model),
+            "resident_bytes": ResidentMemory.current(),
+            "checkpoint_import_bytes": imports,
+        }
         save = functools.partial(_save, spec, model, optimizer, path)
         result["save"] = measure_operation(save, barrier=dist.barrier).to_json()
         saver = _async_saver(spec, model, optimizer, Path(str(path) + "-async"))
