@@ -259,6 +259,8 @@ def test_bench_dcp_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     for arm in ("torch-dcp-adamw", "int8-sgd"):
         assert {row.metric for row in report.rows if row.name == f"tiny/1ranks/{arm}"} == metrics
     assert report.row("tiny/1ranks/int8-sgd", "save_seconds").baseline == "tiny/1ranks/torch-dcp-adamw"
+    imports = report.row("tiny/1ranks/int8-sgd", "save_seconds").detail["per_rank_checkpoint_import_bytes"]
+    assert len(imports) == 1 and isinstance(imports[0], int)  # reported apart from the measured peaks
     assert all(row.value > 0 for row in report.rows if row.metric.endswith("seconds"))
     _ratios_hold(document)
     assert "int8-sgd" in capsys.readouterr().out
