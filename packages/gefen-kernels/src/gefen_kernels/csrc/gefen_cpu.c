@@ -600,6 +600,12 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
 
 /* ---- dtype-specific loads and parameter writes --------------------------------------- */
 
+/* Whether a dtype's gradient tile is already the fp32 the loops read. */
+#define DIRECT_f32 1
+#define DIRECT_bf16 0
+#define DIRECT_f16 0
+#define DIRECT_f64 0
+
 #define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
     static void load_tile_##SUF(const PT* restrict src, float* restrict dst, float sign, int64_t n) {          \
         for (int64_t j = 0; j < n; j++) dst[j] = LOADG(src[j]) * sign;                                         \
@@ -635,8 +641,10 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                             \
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                                       \
             if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));                    \
-            load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                     \
-            momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
+            const float* gsrc = gbuf; /* fp32 gradients are read in place unless negated */                   \
+            if (DIRECT_##SUF && ctx->sign == 1.0f) gsrc = (const float*)(const void*)(g + t0);                \
+            else load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                \
+            momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
                           n <= UBUF ? ubuf + t0 : spill, acc, amax, nan, want_sumsq);                          \
         }                                                                                                      \
         double total = 0.0;                                                                                    \
