@@ -413,8 +413,11 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
         return stats
 
     def _local_stats(self, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, cols = self._dispatch(FACTORED_STATS, work.grad.contiguous(), deterministic=self._deterministic)
-        return rows, cols
+        grad = work.grad.contiguous()
+        resolved = work.kernels.get(FACTORED_STATS)
+        if resolved is None:
+            return self._dispatch(FACTORED_STATS, grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
+        return resolved(grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
 
     def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
         return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from gefen_contracts import KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
@@ -45,6 +45,15 @@ from .param_state import storage_bytes
 from .scoped_step import scoped_step
 
 __all__ = ["GefenMuon"]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _run_eagerly(method: _F) -> _F:
+    """Exclude ``method`` from TorchDynamo tracing (``torch.compile`` runs it eagerly)."""
+    return cast(_F, torch.compiler.disable(method, reason="GefenMuon.step runs eagerly"))  # type: ignore[no-untyped-call]
+
 
 _NATIVE_LOAD = "gefen.muon_native_load"
 _LOG = logging.getLogger("gefen_core.muon")
@@ -300,12 +309,19 @@ class GefenMuon(
     def _scope(self) -> MuonScope | None:
         return slot_layouts(self.param_groups)[1]
 
+    @_run_eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon update of every 2-D parameter with a gradient; returns ``closure()``'s loss.
 
         Under FSDP2 every rank of the mesh must call it (collectives; failures are voted), and
         so must every member of a codebook scope (see :mod:`gefen_core.scoped_step`).
+
+        ``torch.compile`` does not trace this method: it always runs eagerly. Traced by
+        TorchDynamo (torch 2.15, any backend, ``"eager"`` included), the update of a later
+        matrix was applied to the first parameter of the group, because the guards of the
+        per-parameter work item omit the identity of the parameter reached through it; the
+        step is dominated by the kernels and Newton-Schulz GEMMs, which tracing does not speed up.
         """
         blocker = self._whole_owner_blocker()
         if blocker is not None:

@@ -179,6 +179,10 @@ def update_parameter(
         deterministic=deterministic,
     )
     for op_id, args, kwargs in calls:
-        dispatch(op_id, *args, **kwargs)
+        resolved = work.kernels.get(op_id)
+        if resolved is None:
+            dispatch(op_id, *args, **kwargs)
+        else:
+            resolved(*args, **kwargs)
     if target is not work.local:
         work.local.copy_(target)

@@ -20,6 +20,8 @@ Exact arithmetic (``fl`` = round to fp32; ``S`` = the packed step scalars)::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import step_scalars as S
@@ -30,14 +32,21 @@ __all__ = ["FLT_MIN", "column_scale", "update_factored_moments"]
 FLT_MIN = float(torch.finfo(torch.float32).tiny)
 
 
+@functools.lru_cache(maxsize=512)
+def _divisor(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` as a float64 ``[1]`` tensor (a tensor, not a Python number: some backends turn
+    a division by a scalar into a multiplication by its reciprocal). Cached: a step divides by
+    the same few sizes every time, and a fresh tensor costs more than the division."""
+    return torch.full((1,), float(count), dtype=torch.float64, device=device)
+
+
 def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
-    return total / torch.full((1,), float(count), dtype=torch.float64, device=total.device)
+    return torch.div(total, _divisor(count, total.device))
 
 
 def column_scale(v_col: torch.Tensor) -> torch.Tensor:
     """``max(fl(mean(v_col)), FLT_MIN)`` as a fp32 ``[1]`` tensor (mean accumulated in float64)."""
-    mean = _divide(v_col.to(torch.float64).sum().reshape(1), v_col.numel()).to(torch.float32)
-    return torch.clamp(mean, min=FLT_MIN)
+    return _divide(v_col.to(torch.float64).sum(), v_col.numel()).to(torch.float32).clamp_(min=FLT_MIN)
 
 
 def update_factored_moments(
@@ -50,11 +59,14 @@ def update_factored_moments(
 ) -> torch.Tensor:
     """Advance ``v_row``/``v_col`` in place from float64 sums of squares; return ``row_factor``.
 
-    ``col_sumsq`` must already be summed over every row of the parameter (all shards).
+    ``col_sumsq`` must already be summed over every row of the parameter (all shards). Every
+    operation is one elementwise op rounded to fp32 (in place where the operand is a
+    temporary), so the results are those of the formulas in the module docstring bit for bit.
     """
-    cols = v_col.numel()
-    row_mean = _divide(row_sumsq, cols).to(torch.float32)
+    beta2 = scalars[S.BETA2]
+    one_minus_beta2 = scalars[S.ONE_MINUS_BETA2]
+    row_mean = _divide(row_sumsq, v_col.numel()).to(torch.float32)
     col_mean = _divide(col_sumsq, global_rows).to(torch.float32)
-    v_row.copy_(v_row * scalars[S.BETA2] + row_mean * scalars[S.ONE_MINUS_BETA2])
-    v_col.copy_(v_col * scalars[S.BETA2] + col_mean * scalars[S.ONE_MINUS_BETA2])
-    return (v_row / column_scale(v_col)) * scalars[S.BC2]
+    v_row.mul_(beta2).add_(row_mean.mul_(one_minus_beta2))
+    v_col.mul_(beta2).add_(col_mean.mul_(one_minus_beta2))
+    return torch.div(v_row, column_scale(v_col)).mul_(scalars[S.BC2])

@@ -49,6 +49,9 @@ class ParamWork:
     state: dict[str, Any] | None
     local_nonzero: bool | None
     state_device_differs: bool = False
+    #: Implementations the ``fused=True`` preflight already resolved for this step's calls
+    #: (op id -> callable), so the update does not check the same arguments again.
+    kernels: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     @property
     def needs_state(self) -> bool:
@@ -194,7 +197,7 @@ def _check_kernels(
             needed.add(FACTORED_STATS)
         if work.state:
             for op_id, args, kwargs in resolve_args(work):
-                dispatch.resolve(op_id, *args, **kwargs)
+                work.kernels[op_id] = dispatch.resolve(op_id, *args, **kwargs)
     for op_id in sorted(needed):
         if not dispatch.available(op_id):
             failures = "; ".join(f"{f.entry_point}: {f.error}" for f in dispatch.registry.failures)

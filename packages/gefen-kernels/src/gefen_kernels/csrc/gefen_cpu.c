@@ -20,6 +20,7 @@
  * from the reference's rule (build_thresholds) when the codebook allows, else the
  * reference's bucket search; both give the reference's codes bit for bit.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -412,6 +413,32 @@ static int32_t nearest_code_reference(const CodebookTable* t, float z) {
     return fabsf(z - clo) <= fabsf(z - chi) ? lo : hi;
 }
 
+#ifdef GEFEN_AVX512
+/* Range of block scales a (and of |u|) for which quotient_avx512 needs no division. */
+#define QUOTIENT_MIN 0x1p-100f
+#define QUOTIENT_MAX 0x1p100f
+
+/* z = fl(u / a) for 16 lanes without the (slow) vector division, by Markstein's correction:
+ * with y = fl(1 / a) correctly rounded and q0 = fl(u * y) within an ulp of u / a, the
+ * remainder r = u - a q0 is exact in one fused multiply-add and q1 = fl(q0 + r y) (another)
+ * is the correctly rounded quotient (Markstein's theorem for round-to-nearest; also checked
+ * against the division on 4e8 random and near-midpoint pairs). The theorem needs no
+ * underflow: the caller keeps a in [QUOTIENT_MIN, QUOTIENT_MAX], and lanes with |u| below
+ * QUOTIENT_MIN or a quotient below 2^-124 are recomputed with the IEEE division (u == 0
+ * gives the signed zero either way). Explicit FMAs: the result does not depend on the
+ * compiler's contraction, which stays off. */
+static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
+    __m512 q0 = _mm512_mul_ps(u, y);
+    __m512 r = _mm512_fnmadd_ps(q0, a, u);
+    __m512 q1 = _mm512_fmadd_ps(r, y, q0);
+    __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(u), _mm512_set1_ps(QUOTIENT_MIN), _CMP_LT_OQ) |
+                      _mm512_cmp_ps_mask(_mm512_abs_ps(q1), _mm512_set1_ps(0x1p-124f), _CMP_LT_OQ);
+    small &= _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (small) q1 = _mm512_mask_div_ps(q1, small, u, a);
+    return q1;
+}
+#endif
+
 /* Nearest rounding through the threshold table (z in [-1, 1]; see build_thresholds). */
 static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, const float* restrict s,
                                      float* restrict d, const CodebookTable* restrict t, const float* restrict cb,
@@ -421,6 +448,8 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
 #ifdef GEFEN_AVX512
     {
         const __m512 vsafe = _mm512_set1_ps(safe), one = _mm512_set1_ps(1.0f);
+        const int divide = !(safe >= QUOTIENT_MIN && safe <= QUOTIENT_MAX);
+        const __m512 inv_safe = _mm512_set1_ps(1.0f / safe);
         const __m512 scale = _mm512_set1_ps((float)(FINE_BUCKETS / 2));
         const __m512 vm = _mm512_set1_ps(m_new), vlr = _mm512_set1_ps(lr);
         const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(FINE_BUCKETS - 1);
@@ -429,7 +458,8 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         const long long* packed = (const long long*)t->packed;
         for (; j + 16 <= n; j += 16) {
-            __m512 z = _mm512_div_ps(_mm512_loadu_ps(u + j), vsafe);
+            __m512 uv = _mm512_loadu_ps(u + j);
+            __m512 z = divide ? _mm512_div_ps(uv, vsafe) : quotient_avx512(uv, vsafe, inv_safe);
             /* fine_bucket_of: truncating conversion (NaN -> INT32_MIN), then the integer clamp */
             __m512i f = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(z, one), scale));
             f = _mm512_min_epi32(_mm512_max_epi32(f, zero), top);
@@ -439,10 +469,15 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
             __m512i base = _mm512_permutex2var_epi32(e0, odd, e1);
             __mmask16 above = _mm512_cmp_ps_mask(z, threshold, _CMP_GT_OQ);
             __m512i k = _mm512_mask_add_epi32(base, above, base, ione);
-            __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
-            __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + j));
-            _mm512_storeu_ps(d + j, _mm512_mul_ps(x, vlr));
             _mm_storeu_si128((__m128i*)(q + j), _mm512_cvtepi32_epi8(k));
+        }
+        /* The codeword gather depends on the table gather: a second loop over the codes just
+         * written keeps each loop's iterations independent, so their gathers overlap. */
+        for (int64_t i = 0; i + 16 <= j; i += 16) {
+            __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
+            __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
+            __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
+            _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
         }
     }
 #endif
@@ -565,6 +600,12 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
 
 /* ---- dtype-specific loads and parameter writes --------------------------------------- */
 
+/* Whether a dtype's gradient tile is already the fp32 the loops read. */
+#define DIRECT_f32 1
+#define DIRECT_bf16 0
+#define DIRECT_f16 0
+#define DIRECT_f64 0
+
 #define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
     static void load_tile_##SUF(const PT* restrict src, float* restrict dst, float sign, int64_t n) {          \
         for (int64_t j = 0; j < n; j++) dst[j] = LOADG(src[j]) * sign;                                         \
@@ -600,8 +641,10 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                             \
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                                       \
             if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));                    \
-            load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                     \
-            momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
+            const float* gsrc = gbuf; /* fp32 gradients are read in place unless negated */                   \
+            if (DIRECT_##SUF && ctx->sign == 1.0f) gsrc = (const float*)(const void*)(g + t0);                \
+            else load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                \
+            momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
                           n <= UBUF ? ubuf + t0 : spill, acc, amax, nan, want_sumsq);                          \
         }                                                                                                      \
         double total = 0.0;                                                                                    \
