@@ -267,12 +267,14 @@ def test_bench_dcp_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One rank: a portable test adopter against torch's optimizer state-dict API; Gefen is a note
-    until it claims portable_state."""
+    """Two ranks: Gefen bound to flattened slices under a codebook scope, through gefen-portable and
+    portable DCP, against torch's optimizer state-dict API under FSDP2; a replicated-only adopter is
+    skipped with its contract's reason."""
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    arm = "meta_portable_sgd:factory"
+    adopter = "meta_portable_sgd:factory"
     code = main(
         [
             "bench",
@@ -280,9 +282,9 @@ def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             "--models",
             "tiny",
             "--ranks",
-            "1",
+            "2",
             "--optimizers",
-            f"gefen,{arm}",
+            f"gefen,{adopter}",
             "--out",
             str(tmp_path),
         ]
@@ -292,16 +294,13 @@ def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     report = read_report(tmp_path / "portable.json")
     operations = ("memory_export", "memory_import", "storage_export", "storage_import")
     metrics = {f"{op}_{kind}" for op in operations for kind in ("seconds", "peak_bytes_per_param")}
-    for name in ("torch-adamw", arm):
-        assert {row.metric for row in report.rows if row.name == f"tiny/1ranks/{name}"} == metrics
-    assert report.row(f"tiny/1ranks/{arm}", "storage_import_seconds").baseline == "tiny/1ranks/torch-adamw"
+    for name in ("torch-adamw", "gefen"):
+        assert {row.metric for row in report.rows if row.name == f"tiny/2ranks/{name}"} == metrics
+    seconds = report.row("tiny/2ranks/gefen", "storage_import_seconds")
+    assert seconds.baseline == "tiny/2ranks/torch-adamw" and seconds.value > 0
+    assert seconds.detail["layout"] == "flattened+codebook-scope"
+    assert seconds.detail["per_rank_local_parameters"] == [15088, 15088]  # 30176 elements in halves
+    assert report.row("tiny/2ranks/torch-adamw", "memory_export_seconds").detail["layout"] == "fsdp2"
+    assert not any(row.name.endswith(adopter) for row in report.rows)
+    assert any(note.startswith(f"{adopter}: not measured on more than one rank") for note in report.notes)
     _ratios_hold(document)
-    from gefen_contracts import FEATURE_PORTABLE_STATE
-    from gefen_core import Gefen
-
-    named = [("w", torch.nn.Parameter(torch.ones(2)))]
-    status = Gefen(named).optimizer_contract().capabilities.feature(FEATURE_PORTABLE_STATE)
-    if status.supported:  # Gefen is measured like any adopter
-        assert {row.metric for row in report.rows if row.name == "tiny/1ranks/gefen"} == metrics
-    else:
-        assert any(note.startswith("gefen: not measured on one rank") for note in report.notes)

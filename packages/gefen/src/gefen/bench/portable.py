@@ -12,8 +12,11 @@ The baseline is ``torch.optim.AdamW`` under FSDP2 through ``get_optimizer_state_
 same size and world size. Arms are optimizer names (``gefen``, ``contracted-adamw``, any name
 of :mod:`gefen.bench.optimizers`) or ``MODULE:FACTORY``; an arm is measured when its
 contract claims ``portable_state`` (and, on more than one rank, ``post_sharding``), and is
-otherwise skipped with a note quoting its contract's reason, so Gefen appears as soon as it
-implements the Protocol.
+otherwise skipped with a note quoting its contract's reason. On more than one rank an arm is
+finalized by ``post_sharding`` onto flattened element shards over the ranks (with a codebook
+scope over them when it claims ``collective_scope``, as Gefen does) and goes through
+gefen-portable and gefen-dcp's portable checkpoint, never the dense-shard codec; imports go
+onto the same layout. Each row's ``detail`` names the layout the arm held.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ DEFAULT_ARMS = ("gefen", "contracted-adamw")
 class PortableOptions:
     """Model sizes (presets or ``<N>m``), world sizes, arms and the workers' batch."""
 
-    models: tuple[str, ...] = ("10m", "30m", "100m")
+    models: tuple[str, ...] = ("10m", "50m", "100m")
     ranks: tuple[int, ...] = (1, 2, 3)
     arms: tuple[str, ...] = DEFAULT_ARMS
     threads: int = 1
@@ -107,12 +110,24 @@ def run_portable(options: PortableOptions, *, progress: Callable[[str], None] | 
             where = "on more than one rank" if sharded else "on one rank"
             builder.note(f"{arm}: not measured {where}: {reason}")
     builder.note(
+        f"{TORCH_ARM}: torch.optim.AdamW under FSDP2 fully_shard (dim-0 DTensor shards on more than one rank) "
+        "through get_optimizer_state_dict / set_optimizer_state_dict, and dcp.save / dcp.load of that state dict"
+    )
+    builder.note(
+        "other arms: whole parameters on one rank; on more than one rank finalized by post_sharding onto flattened "
+        "element shards (near-even contiguous slices of every flattened parameter), with a codebook scope over the "
+        "ranks when the contract claims collective_scope (Gefen); export_portable_state / import_portable_state in "
+        "memory (each rank its own fragments), save_portable_dcp / load_portable_dcp through storage; imports go onto "
+        "the same layout"
+    )
+    builder.note(
         "peak = resident growth above the resident size just before the operation (1 ms samples and the kernel's "
         "high-water mark), on the worst rank, per parameter element that rank holds; seconds = the slowest rank"
     )
     builder.note(
-        "memory_export keeps the exported state until memory_import has read it; imports go into a freshly built "
-        "optimizer, so their peak includes the state they allocate; storage goes through DCP on local disk"
+        "memory_export keeps the exported state until memory_import has read it; imports go into a fresh optimizer "
+        "built (and bound) before the measured region, so their peak includes the state they allocate but not the "
+        "parameters; storage goes through DCP on local disk"
     )
     return builder.build()
 
@@ -132,6 +147,7 @@ def _add_rows(builder: ReportBuilder, model: str, world_size: int, arm: str, res
                 "per_rank_seconds": [r[operation]["seconds"] for r in results],
                 "per_rank_peak_extra_bytes": [r[operation]["peak_extra_bytes"] for r in results],
                 "per_rank_local_parameters": [r["local_parameters"] for r in results],
+                "layout": results[0]["layout"],
                 "exact_peak": all(r[operation]["exact_peak"] for r in results),
             },
         )

@@ -6,16 +6,22 @@ with :func:`gefen.bench.peak_memory.measure_operation` between barriers:
 
 * ``memory_export`` / ``memory_import``: the state in memory; ``storage_export`` /
   ``storage_import``: the same through a DCP checkpoint on local disk. Imports go into a
-  freshly built optimizer on the same model.
-* The baseline ``torch-adamw`` shards the model with FSDP2 ``fully_shard`` and uses torch's
-  ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (plus ``dcp.save`` /
-  ``dcp.load`` with DCP's stock writer for storage).
-* Any other arm keeps the convention: on one rank it optimizes the whole parameters, on
-  ``W > 1`` ranks it is bound by ``post_sharding`` to this rank's contiguous slice of each
-  flattened parameter (gefen-contracts' ``flattened_plan``); it exports and imports with
-  :func:`gefen_portable.export_portable_state` / :func:`gefen_portable.import_portable_state`
-  and saves and loads with :func:`gefen_dcp.save_portable_dcp` /
-  :func:`gefen_dcp.load_portable_dcp`.
+  fresh optimizer on the same model and layout, built before the measured region (so an
+  import's peak is the state it allocates plus its transients, not the rebound parameter
+  slices a fresh bound optimizer needs); the worker checks that the import filled every
+  parameter's state.
+* The baseline ``torch-adamw`` shards the model with FSDP2 ``fully_shard`` (dim-0 DTensor
+  shards) and uses torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (plus
+  ``dcp.save`` / ``dcp.load`` with DCP's stock writer for storage).
+* Any other arm keeps the convention: on one rank it optimizes the whole parameters
+  (unbound); on ``W > 1`` ranks it is finalized by ``post_sharding`` onto this rank's
+  contiguous slice of each flattened parameter (gefen-contracts' ``flattened_plan``, a
+  ``FLATTENED_ELEMENT_SHARD`` layout over the ``W`` ranks), with a codebook scope over the
+  ``W`` ranks when its contract claims ``collective_scope`` (Gefen learns one codebook for
+  the layout). It exports and imports with :func:`gefen_portable.export_portable_state` /
+  :func:`gefen_portable.import_portable_state` (this rank's fragments plus the agreed
+  catalog, never the whole document) and saves and loads with
+  :func:`gefen_dcp.save_portable_dcp` / :func:`gefen_dcp.load_portable_dcp`.
 """
 
 from __future__ import annotations
@@ -51,6 +57,34 @@ def _model(spec: Mapping[str, Any]) -> Any:
     return TinyDecoder(bench_decoder(spec["model"]))
 
 
+#: ``(operation name, build the fresh target or None, the operation)``: the build is not measured.
+Operation = tuple[str, Callable[[], None] | None, Callable[[], None]]
+
+
+def _measure(operations: list[Operation], barrier: Callable[[], object] | None, held: dict[str, Any]) -> dict[str, Any]:
+    """Each operation's cost; the fresh optimizer an import fills is built outside the measured region
+    and dropped afterwards, and the in-memory export is dropped once the in-memory import has read it."""
+    from .peak_memory import measure_operation
+
+    result: dict[str, Any] = {}
+    for name, build, operation in operations:
+        if build is not None:
+            build()
+        result[name] = measure_operation(operation, barrier=barrier).to_json()
+        held.pop("fresh", None)
+        if name == "memory_import":
+            held.pop("state", None)
+    return result
+
+
+def _check_imported(fresh: Any, source: Any, arm: str) -> None:
+    """An import that left the fresh optimizer without the source's per-parameter state is a bug, not a figure."""
+    if len(fresh.state) != len(source.state):
+        raise RuntimeError(
+            f"{arm}: the import filled {len(fresh.state)} parameter states, the source holds {len(source.state)}"
+        )
+
+
 def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object] | None) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -59,8 +93,6 @@ def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object]
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from .peak_memory import measure_operation
 
     model = _model(spec)
     fully_shard(model, mesh=init_device_mesh("cpu", (int(spec["world_size"]),)))
@@ -72,57 +104,69 @@ def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object]
     path = Path(spec["root"]) / f"torch-{spec['world_size']}"
     held: dict[str, Any] = {}
 
+    def fresh() -> None:
+        held["fresh"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
     def memory_export() -> None:
         held["state"] = get_optimizer_state_dict(model, optimizer)
 
     def memory_import() -> None:
-        set_optimizer_state_dict(model, torch.optim.AdamW(model.parameters(), lr=1e-3), optim_state_dict=held["state"])
+        set_optimizer_state_dict(model, held["fresh"], optim_state_dict=held["state"])
+        _check_imported(held["fresh"], optimizer, TORCH_ARM)
 
     def storage_export() -> None:
         dcp_save({"optim": get_optimizer_state_dict(model, optimizer)}, storage_writer=FileSystemWriter(str(path)))
 
     def storage_import() -> None:
-        fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        state = {"optim": get_optimizer_state_dict(model, fresh)}
+        state = {"optim": get_optimizer_state_dict(model, held["fresh"])}
         dcp_load(state, checkpoint_id=str(path))
-        set_optimizer_state_dict(model, fresh, optim_state_dict=state["optim"])
+        set_optimizer_state_dict(model, held["fresh"], optim_state_dict=state["optim"])
+        _check_imported(held["fresh"], optimizer, TORCH_ARM)
 
-    result: dict[str, Any] = {"local_parameters": local}
-    for name, operation in zip(OPERATIONS, (memory_export, memory_import, storage_export, storage_import)):
-        result[name] = measure_operation(operation, barrier=barrier).to_json()
-        if name == "memory_import":
-            held.clear()
-    return result
+    operations: list[Operation] = [
+        ("memory_export", None, memory_export),
+        ("memory_import", fresh, memory_import),
+        ("storage_export", None, storage_export),
+        ("storage_import", fresh, storage_import),
+    ]
+    return {"local_parameters": local, "layout": "fsdp2", **_measure(operations, barrier, held)}
 
 
 def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object] | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+    from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, PortableStateLimits, ProcessGroupIdentity
     from gefen_contracts.testing import flattened_plan, scatter_flat_grads
-    from gefen_contracts.torch_support import CheckpointProcessGroupBinding
+    from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
     from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp
     from gefen_portable import export_portable_state, import_portable_state
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     from .checkpoint_arms import build_arm
-    from .peak_memory import measure_operation
 
     world = int(spec["world_size"])
+    arm = str(spec["arm"])
     group = ProcessGroupIdentity("bench.world", tuple(f"rank:{r}" for r in range(world)))
     model = _model(spec)
     named = list(model.named_parameters())
     model.loss(*_batch(model, spec)).backward()
+    scoped: list[bool] = []
 
-    def build() -> Any:
-        optimizer = build_arm(spec["arm"], named)
+    def build() -> tuple[Any, dict[str, Any]]:
+        """The arm over the whole parameters (one rank) or bound to this rank's flattened slices."""
+        optimizer = build_arm(arm, named)
         if world == 1:
             return optimizer, dict(named)
         grads = {name: p.grad for name, p in named}
         for _, parameter in named:
             parameter.grad = None  # post_sharding refuses tensors that carry gradients
         plan = flattened_plan(named, rank, group=group)
-        optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest)  # type: ignore[attr-defined]
+        scope = None
+        if optimizer.optimizer_contract().capabilities.supports(FEATURE_COLLECTIVE_SCOPE):  # type: ignore[attr-defined]
+            # Shared learned state (Gefen's codebook) is learned over every member of the layout.
+            scope = CodebookProcessGroupBinding(group, f"rank:{rank}", dist.group.WORLD, torch.device("cpu"))
+        optimizer.post_sharding(list(plan.rebindings), manifest=plan.manifest, scope=scope)  # type: ignore[attr-defined]
+        scoped[:] = [scope is not None]
         for name, parameter in named:
             parameter.grad = grads[name]
         scatter_flat_grads(model, plan, plan.targets)
@@ -138,8 +182,11 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
         torch.device("cpu"),
     )
     limits = PortableStateLimits()
-    path = Path(spec["root"]) / f"{spec['arm'].replace(':', '_')}-{world}"
+    path = Path(spec["root"]) / f"{arm.replace(':', '_')}-{world}"
     held: dict[str, Any] = {}
+
+    def fresh() -> None:
+        held["fresh"], _ = build()
 
     def memory_export() -> None:
         held["state"] = export_portable_state(
@@ -147,10 +194,10 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
         )
 
     def memory_import() -> None:
-        fresh, _ = build()
         import_portable_state(
-            fresh, held["state"], checkpoint_process_group=binding, transaction_id="bench-import", limits=limits
+            held["fresh"], held["state"], checkpoint_process_group=binding, transaction_id="bench-import", limits=limits
         )
+        _check_imported(held["fresh"], optimizer, arm)
 
     def storage_export() -> None:
         save_portable_dcp(
@@ -162,21 +209,23 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
         )
 
     def storage_import() -> None:
-        fresh, _ = build()
         load_portable_dcp(
-            fresh,
+            held["fresh"],
             checkpoint_process_group=binding,
             storage_reader=FileSystemReader(str(path)),
             transaction_id="bench-load",
             limits=limits,
         )
+        _check_imported(held["fresh"], optimizer, arm)
 
-    result: dict[str, Any] = {"local_parameters": local}
-    for name, operation in zip(OPERATIONS, (memory_export, memory_import, storage_export, storage_import)):
-        result[name] = measure_operation(operation, barrier=barrier).to_json()
-        if name == "memory_import":
-            held.clear()
-    return result
+    operations: list[Operation] = [
+        ("memory_export", None, memory_export),
+        ("memory_import", fresh, memory_import),
+        ("storage_export", None, storage_export),
+        ("storage_import", fresh, storage_import),
+    ]
+    layout = "whole" if world == 1 else ("flattened+codebook-scope" if scoped and scoped[0] else "flattened")
+    return {"local_parameters": local, "layout": layout, **_measure(operations, barrier, held)}
 
 
 def _run(spec: Mapping[str, Any], rank: int) -> dict[str, Any]:
