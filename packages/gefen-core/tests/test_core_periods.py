@@ -33,6 +33,18 @@ def test_within_block_spread_measures_variance_of_squares() -> None:
         within_block_spread(g, 3)
 
 
+@pytest.mark.parametrize("period", [2, 3, 8, 30, 32, 64, 96])
+def test_short_and_long_blocks_agree_with_the_population_variance(period: int) -> None:
+    """Short blocks take a two-pass variance instead of ``Tensor.var``; both give the
+    definition's value (to float64 summation order), and a float64 gradient is not touched."""
+    gradient = torch.randn(96 * 40, dtype=torch.float64, generator=torch.Generator().manual_seed(period)) * 3
+    before = gradient.clone()
+    squares = gradient.square().view(-1, period)
+    expected = squares.var(dim=1, unbiased=False).mean().sqrt().item()
+    assert within_block_spread(gradient, period) == pytest.approx(expected, rel=1e-12)
+    assert torch.equal(gradient, before)
+
+
 def test_select_period_pinned_examples() -> None:
     assert select_period([(1, 10.0), (8, 4.0), (16, 1.0), (32, 0.9)]) == 8
     assert select_period([(1, 10.0), (2, 0.5), (4, 0.4)]) == 1  # winner 2 < 8 means no structure
