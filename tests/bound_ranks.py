@@ -1,12 +1,8 @@
 """Rank functions for tests/test_bound_resharding.py (run inside GlooWorld ranks).
 
-Every rank holds the same full *driver* model and computes the full gradient of the same
-batch. A *layout* decides what each member's optimizer holds: a single-process ``Gefen`` over
-the driver itself (size 1, the implicit layout), or an optimizer finalized with
-``post_sharding`` onto this member's pieces (replicated copies, flattened slices,
-whole-parameter owners) under a codebook scope over the layout's members. After each step the
-members all-gather their pieces into the driver (what a data-parallel adapter does), so the
-driver's loss is the run's loss.
+Members, layouts and the driver model's all-gather are tests/bound_members.py's: a
+single-process ``Gefen``/``GefenMuon`` over the driver (size 1) or one finalized with
+``post_sharding`` onto this member's pieces under a codebook scope.
 
 A case trains the source layout, exports its portable state through gefen-portable, then
 continues four runs from the same checkpointed parameters: the source itself (uninterrupted),
@@ -16,34 +12,23 @@ imported it (resumed) and the target layout without it (dropped).
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from gefen_contracts import (
-    LogicalSlice,
-    ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
-    PortableStateLimits,
-    ProcessGroupIdentity,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
-)
-from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
+from bound_members import BoundMember, Spec, even_cuts, process_group, share
+from bound_members import checkpoint_binding as _binding
+from gefen_contracts import PortableStateLimits
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
 from gefen_portable import PortableState, export_portable_state, import_portable_state
 
 LIMITS = PortableStateLimits(chunk_bytes=4096)  # several chunks per field
 BEFORE = 6
 AFTER = 20
-AXIS = "dp"
-_GROUPS: dict[int, Any] = {}
+_PREFIX = "tests.bound"
 
 
 # -- models and data ---------------------------------------------------------------------------------
@@ -111,17 +96,9 @@ def driver(kind: str) -> torch.nn.Module:
 
 # -- layouts -----------------------------------------------------------------------------------------
 
-#: ``(layout, detail)`` per parameter: ``("repl", None)``, ``("flat", cuts)`` or ``("owner", rank)``.
-Spec = dict[str, tuple[str, Any]]
-
-
-def _even(numel: int, members: int) -> tuple[int, ...]:
-    size = -(-numel // members)
-    return tuple(min(numel, size * r) for r in range(1, members))
-
 
 def gefen_layout(members: int) -> Spec:
-    cuts = _even(4096, members)
+    cuts = even_cuts(4096, members)
     return {"embed": ("repl", None), "up": ("flat", cuts), "down": ("flat", cuts), "bias": ("repl", None)}
 
 
@@ -131,119 +108,16 @@ MUON_LAYOUTS: dict[str, Spec] = {
 }
 
 
-def group(size: int) -> ProcessGroupIdentity:
-    return ProcessGroupIdentity(f"tests.bound{size}", tuple(f"rank:{r}" for r in range(size)))
-
-
-def _process_group(size: int) -> Any:
-    """One cached gloo group per size over ranks [0, size) (every rank creates every group once)."""
-    if not _GROUPS:
-        for members in range(2, dist.get_world_size() + 1):
-            _GROUPS[members] = dist.new_group(list(range(members)))
-    return None if size == 1 else _GROUPS[size]
-
-
 def checkpoint_binding(rank: int, size: int) -> CheckpointProcessGroupBinding:
-    return CheckpointProcessGroupBinding(group(size), f"rank:{rank}", _process_group(size), torch.device("cpu"))
+    return _binding(_PREFIX, rank, size)
 
 
-def _shards(name: str, shape: tuple[int, ...], spec: tuple[str, Any], size: int) -> list[ShardIdentity]:
-    identity = ParameterIdentity(name, shape)
-    layout, detail = spec
-    out = []
-    for r in range(size):
-        if layout == "repl":
-            placement = ShardPlacement(AXIS, PlacementKind.REPLICATE, r, size)
-            kind, extent, owner = ParameterLayout.REPLICATED, LogicalSlice.full(identity), None
-        elif layout == "flat":
-            bounds = (0, *detail, identity.numel)
-            placement = ShardPlacement(AXIS, PlacementKind.FLAT_SHARD, r, size)
-            kind, extent, owner = (
-                ParameterLayout.FLATTENED_ELEMENT_SHARD,
-                LogicalSlice(bounds[r], bounds[r + 1] - bounds[r]),
-                None,
-            )
-        else:
-            placement = ShardPlacement(AXIS, PlacementKind.WHOLE_PARAMETER_OWNER, r, size)
-            extent = LogicalSlice.full(identity) if r == detail else LogicalSlice(0, 0)
-            kind, owner = ParameterLayout.WHOLE_PARAMETER_OWNER, f"rank:{detail}"
-        out.append(ShardIdentity(identity, kind, extent, (placement,), group(size), f"rank:{r}", owner=owner))
-    return out
-
-
-def _piece(full: torch.Tensor, shard: ShardIdentity) -> torch.Tensor:
-    extent = shard.extent
-    assert type(extent) is LogicalSlice
-    if shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
-        return full.detach().reshape(-1)[extent.flat_offset : extent.end]
-    return full.detach()
-
-
-class Runner:
-    """One member's optimizer over the driver: single-process (``size == 1``) or bound."""
-
-    def __init__(self, kind: str, model: torch.nn.Module, rank: int, size: int, spec: Spec | None) -> None:
-        self.kind, self.model, self.size = kind, model, size
-        self.pieces: dict[str, tuple[ShardIdentity, torch.Tensor | None]] = {}
-        if size == 1:
-            self.optimizer = KINDS[kind].optimizer(model.named_parameters())
-            return
-        assert spec is not None
-        named = [(name, torch.nn.Parameter(p.detach().clone())) for name, p in model.named_parameters()]
-        self.optimizer = KINDS[kind].optimizer(named)
-        rebindings, shards = [], []
-        for name, parameter in named:
-            every = _shards(name, tuple(parameter.shape), spec[name], size)
-            shards.extend(every)
-            mine = every[rank]
-            pruned = mine.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not mine.is_owner
-            target = None if pruned else torch.nn.Parameter(_piece(parameter, mine).clone())
-            self.pieces[name] = (mine, target)
-            rebindings.append(ParameterRebinding(parameter, target, mine))
-        scope = CodebookProcessGroupBinding(group(size), f"rank:{rank}", _process_group(size), torch.device("cpu"))
-        self.optimizer.post_sharding(rebindings, manifest=ShardingManifest(tuple(shards)), scope=scope)
-
-    def train(self, start: int, steps: int) -> list[float]:
-        losses = []
-        for step in range(start, start + steps):
-            self.model.zero_grad(set_to_none=True)
-            loss = KINDS[self.kind].model.loss(self.model, step)  # type: ignore[attr-defined]
-            loss.backward()
-            for name, parameter in self.model.named_parameters():
-                shard, target = self.pieces.get(name, (None, None))
-                if target is not None and shard is not None:
-                    target.grad = _piece(parameter.grad, shard).clone()  # type: ignore[arg-type]
-            self.optimizer.step()
-            if self.size > 1:
-                self._gather()
-            losses.append(float(loss.detach()))
-        return losses
-
-    def _gather(self) -> None:
-        """Every member's pieces into the driver (the adapter's all-gather after a step)."""
-        mine = {name: (shard, t.detach().clone()) for name, (shard, t) in self.pieces.items() if t is not None}
-        everyone: list[Any] = [None] * self.size
-        dist.all_gather_object(everyone, mine, group=_process_group(self.size))
-        with torch.no_grad():
-            for name, parameter in self.model.named_parameters():
-                for pieces in everyone:
-                    if name in pieces:
-                        shard, value = pieces[name]
-                        _piece(parameter, shard).copy_(value)
-
-    def bits(self) -> dict[str, bytes]:
-        return {n: p.detach().numpy().tobytes() for n, p in self.model.named_parameters()}
-
-
-def _share(value: Any) -> Any:
-    """Test plumbing only: every rank receives rank 0's value (weights-only bytes)."""
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        payload = [buffer.getvalue()]
-    dist.broadcast_object_list(payload, src=0)
-    return torch.load(io.BytesIO(payload[0]), weights_only=True)
+def member(kind: str, model: torch.nn.Module, rank: int, size: int, spec: Spec | None) -> BoundMember:
+    """One member's ``kind`` optimizer over the driver ``model``."""
+    loss = KINDS[kind].model.loss  # type: ignore[attr-defined]
+    return BoundMember(
+        model, lambda step: loss(model, step), KINDS[kind].optimizer, prefix=_PREFIX, rank=rank, size=size, spec=spec
+    )
 
 
 def _at(kind: str, values: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -252,7 +126,7 @@ def _at(kind: str, values: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-def _import(runner: Runner, state: Any, rank: int, size: int, transaction: str) -> None:
+def _import(runner: BoundMember, state: Any, rank: int, size: int, transaction: str) -> None:
     import_portable_state(
         runner.optimizer,
         state,
@@ -265,7 +139,7 @@ def _import(runner: Runner, state: Any, rank: int, size: int, transaction: str) 
 def reshard(rank: int, world: int, kind: str, source: tuple[int, str], target: tuple[int, str]) -> dict[str, Any]:
     """The case of the module docstring: ``source`` and ``target`` are ``(members, layout name)``
     (``gefen_layout(members)`` for Gefen; a name of :data:`MUON_LAYOUTS` for GefenMuon)."""
-    _process_group(2)
+    process_group(2)
 
     def spec(members: int, name: str) -> Spec | None:
         if members == 1:
@@ -275,10 +149,10 @@ def reshard(rank: int, world: int, kind: str, source: tuple[int, str], target: t
     (src_size, src_name), (tgt_size, tgt_name) = source, target
     in_source, in_target = rank < src_size, rank < tgt_size
     model = driver(kind)
-    src = Runner(kind, model, rank, src_size, spec(src_size, src_name)) if in_source else None
+    src = member(kind, model, rank, src_size, spec(src_size, src_name)) if in_source else None
     if src is not None:
         src.train(0, BEFORE)
-    checkpoint = _share({n: p.detach().clone() for n, p in model.named_parameters()})
+    checkpoint = share({n: p.detach().clone() for n, p in model.named_parameters()})
     state: Any = None
     if src is not None and (src_size > 1 or rank == 0):
         state = export_portable_state(
@@ -288,22 +162,22 @@ def reshard(rank: int, world: int, kind: str, source: tuple[int, str], target: t
     document = None
     if tgt_size == 1 and src is not None and src_size > 1:
         document = state.materialize(checkpoint_binding(rank, src_size), limits=LIMITS)
-    catalog = _share(state.catalog_record() if rank == 0 else None)
+    catalog = share(state.catalog_record() if rank == 0 else None)
     if state is None:
         state = PortableState.from_parts(catalog, [], limits=LIMITS)
     outcome: dict[str, Any] = {}
     if in_source:
-        twin = Runner(kind, _at(kind, checkpoint), rank, src_size, spec(src_size, src_name))
+        twin = member(kind, _at(kind, checkpoint), rank, src_size, spec(src_size, src_name))
         _import(twin, state, rank, src_size, "same-layout")
         assert src is not None
         outcome["uninterrupted"] = src.train(BEFORE, AFTER)
         outcome["twin"] = twin.train(BEFORE, AFTER)
         outcome["twin_bit_exact"] = twin.bits() == src.bits()
     if in_target:
-        resumed = Runner(kind, _at(kind, checkpoint), rank, tgt_size, spec(tgt_size, tgt_name))
+        resumed = member(kind, _at(kind, checkpoint), rank, tgt_size, spec(tgt_size, tgt_name))
         _import(resumed, document if tgt_size == 1 and document is not None else state, rank, tgt_size, "reshard")
         outcome["resumed"] = resumed.train(BEFORE, AFTER)
-        dropped = Runner(kind, _at(kind, checkpoint), rank, tgt_size, spec(tgt_size, tgt_name))
+        dropped = member(kind, _at(kind, checkpoint), rank, tgt_size, spec(tgt_size, tgt_name))
         outcome["dropped"] = dropped.train(BEFORE, AFTER)
     dist.barrier()
     return outcome

@@ -1,13 +1,10 @@
 """Rank functions for tests/test_dcp_hybrid_bound.py (run inside GlooWorld ranks).
 
-Every rank holds the same full *driver* model and computes the full gradient of the same
-batch. Each member's ``GefenMuonHybrid`` (Gefen or ContractedAdamW backup) is either a
-single-process hybrid over the driver itself (one member, the implicit layout) or a hybrid
-finalized with ``post_sharding`` onto this member's pieces under a codebook scope over the
-layout's members: the backup's embedding and head as flattened slices, its bias replicated,
-the Muon matrices whole-parameter owners or replicated. After each step the members
-all-gather their pieces into the driver (what a data-parallel adapter does), so the driver's
-loss is the run's loss.
+Members and the driver model's all-gather are tests/bound_members.py's. Each member's
+``GefenMuonHybrid`` (Gefen or ContractedAdamW backup) is either a single-process hybrid over
+the driver itself (one member) or one finalized with ``post_sharding`` onto this member's
+pieces under a codebook scope: the backup's embedding and head as flattened slices, its bias
+replicated, the Muon matrices whole-parameter owners or replicated.
 
 A case trains the 2-member layout, saves it with ``save_portable_dcp`` (each member writes
 its own fragments), then continues four runs from the same checkpointed parameters: the
@@ -18,33 +15,22 @@ target layout without the optimizer state (dropped).
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from bound_members import BoundMember, Spec, even_cuts, process_group, share
+from bound_members import checkpoint_binding as _binding
 from gefen import GefenMuonHybrid
-from gefen_contracts import (
-    LogicalSlice,
-    ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
-    PortableStateLimits,
-    ProcessGroupIdentity,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
-)
-from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
+from gefen_contracts import PortableStateLimits
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 LIMITS = PortableStateLimits(chunk_bytes=2048)  # several chunks per fragment field
 BEFORE = 6
 AFTER = 20
-AXIS = "dp"
-_GROUPS: dict[int, Any] = {}
+_PREFIX = "tests.hdcp"
 
 
 class Net(torch.nn.Module):
@@ -85,22 +71,14 @@ def hybrid(named: Any, backup: str) -> GefenMuonHybrid:
 
 # -- layouts -----------------------------------------------------------------------------------------
 
-#: ``(layout, detail)`` per parameter: ``("repl", None)``, ``("flat", cuts)`` or ``("owner", rank)``.
-Spec = dict[str, tuple[str, Any]]
-
-
-def _even(numel: int, members: int) -> tuple[int, ...]:
-    size = -(-numel // members)
-    return tuple(min(numel, size * r) for r in range(1, members))
-
 
 def layout(members: int) -> Spec:
     """The backup's embedding and head flattened, its bias replicated; Muon's matrices owned
     (two members: ``a`` by 0, ``b`` by 1, ``c`` replicated; three: ``a`` replicated, ``b`` by 2,
     ``c`` by 1)."""
     backup: Spec = {
-        "embed": ("flat", _even(64 * 32, members)),
-        "lm_head": ("flat", _even(16 * 32, members)),
+        "embed": ("flat", even_cuts(64 * 32, members)),
+        "lm_head": ("flat", even_cuts(16 * 32, members)),
         "bias": ("repl", None),
     }
     if members == 2:
@@ -108,106 +86,23 @@ def layout(members: int) -> Spec:
     return {**backup, "a": ("repl", None), "b": ("owner", 2), "c": ("owner", 1)}
 
 
-def group(size: int) -> ProcessGroupIdentity:
-    return ProcessGroupIdentity(f"tests.hdcp{size}", tuple(f"rank:{r}" for r in range(size)))
-
-
-def _process_group(size: int) -> Any:
-    """One cached gloo group per size over ranks [0, size) (every rank creates every group once)."""
-    if not _GROUPS:
-        for members in range(2, dist.get_world_size() + 1):
-            _GROUPS[members] = dist.new_group(list(range(members)))
-    return None if size == 1 else _GROUPS[size]
-
-
 def checkpoint_binding(rank: int, size: int) -> CheckpointProcessGroupBinding:
-    return CheckpointProcessGroupBinding(group(size), f"rank:{rank}", _process_group(size), torch.device("cpu"))
+    return _binding(_PREFIX, rank, size)
 
 
-def _shards(name: str, shape: tuple[int, ...], spec: tuple[str, Any], size: int) -> list[ShardIdentity]:
-    identity = ParameterIdentity(name, shape)
-    kind, detail = spec
-    out = []
-    for r in range(size):
-        owner = None
-        if kind == "repl":
-            placement = ShardPlacement(AXIS, PlacementKind.REPLICATE, r, size)
-            param_layout, extent = ParameterLayout.REPLICATED, LogicalSlice.full(identity)
-        elif kind == "flat":
-            bounds = (0, *detail, identity.numel)
-            placement = ShardPlacement(AXIS, PlacementKind.FLAT_SHARD, r, size)
-            param_layout = ParameterLayout.FLATTENED_ELEMENT_SHARD
-            extent = LogicalSlice(bounds[r], bounds[r + 1] - bounds[r])
-        else:
-            placement = ShardPlacement(AXIS, PlacementKind.WHOLE_PARAMETER_OWNER, r, size)
-            param_layout, owner = ParameterLayout.WHOLE_PARAMETER_OWNER, f"rank:{detail}"
-            extent = LogicalSlice.full(identity) if r == detail else LogicalSlice(0, 0)
-        out.append(ShardIdentity(identity, param_layout, extent, (placement,), group(size), f"rank:{r}", owner=owner))
-    return out
-
-
-def _piece(full: torch.Tensor, shard: ShardIdentity) -> torch.Tensor:
-    extent = shard.extent
-    assert type(extent) is LogicalSlice
-    if shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
-        return full.detach().reshape(-1)[extent.flat_offset : extent.end]
-    return full.detach()
-
-
-class Member:
+class Member(BoundMember):
     """One member's hybrid over the driver: single-process (``size == 1``) or bound."""
 
     def __init__(self, backup: str, model: Net, rank: int, size: int) -> None:
-        self.model, self.size = model, size
-        self.pieces: dict[str, tuple[ShardIdentity, torch.Tensor | None]] = {}
-        if size == 1:
-            self.optimizer = hybrid(model.named_parameters(), backup)
-            return
-        spec = layout(size)
-        named = [(name, torch.nn.Parameter(p.detach().clone())) for name, p in model.named_parameters()]
-        self.optimizer = hybrid(named, backup)
-        rebindings, shards = [], []
-        for name, parameter in named:
-            every = _shards(name, tuple(parameter.shape), spec[name], size)
-            shards.extend(every)
-            mine = every[rank]
-            pruned = mine.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not mine.is_owner
-            target = None if pruned else torch.nn.Parameter(_piece(parameter, mine).clone())
-            self.pieces[name] = (mine, target)
-            rebindings.append(ParameterRebinding(parameter, target, mine))
-        scope = CodebookProcessGroupBinding(group(size), f"rank:{rank}", _process_group(size), torch.device("cpu"))
-        self.optimizer.post_sharding(rebindings, manifest=ShardingManifest(tuple(shards)), scope=scope)
-
-    def train(self, start: int, steps: int) -> list[float]:
-        losses = []
-        for step in range(start, start + steps):
-            self.model.zero_grad(set_to_none=True)
-            loss = self.model.loss(step)
-            loss.backward()
-            for name, parameter in self.model.named_parameters():
-                shard, target = self.pieces.get(name, (None, None))
-                if target is not None and shard is not None:
-                    target.grad = _piece(parameter.grad, shard).clone()  # type: ignore[arg-type]
-            self.optimizer.step()
-            if self.size > 1:
-                self._gather()
-            losses.append(float(loss.detach()))
-        return losses
-
-    def _gather(self) -> None:
-        """Every member's pieces into the driver (the adapter's all-gather after a step)."""
-        mine = {name: (shard, t.detach().clone()) for name, (shard, t) in self.pieces.items() if t is not None}
-        everyone: list[Any] = [None] * self.size
-        dist.all_gather_object(everyone, mine, group=_process_group(self.size))
-        with torch.no_grad():
-            for name, parameter in self.model.named_parameters():
-                for pieces in everyone:
-                    if name in pieces:
-                        shard, value = pieces[name]
-                        _piece(parameter, shard).copy_(value)
-
-    def bits(self) -> dict[str, bytes]:
-        return {n: p.detach().numpy().tobytes() for n, p in self.model.named_parameters()}
+        super().__init__(
+            model,
+            model.loss,
+            lambda named: hybrid(named, backup),
+            prefix=_PREFIX,
+            rank=rank,
+            size=size,
+            spec=None if size == 1 else layout(size),
+        )
 
     def load(self, rank: int, path: str, transaction: str) -> None:
         load_portable_dcp(
@@ -219,17 +114,6 @@ class Member:
         )
 
 
-def _share(value: Any) -> Any:
-    """Test plumbing only: every rank receives rank 0's value (weights-only bytes)."""
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        payload = [buffer.getvalue()]
-    dist.broadcast_object_list(payload, src=0)
-    return torch.load(io.BytesIO(payload[0]), weights_only=True)
-
-
 def _at(values: dict[str, torch.Tensor]) -> Net:
     model = driver()
     model.load_state_dict(values)
@@ -238,7 +122,7 @@ def _at(values: dict[str, torch.Tensor]) -> Net:
 
 def save_and_reshard(rank: int, world: int, backup: str, target_size: int, path: str) -> dict[str, Any]:
     """The case of the module docstring: 2 members -> ``target_size`` members through DCP."""
-    _process_group(2)
+    process_group(2)
     in_source, in_target = rank < 2, rank < target_size
     model = driver()
     source = Member(backup, model, rank, 2) if in_source else None
@@ -251,7 +135,7 @@ def save_and_reshard(rank: int, world: int, backup: str, target_size: int, path:
             transaction_id="save",
             limits=LIMITS,
         )
-    checkpoint = _share({n: p.detach().clone() for n, p in model.named_parameters()})
+    checkpoint = share({n: p.detach().clone() for n, p in model.named_parameters()})
     dist.barrier()
     outcome: dict[str, Any] = {}
     if source is not None:

@@ -104,6 +104,13 @@ class CompactPiece:
         )
 
 
+def stateful_piece(piece: CompactPiece | None, label: str, field: str) -> CompactPiece:
+    """``piece``, or ``KeyError`` saying that ``label`` has no state (so no dense ``field``)."""
+    if piece is None:
+        raise KeyError(f"{label} has no state, so no dense field {field!r}")
+    return piece
+
+
 class FrozenDenseShards:
     """The frozen snapshot a dense-shard codec returns (``DenseShardSnapshot``): the compact
     pieces by FQN, copied at the call, serving ``materialize_dense_field`` and its rows form."""

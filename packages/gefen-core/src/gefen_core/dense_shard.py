@@ -52,7 +52,7 @@ from gefen_contracts import (
 from gefen_contracts.torch_support import SealedLayout, failure_vote_on_group
 
 from . import native_format as F
-from .compact_piece import CompactPiece, FrozenDenseShards
+from .compact_piece import CompactPiece, FrozenDenseShards, stateful_piece
 from .dense_view import factored_statistics
 from .distributed import is_row_sharded, local_tensor
 from .gefen_transport import (
@@ -215,17 +215,11 @@ class GefenDenseShard(BoundLayoutHook):
 
     def materialize_dense_field(self: _Host, fqn: str, field: str) -> torch.Tensor:
         """A fresh fp32 CPU copy of one field of ``fqn``'s local shard (``KeyError`` when absent)."""
-        piece = self._dense_pieces()[fqn][3]
-        if piece is None:
-            raise KeyError(f"parameter {fqn!r} has no state, so no dense field {field!r}")
-        return piece.dense(field)
+        return stateful_piece(self._dense_pieces()[fqn][3], f"parameter {fqn!r}", field).dense(field)
 
     def materialize_dense_field_rows(self: _Host, fqn: str, field: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of :meth:`materialize_dense_field`, decoding only those rows."""
-        piece = self._dense_pieces()[fqn][3]
-        if piece is None:
-            raise KeyError(f"parameter {fqn!r} has no state, so no dense field {field!r}")
-        return piece.dense(field, start, stop)
+        return stateful_piece(self._dense_pieces()[fqn][3], f"parameter {fqn!r}", field).dense(field, start, stop)
 
     def dense_shard_snapshot(self: _Host) -> FrozenDenseShards:
         """A frozen host copy of the compact state (about one byte per element) serving the

@@ -39,7 +39,7 @@ from gefen_contracts import (
 )
 from gefen_contracts.torch_support import SealedLayout
 
-from .compact_piece import CompactPiece, FrozenDenseShards
+from .compact_piece import CompactPiece, FrozenDenseShards, stateful_piece
 from .distributed import local_tensor
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT
 from .muon_native_state import SlotLayout, export_muon_state_dict, slot_layouts
@@ -165,17 +165,11 @@ class GefenMuonDenseShard(BoundLayoutHook):
 
     def materialize_dense_field(self: _Host, fqn: str, field: str) -> torch.Tensor:
         """A fresh fp32 CPU copy of one field of ``fqn``'s state (``KeyError`` when absent)."""
-        piece = self._dense_entries()[fqn][4]
-        if piece is None:
-            raise KeyError(f"matrix {fqn!r} has no state, so no dense field {field!r}")
-        return piece.dense(field)
+        return stateful_piece(self._dense_entries()[fqn][4], f"matrix {fqn!r}", field).dense(field)
 
     def materialize_dense_field_rows(self: _Host, fqn: str, field: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of :meth:`materialize_dense_field`, decoding only those rows."""
-        piece = self._dense_entries()[fqn][4]
-        if piece is None:
-            raise KeyError(f"matrix {fqn!r} has no state, so no dense field {field!r}")
-        return piece.dense(field, start, stop)
+        return stateful_piece(self._dense_entries()[fqn][4], f"matrix {fqn!r}", field).dense(field, start, stop)
 
     def dense_shard_snapshot(self: _Host) -> FrozenDenseShards:
         """A frozen host copy of the compact state serving the dense fields as they are now."""
