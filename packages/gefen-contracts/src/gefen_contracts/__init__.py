@@ -73,6 +73,7 @@ from .identity import (
 from .kernels import KERNEL_ENTRY_POINT_GROUP, KernelProvider, KernelRegistry, default_kernel_registry, parse_op_id
 from .limits import PortableStateLimits
 from .manifest import ShardingManifest
+from .naming import fqn_problem, param_group_naming_blockers
 from .protocols import (
     FEATURE_PROTOCOLS,
     PROTOCOL_FEATURES,
@@ -181,7 +182,9 @@ __all__ = [
     "default_kernel_registry",
     "descriptor_digest",
     "from_primitive",
+    "fqn_problem",
     "match_variants",
+    "param_group_naming_blockers",
     "parse_op_id",
     "require_transaction",
     "revalidate",

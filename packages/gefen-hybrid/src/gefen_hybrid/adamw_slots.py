@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import ContractError, ContractTypeError, ShardIdentity, StateValidationError
+from gefen_contracts import ShardIdentity, StateValidationError, param_group_naming_blockers
 from gefen_contracts.torch_support import SealedLayout
-from gefen_contracts.validation import identity_name
 
 __all__ = ["NamedSlot", "find_slot", "named_slots", "naming_blockers"]
 
@@ -33,39 +32,9 @@ class NamedSlot:
     shard: ShardIdentity | None
 
 
-def _name_problem(name: object) -> str | None:
-    """The rule of ``ParameterIdentity.fqn`` (checked without building one: this runs per query)."""
-    try:
-        identity_name(name, "a parameter name")
-    except (ContractError, ContractTypeError) as exc:
-        return str(exc)
-    assert isinstance(name, str)
-    if any(not part for part in name.split(".")):
-        return "it has an empty dot component"
-    return None
-
-
 def naming_blockers(param_groups: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """Why the parameters of an optimizer that is not finalized cannot be keyed by their names."""
-    reasons: list[str] = []
-    seen: dict[str, int] = {}
-    for index, group in enumerate(param_groups):
-        names = group.get("param_names")
-        if names is None or len(names) != len(group["params"]):
-            reasons.append(
-                f"param group {index} has no parameter names: build ContractedAdamW from model.named_parameters() "
-                "(or finalize it with post_sharding) so its state can be keyed by name"
-            )
-            continue
-        for name in names:
-            problem = _name_problem(name)
-            if problem is not None:
-                reasons.append(f"param group {index} parameter name {name!r} is not a valid FQN: {problem}")
-            elif name in seen:
-                reasons.append(f"the parameter name {name!r} is used twice (param groups {seen[name]} and {index})")
-            else:
-                seen[name] = index
-    return tuple(reasons)
+    return param_group_naming_blockers(param_groups, optimizer="ContractedAdamW")
 
 
 def named_slots(param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout | None) -> tuple[NamedSlot, ...]:
