@@ -818,27 +818,59 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
             double* partial = scratch + c * cols;                                                              \
             for (int64_t j = 0; j < cols; j++) partial[j] = 0.0;                                               \
             int64_t r1 = (c + 1) * per_chunk < rows ? (c + 1) * per_chunk : rows;                              \
-            for (int64_t r = c * per_chunk; r < r1; r++) {                                                     \
-                const PT* g = grad + r * cols;                                                                 \
-                if (r + 2 < r1) prefetch_read(g + 2 * cols, cols * (int64_t)sizeof(PT));                       \
-                double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                      \
+            int64_t r = c * per_chunk;                                                                         \
+            for (; r + 2 <= r1; r += 2) {                                                                      \
+                const PT* g0 = grad + r * cols;                                                                \
+                const PT* g1 = g0 + cols;                                                                      \
+                if (r + 4 <= r1) prefetch_read(g0 + 2 * cols, 2 * cols * (int64_t)sizeof(PT));                 \
+                double a0[16] = {0}, a1[16] = {0};                                                             \
                 int64_t j = 0;                                                                                 \
-                for (; j + 8 <= cols; j += 8) {                                                                \
-                    for (int k = 0; k < 8; k++) {                                                              \
+                for (; j + 16 <= cols; j += 16) {                                                              \
+                    for (int k = 0; k < 16; k++) {                                                             \
+                        double x0 = SQUARE_SOURCE_##SUF(g0[j + k]);                                            \
+                        double x1 = SQUARE_SOURCE_##SUF(g1[j + k]);                                            \
+                        double s0 = x0 * x0, s1 = x1 * x1;                                                     \
+                        a0[k] += s0;                                                                           \
+                        a1[k] += s1;                                                                           \
+                        partial[j + k] += s0 + s1;                                                             \
+                    }                                                                                          \
+                }                                                                                              \
+                for (; j < cols; j++) {                                                                        \
+                    double x0 = SQUARE_SOURCE_##SUF(g0[j]);                                                    \
+                    double x1 = SQUARE_SOURCE_##SUF(g1[j]);                                                    \
+                    double s0 = x0 * x0, s1 = x1 * x1;                                                         \
+                    a0[0] += s0;                                                                               \
+                    a1[0] += s1;                                                                               \
+                    partial[j] += s0 + s1;                                                                     \
+                }                                                                                              \
+                double t0 = 0.0, t1 = 0.0;                                                                     \
+                for (int k = 0; k < 16; k++) {                                                                 \
+                    t0 += a0[k];                                                                               \
+                    t1 += a1[k];                                                                               \
+                }                                                                                              \
+                row_sums[r] = t0;                                                                              \
+                row_sums[r + 1] = t1;                                                                          \
+            }                                                                                                  \
+            for (; r < r1; r++) {                                                                              \
+                const PT* g = grad + r * cols;                                                                 \
+                double a0[16] = {0};                                                                           \
+                int64_t j = 0;                                                                                 \
+                for (; j + 16 <= cols; j += 16) {                                                              \
+                    for (int k = 0; k < 16; k++) {                                                             \
                         double x = SQUARE_SOURCE_##SUF(g[j + k]);                                              \
                         double sq = x * x;                                                                     \
-                        acc[k] += sq;                                                                          \
+                        a0[k] += sq;                                                                           \
                         partial[j + k] += sq;                                                                  \
                     }                                                                                          \
                 }                                                                                              \
                 for (; j < cols; j++) {                                                                        \
                     double x = SQUARE_SOURCE_##SUF(g[j]);                                                      \
                     double sq = x * x;                                                                         \
-                    acc[0] += sq;                                                                              \
+                    a0[0] += sq;                                                                               \
                     partial[j] += sq;                                                                          \
                 }                                                                                              \
                 double total = 0.0;                                                                            \
-                for (int k = 0; k < 8; k++) total += acc[k];                                                   \
+                for (int k = 0; k < 16; k++) total += a0[k];                                                   \
                 row_sums[r] = total;                                                                           \
             }                                                                                                  \
         }                                                                                                      \
