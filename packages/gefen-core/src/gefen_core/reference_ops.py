@@ -14,9 +14,15 @@ Second moment, block path (per block ``b`` of ``P`` elements)::
 
 Second moment, factored path (``R x K`` matrix): :func:`factored_stats_reference` returns
 float64 row and column sums of ``g^2``; :mod:`gefen_core.second_moment` turns them into
-``v_row``, ``v_col`` and the fp32 ``row_factor``; then per element::
+``v_row``, ``v_col`` and the fp32 ``row_factor``; the square roots are taken per row and per
+column, then per element::
 
-    w_ij = fl(row_factor_i * v_col_j) ;  s_ij = fl( INV_BC1 / fl( fl(sqrt(w_ij)) + EPS ) )
+    a_i = fl(sqrt(row_factor_i)) ;  b_j = fl(sqrt(v_col_j))
+    s_ij = fl( INV_BC1 / fl( fl(a_i * b_j) + EPS ) )
+
+(``sqrt(r c) = sqrt(r) sqrt(c)`` in exact arithmetic; taking the roots of the factors costs
+``R + K`` square roots instead of ``R K``, and ``a_i * b_j`` neither underflows nor overflows
+where ``r c`` would.)
 
 Momentum and write (both paths; ``C`` the codebook, ``q``/``M`` the stored indices and
 block scale, ``g`` negated first when maximizing)::
@@ -229,7 +235,7 @@ def factored_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/1``: the factored-path update of one ``R x K`` parameter, in place.
+    """``gefen.factored_step/2``: the factored-path update of one ``R x K`` parameter, in place.
 
     ``param``/``grad``: contiguous ``R x K``; ``indices``/``magnitude``: the momentum in
     blocks of the parameter's period (flattened row-major); ``row_factor``: fp32 ``[R]``
@@ -242,12 +248,13 @@ def factored_step_reference(
     p_flat = param.view(-1)
     g_flat = grad.view(-1)
     per_chunk = _chunk_rows(period)
+    row_roots, col_roots = _sqrt(row_factor), _sqrt(v_col)
     for first in range(0, blocks, per_chunk):
         last = min(blocks, first + per_chunk)
         start, stop = first * period, last * period
         row0, row1 = start // cols, (stop - 1) // cols + 1
-        w = row_factor[row0:row1, None] * v_col[None, :]
-        stepsize_rows = scalars[S.INV_BC1] / (_sqrt(w) + scalars[S.EPS])
+        roots = row_roots[row0:row1, None] * col_roots[None, :]
+        stepsize_rows = scalars[S.INV_BC1] / (roots + scalars[S.EPS])
         stepsize = stepsize_rows.view(-1)[start - row0 * cols : stop - row0 * cols].view(-1, period)
         g = _gradient_rows(g_flat[start:stop].view(-1, period), maximize)
         _momentum_write(

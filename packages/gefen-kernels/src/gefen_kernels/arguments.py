@@ -132,7 +132,7 @@ def check_block_step(*args: Any, **kwargs: Any) -> str | None:
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     """``(param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed, *, flags)``."""
     if len(args) != 9:
-        return f"gefen.factored_step/1 takes 9 positional arguments, got {len(args)}"
+        return f"gefen.factored_step/2 takes 9 positional arguments, got {len(args)}"
     param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed = args
     reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
     if reason:

@@ -180,7 +180,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/1`` on CPU."""
+    """``gefen.factored_step/2`` on CPU."""
     _check(
         arguments.check_factored_step(
             param,

@@ -26,7 +26,7 @@ __all__ = [
 
 BLOCK_STEP = "gefen.block_step/1"
 FACTORED_STATS = "gefen.factored_stats/1"
-FACTORED_STEP = "gefen.factored_step/1"
+FACTORED_STEP = "gefen.factored_step/2"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
 MUON_MOMENTUM = "gefen.muon_momentum/1"

@@ -229,8 +229,9 @@ def factored_step_kernel(
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         prow = offs // ncols
         pcol = offs - prow * ncols
-        w = tl.load(rf_ptr + prow, mask=mask, other=1.0) * tl.load(vc_ptr + pcol, mask=mask, other=1.0)
-        s = tl.math.div_rn(inv_bc1 + tl.zeros_like(w), tl.math.sqrt_rn(w) + eps)
+        a = tl.math.sqrt_rn(tl.load(rf_ptr + prow, mask=mask, other=1.0))
+        w = a * tl.math.sqrt_rn(tl.load(vc_ptr + pcol, mask=mask, other=1.0))
+        s = tl.math.div_rn(inv_bc1 + tl.zeros_like(w), w + eps)
         d = (value * s) * lr
         _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)
 

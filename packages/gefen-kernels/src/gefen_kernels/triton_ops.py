@@ -120,7 +120,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/1`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
+    """``gefen.factored_step/2`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
     _check(
         arguments.check_factored_step(
             param,

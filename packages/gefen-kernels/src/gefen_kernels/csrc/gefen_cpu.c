@@ -556,12 +556,12 @@ static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, co
         quantize_tile_nearest(u, q, s, d, ctx->table, m_new, ctx->lr, n);
 }
 
-/* Per-element factored stepsizes of one row segment: s = fl(inv_bc1 / fl(fl(sqrt(fl(r * c))) + eps)). */
-static void factored_stepsizes(float rf, const float* restrict vc, float* restrict s, float inv_bc1, float eps,
+/* Per-element factored stepsizes of one row segment from the row's and the columns' square roots
+ * (a = fl(sqrt(row_factor)), b_j = fl(sqrt(v_col_j))): s = fl(inv_bc1 / fl(fl(a * b_j) + eps)). */
+static void factored_stepsizes(float a, const float* restrict b, float* restrict s, float inv_bc1, float eps,
                                int64_t n) {
     for (int64_t t = 0; t < n; t++) {
-        float w = rf * vc[t];
-        float h = sqrtf(w) + eps;
+        float h = a * b[t] + eps;
         s[t] = inv_bc1 / h;
     }
 }
@@ -714,7 +714,7 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
     }                                                                                                          \
                                                                                                                \
     static void factored_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices,       \
-                                    float* magnitude, const float* row_factor, const float* v_col,             \
+                                    float* magnitude, const float* row_factor, const float* col_root,          \
                                     int64_t blocks, int64_t period, int64_t cols, int threads) {               \
         int64_t b;                                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
@@ -733,7 +733,7 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
                 int64_t len = period - done;                                                                   \
                 if (len > TILE) len = TILE;                                                                    \
                 if (len > cols - col) len = cols - col;                                                        \
-                factored_stepsizes(row_factor[row], v_col + col, sbuf, ctx->inv_bc1, ctx->eps, len);           \
+                factored_stepsizes(sqrtf(row_factor[row]), col_root + col, sbuf, ctx->inv_bc1, ctx->eps, len);   \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, done, len, \
                                                      ubuf, scratch);                                           \
                 if (b + 1 < blocks) {                                                                          \
@@ -951,18 +951,23 @@ int gefen_factored_step(int dtype, void* param, const void* grad, uint8_t* indic
                         const float* row_factor, const float* v_col, const float* codebook, const float* scalars,
                         const int64_t* seed, int64_t blocks, int64_t period, int64_t cols, int apply_decay,
                         int maximize, int threads, void* table) {
+    if (dtype < DT_F32 || dtype > DT_F64) return -1;
+    float* col_root = (float*)malloc((size_t)(cols > 0 ? cols : 1) * sizeof(float));
+    if (!col_root) return -2;
+    for (int64_t j = 0; j < cols; j++) col_root[j] = sqrtf(v_col[j]);
     StepContext ctx;
     prepare_table((CodebookTable*)table, codebook);
     read_context(&ctx, scalars, codebook, (const CodebookTable*)table, seed, apply_decay, maximize);
-#define FACTORED_ARGS param, grad, indices, magnitude, row_factor, v_col, blocks, period, cols, threads
+#define FACTORED_ARGS param, grad, indices, magnitude, row_factor, col_root, blocks, period, cols, threads
     switch (dtype) {
-        case DT_F32: factored_step_f32(&ctx, FACTORED_ARGS); return 0;
-        case DT_BF16: factored_step_bf16(&ctx, FACTORED_ARGS); return 0;
-        case DT_F16: factored_step_f16(&ctx, FACTORED_ARGS); return 0;
-        case DT_F64: factored_step_f64(&ctx, FACTORED_ARGS); return 0;
-        default: return -1;
+        case DT_F32: factored_step_f32(&ctx, FACTORED_ARGS); break;
+        case DT_BF16: factored_step_bf16(&ctx, FACTORED_ARGS); break;
+        case DT_F16: factored_step_f16(&ctx, FACTORED_ARGS); break;
+        default: factored_step_f64(&ctx, FACTORED_ARGS); break;
     }
 #undef FACTORED_ARGS
+    free(col_root);
+    return 0;
 }
 
 /* scratch: chunks * cols doubles; chunks is fixed by the caller, so the summation order does
