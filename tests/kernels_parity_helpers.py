@@ -19,6 +19,7 @@ from gefen_core import step_scalars
 from gefen_core.codebook import codebook_from_counts
 from gefen_core.reference_ops import (
     block_step_reference,
+    factored_moments_reference,
     factored_stats_reference,
     factored_step_reference,
     histogram_reference,
@@ -309,4 +310,23 @@ def compare_muon_momentum(
             assert torch.equal(indices, mine_indices), "indices differ"
             assert _same_bits(magnitude, mine_magnitude), "block scales differ"
             assert _same_bits(expected, got), "outputs differ"
+        grad = grad.roll(1, dims=1)
+
+
+def compare_factored_moments(op: StepOp, grad: torch.Tensor, *, steps: int) -> None:
+    """``gefen.factored_moments/1`` against the reference, one step at a time from equal moments:
+    ``v_row``/``v_col`` bit for bit; ``row_factor`` within 1 ulp (the float64 mean of ``v_col``
+    may be summed in another order), and bit for bit wherever that mean agrees."""
+    rows, cols = grad.shape
+    ref_row = torch.rand(rows, device=grad.device) * 1e-2
+    ref_col = torch.rand(cols, device=grad.device) * 1e-2
+    for step in range(1, steps + 1):
+        sc = scalars(str(grad.device), step=step, weight_decay=0.0, factored=True)
+        mine_row, mine_col = ref_row.clone(), ref_col.clone()
+        expected = factored_moments_reference(grad, ref_row, ref_col, sc, deterministic=False)
+        got = op(grad, mine_row, mine_col, sc, deterministic=False)
+        assert got.dtype is torch.float32 and tuple(got.shape) == (rows,)
+        assert _same_bits(ref_row, mine_row), "v_row differs"
+        assert _same_bits(ref_col, mine_col), "v_col differs"
+        assert ulp_distance(expected, got) <= 1, "row_factor differs by more than 1 ulp"
         grad = grad.roll(1, dims=1)

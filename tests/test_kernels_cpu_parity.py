@@ -11,10 +11,12 @@ from gefen_kernels import cpu_kernel_status, cpu_ops, provider
 from kernels_parity_helpers import (
     DTYPES,
     compare_block_step,
+    compare_factored_moments,
     compare_factored_step,
     compare_histogram,
     compare_muon_momentum,
     random_state,
+    scalars,
     shared_codebook,
 )
 
@@ -93,6 +95,22 @@ def test_factored_step_matches_the_reference(dtype: torch.dtype, shape: tuple[in
         sr_seed=_seed(stochastic),
         exact=True,
     )
+
+
+@pytest.mark.parametrize(("dtype", "shape"), FACTORED_CASES, ids=str)
+def test_factored_moments_match_the_reference(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(hash((str(dtype), shape, "moments")) % 2**31)
+    rows, cols, _ = shape
+    compare_factored_moments(cpu_ops.factored_moments, torch.randn(rows, cols, dtype=dtype), steps=3)
+
+
+def test_factored_moments_keep_an_all_zero_column_mean_at_the_floor() -> None:
+    """All-zero moments: the column mean is clamped to FLT_MIN, as in the reference (no 0/0)."""
+    grad = torch.zeros(4, 6)
+    v_row, v_col = torch.zeros(4), torch.zeros(6)
+    sc = scalars("cpu", step=1, weight_decay=0.0, factored=True)
+    row_factor = cpu_ops.factored_moments(grad, v_row, v_col, sc, deterministic=True)
+    assert torch.equal(row_factor, torch.zeros(4)) and torch.equal(v_col, torch.zeros(6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -100,11 +100,12 @@ def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round:
     fused = _train(None, KernelRegistry([counting]), stochastic_round=stochastic_round)
     assert set(counting.calls) == {
         "gefen.block_step/1",
-        "gefen.factored_stats/1",
+        "gefen.factored_moments/1",  # unsharded factored parameters: statistics and update in one call
         "gefen.factored_step/2",
         "gefen.histogram/1",
     }
     assert counting.calls["gefen.factored_step/2"] == 3 * STEPS  # matrix, transposed, bf16
+    assert counting.calls["gefen.factored_moments/1"] == 3 * STEPS
     assert counting.calls["gefen.block_step/1"] == 2 * STEPS  # norm, conv
     _assert_same_training(_train(False, None, stochastic_round=stochastic_round), fused)
 

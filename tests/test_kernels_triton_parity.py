@@ -40,6 +40,7 @@ from gefen_core.momentum_codec import splitmix_uniform  # noqa: E402
 from kernels_parity_helpers import (  # noqa: E402
     DTYPES,
     compare_block_step,
+    compare_factored_moments,
     compare_factored_step,
     compare_histogram,
     compare_muon_momentum,
@@ -99,6 +100,14 @@ def test_triton_factored_step_matches_the_reference(dtype: torch.dtype, shape: t
         maximize=maximize,
         sr_seed=_seed(stochastic),
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [*FACTORED, (0, 4, 1), (1300, 3, 3)], ids=str)
+def test_triton_factored_moments_match_the_reference(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(6)
+    rows, cols, _ = shape
+    compare_factored_moments(T.factored_moments, torch.randn(rows, cols, dtype=dtype, device=DEVICE), steps=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

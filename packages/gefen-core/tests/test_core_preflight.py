@@ -150,7 +150,7 @@ def test_fused_none_uses_a_provider_that_supports_the_tensors() -> None:
     assert all(torch.equal(a, b) for a, b in zip(with_provider, reference))
     assert provider.calls == {
         "gefen.block_step/1": 3,
-        "gefen.factored_stats/1": 3,
+        "gefen.factored_moments/1": 3,
         "gefen.factored_step/2": 3,
         "gefen.histogram/1": 2,
     }

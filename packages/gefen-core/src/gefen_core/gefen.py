@@ -399,8 +399,9 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
     def _factored_stats(self, works: list[ParamWork]) -> Stats:
         """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
         all-reduced (a start decision and every rank's update need them first). The other
-        factored parameters' sums are taken just before their own update (:meth:`_local_stats`),
-        while the gradient is still in cache: the same op on the same gradient, so the same values."""
+        factored parameters' sums are taken just before their own update, while the gradient is
+        still in cache, by ``gefen.factored_moments/1`` (the statistics and the ``v_row``/``v_col``
+        update in one call)."""
         stats: Stats = {}
         sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
         for work in works:
@@ -465,9 +466,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
 
     def _update(self, work: ParamWork, stats: Stats) -> None:
         device = work.local.device
-        sums = stats.get(work.slot)
-        if sums is None and work.variant == FACTORED:
-            sums = self._local_stats(work)
+        sums = stats.get(work.slot)  # None for an unsharded factored parameter: one moments call
         update_parameter(
             work,
             self.param_groups[work.group_index],

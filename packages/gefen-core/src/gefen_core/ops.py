@@ -13,6 +13,8 @@ op id                          signature (``*`` starts keyword-only arguments)
 ``gefen.block_step/1``         ``(param, grad, indices, magnitude, vmean, codebook, scalars,
                                sr_seed, *, apply_decay, maximize, deterministic) -> None``
 ``gefen.factored_stats/1``     ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
+``gefen.factored_moments/1``   ``(grad, v_row, v_col, scalars, *, deterministic) -> row_factor fp32[R]``
+                               (the statistics and the ``v_row``/``v_col`` update in one call)
 ``gefen.factored_step/2``      ``(param, grad, indices, magnitude, row_factor, v_col, codebook,
                                scalars, sr_seed, *, apply_decay, maximize, deterministic) -> None``
 ``gefen.histogram/1``          ``(grad, period, counts, *, deterministic) -> None`` (adds to int64 counts)
@@ -42,6 +44,7 @@ from gefen_contracts import KernelRegistry, default_kernel_registry
 
 from .reference_ops import (
     block_step_reference,
+    factored_moments_reference,
     factored_stats_reference,
     factored_step_reference,
     histogram_reference,
@@ -52,6 +55,7 @@ from .reference_ops import (
 __all__ = [
     "BLOCK_STEP",
     "DISPATCHED_OPS",
+    "FACTORED_MOMENTS",
     "FACTORED_STATS",
     "FACTORED_STEP",
     "HISTOGRAM",
@@ -65,6 +69,7 @@ __all__ = [
 
 BLOCK_STEP = "gefen.block_step/1"
 FACTORED_STATS = "gefen.factored_stats/1"
+FACTORED_MOMENTS = "gefen.factored_moments/1"
 FACTORED_STEP = "gefen.factored_step/2"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
@@ -86,6 +91,7 @@ OPS: dict[str, OpSpec] = {
     for spec in (
         OpSpec(BLOCK_STEP, "block-path second moment, momentum requantisation and write", block_step_reference),
         OpSpec(FACTORED_STATS, "float64 row and column sums of g^2", factored_stats_reference),
+        OpSpec(FACTORED_MOMENTS, "factored statistics and v_row/v_col update in one call", factored_moments_reference),
         OpSpec(FACTORED_STEP, "factored-path momentum requantisation and write", factored_step_reference),
         OpSpec(HISTOGRAM, "block-normalised gradient histogram, 4096 bins", histogram_reference),
         OpSpec(STOCHASTIC_UNIFORM, "SplitMix64 counter-based uniforms", stochastic_uniform_reference),
@@ -95,7 +101,7 @@ OPS: dict[str, OpSpec] = {
 
 
 #: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
-DISPATCHED_OPS = (BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
+DISPATCHED_OPS = (BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
 
 #: The ops ``GefenMuon.step`` dispatches.
 MUON_DISPATCHED_OPS = (HISTOGRAM, MUON_MOMENTUM)

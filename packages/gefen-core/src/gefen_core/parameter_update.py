@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import step_scalars
-from .ops import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, KernelDispatch
+from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, KernelDispatch
 from .param_state import (
     AGE_KEYS,
     FACTORED,
@@ -61,6 +61,19 @@ def _bump(state: dict[str, Any], key: str) -> None:
 
 def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], capturable: bool) -> torch.Tensor:
     beta1, beta2 = group["betas"]
+    step, age = state[STEP], state[AGE_KEYS[work.variant]]
+    if not capturable and type(step) is int and type(age) is int:
+        return step_scalars.shared_host_scalars(
+            work.local.device,
+            _lr_value(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            step,
+            age,
+            work.variant == FACTORED,
+        )
     common = {
         "beta1": beta1,
         "beta2": beta2,
@@ -68,10 +81,9 @@ def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], c
         "weight_decay": group["weight_decay"],
         "factored": work.variant == FACTORED,
     }
-    age = state[AGE_KEYS[work.variant]]
     if capturable:
-        return step_scalars.device_scalars(lr=group["lr"], step=state[STEP], age=age, **common)
-    return step_scalars.host_scalars(work.local.device, lr=_lr_value(group["lr"]), step=state[STEP], age=age, **common)
+        return step_scalars.device_scalars(lr=group["lr"], step=step, age=age, **common)
+    return step_scalars.host_scalars(work.local.device, lr=_lr_value(group["lr"]), step=step, age=age, **common)
 
 
 def step_calls(
@@ -100,6 +112,16 @@ def step_calls(
     return [(BLOCK_STEP, block, flags)]
 
 
+def _moments_call(
+    work: ParamWork, state: dict[str, Any], grad: torch.Tensor, scalars: torch.Tensor, deterministic: bool
+) -> Call:
+    """The second-moment call of a factored parameter: the statistics alone when its rows are
+    sharded (the column sums are all-reduced before the update), else statistics and update."""
+    if work.row_sharded:
+        return (FACTORED_STATS, (grad,), {"deterministic": deterministic})
+    return (FACTORED_MOMENTS, (grad, state[V_ROW], state[V_COL], scalars), {"deterministic": deterministic})
+
+
 def kernel_queries(
     work: ParamWork,
     group: Mapping[str, Any],
@@ -124,7 +146,7 @@ def kernel_queries(
             state[VMEAN] = torch.zeros_like(state[MAGNITUDE])
     grad = work.grad.contiguous()
     stand_in = torch.zeros(step_scalars.NUM_SCALARS, dtype=torch.float32, device=device)
-    calls = [(FACTORED_STATS, (grad,), {"deterministic": deterministic})] if work.variant == FACTORED else []
+    calls = [_moments_call(work, state, grad, stand_in, deterministic)] if work.variant == FACTORED else []
     calls += step_calls(
         work,
         group,
@@ -138,6 +160,15 @@ def kernel_queries(
         deterministic=deterministic,
     )
     return calls
+
+
+def _run(work: ParamWork, dispatch: KernelDispatch, call: Call) -> Any:
+    """One op call, through the implementation the ``fused=True`` preflight resolved if any."""
+    op_id, args, kwargs = call
+    resolved = work.kernels.get(op_id)
+    if resolved is None:
+        return dispatch(op_id, *args, **kwargs)
+    return resolved(*args, **kwargs)
 
 
 def update_parameter(
@@ -161,28 +192,26 @@ def update_parameter(
     _bump(state, AGE_KEYS[work.variant])
     scalars = _scalars(work, group, state, capturable)
     target = work.local if work.local.is_contiguous() else work.local.contiguous()
+    grad = work.grad.contiguous()
     row_factor = scalars
-    if work.variant == FACTORED:
-        assert stats is not None
+    if work.variant == FACTORED and stats is not None:
         row_sums, col_sums = stats
         row_factor = update_factored_moments(state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars)
+    elif work.variant == FACTORED:
+        row_factor = _run(work, dispatch, _moments_call(work, state, grad, scalars, deterministic))
     calls = step_calls(
         work,
         group,
         state,
         target=target,
-        grad=work.grad.contiguous(),
+        grad=grad,
         codebook=codebook,
         scalars=scalars,
         seed=seed,
         row_factor=row_factor,
         deterministic=deterministic,
     )
-    for op_id, args, kwargs in calls:
-        resolved = work.kernels.get(op_id)
-        if resolved is None:
-            dispatch(op_id, *args, **kwargs)
-        else:
-            resolved(*args, **kwargs)
+    for call in calls:
+        _run(work, dispatch, call)
     if target is not work.local:
         work.local.copy_(target)

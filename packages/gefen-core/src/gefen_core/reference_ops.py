@@ -68,11 +68,13 @@ import torch
 
 from . import step_scalars as S
 from .momentum_codec import dequantize, nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
+from .second_moment import update_factored_moments
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "HISTOGRAM_BINS",
     "block_step_reference",
+    "factored_moments_reference",
     "factored_stats_reference",
     "factored_step_reference",
     "histogram_reference",
@@ -218,6 +220,18 @@ def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tupl
         row_sums[first:last] = squares.sum(dim=1)
         col_sums += squares.sum(dim=0)
     return row_sums, col_sums
+
+
+def factored_moments_reference(
+    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
+) -> torch.Tensor:
+    """``gefen.factored_moments/1``: :func:`factored_stats_reference` of a whole (not row-sharded)
+    ``R x K`` gradient, then :func:`gefen_core.second_moment.update_factored_moments` with
+    ``R`` global rows: advances ``v_row``/``v_col`` in place and returns the fp32 ``row_factor``.
+    One call where a kernel can do both (a row-sharded parameter takes the two steps apart,
+    for the column all-reduce between them)."""
+    row_sums, col_sums = factored_stats_reference(grad, deterministic=deterministic)
+    return update_factored_moments(v_row, v_col, row_sums, col_sums, grad.shape[0], scalars)
 
 
 def factored_step_reference(

@@ -10,7 +10,7 @@ when the rows are sharded (FSDP2 ``Shard(0)``), so no extra collective is needed
 
 Exact arithmetic (``fl`` = round to fp32; ``S`` = the packed step scalars)::
 
-    row_mean_i = fl(row_sumsq_i / K)           col_mean_j = fl(col_sumsq_j / R)   (float64 /)
+    row_mean_i = fl(row_sumsq_i / K)           col_mean_j = fl(col_sumsq_j / R)   (float64 /; a 0 divisor counts as 1)
     v_row_i    = fl( fl(v_row_i * BETA2) + fl(row_mean_i * ONE_MINUS_BETA2) )      (same for v_col)
     d          = max( fl( (sum_j float64(v_col_j)) / K ), FLT_MIN )
     row_factor_i = fl( fl(v_row_i / d) * BC2 )                                       (BC2 = 1/(1-beta2^tau))
@@ -41,7 +41,9 @@ def _divisor(count: int, device: torch.device) -> torch.Tensor:
 
 
 def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
-    return torch.div(total, _divisor(count, total.device))
+    """``total / count`` in float64; a count of 0 (an empty matrix: every sum is 0) divides by 1,
+    so an empty dimension gives means of 0, not NaN."""
+    return torch.div(total, _divisor(max(count, 1), total.device))
 
 
 def column_scale(v_col: torch.Tensor) -> torch.Tensor:

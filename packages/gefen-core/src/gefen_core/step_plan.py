@@ -17,7 +17,7 @@ from gefen_contracts import KernelUnavailableError
 
 from .distributed import is_dtensor, is_row_sharded, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
-from .ops import BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, KernelDispatch
+from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, KernelDispatch
 from .param_groups import check_group_options
 from .param_state import (
     BLOCK,
@@ -194,7 +194,7 @@ def _check_kernels(
     for work in plan.works:
         needed.add(FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP)
         if work.variant == FACTORED:
-            needed.add(FACTORED_STATS)
+            needed.add(FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS)
         if work.state:
             for op_id, args, kwargs in resolve_args(work):
                 work.kernels[op_id] = dispatch.resolve(op_id, *args, **kwargs)

@@ -33,6 +33,7 @@ GefenMuon's momentum op (``gefen.muon_momentum/1``) receives its own, shorter pa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "device_scalars",
     "host_scalar_values",
     "host_scalars",
+    "shared_host_scalars",
     "muon_scalars",
 ]
 
@@ -86,6 +88,35 @@ def host_scalars(device: torch.device, **values: float | int | bool) -> torch.Te
     """:func:`host_scalar_values` packed as fp32 on ``device`` (keyword arguments as there)."""
     floats = host_scalar_values(**values)  # type: ignore[arg-type]
     return torch.tensor(floats, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def shared_host_scalars(
+    device: torch.device,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    age: int,
+    factored: bool,
+) -> torch.Tensor:
+    """:func:`host_scalars`, one tensor per distinct set of values (a step's parameters of one
+    group share their scalars: one small tensor per step instead of one per parameter). The
+    tensor is shared: read it, never write it. Only for int ``step``/``age`` counters (a
+    tensor counter would be cached by identity while its value changes)."""
+    return host_scalars(
+        device,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        age=age,
+        factored=factored,
+    )
 
 
 def device_scalars(

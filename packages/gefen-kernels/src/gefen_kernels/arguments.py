@@ -18,6 +18,7 @@ __all__ = [
     "PARAM_DTYPES",
     "KernelArgumentError",
     "check_block_step",
+    "check_factored_moments",
     "check_factored_stats",
     "check_factored_step",
     "check_histogram",
@@ -167,6 +168,29 @@ def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
         return f"grad dtype {grad.dtype} is not supported"
     if grad.dim() != 2 or not grad.is_contiguous():
         return "grad must be a contiguous 2-D tensor"
+    return None
+
+
+def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
+    """``(grad, v_row, v_col, scalars, *, deterministic)``: a contiguous ``R x K`` gradient and
+    contiguous fp32 ``[R]``/``[K]`` moments and step scalars on its device."""
+    if len(args) != 4:
+        return f"gefen.factored_moments/1 takes 4 positional arguments, got {len(args)}"
+    grad, v_row, v_col, scalars = args
+    reason = check_factored_stats(grad, **kwargs)
+    if reason:
+        return reason
+    rows, cols = grad.shape
+    for value, name in ((v_row, "v_row"), (v_col, "v_col"), (scalars, "scalars")):
+        reason = _tensor(value, name, torch.float32, grad.device)
+        if reason:
+            return reason
+    if v_row.numel() != rows or v_col.numel() != cols:
+        return f"v_row/v_col must hold {rows}/{cols} values, got {v_row.numel()}/{v_col.numel()}"
+    if scalars.numel() < NUM_SCALARS:
+        return f"scalars must hold {NUM_SCALARS} values, got {scalars.numel()}"
+    if v_row.data_ptr() == v_col.data_ptr() and rows and cols:
+        return "v_row and v_col must not share memory"
     return None
 
 

@@ -21,6 +21,7 @@ from .cpu_build import load_cpu_library
 
 __all__ = [
     "block_step",
+    "factored_moments",
     "factored_stats",
     "factored_step",
     "histogram",
@@ -40,6 +41,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "gefen_block_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT, _P],
     "gefen_factored_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT, _P],
     "gefen_factored_stats": [_INT, _P, _I64, _I64, _P, _P, _P, _I64, _INT],
+    "gefen_factored_moments": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT],
     "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
     "gefen_muon_momentum": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _INT, _P],
     "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
@@ -252,6 +254,35 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
         torch.get_num_threads(),
     )
     return row_sums, col_sums
+
+
+def factored_moments(
+    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
+) -> torch.Tensor:
+    """``gefen.factored_moments/1`` on CPU: the statistics of :func:`factored_stats` and the
+    ``v_row``/``v_col`` update in one call; returns ``row_factor`` (always deterministic)."""
+    _check(arguments.check_factored_moments(grad, v_row, v_col, scalars, deterministic=deterministic))
+    _on_cpu(grad)
+    rows, cols = grad.shape
+    chunks = max(1, min(_STATS_CHUNKS, rows))
+    scratch = torch.empty(chunks * cols + rows + cols, dtype=torch.float64)
+    row_factor = torch.empty(rows, dtype=torch.float32)
+    _call(
+        "gefen_factored_moments",
+        _DTYPE_CODES[grad.dtype],
+        grad.data_ptr(),
+        rows,
+        cols,
+        v_row.data_ptr(),
+        v_col.data_ptr(),
+        scalars.data_ptr(),
+        row_factor.data_ptr(),
+        scratch.data_ptr(),
+        chunks,
+        torch.get_num_threads(),
+    )
+    _bump(v_row, v_col)
+    return row_factor
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:

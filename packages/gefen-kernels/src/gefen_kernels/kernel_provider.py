@@ -18,6 +18,7 @@ import torch
 from . import arguments
 from .signatures import (
     BLOCK_STEP,
+    FACTORED_MOMENTS,
     FACTORED_STATS,
     FACTORED_STEP,
     GEFEN_OPS,
@@ -32,6 +33,7 @@ _CHECKS: dict[str, Callable[..., str | None]] = {
     BLOCK_STEP: arguments.check_block_step,
     FACTORED_STEP: arguments.check_factored_step,
     FACTORED_STATS: arguments.check_factored_stats,
+    FACTORED_MOMENTS: arguments.check_factored_moments,
     HISTOGRAM: arguments.check_histogram,
     STOCHASTIC_UNIFORM: arguments.check_stochastic_uniform,
     MUON_MOMENTUM: arguments.check_muon_momentum,
@@ -41,6 +43,7 @@ _DEVICE_ARG = {
     BLOCK_STEP: 0,
     FACTORED_STEP: 0,
     FACTORED_STATS: 0,
+    FACTORED_MOMENTS: 0,
     HISTOGRAM: 0,
     STOCHASTIC_UNIFORM: 1,
     MUON_MOMENTUM: 0,
@@ -49,6 +52,7 @@ _FUNCTION_NAMES = {
     BLOCK_STEP: "block_step",
     FACTORED_STEP: "factored_step",
     FACTORED_STATS: "factored_stats",
+    FACTORED_MOMENTS: "factored_moments",
     HISTOGRAM: "histogram",
     STOCHASTIC_UNIFORM: "stochastic_uniform",
     MUON_MOMENTUM: "muon_momentum",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "BLOCK_STEP",
+    "FACTORED_MOMENTS",
     "FACTORED_STATS",
     "FACTORED_STEP",
     "GEFEN_OPS",
@@ -26,13 +27,16 @@ __all__ = [
 
 BLOCK_STEP = "gefen.block_step/1"
 FACTORED_STATS = "gefen.factored_stats/1"
+FACTORED_MOMENTS = "gefen.factored_moments/1"
 FACTORED_STEP = "gefen.factored_step/2"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
 MUON_MOMENTUM = "gefen.muon_momentum/1"
 
 #: Every op this package implements.
-GEFEN_OPS = frozenset({BLOCK_STEP, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, STOCHASTIC_UNIFORM, MUON_MOMENTUM})
+GEFEN_OPS = frozenset(
+    {BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, STOCHASTIC_UNIFORM, MUON_MOMENTUM}
+)
 
 CODEBOOK_SIZE = 256
 HISTOGRAM_BINS = 4096

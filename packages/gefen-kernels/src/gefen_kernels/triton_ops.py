@@ -16,7 +16,15 @@ from . import arguments
 from . import triton_kernels as K
 from .triton_support import interpreting
 
-__all__ = ["block_step", "factored_stats", "factored_step", "histogram", "muon_momentum", "stochastic_uniform"]
+__all__ = [
+    "block_step",
+    "factored_moments",
+    "factored_stats",
+    "factored_step",
+    "histogram",
+    "muon_momentum",
+    "stochastic_uniform",
+]
 
 #: Elements per program tile (ROWS x COLS).
 _TILE = 1024
@@ -24,6 +32,8 @@ _TILE = 1024
 _STATS_GROUPS = 64
 _STATS_ROWS = 16
 _STATS_COLS = 256
+#: Elements per iteration of the one-program factored moments kernel.
+_MOMENTS_BLOCK = 1024
 
 
 def _next_pow2(value: int) -> int:
@@ -190,6 +200,34 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
         grad, row_part, col_part, rows, cols, per_group, RB=_STATS_ROWS, CT=col_tile, enable_fp_fusion=False
     )
     return row_part.sum(dim=0), col_part.sum(dim=0)
+
+
+def factored_moments(
+    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
+) -> torch.Tensor:
+    """``gefen.factored_moments/1`` with Triton: :func:`factored_stats`, then one program updates
+    ``v_row``/``v_col`` and writes ``row_factor`` (fixed order: deterministic)."""
+    _check(arguments.check_factored_moments(grad, v_row, v_col, scalars, deterministic=deterministic), grad)
+    rows, cols = grad.shape
+    row_sums, col_sums = factored_stats(grad, deterministic=deterministic)
+    row_factor = torch.empty(rows, dtype=torch.float32, device=grad.device)
+    divisors = torch.tensor([max(rows, 1), max(cols, 1)], dtype=torch.float64, device=grad.device)
+    K.factored_moments_kernel[(1,)](
+        row_sums,
+        col_sums,
+        v_row,
+        v_col,
+        scalars,
+        row_factor,
+        divisors,
+        rows,
+        cols,
+        BLOCK=_MOMENTS_BLOCK,
+        enable_fp_fusion=False,
+    )
+    increment_version(v_row)
+    increment_version(v_col)
+    return row_factor
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:

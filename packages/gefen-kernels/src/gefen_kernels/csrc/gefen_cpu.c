@@ -985,6 +985,47 @@ int gefen_factored_stats(int dtype, const void* grad, int64_t rows, int64_t cols
 #undef STATS_ARGS
 }
 
+/* The factored second moment's small part after the statistics (gefen.factored_moments/1):
+ * mean = fl(sumsq / n) (float64 division; n = 0 counts as 1), v = fl(fl(v * BETA2) + fl(mean * ONE_MINUS_BETA2)) for
+ * rows and columns, d = max(fl(sum_j float64(v_col_j) / cols), FLT_MIN) (a NaN stays NaN),
+ * row_factor = fl(fl(v_row / d) * BC2). O(rows + cols): one thread. */
+static void factored_moments_update(const double* row_sums, const double* col_sums, int64_t rows, int64_t cols,
+                                    float* v_row, float* v_col, const float* scalars, float* row_factor) {
+    const float beta2 = scalars[S_BETA2], omb2 = scalars[S_OMB2], bc2 = scalars[S_BC2];
+    const double nrows = rows > 0 ? (double)rows : 1.0, ncols = cols > 0 ? (double)cols : 1.0; /* empty: means 0 */
+    for (int64_t i = 0; i < rows; i++) {
+        float mean = (float)(row_sums[i] / ncols);
+        float kept = v_row[i] * beta2;
+        float added = mean * omb2;
+        v_row[i] = kept + added;
+    }
+    double total = 0.0;
+    for (int64_t j = 0; j < cols; j++) {
+        float mean = (float)(col_sums[j] / nrows);
+        float kept = v_col[j] * beta2;
+        float added = mean * omb2;
+        v_col[j] = kept + added;
+        total += (double)v_col[j];
+    }
+    float d = (float)(total / ncols);
+    if (d < FLT_MIN) d = FLT_MIN;
+    for (int64_t i = 0; i < rows; i++) {
+        float ratio = v_row[i] / d;
+        row_factor[i] = ratio * bc2;
+    }
+}
+
+/* scratch: chunks * cols + rows + cols doubles (the statistics' partials and sums). */
+int gefen_factored_moments(int dtype, const void* grad, int64_t rows, int64_t cols, float* v_row, float* v_col,
+                           const float* scalars, float* row_factor, double* scratch, int64_t chunks, int threads) {
+    double* row_sums = scratch + chunks * cols;
+    double* col_sums = row_sums + rows;
+    int status = gefen_factored_stats(dtype, grad, rows, cols, row_sums, col_sums, scratch, chunks, threads);
+    if (status != 0) return status;
+    factored_moments_update(row_sums, col_sums, rows, cols, v_row, v_col, scalars, row_factor);
+    return 0;
+}
+
 /* scalars: [beta, 1 - beta] (gefen_core.step_scalars.muon_scalars); out: bf16 or fp32. */
 int gefen_muon_momentum(int dtype, const void* grad, uint8_t* indices, float* magnitude, const float* codebook,
                         const float* scalars, const int64_t* seed, void* out, int out_bf16, int64_t blocks,
