@@ -440,9 +440,25 @@ static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
 #endif
 
 /* Nearest rounding through the threshold table (z in [-1, 1]; see build_thresholds). */
+/* A factored tile's stepsizes, computed where they are used: s_j = fl(inv_bc1 / fl(fl(a * b_j) + eps))
+ * (a: the row's root, b: the columns' roots). */
+typedef struct {
+    float a;
+    const float* b;
+    float inv_bc1;
+    float eps;
+} FactoredRow;
+
+static inline float factored_stepsize(const FactoredRow* fr, int64_t j) {
+    float h = fr->a * fr->b[j] + fr->eps;
+    return fr->inv_bc1 / h;
+}
+
+/* s: per-element stepsizes, or NULL with fr (computed in the codeword loop, where the division
+ * overlaps the gathers instead of running in a loop of its own). */
 static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, const float* restrict s,
-                                     float* restrict d, const CodebookTable* restrict t, const float* restrict cb,
-                                     float m_new, float lr, int64_t n) {
+                                     const FactoredRow* fr, float* restrict d, const CodebookTable* restrict t,
+                                     const float* restrict cb, float m_new, float lr, int64_t n) {
     float safe = m_new > 0.0f ? m_new : 1.0f;
     int64_t j = 0;
 #ifdef GEFEN_AVX512
@@ -473,11 +489,23 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         }
         /* The codeword gather depends on the table gather: a second loop over the codes just
          * written keeps each loop's iterations independent, so their gathers overlap. */
-        for (int64_t i = 0; i + 16 <= j; i += 16) {
-            __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
-            __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
-            __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
-            _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
+        if (fr) {
+            const __m512 va = _mm512_set1_ps(fr->a), veps = _mm512_set1_ps(fr->eps);
+            const __m512 vn = _mm512_set1_ps(fr->inv_bc1);
+            for (int64_t i = 0; i + 16 <= j; i += 16) {
+                __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
+                __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
+                __m512 h = _mm512_add_ps(_mm512_mul_ps(va, _mm512_loadu_ps(fr->b + i)), veps);
+                __m512 x = _mm512_mul_ps(mq, _mm512_div_ps(vn, h));
+                _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
+            }
+        } else {
+            for (int64_t i = 0; i + 16 <= j; i += 16) {
+                __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
+                __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
+                __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
+                _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
+            }
         }
     }
 #endif
@@ -493,7 +521,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         int32_t k = (int32_t)(word & 0xFFu) + (z > threshold[f]);
         codes[j] = k;
         float mq = cb[k] * m_new;
-        float x = mq * s[j];
+        float x = mq * (fr ? factored_stepsize(fr, j) : s[j]);
         d[j] = x * lr;
     }
     for (j = first; j < n; j++) q[j] = (uint8_t)codes[j];
@@ -551,19 +579,22 @@ static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, co
     if (ctx->stochastic)
         quantize_tile_stochastic(u, q, s, d, ctx->table, m_new, ctx->lr, n, ctx->seed, first);
     else if (ctx->table->thresholds && isfinite(m_new))
-        quantize_tile_thresholds(u, q, s, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
+        quantize_tile_thresholds(u, q, s, NULL, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
     else
         quantize_tile_nearest(u, q, s, d, ctx->table, m_new, ctx->lr, n);
 }
 
-/* Per-element factored stepsizes of one row segment from the row's and the columns' square roots
- * (a = fl(sqrt(row_factor)), b_j = fl(sqrt(v_col_j))): s = fl(inv_bc1 / fl(fl(a * b_j) + eps)). */
-static void factored_stepsizes(float a, const float* restrict b, float* restrict s, float inv_bc1, float eps,
-                               int64_t n) {
-    for (int64_t t = 0; t < n; t++) {
-        float h = a * b[t] + eps;
-        s[t] = inv_bc1 / h;
+/* A factored tile (one row segment; a = fl(sqrt(row_factor)), b_j = fl(sqrt(v_col_j))): nearest
+ * rounding through the threshold table computes the stepsizes in its codeword loop; the other
+ * roundings get them in s first. */
+static void quantize_tile_factored(const StepContext* ctx, const float* u, uint8_t* q, const FactoredRow* fr,
+                                   float* restrict s, float* d, float m_new, int64_t n, uint64_t first) {
+    if (!ctx->stochastic && ctx->table->thresholds && isfinite(m_new)) {
+        quantize_tile_thresholds(u, q, NULL, fr, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
+        return;
     }
+    for (int64_t t = 0; t < n; t++) s[t] = factored_stepsize(fr, t);
+    quantize_tile(ctx, u, q, s, d, m_new, n, first);
 }
 
 
@@ -733,14 +764,14 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
                 int64_t len = period - done;                                                                   \
                 if (len > TILE) len = TILE;                                                                    \
                 if (len > cols - col) len = cols - col;                                                        \
-                factored_stepsizes(sqrtf(row_factor[row]), col_root + col, sbuf, ctx->inv_bc1, ctx->eps, len);   \
+                const FactoredRow fr = {sqrtf(row_factor[row]), col_root + col, ctx->inv_bc1, ctx->eps};        \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, done, len, \
                                                      ubuf, scratch);                                           \
                 if (b + 1 < blocks) {                                                                          \
                     prefetch_read(grad + flat + period, len * (int64_t)sizeof(PT));                            \
                     prefetch_read(indices + flat + period, len);                                               \
                 }                                                                                              \
-                quantize_tile(ctx, u, indices + flat, sbuf, dbuf, m_new, len, (uint64_t)flat);                 \
+                quantize_tile_factored(ctx, u, indices + flat, &fr, sbuf, dbuf, m_new, len, (uint64_t)flat);   \
                 write_tile_##SUF(param + flat, dbuf, ctx->decay, ctx->apply_decay, len);                       \
                 done += len;                                                                                   \
             }                                                                                                  \
