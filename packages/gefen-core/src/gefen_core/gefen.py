@@ -33,13 +33,16 @@ from .optimizer_support import (
 )
 from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
-from .parameter_update import decay_only, kernel_queries, placeholder_codebook, update_parameter
+from .parameter_update import decay_only, kernel_key, kernel_queries, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
 from .portable_adapter import GefenPortableState
 from .scoped_step import scoped_step
-from .step_plan import ParamWork, StepDecision, StepPlan, capturing, plan_step
+from .step_plan import KernelMemo, ParamWork, StepDecision, StepPlan, capturing, plan_step
 
 __all__ = ["Gefen"]
+
+#: The attribute holding the step's :class:`~gefen_core.step_plan.KernelMemo`.
+_KERNEL_MEMO = "_kernels_resolved"
 
 _NATIVE_LOAD = "gefen.native_load"
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -269,6 +272,26 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             codebook_ready=self._codebook is not None,
             refresh_due=self._refresh_due(),
             resolve_args=self._kernel_queries,
+            memo=self.__dict__.get(_KERNEL_MEMO),
+            kernel_key=self._kernel_key,
+        )
+
+    def _remember_kernels(self, plan: StepPlan) -> None:
+        """Keep a published step's kernel resolutions for the next steps (created here, not at
+        construction: the memo is a cache, dropped by pickling and rebuilt on the next step)."""
+        if plan.resolved:
+            memo = self.__dict__.get(_KERNEL_MEMO)
+            if memo is None:
+                memo = self.__dict__[_KERNEL_MEMO] = KernelMemo()
+            memo.remember(plan.resolved)
+
+    def _kernel_key(self, work: ParamWork) -> tuple[Any, ...]:
+        return kernel_key(
+            work,
+            self.param_groups[work.group_index],
+            stochastic_round=self._stochastic_round,
+            deterministic=self._deterministic,
+            registry=self._dispatch.registry,
         )
 
     def preflight_step(self) -> None:
@@ -360,6 +383,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
 
     def _publish(self, plan: StepPlan, decision: StepDecision, stats: Stats) -> None:
         """Publish a staged decision, then update every parameter (no failure path but the kernels')."""
+        self._remember_kernels(plan)
         for work in decision.starting:
             state = decision.states[work.slot]
             self.state[work.param] = state

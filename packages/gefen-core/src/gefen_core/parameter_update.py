@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from gefen_contracts import KernelRegistry
 
 from . import step_scalars
 from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, KernelDispatch
@@ -18,6 +19,7 @@ from .param_state import (
     FACTORED,
     INDICES,
     MAGNITUDE,
+    PERIOD,
     STEP,
     V_COL,
     V_ROW,
@@ -28,7 +30,7 @@ from .param_state import (
 from .second_moment import update_factored_moments
 from .step_plan import ParamWork
 
-__all__ = ["decay_only", "kernel_queries", "placeholder_codebook", "step_calls", "update_parameter"]
+__all__ = ["decay_only", "kernel_key", "kernel_queries", "placeholder_codebook", "step_calls", "update_parameter"]
 
 Call = tuple[str, tuple[Any, ...], dict[str, Any]]
 
@@ -120,6 +122,40 @@ def _moments_call(
     if work.row_sharded:
         return (FACTORED_STATS, (grad,), {"deterministic": deterministic})
     return (FACTORED_MOMENTS, (grad, state[V_ROW], state[V_COL], scalars), {"deterministic": deterministic})
+
+
+def kernel_key(
+    work: ParamWork,
+    group: Mapping[str, Any],
+    *,
+    stochastic_round: bool,
+    deterministic: bool,
+    registry: KernelRegistry,
+) -> tuple[Any, ...]:
+    """Everything the support answers for :func:`kernel_queries`' calls depend on: the tensors'
+    dtypes, shapes, devices and layout (the state's shapes follow from the parameter's, its
+    period and its variant, which the preflight has checked; the codebook is always a fp32
+    ``[256]`` copy on the parameter's device), the flags, and the providers."""
+    local, state = work.local, work.state
+    assert state
+    return (
+        id(registry),
+        len(registry.providers),
+        local.dtype,
+        tuple(local.shape),
+        local.device,
+        local.is_contiguous(),
+        work.grad.dtype,
+        work.variant,
+        work.row_sharded,
+        state_variant(state),
+        int(state[PERIOD]),
+        state[INDICES].device,
+        group["weight_decay"] != 0,
+        bool(group["maximize"]),
+        stochastic_round,
+        deterministic,
+    )
 
 
 def kernel_queries(

@@ -8,7 +8,7 @@ optimizer's ``preflight_step()`` is this function with the plan discarded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from .param_state import (
     state_variant,
 )
 
-__all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
+__all__ = ["KernelMemo", "ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
 
 
 @dataclass(slots=True)
@@ -66,6 +66,9 @@ class ParamWork:
 class StepPlan:
     works: list[ParamWork] = field(default_factory=list)
     refresh_due: bool = False
+    #: Kernel resolutions made by this plan, ``(slot, key, kernels)``: the step keeps them in its
+    #: :class:`KernelMemo` when it publishes (a preflight or a skipped step changes nothing).
+    resolved: list[tuple[int, Hashable, dict[str, Callable[..., Any]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -130,6 +133,29 @@ def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor
     return bool(indices.device != local.device)
 
 
+class KernelMemo:
+    """Kernel resolutions kept per parameter slot between steps.
+
+    Resolving asks every provider whether it supports a call, from tensor metadata; the answer
+    is kept under a key of everything that metadata depends on (:func:`gefen_core.parameter_update.kernel_key`),
+    so a step whose parameters, state layout, options and providers did not change resolves
+    nothing. The implementations still check their arguments before they touch memory.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Hashable, dict[str, Callable[..., Any]]]] = {}
+
+    def lookup(self, slot: int, key: Hashable) -> dict[str, Callable[..., Any]] | None:
+        entry = self._entries.get(slot)
+        return entry[1] if entry is not None and entry[0] == key else None
+
+    def remember(self, resolved: list[tuple[int, Hashable, dict[str, Callable[..., Any]]]]) -> None:
+        for slot, key, kernels in resolved:
+            self._entries[slot] = (key, dict(kernels))
+
+
 def plan_step(
     param_groups: Sequence[dict[str, Any]],
     state: Any,
@@ -140,8 +166,13 @@ def plan_step(
     codebook_ready: bool,
     refresh_due: bool,
     resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
+    memo: KernelMemo | None = None,
+    kernel_key: Callable[[ParamWork], Hashable] | None = None,
 ) -> StepPlan:
-    """Validate everything a step needs and describe its work (see the module docstring)."""
+    """Validate everything a step needs and describe its work (see the module docstring).
+
+    Unless ``fused`` is False, each stateful parameter's kernels are resolved here (``fused=True``
+    raises when one is missing), through ``memo`` when given."""
     in_capture = capturing()
     if in_capture and not capturable:
         raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
@@ -178,26 +209,38 @@ def plan_step(
             plan.works.append(work)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
+    if fused is not False:
+        _resolve_kernels(plan, dispatch, resolve_args, memo, kernel_key)
     if fused is True:
-        _check_kernels(plan, dispatch, resolve_args, learns=not codebook_ready or refresh_due)
+        _check_kernels(plan, dispatch, learns=not codebook_ready or refresh_due)
     return plan
 
 
-def _check_kernels(
+def _resolve_kernels(
     plan: StepPlan,
     dispatch: KernelDispatch,
     resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
-    *,
-    learns: bool,
+    memo: KernelMemo | None,
+    kernel_key: Callable[[ParamWork], Hashable] | None,
 ) -> None:
+    for work in plan.works:
+        if not work.state:
+            continue
+        key = kernel_key(work) if kernel_key is not None else None
+        found = memo.lookup(work.slot, key) if key is not None and memo is not None else None
+        if found is None:
+            found = {op_id: dispatch.resolve(op_id, *args, **kwargs) for op_id, args, kwargs in resolve_args(work)}
+            if key is not None:
+                plan.resolved.append((work.slot, key, found))
+        work.kernels.update(found)
+
+
+def _check_kernels(plan: StepPlan, dispatch: KernelDispatch, *, learns: bool) -> None:
     needed = {HISTOGRAM} if learns and plan.works else set()
     for work in plan.works:
         needed.add(FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP)
         if work.variant == FACTORED:
             needed.add(FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS)
-        if work.state:
-            for op_id, args, kwargs in resolve_args(work):
-                work.kernels[op_id] = dispatch.resolve(op_id, *args, **kwargs)
     for op_id in sorted(needed):
         if not dispatch.available(op_id):
             failures = "; ".join(f"{f.entry_point}: {f.error}" for f in dispatch.registry.failures)

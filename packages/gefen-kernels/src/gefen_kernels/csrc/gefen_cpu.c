@@ -637,6 +637,92 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
 #define DIRECT_f16 0
 #define DIRECT_f64 0
 
+/* Statistics prefetch distance: rows about 64 KiB ahead of the rows being summed (the
+ * hardware prefetcher alone left the pass at half the bandwidth of a plain read). */
+static inline int64_t stats_rows_ahead(int64_t cols, int64_t element_bytes) {
+    int64_t row_bytes = cols * element_bytes;
+    int64_t ahead = row_bytes > 0 ? (65536 + row_bytes - 1) / row_bytes : 1;
+    return ahead < 4 ? 4 : ahead;
+}
+
+/* fp32 statistics, four rows at a time (AVX-512): float64 squares, two 8-lane accumulators per
+ * row, the four rows' squares added into the column partials once. Returns the first row it
+ * did not sum (the portable loops take the rest). */
+static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t rows, int64_t cols,
+                               double* row_sums, double* partial) {
+#ifdef GEFEN_AVX512
+    const int64_t ahead = stats_rows_ahead(cols, 4);
+    for (; r + 4 <= r1; r += 4) {
+        const float* g = grad + r * cols;
+        const float* f = g + ahead * cols;
+        const int prefetch = r + ahead + 4 <= rows;
+        __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int64_t j = 0;
+        for (; j + 16 <= cols; j += 16) {
+            if (prefetch) {
+                _mm_prefetch((const char*)(f + j), _MM_HINT_T0);
+                _mm_prefetch((const char*)(f + cols + j), _MM_HINT_T0);
+                _mm_prefetch((const char*)(f + 2 * cols + j), _MM_HINT_T0);
+                _mm_prefetch((const char*)(f + 3 * cols + j), _MM_HINT_T0);
+            }
+            __m512d x0 = _mm512_cvtps_pd(_mm256_loadu_ps(g + j));
+            __m512d y0 = _mm512_cvtps_pd(_mm256_loadu_ps(g + j + 8));
+            __m512d x1 = _mm512_cvtps_pd(_mm256_loadu_ps(g + cols + j));
+            __m512d y1 = _mm512_cvtps_pd(_mm256_loadu_ps(g + cols + j + 8));
+            __m512d x2 = _mm512_cvtps_pd(_mm256_loadu_ps(g + 2 * cols + j));
+            __m512d y2 = _mm512_cvtps_pd(_mm256_loadu_ps(g + 2 * cols + j + 8));
+            __m512d x3 = _mm512_cvtps_pd(_mm256_loadu_ps(g + 3 * cols + j));
+            __m512d y3 = _mm512_cvtps_pd(_mm256_loadu_ps(g + 3 * cols + j + 8));
+            x0 = _mm512_mul_pd(x0, x0);
+            y0 = _mm512_mul_pd(y0, y0);
+            x1 = _mm512_mul_pd(x1, x1);
+            y1 = _mm512_mul_pd(y1, y1);
+            x2 = _mm512_mul_pd(x2, x2);
+            y2 = _mm512_mul_pd(y2, y2);
+            x3 = _mm512_mul_pd(x3, x3);
+            y3 = _mm512_mul_pd(y3, y3);
+            a0 = _mm512_add_pd(a0, x0);
+            b0 = _mm512_add_pd(b0, y0);
+            a1 = _mm512_add_pd(a1, x1);
+            b1 = _mm512_add_pd(b1, y1);
+            a2 = _mm512_add_pd(a2, x2);
+            b2 = _mm512_add_pd(b2, y2);
+            a3 = _mm512_add_pd(a3, x3);
+            b3 = _mm512_add_pd(b3, y3);
+            __m512d c = _mm512_add_pd(_mm512_add_pd(x0, x1), _mm512_add_pd(x2, x3));
+            __m512d d = _mm512_add_pd(_mm512_add_pd(y0, y1), _mm512_add_pd(y2, y3));
+            _mm512_storeu_pd(partial + j, _mm512_add_pd(_mm512_loadu_pd(partial + j), c));
+            _mm512_storeu_pd(partial + j + 8, _mm512_add_pd(_mm512_loadu_pd(partial + j + 8), d));
+        }
+        double t0 = _mm512_reduce_add_pd(_mm512_add_pd(a0, b0)), t1 = _mm512_reduce_add_pd(_mm512_add_pd(a1, b1));
+        double t2 = _mm512_reduce_add_pd(_mm512_add_pd(a2, b2)), t3 = _mm512_reduce_add_pd(_mm512_add_pd(a3, b3));
+        for (; j < cols; j++) {
+            double v0 = g[j], v1 = g[cols + j], v2 = g[2 * cols + j], v3 = g[3 * cols + j];
+            double s0 = v0 * v0, s1 = v1 * v1, s2 = v2 * v2, s3 = v3 * v3;
+            t0 += s0;
+            t1 += s1;
+            t2 += s2;
+            t3 += s3;
+            partial[j] += (s0 + s1) + (s2 + s3);
+        }
+        row_sums[r] = t0;
+        row_sums[r + 1] = t1;
+        row_sums[r + 2] = t2;
+        row_sums[r + 3] = t3;
+    }
+#else
+    (void)grad, (void)r1, (void)rows, (void)cols, (void)row_sums, (void)partial;
+#endif
+    return r;
+}
+
+/* The other dtypes go straight to the portable loops. */
+#define STATS_ROWS4_bf16(grad, first, ...) (first)
+#define STATS_ROWS4_f16(grad, first, ...) (first)
+#define STATS_ROWS4_f64(grad, first, ...) (first)
+#define STATS_ROWS4_f32(grad, first, r1, rows, cols, row_sums, partial) \
+    stats_rows4_f32(grad, first, r1, rows, cols, row_sums, partial)
+
 #define DEFINE_DTYPE(SUF, PT, CT, LOADG, LOADP, STOREP)                                                      \
     static void load_tile_##SUF(const PT* restrict src, float* restrict dst, float sign, int64_t n) {          \
         for (int64_t j = 0; j < n; j++) dst[j] = LOADG(src[j]) * sign;                                         \
@@ -843,17 +929,18 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
     static void factored_stats_##SUF(const PT* grad, int64_t rows, int64_t cols, double* row_sums,             \
                                      double* col_sums, double* scratch, int64_t chunks, int threads) {         \
         int64_t per_chunk = (rows + chunks - 1) / chunks;                                                      \
+        const int64_t ahead = stats_rows_ahead(cols, (int64_t)sizeof(PT));                                     \
         int64_t c;                                                                                             \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows * cols >= PARALLEL_MIN && threads > 1)") \
         for (c = 0; c < chunks; c++) {                                                                         \
             double* partial = scratch + c * cols;                                                              \
             for (int64_t j = 0; j < cols; j++) partial[j] = 0.0;                                               \
             int64_t r1 = (c + 1) * per_chunk < rows ? (c + 1) * per_chunk : rows;                              \
-            int64_t r = c * per_chunk;                                                                         \
+            int64_t r = STATS_ROWS4_##SUF(grad, c * per_chunk, r1, rows, cols, row_sums, partial);             \
             for (; r + 2 <= r1; r += 2) {                                                                      \
                 const PT* g0 = grad + r * cols;                                                                \
                 const PT* g1 = g0 + cols;                                                                      \
-                if (r + 4 <= r1) prefetch_read(g0 + 2 * cols, 2 * cols * (int64_t)sizeof(PT));                 \
+                if (r + ahead + 2 <= rows) prefetch_read(g0 + ahead * cols, 2 * cols * (int64_t)sizeof(PT));   \
                 double a0[16] = {0}, a1[16] = {0};                                                             \
                 int64_t j = 0;                                                                                 \
                 for (; j + 16 <= cols; j += 16) {                                                              \
