@@ -24,13 +24,16 @@ from gefen_contracts import (
     StaleTransactionError,
     StateValidationError,
 )
-from gefen_core import Gefen, GefenMuon
+from gefen_core import Gefen, GefenMuon, reblocking
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks
 from gefen_core.reblocking import (
+    ENCODE_CHUNK_ELEMENTS,
+    TRIAL_FIRST_CHUNK_ELEMENTS,
     block_means,
     choose_period,
     constant_run_gcd,
     encode_momentum,
+    exact_encoding,
     learn_momentum_codebook,
     period_divisors,
     reencodes_exactly,
@@ -205,6 +208,32 @@ def test_the_source_blocks_are_recovered_and_reencode_bit_for_bit() -> None:
     assert (blind.period, blind.second_moment_exact, blind.rule) == (64, True, "structure")
     # A period that cuts the source blocks does not re-encode exactly.
     assert not reencodes_exactly(momentum, 96, codebook)
+    # The exact trial's codes are the encoder's, so the import does not encode twice.
+    assert choice.encoding is not None
+    assert torch.equal(choice.encoding[0], indices) and torch.equal(choice.encoding[1], magnitude)
+
+
+def test_a_wrong_period_is_rejected_in_the_trial_s_first_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the small first chunk nothing is encoded for a period that cuts the source blocks."""
+    codebook = torch.linspace(-1.0, 1.0, 256)
+    period = 64
+    numel = 2 * ENCODE_CHUNK_ELEMENTS
+    momentum = _encoded(numel, period, codebook)
+    encoded: list[int] = []
+
+    def counting(table: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        encoded.append(z.numel())
+        return nearest_codeword(table, z)
+
+    monkeypatch.setattr(reblocking, "nearest_codeword", counting)
+    assert exact_encoding(momentum, 2 * period, codebook) is None
+    assert sum(encoded) <= TRIAL_FIRST_CHUNK_ELEMENTS
+    encoded.clear()
+    found = exact_encoding(momentum, period, codebook)
+    assert sum(encoded) == numel
+    assert found is not None
+    expected = encode_momentum(momentum, period, codebook, "cpu")
+    assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
 
 
 def test_a_source_without_block_structure_falls_back_or_reinfers() -> None:

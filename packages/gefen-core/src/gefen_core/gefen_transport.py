@@ -61,6 +61,7 @@ __all__ = [
     "period_policy",
     "slot_options",
     "live_piece",
+    "momentum_codes",
     "native_entry",
     "plan_piece",
 ]
@@ -257,6 +258,23 @@ def complete_factors(piece: IncomingPiece, rows: int, cols: int) -> tuple[torch.
     return row_means.to(torch.float32), (col_sums / max(rows, 1)).to(torch.float32)
 
 
+def momentum_codes(
+    momentum: torch.Tensor,
+    period: int,
+    codebook: torch.Tensor | None,
+    device: torch.device,
+    encoding: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, magnitude)`` on ``device``: the period choice's exact encoding when it made
+    one, else :func:`gefen_core.reblocking.encode_momentum` (any codebook encodes a zero
+    momentum when there is none)."""
+    if encoding is not None:
+        indices, magnitude = encoding
+        return indices.to(device), magnitude.to(device)
+    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
+    return encode_momentum(momentum, period, table, device)
+
+
 def native_entry(
     piece: IncomingPiece,
     period: int,
@@ -264,15 +282,16 @@ def native_entry(
     *,
     device: torch.device,
     factors: tuple[torch.Tensor, torch.Tensor] | None,
+    encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """The native state entry of a target piece (tensors on ``device``).
 
     ``factors`` are the target's ``(v_row, v_col)`` when it keeps a factored second moment
     (:func:`complete_factors`, or a row shard's rows with every shard's columns); ``None``
     gives the block second moment (block means of the dense field at ``period``).
+    ``encoding``: the momentum's codes at ``period`` when the period choice already made them.
     """
-    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
-    indices, magnitude = encode_momentum(piece.momentum, period, table, device)
+    indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
     entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
     if factors is None:
         entry[VMEAN] = block_means(piece.second_moment(), period, device)

@@ -184,7 +184,7 @@ class GefenMuonPortableState(BoundLayoutHook):
             choice = plan_muon_piece(piece, search_shape=(rows, cols), codebook=codebook)
             assert slot.live_index is not None
             entries[(slot.group_index, slot.live_index)] = muon_entry(
-                piece, choice.period, codebook, device=slot.tensor.device
+                piece, choice.period, codebook, device=slot.tensor.device, encoding=choice.encoding
             )
         groups = adopted_groups(self.param_groups, records, keep=EXECUTION_OPTIONS)
         layouts, scope = slot_layouts(groups)

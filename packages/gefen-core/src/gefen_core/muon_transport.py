@@ -26,11 +26,12 @@ import torch
 from gefen_contracts import StateValidationError
 
 from .compact_piece import MOMENTUM, NORMUON_V_FIELD, CompactPiece
+from .gefen_transport import momentum_codes
 from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
 from .parameter_update import placeholder_codebook
 from .periods import search_period
-from .reblocking import PeriodChoice, choose_period, encode_momentum
+from .reblocking import PeriodChoice, choose_period
 
 __all__ = [
     "EXECUTION_OPTIONS",
@@ -171,11 +172,16 @@ def plan_muon_piece(
 
 
 def muon_entry(
-    piece: IncomingMuonPiece, period: int, codebook: torch.Tensor | None, *, device: torch.device
+    piece: IncomingMuonPiece,
+    period: int,
+    codebook: torch.Tensor | None,
+    *,
+    device: torch.device,
+    encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The native state entry of a target matrix (tensors on ``device``)."""
-    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
-    indices, magnitude = encode_momentum(piece.momentum, period, table, device)
+    """The native state entry of a target matrix (tensors on ``device``; ``encoding``: the
+    momentum's codes at ``period`` when the period choice already made them)."""
+    indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
     entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
     if piece.normuon_v is not None:
         entry[NORMUON_V] = piece.normuon_v.to(device=device, copy=True)

@@ -242,7 +242,7 @@ class GefenPortableState(BoundLayoutHook):
             factors = complete_factors(piece, *tensor.shape) if factored else None
             assert slot.live_index is not None
             entries[(slot.group_index, slot.live_index)] = native_entry(
-                piece, choice.period, codebook, device=tensor.device, factors=factors
+                piece, choice.period, codebook, device=tensor.device, factors=factors, encoding=choice.encoding
             )
         groups = adopted_groups(self.param_groups, records)
         state = positional_state(groups, entries)

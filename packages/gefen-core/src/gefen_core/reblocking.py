@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,11 +50,13 @@ from .periods import MIN_BLOCK_PERIOD, memory_safe_fallback
 
 __all__ = [
     "ENCODE_CHUNK_ELEMENTS",
+    "TRIAL_FIRST_CHUNK_ELEMENTS",
     "PeriodChoice",
     "block_means",
     "choose_period",
     "constant_run_gcd",
     "encode_momentum",
+    "exact_encoding",
     "learn_momentum_codebook",
     "period_divisors",
     "reencodes_exactly",
@@ -63,6 +65,9 @@ __all__ = [
 
 #: Elements per encoding chunk (whole blocks; at least one block).
 ENCODE_CHUNK_ELEMENTS = 1 << 20
+#: Elements of an exactness trial's first chunk: a period that is not the source's fails
+#: there, so trying a candidate costs a small prefix instead of a whole chunk.
+TRIAL_FIRST_CHUNK_ELEMENTS = 1 << 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,9 @@ class PeriodChoice:
     momentum_exact: bool
     second_moment_exact: bool
     rule: str
+    #: ``(indices, magnitude)`` of the momentum at ``period`` when the exactness trial made them
+    #: (rule ``"exact"``), so the import does not encode the momentum a second time.
+    encoding: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
 
 def period_divisors(n: int) -> list[int]:
@@ -128,22 +136,50 @@ def _block_chunks(numel: int, period: int) -> Iterable[tuple[int, int]]:
         yield first, min(blocks, first + per_chunk)
 
 
-def reencodes_exactly(momentum: torch.Tensor, period: int, codebook: torch.Tensor) -> bool:
-    """Whether encoding ``momentum`` at ``period`` with ``codebook`` decodes back to equal values.
+def _trial_chunks(numel: int, period: int) -> Iterable[tuple[int, int]]:
+    """:func:`_block_chunks` with a small first chunk (:data:`TRIAL_FIRST_CHUNK_ELEMENTS`)."""
+    blocks = numel // period
+    head = min(blocks, max(1, TRIAL_FIRST_CHUNK_ELEMENTS // period))
+    if head:
+        yield 0, head
+    per_chunk = max(1, ENCODE_CHUNK_ELEMENTS // period)
+    for first in range(head, blocks, per_chunk):
+        yield first, min(blocks, first + per_chunk)
 
-    Values are compared with ``==`` (so ``-0.0 == 0.0``); stops at the first differing chunk.
+
+def exact_encoding(
+    momentum: torch.Tensor, period: int, codebook: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(indices uint8 [B, P], magnitude fp32 [B, 1])`` of the fp32 ``momentum`` at ``period``
+    (as :func:`encode_momentum` makes them, on the momentum's device) when they decode back to
+    equal values, else ``None``.
+
+    Values are compared with ``==`` (so ``-0.0 == 0.0``); stops at the first differing chunk,
+    the first one small, so a wrong period is rejected cheaply.
     """
     flat = momentum.reshape(-1)
-    if flat.numel() % period:
-        return False
+    numel = flat.numel()
+    if numel % period:
+        return None
     table = codebook.to(device=flat.device, dtype=torch.float32)
-    for first, last in _block_chunks(flat.numel(), period):
-        blocks = flat[first * period : last * period].view(-1, period)
-        scale, z = normalize_blocks(blocks)
-        back = dequantize(table, nearest_codeword(table, z), scale)
-        if not torch.equal(back, blocks):
-            return False
-    return True
+    blocks = numel // period
+    indices = torch.empty(blocks, period, dtype=torch.uint8, device=flat.device)
+    magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=flat.device)
+    for first, last in _trial_chunks(numel, period):
+        rows = flat[first * period : last * period].to(torch.float32).view(-1, period)
+        scale, z = normalize_blocks(rows)
+        codes = nearest_codeword(table, z)
+        if not torch.equal(dequantize(table, codes, scale), rows):
+            return None
+        indices[first:last] = codes
+        magnitude[first:last] = scale
+    return indices, magnitude
+
+
+def reencodes_exactly(momentum: torch.Tensor, period: int, codebook: torch.Tensor) -> bool:
+    """Whether encoding ``momentum`` at ``period`` with ``codebook`` decodes back to equal values
+    (:func:`exact_encoding`, the codes discarded)."""
+    return exact_encoding(momentum, period, codebook) is not None
 
 
 def encode_momentum(
@@ -213,8 +249,9 @@ def choose_period(
     low = [d for d in divisors if d <= fallback]
     if codebook is not None:
         for period in low:
-            if reencodes_exactly(momentum, period, codebook):
-                return PeriodChoice(period, True, block_source, "exact")
+            encoded = exact_encoding(momentum, period, codebook)
+            if encoded is not None:
+                return PeriodChoice(period, True, block_source, "exact", encoded)
     elif block_source and low:
         return PeriodChoice(low[0], False, True, "structure")
     elif not block_source:
@@ -223,8 +260,9 @@ def choose_period(
     high = [d for d in divisors if fallback < d <= searched]
     if codebook is not None:
         for period in high:
-            if reencodes_exactly(momentum, period, codebook):
-                return PeriodChoice(period, True, block_source, "exact")
+            encoded = exact_encoding(momentum, period, codebook)
+            if encoded is not None:
+                return PeriodChoice(period, True, block_source, "exact", encoded)
     if block_source and (low or high):
         return PeriodChoice(max(low + high), False, True, "structure")
     return PeriodChoice(searched, False, False, "reinferred")
