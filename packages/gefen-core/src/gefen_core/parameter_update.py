@@ -199,7 +199,7 @@ def kernel_queries(
 
 
 def _run(work: ParamWork, dispatch: KernelDispatch, call: Call) -> Any:
-    """One op call, through the implementation the ``fused=True`` preflight resolved if any."""
+    """One op call, through the implementation the preflight resolved (or the memo kept) if any."""
     op_id, args, kwargs = call
     resolved = work.kernels.get(op_id)
     if resolved is None:

@@ -314,7 +314,9 @@ def factored_moments_kernel(
 ):
     """One program: the ``v_row``/``v_col`` EMA from float64 sums of squares (``div``: the float64
     divisors ``max(rows, 1)``, ``max(cols, 1)``, from the host), the float64 mean
-    of ``v_col`` (tiles added in order: deterministic) and ``row_factor = fl(fl(v_row / d) * BC2)``."""
+    of ``v_col`` (tiles added in order: deterministic) and ``row_factor = fl(fl(v_row / d) * BC2)``.
+    float64 ``/`` is IEEE division on every backend (only fp32 division has an approximate form,
+    hence ``div_rn`` there)."""
     bc2 = tl.load(sc_ptr + 2)
     beta2 = tl.load(sc_ptr + 6)
     omb2 = tl.load(sc_ptr + 7)
@@ -324,16 +326,16 @@ def factored_moments_kernel(
     for c0 in range(0, ncols, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         ok = cols < ncols
-        mean = tl.fdiv(tl.load(col_sums_ptr + cols, mask=ok, other=0.0), rows_f64, ieee_rounding=True).to(tl.float32)
+        mean = (tl.load(col_sums_ptr + cols, mask=ok, other=0.0) / rows_f64).to(tl.float32)
         v = tl.load(v_col_ptr + cols, mask=ok, other=0.0) * beta2 + mean * omb2
         tl.store(v_col_ptr + cols, v, mask=ok)
         total += tl.sum(tl.where(ok, v.to(tl.float64), 0.0), axis=0)
-    d = tl.fdiv(total, cols_f64, ieee_rounding=True).to(tl.float32)
+    d = (total / cols_f64).to(tl.float32)
     d = tl.where(d < 1.1754943508222875e-38, 1.1754943508222875e-38, d)
     for r0 in range(0, nrows, BLOCK):
         rows = r0 + tl.arange(0, BLOCK)
         ok = rows < nrows
-        mean = tl.fdiv(tl.load(row_sums_ptr + rows, mask=ok, other=0.0), cols_f64, ieee_rounding=True).to(tl.float32)
+        mean = (tl.load(row_sums_ptr + rows, mask=ok, other=0.0) / cols_f64).to(tl.float32)
         v = tl.load(v_row_ptr + rows, mask=ok, other=0.0) * beta2 + mean * omb2
         tl.store(v_row_ptr + rows, v, mask=ok)
         tl.store(rf_ptr + rows, tl.math.div_rn(v, d + tl.zeros_like(v)) * bc2, mask=ok)
