@@ -638,11 +638,12 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
 #define DIRECT_f64 0
 
 /* Statistics prefetch distance: rows about 64 KiB ahead of the rows being summed (the
- * hardware prefetcher alone left the pass at half the bandwidth of a plain read). */
+ * hardware prefetcher alone left the pass at half the bandwidth of a plain read); 0 (no
+ * software prefetch) for rows longer than that, long sequential runs it follows well. */
 static inline int64_t stats_rows_ahead(int64_t cols, int64_t element_bytes) {
     int64_t row_bytes = cols * element_bytes;
-    int64_t ahead = row_bytes > 0 ? (65536 + row_bytes - 1) / row_bytes : 1;
-    return ahead < 4 ? 4 : ahead;
+    if (row_bytes <= 0 || row_bytes > 65536) return 0;
+    return (65536 + row_bytes - 1) / row_bytes;
 }
 
 /* fp32 statistics, four rows at a time (AVX-512): float64 squares, two 8-lane accumulators per
@@ -655,7 +656,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     for (; r + 4 <= r1; r += 4) {
         const float* g = grad + r * cols;
         const float* f = g + ahead * cols;
-        const int prefetch = r + ahead + 4 <= rows;
+        const int prefetch = ahead > 0 && r + ahead + 4 <= rows;
         __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         int64_t j = 0;
         for (; j + 16 <= cols; j += 16) {
@@ -940,7 +941,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             for (; r + 2 <= r1; r += 2) {                                                                      \
                 const PT* g0 = grad + r * cols;                                                                \
                 const PT* g1 = g0 + cols;                                                                      \
-                if (r + ahead + 2 <= rows) prefetch_read(g0 + ahead * cols, 2 * cols * (int64_t)sizeof(PT));   \
+                if (ahead && r + ahead + 2 <= rows) prefetch_read(g0 + ahead * cols, 2 * cols * (int64_t)sizeof(PT)); \
                 double a0[16] = {0}, a1[16] = {0};                                                             \
                 int64_t j = 0;                                                                                 \
                 for (; j + 16 <= cols; j += 16) {                                                              \
