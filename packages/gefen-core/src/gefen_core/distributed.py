@@ -43,6 +43,9 @@ def _dtensor_type() -> type | None:
 
 
 def is_dtensor(tensor: object) -> bool:
+    cls = type(tensor)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, without the module lookup
+        return False
     kind = _dtensor_type()
     return kind is not None and isinstance(tensor, kind)
 
