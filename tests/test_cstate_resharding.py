@@ -11,33 +11,14 @@ followed by more training holds the state at the call.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import cstate_ranks as ranks
 import pytest
 from gefen_contracts.testing import GlooWorld
+from resume_bounds import assert_resumes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
-
-#: The issue's bound on a resumed run's relative loss difference from the uninterrupted run.
-BOUND = 5e-3
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[GlooWorld]:
-    with GlooWorld(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[GlooWorld]:
-    with GlooWorld(3) as world:
-        yield world
-
-
-def _relative(values: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +30,6 @@ def saved_on_two(world2: GlooWorld, tmp_path_factory: pytest.TempPathFactory) ->
         assert losses[0] == losses[1]
         saved[kind] = (path, losses[0])
     return saved
-
-
-def _assert_resumes(resumed: list[float], dropped: list[float], uninterrupted: list[float]) -> None:
-    kept, lost = _relative(resumed, uninterrupted), _relative(dropped, uninterrupted)
-    print(f"resumed within {kept:.2e}, dropped state {lost:.2e}")
-    assert kept <= BOUND, f"resumed run differs by {kept:.2e} (bound {BOUND})"
-    assert lost > 10 * max(kept, 1e-4) and lost > BOUND, f"dropping the state differs by only {lost:.2e}"
 
 
 @pytest.mark.parametrize(("kind", "members"), [("gefen", 1), ("gefen", 3), ("muon", 3)])
@@ -73,7 +47,7 @@ def test_an_fsdp2_checkpoint_of_two_ranks_resumes_on_other_world_sizes(
         assert all(r == resumed_all[0] for r in resumed_all)
         resumed = resumed_all[0]
         dropped = world3.run(ranks.load_continue, kind, path, False)[0]
-    _assert_resumes(resumed, dropped, uninterrupted)
+    assert_resumes(resumed, dropped, uninterrupted)
 
 
 def test_a_single_process_gefen_checkpoint_resumes_on_two_fsdp2_ranks(world2: GlooWorld, tmp_path: Path) -> None:
@@ -83,7 +57,7 @@ def test_a_single_process_gefen_checkpoint_resumes_on_two_fsdp2_ranks(world2: Gl
     resumed = world2.run(ranks.load_continue, "gefen", str(tmp_path), True)
     dropped = world2.run(ranks.load_continue, "gefen", str(tmp_path), False)
     assert resumed[0] == resumed[1]
-    _assert_resumes(resumed[0], dropped[0], uninterrupted)
+    assert_resumes(resumed[0], dropped[0], uninterrupted)
 
 
 def test_an_async_save_holds_the_state_at_the_call(world2: GlooWorld, tmp_path: Path) -> None:

@@ -13,29 +13,14 @@ checkpoint is refused on every rank unchanged.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import hstate_ranks as ranks
 import pytest
 from gefen_contracts.testing import GlooWorld
+from resume_bounds import BOUND, assert_resumes, relative
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
-
-#: The issue's bound on a resumed run's relative loss difference from the uninterrupted run.
-BOUND = 5e-3
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[GlooWorld]:
-    with GlooWorld(2) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
-def world3() -> Iterator[GlooWorld]:
-    with GlooWorld(3) as world:
-        yield world
 
 
 @pytest.mark.parametrize("kind", ["adamw", "composite"])
@@ -58,10 +43,6 @@ def test_a_single_process_optimizer_loads_onto_two_flattened_members(
 
 def test_flattened_composite_reshards_through_portable_dcp(world3: GlooWorld, tmp_path: Path) -> None:
     assert world3.run(ranks.flattened_two_to_three_through_dcp, "composite", str(tmp_path / "p")) == [[], [], []]
-
-
-def _relative(values: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +72,7 @@ def test_an_fsdp2_checkpoint_of_two_ranks_resumes_on_one_and_three(
         dropped = world3.run(ranks.fsdp_load_continue, kind, path, False)[0]
         assert all(r == resumed_all[0] for r in resumed_all)
         resumed = resumed_all[0]
-    kept, lost = _relative(resumed, uninterrupted), _relative(dropped, uninterrupted)
-    assert kept <= BOUND, f"resumed run differs by {kept:.2e} (bound {BOUND})"
-    assert lost > 10 * max(kept, 1e-4) and lost > BOUND, f"dropping the state differs by only {lost:.2e}"
+    assert_resumes(resumed, dropped, uninterrupted)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "composite_with_child"])
@@ -103,7 +82,7 @@ def test_a_single_process_checkpoint_resumes_on_two_fsdp2_ranks(world2: GlooWorl
         uninterrupted = ranks.fsdp_train_save_continue(0, None, kind, str(tmp_path))
     resumed = world2.run(ranks.fsdp_load_continue, kind, str(tmp_path), True)
     assert resumed[0] == resumed[1]
-    assert _relative(resumed[0], uninterrupted) <= BOUND
+    assert relative(resumed[0], uninterrupted) <= BOUND
 
 
 def test_a_corrupted_fsdp2_checkpoint_is_refused_on_every_rank_unchanged(

@@ -64,18 +64,6 @@ def _bump(state: dict[str, Any], key: str) -> None:
 def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], capturable: bool) -> torch.Tensor:
     beta1, beta2 = group["betas"]
     step, age = state[STEP], state[AGE_KEYS[work.variant]]
-    if not capturable and type(step) is int and type(age) is int:
-        return step_scalars.shared_host_scalars(
-            work.local.device,
-            _lr_value(group["lr"]),
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            step,
-            age,
-            work.variant == FACTORED,
-        )
     common = {
         "beta1": beta1,
         "beta2": beta2,
@@ -85,7 +73,11 @@ def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], c
     }
     if capturable:
         return step_scalars.device_scalars(lr=group["lr"], step=step, age=age, **common)
-    return step_scalars.host_scalars(work.local.device, lr=_lr_value(group["lr"]), step=step, age=age, **common)
+    lr = _lr_value(group["lr"])
+    if type(step) is int and type(age) is int:  # one shared tensor per step (hashable values only)
+        plain = {key: value if isinstance(value, bool) else float(value) for key, value in common.items()}
+        return step_scalars.shared_host_scalars(work.local.device, lr=lr, step=step, age=age, **plain)
+    return step_scalars.host_scalars(work.local.device, lr=lr, step=step, age=age, **common)
 
 
 def step_calls(

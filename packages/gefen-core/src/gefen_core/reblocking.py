@@ -128,23 +128,37 @@ def constant_run_gcd(values: torch.Tensor) -> int:
     return result
 
 
-def _block_chunks(numel: int, period: int) -> Iterable[tuple[int, int]]:
-    """``(first_block, last_block)`` ranges of at most :data:`ENCODE_CHUNK_ELEMENTS` elements (one block at least)."""
+def _block_chunks(numel: int, period: int, first_elements: int = ENCODE_CHUNK_ELEMENTS) -> Iterable[tuple[int, int]]:
+    """``(first_block, last_block)`` ranges of whole blocks (one at least): the first of at most
+    ``first_elements`` elements, the others of at most :data:`ENCODE_CHUNK_ELEMENTS`."""
     blocks = numel // period
-    per_chunk = max(1, ENCODE_CHUNK_ELEMENTS // period)
-    for first in range(0, blocks, per_chunk):
-        yield first, min(blocks, first + per_chunk)
+    first, size = 0, max(1, first_elements // period)
+    while first < blocks:
+        last = min(blocks, first + size)
+        yield first, last
+        first, size = last, max(1, ENCODE_CHUNK_ELEMENTS // period)
 
 
-def _trial_chunks(numel: int, period: int) -> Iterable[tuple[int, int]]:
-    """:func:`_block_chunks` with a small first chunk (:data:`TRIAL_FIRST_CHUNK_ELEMENTS`)."""
-    blocks = numel // period
-    head = min(blocks, max(1, TRIAL_FIRST_CHUNK_ELEMENTS // period))
-    if head:
-        yield 0, head
-    per_chunk = max(1, ENCODE_CHUNK_ELEMENTS // period)
-    for first in range(head, blocks, per_chunk):
-        yield first, min(blocks, first + per_chunk)
+def _encode(
+    flat: torch.Tensor, period: int, codebook: torch.Tensor, target: torch.device, *, exact: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Nearest-codeword codes of ``flat`` (its length a multiple of ``period``) on ``target``;
+    with ``exact``, ``None`` as soon as a chunk does not decode back to equal values (the first
+    chunk small, so a wrong period is rejected cheaply)."""
+    blocks = flat.numel() // period
+    indices = torch.empty(blocks, period, dtype=torch.uint8, device=target)
+    magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=target)
+    table = codebook.to(device=target, dtype=torch.float32)
+    head = TRIAL_FIRST_CHUNK_ELEMENTS if exact else ENCODE_CHUNK_ELEMENTS
+    for first, last in _block_chunks(flat.numel(), period, head):
+        rows = flat[first * period : last * period].to(device=target, dtype=torch.float32).view(-1, period)
+        scale, z = normalize_blocks(rows)
+        codes = nearest_codeword(table, z)
+        if exact and not torch.equal(dequantize(table, codes, scale), rows):
+            return None
+        indices[first:last] = codes
+        magnitude[first:last] = scale
+    return indices, magnitude
 
 
 def exact_encoding(
@@ -152,28 +166,11 @@ def exact_encoding(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(indices uint8 [B, P], magnitude fp32 [B, 1])`` of the fp32 ``momentum`` at ``period``
     (as :func:`encode_momentum` makes them, on the momentum's device) when they decode back to
-    equal values, else ``None``.
-
-    Values are compared with ``==`` (so ``-0.0 == 0.0``); stops at the first differing chunk,
-    the first one small, so a wrong period is rejected cheaply.
-    """
+    equal values, else ``None``. Values are compared with ``==`` (so ``-0.0 == 0.0``)."""
     flat = momentum.reshape(-1)
-    numel = flat.numel()
-    if numel % period:
+    if flat.numel() % period:
         return None
-    table = codebook.to(device=flat.device, dtype=torch.float32)
-    blocks = numel // period
-    indices = torch.empty(blocks, period, dtype=torch.uint8, device=flat.device)
-    magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=flat.device)
-    for first, last in _trial_chunks(numel, period):
-        rows = flat[first * period : last * period].to(torch.float32).view(-1, period)
-        scale, z = normalize_blocks(rows)
-        codes = nearest_codeword(table, z)
-        if not torch.equal(dequantize(table, codes, scale), rows):
-            return None
-        indices[first:last] = codes
-        magnitude[first:last] = scale
-    return indices, magnitude
+    return _encode(flat, period, codebook, flat.device, exact=True)
 
 
 def reencodes_exactly(momentum: torch.Tensor, period: int, codebook: torch.Tensor) -> bool:
@@ -188,20 +185,11 @@ def encode_momentum(
     """``(indices uint8 [B, P], magnitude fp32 [B, 1])`` on ``device``: nearest-codeword encoding
     of a dense momentum at ``period`` (each block's scale is its max ``|m|``)."""
     flat = momentum.reshape(-1)
-    numel = flat.numel()
-    if numel % period:
-        raise ValueError(f"period {period} does not divide {numel} elements")
-    target = torch.device(device)
-    blocks = numel // period
-    indices = torch.empty(blocks, period, dtype=torch.uint8, device=target)
-    magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=target)
-    table = codebook.to(device=target, dtype=torch.float32)
-    for first, last in _block_chunks(numel, period):
-        rows = flat[first * period : last * period].to(device=target, dtype=torch.float32).view(-1, period)
-        scale, z = normalize_blocks(rows)
-        indices[first:last] = nearest_codeword(table, z)
-        magnitude[first:last] = scale
-    return indices, magnitude
+    if flat.numel() % period:
+        raise ValueError(f"period {period} does not divide {flat.numel()} elements")
+    encoded = _encode(flat, period, codebook, torch.device(device), exact=False)
+    assert encoded is not None
+    return encoded
 
 
 def block_means(values: torch.Tensor, period: int, device: torch.device | str) -> torch.Tensor:

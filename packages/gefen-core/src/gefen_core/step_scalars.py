@@ -90,33 +90,11 @@ def host_scalars(device: torch.device, **values: float | int | bool) -> torch.Te
     return torch.tensor(floats, dtype=torch.float32, device=device)
 
 
-@functools.lru_cache(maxsize=256)
-def shared_host_scalars(
-    device: torch.device,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    age: int,
-    factored: bool,
-) -> torch.Tensor:
-    """:func:`host_scalars`, one tensor per distinct set of values (a step's parameters of one
-    group share their scalars: one small tensor per step instead of one per parameter). The
-    tensor is shared: read it, never write it. Only for int ``step``/``age`` counters (a
-    tensor counter would be cached by identity while its value changes)."""
-    return host_scalars(
-        device,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        step=step,
-        age=age,
-        factored=factored,
-    )
+#: :func:`host_scalars`, one tensor per distinct set of keyword values: a step's parameters of
+#: one group share their scalars, so one small tensor per step instead of one per parameter.
+#: The tensor is shared (read it, never write it); pass plain floats and int counters (a tensor
+#: would be cached by identity while its value changes).
+shared_host_scalars = functools.lru_cache(maxsize=256)(host_scalars)
 
 
 def device_scalars(

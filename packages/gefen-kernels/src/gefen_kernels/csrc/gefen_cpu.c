@@ -489,23 +489,15 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         }
         /* The codeword gather depends on the table gather: a second loop over the codes just
          * written keeps each loop's iterations independent, so their gathers overlap. */
-        if (fr) {
-            const __m512 va = _mm512_set1_ps(fr->a), veps = _mm512_set1_ps(fr->eps);
-            const __m512 vn = _mm512_set1_ps(fr->inv_bc1);
-            for (int64_t i = 0; i + 16 <= j; i += 16) {
-                __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
-                __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
-                __m512 h = _mm512_add_ps(_mm512_mul_ps(va, _mm512_loadu_ps(fr->b + i)), veps);
-                __m512 x = _mm512_mul_ps(mq, _mm512_div_ps(vn, h));
-                _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
-            }
-        } else {
-            for (int64_t i = 0; i + 16 <= j; i += 16) {
-                __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
-                __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
-                __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
-                _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
-            }
+        const __m512 va = _mm512_set1_ps(fr ? fr->a : 0.0f), veps = _mm512_set1_ps(fr ? fr->eps : 0.0f);
+        const __m512 vn = _mm512_set1_ps(fr ? fr->inv_bc1 : 0.0f);
+        for (int64_t i = 0; i + 16 <= j; i += 16) {
+            __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
+            __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
+            __m512 step = fr ? _mm512_div_ps(vn, _mm512_add_ps(_mm512_mul_ps(va, _mm512_loadu_ps(fr->b + i)), veps))
+                             : _mm512_loadu_ps(s + i);
+            __m512 x = _mm512_mul_ps(mq, step);
+            _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
         }
     }
 #endif
