@@ -125,7 +125,15 @@ def test_bench_quality_smoke(tmp_path: Path) -> None:
     assert set(loss.detail["valid_by_lr"]) == {"0.001", "0.01"}  # type: ignore[arg-type]
     best = report.row("char-tiny/gefen", "best_lr")
     assert best.value in (1e-3, 1e-2) and best.ratio is not None
-    assert any("gefen mean test loss" in note for note in report.notes)
+    paired = report.row("char-tiny/gefen", "paired_loss_ratio")
+    per_seed = loss.detail["per_seed"]
+    base_per_seed = report.row("char-tiny/adamw", "test_loss").detail["per_seed"]
+    ratios = [a / b for a, b in zip(per_seed, base_per_seed)]  # type: ignore[arg-type, operator]
+    assert paired.value == pytest.approx(sum(ratios) / 2)
+    assert paired.detail["low"] <= paired.value <= paired.detail["high"]  # type: ignore[operator]
+    assert paired.detail["seeds"] == 2
+    assert any(note.startswith("char-tiny: gefen / adamw = ") for note in report.notes)
+    assert report.config["task_definitions"]["char-tiny"]["corpus_digest"]  # type: ignore[index]
 
 
 @pytest.mark.slow

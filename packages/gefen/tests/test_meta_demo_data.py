@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 import torch
-from gefen.demo.data import Tokenizer, eval_windows, load_tinylang, sample_batch
+from gefen.demo.data import CORPORA, Tokenizer, corpus_digest, eval_windows, load_corpus, load_tinylang, sample_batch
 from gefen.demo.language import TINYLANG_VERSION, generate_text
 
 # Golden vector: changes only when the language changes (then bump TINYLANG_VERSION).
@@ -59,7 +59,9 @@ def test_tokenizer_rejects_unknown_symbols_and_bad_kinds() -> None:
     with pytest.raises(KeyError):
         tokenizer.encode("abc")
     with pytest.raises(ValueError, match="kind"):
-        Tokenizer("byte", ())  # type: ignore[arg-type]
+        Tokenizer("bits", ())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="256 byte values"):
+        Tokenizer("byte", ("a",))
 
 
 def test_batches_are_next_token_windows() -> None:
@@ -72,3 +74,26 @@ def test_batches_are_next_token_windows() -> None:
     assert torch.equal(a, b) and a[0, 0] == 0 and a[-1, -1] == 1000 - 2
     with pytest.raises(ValueError, match="too short"):
         sample_batch(torch.arange(10), 1, 16, torch.Generator())
+
+
+def test_pydoc_bytes_is_real_text_split_by_topic() -> None:
+    data = load_corpus("pydoc-bytes")
+    assert data.tokenizer.vocab_size == 256
+    sizes = {split: data.split(split).numel() for split in ("train", "valid", "test")}
+    assert sizes["train"] > 300_000 and sizes["valid"] > 20_000 and sizes["test"] > 20_000
+    text = data.tokenizer.decode(data.test[:2000].tolist())
+    assert text.count(" the ") > 5  # English prose
+    train_text = data.tokenizer.decode(data.train.tolist())
+    # Whole topics go to one split: a long passage of the test split never occurs in train.
+    assert text[200:400] not in train_text
+    assert data.tokenizer.encode("héllo") == list("héllo".encode())
+    assert data.tokenizer.decode(data.tokenizer.encode("héllo")) == "héllo"
+    assert corpus_digest(data) == corpus_digest(load_corpus("pydoc-bytes"))
+    assert corpus_digest(data) != corpus_digest(load_corpus("tinylang-char"))
+
+
+def test_every_corpus_loads_and_unknown_ones_are_refused() -> None:
+    for name in CORPORA:
+        assert load_corpus(name).train.numel() > 0
+    with pytest.raises(ValueError, match="unknown corpus 'wiki'"):
+        load_corpus("wiki")

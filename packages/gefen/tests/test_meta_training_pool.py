@@ -9,7 +9,7 @@ from gefen.demo.train import TrainConfig
 
 def _jobs() -> list[TrainJob]:
     return [
-        TrainJob("tiny", "char", TrainConfig("adamw", 3e-3, 3, batch_size=2, eval_windows=2, seed=seed))
+        TrainJob("tiny", "tinylang-char", TrainConfig("adamw", 3e-3, 3, batch_size=2, eval_windows=2, seed=seed))
         for seed in (0, 1, 2)
     ]
 

@@ -85,6 +85,59 @@ def _hybrid_builder(backup: str) -> Callable[[NamedParameters, float, float], to
     return build
 
 
+class _MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for the hidden matrices and ``torch.optim.AdamW`` for the rest, as one
+    optimizer: its ``param_groups`` are the children's own group dicts, so an LR scheduler
+    drives both. The reference arm GefenMuonHybrid is compared against."""
+
+    def __init__(self, named: NamedParameters, lr: float, weight_decay: float) -> None:
+        from gefen_hybrid import RoutingRules
+
+        rules = RoutingRules(backup_substrings=HYBRID_BACKUP_SUBSTRINGS)
+        muon = [p for name, p in named if rules.role_for(name, p) == "muon"]
+        rest = [p for name, p in named if rules.role_for(name, p) != "muon"]
+        self.children = (
+            torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
+            _build_adamw([("", p) for p in rest], lr, weight_decay),
+        )
+        super().__init__([p for _, p in named], {"lr": lr})
+        # The children's own group dicts: a scheduler writing ``lr`` here drives both.
+        self.param_groups = [group for child in self.children for group in child.param_groups]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        for child in self.children:
+            child.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self.children:
+            child.zero_grad(set_to_none=set_to_none)
+
+
+def _ladder_builder(rung: str) -> Callable[[NamedParameters, float, float], torch.optim.Optimizer]:
+    def build(named: NamedParameters, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        from .ladder import LADDER_RUNGS, LadderAdamW
+
+        return LadderAdamW([p for _, p in named], LADDER_RUNGS[rung], lr=lr, weight_decay=weight_decay)
+
+    return build
+
+
+def _ladder_entries() -> list[OptimizerEntry]:
+    from .ladder import LADDER_RUNGS
+
+    return [
+        OptimizerEntry(
+            f"ladder-{rung}",
+            f"quality ladder: AdamW with {approx} (gefen.bench.ladder; a measuring instrument)",
+            _ladder_builder(rung),
+            _always_available,
+        )
+        for rung, approx in LADDER_RUNGS.items()
+    ]
+
+
 def _torchao_unavailable() -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install 'gefen[bench]')"
@@ -159,6 +212,12 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _always_available,
         ),
         OptimizerEntry(
+            "muon-adamw",
+            "torch.optim.Muon (match_rms_adamw) for hidden matrices + torch AdamW for the rest, the hybrid's routing",
+            _MuonWithAdamW,
+            _always_available,
+        ),
+        OptimizerEntry(
             "adamw-4bit",
             "torchao.optim.AdamW4bit (optional dependency)",
             _torchao_builder("AdamW4bit"),
@@ -170,6 +229,7 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _torchao_builder("AdamW8bit"),
             _torchao_unavailable,
         ),
+        *_ladder_entries(),
     )
 }
 

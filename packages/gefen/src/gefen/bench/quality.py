@@ -2,14 +2,21 @@
 
 Protocol, per task and optimizer:
 
-1. train once per learning rate of one shared grid (seed 0) and pick the rate with the
-   lowest loss on the ``valid`` split (a diverged run counts as infinitely bad);
-2. train at that rate with every seed (seed 0 is reused from the sweep);
-3. report the mean loss on the held-out ``test`` split, its spread over seeds, and the best
-   learning rate as a ratio to AdamW's, instead of assuming one.
+1. train once per learning rate of the task's grid (shared by every optimizer) at seed 0
+   and pick the rate with the lowest loss on the ``valid`` split (a diverged run counts as
+   infinitely bad);
+2. train at that rate with seeds ``1..seeds`` (the sweep's seed is not reused, so the rate
+   is never chosen on the runs that are reported);
+3. report the mean loss on the held-out ``test`` split and, against the baseline (AdamW),
+   the mean of the per-seed loss ratios with its 95 % Student-t interval
+   (:mod:`gefen.bench.intervals`), and the best learning rate as a ratio to AdamW's.
 
 Every run of a task has the same token budget (steps x batch x context), schedule and
-seeded initialisation/batch order, so seeds are paired across optimizers.
+seeded initialisation and batch order, so seeds are paired across optimizers.
+
+Tasks: ``char-mini`` and ``word-small`` (synthetic tinylang), ``pydoc-bytes`` (real
+English text that ships with Python, byte-level), and ``word-medium``, a long task with
+about 5x ``word-small``'s parameters and 4x its tokens that is never part of the defaults.
 """
 
 from __future__ import annotations
@@ -21,40 +28,46 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
+from ..demo.data import CORPORA, corpus_digest, load_corpus
 from ..demo.model import preset
 from ..demo.train import TrainConfig
-from .optimizers import get_optimizer, unavailable_reason
+from .intervals import PairedRatio, paired_ratio
+from .optimizers import get_optimizer, optimizer_names, unavailable_reason
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
 from .training_pool import TrainJob, run_jobs
 
 __all__ = [
-    "DEFAULT_LR_GRID",
     "DEFAULT_OPTIMIZERS",
     "DEFAULT_TASKS",
     "QUALITY_TASKS",
-    "QUALITY_TOLERANCE",
     "OptimizerOutcome",
     "QualityOptions",
     "QualityTask",
+    "expand_optimizers",
     "quality_panels",
     "run_quality",
 ]
 
-#: Gefen's mean held-out loss should be within this fraction of AdamW's.
-QUALITY_TOLERANCE = 0.01
+_POWERS_OF_TWO = (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
 
 
 @dataclass(frozen=True, slots=True)
 class QualityTask:
-    """A model preset trained on one tokenisation of tinylang with a fixed token budget."""
+    """A model preset trained on one corpus with a fixed token budget and learning-rate grid."""
 
     name: str
     model_size: str
-    tokenization: str
+    corpus: str
     steps: int
     batch_size: int
+    lr_grid: tuple[float, ...]
     eval_windows: int = 512
+
+    def __post_init__(self) -> None:
+        if self.corpus not in CORPORA:
+            raise ValueError(f"unknown corpus {self.corpus!r}; known: {', '.join(CORPORA)}")
+        preset(self.model_size)
 
     def tokens(self) -> int:
         return self.steps * self.batch_size * preset(self.model_size).context
@@ -64,23 +77,35 @@ QUALITY_TASKS: Mapping[str, QualityTask] = MappingProxyType(
     {
         task.name: task
         for task in (
-            QualityTask("char-mini", "mini", "char", steps=400, batch_size=32),
-            QualityTask("word-small", "small", "word", steps=400, batch_size=16),
-            QualityTask("char-tiny", "tiny", "char", steps=6, batch_size=4, eval_windows=8),
+            QualityTask("char-mini", "mini", "tinylang-char", 400, 32, _POWERS_OF_TWO),
+            QualityTask("word-small", "small", "tinylang-word", 400, 16, _POWERS_OF_TWO),
+            # Real text: the loss falls off a cliff just above 4e-3, so the grid steps by sqrt(2).
+            QualityTask("pydoc-bytes", "bytes-small", "pydoc-bytes", 400, 32, (1.4e-3, 2e-3, 2.8e-3, 4e-3, 5.7e-3)),
+            QualityTask("word-medium", "medium", "tinylang-word", 800, 16, (1e-3, 2e-3, 4e-3, 8e-3)),
+            QualityTask("char-tiny", "tiny", "tinylang-char", 6, 4, (1e-3, 1e-2), eval_windows=8),
         )
     }
 )
-DEFAULT_TASKS = ("char-mini", "word-small")
+DEFAULT_TASKS = ("char-mini", "word-small", "pydoc-bytes")
 DEFAULT_OPTIMIZERS = ("adamw", "gefen", "adamw-4bit")
-DEFAULT_LR_GRID = (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
+
+
+def expand_optimizers(names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` with ``ladder`` replaced by every rung of the quality ladder (``ladder-*``)."""
+    out: list[str] = []
+    for name in names:
+        rungs = [n for n in optimizer_names() if n.startswith("ladder-")] if name == "ladder" else [name]
+        out.extend(rung for rung in rungs if rung not in out)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
 class QualityOptions:
     tasks: tuple[str, ...] = DEFAULT_TASKS
     optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS
-    lr_grid: tuple[float, ...] = DEFAULT_LR_GRID
-    seeds: int = 3
+    #: Override every task's grid (``None``: each task's own).
+    lr_grid: tuple[float, ...] | None = None
+    seeds: int = 5
     weight_decay: float = 0.01
     steps: int | None = None
     baseline: str = "adamw"
@@ -91,9 +116,12 @@ class QualityOptions:
         for name in self.tasks:
             if name not in QUALITY_TASKS:
                 raise ValueError(f"unknown quality task {name!r}; known: {', '.join(QUALITY_TASKS)}")
+        object.__setattr__(self, "optimizers", expand_optimizers(self.optimizers))
         for name in self.optimizers:
             get_optimizer(name)
-        if not self.lr_grid or any(not (math.isfinite(lr) and lr > 0) for lr in self.lr_grid):
+        if self.lr_grid is not None and (
+            not self.lr_grid or any(not (math.isfinite(lr) and lr > 0) for lr in self.lr_grid)
+        ):
             raise ValueError(f"lr_grid must hold positive finite learning rates, got {self.lr_grid!r}")
         if type(self.seeds) is not int or self.seeds < 1:
             raise ValueError(f"seeds must be a positive int, got {self.seeds!r}")
@@ -106,16 +134,23 @@ class QualityOptions:
 
     def task(self, name: str) -> QualityTask:
         task = QUALITY_TASKS[name]
-        if self.steps is None:
-            return task
         return QualityTask(
-            task.name, task.model_size, task.tokenization, self.steps, task.batch_size, task.eval_windows
+            task.name,
+            task.model_size,
+            task.corpus,
+            self.steps or task.steps,
+            task.batch_size,
+            self.lr_grid or task.lr_grid,
+            task.eval_windows,
         )
+
+    def runs_per_optimizer(self, task: str) -> int:
+        return len(self.task(task).lr_grid) + self.seeds
 
 
 @dataclass(frozen=True, slots=True)
 class OptimizerOutcome:
-    """One optimizer on one task: the sweep on ``valid`` and the seeds at the chosen rate."""
+    """One optimizer on one task: the sweep on ``valid`` and the reported seeds at the chosen rate."""
 
     optimizer: str
     valid_by_lr: Mapping[float, float]
@@ -143,7 +178,7 @@ def _job(task: QualityTask, optimizer: str, lr: float, seed: int, weight_decay: 
         weight_decay=weight_decay,
         eval_windows=task.eval_windows,
     )
-    return TrainJob(task.model_size, task.tokenization, config)
+    return TrainJob(task.model_size, task.corpus, config)
 
 
 def run_quality(
@@ -151,18 +186,28 @@ def run_quality(
 ) -> tuple[BenchmarkReport, dict[str, list[OptimizerOutcome]]]:
     """Run every task for every available optimizer; return the report and the raw outcomes.
 
-    Phase 1 runs every learning rate of the grid at seed 0, phase 2 the other seeds at each
-    optimizer's chosen rate; the runs of a phase are spread over ``options.workers`` processes.
+    Phase 1 runs every learning rate of each task's grid at seed 0, phase 2 seeds
+    ``1..options.seeds`` at each optimizer's chosen rate; the runs of a phase are spread over
+    ``options.workers`` processes.
     """
     tick = progress or (lambda _label: None)
+    tasks = [options.task(name) for name in options.tasks]
     builder = ReportBuilder(
         "quality",
         config={
             **asdict(options),
             "task_definitions": {
-                name: {**asdict(options.task(name)), "tokens": options.task(name).tokens()} for name in options.tasks
+                task.name: {
+                    **asdict(task),
+                    "tokens": task.tokens(),
+                    "corpus_digest": corpus_digest(load_corpus(task.corpus)),
+                }
+                for task in tasks
             },
-            "recipe": "AdamW-style: warm-up 5 %, cosine to 10 %, clip 1.0; LR chosen on valid (seed 0), loss reported on test",
+            "recipe": (
+                "AdamW-style: warm-up 5 %, cosine to 10 %, clip 1.0; LR chosen on valid at seed 0, "
+                "loss reported on test at seeds 1..N; ratios are paired by seed, 95 % Student-t intervals"
+            ),
         },
     )
     available = []
@@ -174,12 +219,12 @@ def run_quality(
             builder.note(f"{name} not run: {reason}")
     ordered = sorted(available, key=lambda name: name != options.baseline)
     has_baseline = options.baseline in available
-    pairs = [(options.task(task_name), name) for task_name in options.tasks for name in ordered]
+    pairs = [(task, name) for task in tasks for name in ordered]
 
     def done(job: TrainJob) -> None:
         tick(f"{job.model_size}/{job.label}")
 
-    sweep_keys = [(task, name, lr) for task, name in pairs for lr in options.lr_grid]
+    sweep_keys = [(task, name, lr) for task, name in pairs for lr in task.lr_grid]
     sweep_jobs = [_job(task, name, lr, 0, options.weight_decay) for task, name, lr in sweep_keys]
     sweep = dict(
         zip(
@@ -189,9 +234,10 @@ def run_quality(
     )
     best: dict[tuple[str, str], float] = {}
     for task, name in pairs:
-        valid = {lr: sweep[(task.name, name, lr)].valid_loss for lr in options.lr_grid}
-        best[(task.name, name)] = min(options.lr_grid, key=lambda lr: (valid[lr], lr))
-    seed_keys = [(task, name, seed) for task, name in pairs for seed in range(1, options.seeds)]
+        valid = {lr: sweep[(task.name, name, lr)].valid_loss for lr in task.lr_grid}
+        best[(task.name, name)] = min(task.lr_grid, key=lambda lr: (valid[lr], lr))
+    seeds = range(1, options.seeds + 1)
+    seed_keys = [(task, name, seed) for task, name in pairs for seed in seeds]
     seed_jobs = [
         _job(task, name, best[(task.name, name)], seed, options.weight_decay) for task, name, seed in seed_keys
     ]
@@ -205,20 +251,24 @@ def run_quality(
     outcomes: dict[str, list[OptimizerOutcome]] = {}
     for task, name in pairs:
         best_lr = best[(task.name, name)]
-        runs = {0: sweep[(task.name, name, best_lr)]}
-        runs.update({seed: seeded[(task.name, name, seed)] for seed in range(1, options.seeds)})
+        runs = {seed: seeded[(task.name, name, seed)] for seed in seeds}
         outcome = OptimizerOutcome(
             optimizer=name,
-            valid_by_lr={lr: sweep[(task.name, name, lr)].valid_loss for lr in options.lr_grid},
+            valid_by_lr={lr: sweep[(task.name, name, lr)].valid_loss for lr in task.lr_grid},
             best_lr=best_lr,
             test_by_seed={seed: result.test_loss for seed, result in runs.items()},
             tokens_per_s=statistics.fmean(result.tokens_per_s for result in runs.values()),
         )
         outcomes.setdefault(task.name, []).append(outcome)
-        _add_rows(builder, task, outcome, options, has_baseline)
-        if best_lr in (min(options.lr_grid), max(options.lr_grid)) and len(options.lr_grid) > 1:
+        if best_lr in (min(task.lr_grid), max(task.lr_grid)) and len(task.lr_grid) > 1:
             builder.note(f"{task.name}/{name}: best learning rate {best_lr:g} is at the edge of the grid")
-    _add_verdicts(builder, outcomes, options)
+    for task in tasks:
+        by_name = {outcome.optimizer: outcome for outcome in outcomes.get(task.name, [])}
+        baseline = by_name.get(options.baseline) if has_baseline else None
+        for outcome in outcomes.get(task.name, []):
+            _add_rows(builder, task, outcome, baseline if outcome is not baseline else None, options.baseline)
+        if baseline is not None:
+            _add_verdicts(builder, task.name, by_name, baseline)
     if options.workers > 1:
         builder.note(
             f"runs were spread over {options.workers} worker processes ({options.threads} thread(s) each); tokens_per_s is per run"
@@ -227,10 +277,14 @@ def run_quality(
 
 
 def _add_rows(
-    builder: ReportBuilder, task: QualityTask, outcome: OptimizerOutcome, options: QualityOptions, has_baseline: bool
+    builder: ReportBuilder,
+    task: QualityTask,
+    outcome: OptimizerOutcome,
+    baseline: OptimizerOutcome | None,
+    baseline_name: str,
 ) -> None:
     name = f"{task.name}/{outcome.optimizer}"
-    base = f"{task.name}/{options.baseline}" if has_baseline and outcome.optimizer != options.baseline else None
+    base = f"{task.name}/{baseline_name}" if baseline is not None else None
     values = [outcome.test_by_seed[seed] for seed in sorted(outcome.test_by_seed)]
     builder.add(
         name,
@@ -250,38 +304,50 @@ def _add_rows(
             "tokens": task.tokens(),
         },
     )
+    if baseline is not None:
+        ratio = paired_ratio(outcome.test_by_seed, baseline.test_by_seed)
+        if math.isfinite(ratio.mean):
+            builder.add(
+                name,
+                "paired_loss_ratio",
+                ratio.mean,
+                "x",
+                detail={"low": ratio.low, "high": ratio.high, "seeds": ratio.n, "versus": base},
+            )
     builder.add(name, "best_lr", outcome.best_lr, "lr", baseline=base)
     builder.add(name, "tokens_per_s", outcome.tokens_per_s, "tokens/s", baseline=base)
 
 
 def _add_verdicts(
-    builder: ReportBuilder, outcomes: Mapping[str, Sequence[OptimizerOutcome]], options: QualityOptions
+    builder: ReportBuilder, task_name: str, by_name: Mapping[str, OptimizerOutcome], baseline: OptimizerOutcome
 ) -> None:
-    for task_name, results in outcomes.items():
-        by_name = {outcome.optimizer: outcome for outcome in results}
-        adamw = by_name.get(options.baseline)
-        gefen = by_name.get("gefen")
-        if adamw is None or gefen is None:
-            continue
-        gap = gefen.test_mean / adamw.test_mean - 1.0
-        verdict = "meets" if gap <= QUALITY_TOLERANCE else "misses"
-        builder.note(
-            f"{task_name}: gefen mean test loss is {gap:+.2%} vs {options.baseline} ({verdict} the {QUALITY_TOLERANCE:.0%} target; "
-            f"seed spread {gefen.test_std:.4f} vs {adamw.test_std:.4f})"
-        )
-        four_bit = by_name.get("adamw-4bit")
+    ratios: dict[str, PairedRatio] = {
+        name: paired_ratio(outcome.test_by_seed, baseline.test_by_seed)
+        for name, outcome in by_name.items()
+        if outcome is not baseline
+    }
+    gefen = ratios.get("gefen")
+    if gefen is not None:
+        verdict = "meets" if gefen.mean <= 1.0 else "misses"
+        builder.note(f"{task_name}: gefen / {baseline.optimizer} = {gefen} ({verdict} the <= 1.000 target)")
+        four_bit = ratios.get("adamw-4bit")
         if four_bit is not None:
-            relation = "no worse than" if gefen.test_mean <= four_bit.test_mean else "worse than"
+            relation = "at or below" if gefen.mean <= four_bit.mean else "above"
+            builder.note(f"{task_name}: gefen ({gefen.mean:.4f}) is {relation} adamw-4bit ({four_bit})")
+    for name in ("gefen-muon-hybrid", "gefen-muon-hybrid-adamw"):
+        hybrid, muon = ratios.get(name), ratios.get("muon-adamw")
+        if hybrid is not None and muon is not None:
+            verdict = "meets" if hybrid.mean / muon.mean <= 1.002 else "misses"
             builder.note(
-                f"{task_name}: gefen ({gefen.test_mean:.4f}) is {relation} adamw-4bit ({four_bit.test_mean:.4f})"
+                f"{task_name}: {name} / muon-adamw = {hybrid.mean / muon.mean:.4f} ({verdict} the <= 1.002 target)"
             )
 
 
 def quality_panels(report: BenchmarkReport) -> list[Panel]:
-    """Per task, validation loss against the learning rate; then test loss relative to the baseline."""
+    """Per task, validation loss against the learning rate; then the paired loss ratio to the
+    baseline with its 95 % interval."""
     tasks = list(dict.fromkeys(row.name.split("/", 1)[0] for row in report.rows if row.metric == "test_loss"))
     panels = []
-    ratio_series: dict[str, list[float]] = {}
     for task in tasks:
         series = []
         for row in report.rows:
@@ -294,7 +360,6 @@ def quality_panels(report: BenchmarkReport) -> list[Panel]:
                 series.append(
                     Series(row.name.split("/", 1)[1], tuple(p[0] for p in points), tuple(p[1] for p in points))
                 )
-            ratio_series.setdefault(row.name.split("/", 1)[1], []).append(row.ratio if row.ratio is not None else 1.0)
         panels.append(
             Panel(
                 f"{task}: validation loss vs learning rate (seed 0)",
@@ -304,7 +369,29 @@ def quality_panels(report: BenchmarkReport) -> list[Panel]:
                 log_x=True,
             )
         )
-    if all(len(values) == len(tasks) for values in ratio_series.values()):
-        bars = tuple(Series(name, tuple(range(len(tasks))), tuple(values)) for name, values in ratio_series.items())
-        panels.append(Panel("mean test loss / baseline", "task", "ratio", bars, kind="bar", categories=tuple(tasks)))
+    ratio_rows = [row for row in report.rows if row.metric == "paired_loss_ratio"]
+    optimizers = list(dict.fromkeys(row.name.split("/", 1)[1] for row in ratio_rows))
+    if ratio_rows and tasks:
+        bars = []
+        for optimizer in optimizers:
+            by_task = {row.name.split("/", 1)[0]: row for row in ratio_rows if row.name.endswith("/" + optimizer)}
+            if set(by_task) != set(tasks):
+                continue
+            rows = [by_task[task] for task in tasks]
+            errors = tuple(
+                (float(row.detail["high"]) - float(row.detail["low"])) / 2  # type: ignore[arg-type]
+                for row in rows
+            )
+            bars.append(Series(optimizer, tuple(range(len(tasks))), tuple(row.value for row in rows), yerr=errors))
+        if bars:
+            panels.append(
+                Panel(
+                    "test loss / baseline (paired, 95 %)",
+                    "task",
+                    "ratio",
+                    tuple(bars),
+                    kind="bar",
+                    categories=tuple(tasks),
+                )
+            )
     return panels

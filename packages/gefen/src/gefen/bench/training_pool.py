@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..demo.data import load_tinylang
+from ..demo.data import load_corpus
 from ..demo.model import preset
 from ..demo.train import TrainConfig, train
 
@@ -24,10 +24,10 @@ __all__ = ["JobResult", "TrainJob", "run_jobs"]
 
 @dataclass(frozen=True, slots=True)
 class TrainJob:
-    """One run: a model preset on one tokenisation of tinylang with a training config."""
+    """One run: a model preset on a corpus (:data:`gefen.demo.data.CORPORA`) with a training config."""
 
     model_size: str
-    tokenization: str
+    corpus: str
     config: TrainConfig
 
     @property
@@ -47,7 +47,7 @@ class JobResult:
 
 
 def _execute(job: TrainJob) -> JobResult:
-    data = load_tinylang("word" if job.tokenization == "word" else "char")
+    data = load_corpus(job.corpus)
     result = train(preset(job.model_size), data, job.config)
     return JobResult(
         valid_loss=result.final_loss["valid"],

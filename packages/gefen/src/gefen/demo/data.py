@@ -1,15 +1,24 @@
-"""Tokenised tinylang splits and batch sampling for the demo and the quality benchmark.
+"""Tokenised corpora and batch sampling for the demo and the quality benchmark.
 
-Three disjoint splits are generated from independent seeds: ``train`` for updates,
-``valid`` for choosing hyperparameters (the learning rate) and ``test`` for the reported,
-held-out loss. Two tokenisations give tasks of different shape: ``char`` (about 40
-symbols) and ``word`` (a few hundred words, numbers and punctuation marks).
+Every corpus has three disjoint splits: ``train`` for updates, ``valid`` for choosing
+hyperparameters (the learning rate) and ``test`` for the reported, held-out loss.
+
+* ``tinylang-char`` / ``tinylang-word``: the generated language of
+  :mod:`gefen.demo.language` (splits from independent seeds), tokenised by character (about
+  40 symbols) or by word (a few hundred words, numbers and punctuation marks).
+* ``pydoc-bytes``: real English text that ships with every CPython, the interpreter's own
+  help topics (``pydoc_data.topics``, about 465 KB in 3.11), as UTF-8 bytes (vocabulary
+  256). Whole topics go to one split, chosen by a CRC of the topic's name (one bucket in ten to
+  ``valid``, one to ``test``: about 393 / 43 / 31 KB), so no passage is seen in two splits. The text
+  differs slightly between Python versions; :func:`corpus_digest` names what was used.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,31 +26,56 @@ import torch
 
 from .language import TINYLANG_VERSION, generate_text
 
-__all__ = ["SPLITS", "TokenSplits", "Tokenizer", "eval_windows", "load_tinylang", "sample_batch"]
+__all__ = [
+    "CORPORA",
+    "SPLITS",
+    "TokenSplits",
+    "Tokenizer",
+    "corpus_digest",
+    "eval_windows",
+    "load_corpus",
+    "load_pydoc_bytes",
+    "load_tinylang",
+    "sample_batch",
+]
 
 SPLITS = ("train", "valid", "test")
-Tokenization = Literal["char", "word"]
+Tokenization = Literal["char", "word", "byte"]
+#: The corpora :func:`load_corpus` knows.
+CORPORA = ("tinylang-char", "tinylang-word", "pydoc-bytes")
+_BYTE_VOCAB = tuple(chr(i) for i in range(256))
 _WORD_RE = re.compile(r"[a-z]+|[0-9]+|\n|[^\sa-z0-9]")
 
 
 @dataclass(frozen=True, slots=True)
 class Tokenizer:
-    """A closed vocabulary over characters or words; ``encode`` raises ``KeyError`` on unknown symbols."""
+    """A closed vocabulary over characters, words or UTF-8 bytes; ``encode`` raises
+    ``KeyError`` on unknown symbols (``byte`` encodes any text: its vocabulary is the 256
+    byte values, each held as the character of the same code point)."""
 
     kind: Tokenization
     vocab: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if self.kind not in ("char", "word"):
-            raise ValueError(f"tokenizer kind must be 'char' or 'word', got {self.kind!r}")
+        if self.kind not in ("char", "word", "byte"):
+            raise ValueError(f"tokenizer kind must be 'char', 'word' or 'byte', got {self.kind!r}")
+        if self.kind == "byte" and self.vocab != _BYTE_VOCAB:
+            raise ValueError("a byte tokenizer's vocab is the 256 byte values (Tokenizer.bytes())")
         if len(set(self.vocab)) != len(self.vocab):
             raise ValueError("tokenizer vocab has duplicate entries")
+
+    @classmethod
+    def bytes(cls) -> Tokenizer:
+        """The byte-level tokenizer (vocabulary 256)."""
+        return cls("byte", _BYTE_VOCAB)
 
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
 
     def split(self, text: str) -> list[str]:
+        if self.kind == "byte":
+            return list(text.encode("utf-8").decode("latin-1"))
         return list(text) if self.kind == "char" else _WORD_RE.findall(text)
 
     def encode(self, text: str) -> list[int]:
@@ -50,6 +84,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         symbols = [self.vocab[i] for i in ids]
+        if self.kind == "byte":
+            return "".join(symbols).encode("latin-1").decode("utf-8", errors="replace")
         if self.kind == "char":
             return "".join(symbols)
         out: list[str] = []
@@ -98,6 +134,48 @@ def load_tinylang(
     return TokenSplits(
         f"tinylang-v{TINYLANG_VERSION}-{tokenization}", tokenizer, tensors["train"], tensors["valid"], tensors["test"]
     )
+
+
+def _pydoc_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return dict(topics)
+
+
+def _split_of(name: str) -> str:
+    bucket = zlib.crc32(name.encode("utf-8")) % 10
+    return "valid" if bucket == 0 else "test" if bucket == 1 else "train"
+
+
+@functools.lru_cache(maxsize=1)
+def load_pydoc_bytes() -> TokenSplits:
+    """CPython's help topics as UTF-8 bytes, split by topic (module docstring)."""
+    texts: dict[str, list[str]] = {split: [] for split in SPLITS}
+    for name, text in sorted(_pydoc_topics().items()):
+        texts[_split_of(name)].append(text if text.endswith("\n") else text + "\n")
+    tokenizer = Tokenizer.bytes()
+    tensors = {
+        split: torch.frombuffer(bytearray("".join(parts).encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+        for split, parts in texts.items()
+    }
+    return TokenSplits("pydoc-bytes", tokenizer, tensors["train"], tensors["valid"], tensors["test"])
+
+
+def load_corpus(name: str) -> TokenSplits:
+    """The corpus called ``name`` (one of :data:`CORPORA`), tokenised and split."""
+    if name == "pydoc-bytes":
+        return load_pydoc_bytes()
+    if name in ("tinylang-char", "tinylang-word"):
+        return load_tinylang("char" if name == "tinylang-char" else "word")
+    raise ValueError(f"unknown corpus {name!r}; known: {', '.join(CORPORA)}")
+
+
+def corpus_digest(data: TokenSplits) -> str:
+    """SHA-256 (first 16 hex digits) over the three splits' token ids: which text a run saw."""
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        digest.update(data.split(split).to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def sample_batch(

@@ -49,14 +49,16 @@ class DecoderConfig:
         return v * d + self.context * d + self.n_layers * per_layer + 2 * d + v * d
 
 
-#: Named shapes: ``tiny`` for tests, ``mini`` and ``small`` for the quality tasks, ``small`` for
-#: the demo, ``medium`` for longer runs, ``decoder-50m`` for the memory benchmark (a fixed
+#: Named shapes: ``tiny`` for tests, ``mini``, ``small``, ``bytes-small`` (the real-text task,
+#: about 0.47M parameters at vocabulary 256) and ``medium`` for the quality tasks, ``small``
+#: for the demo, ``decoder-50m`` for the memory benchmark (a fixed
 #: 8192-token vocabulary, about 52.7M parameters).
 MODEL_PRESETS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(d_model=32, n_layers=1, n_heads=2, context=32),
     "mini": DecoderConfig(d_model=64, n_layers=2, n_heads=2, context=64),
     "small": DecoderConfig(d_model=128, n_layers=4, n_heads=4, context=64),
     "medium": DecoderConfig(d_model=256, n_layers=6, n_heads=8, context=128),
+    "bytes-small": DecoderConfig(d_model=128, n_layers=2, n_heads=4, context=128),
     "decoder-50m": DecoderConfig(d_model=512, n_layers=14, n_heads=8, context=256, vocab_size=8192),
 }
 

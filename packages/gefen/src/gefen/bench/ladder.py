@@ -1,0 +1,271 @@
+"""The quality ladder: AdamW with Gefen's approximations switched on one at a time.
+
+:class:`LadderAdamW` is a small plain-PyTorch AdamW (decoupled weight decay, bias
+correction, ``eps`` outside the root) in which each of Gefen's approximations is an
+independent switch (:class:`Approximations`), so ``gefen bench quality --ladder`` can
+measure what each one costs on its own. It is a measuring instrument, not an optimizer to
+train with: it keeps its state in whatever form the switches say (fp32 where exact) and is
+slow. Its approximations are Gefen's own, built from gefen-core's documented building
+blocks (:mod:`gefen_core.periods`, :mod:`gefen_core.codebook`,
+:mod:`gefen_core.momentum_codec`), and the rung with every switch at Gefen's default is
+checked against ``gefen_core.Gefen`` in the tests.
+
+Switches (per element ``i`` of a parameter, ``b`` its block):
+
+* ``v_2d`` / ``v_1d``: the second moment of 2-D / 1-D parameters: ``"exact"`` (Adam's
+  per-element EMA), ``"factored"`` (2-D only: EMAs of row and column means of ``g^2``,
+  ``V = v_row v_col / mean(v_col)``) or ``"block"`` (one EMA of the block mean of ``g^2``).
+* ``momentum``: ``"exact"`` (fp32) or ``"quantized"``: ``u = b1 m + (1 - b1) g`` stored as
+  a uint8 code into a 256-entry codebook times one fp32 scale ``max |u|`` per block.
+* ``quantize_1d``: whether 1-D parameters' momentum is quantised too.
+* ``blocks``: how blocks are chosen: ``"search"`` (Gefen's period search on the first
+  gradient, then its fallback) or ``"row"`` (a rule on the shape alone: the row, or for 1-D
+  parameters the largest divisor of the length not above 2048); ``block_cap`` then splits
+  each block into the largest divisor not above the cap (finer momentum scales).
+* ``codebook``: ``"learned"`` (exact DP on the first gradient's block-normalised histogram),
+  ``"uniform"`` (256 evenly spaced codewords on ``[-1, 1]``) or ``"relearned"`` (learned,
+  then learned again every ``refresh_every`` steps from the momentum's own histogram).
+* ``rounding``: ``"nearest"`` or ``"stochastic"`` (unbiased).
+* ``error_feedback``: carry each element's quantisation residual into the next step's
+  EMA (a diagnostic: the residual is a dense fp32 buffer, 4 more bytes per element).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from gefen_core.codebook import codebook_from_counts
+from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks, stochastic_codeword
+from gefen_core.periods import largest_divisor_at_most, memory_safe_fallback, search_period
+from gefen_core.reference_ops import histogram_reference
+
+__all__ = ["GEFEN_APPROXIMATIONS", "LADDER_RUNGS", "Approximations", "LadderAdamW"]
+
+SecondMoment = Literal["exact", "factored", "block"]
+
+
+@dataclass(frozen=True, slots=True)
+class Approximations:
+    """Which of Gefen's approximations are on (the defaults: none, i.e. AdamW)."""
+
+    v_2d: SecondMoment = "exact"
+    v_1d: SecondMoment = "exact"
+    momentum: Literal["exact", "quantized"] = "exact"
+    quantize_1d: bool = True
+    blocks: Literal["search", "row"] = "search"
+    block_cap: int = 0
+    codebook: Literal["learned", "uniform", "relearned"] = "learned"
+    refresh_every: int = 0
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.v_1d == "factored":
+            raise ValueError("a 1-D parameter has no factored second moment")
+        if self.codebook == "relearned" and self.refresh_every <= 0:
+            raise ValueError("codebook='relearned' needs refresh_every > 0")
+        if self.block_cap < 0:
+            raise ValueError(f"block_cap must be >= 0, got {self.block_cap}")
+
+    def but(self, **changes: Any) -> Approximations:
+        """A copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+
+#: Every switch where ``gefen_core.Gefen``'s defaults put it.
+GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized")
+
+_EXACT = Approximations()
+#: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): first the climb
+#: from AdamW to Gefen, one approximation at a time, then single changes to Gefen.
+LADDER_RUNGS: dict[str, Approximations] = {
+    "exact": _EXACT,
+    "v2d-factored": _EXACT.but(v_2d="factored"),
+    "v2d-block": _EXACT.but(v_2d="block"),
+    "v1d-block": _EXACT.but(v_2d="factored", v_1d="block"),
+    "m-quantized": _EXACT.but(momentum="quantized"),
+    "m-quantized-row": _EXACT.but(momentum="quantized", blocks="row"),
+    "m-quantized-uniform": _EXACT.but(momentum="quantized", codebook="uniform"),
+    "gefen": GEFEN_APPROXIMATIONS,
+    "gefen-row": GEFEN_APPROXIMATIONS.but(blocks="row"),
+    "gefen-exact-1d": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
+    "gefen-cap128": GEFEN_APPROXIMATIONS.but(block_cap=128),
+    "gefen-uniform": GEFEN_APPROXIMATIONS.but(codebook="uniform"),
+    "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),
+    "gefen-stochastic": GEFEN_APPROXIMATIONS.but(rounding="stochastic"),
+    "gefen-feedback": GEFEN_APPROXIMATIONS.but(error_feedback=True),
+    "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
+}
+
+
+def _period(approx: Approximations, shape: torch.Size, grad: torch.Tensor) -> int:
+    numel = grad.numel()
+    if numel <= 1:
+        return 1
+    if approx.blocks == "search":
+        period = search_period(grad, tuple(shape))
+    elif len(shape) >= 2:
+        period = int(shape[-1])
+    else:
+        period = memory_safe_fallback(numel, None)
+    if approx.block_cap and period > approx.block_cap:
+        period = largest_divisor_at_most(period, approx.block_cap)
+    return period
+
+
+class LadderAdamW(torch.optim.Optimizer):
+    """AdamW with the switched-on :class:`Approximations` (module docstring)."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        approximations: Approximations,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.approx = approximations
+        self.codebook: torch.Tensor | None = None
+        self._steps = 0
+
+    def _quantizes(self, p: torch.Tensor) -> bool:
+        return self.approx.momentum == "quantized" and (p.ndim >= 2 or self.approx.quantize_1d)
+
+    def _second_moment_kind(self, p: torch.Tensor) -> SecondMoment:
+        return self.approx.v_2d if p.ndim == 2 else self.approx.v_1d if p.ndim == 1 else "exact"
+
+    def _init_state(self, p: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": 0}
+        kind = self._second_moment_kind(p)
+        needs_blocks = kind == "block" or self._quantizes(p)
+        period = _period(self.approx, p.shape, grad) if needs_blocks else 1
+        state["period"] = period
+        if kind == "factored":
+            state["v_row"] = torch.zeros(p.shape[0])
+            state["v_col"] = torch.zeros(p.shape[1])
+        elif kind == "block":
+            state["vmean"] = torch.zeros(p.numel() // period, 1)
+        else:
+            state["v"] = torch.zeros_like(p, dtype=torch.float32)
+        if self._quantizes(p):
+            state["codes"] = torch.zeros(p.numel() // period, period, dtype=torch.uint8)
+            state["scale"] = torch.zeros(p.numel() // period, 1)
+            if self.approx.error_feedback:
+                state["residual"] = torch.zeros(p.numel() // period, period)
+        else:
+            state["m"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
+    def _learn_codebook(self, items: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
+        if self.approx.codebook == "uniform":
+            return torch.linspace(-1.0, 1.0, 256)
+        counts = torch.zeros(4096, dtype=torch.int64)
+        for tensor, period in items:
+            histogram_reference(tensor, period, counts, deterministic=True)
+        return codebook_from_counts(counts)
+
+    def _refresh_codebook(self) -> None:
+        assert self.codebook is not None
+        items = []
+        entries = []
+        for state in self.state.values():
+            if "codes" in state:
+                momentum = dequantize(self.codebook, state["codes"], state["scale"])
+                items.append((momentum, state["period"]))
+                entries.append((state, momentum))
+        new = self._learn_codebook(items)
+        if new is None:
+            return
+        for state, momentum in entries:
+            scale, z = normalize_blocks(momentum)
+            state["codes"] = nearest_codeword(new, z)
+            state["scale"] = scale
+        self.codebook = new
+
+    def _second_moment(self, state: dict[str, Any], g: torch.Tensor, beta2: float, bc2: float) -> torch.Tensor:
+        """Advance the second moment; return the bias-corrected per-element estimate (p's shape)."""
+        if "v_row" in state:
+            g2 = g.square()
+            state["v_row"].mul_(beta2).add_(g2.mean(dim=1), alpha=1 - beta2)
+            state["v_col"].mul_(beta2).add_(g2.mean(dim=0), alpha=1 - beta2)
+            norm = state["v_col"].mean().clamp(min=torch.finfo(torch.float32).tiny)
+            factored: torch.Tensor = torch.outer(state["v_row"], state["v_col"]) / norm / bc2
+            return factored
+        if "vmean" in state:
+            blocks = g.reshape(-1, state["period"])
+            state["vmean"].mul_(beta2).add_(blocks.square().mean(dim=1, keepdim=True), alpha=1 - beta2)
+            shared: torch.Tensor = state["vmean"].expand_as(blocks).reshape(g.shape) / bc2
+            return shared
+        v: torch.Tensor = state["v"]
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        return v / bc2
+
+    def _momentum(self, state: dict[str, Any], g: torch.Tensor, beta1: float) -> torch.Tensor:
+        """Advance the first moment; return what the update applies (the stored value)."""
+        if "m" in state:
+            m: torch.Tensor = state["m"]
+            return m.mul_(beta1).add_(g, alpha=1 - beta1)
+        assert self.codebook is not None
+        blocks = g.reshape(-1, state["period"])
+        u = dequantize(self.codebook, state["codes"], state["scale"]) * beta1 + blocks * (1 - beta1)
+        if "residual" in state:
+            u = u + state["residual"]
+        scale, z = normalize_blocks(u)
+        if self.approx.rounding == "stochastic":
+            seed = (self._steps * 1_000_003 + id(state) % 1_000_003) & 0x7FFFFFFFFFFF
+            codes = stochastic_codeword(self.codebook, z, seed, 0)
+        else:
+            codes = nearest_codeword(self.codebook, z)
+        state["codes"], state["scale"] = codes, scale
+        stored = dequantize(self.codebook, codes, scale)
+        if "residual" in state:
+            state["residual"] = u - stored
+        return stored.reshape(g.shape)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = closure() if closure is not None else None
+        new_items: list[tuple[torch.Tensor, int]] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p in self.state or not bool(p.grad.ne(0).any()):
+                    continue
+                self.state[p] = self._init_state(p, p.grad.float())
+                if self._quantizes(p):
+                    new_items.append((p.grad.float(), self.state[p]["period"]))
+        if self.codebook is None and new_items:
+            self.codebook = self._learn_codebook(new_items)
+        self._steps += 1
+        if self.approx.codebook == "relearned" and self._steps % self.approx.refresh_every == 0:
+            self._refresh_codebook()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p not in self.state or p.grad is None:
+                    if p.grad is not None:
+                        p.mul_(1 - group["lr"] * group["weight_decay"])
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                g = p.grad.float()
+                v_hat = self._second_moment(state, g, beta2, 1 - beta2 ** state["step"])
+                m = self._momentum(state, g, beta1)
+                update = m / (v_hat.sqrt() + group["eps"]) / (1 - beta1 ** state["step"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.sub_(update.to(p.dtype), alpha=group["lr"])
+        return loss
+
+    def state_bytes_per_element(self) -> float:
+        """Bytes of state per parameter element as Gefen would store it (fp32 for exact fields)."""
+        total = 0
+        elements = 0
+        for p, state in self.state.items():
+            elements += p.numel()
+            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+        return total / elements if elements else math.nan

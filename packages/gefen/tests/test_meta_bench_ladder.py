@@ -1,0 +1,81 @@
+"""The quality ladder's instrument: its all-exact rung is AdamW, its all-default rung is Gefen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gefen.bench.ladder import GEFEN_APPROXIMATIONS, LADDER_RUNGS, Approximations, LadderAdamW
+from gefen.bench.optimizers import build_optimizer
+from gefen_core import Gefen
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 32),
+        torch.nn.LayerNorm(32),
+        torch.nn.Linear(32, 96),
+        torch.nn.GELU(),
+        torch.nn.Linear(96, 64),
+    )
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (8, 16), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _parameters(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_the_exact_rung_is_adamw() -> None:
+    reference, instrument = _model(), _model()
+    adamw = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.01)
+    ladder = LadderAdamW(instrument.parameters(), Approximations(), lr=3e-3, weight_decay=0.01)
+    _train(reference, adamw, 6)
+    _train(instrument, ladder, 6)
+    torch.testing.assert_close(_parameters(instrument), _parameters(reference), rtol=1e-5, atol=1e-6)
+    assert ladder.state_bytes_per_element() == 8.0  # m and v in fp32
+
+
+def test_the_gefen_rung_follows_gefen() -> None:
+    reference, instrument = _model(), _model()
+    gefen = Gefen(list(reference.named_parameters()), lr=3e-3, weight_decay=0.01, fused=False)
+    ladder = LadderAdamW(instrument.parameters(), GEFEN_APPROXIMATIONS, lr=3e-3, weight_decay=0.01)
+    start = _parameters(reference)
+    _train(reference, gefen, 6)
+    _train(instrument, ladder, 6)
+    moved = (_parameters(reference) - start).norm()
+    # Same approximations, different rounding order: a code may flip, the trajectory stays put.
+    assert (_parameters(instrument) - _parameters(reference)).norm() < 1e-3 * moved
+    assert gefen.codebook is not None and ladder.codebook is not None
+    torch.testing.assert_close(ladder.codebook, gefen.codebook)
+    for p_ref, p_ins in zip(reference.parameters(), instrument.parameters()):
+        assert gefen.state[p_ref]["automatic_period"] == ladder.state[p_ins]["period"]
+
+
+@pytest.mark.parametrize("rung", sorted(LADDER_RUNGS))
+def test_every_rung_trains(rung: str) -> None:
+    model = _model()
+    optimizer = build_optimizer(f"ladder-{rung}", list(model.named_parameters()), lr=3e-3, weight_decay=0.01)
+    losses = _train(model, optimizer, 8)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+def test_bad_switches_are_refused() -> None:
+    with pytest.raises(ValueError, match="factored"):
+        Approximations(v_1d="factored")
+    with pytest.raises(ValueError, match="refresh_every"):
+        Approximations(codebook="relearned")
+    with pytest.raises(ValueError, match="block_cap"):
+        Approximations(block_cap=-1)
