@@ -66,7 +66,11 @@ def driver() -> Net:
 
 
 def hybrid(named: Any, backup: str) -> GefenMuonHybrid:
-    return GefenMuonHybrid(named, lr=1e-2, weight_decay=0.01, backup_optimizer=backup, fused=False)
+    # Block-shared v for the Gefen backup's matrices: a flattened matrix keeps block v, so with
+    # the default factored v a move onto one process converts the representation (not exact);
+    # the exact cases of this module are about blocks surviving the move.
+    extra = {"backup_kwargs": {"factored_v_2d": False}} if backup == "gefen" else {}
+    return GefenMuonHybrid(named, lr=1e-2, weight_decay=0.01, backup_optimizer=backup, fused=False, **extra)
 
 
 # -- layouts -----------------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def test_the_muon_child_gets_the_reference_hybrid_defaults_not_gefen_muons() -> 
     )
     backup = optimizer.backup
     assert isinstance(backup, Gefen)
-    assert backup.param_groups[0]["factored_v_2d"] is False  # pinned, as the reference measured its recipes
+    # Gefen's own defaults (the reference pinned block-shared v, measured worse on matrices).
+    assert backup.param_groups[0]["factored_v_2d"] is True
+    assert backup.param_groups[0]["force_1d_period_one"] is False
     assert (backup.param_groups[0]["betas"], backup.param_groups[0]["eps"]) == ((0.9, 0.999), 1e-8)
     assert optimizer.backup_optimizer == "gefen"
     assert optimizer.optimizer_contract().implementation == "gefen.GefenMuonHybrid"
@@ -160,7 +162,7 @@ def test_the_hybrid_steps_bit_identically_to_its_children_built_by_hand(backup: 
     )
     other: torch.optim.Optimizer
     if backup == "gefen":
-        other = Gefen(groups, lr=LR, weight_decay=0.2, factored_v_2d=False)
+        other = Gefen(groups, lr=LR, weight_decay=0.2)  # Gefen's own defaults
     else:
         other = torch.optim.AdamW(groups, lr=LR, weight_decay=0.2)  # torch's own AdamW, not the contracted one
     for step in range(4):

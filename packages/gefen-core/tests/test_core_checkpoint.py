@@ -17,7 +17,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "native_state_v1.pt"
+GOLDEN = Path(__file__).parent / "golden" / "native_state_v2.pt"
 
 
 class _Net(torch.nn.Module):
@@ -205,6 +205,15 @@ def _no_codebook(sd: dict[str, Any]) -> None:
         group["_gefen_checkpoint_metadata"]["codebook"] = None
 
 
+def _learned(value: Any) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        sd["gefen_codebook_learned"] = value
+        for group in sd["param_groups"]:
+            group["_gefen_checkpoint_metadata"]["codebook_learned"] = value
+
+    return apply
+
+
 def _factored_on_vector(sd: dict[str, Any]) -> None:
     entry = sd["state"][2]  # proj.bias, a vector
     entry.pop("vmean")
@@ -244,10 +253,12 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "nan_vmean": (_mutate_tensor("vmean", lambda t: t.fill_(float("nan"))), "finite"),
     "missing_v_col": (lambda sd: _factored_state(sd).pop("v_col"), "missing authoritative fields"),
     "factored_vector": (_factored_on_vector, "factored second moment but the parameter is 1-D"),
-    "short_codebook": (_codebook(lambda c: c[:255]), r"shape \(256,\)"),
+    "short_codebook": (_codebook(lambda c: c[:255]), "float32 tensor of 256 entries"),
     "unsorted_codebook": (_codebook(lambda c: c.flip(0)), "sorted"),
     "unpinned_codebook": (_codebook(lambda c: c * 0.5), "exactly -1"),
-    "missing_codebook": (_no_codebook, "no codebook"),
+    "missing_codebook": (_no_codebook, "float32 tensor of 256 entries"),
+    "unlearned_codebook_not_zeros": (_learned(False), "codebook_learned is False but the codebook is not all zeros"),
+    "learned_not_bool": (_learned(1), "codebook_learned must be a bool"),
     "deterministic_mismatch": (_deterministic(True), "deterministic=True"),
     "deterministic_not_bool": (_deterministic(1), "must be a bool"),
     "mirrors_disagree": (_mirror_step, "disagree on global_step"),
@@ -339,7 +350,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 1
+    assert golden["gefen_format_version"] == 2
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.native_state"
     assert_trees_equal(produced, golden, "golden native state dict")
     model = _net()

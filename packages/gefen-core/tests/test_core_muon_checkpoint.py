@@ -17,7 +17,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen, GefenMuon
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v1.pt"
+GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v2.pt"
 
 
 def _named(dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
@@ -130,7 +130,7 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "negative_magnitude": (lambda sd: sd["state"][2]["m_magnitude"].sub_(10.0), ">= 0"),
     "undeclared_key": (_set(_state(2), "momentum_buffer", torch.zeros(16, 48)), "undeclared"),
     "unsorted_codebook": (_codebook(lambda c: c.flip(0)), "sorted"),
-    "missing_codebook": (_no_codebook, "no codebook"),
+    "missing_codebook": (_no_codebook, "float32 tensor of 256 entries"),
     "bad_schedule": (_set(lambda sd: sd["param_groups"][1], "ns_steps", 0), "ns_steps"),
     "bad_mode": (_set(lambda sd: sd["param_groups"][1], "sharded_mode", "fsdp"), "sharded_mode"),
     "missing_option": (lambda sd: sd["param_groups"][0].pop("normuon_eps"), "lacks options"),
@@ -217,7 +217,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 1 and golden["gefen_muon_owners"] is None
+    assert golden["gefen_format_version"] == 2 and golden["gefen_muon_owners"] is None
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.muon_native_state"
     assert_trees_equal(produced, golden, "golden muon native state dict")
     named = _named()

@@ -78,8 +78,8 @@ def test_collective_budget_per_operation(world: GlooWorld) -> None:
     assert counts["budget"] == 2
     assert counts["steady_step_1"] == counts["steady_step_2"] == 1  # the header
     assert counts["steady_step_with_closure"] == 2  # entry vote + header
-    # learning step: header, non-zero vote, one gradient gather, histogram, commit
-    assert counts["learning_step"] == 5
+    # learning step: header, non-zero vote, histogram, commit (periods follow the shape: no gradient gather)
+    assert counts["learning_step"] == 4
     assert counts["refresh"] == 3  # header, histogram, commit
     assert counts["initialize_existing"] == 1  # the header only
 

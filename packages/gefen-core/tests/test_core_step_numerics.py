@@ -173,19 +173,32 @@ def test_zero_size_and_non_contiguous_parameters() -> None:
     assert a.state[empty]["m_codebook"].shape == (0, 1) and a.state[empty]["step"] == 3
 
 
-def test_state_starts_at_the_first_non_zero_gradient() -> None:
+def test_state_starts_at_the_first_gradient_zero_or_not() -> None:
+    """torch's DCP template step (zero gradients, ``lr=0``) makes the state a checkpoint holds,
+    with the shapes a real first step makes, learns no codebook and moves no parameter."""
     torch.manual_seed(8)
     p = torch.nn.Parameter(torch.randn(32, 32))
     q = torch.nn.Parameter(torch.randn(64))
-    opt = Gefen([p, q], lr=1e-2, weight_decay=0.5, fused=False)
-    before = p.detach().clone()
+    opt = Gefen([p, q], lr=0.0, weight_decay=0.5, fused=False)
+    before = [p.detach().clone(), q.detach().clone()]
     _step(opt, [p, q], [torch.zeros(32, 32), torch.zeros(64)])
-    assert not opt.state.get(p) and opt.codebook is None
-    decay = torch.tensor(1 - 1e-2 * 0.5, dtype=torch.float32)
-    assert torch.equal(p.detach(), before * decay)
+    assert opt.state[p]["step"] == 1 and opt.state[q]["step"] == 1 and opt.codebook is None
+    assert torch.equal(p.detach(), before[0]) and torch.equal(q.detach(), before[1])
+    p2, q2 = (torch.nn.Parameter(t.clone()) for t in before)
+    real = Gefen([p2, q2], lr=1e-2, weight_decay=0.5, fused=False)
+    _step(real, [p2, q2], [torch.randn(32, 32), torch.randn(64)])
+    for mine, theirs in ((opt.state[p], real.state[p2]), (opt.state[q], real.state[q2])):
+        assert set(mine) == set(theirs)
+        for key, value in mine.items():
+            if isinstance(value, torch.Tensor):
+                assert (value.dtype, value.shape) == (theirs[key].dtype, theirs[key].shape), key
+            else:
+                assert value == theirs[key], key
+    for group in opt.param_groups:
+        group["lr"] = 1e-2
     _step(opt, [p, q], [torch.randn(32, 32), None])
-    assert opt.state[p]["step"] == 1 and opt.codebook is not None and not opt.state.get(q)
-    assert opt.global_step == 2
+    assert opt.state[p]["step"] == 2 and opt.codebook is not None and opt.state[q]["step"] == 1
+    assert opt.global_step == 2 and not torch.equal(p.detach(), before[0])
 
 
 def test_none_gradient_leaves_parameter_and_state_untouched() -> None:

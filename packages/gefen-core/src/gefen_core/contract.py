@@ -92,7 +92,8 @@ STATE_LAYOUT = OptimizerStateLayout(
     fields=(
         _common(F.FORMAT_VERSION, StateGeometry.SCALAR, "native format version (int)"),
         _common(F.GLOBAL_STEP, StateGeometry.SCALAR, "completed step() calls (int)"),
-        _common(F.CODEBOOK, StateGeometry.TABLE, "shared fp32[256] momentum codebook, or None before learning"),
+        _common(F.CODEBOOK, StateGeometry.TABLE, "shared fp32[256] momentum codebook (zeros before learning)"),
+        _common(F.CODEBOOK_LEARNED, StateGeometry.SCALAR, "whether the codebook has been learned (bool)"),
         _common(F.DETERMINISTIC, StateGeometry.SCALAR, "the deterministic policy the state was produced under"),
         _common(F.TOPOLOGY, StateGeometry.OPAQUE, "per-slot DTensor topology records, None without DTensors"),
         StateField(
@@ -275,7 +276,7 @@ def gefen_contract(
         "gefen.histogram_bins": HISTOGRAM_BINS,
         "gefen.codebook_scope": "process_group" if readiness.scoped else "rank_local",
         "gefen.scope_collective_budget": STEADY_STEP_BUDGET,
-        "gefen.period_search": "within_block_spread_drop",
+        "gefen.period_rule": "shape_rows",
         "gefen.period_fallback_cap": FALLBACK_PERIOD_CAP,
         "gefen.native_format": F.FORMAT_NAME,
         "gefen.native_format_version": F.VERSION,

@@ -22,6 +22,7 @@ from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
 from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
+from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
 from .optimizer_support import (
@@ -61,8 +62,9 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             ``True`` requires one, ``False`` always runs the PyTorch reference.
         factored_v_2d: factored (row x column) second moment for 2-D parameters.
         force_1d_period_one, force_2d_period_one, period_one_substrings: per-element blocks
-            (9 bytes/element) for 1-D parameters, 2-D parameters, or names containing a
-            substring (needs named parameters).
+            (9 bytes/element: AdamW's exact moments) for 1-D parameters, 2-D parameters, or
+            names containing a substring (needs named parameters). A bound flattened element
+            shard is a 1-D tensor to these overrides (it steps like an optimizer built on it).
         codebook_refresh_every: relearn the codebook every N steps (0: never).
         stochastic_round: unbiased stochastic rounding of momentum codes.
         deterministic: ask kernels for fixed reduction orders; recorded in checkpoints.
@@ -150,7 +152,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
         self._device_global_steps: dict[torch.device, torch.Tensor] = {}
         self._version = 0
         self._identity = None
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
             self._check_kernel_provider()
 
@@ -329,16 +331,15 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             if work.state_device_differs:
                 self._move_state(work)
         stats = self._factored_stats(works)
-        self._publish(plan, self._decide(plan, stats), stats)
+        self._publish(plan, self._decide(plan), stats)
 
-    def _decide(self, plan: StepPlan, stats: Stats) -> StepDecision:
+    def _decide(self, plan: StepPlan) -> StepDecision:
         """Learn what this step needs from local gradients (periods of starting parameters, the
         codebook, a due refresh) and stage it; nothing of the optimizer is touched."""
         works = plan.works
-        starting = [w for w in works if w.needs_state and self._starts_now(w, stats)]
-        idle = [w for w in works if w.needs_state and not self._starts_now(w, stats)]
+        starting = [w for w in works if w.needs_state]
         periods = {
-            w.slot: self._policy(self.param_groups[w.group_index]).resolve(w.name, tuple(w.param.shape), w.grad)
+            w.slot: self._policy(self.param_groups[w.group_index]).resolve(w.name, tuple(w.param.shape), w.grad.numel())
             for w in starting
         }
 
@@ -358,7 +359,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             if relearned is not None:
                 refreshed = self._requantize_all(old_codebook, relearned)
                 new_codebook = relearned
-        return self._stage_decision(starting, idle, periods, new_codebook, refreshed)
+        return self._stage_decision(starting, [], periods, new_codebook, refreshed)
 
     def _stage_decision(
         self,
@@ -405,15 +406,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             work.local_nonzero = bool(work.grad.numel()) and bool(work.grad.ne(0).any())
         return work.local_nonzero
 
-    def _starts_now(self, work: ParamWork, stats: Stats) -> bool:
-        """Whether a stateless parameter gets its state now: at its first non-zero gradient
-        (judged over the whole mesh for a row-sharded factored parameter); an empty local
-        piece has nothing to wait for and starts (empty) at its first gradient."""
-        if work.row_sharded and work.variant == FACTORED:
-            _, col_sums = stats[work.slot]
-            return bool(col_sums.sum().item() > 0)
-        return work.local.numel() == 0 or self._locally_nonzero(work)
-
     def _move_state(self, work: ParamWork) -> None:
         assert work.state is not None
         for key, value in list(work.state.items()):
@@ -422,7 +414,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
 
     def _factored_stats(self, works: list[ParamWork]) -> Stats:
         """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
-        all-reduced (a start decision and every rank's update need them first). The other
+        all-reduced (every rank's update needs them first). The other
         factored parameters' sums are taken just before their own update, while the gradient is
         still in cache, by ``gefen.factored_moments/1`` (the statistics and the ``v_row``/``v_col``
         update in one call)."""

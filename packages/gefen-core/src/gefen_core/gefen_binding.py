@@ -35,6 +35,7 @@ from .canonical_state import CanonicalStateMethods
 from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
 from .identity import IdentityMethods
+from .native_records import codebook_record
 from .param_state import COUNTER_KEYS, INDICES, PERIOD
 from .periods import PeriodPolicy
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
@@ -53,12 +54,13 @@ Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _period_search(policy: PeriodPolicy, name: str | None, shape: tuple[int, ...]) -> PeriodOf:
-    """The period of a parameter named ``name`` of ``shape`` from a gradient (overrides, then the search)."""
+    """The period of a piece of ``shape`` of a parameter named ``name``, by its number of
+    elements (overrides, then the shape rule)."""
 
-    def search(gradient: torch.Tensor) -> int:
-        return policy.resolve(name, shape, gradient)
+    def period(numel: int) -> int:
+        return policy.resolve(name, shape, numel)
 
-    return search
+    return period
 
 
 class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
@@ -152,7 +154,7 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
         identity = self._identity
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         needs = NEEDS_GRAD if plan.works else 0
-        if any(w.needs_state and self._locally_nonzero(w) for w in plan.works):
+        if any(w.needs_state for w in plan.works):
             needs |= NEEDS_START
         if self._codebook is None and any(self._locally_nonzero(w) for w in plan.works):
             needs |= NEEDS_NONZERO
@@ -245,10 +247,11 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
         return {"global_step": self._global_step, "codebook": self._codebook, "codebook_scope": scope}
 
     def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
+        fields = codebook_record(common["codebook"])
         return {
             F.FORMAT_VERSION: F.VERSION,
             F.GLOBAL_STEP: common["global_step"],
-            F.CODEBOOK: common["codebook"],
+            **{F.CODEBOOK: fields["codebook"], F.CODEBOOK_LEARNED: fields["codebook_learned"]},
             F.DETERMINISTIC: self._deterministic,
             F.TOPOLOGY: self._topology(),
         }

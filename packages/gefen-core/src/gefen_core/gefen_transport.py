@@ -230,12 +230,12 @@ def plan_piece(
 ) -> PeriodChoice:
     """The target period of ``piece`` (:func:`gefen_core.reblocking.choose_period`).
 
-    Re-inference runs the group's :class:`~gefen_core.periods.PeriodPolicy` on ``sqrt(v)``
-    (a gradient whose square is the second moment), as a first step would on a gradient.
+    Re-inference runs the group's :class:`~gefen_core.periods.PeriodPolicy` (the period a
+    first step would choose for the piece).
     """
 
     def reinfer() -> int:
-        return policy.resolve(name, search_shape, piece.second_moment().sqrt())
+        return policy.resolve(name, search_shape, piece.momentum.numel())
 
     return choose_period(
         piece.momentum,

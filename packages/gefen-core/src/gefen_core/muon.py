@@ -33,6 +33,7 @@ from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_plan import MuonPlan, check_entry, check_matrix, plan_muon_step
 from .muon_portable import GefenMuonPortableState
 from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
+from .native_records import GROUP_MIRROR
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .ops import MUON_DISPATCHED_OPS, KernelDispatch
 from .optimizer_support import (
@@ -190,7 +191,7 @@ class GefenMuon(
         self._version = 0
         self._fp8_warned = False
         self._identity = None
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
             missing = [op for op in MUON_DISPATCHED_OPS if not self._dispatch.available(op)]
             if missing:

@@ -34,8 +34,9 @@ from .muon_learning import LearningResult, is_nonzero
 from .muon_native_state import FORMAT
 from .muon_plan import MuonItem, MuonPlan
 from .muon_state import NORMUON_STEP
+from .native_records import codebook_record
 from .param_state import INDICES, PERIOD, STEP
-from .periods import search_period
+from .periods import shape_period
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
 
@@ -49,10 +50,10 @@ MUON_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.W
 
 
 def _matrix_period(shape: tuple[int, int]) -> PeriodOf:
-    def search(gradient: torch.Tensor) -> int:
-        return search_period(gradient, shape)
+    def period(numel: int) -> int:
+        return shape_period(shape, numel)
 
-    return search
+    return period
 
 
 class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
@@ -136,7 +137,7 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         active = plan.active
         needs = NEEDS_GRAD if active else 0
-        if any(item.state is None and is_nonzero(item.local_grad) for item in active):
+        if any(item.state is None for item in active):
             needs |= NEEDS_START
         if self._codebook is None and any(is_nonzero(item.local_grad) for item in active):
             needs |= NEEDS_NONZERO
@@ -164,7 +165,7 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
             grad = item.local_grad if inverse is None else item.local_grad.mul(inverse)
         state = None if item is None else item.state
         shape = (0, 0) if item is None else item.shape
-        search = _matrix_period(shape)
+        period = _matrix_period(shape)
         return LearnItem(
             fqn=fqn,
             shard=shard,
@@ -172,8 +173,8 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
             has_state=bool(state),
             period=int(state[PERIOD]) if state else None,
             signed=False,
-            local_period=search,
-            logical_period=search,
+            local_period=period,
+            logical_period=period,
         )
 
     def _scope_key(self, item: MuonItem) -> str:
@@ -223,7 +224,7 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
         return {"global_step": self._global_step, "codebook": self._codebook, "codebook_scope": scope}
 
     def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
-        values = {"global_step": common["global_step"], "codebook": common["codebook"]}
+        values = {"global_step": common["global_step"], **codebook_record(common["codebook"])}
         values.update(deterministic=self._deterministic, topology=None, owners=None)
         return {"gefen_format_version": FORMAT.version, **{key: values[name] for name, key in FORMAT.records}}
 

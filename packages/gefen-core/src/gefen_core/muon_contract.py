@@ -97,7 +97,8 @@ def _param(name: str, geometry: StateGeometry, description: str) -> StateField:
 _FIELDS = (
     _common("gefen_format_version", StateGeometry.SCALAR, "native format version (int)"),
     _common("gefen_global_step", StateGeometry.SCALAR, "completed step() calls (int)"),
-    _common("gefen_codebook", StateGeometry.TABLE, "shared fp32[256] momentum codebook, or None before learning"),
+    _common("gefen_codebook", StateGeometry.TABLE, "shared fp32[256] momentum codebook (zeros before learning)"),
+    _common("gefen_codebook_learned", StateGeometry.SCALAR, "whether the codebook has been learned (bool)"),
     _common("gefen_deterministic", StateGeometry.SCALAR, "the deterministic policy the state was produced under"),
     _common("gefen_topology", StateGeometry.OPAQUE, "per-slot topology records of approx DTensors, else None"),
     _common("gefen_muon_owners", StateGeometry.OPAQUE, "owner manifest of distributed-mode matrices, else None"),

@@ -19,7 +19,7 @@ from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, shard_rows, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
-from .muon_learning import LearningResult, is_nonzero, learn_codebook
+from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
 from .muon_plan import MuonItem, MuonPlan, batched_chunks
 from .muon_state import new_muon_state
@@ -27,7 +27,7 @@ from .muon_update import apply_update, finish_update, momentum_call, momentum_in
 from .ops import KernelDispatch
 from .optimizer_support import codebook_on
 from .parameter_update import placeholder_codebook
-from .periods import search_period
+from .periods import shape_period
 
 __all__ = ["MuonExecution"]
 
@@ -134,14 +134,13 @@ class MuonExecution:
     def _state_for(
         self: _Host, item: MuonItem, grad: torch.Tensor, periods: Mapping[int, int]
     ) -> dict[str, Any] | None:
-        """The item's state, created at its first non-zero gradient; ``None`` while it has none."""
+        """The item's state, created at its first gradient (zero or not: the template step of
+        torch's DCP state-dict helpers makes the state a checkpoint loads into)."""
         if item.state:
             return item.state
         period = periods.get(item.slot)
         if period is None:
-            if not is_nonzero(grad):
-                return None
-            period = search_period(grad, item.shape)
+            period = shape_period(item.shape, grad.numel())
         state = new_muon_state(grad.numel(), period, grad.device)
         self.state[item.param] = state
         item.state = state

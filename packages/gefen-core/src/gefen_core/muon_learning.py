@@ -34,7 +34,7 @@ from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets
 from .muon_plan import MuonItem
 from .ops import KernelDispatch
-from .periods import search_period
+from .periods import shape_period
 from .reference_ops import HISTOGRAM_BINS
 
 __all__ = ["LearningResult", "is_nonzero", "learn_codebook"]
@@ -58,7 +58,7 @@ def is_nonzero(gradient: torch.Tensor) -> bool:
 def _contribute(
     gradient: torch.Tensor, shape: tuple[int, int], dispatch: KernelDispatch, deterministic: bool, counts: torch.Tensor
 ) -> int:
-    period = search_period(gradient, shape)
+    period = shape_period(shape, gradient.numel())
     counts += gradient_histogram([(gradient, period)], dispatch, deterministic=deterministic)
     return period
 

@@ -1,4 +1,4 @@
-"""GefenMuon's native state dict (``gefen.muon_native_state`` v1): export and staged loading.
+"""GefenMuon's native state dict (``gefen.muon_native_state`` v2): export and staged loading.
 
 ::
 
@@ -8,9 +8,10 @@
                       ["normuon_v": fp32[R, 1], "normuon_step": int]}},
       "param_groups": [{"params": [pid, ...], <the GefenMuon options>, ["param_names"],
                         "_gefen_checkpoint_metadata": <mirror of the record>}],
-      "gefen_format_version": 1,
+      "gefen_format_version": 2,
       "gefen_global_step": int,
-      "gefen_codebook": fp32[256] | None,
+      "gefen_codebook": fp32[256],                 # zeros until one is learned
+      "gefen_codebook_learned": bool,
       "gefen_deterministic": bool,
       "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement", "global_shape",
                                         "local_shape"} per slot],          # "approx" DTensors only
@@ -51,7 +52,6 @@ from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, build_scope, execu
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_state import MUON_KEYS, NORMUON_KEYS, NORMUON_STEP, NORMUON_V
 from .native_records import (
-    GROUP_MIRROR,
     NativeFormat,
     check_common_record,
     check_state_tensor,
@@ -78,10 +78,11 @@ __all__ = [
 
 FORMAT = NativeFormat(
     "gefen.muon_native_state",
-    1,
+    2,
     (
         ("global_step", "gefen_global_step"),
         ("codebook", "gefen_codebook"),
+        ("codebook_learned", "gefen_codebook_learned"),
         ("deterministic", "gefen_deterministic"),
         ("topology", "gefen_topology"),
         ("owners", "gefen_muon_owners"),
@@ -174,7 +175,7 @@ def export_muon_state_dict(
         }
     record = {
         "global_step": global_step,
-        "codebook": None if codebook is None else codebook.detach().clone(),
+        "codebook": codebook,
         "deterministic": deterministic,
         "topology": _topology(layouts),
         "owners": owners,
@@ -340,6 +341,4 @@ def stage_muon_state_dict(
         for slot, staged in staged_slots.items()
         if layouts[slot].mode != DISTRIBUTED or (scope is not None and layouts[slot].owner == scope.rank)
     }
-    for group in new_groups:
-        group.pop(GROUP_MIRROR, None)
     return StagedMuonState(tuple(new_groups), new_state, codebook, global_step)

@@ -30,7 +30,7 @@ from .gefen_transport import momentum_codes
 from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
 from .parameter_update import placeholder_codebook
-from .periods import search_period
+from .periods import shape_period
 from .reblocking import PeriodChoice, choose_period
 
 __all__ = [
@@ -159,15 +159,15 @@ def check_incoming_muon(
 def plan_muon_piece(
     piece: IncomingMuonPiece, *, search_shape: tuple[int, int], codebook: torch.Tensor | None
 ) -> PeriodChoice:
-    """The target period (:func:`gefen_core.reblocking.choose_period`; re-inference searches the
-    momentum, GefenMuon's first-step rule applied to it as a gradient proxy)."""
+    """The target period (:func:`gefen_core.reblocking.choose_period`; re-inference is the shape
+    rule a first step applies)."""
     return choose_period(
         piece.momentum,
         shape=search_shape,
         second_moment=None,
         codebook=codebook,
         forced_one=False,
-        reinfer=lambda: search_period(piece.momentum.view(piece.shape), search_shape),
+        reinfer=lambda: shape_period(search_shape, piece.momentum.numel()),
     )
 
 

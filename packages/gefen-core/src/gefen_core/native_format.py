@@ -1,4 +1,4 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v1).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v2).
 
 ::
 
@@ -12,16 +12,17 @@
                         "factored_v_2d", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 1,
+      "gefen_format_version": 2,
       "gefen_global_step": int,
-      "gefen_codebook": fp32[256] | None,
+      "gefen_codebook": fp32[256],                 # zeros until one is learned
+      "gefen_codebook_learned": bool,
       "gefen_deterministic": bool,
       "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement",
                                         "global_shape", "local_shape"} per slot],
     }
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 1, "global_step",
-"codebook", "deterministic", "topology"}`` (the same values), repeated in every group because
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 2, "global_step",
+"codebook", "codebook_learned", "deterministic", "topology"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
 unique keys (torch's DCP helpers pass FQN strings); they are matched by position.
@@ -39,6 +40,7 @@ from .native_records import GROUP_MIRROR, NativeFormat
 
 __all__ = [
     "CODEBOOK",
+    "CODEBOOK_LEARNED",
     "FORMAT",
     "DETERMINISTIC",
     "FORMAT_NAME",
@@ -51,21 +53,28 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 1
+VERSION = 2
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"
 CODEBOOK = "gefen_codebook"
+CODEBOOK_LEARNED = "gefen_codebook_learned"
 DETERMINISTIC = "gefen_deterministic"
 TOPOLOGY = "gefen_topology"
 
-TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, DETERMINISTIC, TOPOLOGY)
+TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, CODEBOOK_LEARNED, DETERMINISTIC, TOPOLOGY)
 
 #: The format's record, for :mod:`gefen_core.native_records`.
 FORMAT = NativeFormat(
     FORMAT_NAME,
     VERSION,
-    (("global_step", GLOBAL_STEP), ("codebook", CODEBOOK), ("deterministic", DETERMINISTIC), ("topology", TOPOLOGY)),
+    (
+        ("global_step", GLOBAL_STEP),
+        ("codebook", CODEBOOK),
+        ("codebook_learned", CODEBOOK_LEARNED),
+        ("deterministic", DETERMINISTIC),
+        ("topology", TOPOLOGY),
+    ),
     "Gefen",
 )
 assert FORMAT.top_level_keys == TOP_LEVEL_KEYS

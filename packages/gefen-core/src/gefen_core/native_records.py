@@ -20,9 +20,11 @@ from gefen_contracts import StateValidationError
 
 from .codebook import validate_codebook
 from .errors import GefenOptionError, GefenOptionTypeError
+from .momentum_codec import CODEBOOK_SIZE
 
 __all__ = [
     "GROUP_MIRROR",
+    "codebook_record",
     "NativeFormat",
     "check_common_record",
     "check_state_tensor",
@@ -35,6 +37,9 @@ __all__ = [
     "stage_group",
 ]
 
+#: The per-group copy of the optimizer-wide record. Live groups hold the key too (value ``None``;
+#: ``state_dict()`` writes the record there): ``set_optimizer_state_dict`` with
+#: ``flatten_optimizer_state_dict=True`` rebuilds a group from the live group's keys only.
 GROUP_MIRROR = "_gefen_checkpoint_metadata"
 _VERSION_KEY = "gefen_format_version"
 
@@ -65,13 +70,26 @@ def fail(message: str) -> StateValidationError:
     return StateValidationError(message)
 
 
+def codebook_record(codebook: torch.Tensor | None) -> dict[str, Any]:
+    """The record's codebook fields: always an fp32[256] tensor (zeros before one is learned) and
+    a ``codebook_learned`` flag, so a fresh optimizer's state dict (the template torch's DCP
+    helpers load into) has a tensor where the checkpoint has one."""
+    if codebook is None:
+        return {"codebook": torch.zeros(CODEBOOK_SIZE, dtype=torch.float32), "codebook_learned": False}
+    return {"codebook": codebook.detach().clone(), "codebook_learned": True}
+
+
 def native_state_dict(
     fmt: NativeFormat,
     param_groups: Sequence[Mapping[str, Any]],
     entries: dict[int, dict[str, Any]],
     record: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """``{"state": entries, "param_groups": [...], <top-level record>}``; ids are slot positions."""
+    """``{"state": entries, "param_groups": [...], <top-level record>}``; ids are slot positions.
+
+    ``record["codebook"]`` is the live codebook or ``None``; it is written as
+    :func:`codebook_record`'s two fields."""
+    record = {**record, **codebook_record(record["codebook"])}
     groups: list[dict[str, Any]] = []
     pid = 0
     for group in param_groups:
@@ -127,11 +145,14 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
     present = [key for key in fmt.top_level_keys if key in sd]
     top: dict[str, Any] | None = None
     if present:
+        if _VERSION_KEY in sd and (sd[_VERSION_KEY] != fmt.version or type(sd[_VERSION_KEY]) is not int):
+            raise fail(
+                f"the checkpoint is {fmt.name} version {sd[_VERSION_KEY]!r}; {fmt.optimizer} reads version "
+                f"{fmt.version} only (formats are 0.x: re-save it with the version that wrote it)"
+            )
         if len(present) != len(fmt.top_level_keys):
             missing = sorted(set(fmt.top_level_keys) - set(present))
             raise fail(f"state_dict has some Gefen top-level keys but lacks {missing}")
-        if sd[_VERSION_KEY] != fmt.version or type(sd[_VERSION_KEY]) is not int:
-            raise fail(f"state_dict {_VERSION_KEY} must be {fmt.version}, got {sd[_VERSION_KEY]!r}")
         top = {name: sd[key] for name, key in fmt.records}
     mirrors = [g.get(GROUP_MIRROR) if isinstance(g, Mapping) else None for g in sd["param_groups"]]
     with_mirror = [m for m in mirrors if m is not None]
@@ -140,13 +161,15 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
     records = [] if top is None else [("top level", top)]
     expected_keys = {"format", "format_version", *fmt.fields}
     for index, mirror in enumerate(with_mirror):
-        if not isinstance(mirror, Mapping) or set(mirror) != expected_keys:
-            raise fail(f"param_groups[{index}][{GROUP_MIRROR!r}] has unexpected keys")
-        if mirror["format"] != fmt.name or mirror["format_version"] != fmt.version:
+        if not isinstance(mirror, Mapping):
+            raise fail(f"param_groups[{index}][{GROUP_MIRROR!r}] must be a dict")
+        if mirror.get("format") != fmt.name or mirror.get("format_version") != fmt.version:
             raise fail(
-                f"param_groups[{index}] holds format {mirror['format']!r} version {mirror['format_version']!r}; "
-                f"{fmt.optimizer} reads {fmt.name!r} version {fmt.version}"
+                f"param_groups[{index}] holds format {mirror.get('format')!r} version "
+                f"{mirror.get('format_version')!r}; {fmt.optimizer} reads {fmt.name!r} version {fmt.version}"
             )
+        if set(mirror) != expected_keys:
+            raise fail(f"param_groups[{index}][{GROUP_MIRROR!r}] has unexpected keys")
         records.append((f"param_groups[{index}] mirror", {f: mirror[f] for f in fmt.fields}))
     if not records:
         raise fail(
@@ -154,15 +177,36 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
             f"it was not produced by {fmt.optimizer}.state_dict()"
         )
     first_where, first = records[0]
+    for where, record in records:
+        _check_codebook_fields(record, where)
     for where, other in records[1:]:
         for key in fmt.fields:
             if key == "codebook":
-                a, b = first[key], other[key]
-                if (a is None) != (b is None) or (a is not None and not _same_tensor(a, b)):
+                if not _same_tensor(first[key], other[key]):
                     raise fail(f"{where} and {first_where} disagree on the codebook")
             elif other[key] != first[key] or type(other[key]) is not type(first[key]):
                 raise fail(f"{where} and {first_where} disagree on {key}")
     return first
+
+
+def _check_codebook_fields(record: Mapping[str, Any], where: str) -> None:
+    """The codebook is an fp32[256] tensor and ``codebook_learned`` a bool; an unlearned
+    codebook is all zeros (a learned one is checked by :func:`validate_codebook`)."""
+    learned, codebook = record["codebook_learned"], record["codebook"]
+    if type(learned) is not bool:
+        raise fail(f"{where}: codebook_learned must be a bool, got {type(learned).__name__}")
+    if not isinstance(codebook, torch.Tensor) or codebook.dtype != torch.float32 or codebook.shape != (CODEBOOK_SIZE,):
+        found = (
+            type(codebook).__name__
+            if not isinstance(codebook, torch.Tensor)
+            else f"{codebook.dtype} {tuple(codebook.shape)}"
+        )
+        raise fail(
+            f"{where}: the codebook must be a float32 tensor of {CODEBOOK_SIZE} entries "
+            f"(zeros before one is learned), got {found}"
+        )
+    if not learned and bool(codebook.detach().ne(0).any()):
+        raise fail(f"{where}: codebook_learned is False but the codebook is not all zeros")
 
 
 def check_common_record(
@@ -182,10 +226,9 @@ def check_common_record(
             "the checkpoint's DTensor topology (mesh size, coordinate, placements, shapes) differs from the live one; "
             f"rank-local {optimizer} state loads only into the same topology"
         )
-    codebook = record["codebook"]
-    if codebook is not None:
-        codebook = validate_codebook(codebook, "codebook").clone()
-    return global_step, codebook
+    if not record["codebook_learned"]:
+        return global_step, None
+    return global_step, validate_codebook(record["codebook"], "codebook").clone()
 
 
 def check_state_tensor(
@@ -239,6 +282,7 @@ def stage_group(
         raise fail(f"invalid hyperparameter in the checkpoint: {exc}") from None
     new = {key: value for key, value in saved.items() if key not in ("params", GROUP_MIRROR)}
     new.update(options)
+    new[GROUP_MIRROR] = None
     if isinstance(new.get("lr"), torch.Tensor):
         new["lr"] = new["lr"].detach().clone()
     live_names = live.get("param_names")

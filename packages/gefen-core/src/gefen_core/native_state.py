@@ -82,7 +82,7 @@ def export_state_dict(
             pid += 1
     record = {
         "global_step": global_step,
-        "codebook": None if codebook is None else codebook.detach().clone(),
+        "codebook": codebook,
         "deterministic": deterministic,
         "topology": topology,
     }

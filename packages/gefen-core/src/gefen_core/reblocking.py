@@ -20,9 +20,8 @@ The period rule (:func:`choose_period`), for a piece of ``L`` elements:
    rank-local and relearned), the largest candidate wins when the source was block-shaped
    (``v`` stays exact: target blocks lie inside constant runs), else ``F``.
 3. **Re-inference**: otherwise the period a fresh optimizer would choose for the piece
-   (:func:`gefen_core.periods.search_period` or the group's
-   :class:`~gefen_core.periods.PeriodPolicy`) on a gradient proxy whose square is ``v``
-   (the momentum for GefenMuon); candidates between ``F`` and that period are tried for
+   (:func:`gefen_core.periods.shape_period` through the group's
+   :class:`~gefen_core.periods.PeriodPolicy`); candidates between ``F`` and that period are tried for
    exactness first, and a block-shaped source keeps the largest candidate below
    ``max(F, P)`` so ``v`` stays exact.
 

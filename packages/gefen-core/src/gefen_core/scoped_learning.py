@@ -4,17 +4,15 @@ The aim is what one process would learn from the complete logical gradients, wha
 placement: every member ends with the same codebook and, for shared parameters, the same
 periods. Parameters are named by FQN (the manifest's sorted FQNs are the common index):
 
-1. **Which parameters start.** A parameter's state starts at its first non-zero gradient,
-   judged on the complete logical gradient: one ``all_reduce(MAX)`` of per-FQN flags tells
-   every member which parameters are non-zero anywhere, and which have state (a member
-   holding a shared parameter with state while another holds it without raises everywhere).
-2. **Periods.** Replicated parameters and whole-parameter owners run the period search on
-   their complete local gradient. A starting ``FLATTENED_ELEMENT_SHARD`` parameter's slices
-   are gathered (one ``all_gather`` per bucket of at most :data:`GATHER_BUDGET_BYTES`, as
-   float64, an exact widening) so every member runs the search on the complete gradient
-   with the logical shape, exactly as one process would. A member whose slice starts and
-   ends on multiples of that period uses it (blocks then coincide with one process's
-   blocks); otherwise it searches its own slice (as without a scope).
+1. **Which parameters start.** A parameter's state starts at its first gradient, zero or
+   not (the state's shapes follow from the shape alone). One ``all_reduce(MAX)`` of per-FQN
+   flags tells every member which parameters are non-zero anywhere (only those feed a first
+   codebook) and which have state (a member holding a shared parameter with state while
+   another holds it without raises everywhere).
+2. **Periods** follow from the shape (:func:`gefen_core.periods.shape_period`), so no
+   gradient is exchanged: a ``FLATTENED_ELEMENT_SHARD`` member whose slice starts and ends
+   on multiples of the logical parameter's period uses it (its blocks are then one
+   process's blocks); otherwise it cuts its own slice (as without a scope).
 3. **Codebook.** Each logical parameter is counted once in the 4096-bin histogram: a
    replicated parameter by member 0, a flattened one by every non-empty slice, a
    whole-parameter one by its owner. One ``all_reduce(SUM)`` of int64 counts (exact, order
@@ -41,18 +39,15 @@ from .codebook_scope import (
     Failure,
     digest_words,
     fault_point,
-    gather_bytes,
     reduce_with_failure,
 )
 from .errors import ShardAgreementError
 from .ops import KernelDispatch
 
-__all__ = ["GATHER_BUDGET_BYTES", "LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
+__all__ = ["LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
 
-#: Largest gathered buffer (bytes, all members together) of one flattened-gradient gather.
-GATHER_BUDGET_BYTES = 256 << 20
-
-PeriodOf = Callable[[torch.Tensor], int]
+#: The period of a piece of a given number of elements.
+PeriodOf = Callable[[int], int]
 
 
 @dataclass(slots=True, eq=False)
@@ -62,8 +57,8 @@ class LearnItem:
     ``shard`` is ``None`` for a slot of an unfinalized optimizer (learned locally). ``grad``
     is this member's local gradient, already unscaled (``None`` without one, or for a pruned
     non-owner slot). ``period`` is the stored period when the parameter has state.
-    ``local_period`` searches a local gradient (the rule without a scope); ``logical_period``
-    searches the complete logical gradient of a flattened parameter (logical shape).
+    ``local_period`` is the period of the local piece (the rule without a scope), by its
+    number of elements; ``logical_period`` that of the whole logical parameter.
     """
 
     fqn: str
@@ -148,79 +143,8 @@ def _decide_starts(
             "checkpoint was loaded on some members only?); nothing was changed"
         )
     nonzero = frozenset(fqns[i] for i in reduced[:count].nonzero().flatten().tolist())
-    starting = frozenset(
-        item.fqn for item in items if item.grad is not None and not item.has_state and item.fqn in nonzero
-    )
+    starting = frozenset(item.fqn for item in items if item.grad is not None and not item.has_state)
     return nonzero, starting
-
-
-def _flat_buckets(binding: ProcessGroupBinding, flats: list[LearnItem]) -> list[list[LearnItem]]:
-    buckets: list[list[LearnItem]] = []
-    used = 0
-    for item in flats:
-        assert item.shard is not None
-        cost = 8 * item.shard.parameter.numel * binding.member_count
-        if buckets and used + cost <= GATHER_BUDGET_BYTES:
-            buckets[-1].append(item)
-            used += cost
-        else:
-            buckets.append([item])
-            used = cost
-    return buckets
-
-
-def _member_slices(binding: ProcessGroupBinding, shards: Sequence[ShardIdentity]) -> dict[str, tuple[int, int]]:
-    """Member -> ``(flat_offset, length)`` of one flattened parameter (from the manifest)."""
-    out: dict[str, tuple[int, int]] = {}
-    for shard in shards:
-        assert shard.local_member is not None
-        out[shard.local_member] = (shard.extent.flat_offset, shard.extent.numel)  # type: ignore[union-attr]
-    return out
-
-
-def _flattened_periods(
-    binding: ProcessGroupBinding,
-    manifest_shards: Callable[[str], Sequence[ShardIdentity]],
-    flats: list[LearnItem],
-    failure: Failure | None,
-    who: str,
-) -> tuple[dict[str, int], dict[str, int], Failure | None]:
-    """Periods of starting flattened parameters from their complete gradients (gathered)."""
-    periods: dict[str, int] = {}
-    logical: dict[str, int] = {}
-    members = binding.identity.ordered_members
-    for bucket in _flat_buckets(binding, flats):
-        layouts = [_member_slices(binding, manifest_shards(item.fqn)) for item in bucket]
-        sizes = [8 * sum(layout[member][1] for layout in layouts) for member in members]
-        payload = b""
-        if failure is None:
-            try:
-                parts = [item.grad.detach().reshape(-1).to(torch.float64).contiguous() for item in bucket]  # type: ignore[union-attr]
-                payload = b"".join(part.numpy().tobytes() for part in parts)
-            except Exception as exc:
-                failure = Failure(PERIOD_PHASE, exc)
-        received = gather_bytes(binding, payload, sizes, failure=failure, phase=PERIOD_PHASE, who=who)
-        if failure is not None:
-            continue
-        try:
-            fulls = [torch.zeros(item.shard.parameter.numel, dtype=torch.float64) for item in bucket]  # type: ignore[union-attr]
-            for member, data in zip(members, received):
-                raw = torch.frombuffer(bytearray(data), dtype=torch.float64) if data else torch.zeros(0)
-                cursor = 0
-                for full, layout in zip(fulls, layouts):
-                    offset, length = layout[member]
-                    full[offset : offset + length] = raw[cursor : cursor + length]
-                    cursor += length
-            for item, full in zip(bucket, fulls):
-                assert item.shard is not None and item.grad is not None
-                period = item.logical_period(full.view(item.shard.parameter.global_shape))
-                logical[item.fqn] = period
-                offset, length = item.shard.extent.flat_offset, item.shard.local_numel  # type: ignore[union-attr]
-                aligned = offset % period == 0 and length % period == 0
-                periods[item.fqn] = period if aligned else item.local_period(item.grad)
-        except Exception as exc:
-            failure = Failure(PERIOD_PHASE, exc)
-    return periods, logical, failure
 
 
 def learn_over_scope(
@@ -228,7 +152,6 @@ def learn_over_scope(
     fqns: Sequence[str],
     items: Sequence[LearnItem],
     *,
-    manifest_shards: Callable[[str], Sequence[ShardIdentity]],
     decide_starts: bool,
     learn_codebook: bool,
     refresh: bool,
@@ -252,25 +175,22 @@ def learn_over_scope(
     if decide_starts:
         nonzero, outcome.starting = _decide_starts(binding, fqns, items, failure, who)
     selected = [item for item in items if item.fqn in outcome.starting and item.grad is not None]
-    gathered = binding is not None
-    flats = [item for item in selected if gathered and item.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD]
     if failure is None:
         try:
             for item in selected:
-                if any(item is flat for flat in flats):
-                    continue
                 assert item.grad is not None
-                period = item.local_period(item.grad)
-                outcome.periods[item.fqn] = period
-                if _shared(item):
+                period = item.local_period(item.grad.numel())
+                if item.shard is not None and item.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
+                    logical = item.logical_period(item.shard.parameter.numel)
+                    offset, length = item.shard.extent.flat_offset, item.shard.local_numel  # type: ignore[union-attr]
+                    if offset % logical == 0 and length % logical == 0:
+                        period = logical
+                    outcome.shared_periods[item.fqn] = logical
+                elif _shared(item):
                     outcome.shared_periods[item.fqn] = period
+                outcome.periods[item.fqn] = period
         except Exception as exc:
             failure = Failure(PERIOD_PHASE, exc)
-    if flats:
-        assert binding is not None
-        periods, logical, failure = _flattened_periods(binding, manifest_shards, flats, failure, who)
-        outcome.periods.update(periods)
-        outcome.shared_periods.update(logical)
     if failure is None:
         try:
             fault_point(PERIOD_PHASE)

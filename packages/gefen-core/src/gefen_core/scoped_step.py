@@ -132,12 +132,10 @@ def _learn(
     who: str,
 ) -> LearningOutcome:
     binding = None if identity is None else identity.scope
-    manifest = None if identity is None else identity.manifest
     return learn_over_scope(
         binding,
         _fqns(identity, items),
         items,
-        manifest_shards=manifest.for_parameter if manifest is not None else (lambda fqn: ()),
         decide_starts=decide_starts,
         learn_codebook=learn_codebook,
         refresh=refresh,

@@ -14,14 +14,17 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 
 * ``v_2d`` / ``v_1d``: the second moment of 2-D / 1-D parameters: ``"exact"`` (Adam's
   per-element EMA), ``"factored"`` (2-D only: EMAs of row and column means of ``g^2``,
-  ``V = v_row v_col / mean(v_col)``) or ``"block"`` (one EMA of the block mean of ``g^2``).
+  ``V = v_row v_col / mean(v_col)``), ``"block"`` (one EMA of the block mean of ``g^2``) or
+  ``"column-shaped"`` (2-D only: one EMA ``w`` of the mean of ``g^2`` per block of
+  ``v_block`` elements of a row, shaped within the block by the column EMA ``v_col``:
+  ``V_ij = w_ib v_col_j / mean_{k in b} v_col_k``; with ``v_block`` = the row length it
+  is exactly ``"factored"``).
 * ``momentum``: ``"exact"`` (fp32) or ``"quantized"``: ``u = b1 m + (1 - b1) g`` stored as
   a uint8 code into a 256-entry codebook times one fp32 scale ``max |u|`` per block.
 * ``quantize_1d``: whether 1-D parameters' momentum is quantised too.
-* ``blocks``: how blocks are chosen: ``"search"`` (Gefen's period search on the first
-  gradient, then its fallback) or ``"row"`` (a rule on the shape alone: the row, or for 1-D
-  parameters the largest divisor of the length not above 2048); ``block_cap`` then splits
-  each block into the largest divisor not above the cap (finer momentum scales).
+* ``block_cap``: blocks follow Gefen's shape rule (:func:`gefen_core.periods.shape_period`:
+  the row, cut at 2048); a cap splits each block into the largest divisor not above it
+  (finer momentum scales).
 * ``codebook``: ``"learned"`` (exact DP on the first gradient's block-normalised histogram),
   ``"uniform"`` (256 evenly spaced codewords on ``[-1, 1]``) or ``"relearned"`` (learned,
   then learned again every ``refresh_every`` steps from the momentum's own histogram).
@@ -40,12 +43,12 @@ from typing import Any, Literal
 import torch
 from gefen_core.codebook import codebook_from_counts
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks, stochastic_codeword
-from gefen_core.periods import largest_divisor_at_most, memory_safe_fallback, search_period
+from gefen_core.periods import largest_divisor_at_most, shape_period
 from gefen_core.reference_ops import histogram_reference
 
 __all__ = ["GEFEN_APPROXIMATIONS", "LADDER_RUNGS", "Approximations", "LadderAdamW"]
 
-SecondMoment = Literal["exact", "factored", "block"]
+SecondMoment = Literal["exact", "factored", "block", "column-shaped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +59,8 @@ class Approximations:
     v_1d: SecondMoment = "exact"
     momentum: Literal["exact", "quantized"] = "exact"
     quantize_1d: bool = True
-    blocks: Literal["search", "row"] = "search"
     block_cap: int = 0
+    v_block: int = 0
     codebook: Literal["learned", "uniform", "relearned"] = "learned"
     refresh_every: int = 0
     rounding: Literal["nearest", "stochastic"] = "nearest"
@@ -68,8 +71,8 @@ class Approximations:
             raise ValueError("a 1-D parameter has no factored second moment")
         if self.codebook == "relearned" and self.refresh_every <= 0:
             raise ValueError("codebook='relearned' needs refresh_every > 0")
-        if self.block_cap < 0:
-            raise ValueError(f"block_cap must be >= 0, got {self.block_cap}")
+        if self.block_cap < 0 or self.v_block < 0:
+            raise ValueError(f"block_cap and v_block must be >= 0, got {self.block_cap}, {self.v_block}")
 
     def but(self, **changes: Any) -> Approximations:
         """A copy with ``changes`` applied."""
@@ -80,38 +83,28 @@ class Approximations:
 GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized")
 
 _EXACT = Approximations()
-#: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): first the climb
-#: from AdamW to Gefen, one approximation at a time, then single changes to Gefen.
+#: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): the climb from
+#: AdamW to Gefen one approximation at a time, single changes to AdamW, then single changes to
+#: Gefen.
 LADDER_RUNGS: dict[str, Approximations] = {
     "exact": _EXACT,
     "v2d-factored": _EXACT.but(v_2d="factored"),
-    "v2d-block": _EXACT.but(v_2d="block"),
-    "v1d-block": _EXACT.but(v_2d="factored", v_1d="block"),
-    "m-quantized": _EXACT.but(momentum="quantized"),
-    "m-quantized-row": _EXACT.but(momentum="quantized", blocks="row"),
-    "m-quantized-uniform": _EXACT.but(momentum="quantized", codebook="uniform"),
     "gefen": GEFEN_APPROXIMATIONS,
-    "gefen-row": GEFEN_APPROXIMATIONS.but(blocks="row"),
-    "gefen-exact-1d": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
+    "v2d-block": _EXACT.but(v_2d="block"),
+    "m-quantized": _EXACT.but(momentum="quantized", quantize_1d=False),
+    "gefen-v1d-exact": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
+    "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
+    "gefen-v2d-column-shaped-32": GEFEN_APPROXIMATIONS.but(v_2d="column-shaped", v_block=32),
     "gefen-cap128": GEFEN_APPROXIMATIONS.but(block_cap=128),
     "gefen-uniform": GEFEN_APPROXIMATIONS.but(codebook="uniform"),
     "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),
     "gefen-stochastic": GEFEN_APPROXIMATIONS.but(rounding="stochastic"),
     "gefen-feedback": GEFEN_APPROXIMATIONS.but(error_feedback=True),
-    "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
 }
 
 
-def _period(approx: Approximations, shape: torch.Size, grad: torch.Tensor) -> int:
-    numel = grad.numel()
-    if numel <= 1:
-        return 1
-    if approx.blocks == "search":
-        period = search_period(grad, tuple(shape))
-    elif len(shape) >= 2:
-        period = int(shape[-1])
-    else:
-        period = memory_safe_fallback(numel, None)
+def _period(approx: Approximations, shape: torch.Size) -> int:
+    period = shape_period(tuple(shape), shape.numel())
     if approx.block_cap and period > approx.block_cap:
         period = largest_divisor_at_most(period, approx.block_cap)
     return period
@@ -140,14 +133,18 @@ class LadderAdamW(torch.optim.Optimizer):
     def _second_moment_kind(self, p: torch.Tensor) -> SecondMoment:
         return self.approx.v_2d if p.ndim == 2 else self.approx.v_1d if p.ndim == 1 else "exact"
 
-    def _init_state(self, p: torch.Tensor, grad: torch.Tensor) -> dict[str, Any]:
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state: dict[str, Any] = {"step": 0}
         kind = self._second_moment_kind(p)
         needs_blocks = kind == "block" or self._quantizes(p)
-        period = _period(self.approx, p.shape, grad) if needs_blocks else 1
+        period = _period(self.approx, p.shape) if needs_blocks else 1
         state["period"] = period
         if kind == "factored":
             state["v_row"] = torch.zeros(p.shape[0])
+            state["v_col"] = torch.zeros(p.shape[1])
+        elif kind == "column-shaped":
+            width = largest_divisor_at_most(p.shape[1], self.approx.v_block or p.shape[1])
+            state["v_blocks"] = torch.zeros(p.shape[0], p.shape[1] // width, 1)
             state["v_col"] = torch.zeros(p.shape[1])
         elif kind == "block":
             state["vmean"] = torch.zeros(p.numel() // period, 1)
@@ -197,6 +194,16 @@ class LadderAdamW(torch.optim.Optimizer):
             norm = state["v_col"].mean().clamp(min=torch.finfo(torch.float32).tiny)
             factored: torch.Tensor = torch.outer(state["v_row"], state["v_col"]) / norm / bc2
             return factored
+        if "v_blocks" in state:
+            w, c = state["v_blocks"], state["v_col"]
+            g2 = g.square()
+            c.mul_(beta2).add_(g2.mean(dim=0), alpha=1 - beta2)
+            tiles = g2.view(g.shape[0], w.shape[1], -1)
+            w.mul_(beta2).add_(tiles.mean(dim=2, keepdim=True), alpha=1 - beta2)
+            shape = c.view(w.shape[1], -1)
+            shape = shape / shape.mean(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            shaped: torch.Tensor = (w * shape.unsqueeze(0)).reshape(g.shape) / bc2
+            return shaped
         if "vmean" in state:
             blocks = g.reshape(-1, state["period"])
             state["vmean"].mul_(beta2).add_(blocks.square().mean(dim=1, keepdim=True), alpha=1 - beta2)
@@ -236,7 +243,7 @@ class LadderAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None or p in self.state or not bool(p.grad.ne(0).any()):
                     continue
-                self.state[p] = self._init_state(p, p.grad.float())
+                self.state[p] = self._init_state(p)
                 if self._quantizes(p):
                     new_items.append((p.grad.float(), self.state[p]["period"]))
         if self.codebook is None and new_items:

@@ -160,7 +160,10 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             "adamw", "torch.optim.AdamW (fused where torch supports it), fp32 state", _build_adamw, _always_available
         ),
         OptimizerEntry(
-            "gefen", "gefen_core.Gefen, defaults (factored v for 2-D tensors)", _gefen_builder(), _always_available
+            "gefen",
+            "gefen_core.Gefen, defaults (factored v for 2-D tensors, block-shared state for 1-D ones)",
+            _gefen_builder(),
+            _always_available,
         ),
         OptimizerEntry(
             "gefen-block",
@@ -201,7 +204,7 @@ _REGISTRY: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             "gefen-muon-hybrid",
-            "gefen.GefenMuonHybrid: GefenMuon for hidden matrices, Gefen(factored_v_2d=False) for the rest",
+            "gefen.GefenMuonHybrid: GefenMuon for hidden matrices, Gefen (defaults) for the rest",
             _hybrid_builder("gefen"),
             _always_available,
         ),

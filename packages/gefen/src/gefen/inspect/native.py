@@ -16,26 +16,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
+from gefen_core.native_format import FORMAT as GEFEN_FORMAT
 
 from .report import CheckpointDescription, ParameterSummary, Problem
 
 __all__ = ["describe_native", "is_native_state_dict"]
 
-_GEFEN = "gefen.native_state"
-_MUON = "gefen.muon_native_state"
+_GEFEN = GEFEN_FORMAT.name
+_MUON = MUON_FORMAT.name
 _COMPOSITE = "gefen.composite_native_state"
 _MIRROR = "_gefen_checkpoint_metadata"
-_RECORD_KEYS = {
-    _GEFEN: ("gefen_global_step", "gefen_codebook", "gefen_deterministic", "gefen_topology"),
-    _MUON: ("gefen_global_step", "gefen_codebook", "gefen_deterministic", "gefen_topology", "gefen_muon_owners"),
-}
-_MIRROR_FIELDS = {
-    "gefen_global_step": "global_step",
-    "gefen_codebook": "codebook",
-    "gefen_deterministic": "deterministic",
-    "gefen_topology": "topology",
-    "gefen_muon_owners": "owners",
-}
+_FORMATS = {fmt.name: fmt for fmt in (GEFEN_FORMAT, MUON_FORMAT)}
+_RECORD_KEYS = {fmt.name: tuple(key for _, key in fmt.records) for fmt in _FORMATS.values()}
+_MIRROR_FIELDS = {key: name for fmt in _FORMATS.values() for name, key in fmt.records}
 _IMPLEMENTATIONS = {_GEFEN: "gefen.Gefen", _MUON: "gefen.GefenMuon"}
 
 
@@ -175,16 +169,23 @@ def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tu
     from gefen_core.codebook import validate_codebook
 
     keys = _RECORD_KEYS[fmt]
+    expected = _FORMATS[fmt].version
     version = state_dict.get("gefen_format_version")
-    if version != 1 or type(version) is not int:
-        check.fail("gefen_format_version", f"must be the int 1 (the version this library reads), got {version!r}")
+    if version != expected or type(version) is not int:
+        check.fail(
+            "gefen_format_version",
+            f"must be the int {expected} (the version this library reads), got {version!r}",
+        )
     missing = [key for key in keys if key not in state_dict]
     if missing:
         check.fail("top level", f"missing {missing}")
     step = state_dict.get("gefen_global_step")
     if not _is_count(step):
         check.fail("gefen_global_step", f"must be a non-negative int, got {step!r}")
-    codebook = state_dict.get("gefen_codebook")
+    learned = state_dict.get("gefen_codebook_learned")
+    if type(learned) is not bool:
+        check.fail("gefen_codebook_learned", f"must be a bool, got {learned!r}")
+    codebook = state_dict.get("gefen_codebook") if learned else None
     if codebook is not None:
         try:
             validate_codebook(codebook, "gefen_codebook")
@@ -199,8 +200,11 @@ def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tu
         if not isinstance(mirror, Mapping):
             check.fail(where, "is missing (every group mirrors the optimizer-wide record)")
             continue
-        if mirror.get("format") != fmt or mirror.get("format_version") != 1:
-            check.fail(where, f"names format {mirror.get('format')!r} v{mirror.get('format_version')!r}, not {fmt} v1")
+        if mirror.get("format") != fmt or mirror.get("format_version") != expected:
+            check.fail(
+                where,
+                f"names format {mirror.get('format')!r} v{mirror.get('format_version')!r}, not {fmt} v{expected}",
+            )
         for key in keys:
             field = _MIRROR_FIELDS[key]
             mine, top = mirror.get(field), state_dict.get(key)
@@ -220,6 +224,12 @@ def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tu
     if isinstance(owners, Mapping):
         facts.append(("owners", f"{owners.get('ownership')}, saved on {owners.get('world_size')} rank(s)"))
     return facts
+
+
+def _moving(entry: object) -> bool:
+    """Whether a state entry holds non-zero quantized momentum."""
+    magnitude = entry.get("m_magnitude") if isinstance(entry, Mapping) else None
+    return isinstance(magnitude, torch.Tensor) and bool(magnitude.ne(0).any())
 
 
 def _torch_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
@@ -261,8 +271,11 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
     facts: list[tuple[str, str]] = []
     if fmt in _RECORD_KEYS:
         facts = _record(check, state_dict, fmt)
-        if state and state_dict.get("gefen_codebook") is None and any("m_codebook" in e for e in state.values()):
-            check.fail("gefen_codebook", "is None but momentum indices exist (they would be meaningless)")
+        learned = state_dict.get("gefen_codebook_learned") is True
+        if state and not learned and any(_moving(e) for e in state.values()):
+            check.fail(
+                "gefen_codebook", "is not learned but non-zero momentum exists (its indices would be meaningless)"
+            )
     parameters = []
     for pid in listed:
         entry = state.get(pid, {})
@@ -282,7 +295,7 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
             detail = f"step {entry.get('step')}" if "step" in entry else ""
         parameters.append(ParameterSummary(names[pid], shape, variant, _tensor_bytes(entry), detail))
     if fmt in _RECORD_KEYS:
-        kind, implementation, version = "native optimizer state dict", _IMPLEMENTATIONS[fmt], 1
+        kind, implementation, version = "native optimizer state dict", _IMPLEMENTATIONS[fmt], _FORMATS[fmt].version
     else:
         kind, implementation, version = "torch optimizer state dict", None, None
         fmt = "torch.optim state_dict"
