@@ -1,8 +1,8 @@
 """Learning GefenMuon's codebook and periods at its first step with a non-zero gradient.
 
 The codebook and periods are Gefen's (:mod:`gefen_core.codebook`, :mod:`gefen_core.periods`):
-each matrix's period comes from its first non-zero gradient (the raw search with the
-memory-safe fallback; GefenMuon has no period-one overrides), and one codebook is solved
+each matrix's period follows its shape (:func:`gefen_core.periods.shape_period`; GefenMuon
+has no period-one overrides), and one codebook is solved
 from the 4096-bin histogram of every contributing, block-normalised gradient.
 
 What contributes, and where:

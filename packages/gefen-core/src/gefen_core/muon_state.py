@@ -1,6 +1,6 @@
 """GefenMuon's per-parameter state: its keys, creation, and checks against the live parameter.
 
-A matrix has no state until its first non-zero gradient. Then it holds the quantized momentum
+A matrix has no state until its first gradient (zero or not). Then it holds the quantized momentum
 (the same codec as Gefen's first moment) and, while its group uses NorMuon, the row statistics:
 
 * ``automatic_period`` (int ``P``), ``step`` (int, updates so far);

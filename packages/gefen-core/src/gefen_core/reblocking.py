@@ -218,11 +218,11 @@ def choose_period(
     """The target piece's period by the module's rule.
 
     ``momentum`` is the piece's dense momentum (flat order = the piece's row-major order);
-    ``shape`` the shape the optimizer's period search sees for the piece (a DTensor's global
+    ``shape`` the shape the optimizer's period rule sees for the piece (a DTensor's global
     shape, else the local one); ``second_moment`` the dense *block* second moment when the
     source kept one (``None`` for factored sources and GefenMuon); ``codebook`` the source's
     codebook when it is kept; ``reinfer()`` computes the period a fresh optimizer would
-    choose (called only when needed: it is the expensive search).
+    choose (called only when needed).
     """
     numel = momentum.numel()
     if numel == 0:

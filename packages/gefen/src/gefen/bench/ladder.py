@@ -31,6 +31,12 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 * ``rounding``: ``"nearest"`` or ``"stochastic"`` (unbiased).
 * ``error_feedback``: carry each element's quantisation residual into the next step's
   EMA (a diagnostic: the residual is a dense fp32 buffer, 4 more bytes per element).
+* ``apply``: what the update applies: ``"stored"`` (the requantised momentum, as Gefen 0.1)
+  or ``"exact"`` (the EMA ``u`` before requantisation, as torchao's low-bit AdamW: the
+  rounding error then reaches the parameters only through the next step's ``beta1 m``).
+* ``quantize``: what the codes hold: ``"momentum"`` (``u`` itself) or ``"preconditioned"``
+  (``u / (sqrt(V) + eps)``, the update's direction, so every element is rounded to the same
+  *update* resolution; decoded with the current step's ``V``, no extra state).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class Approximations:
     refresh_every: int = 0
     rounding: Literal["nearest", "stochastic"] = "nearest"
     error_feedback: bool = False
+    apply: Literal["stored", "exact"] = "stored"
+    quantize: Literal["momentum", "preconditioned"] = "momentum"
 
     def __post_init__(self) -> None:
         if self.v_1d == "factored":
@@ -100,6 +108,9 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),
     "gefen-stochastic": GEFEN_APPROXIMATIONS.but(rounding="stochastic"),
     "gefen-feedback": GEFEN_APPROXIMATIONS.but(error_feedback=True),
+    "gefen-apply-exact": GEFEN_APPROXIMATIONS.but(apply="exact"),
+    "gefen-preconditioned": GEFEN_APPROXIMATIONS.but(quantize="preconditioned"),
+    "gefen-preconditioned-apply-exact": GEFEN_APPROXIMATIONS.but(quantize="preconditioned", apply="exact"),
 }
 
 
@@ -213,14 +224,20 @@ class LadderAdamW(torch.optim.Optimizer):
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         return v / bc2
 
-    def _momentum(self, state: dict[str, Any], g: torch.Tensor, beta1: float) -> torch.Tensor:
-        """Advance the first moment; return what the update applies (the stored value)."""
+    def _momentum(self, state: dict[str, Any], g: torch.Tensor, beta1: float, denom: torch.Tensor) -> torch.Tensor:
+        """Advance the first moment; return what the update applies. ``denom`` is the step's
+        ``sqrt(V) + eps`` (used when the codes hold the preconditioned momentum)."""
         if "m" in state:
             m: torch.Tensor = state["m"]
             return m.mul_(beta1).add_(g, alpha=1 - beta1)
         assert self.codebook is not None
         blocks = g.reshape(-1, state["period"])
-        u = dequantize(self.codebook, state["codes"], state["scale"]) * beta1 + blocks * (1 - beta1)
+        unit = denom.reshape(blocks.shape) if self.approx.quantize == "preconditioned" else None
+        decoded = dequantize(self.codebook, state["codes"], state["scale"])
+        u = (decoded if unit is None else decoded * unit) * beta1 + blocks * (1 - beta1)
+        exact = u
+        if unit is not None:
+            u = u / unit
         if "residual" in state:
             u = u + state["residual"]
         scale, z = normalize_blocks(u)
@@ -233,37 +250,52 @@ class LadderAdamW(torch.optim.Optimizer):
         stored = dequantize(self.codebook, codes, scale)
         if "residual" in state:
             state["residual"] = u - stored
-        return stored.reshape(g.shape)
+        if self.approx.apply == "exact":
+            return exact.reshape(g.shape)
+        return (stored if unit is None else stored * unit).reshape(g.shape)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure() if closure is not None else None
-        new_items: list[tuple[torch.Tensor, int]] = []
+        new: list[torch.Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or p in self.state or not bool(p.grad.ne(0).any()):
                     continue
                 self.state[p] = self._init_state(p)
-                if self._quantizes(p):
-                    new_items.append((p.grad.float(), self.state[p]["period"]))
-        if self.codebook is None and new_items:
-            self.codebook = self._learn_codebook(new_items)
+                new.append(p)
         self._steps += 1
+        denoms: dict[torch.Tensor, torch.Tensor] = {}
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                if p in self.state and p.grad is not None:
+                    state = self.state[p]
+                    state["step"] += 1
+                    v_hat = self._second_moment(state, p.grad.float(), beta2, 1 - beta2 ** state["step"])
+                    denoms[p] = v_hat.sqrt() + group["eps"]
+        if self.codebook is None:
+            preconditioned = self.approx.quantize == "preconditioned"
+            items = [
+                (p.grad.float() / denoms[p] if preconditioned else p.grad.float(), self.state[p]["period"])
+                for p in new
+                if self._quantizes(p)
+            ]
+            if items:
+                self.codebook = self._learn_codebook(items)
         if self.approx.codebook == "relearned" and self._steps % self.approx.refresh_every == 0:
             self._refresh_codebook()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            beta1 = group["betas"][0]
             for p in group["params"]:
                 if p not in self.state or p.grad is None:
                     if p.grad is not None:
                         p.mul_(1 - group["lr"] * group["weight_decay"])
                     continue
                 state = self.state[p]
-                state["step"] += 1
                 g = p.grad.float()
-                v_hat = self._second_moment(state, g, beta2, 1 - beta2 ** state["step"])
-                m = self._momentum(state, g, beta1)
-                update = m / (v_hat.sqrt() + group["eps"]) / (1 - beta1 ** state["step"])
+                m = self._momentum(state, g, beta1, denoms[p])
+                update = m / denoms[p] / (1 - beta1 ** state["step"])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.sub_(update.to(p.dtype), alpha=group["lr"])
         return loss
