@@ -175,4 +175,6 @@ def test_a_compiled_forward_and_backward_trains_like_eager_with_an_eager_optimiz
             optimizer.step()
         assert math.isfinite(float(loss.detach()))
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        # a gradient that differs in its last bits can round an element's momentum to the
+        # adjacent codeword, a step difference of about lr * M * (codeword spacing)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
