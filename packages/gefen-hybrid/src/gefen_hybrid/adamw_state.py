@@ -69,7 +69,7 @@ def stage_adamw_state(live_groups: Sequence[Mapping[str, Any]], state_dict: obje
         _fail(f"'param_groups' must be a list, got {type(saved_groups).__name__}")
     if len(saved_groups) != len(live_groups):
         _fail(f"the checkpoint has {len(saved_groups)} param groups, this optimizer has {len(live_groups)}")
-    by_id: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]] = {}
+    by_id: dict[int | str, tuple[torch.Tensor, Mapping[str, Any], str]] = {}
     groups = []
     for index, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         groups.append(_stage_group(index, saved, live, by_id))
@@ -78,7 +78,7 @@ def stage_adamw_state(live_groups: Sequence[Mapping[str, Any]], state_dict: obje
         _fail(f"'state' must be a mapping, got {type(saved_state).__name__}")
     state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     for pid, entry in saved_state.items():
-        if type(pid) is not int or pid not in by_id:
+        if type(pid) not in (int, str) or pid not in by_id:
             _fail(f"state entry {pid!r} names no parameter of the param groups")
         parameter, group, label = by_id[pid]
         staged = _stage_entry(entry, parameter, group, label)
@@ -91,7 +91,7 @@ def _stage_group(
     index: int,
     saved: object,
     live: Mapping[str, Any],
-    by_id: dict[int, tuple[torch.Tensor, Mapping[str, Any], str]],
+    by_id: dict[int | str, tuple[torch.Tensor, Mapping[str, Any], str]],
 ) -> dict[str, Any]:
     where = f"param group {index}"
     if not isinstance(saved, Mapping):
@@ -101,8 +101,9 @@ def _stage_group(
         _fail(f"{where} lacks the keys {missing}")
     params = live["params"]
     ids = saved["params"]
-    if not isinstance(ids, (list, tuple)) or any(type(i) is not int for i in ids):
-        _fail(f"{where} 'params' must be a list of int parameter ids (bool rejected)")
+    if not isinstance(ids, (list, tuple)) or any(type(i) not in (int, str) for i in ids):
+        # ints from state_dict(); FQN strings from torch.distributed.checkpoint.state_dict's helpers
+        _fail(f"{where} 'params' must be a list of int or str parameter ids (bool rejected)")
     if len(ids) != len(params):
         _fail(f"{where} has {len(ids)} parameters in the checkpoint and {len(params)} here")
     names = _check_names(where, saved, live, len(params))

@@ -34,9 +34,12 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 * ``apply``: what the update applies: ``"stored"`` (the requantised momentum, as Gefen 0.1)
   or ``"exact"`` (the EMA ``u`` before requantisation, as torchao's low-bit AdamW: the
   rounding error then reaches the parameters only through the next step's ``beta1 m``).
-* ``quantize``: what the codes hold: ``"momentum"`` (``u`` itself) or ``"preconditioned"``
-  (``u / (sqrt(V) + eps)``, the update's direction, so every element is rounded to the same
-  *update* resolution; decoded with the current step's ``V``, no extra state).
+* ``quantize``: what the first moment holds: ``"momentum"`` (``u`` itself) or
+  ``"preconditioned"`` (``u / (sqrt(V) + eps)``, the update's direction, so every element is
+  rounded to the same *update* resolution; decoded with the current step's ``V``, no extra
+  state). Decoding with the current ``V`` makes the stored value the EMA of ``g / (sqrt(V) + eps)``
+  (LaProp's order of momentum and preconditioning); with exact momentum the switch measures
+  that order alone.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),
     "gefen-stochastic": GEFEN_APPROXIMATIONS.but(rounding="stochastic"),
     "gefen-feedback": GEFEN_APPROXIMATIONS.but(error_feedback=True),
+    "v2d-factored-laprop": _EXACT.but(v_2d="factored", quantize="preconditioned"),
     "gefen-apply-exact": GEFEN_APPROXIMATIONS.but(apply="exact"),
     "gefen-preconditioned": GEFEN_APPROXIMATIONS.but(quantize="preconditioned"),
     "gefen-preconditioned-apply-exact": GEFEN_APPROXIMATIONS.but(quantize="preconditioned", apply="exact"),
@@ -229,6 +233,8 @@ class LadderAdamW(torch.optim.Optimizer):
         ``sqrt(V) + eps`` (used when the codes hold the preconditioned momentum)."""
         if "m" in state:
             m: torch.Tensor = state["m"]
+            if self.approx.quantize == "preconditioned":  # LaProp's order: the EMA of g / denom
+                return m.mul_(beta1).add_(g / denom, alpha=1 - beta1) * denom
             return m.mul_(beta1).add_(g, alpha=1 - beta1)
         assert self.codebook is not None
         blocks = g.reshape(-1, state["period"])
