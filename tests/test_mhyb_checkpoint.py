@@ -14,6 +14,7 @@ from gefen import GefenMuonHybrid
 from gefen_contracts import StateValidationError
 from gefen_contracts.testing import CORRUPTIONS, deep_snapshot, snapshot_diff
 from gefen_contracts.testing.corruption import corrupted_variants
+from gefen_hybrid import ROLES, children_of_state_dict
 from mhyb_models import TinyLlama, seeded, train
 
 BACKUPS = ["gefen", "adamw"]
@@ -77,7 +78,7 @@ def test_every_corruption_class_on_either_half_is_refused_with_nothing_changed(b
     target_model, target = _trained(backup, steps=1)  # live state that a refused load must keep
     applied: set[str] = set()
     subject = (target_model, target)
-    for name, corrupted in corrupted_variants(saved):
+    for name, corrupted in _corrupted_halves(target, saved):
         before = deep_snapshot(subject)
         with pytest.raises((StateValidationError, ValueError, TypeError, KeyError)):
             target.load_state_dict(corrupted)
@@ -90,14 +91,40 @@ def test_every_corruption_class_on_either_half_is_refused_with_nothing_changed(b
     assert same_tree(saved, target.state_dict())
 
 
+def _corrupted_halves(optimizer: GefenMuonHybrid, saved: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every corruption class applied to one child's part of the flat composite state dict at a
+    time (named ``<class>@<role>``), the rest of the dict left as saved."""
+    children = optimizer.child_optimizers()
+    halves = children_of_state_dict(
+        saved,
+        implementations={role: saved["child_implementations"][role] for role in children},
+        routing=optimizer.parameter_routing(),
+        group_counts={role: len(child.param_groups) for role, child in children.items()},
+    )
+    variants = []
+    for role in ROLES:
+        for name, corrupted in corrupted_variants({key: halves[role][key] for key in ("state", "param_groups")}):
+            state = {
+                pid: entry for other, half in halves.items() if other != role for pid, entry in half["state"].items()
+            }
+            state.update(corrupted["state"])
+            groups = [g for r in ROLES for g in (corrupted["param_groups"] if r == role else halves[r]["param_groups"])]
+            variants.append((f"{name}@{role}", {**saved, "state": state, "param_groups": groups}))
+    return variants
+
+
 def _envelope_edits(backup: str) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
     def set_key(key: str, value: object) -> Callable[[dict[str, Any]], dict[str, Any]]:
         return lambda state: {**state, key: value}
 
     return {
-        "flat torch layout": lambda state: {"state": {}, "param_groups": []},
-        "muon half missing": lambda state: {k: v for k, v in state.items() if k != "muon"},
-        "backup half is None": set_key("backup", None),
+        "empty torch layout": lambda state: {"state": {}, "param_groups": []},
+        "version-1 nesting": lambda state: {**state, "muon": {}, "backup": {}},
+        "muon groups missing": lambda state: {**state, "param_groups": state["param_groups"][1:]},
+        "backup half missing": lambda state: {
+            **state,
+            "child_implementations": {"muon": state["child_implementations"]["muon"]},
+        },
         "other backup implementation": lambda state: {
             **state,
             "child_implementations": {

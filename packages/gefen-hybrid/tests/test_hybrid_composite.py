@@ -132,7 +132,7 @@ def test_instance_hooks_fire_once_and_child_hooks_once_per_composite_call() -> N
     assert calls == ["pre", "muon_step", "backup_step", "post"]
     calls.clear()
     state = optimizer.state_dict()
-    assert calls == ["sd_pre", "sd_post:backup,child_implementations,format,format_version,muon,routing"]
+    assert calls == ["sd_pre", "sd_post:child_implementations,format,format_version,param_groups,routing,state"]
     calls.clear()
     optimizer.load_state_dict(state)
     assert calls == ["load_pre", "muon_load", "backup_load", "load_post"]

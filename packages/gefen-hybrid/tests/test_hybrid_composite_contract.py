@@ -87,7 +87,9 @@ def test_a_one_child_composite_lists_one_namespace() -> None:
     contract = optimizer.optimizer_contract()
     assert contract.state_layout.composite_namespaces == ("backup",)
     assert [c.role for c in contract.children] == ["backup"]
-    assert optimizer.state_dict()["muon"] is None
+    saved = optimizer.state_dict()
+    assert saved["child_implementations"] == {"backup": "gefen.ContractedAdamW"}
+    assert not any(str(key).startswith("muon.") for key in saved)
 
 
 def test_native_claim_is_the_layouts_both_children_share_and_atomic_when_both_stage() -> None:

@@ -34,7 +34,7 @@ from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, Composi
 from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_VERSION
 from .composite_contract import derive_composite_contract, intersect_checkpoint_support
 from .composite_dense import COMPOSITE_DENSE_SHARD_VERSION
-from .composite_format import FORMAT, FORMAT_VERSION
+from .composite_format import FORMAT, FORMAT_VERSION, children_of_state_dict
 from .composite_state import CompositeState
 from .roles import ROLE_BACKUP, ROLE_MUON, ROLE_TAG_PREFIX, ROLES, role_tag
 from .routing import (
@@ -51,31 +51,32 @@ __all__ = [
     "ADAMW_CONTRACT",
     "ADAMW_IMPLEMENTATION",
     "ADAMW_STATE_LAYOUT",
+    "AdamWReadiness",
+    "COMPOSITE_DENSE_SHARD_VERSION",
     "COMPOSITE_DOCUMENT_FORMAT",
     "COMPOSITE_DOCUMENT_VERSION",
-    "COMPOSITE_DENSE_SHARD_VERSION",
+    "ChildFactory",
+    "CompositeOptimizer",
+    "CompositeState",
+    "ContractedAdamW",
     "DEFAULT_BACKUP_SUBSTRINGS",
     "DEFAULT_IMPLEMENTATION",
     "DENSE_SHARD_SUPPORT",
     "FORMAT",
     "FORMAT_VERSION",
     "NO_STATE_VARIANT",
+    "NamedParameter",
     "PORTABLE_SUPPORT",
     "ROLES",
     "ROLE_BACKUP",
     "ROLE_MUON",
     "ROLE_TAG_PREFIX",
-    "STEP_PHASE",
-    "ChildFactory",
-    "CompositeOptimizer",
-    "CompositeState",
-    "ContractedAdamW",
-    "NamedParameter",
     "RoutedParameters",
     "RoutingRules",
-    "AdamWReadiness",
+    "STEP_PHASE",
     "__version__",
     "adamw_contract",
+    "children_of_state_dict",
     "derive_composite_contract",
     "intersect_checkpoint_support",
     "role_tag",

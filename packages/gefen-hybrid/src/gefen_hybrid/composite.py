@@ -421,7 +421,7 @@ class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, t
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The nested ``gefen.composite_native_state`` dict (see :mod:`gefen_hybrid.composite_format`)."""
+        """The flat ``gefen.composite_native_state`` v2 dict (see :mod:`gefen_hybrid.composite_format`)."""
         self._verify_identity("state_dict")
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
@@ -448,7 +448,10 @@ class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, t
 
     def _stage(self, state_dict: object, *, run_child_hooks: bool) -> StagedTransaction:
         subs = children_of_state_dict(
-            state_dict, implementations=self._child_implementations, routing=self.parameter_routing()
+            state_dict,
+            implementations=self._child_implementations,
+            routing=self.parameter_routing(),
+            group_counts={role: len(child.param_groups) for role, child in self._children},
         )
         staged: dict[str, StagedTransaction] = {}
         for role, child in self._children:
@@ -508,7 +511,10 @@ class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, t
         """Stage the staged-capable children, load the others with their own ``load_state_dict``
         (their hooks included), then publish the staged ones; return those."""
         subs = children_of_state_dict(
-            state_dict, implementations=self._child_implementations, routing=self.parameter_routing()
+            state_dict,
+            implementations=self._child_implementations,
+            routing=self.parameter_routing(),
+            group_counts={role: len(child.param_groups) for role, child in self._children},
         )
         staged = {
             role: child.stage_state_dict(_run_load_pre_hooks(child, subs[role]))  # type: ignore[attr-defined]

@@ -282,11 +282,12 @@ class LadderAdamW(torch.optim.Optimizer):
                     denoms[p] = v_hat.sqrt() + group["eps"]
         if self.codebook is None:
             preconditioned = self.approx.quantize == "preconditioned"
-            items = [
-                (p.grad.float() / denoms[p] if preconditioned else p.grad.float(), self.state[p]["period"])
-                for p in new
-                if self._quantizes(p)
-            ]
+            items = []
+            for p in new:
+                if self._quantizes(p):
+                    assert p.grad is not None  # a new state is made from a gradient
+                    grad = p.grad.float()
+                    items.append((grad / denoms[p] if preconditioned else grad, self.state[p]["period"]))
             if items:
                 self.codebook = self._learn_codebook(items)
         if self.approx.codebook == "relearned" and self._steps % self.approx.refresh_every == 0:

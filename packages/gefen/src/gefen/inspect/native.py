@@ -16,8 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
+from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
+from gefen_hybrid import ROLES, children_of_state_dict
 
 from .report import CheckpointDescription, ParameterSummary, Problem
 
@@ -319,8 +322,8 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
 def _describe_composite(state_dict: Mapping[str, Any], path: str, file_bytes: int | None) -> CheckpointDescription:
     check = _Checker()
     version = state_dict.get("format_version")
-    if version != 1 or type(version) is not int:
-        check.fail("format_version", f"must be the int 1, got {version!r}")
+    if version != COMPOSITE_VERSION or type(version) is not int:
+        check.fail("format_version", f"must be the int {COMPOSITE_VERSION}, got {version!r}")
     implementations = state_dict.get("child_implementations")
     if not isinstance(implementations, Mapping) or not implementations:
         check.fail("child_implementations", "must map each present role to its implementation")
@@ -337,20 +340,26 @@ def _describe_composite(state_dict: Mapping[str, Any], path: str, file_bytes: in
                 check.fail("routing", f"routes {fqn!r} to {role!r}, which has no child")
             routed[role] = routed.get(role, 0) + 1
     children = []
+    halves: dict[str, Any] = {}
+    if not check.problems and isinstance(routing, list):
+        try:
+            halves = children_of_state_dict(
+                state_dict,
+                implementations=dict(implementations),
+                routing=[(fqn, role) for fqn, role in routing],
+                group_counts=_group_counts(state_dict.get("param_groups"), implementations, routed),
+            )
+        except StateValidationError as exc:
+            check.fail("top level", str(exc))
     for role, implementation in implementations.items():
-        child = state_dict.get(role)
-        if not isinstance(child, Mapping):
-            check.fail(role, f"the {role!r} child's state dict is missing")
+        if role not in halves:
             continue
-        described = describe_native(child, f"{role} ({implementation})", None)
+        described = describe_native(halves[role], f"{role} ({implementation})", None)
         children.append(described)
         if routed.get(role, 0) != len(described.parameters):
             check.fail(
                 role, f"routing lists {routed.get(role, 0)} parameter(s), the child holds {len(described.parameters)}"
             )
-    extra = sorted(set(state_dict) - {"format", "format_version", "child_implementations", "routing", *implementations})
-    if extra and any(state_dict.get(key) is not None for key in extra):
-        check.fail("top level", f"unexpected keys {extra}")
     return CheckpointDescription(
         path=path,
         kind="composite native state dict",
@@ -364,6 +373,25 @@ def _describe_composite(state_dict: Mapping[str, Any], path: str, file_bytes: in
         file_bytes=file_bytes,
         tensor_bytes=_tensor_bytes(state_dict),
     )
+
+
+def _group_counts(groups: object, implementations: Mapping[str, str], routed: Mapping[str, int]) -> dict[str, int]:
+    """How many of the flat ``param_groups`` (muon first) each role holds, from how many
+    parameters the routing gives it (the composite itself knows its children's group counts)."""
+    counts = {role: 0 for role in implementations}
+    if not isinstance(groups, list):
+        return counts
+    index = 0
+    for role in ROLES:
+        if role not in implementations:
+            continue
+        held = 0
+        while index < len(groups) and held < routed.get(role, 0):
+            params = groups[index].get("params") if isinstance(groups[index], Mapping) else None
+            held += len(params) if isinstance(params, list) else 0
+            counts[role] += 1
+            index += 1
+    return counts
 
 
 def describe_native(state_dict: Mapping[str, Any], path: str, file_bytes: int | None) -> CheckpointDescription:
