@@ -172,9 +172,12 @@ def rank_fsdp2_hybrid_resumes_and_refuses_corruption(rank: int, world_size: int,
     _train(twin, twin_optimizer, 1, start=50)  # unrelated state that a refused load must keep
 
     refused = {}
+    muon_groups = len(optimizer.child_optimizers()["muon"].param_groups)  # type: ignore[attr-defined]
+    halves = {"muon": saved["param_groups"][:muon_groups], "backup": saved["param_groups"][muon_groups:]}
     for half in ("muon", "backup"):
         corrupted = _clone_tree(saved)
-        entry = next(iter(corrupted[half]["state"].values()))
+        pid = next(pid for group in halves[half] for pid in group["params"] if pid in corrupted["state"])
+        entry = corrupted["state"][pid]
         key = next(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
         _local(entry[key]).reshape(-1)[0] = float("nan")
         before = deep_snapshot(twin_optimizer)
