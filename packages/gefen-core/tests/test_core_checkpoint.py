@@ -205,15 +205,6 @@ def _no_codebook(sd: dict[str, Any]) -> None:
         group["_gefen_checkpoint_metadata"]["codebook"] = None
 
 
-def _learned(value: Any) -> Callable[[dict[str, Any]], None]:
-    def apply(sd: dict[str, Any]) -> None:
-        sd["gefen_codebook_learned"] = value
-        for group in sd["param_groups"]:
-            group["_gefen_checkpoint_metadata"]["codebook_learned"] = value
-
-    return apply
-
-
 def _factored_on_vector(sd: dict[str, Any]) -> None:
     entry = sd["state"][2]  # proj.bias, a vector
     entry.pop("vmean")
@@ -222,11 +213,13 @@ def _factored_on_vector(sd: dict[str, Any]) -> None:
     entry["v_col"] = torch.zeros(1)
 
 
-def _deterministic(value: Any) -> Callable[[dict[str, Any]], None]:
+def _record(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """Set a record field at the top level (``gefen_<field>``) and in every group's mirror."""
+
     def apply(sd: dict[str, Any]) -> None:
-        sd["gefen_deterministic"] = value
+        sd[f"gefen_{field}"] = value
         for group in sd["param_groups"]:
-            group["_gefen_checkpoint_metadata"]["deterministic"] = value
+            group["_gefen_checkpoint_metadata"][field] = value
 
     return apply
 
@@ -257,10 +250,13 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "unsorted_codebook": (_codebook(lambda c: c.flip(0)), "sorted"),
     "unpinned_codebook": (_codebook(lambda c: c * 0.5), "exactly -1"),
     "missing_codebook": (_no_codebook, "float32 tensor of 256 entries"),
-    "unlearned_codebook_not_zeros": (_learned(False), "codebook_learned is False but the codebook is not all zeros"),
-    "learned_not_bool": (_learned(1), "codebook_learned must be a bool"),
-    "deterministic_mismatch": (_deterministic(True), "deterministic=True"),
-    "deterministic_not_bool": (_deterministic(1), "must be a bool"),
+    "unlearned_codebook_not_zeros": (
+        _record("codebook_learned", False),
+        "codebook_learned is False but the codebook is not all zeros",
+    ),
+    "learned_not_bool": (_record("codebook_learned", 1), "codebook_learned must be a bool"),
+    "deterministic_mismatch": (_record("deterministic", True), "deterministic=True"),
+    "deterministic_not_bool": (_record("deterministic", 1), "must be a bool"),
     "mirrors_disagree": (_mirror_step, "disagree on global_step"),
     "mirror_on_some_groups": (_drop_mirror_of_one_group, "only some parameter groups"),
     "topology_mismatch": (_topology, "topology"),
