@@ -94,7 +94,8 @@ def fsdp_parity(rank: int, world: int) -> dict[str, Any]:
     opt = Gefen(model.named_parameters(), lr=LR)
     initial = [p.detach().clone() for p in make_model().parameters()]
     reference = make_model()
-    ref_opt = Gefen(reference.named_parameters(), lr=LR)
+    # under FSDP2 a sharded 1-D parameter keeps per-element state (periods.shape_period)
+    ref_opt = Gefen(reference.named_parameters(), lr=LR, force_1d_period_one=True)
     train(model, opt, 0, 1)
     train(reference, ref_opt, 0, 1)
     col_gaps: dict[str, float] = {}
@@ -142,9 +143,8 @@ def fsdp_parity(rank: int, world: int) -> dict[str, Any]:
 
 
 def fsdp_checkpoints(rank: int, world: int) -> dict[str, Any]:
-    """Rank-local native checkpoints and torch's DCP helpers resume bit-exactly; a foreign
-    rank's checkpoint is refused."""
-    from gefen_contracts import StateValidationError
+    """Per-rank native checkpoints (``torch.save`` of ``state_dict()``, DTensors inside) and
+    torch's DCP helpers resume bit-exactly."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -159,8 +159,6 @@ def fsdp_checkpoints(rank: int, world: int) -> dict[str, Any]:
     native = _save(first.state_dict())
     via_dcp = _save(get_optimizer_state_dict(halves, first))
     model_state = {k: v.detach().clone() for k, v in halves.state_dict().items()}
-    everyone: list[bytes | None] = [None] * world
-    dist.all_gather_object(everyone, native)
 
     results: dict[str, Any] = {}
     for label, payload in (("native", native), ("dcp", via_dcp)):
@@ -176,12 +174,4 @@ def fsdp_checkpoints(rank: int, world: int) -> dict[str, Any]:
             torch.equal(a.to_local(), b.to_local())  # type: ignore[attr-defined]
             for a, b in zip(straight.parameters(), model.parameters())
         )
-    foreign = Gefen(_fsdp_model(mesh).parameters(), lr=LR, weight_decay=0.1)
-    other = everyone[(rank + 1) % world]
-    assert other is not None
-    try:
-        foreign.load_state_dict(_load(other))
-        results["foreign_refused"] = ""
-    except StateValidationError as exc:
-        results["foreign_refused"] = str(exc)
     return results

@@ -54,6 +54,28 @@ def test_an_older_native_format_is_refused_naming_both_versions() -> None:
     optimizer = _gefen(model)
     _step(model, optimizer, 4)
     sd = optimizer.state_dict()
-    sd["gefen_format_version"] = 1
-    with pytest.raises(StateValidationError, match=r"version 1.*reads version 2"):
+    sd["gefen_format_version"] = 2
+    with pytest.raises(StateValidationError, match=r"version 2.*reads version 3"):
         optimizer.load_state_dict(sd)
+
+
+def test_state_tensors_are_shaped_like_their_parameter_and_blocked_ones_are_refused() -> None:
+    model = make_kit_model(0)
+    optimizer = _gefen(model)
+    _step(model, optimizer, 2)
+    sd = optimizer.state_dict()
+    for pid, param in enumerate(model.parameters()):
+        entry = sd["state"][pid]
+        assert entry["m_codebook"].shape == param.shape
+        period = entry["automatic_period"]
+        if param.dim() == 2:
+            assert entry["m_magnitude"].shape == (param.shape[0], param.shape[1] // period)
+        else:
+            assert entry["m_magnitude"].shape == (param.numel() // period,)
+    pid = next(i for i, p in enumerate(model.parameters()) if p.dim() == 1 and sd["state"][i]["automatic_period"] > 1)
+    entry = sd["state"][pid]
+    entry["m_codebook"] = entry["m_codebook"].reshape(-1, entry["automatic_period"])  # version 2's blocked shape
+    before = optimizer.state_dict()["state"][pid]["m_codebook"].clone()
+    with pytest.raises(StateValidationError, match=rf"state\[{pid}\] .*\['m_codebook'\] must have shape"):
+        optimizer.load_state_dict(sd)
+    assert torch.equal(optimizer.state_dict()["state"][pid]["m_codebook"], before)

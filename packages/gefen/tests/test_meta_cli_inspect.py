@@ -81,13 +81,13 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
     assert description.ok, description.format_text()
     assert (description.format, description.format_version, description.implementation) == (
         "gefen.native_state",
-        2,
+        3,
         "gefen.Gefen",
     )
     facts = dict(description.facts)
     assert facts["global step"] == "2" and facts["codebook"] == "256 entries"
     assert [p.variant for p in description.parameters] == ["factored", "block"]
-    assert description.parameters[0].shape == (8, 16)  # v_row [8] x v_col [16]
+    assert [p.shape for p in description.parameters] == [(8, 16), (16,)]  # the codes are shaped like the parameter
     stored = torch.load(checkpoints["gefen"], weights_only=True)
     expected = sum(
         value.numel() * value.element_size()
@@ -96,6 +96,19 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
         if isinstance(value, torch.Tensor)
     )
     assert sum(p.state_bytes for p in description.parameters) == expected
+
+
+def test_a_scale_not_shaped_by_the_parameter_is_a_problem(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    stored = torch.load(checkpoints["gefen"], weights_only=True)
+    entry = stored["state"][1]  # the 16-element bias: one block of 16
+    entry["m_magnitude"] = entry["m_magnitude"].reshape(-1, 1)  # version 2's [blocks, 1]
+    path = tmp_path / "reshaped.pt"
+    torch.save(stored, path)
+    description = inspect_checkpoint(path)
+    assert not description.ok
+    assert any(p.where.endswith(".m_magnitude") for p in description.problems), [
+        (p.where, p.message) for p in description.problems
+    ]
 
 
 def test_native_muon_and_torch_state_dicts_are_described(checkpoints: dict[str, Path]) -> None:
@@ -125,7 +138,7 @@ def test_portable_document_and_dcp_folder_are_verified(checkpoints: dict[str, Pa
 def test_cli_prints_a_report_and_json(checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(checkpoints["gefen"])]) == 0
     text = capsys.readouterr().out
-    assert "gefen.native_state v2" in text and "OK: no problem found" in text and "factored" in text
+    assert "gefen.native_state v3" in text and "OK: no problem found" in text and "factored" in text
     assert main(["inspect", str(checkpoints["dcp"]), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["ok"] is True and document["children"][0]["format"] == "gefen.portable_dcp"

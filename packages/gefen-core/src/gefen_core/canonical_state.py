@@ -220,7 +220,8 @@ class CanonicalStateMethods:
             raise _fail(f"{where}: state keys {sorted(keys)} match {len(matches)} declared variants (one required)")
         return matches[0].name
 
-    def _export_state(self, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    def _export_state(self, param: torch.Tensor, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """One parameter's state as its document holds it (what its native state dict holds)."""
         return {
             key: _int_counter(value, f"{where} {key!r}") if key in self._canonical_counters else value
             for key, value in entry.items()
@@ -238,7 +239,7 @@ class CanonicalStateMethods:
                 where = f"parameter {shard.fqn!r}"
                 entry = self.state.get(tensor) or {}
                 variant = self._variant_of(list(entry), shard.layout, len(shard.parameter.global_shape), where)
-                state = self._export_state(entry, where)
+                state = self._export_state(tensor, entry, where)
                 parameters[shard.fqn] = BoundParameter(names[position], shard, options, variant, state)
         return build_bound_state(
             implementation=self._identity_implementation,

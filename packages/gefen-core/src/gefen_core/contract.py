@@ -95,7 +95,6 @@ STATE_LAYOUT = OptimizerStateLayout(
         _common(F.CODEBOOK, StateGeometry.TABLE, "shared fp32[256] momentum codebook (zeros before learning)"),
         _common(F.CODEBOOK_LEARNED, StateGeometry.SCALAR, "whether the codebook has been learned (bool)"),
         _common(F.DETERMINISTIC, StateGeometry.SCALAR, "the deterministic policy the state was produced under"),
-        _common(F.TOPOLOGY, StateGeometry.OPAQUE, "per-slot DTensor topology records, None without DTensors"),
         StateField(
             F.GROUP_MIRROR,
             StateScope.CHECKPOINT_CARRIER,

@@ -54,7 +54,7 @@ from gefen_contracts.torch_support import SealedLayout, failure_vote_on_group
 from . import native_format as F
 from .compact_piece import CompactPiece, FrozenDenseShards, stateful_piece
 from .dense_view import factored_statistics
-from .distributed import is_row_sharded, local_tensor
+from .distributed import codebook_of_first_member, is_row_sharded, learning_mesh, local_tensor
 from .gefen_transport import (
     IncomingPiece,
     check_incoming,
@@ -101,8 +101,6 @@ class _Host(Protocol):
     def _bound_layout(self) -> SealedLayout | None: ...
 
     def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
-
-    def _topology(self) -> list[dict[str, object] | None] | None: ...
 
     def _dense_shard_status(self) -> FeatureStatus: ...
 
@@ -261,6 +259,9 @@ class GefenDenseShard(BoundLayoutHook):
             error = exc
         local_sums = {i: p.factored[1] for i, p in enumerate(plans) if p.factored is not None}
         reduced = _reduce_column_sums(params, local_sums, error)
+        mesh = learning_mesh(params) if row_shard_meshes(params) else None
+        if mesh is not None:  # errors were voted on above: every rank of the mesh is here
+            codebook = codebook_of_first_member(codebook, mesh)
         entries: dict[tuple[int, int], dict[str, Any]] = {}
         records: list[list[tuple[str, dict[str, Any]]]] = [[] for _ in self.param_groups]
         for position, plan in enumerate(plans):
@@ -279,14 +280,13 @@ class GefenDenseShard(BoundLayoutHook):
                 factors = complete_factors(plan.piece, rows, cols)
             assert slot.live_index is not None
             entries[(slot.group_index, slot.live_index)] = native_entry(
-                plan.piece, plan.choice.period, codebook, device=local.device, factors=factors
+                plan.piece, plan.choice.period, codebook, param=param, factors=factors
             )
         groups = adopted_groups(self.param_groups, records)
         record_fields = {
             "global_step": global_step,
             "codebook": codebook,
             "deterministic": self._deterministic,
-            "topology": self._topology(),
         }
         native = native_state_dict(F.FORMAT, groups, positional_state(groups, entries), record_fields)
         try:
@@ -341,14 +341,14 @@ def _plan_load(
     if piece is None:
         return _LoadPlan(slot, recorded, options, None, None, None)
     names = param_groups[slot.group_index].get("param_names")
-    choice = plan_piece(
-        piece,
-        search_shape=global_shape,
-        policy=period_policy(options),
-        name=None if names is None or slot.live_index is None else str(names[slot.live_index]),
-        ndim=param.dim(),
-        codebook=None,
-    )
+    name = None if names is None or slot.live_index is None else str(names[slot.live_index])
+    policy = period_policy(options)
+    if is_row_sharded(param):
+        # every rank must cut the blocks the shape rule cuts: the state is a DTensor
+        period = policy.resolve(name, global_shape, local.numel(), row_sharded=True)
+        choice = PeriodChoice(period, False, False, "rule")
+    else:
+        choice = plan_piece(piece, search_shape=global_shape, policy=policy, name=name, ndim=param.dim(), codebook=None)
     factored = None
     if options["factored_v_2d"] and param.dim() == 2 and is_row_sharded(param):
         rows, cols = local.shape

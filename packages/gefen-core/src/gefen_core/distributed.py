@@ -6,8 +6,12 @@ Gefen steps the local shard of a DTensor parameter. Supported layouts are DTenso
 
 Representation per layout (the default constructor works everywhere):
 
-* block second moment, momentum, periods and the codebook are rank-local: each rank
-  learns them from its own shard, no collective;
+* block second moment, momentum and periods are rank-local, periods chosen from the
+  global shape (:func:`gefen_core.periods.shape_period`) so every rank cuts the same blocks;
+* the codebook is the mesh's: the 4096-bin gradient histogram (int64, exact and order free)
+  is summed over the mesh with one ``all_reduce`` when a codebook is learned (the first
+  step, refreshes), so every rank holds the same codebook and a checkpoint's codes mean
+  the same on any number of ranks;
 * the factored second moment of a row-sharded (``Shard(0)``) 2-D parameter keeps its local
   rows of ``v_row`` and a replicated ``v_col``; the float64 column sums of ``g^2`` are summed
   over the mesh with one ``all_reduce`` per mesh per step (every factored row-sharded
@@ -19,7 +23,7 @@ Representation per layout (the default constructor works everywhere):
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,9 +31,13 @@ import torch
 __all__ = [
     "all_reduce_column_sums",
     "check_parameter_layout",
+    "codebook_of_first_member",
+    "counted_once_per_mesh",
     "is_dtensor",
     "is_row_sharded",
+    "learning_mesh",
     "local_tensor",
+    "sum_over_mesh",
     "topology_record",
 ]
 
@@ -127,3 +135,56 @@ def all_reduce_column_sums(entries: Sequence[tuple[torch.Tensor, torch.Tensor]])
         for _, sums in items:
             sums.copy_(packet[offset : offset + sums.numel()].view_as(sums))
             offset += sums.numel()
+
+
+def learning_mesh(params: Iterable[torch.Tensor]) -> Any:
+    """The device mesh (two or more members) the DTensor ``params`` live on, or ``None``.
+
+    Raises :class:`~gefen_core.errors.ParameterError` when they span meshes over different
+    ranks: one codebook cannot be agreed over two groups.
+    """
+    found: Any = None
+    for param in params:
+        if not is_dtensor(param):
+            continue
+        mesh = param.device_mesh  # type: ignore[attr-defined]
+        if mesh.size() < 2:
+            continue
+        if found is None:
+            found = mesh
+        elif found is not mesh and found.mesh.tolist() != mesh.mesh.tolist():
+            from .errors import ParameterError
+
+            raise ParameterError(
+                f"DTensor parameters live on meshes over ranks {found.mesh.tolist()} and {mesh.mesh.tolist()}; "
+                "Gefen agrees one codebook over one mesh (give each mesh its own optimizer)"
+            )
+    return found
+
+
+def counted_once_per_mesh(param: torch.Tensor) -> bool:
+    """False on the non-zero coordinates of a ``Replicate()`` DTensor (its gradient is on every rank)."""
+    return not is_dtensor(param) or is_row_sharded(param) or int(param.device_mesh.get_local_rank()) == 0  # type: ignore[attr-defined]
+
+
+def sum_over_mesh(counts: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """``counts`` summed over ``mesh`` (one ``all_reduce`` on the mesh's device), on the CPU."""
+    import torch.distributed as dist
+
+    packet = counts.to(mesh.device_type)
+    dist.all_reduce(packet, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return packet.cpu()
+
+
+def codebook_of_first_member(codebook: torch.Tensor | None, mesh: Any) -> torch.Tensor | None:
+    """The codebook (or ``None``) of the mesh's first member, on every member (one broadcast)."""
+    import torch.distributed as dist
+
+    packet = torch.zeros(257, dtype=torch.float32)
+    if codebook is not None:
+        packet[0] = 1.0
+        packet[1:] = codebook
+    packet = packet.to(mesh.device_type)
+    dist.broadcast(packet, group=mesh.get_group(), group_src=0)
+    packet = packet.cpu()
+    return packet[1:].clone() if bool(packet[0]) else None

@@ -17,7 +17,7 @@ from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
 from .dense_shard import GefenDenseShard
-from .distributed import all_reduce_column_sums, topology_record
+from .distributed import all_reduce_column_sums, counted_once_per_mesh, learning_mesh, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
@@ -236,10 +236,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             group["force_1d_period_one"], group["force_2d_period_one"], tuple(group["period_one_substrings"])
         )
 
-    def _topology(self) -> list[dict[str, object] | None] | None:
-        records = [topology_record(p) for group in self.param_groups for p in group["params"]]
-        return records if any(r is not None for r in records) else None
-
     # -- contract and preflight ---------------------------------------------------------
 
     def optimizer_contract(self) -> OptimizerContract:
@@ -339,7 +335,9 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
         works = plan.works
         starting = [w for w in works if w.needs_state]
         periods = {
-            w.slot: self._policy(self.param_groups[w.group_index]).resolve(w.name, tuple(w.param.shape), w.grad.numel())
+            w.slot: self._policy(self.param_groups[w.group_index]).resolve(
+                w.name, tuple(w.param.shape), w.grad.numel(), row_sharded=w.row_sharded
+            )
             for w in starting
         }
 
@@ -347,15 +345,16 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             return periods[work.slot] if work.slot in periods else int(work.state[PERIOD])  # type: ignore[index]
 
         learners = [w for w in works if w.state or w.slot in periods]
+        mesh = learning_mesh(w.param for w in works)
         old_codebook = self._codebook
         new_codebook = old_codebook
         if old_codebook is None:
             contributing = [(w, period_of(w)) for w in learners if self._locally_nonzero(w)]
-            if contributing:
-                new_codebook = self._learn(contributing)
+            if contributing or mesh is not None:
+                new_codebook = self._learn(contributing, mesh)
         refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
         if plan.refresh_due and old_codebook is not None:
-            relearned = self._learn([(w, period_of(w)) for w in learners])
+            relearned = self._learn([(w, period_of(w)) for w in learners], mesh)
             if relearned is not None:
                 refreshed = self._requantize_all(old_codebook, relearned)
                 new_codebook = relearned
@@ -439,12 +438,19 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
     def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
         return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad
 
-    def _learn(self, items: list[tuple[ParamWork, int]]) -> torch.Tensor | None:
+    def _learn(self, items: list[tuple[ParamWork, int]], mesh: Any) -> torch.Tensor | None:
+        """The codebook of the items' gradients; with a ``mesh`` (DTensor parameters) the
+        histogram is summed over it, so every rank learns the same codebook (a replicated
+        parameter counted once, by coordinate 0)."""
+        if mesh is not None:
+            items = [(w, p) for w, p in items if counted_once_per_mesh(w.param)]
         counts = gradient_histogram(
             ((self._signed_gradient(w), period) for w, period in items),
             self._dispatch,
             deterministic=self._deterministic,
         )
+        if mesh is not None:
+            counts = sum_over_mesh(counts, mesh)
         return codebook_from_counts(counts)
 
     def _requantize_all(self, old: torch.Tensor, new: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
@@ -507,7 +513,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
     # -- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The native state dict (format ``gefen.native_state`` v1: tensors and primitives only;
+        """The native state dict (format ``gefen.native_state`` v3: tensors and primitives only;
         a finalized optimizer adds its shard-identity guard, :mod:`gefen_core.native_identity`)."""
         return export_with_hooks(self, self._export_native)
 
@@ -519,7 +525,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             codebook=self._codebook,
             global_step=self.global_step,
             deterministic=self._deterministic,
-            topology=self._topology(),
         )
         if self._identity is not None:
             exported[IDENTITY_KEY] = identity_guard(self._identity)
@@ -537,7 +542,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             param_groups=self.param_groups,
             deterministic=self._deterministic,
             capturable=self._capturable,
-            topology=self._topology(),
         )
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:

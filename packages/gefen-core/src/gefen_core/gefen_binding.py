@@ -36,10 +36,11 @@ from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
 from .identity import IdentityMethods
 from .native_records import codebook_record
-from .param_state import COUNTER_KEYS, INDICES, PERIOD
+from .param_state import BLOCK, COUNTER_KEYS, INDICES, PERIOD, state_variant
 from .periods import PeriodPolicy
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
+from .state_placement import export_tensors
 from .step_plan import ParamWork, StepDecision, StepPlan
 
 if TYPE_CHECKING:
@@ -106,8 +107,6 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
         def _requantize_all(
             self, old: torch.Tensor, new: torch.Tensor
         ) -> list[tuple[dict[str, Any], torch.Tensor]]: ...
-
-        def _topology(self) -> list[dict[str, object] | None] | None: ...
 
         def _refresh_due(self) -> bool: ...
 
@@ -234,6 +233,12 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
 
     # -- canonical local state --------------------------------------------------------------------
 
+    def _export_state(self, param: torch.Tensor, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+        exported = super()._export_state(param, entry, where)
+        if exported:
+            exported.update(export_tensors(param, entry, state_variant(dict(entry)) or BLOCK))
+        return exported
+
     def _canonical_policy(self) -> dict[str, Any]:
         return {
             "codebook_refresh_every": self._refresh_every,
@@ -253,7 +258,6 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
             F.GLOBAL_STEP: common["global_step"],
             **{F.CODEBOOK: fields["codebook"], F.CODEBOOK_LEARNED: fields["codebook_learned"]},
             F.DETERMINISTIC: self._deterministic,
-            F.TOPOLOGY: self._topology(),
         }
 
     def _canonical_blockers(self) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from gefen_contracts import StateValidationError
 
 from .compact_piece import MOMENTUM, SECOND_MOMENT, CompactPiece
 from .dense_view import factored_statistics, factored_values
+from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .param_groups import normalize_group_options
 from .param_state import (
@@ -51,6 +52,7 @@ from .param_state import (
 from .parameter_update import placeholder_codebook
 from .periods import PeriodPolicy
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
+from .state_placement import export_tensors
 from .transport_slots import plain_options
 
 __all__ = [
@@ -280,25 +282,28 @@ def native_entry(
     period: int,
     codebook: torch.Tensor | None,
     *,
-    device: torch.device,
+    param: torch.Tensor,
     factors: tuple[torch.Tensor, torch.Tensor] | None,
     encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The native state entry of a target piece (tensors on ``device``).
+    """The native state entry of a target piece for the live ``param`` (tensors on its device,
+    shaped and placed like it, :mod:`gefen_core.state_placement`).
 
     ``factors`` are the target's ``(v_row, v_col)`` when it keeps a factored second moment
     (:func:`complete_factors`, or a row shard's rows with every shard's columns); ``None``
     gives the block second moment (block means of the dense field at ``period``).
     ``encoding``: the momentum's codes at ``period`` when the period choice already made them.
     """
+    device = local_tensor(param).device
     indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
     entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
     if factors is None:
         entry[VMEAN] = block_means(piece.second_moment(), period, device)
         entry[VMEAN_STEP] = piece.age
-        return entry
-    v_row, v_col = factors
-    entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: piece.age})
+    else:
+        v_row, v_col = factors
+        entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: piece.age})
+    entry.update(export_tensors(param, entry, BLOCK if factors is None else FACTORED))
     return entry
 
 

@@ -1,28 +1,31 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v2).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v3).
 
 ::
 
     {
       "state": {pid: {"automatic_period": int, "step": int,
-                      "m_codebook": uint8[B, P], "m_magnitude": fp32[B, 1],
-                      "vmean": fp32[B, 1], "vmean_step": int}                       # block
+                      "m_codebook": uint8[*shape], "m_magnitude": fp32[S],
+                      "vmean": fp32[S], "vmean_step": int}                          # block
                  | {..., "v_row": fp32[R], "v_col": fp32[K], "factored_step": int}   # factored
              },
       "param_groups": [{"params": [pid, ...], "lr", "betas", "eps", "weight_decay", "maximize",
                         "factored_v_2d", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 2,
+      "gefen_format_version": 3,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
       "gefen_deterministic": bool,
-      "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement",
-                                        "global_shape", "local_shape"} per slot],
     }
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 2, "global_step",
-"codebook", "codebook_learned", "deterministic", "topology"}`` (the same values), repeated in every group because
+The state tensors are shaped like their parameter (:mod:`gefen_core.state_placement`: codes
+of the parameter's ``shape``, ``S = [rows, row_length / P]`` scales for a parameter of two or
+more dimensions, ``[numel / P]`` otherwise) and, for a DTensor (FSDP2) parameter, are
+DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
+
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 3, "global_step",
+"codebook", "codebook_learned", "deterministic"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
 unique keys (torch's DCP helpers pass FQN strings); they are matched by position.
@@ -30,8 +33,9 @@ Only tensors and primitives appear, so ``torch.load(weights_only=True)`` reads i
 
 Differences from the reference's format (spec/core.md §9.1): no per-parameter ``name`` (names
 live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1``/``beta2``,
-counters are always ints (also under ``capturable``), no ``device_anchor``, an explicit
-topology record for rank-local DTensor state, and its own format name and version.
+counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
+the parameter (so one checkpoint loads on any number of ranks), and its own format name and
+version. Version 2 held blocked ``[B, P]`` tensors and a per-rank topology record.
 """
 
 from __future__ import annotations
@@ -48,21 +52,19 @@ __all__ = [
     "GLOBAL_STEP",
     "GROUP_MIRROR",
     "TOP_LEVEL_KEYS",
-    "TOPOLOGY",
     "VERSION",
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 2
+VERSION = 3
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"
 CODEBOOK = "gefen_codebook"
 CODEBOOK_LEARNED = "gefen_codebook_learned"
 DETERMINISTIC = "gefen_deterministic"
-TOPOLOGY = "gefen_topology"
 
-TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, CODEBOOK_LEARNED, DETERMINISTIC, TOPOLOGY)
+TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, CODEBOOK_LEARNED, DETERMINISTIC)
 
 #: The format's record, for :mod:`gefen_core.native_records`.
 FORMAT = NativeFormat(
@@ -73,7 +75,6 @@ FORMAT = NativeFormat(
         ("codebook", CODEBOOK),
         ("codebook_learned", CODEBOOK_LEARNED),
         ("deterministic", DETERMINISTIC),
-        ("topology", TOPOLOGY),
     ),
     "Gefen",
 )

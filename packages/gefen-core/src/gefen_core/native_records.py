@@ -210,9 +210,10 @@ def _check_codebook_fields(record: Mapping[str, Any], where: str) -> None:
 
 
 def check_common_record(
-    record: Mapping[str, Any], *, deterministic: bool, topology: object, optimizer: str
+    record: Mapping[str, Any], *, deterministic: bool, topology: object = None, optimizer: str
 ) -> tuple[int, torch.Tensor | None]:
-    """Global step, deterministic policy, topology and codebook of a reconciled record."""
+    """Global step, deterministic policy, topology (formats that record one) and codebook of a
+    reconciled record."""
     global_step = exact_int(record["global_step"], "global_step", 0)
     if type(record["deterministic"]) is not bool:
         raise fail("the checkpoint's deterministic policy must be a bool")
@@ -221,7 +222,7 @@ def check_common_record(
             f"the checkpoint was produced with deterministic={record['deterministic']} but this optimizer has "
             f"deterministic={deterministic}; construct the optimizer with the checkpoint's policy"
         )
-    if record["topology"] != topology:
+    if "topology" in record and record["topology"] != topology:
         raise fail(
             "the checkpoint's DTensor topology (mesh size, coordinate, placements, shapes) differs from the live one; "
             f"rank-local {optimizer} state loads only into the same topology"

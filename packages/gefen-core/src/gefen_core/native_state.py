@@ -19,7 +19,6 @@ from . import native_format as F
 from .distributed import local_tensor
 from .native_records import (
     check_common_record,
-    check_state_tensor,
     check_top_level,
     exact_int,
     fail,
@@ -37,13 +36,13 @@ from .param_state import (
     MAGNITUDE,
     PERIOD,
     STEP,
-    V_COL,
-    V_ROW,
     VARIANT_KEYS,
     VMEAN,
     counter_value,
     make_counter,
+    state_variant,
 )
+from .state_placement import expected_shapes, export_tensors, import_tensor
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]
 
@@ -67,25 +66,19 @@ def export_state_dict(
     codebook: torch.Tensor | None,
     global_step: int,
     deterministic: bool,
-    topology: list[dict[str, object] | None] | None,
 ) -> dict[str, Any]:
-    """The native state dict. Tensors are the live ones (as in torch); counters become ints."""
+    """The native state dict. Tensors are views of the live ones shaped like their parameter
+    (DTensors for DTensor parameters, :mod:`.state_placement`); counters become ints."""
     entries: dict[int, dict[str, Any]] = {}
     pid = 0
     for group in param_groups:
         for param in group["params"]:
             live = state.get(param)
             if live:
-                entries[pid] = {
-                    key: counter_value(value) if key in COUNTER_KEYS else value for key, value in live.items()
-                }
+                entries[pid] = {key: counter_value(live[key]) for key in (PERIOD, *COUNTER_KEYS) if key in live}
+                entries[pid].update(export_tensors(param, live, str(state_variant(dict(live)))))
             pid += 1
-    record = {
-        "global_step": global_step,
-        "codebook": codebook,
-        "deterministic": deterministic,
-        "topology": topology,
-    }
+    record = {"global_step": global_step, "codebook": codebook, "deterministic": deterministic}
     return native_state_dict(F.FORMAT, param_groups, entries, record)
 
 
@@ -110,11 +103,11 @@ def _stage_entry(
             f"unexpected fields {extra}"
         )
     local = local_tensor(param)
-    numel = local.numel()
     period = exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)
-    if numel % period:
-        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the parameter's {numel} local elements")
-    blocks = numel // period
+    if local.numel() % period:
+        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the parameter's {local.numel()} local elements")
+    if variant == FACTORED and param.dim() != 2:
+        raise fail(f"{where} holds a factored second moment but the parameter is {param.dim()}-D")
     step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
     if step > global_step:
         raise fail(f"{where}[{STEP!r}] {step} exceeds the global step {global_step}")
@@ -124,30 +117,22 @@ def _stage_entry(
         raise fail(f"{where}[{age_key!r}] {age} exceeds step {step}")
     device = local.device
     staged: dict[str, Any] = {PERIOD: period, STEP: make_counter(step, device, capturable)}
-    tensors = {
-        INDICES: check_state_tensor(
-            entry[INDICES], f"{where}[{INDICES!r}]", torch.uint8, (blocks, period), finite_nonnegative=False
-        ),
-        MAGNITUDE: check_state_tensor(
-            entry[MAGNITUDE], f"{where}[{MAGNITUDE!r}]", torch.float32, (blocks, 1), finite_nonnegative=True
-        ),
-    }
-    if variant == FACTORED:
-        if param.dim() != 2:
-            raise fail(f"{where} holds a factored second moment but the parameter is {param.dim()}-D")
-        rows, cols = local.shape
-        tensors[V_ROW] = check_state_tensor(
-            entry[V_ROW], f"{where}[{V_ROW!r}]", torch.float32, (rows,), finite_nonnegative=True
+    global_shapes = expected_shapes(param.shape, period, variant)
+    local_shapes = expected_shapes(local.shape, period, variant)
+    blocked = {INDICES: (local.numel() // period, period), MAGNITUDE: (local.numel() // period, 1)}
+    blocked[VMEAN] = blocked[MAGNITUDE]
+    for key, shape in local_shapes.items():
+        tensor = import_tensor(
+            entry[key],
+            param,
+            key,
+            f"{where}[{key!r}]",
+            torch.uint8 if key == INDICES else torch.float32,
+            global_shapes[key],
+            shape,
+            finite_nonnegative=key != INDICES,
         )
-        tensors[V_COL] = check_state_tensor(
-            entry[V_COL], f"{where}[{V_COL!r}]", torch.float32, (cols,), finite_nonnegative=True
-        )
-    else:
-        tensors[VMEAN] = check_state_tensor(
-            entry[VMEAN], f"{where}[{VMEAN!r}]", torch.float32, (blocks, 1), finite_nonnegative=True
-        )
-    for key, tensor in tensors.items():
-        staged[key] = tensor.detach().to(device=device, copy=True)
+        staged[key] = tensor.detach().to(device=device, copy=True).reshape(blocked.get(key, shape))
     staged[age_key] = make_counter(age, device, capturable)
     return staged
 
@@ -165,15 +150,12 @@ def stage_state_dict(
     param_groups: Sequence[Mapping[str, Any]],
     deterministic: bool,
     capturable: bool,
-    topology: list[dict[str, object] | None] | None,
 ) -> StagedNativeState:
     """Validate ``state_dict`` against the live optimizer and stage the new groups and state."""
     groups = check_top_level(state_dict, F.FORMAT, len(param_groups))
     assert isinstance(state_dict, Mapping)
     common = reconcile_record(state_dict, F.FORMAT)
-    global_step, codebook = check_common_record(
-        common, deterministic=deterministic, topology=topology, optimizer="Gefen"
-    )
+    global_step, codebook = check_common_record(common, deterministic=deterministic, optimizer="Gefen")
     new_groups: list[dict[str, Any]] = []
     saved_ids: list[list[object]] = []
     for index, (saved, live) in enumerate(zip(groups, param_groups)):

@@ -17,6 +17,10 @@ The rule
 * a 1-D tensor, or a piece whose size is not a multiple of that (a flattened element
   shard), takes the memory-safe fallback on its own size: the largest divisor not above
   2048, or 1 when that is below :data:`MIN_BLOCK_PERIOD`;
+* a row-sharded (FSDP2 ``Shard(0)``) DTensor takes the rule on its *global* shape, so every
+  rank, whatever its share of the rows (none included), chooses the same blocks; a 1-D one
+  has period 1 (its elements, not blocks, are what the mesh splits, so its state shards
+  and reshards with them);
 * the user's overrides force ``P = 1`` (:class:`PeriodPolicy`; 1-D parameters by default).
 
 Gefen 0.1 searched the first gradient for block structure (the reference's "largest drop of
@@ -121,8 +125,13 @@ class PeriodPolicy:
             return any(s.lower() in lowered for s in self.period_one_substrings)
         return False
 
-    def resolve(self, name: str | None, shape: Sequence[int], local_numel: int) -> int:
-        """The period of a piece of ``local_numel`` elements of a parameter of global ``shape``."""
-        if local_numel <= 1 or self.forces_period_one(name, len(shape)):
+    def resolve(self, name: str | None, shape: Sequence[int], local_numel: int, *, row_sharded: bool = False) -> int:
+        """The period of a piece of ``local_numel`` elements of a parameter of global ``shape``
+        (``row_sharded``: a ``Shard(0)`` DTensor's local rows, see the module docstring)."""
+        if self.forces_period_one(name, len(shape)):
+            return 1
+        if row_sharded:
+            return shape_period(shape, math.prod(int(d) for d in shape)) if len(shape) >= 2 else 1
+        if local_numel <= 1:
             return 1
         return shape_period(shape, local_numel)

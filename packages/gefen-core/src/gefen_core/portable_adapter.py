@@ -103,8 +103,6 @@ class _Host(Protocol):
 
     def _verify_layout(self, where: str) -> None: ...
 
-    def _topology(self) -> list[dict[str, object] | None] | None: ...
-
     def _portable_status(self) -> FeatureStatus: ...
 
     def portable_layout(self) -> PortableLayout: ...
@@ -242,7 +240,7 @@ class GefenPortableState(BoundLayoutHook):
             factors = complete_factors(piece, *tensor.shape) if factored else None
             assert slot.live_index is not None
             entries[(slot.group_index, slot.live_index)] = native_entry(
-                piece, choice.period, codebook, device=tensor.device, factors=factors, encoding=choice.encoding
+                piece, choice.period, codebook, param=tensor, factors=factors, encoding=choice.encoding
             )
         groups = adopted_groups(self.param_groups, records)
         state = positional_state(groups, entries)
@@ -250,7 +248,6 @@ class GefenPortableState(BoundLayoutHook):
             "global_step": global_step,
             "codebook": codebook,
             "deterministic": self._deterministic,
-            "topology": self._topology(),
         }
         native = native_state_dict(F.FORMAT, groups, state, record_fields)
         try:

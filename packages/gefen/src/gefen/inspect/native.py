@@ -2,8 +2,9 @@
 
 Native formats carry no digests, so "verifying" one means checking everything the format
 promises that can be checked without the model: exact key sets and types, the shapes that
-tie a parameter's entries together (``m_codebook [B, P]`` with ``P = automatic_period``,
-``m_magnitude [B, 1]``, ``v_row [R]`` and ``v_col [K]`` with ``R K = B P``, ...), dtypes,
+tie a parameter's entries together (Gefen's tensors shaped like the parameter that
+``m_codebook`` has, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codebook [B, P]``
+with ``P = automatic_period`` and ``m_magnitude [B, 1]``, ...), dtypes,
 finite and non-negative statistics, whole-number counters, a valid codebook whenever
 momentum indices exist, the per-group mirror of the optimizer-wide record agreeing with
 the top-level keys, and every state entry belonging to a parameter of the groups. Each
@@ -19,6 +20,7 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
+from gefen_core.state_placement import expected_shapes
 from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
 from gefen_hybrid import ROLES, children_of_state_dict
 
@@ -120,6 +122,8 @@ def _gefen_entry(
         check.fail(f"{where}.automatic_period", f"must be a positive int, got {period!r}")
     if not _is_count(entry.get("step"), 1):
         check.fail(f"{where}.step", f"must be an int >= 1 once momentum exists, got {entry.get('step')!r}")
+    if not muon:
+        return _shaped_entry(check, entry, where, period)
     indices = check.tensor(entry, "m_codebook", where, torch.uint8, 2)
     magnitude = check.tensor(entry, "m_magnitude", where, torch.float32, 2)
     blocks = numel = None
@@ -142,28 +146,43 @@ def _gefen_entry(
             if not _is_count(entry.get("normuon_step"), 1):
                 check.fail(f"{where}.normuon_step", f"must be an int >= 1, got {entry.get('normuon_step')!r}")
         return variant, shape
-    if "v_row" in entry or "v_col" in entry:
-        rows = check.tensor(entry, "v_row", where, torch.float32, 1)
-        cols = check.tensor(entry, "v_col", where, torch.float32, 1)
-        if not _is_count(entry.get("factored_step"), 1):
-            check.fail(f"{where}.factored_step", f"must be an int >= 1, got {entry.get('factored_step')!r}")
-        if rows is not None and cols is not None:
-            shape = (int(rows.numel()), int(cols.numel()))
-            if numel is not None and shape[0] * shape[1] != numel:
-                check.fail(where, f"v_row x v_col is {shape[0]}x{shape[1]} but the momentum has {numel} elements")
-            return "factored", shape
-        return "factored", None
-    if "vmean" in entry:
-        vmean = check.tensor(entry, "vmean", where, torch.float32, 2)
-        if vmean is not None and blocks is not None and tuple(vmean.shape) != (blocks, 1):
+    return "muon", None
+
+
+def _shaped_entry(
+    check: _Checker, entry: Mapping[str, Any], where: str, period: object
+) -> tuple[str, tuple[int, ...] | None]:
+    """A Gefen entry (``gefen.native_state`` v3): tensors shaped like the parameter, whose
+    shape the codes give (:func:`gefen_core.state_placement.expected_shapes`)."""
+    indices = entry.get("m_codebook")
+    if not isinstance(indices, torch.Tensor) or indices.dtype is not torch.uint8:
+        check.fail(
+            f"{where}.m_codebook", f"must be a torch.uint8 tensor shaped like the parameter, got {indices!r:.60}"
+        )
+        return "broken", None
+    shape = tuple(int(d) for d in indices.shape)
+    if not _is_count(period, 1) or indices.numel() % int(period):  # type: ignore[call-overload]
+        return "broken", shape
+    variant = "factored" if "v_row" in entry or "v_col" in entry else "block"
+    if variant == "factored" and len(shape) != 2:
+        check.fail(where, f"holds a factored second moment but its parameter is {len(shape)}-D")
+        return "broken", shape
+    if variant == "block" and "vmean" not in entry:
+        check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
+        return "broken", shape
+    for key, want in expected_shapes(shape, int(period), variant).items():  # type: ignore[call-overload]
+        if key == "m_codebook":
+            continue
+        value = check.tensor(entry, key, where, torch.float32, len(want))
+        if value is not None and tuple(value.shape) != want:
             check.fail(
-                f"{where}.vmean", f"must be [{blocks}, 1] (one second moment per block), got {list(vmean.shape)}"
+                f"{where}.{key}",
+                f"must be {list(want)} for a {list(shape)} parameter at period {period}, got {list(value.shape)}",
             )
-        if not _is_count(entry.get("vmean_step"), 1):
-            check.fail(f"{where}.vmean_step", f"must be an int >= 1, got {entry.get('vmean_step')!r}")
-        return "block", None
-    check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
-    return "broken", None
+    age = "factored_step" if variant == "factored" else "vmean_step"
+    if not _is_count(entry.get(age), 1):
+        check.fail(f"{where}.{age}", f"must be an int >= 1, got {entry.get(age)!r}")
+    return variant, shape
 
 
 def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tuple[str, str]]:

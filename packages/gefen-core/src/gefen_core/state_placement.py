@@ -1,0 +1,126 @@
+"""How Gefen's state tensors follow their parameter in a checkpoint: shapes and DTensor placements.
+
+Gefen steps blocked views of its state (codes ``uint8[B, P]``, scales ``fp32[B, 1]``); a
+native state dict holds the same storage viewed *like the parameter*, so that under FSDP2 it
+is a DTensor that torch's DCP reshards N -> M by relabelling, bit for bit:
+
+=================  ==================================  ===================================
+entry              shape (global)                      DTensor placement
+=================  ==================================  ===================================
+``m_codebook``     the parameter's shape               the parameter's
+``m_magnitude``,   ``[rows, row_length / P]`` for a    the parameter's (whole blocks lie
+``vmean``          parameter of two or more dims,      in one row, so they shard with the
+                   ``[numel / P]`` otherwise            rows)
+``v_row``          ``[rows]``                          the parameter's
+``v_col``          ``[columns]``                       ``Replicate()`` (it is all-reduced)
+=================  ==================================  ===================================
+
+The shapes depend on the parameter's shape and the period only, and the period on the
+shape (and whether the parameter is row-sharded, :func:`gefen_core.periods.shape_period`),
+so the zero-gradient template step of ``torch.distributed.checkpoint.state_dict`` makes
+tensors of the saved shapes. The optimizer-wide codebook is a plain tensor, equal on every
+rank of a mesh (DCP saves it once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .distributed import is_dtensor, local_tensor
+from .native_records import check_state_tensor, fail
+from .param_state import FACTORED, INDICES, MAGNITUDE, V_COL, V_ROW, VMEAN
+
+__all__ = ["export_tensors", "expected_shapes", "import_tensor", "scale_shape"]
+
+
+def scale_shape(shape: Sequence[int], period: int) -> tuple[int, ...]:
+    """The shape of one scale per block of ``period`` elements of a tensor of ``shape``."""
+    dims = tuple(int(d) for d in shape)
+    if len(dims) >= 2:
+        row = math.prod(dims[1:])
+        if period and row % period == 0:
+            return (dims[0], row // period)
+    return (math.prod(dims) // period,)
+
+
+def expected_shapes(shape: Sequence[int], period: int, variant: str) -> dict[str, tuple[int, ...]]:
+    """Every state tensor's shape for a tensor of ``shape`` (global or local) and ``period``."""
+    dims = tuple(int(d) for d in shape)
+    blocks = scale_shape(dims, period)
+    shapes = {INDICES: dims, MAGNITUDE: blocks}
+    if variant == FACTORED:
+        shapes[V_ROW] = (dims[0],)
+        shapes[V_COL] = (dims[1],)
+    else:
+        shapes[VMEAN] = blocks
+    return shapes
+
+
+def _placements(param: torch.Tensor, key: str) -> Any:
+    from torch.distributed.tensor import Replicate
+
+    return (Replicate(),) if key == V_COL else param.placements  # type: ignore[attr-defined]
+
+
+def export_tensors(param: torch.Tensor, state: Mapping[str, Any], variant: str) -> dict[str, torch.Tensor]:
+    """The state's tensors viewed like the parameter (views of the live storage), as DTensors
+    on the parameter's mesh when it is one."""
+    period = int(state["automatic_period"])
+    local_shapes = expected_shapes(local_tensor(param).shape, period, variant)
+    out = {key: state[key].reshape(shape) for key, shape in local_shapes.items()}
+    if not is_dtensor(param):
+        return out
+    from torch.distributed.tensor import DTensor
+
+    global_shapes = expected_shapes(param.shape, period, variant)
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    return {
+        key: DTensor.from_local(
+            view,
+            mesh,
+            _placements(param, key),
+            run_check=False,
+            shape=torch.Size(global_shapes[key]),
+            stride=torch.empty(global_shapes[key], device="meta").stride(),
+        )
+        for key, view in out.items()
+    }
+
+
+def import_tensor(
+    value: object,
+    param: torch.Tensor,
+    key: str,
+    where: str,
+    dtype: torch.dtype,
+    global_shape: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    *,
+    finite_nonnegative: bool,
+) -> torch.Tensor:
+    """The local piece of a saved state tensor, checked (dtype, shapes, placement, values).
+
+    A DTensor parameter takes a DTensor of the global shape on a mesh of the parameter's size
+    with the placement :func:`export_tensors` gives (what DCP loads into the template); a
+    plain parameter takes a plain tensor. Raises :class:`~gefen_contracts.StateValidationError`.
+    """
+    if is_dtensor(param) != is_dtensor(value):
+        wanted = "a DTensor" if is_dtensor(param) else "a plain tensor"
+        raise fail(f"{where} must be {wanted} like its parameter, got {type(value).__name__}")
+    if is_dtensor(value):
+        assert isinstance(value, torch.Tensor)
+        if tuple(value.shape) != global_shape:
+            raise fail(f"{where} must have global shape {global_shape}, got {tuple(value.shape)}")
+        wanted_placements = tuple(_placements(param, key))
+        mesh_size = int(param.device_mesh.size())  # type: ignore[attr-defined]
+        if tuple(value.placements) != wanted_placements or int(value.device_mesh.size()) != mesh_size:  # type: ignore[attr-defined]
+            raise fail(
+                f"{where} is placed {tuple(value.placements)} on a mesh of {int(value.device_mesh.size())}; "  # type: ignore[attr-defined]
+                f"its parameter needs {wanted_placements} on a mesh of {mesh_size}"
+            )
+        value = value.to_local()  # type: ignore[attr-defined]
+    return check_state_tensor(value, where, dtype, local_shape, finite_nonnegative=finite_nonnegative)
