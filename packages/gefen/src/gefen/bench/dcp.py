@@ -10,13 +10,16 @@ shard: ``to_local().numel()`` summed over its parameters). The checkpoint module
 imported before measuring, as a training script imports them; their one-time resident cost
 is reported separately.
 
-Arms save their optimizer through :class:`gefen_dcp.GefenDCPState` and must claim
-``dense_shard_codec`` (an arm whose contract does not is skipped with the contract's
-reason): ``gefen`` (once Gefen implements the codec) and gefen-dcp's reference codec
-``int8-sgd`` (``gefen_dcp.testing.Int8MomentumSGD``, about 1 B/param) by default. The
-baseline ``torch-dcp-adamw`` is ``torch.optim.AdamW`` through ``get_state_dict`` /
-``set_state_dict`` with DCP's stock planner and writer; ratios are against it at the same
-world size, measured in the same run.
+An arm ``recipe:<arm>`` saves ``<arm>``'s optimizer through torch's recipe, exactly as the
+baseline does: any optimizer whose state dict DCP can shard. Any other arm saves its
+optimizer through :class:`gefen_dcp.GefenDCPState` and must claim ``dense_shard_codec`` (an
+arm whose contract does not is skipped with the contract's reason). Default arms:
+``recipe:gefen``, ``gefen`` (``GefenDCPState``) and gefen-dcp's reference codec ``int8-sgd``
+(``gefen_dcp.testing.Int8MomentumSGD``, about 1 B/param). The baseline ``torch-dcp-adamw``
+is ``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict`` with DCP's stock
+planner and writer; ratios are against it at the same world size, measured in the same run.
+Besides seconds and peaks, ``disk_bytes_per_param`` is the synchronous checkpoint's size on
+disk over the model's parameter count.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 from gefen_contracts import FEATURE_DENSE_SHARD_CODEC
 
 from .checkpoint_arms import claim_status
-from .dcp_worker import TORCH_ARM
+from .dcp_worker import TORCH_ARM, through_torch_recipe
 from .model_sizes import bench_decoder
 from .plot import Panel, Series
 from .rank_processes import MALLOC_ENV, run_ranks
@@ -37,7 +40,7 @@ from .schema import BenchmarkReport, ReportBuilder
 
 __all__ = ["DEFAULT_ARMS", "OPERATIONS", "TORCH_ARM", "DcpOptions", "dcp_panels", "run_dcp"]
 
-DEFAULT_ARMS = ("gefen", "int8-sgd")
+DEFAULT_ARMS = ("recipe:gefen", "gefen", "int8-sgd")
 OPERATIONS = ("save", "async_save", "load")
 
 
@@ -77,7 +80,7 @@ def run_dcp(options: DcpOptions, *, progress: Callable[[str], None] | None = Non
     )
     arms = []
     for arm in options.arms:
-        reason = claim_status(arm, FEATURE_DENSE_SHARD_CODEC)
+        reason = None if through_torch_recipe(arm) else claim_status(arm, FEATURE_DENSE_SHARD_CODEC)
         if reason is None:
             arms.append(arm)
         else:
@@ -90,7 +93,7 @@ def run_dcp(options: DcpOptions, *, progress: Callable[[str], None] | None = Non
                     "gefen.bench.dcp_worker", spec, world_size, threads=options.threads, label=f"dcp {arm}"
                 )
                 tick(f"{world_size} ranks / {arm}")
-                _add_rows(builder, options.model, world_size, arm, results)
+                _add_rows(builder, options.model, world_size, arm, results, config.parameter_count())
     builder.note(
         "peak = resident-set high-water mark (or 1 ms samples) above the resident size just before the operation, "
         "on the worst rank, per parameter element held by that rank; seconds = the slowest rank"
@@ -109,9 +112,12 @@ def run_dcp(options: DcpOptions, *, progress: Callable[[str], None] | None = Non
     return builder.build()
 
 
-def _add_rows(builder: ReportBuilder, model: str, world_size: int, arm: str, results: Sequence[dict[str, Any]]) -> None:
+def _add_rows(
+    builder: ReportBuilder, model: str, world_size: int, arm: str, results: Sequence[dict[str, Any]], parameters: int
+) -> None:
     name = f"{model}/{world_size}ranks/{arm}"
     base = None if arm == TORCH_ARM else f"{model}/{world_size}ranks/{TORCH_ARM}"
+    builder.add(name, "disk_bytes_per_param", results[0]["disk_bytes"] / max(1, parameters), "B/param", baseline=base)
     for operation in OPERATIONS:
         worst = max(results, key=lambda r: r[operation]["peak_extra_bytes"] / max(1, r["local_parameters"]))
         detail = {

@@ -5,10 +5,12 @@ optimizer steps on random tokens, imports the checkpoint modules the arm's train
 would import at its top (``torch.distributed.checkpoint``, and ``gefen_dcp`` for the Gefen
 arms; their resident cost is reported on its own as ``checkpoint_import_bytes``), then measures a synchronous ``dcp.save`` of the optimizer
 (and the model with ``with_model``), a ``dcp.async_save`` (until the write completed, on a
-separate gloo group) and a ``dcp.load`` into a freshly built model and optimizer. The arm
-``torch-dcp-adamw`` is ``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict``
-and DCP's stock planner and writer; every other arm saves its optimizer through
-:class:`gefen_dcp.GefenDCPState` with the Gefen planners and writer.
+separate gloo group) and a ``dcp.load`` into a freshly built model and optimizer, and the
+bytes the synchronous checkpoint holds on disk. The arm ``torch-dcp-adamw`` is
+``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict`` and DCP's stock planner
+and writer; an arm ``recipe:<arm>`` takes that same recipe with ``<arm>``'s optimizer; every
+other arm saves its optimizer through :class:`gefen_dcp.GefenDCPState` with the Gefen
+planners and writer.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TORCH_ARM"]
+__all__ = ["RECIPE_PREFIX", "TORCH_ARM", "through_torch_recipe"]
 
 TORCH_ARM = "torch-dcp-adamw"
+RECIPE_PREFIX = "recipe:"
+
+
+def through_torch_recipe(arm: str) -> bool:
+    """Whether ``arm`` saves through torch's ``get_state_dict`` / ``set_state_dict`` + stock DCP."""
+    return arm == TORCH_ARM or arm.startswith(RECIPE_PREFIX)
 
 
 def _train(model: Any, optimizer: Any, spec: Mapping[str, Any], steps: int) -> None:
@@ -40,7 +48,7 @@ def _train(model: Any, optimizer: Any, spec: Mapping[str, Any], steps: int) -> N
 
 
 def _states(spec: Mapping[str, Any], model: Any, optimizer: Any) -> dict[str, Any]:
-    if spec["arm"] == TORCH_ARM:
+    if through_torch_recipe(spec["arm"]):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -60,7 +68,7 @@ def _save(spec: Mapping[str, Any], model: Any, optimizer: Any, path: Path, *, gr
     state = _states(spec, model, optimizer)
     write: Callable[..., Any] = async_save if group is not None else save
     options: dict[str, Any] = {"process_group": group} if group is not None else {}
-    if spec["arm"] == TORCH_ARM:
+    if through_torch_recipe(spec["arm"]):
         return write(state, storage_writer=FileSystemWriter(path), **options)
     from gefen_dcp import GefenFileSystemWriter, GefenSavePlanner
 
@@ -71,7 +79,7 @@ def _load(spec: Mapping[str, Any], model: Any, optimizer: Any, path: Path) -> No
     from torch.distributed.checkpoint.state_dict_loader import load
 
     state = _states(spec, model, optimizer)
-    if spec["arm"] == TORCH_ARM:
+    if through_torch_recipe(spec["arm"]):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         load(state, checkpoint_id=path)
@@ -109,7 +117,7 @@ def _import_checkpoint_modules(spec: Mapping[str, Any]) -> int:
     gc.collect()
     before = ResidentMemory.current() or 0
     modules = ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"]
-    if spec["arm"] != TORCH_ARM:
+    if not through_torch_recipe(spec["arm"]):
         modules.append("gefen_dcp")
     for module in modules:
         importlib.import_module(module)
@@ -130,7 +138,7 @@ def _build(spec: Mapping[str, Any], mesh: Any) -> tuple[Any, Any]:
     fully_shard(model, mesh=mesh)
     if spec["arm"] == TORCH_ARM:
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, build_arm(spec["arm"], list(model.named_parameters()))
+    return model, build_arm(spec["arm"].removeprefix(RECIPE_PREFIX), list(model.named_parameters()))
 
 
 def _local_numel(model: Any) -> int:
@@ -166,6 +174,7 @@ def _run(spec: Mapping[str, Any], rank: int) -> dict[str, Any]:
         }
         save = functools.partial(_save, spec, model, optimizer, path)
         result["save"] = measure_operation(save, barrier=dist.barrier).to_json()
+        result["disk_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         saver = _async_saver(spec, model, optimizer, Path(str(path) + "-async"))
         result["async_save"] = measure_operation(saver, barrier=dist.barrier).to_json()
         del optimizer, model, save

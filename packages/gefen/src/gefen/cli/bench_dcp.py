@@ -32,9 +32,10 @@ def register(sub: Any) -> None:
         description=(
             "For each world size and arm, fresh processes (one per rank, gloo on 127.0.0.1) train the decoder under "
             "FSDP2 for two steps, then time a dcp.save, a dcp.async_save and a dcp.load into a fresh optimizer, with "
-            "the peak resident growth per parameter on the worst rank. Arms save through gefen_dcp.GefenDCPState and "
-            "must claim dense_shard_codec (others are skipped with their contract's reason); the baseline is "
-            "torch.optim.AdamW through get_state_dict/set_state_dict and DCP's stock planner and writer."
+            "the peak resident growth per parameter on the worst rank, and the checkpoint's bytes on disk per "
+            "parameter. An arm recipe:NAME saves NAME's optimizer through torch's get_state_dict/set_state_dict and "
+            "DCP's stock planner and writer, as the baseline torch.optim.AdamW does; other arms save through "
+            "gefen_dcp.GefenDCPState and must claim dense_shard_codec (others are skipped with their contract's reason)."
         ),
     )
     parser.add_argument(
@@ -48,7 +49,7 @@ def register(sub: Any) -> None:
         type=_names,
         default=DEFAULT_ARMS,
         metavar="A,B",
-        help=f"arms: registry names or MODULE:FACTORY (default {','.join(DEFAULT_ARMS)})",
+        help=f"arms: registry names or MODULE:FACTORY, recipe:NAME for torch's recipe (default {','.join(DEFAULT_ARMS)})",
     )
     parser.add_argument("--chunk-bytes", type=int, default=None, help="GefenDCPState chunk_bytes (default: its own)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default 1)")
