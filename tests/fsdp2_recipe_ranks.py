@@ -3,7 +3,9 @@
 torch's documented optimizer-checkpoint recipe under FSDP2: a model sharded with
 ``fully_shard`` over every rank, ``get_optimizer_state_dict`` -> ``dcp.save`` on N ranks, then
 on M ranks a fresh model and optimizer, ``get_optimizer_state_dict`` (the template: one
-zero-gradient ``lr=0`` step) -> ``dcp.load`` -> ``set_optimizer_state_dict``. Each function
+zero-gradient ``lr=0`` step) -> ``dcp.load`` -> ``set_optimizer_state_dict``; and torchtitan's
+variant, ``optimizer.state_dict()`` keyed by parameter FQN through ``dcp.save``, loaded after
+its own zero-gradient ``lr=0`` step with ``optimizer.load_state_dict``. Each function
 returns, from rank 0, the gathered (full) optimizer state and the parameters after further
 steps, so the test compares N and M ranks bit for bit (state) and closely (training).
 """
@@ -106,15 +108,47 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: _full(p) for name, p in model.named_parameters()}
 
 
-def save(rank: int, world: int, name: str, path: str, flatten: bool) -> dict[str, Any] | None:
-    """Train, save the recipe's checkpoint, report the gathered state, then train on."""
+def _fqn_keyed(state_dict: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter ids replaced by FQNs (what torchtitan saves)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqn = {}
+    for saved, live in zip(state_dict["param_groups"], optimizer.param_groups):
+        for pid, param in zip(saved["params"], live["params"]):
+            fqn[pid] = names[id(param)]
+    state_dict["state"] = {fqn[pid]: entry for pid, entry in state_dict["state"].items()}
+    for group in state_dict["param_groups"]:
+        group["params"] = [fqn[pid] for pid in group["params"]]
+    return state_dict
+
+
+def _template_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """torchtitan's initialising step: zero gradients at ``lr=0`` so the state exists."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str) -> dict[str, Any]:
+    if mode == "fqn_native":
+        return _fqn_keyed(optimizer.state_dict(), model, optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=mode == "flattened")
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def save(rank: int, world: int, name: str, path: str, mode: str) -> dict[str, Any] | None:
+    """Train, save the checkpoint (torch's recipe, nested or flattened, or the FQN-keyed native
+    state dict), report the gathered state, then train on."""
     model = _model(0)
     optimizer = FACTORIES[name](model)
     _train(model, optimizer, 0, BEFORE)
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     dcp.save(
-        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=options)},
-        checkpoint_id=path,
+        {"model": get_model_state_dict(model), "optim": _optimizer_state(model, optimizer, mode)}, checkpoint_id=path
     )
     state = _full(optimizer.state_dict())
     losses = _train(model, optimizer, BEFORE, AFTER)
@@ -122,19 +156,25 @@ def save(rank: int, world: int, name: str, path: str, flatten: bool) -> dict[str
     return {"state": state, "params": params, "losses": losses} if rank == 0 else None
 
 
-def load(rank: int, world: int, name: str, path: str, flatten: bool) -> dict[str, Any] | None:
-    """Load the recipe's checkpoint into a fresh model and optimizer on this many ranks; report
-    the gathered state, then train on (and, from the same weights, without the state)."""
+def load(rank: int, world: int, name: str, path: str, mode: str) -> dict[str, Any] | None:
+    """Load the checkpoint into a fresh model and optimizer on this many ranks (the template
+    first: torch's helper, or torchtitan's zero-gradient step); report the gathered state, then
+    train on (and, from the same weights, without the state)."""
     model = _model(1)
     optimizer = FACTORIES[name](model)
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     weights = get_model_state_dict(model)
-    template = get_optimizer_state_dict(model, optimizer, options=options)
+    if mode == "fqn_native":
+        _template_step(model, optimizer)
+    template = _optimizer_state(model, optimizer, mode)
     untouched = all(torch.equal(_full(p), q) for p, q in zip(model.parameters(), _params(_model(1)).values()))
     checkpoint = {"model": weights, "optim": template}
     dcp.load(checkpoint, checkpoint_id=path)
     set_model_state_dict(model, checkpoint["model"])
-    set_optimizer_state_dict(model, optimizer, checkpoint["optim"], options=options)
+    if mode == "fqn_native":
+        optimizer.load_state_dict(checkpoint["optim"])
+    else:
+        options = StateDictOptions(flatten_optimizer_state_dict=mode == "flattened")
+        set_optimizer_state_dict(model, optimizer, checkpoint["optim"], options=options)
     state = _full(optimizer.state_dict())
     losses = _train(model, optimizer, BEFORE, AFTER)
     params = _params(model)

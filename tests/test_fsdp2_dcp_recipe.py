@@ -2,7 +2,8 @@
 
 ``get_optimizer_state_dict`` -> ``dcp.save`` on 2 ranks, then ``get_optimizer_state_dict``
 (template) -> ``dcp.load`` -> ``set_optimizer_state_dict`` on 1 and on 3 ranks, nested and
-flattened. The state is shaped like the parameters (Gefen's codes, row-aligned scales,
+flattened, and torchtitan's FQN-keyed ``optimizer.state_dict()`` with its zero-gradient
+initialising step. The state is shaped like the parameters (Gefen's codes, row-aligned scales,
 ``v_row`` sharded, ``v_col`` and the codebook replicated), so the gathered state after the load
 equals the gathered state at the save bit for bit, and training continues like the
 uninterrupted run (same batches; the world size changes only reduction order), far closer
@@ -56,16 +57,16 @@ def _gap(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], st
     return float(diff / moved)
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("mode", ["nested", "flattened", "fqn_native"])
 @pytest.mark.parametrize("name", sorted(ranks.FACTORIES))
 def test_the_recipe_reshards_two_ranks_to_one_and_three_bit_exactly(
-    tmp_path: Path, world1: GlooWorld, world2: GlooWorld, world3: GlooWorld, name: str, flatten: bool
+    tmp_path: Path, world1: GlooWorld, world2: GlooWorld, world3: GlooWorld, name: str, mode: str
 ) -> None:
     path = str(tmp_path / "ckpt")
-    saved = world2.run(ranks.save, name, path, flatten)[0]
+    saved = world2.run(ranks.save, name, path, mode)[0]
     checkpoint_weights = world1.run(ranks.checkpoint_params, path)[0]
     for label, world in (("2->1", world1), ("2->3", world3)):
-        loaded = world.run(ranks.load, name, path, flatten)[0]
+        loaded = world.run(ranks.load, name, path, mode)[0]
         assert loaded["template_step_moved_nothing"], label
         _assert_same(saved["state"], loaded["state"], f"{label} state")
         gap = _gap(loaded["params"], saved["params"], checkpoint_weights)
