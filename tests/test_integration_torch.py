@@ -178,3 +178,59 @@ def test_a_compiled_forward_and_backward_trains_like_eager_with_an_eager_optimiz
         # a gradient that differs in its last bits can round an element's momentum to the
         # adjacent codeword, a step difference of about lr * M * (codeword spacing)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+
+
+def _gefen_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("fused", [None, True, False], ids=["fused-auto", "fused", "reference"])
+def test_a_compiled_gefen_step_matches_the_eager_step_bit_for_bit(fused: bool | None) -> None:
+    """``torch.compile(optimizer.step)`` (with the CPU kernel it crashed the process: TorchDynamo
+    passed fake tensors' addresses to the kernel); the step now runs eagerly inside the
+    compiled callable, and the kernels are never traced."""
+    torch._dynamo.reset()
+    eager_model = _gefen_model()
+    compiled_model = copy.deepcopy(eager_model)
+    eager = Gefen(eager_model.named_parameters(), lr=1e-2, weight_decay=0.01, fused=fused)
+    compiled = Gefen(compiled_model.named_parameters(), lr=1e-2, weight_decay=0.01, fused=fused)
+    compiled_step = torch.compile(compiled.step, backend="eager")
+    for step in range(3):
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for model, run in ((eager_model, eager.step), (compiled_model, compiled_step)):
+            model.zero_grad()
+            model(inputs).square().mean().backward()
+            run()
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(eager_model.parameters()), next(_gefen_model().parameters()))
+
+
+@pytest.mark.parametrize("name", ["gefen", "hybrid"])
+def test_a_compiled_training_step_with_the_optimizer_inside_trains_like_eager(name: str) -> None:
+    """One compiled callable holding forward, backward and ``optimizer.step()`` (aot_eager)."""
+    torch._dynamo.reset()
+    eager_model = seeded(TinyLlama)
+    compiled_model = copy.deepcopy(eager_model)
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        return Gefen(model.named_parameters(), lr=1e-3) if name == "gefen" else _hybrid(model)
+
+    eager, compiled = build(eager_model), build(compiled_model)
+
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = _compile_loss(model)(tokens)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    compiled_train_step = torch.compile(train_step, backend="aot_eager")
+    for step in range(3):
+        tokens = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(700 + step))
+        expected = train_step(eager_model, eager, tokens)
+        got = compiled_train_step(compiled_model, compiled, tokens)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)

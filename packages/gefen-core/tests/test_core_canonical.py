@@ -199,7 +199,7 @@ class _Tiny(nn.Module):
 
 def _golden_pair() -> tuple[_Tiny, Gefen]:
     model = _Tiny()
-    optimizer = Gefen(list(model.named_parameters()), lr=0.125, fused=False, deterministic=True)
+    optimizer = Gefen(list(model.named_parameters()), lr=0.125, weight_decay=0.0, fused=False, deterministic=True)
     plan = replicated_copy_plan(list(model.named_parameters()))
     optimizer.post_sharding(plan.rebindings, manifest=plan.manifest)
     install_parameters(model, {id(p): plan.targets[n] for n, p in model.named_parameters()})

@@ -268,6 +268,19 @@ def test_grad_scaler_native_protocol_for_fp16_parameters() -> None:
     assert not snapshot_diff(before, opt, half)
 
 
+def test_an_overflow_on_the_first_step_skips_it_like_any_other() -> None:
+    half = torch.nn.Parameter(torch.randn(8, 8).half())
+    opt = Gefen([half], lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    scaler.scale((half.float() * 1e4).sum()).backward()  # 2^20 * 1e4 overflows fp16
+    assert not bool(torch.isfinite(half.grad).all())  # type: ignore[arg-type]
+    before = half.detach().clone()
+    scaler.step(opt)  # it raised GradientError: the plan refused a non-finite first gradient
+    scaler.update()
+    assert torch.equal(half, before) and opt.global_step == 0 and not opt.state
+    assert scaler.get_scale() < 2.0**20
+
+
 def test_protocols_and_contract() -> None:
     opt = Gefen(_model().parameters())
     assert isinstance(opt, ContractProvider) and isinstance(opt, StagedNativeLoad) and isinstance(opt, StepPreflight)
@@ -299,3 +312,19 @@ def test_deepcopy_and_pickle_keep_the_learned_state() -> None:
         _train(twin_model, twin, 2)
     _train(model, opt, 2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_adamw_defaults_and_keywords() -> None:
+    """Swapping torch.optim.AdamW for Gefen keeps AdamW's defaults and accepts its keywords."""
+    params = [torch.nn.Parameter(torch.randn(4, 4))]
+    adamw = torch.optim.AdamW(params)
+    gefen = Gefen(params)
+    for key in ("lr", "betas", "eps", "weight_decay", "maximize"):
+        assert gefen.defaults[key] == adamw.defaults[key], key
+    assert gefen.param_groups[0]["weight_decay"] == 1e-2
+    for foreach in (None, True, False):
+        Gefen(params, foreach=foreach, amsgrad=False)  # foreach is a hint with nothing to choose here
+    with pytest.raises(GefenOptionTypeError, match="foreach"):
+        Gefen(params, foreach="yes")  # type: ignore[arg-type]
+    with pytest.raises(GefenOptionError, match=r"amsgrad=True.*ContractedAdamW"):
+        Gefen(params, amsgrad=True)

@@ -30,7 +30,7 @@ def test_first_block_step_matches_the_hand_computation() -> None:
     p = torch.nn.Parameter(torch.randn(64))
     before = p.detach().double().clone()
     lr, eps = 0.01, 1e-8
-    opt = Gefen([p], lr=lr, eps=eps, fused=False)
+    opt = Gefen([p], lr=lr, eps=eps, weight_decay=0.0, fused=False)
     _step(opt, [p], [grad])
     assert opt.state[p]["automatic_period"] == 64  # one block: the fallback keeps small vectors whole
     g = grad.double()
@@ -77,7 +77,7 @@ def test_factored_equations_match_a_float64_reference() -> None:
     rows, cols = 12, 20
     p = torch.nn.Parameter(torch.randn(rows, cols))
     beta1, beta2, lr, eps = 0.9, 0.99, 1e-2, 1e-8
-    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, fused=False)
+    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0, fused=False)
     r = torch.zeros(rows, dtype=torch.float64)
     c = torch.zeros(cols, dtype=torch.float64)
     for t in range(1, 5):
@@ -117,7 +117,7 @@ def test_weight_decay_is_decoupled_and_applied_before_the_update() -> None:
     without = torch.nn.Parameter(data.clone())
     lr, wd = 0.05, 0.3
     a = Gefen([with_decay], lr=lr, weight_decay=wd, fused=False)
-    b = Gefen([without], lr=lr, fused=False)
+    b = Gefen([without], lr=lr, weight_decay=0.0, fused=False)
     grad = torch.randn(32, 32)
     _step(a, [with_decay], [grad])
     _step(b, [without], [grad])

@@ -31,6 +31,7 @@ from .optimizer_support import (
     export_with_hooks,
     load_with_hooks,
     publish_groups_and_state,
+    run_eagerly,
 )
 from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
@@ -56,8 +57,12 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
 
     Args:
         params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or group dicts.
-        lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW`` (``lr`` may be a
-            1-element tensor; ``weight_decay`` defaults to 0).
+        lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``, with its defaults
+            (``lr`` may be a 1-element tensor; ``weight_decay`` 1e-2, 0 before 0.2).
+        amsgrad: ``False`` only (as AdamW's default); ``True`` raises ``GefenOptionError``: a
+            block-shared or factored ``v`` has no per-element maximum to keep.
+        foreach: accepted for AdamW's signature; a performance hint that changes nothing here
+            (``fused`` chooses between the kernels and the reference).
         fused: ``None`` uses a registered kernel provider when it supports the tensors,
             ``True`` requires one, ``False`` always runs the PyTorch reference.
         factored_v_2d: factored (row x column) second moment for 2-D parameters.
@@ -91,9 +96,11 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
         lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-2,
         *,
+        amsgrad: bool = False,
         maximize: bool = False,
+        foreach: bool | None = None,
         fused: bool | None = None,
         factored_v_2d: bool = True,
         force_1d_period_one: bool = False,
@@ -112,6 +119,16 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             raise GefenOptionTypeError(f"capturable must be a bool, got {type(capturable).__name__}")
         if fused is not None and type(fused) is not bool:
             raise GefenOptionTypeError(f"fused must be None, True or False, got {fused!r}")
+        if foreach is not None and type(foreach) is not bool:
+            raise GefenOptionTypeError(f"foreach must be None, True or False, got {foreach!r}")
+        if type(amsgrad) is not bool:
+            raise GefenOptionTypeError(f"amsgrad must be a bool, got {type(amsgrad).__name__}")
+        if amsgrad:
+            raise GefenOptionError(
+                "amsgrad=True keeps each element's running maximum of v, but Gefen shares v across a block "
+                "(or factors it by rows and columns) at about 1 byte/param; use ContractedAdamW (gefen_hybrid) "
+                "or torch.optim.AdamW for AMSGrad"
+            )
         if type(codebook_refresh_every) is not int:
             raise GefenOptionTypeError(
                 f"codebook_refresh_every must be an int, got {type(codebook_refresh_every).__name__}"
@@ -298,6 +315,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
 
     # -- step -----------------------------------------------------------------------------
 
+    @run_eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW-like update of every parameter with a gradient; returns ``closure()``'s loss.
@@ -314,9 +332,9 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             self._verify_layout("step")
             with torch.enable_grad():
                 loss = closure()
-        plan = self._plan()
-        if should_skip_step(self):
+        if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
             return loss
+        plan = self._plan()
         unscale_gradients(self, [w.param.grad for w in plan.works if w.param.grad is not None])
         self._execute(plan)
         return loss

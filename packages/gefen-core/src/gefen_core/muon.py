@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 from gefen_contracts import KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
@@ -41,19 +41,12 @@ from .optimizer_support import (
     export_with_hooks,
     load_with_hooks,
     publish_groups_and_state,
+    run_eagerly,
 )
 from .param_state import storage_bytes
 from .scoped_step import scoped_step
 
 __all__ = ["GefenMuon"]
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _run_eagerly(method: _F) -> _F:
-    """Exclude ``method`` from TorchDynamo tracing (``torch.compile`` runs it eagerly)."""
-    return cast(_F, torch.compiler.disable(method, reason="GefenMuon.step runs eagerly"))  # type: ignore[no-untyped-call]
 
 
 _NATIVE_LOAD = "gefen.muon_native_load"
@@ -310,7 +303,7 @@ class GefenMuon(
     def _scope(self) -> MuonScope | None:
         return slot_layouts(self.param_groups)[1]
 
-    @_run_eagerly
+    @run_eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Muon update of every 2-D parameter with a gradient; returns ``closure()``'s loss.

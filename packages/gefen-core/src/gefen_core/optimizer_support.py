@@ -5,11 +5,29 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
-__all__ = ["OwnAttributesPickling", "codebook_on", "export_with_hooks", "load_with_hooks", "publish_groups_and_state"]
+__all__ = [
+    "OwnAttributesPickling",
+    "codebook_on",
+    "export_with_hooks",
+    "load_with_hooks",
+    "publish_groups_and_state",
+    "run_eagerly",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def run_eagerly(method: _F) -> _F:
+    """Exclude an optimizer's ``step`` from TorchDynamo tracing: ``torch.compile`` then calls it
+    eagerly. Traced, GefenMuon's step applied one matrix's update to another (the work items'
+    guards omit the parameter's identity) and Gefen's passed fake tensors' addresses to the
+    CPU kernel (a crash); a step of Python bookkeeping around kernels gains nothing from
+    tracing until the kernels are custom ops."""
+    return cast(_F, torch.compiler.disable(method, reason=f"{method.__qualname__} runs eagerly"))  # type: ignore[no-untyped-call]
 
 
 def export_with_hooks(optimizer: torch.optim.Optimizer, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
