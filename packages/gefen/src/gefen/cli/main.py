@@ -3,15 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from . import bench, conformance, demo, find_lr, inspect_checkpoint
 from .errors import UsageError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "versions"]
 
 _COMMANDS = (demo, bench, conformance, inspect_checkpoint, find_lr)
+
+#: The distributions ``gefen --version`` reports, the meta-package first.
+DISTRIBUTIONS = (
+    "gefen",
+    "gefen-contracts",
+    "gefen-core",
+    "gefen-kernels",
+    "gefen-portable",
+    "gefen-dcp",
+    "gefen-hybrid",
+)
+
+
+def versions() -> str:
+    """One line per workspace distribution with its installed version, then torch's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    lines = []
+    for name in (*DISTRIBUTIONS, "torch"):
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            found = "not installed"
+        lines.append(f"{name} {found}")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`versions` and exit (computed only when asked)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print every Gefen package's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(versions())
+        parser.exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gefen",
         description="Gefen: ~1 byte/param optimizers for PyTorch and the convention that makes them shardable.",
     )
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in _COMMANDS:
         command.register(sub)
@@ -26,7 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; the exit status is the command's (2 for a usage error)."""
+    """Run one command; the exit status is the command's (2 for a usage error).
+
+    The current directory is importable, as for ``python -m``, so ``MODULE:FUNCTION`` finds a
+    module next to the user's script without ``PYTHONPATH=.``."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

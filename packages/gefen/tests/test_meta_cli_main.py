@@ -1,0 +1,42 @@
+"""The ``gefen`` command itself: ``--version`` and importing ``MODULE:FUNCTION`` from the current directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gefen_contracts
+import gefen_core
+import pytest
+from gefen.cli.main import DISTRIBUTIONS, main
+
+_TARGET = """
+import torch
+
+
+def target():
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(20)]
+    return torch.nn.Linear(3, 1), batches, lambda model, b: torch.nn.functional.mse_loss(model(b[0]), b[1])
+"""
+
+
+def test_version_prints_every_package(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    lines = dict(line.split(" ", 1) for line in capsys.readouterr().out.splitlines())
+    assert set(DISTRIBUTIONS) < set(lines) and "torch" in lines
+    assert lines["gefen-core"] == gefen_core.__version__
+    assert lines["gefen-contracts"] == gefen_contracts.__version__
+
+
+def test_a_target_module_in_the_current_directory_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cwd_target_module.py").write_text(_TARGET)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_target_module", raising=False)
+    out = tmp_path / "out"
+    arguments = ["find-lr", "cwd_target_module:target", "--optimizer", "adamw", "--steps", "3", "--threads", "1"]
+    assert main([*arguments, "--out", str(out)]) == 0  # it needed PYTHONPATH=. before
+    assert (out / "find-lr.json").stat().st_size > 0
