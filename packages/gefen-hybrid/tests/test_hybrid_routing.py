@@ -231,3 +231,59 @@ def test_add_param_group_removes_the_first_childs_group_when_the_second_refuses(
         )
     assert len(opt.child_optimizers()["muon"].param_groups) == 1
     assert opt.parameter_routing() == routing
+
+
+class _TitanStyle(nn.Module):
+    """torchtitan's Llama names: ``tok_embeddings``, ``layers.N.attention.wq``, ``norm``, ``output``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(10, 6)
+        self.layers = nn.ModuleList([nn.ModuleDict({"wq": nn.Linear(6, 6, bias=False)}) for _ in range(2)])
+        self.heads = nn.Linear(6, 6, bias=False)  # a hidden matrix whose name merely contains "head"
+        self.norm = nn.LayerNorm(6)
+        self.output = nn.Linear(6, 10, bias=False)
+
+
+class _Gpt2Style(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(10, 6), "c_attn": nn.Linear(6, 18)})
+        self.lm_head = nn.Linear(6, 10, bias=False)
+        if tied:
+            self.lm_head.weight = self.transformer["wte"].weight
+
+
+def test_output_heads_and_embeddings_go_to_backup_by_module_type() -> None:
+    roles = _roles(route_model(_TitanStyle()).routing())
+    assert roles["output.weight"] == roles["tok_embeddings.weight"] == "backup"
+    assert roles["layers.0.wq.weight"] == roles["layers.1.wq.weight"] == roles["heads.weight"] == "muon"
+    sequential = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10))
+    assert _roles(route_model(sequential).routing()) == {
+        "0.weight": "backup",  # an nn.Embedding whatever its name ("0")
+        "1.weight": "muon",
+        "1.bias": "backup",
+        "2.weight": "muon",
+        "2.bias": "backup",
+    }
+    for tied in (False, True):
+        gpt2 = _roles(route_model(_Gpt2Style(tied)).routing())
+        assert gpt2["transformer.wte.weight"] == "backup" and gpt2["transformer.c_attn.weight"] == "muon"
+        assert ("lm_head.weight" not in gpt2) if tied else (gpt2["lm_head.weight"] == "backup")
+
+
+def test_named_parameters_whose_names_cannot_be_classified_warn() -> None:
+    from gefen_hybrid import RoutingWarning
+
+    sequential = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6))
+    with pytest.warns(RoutingWarning, match=r"\['0.weight', '1.weight'\].*pass the model itself"):
+        route_named_parameters(list(sequential.named_parameters()))
+    with pytest.warns(RoutingWarning, match=r"\['output.weight'\]"):
+        route_named_parameters(list(_TitanStyle().named_parameters()))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        route_model(_TitanStyle())  # module types are known: nothing to warn about
+        overrides = RoutingRules(overrides={"output.weight": "backup"})
+        route_named_parameters(list(_TitanStyle().named_parameters()), overrides)

@@ -39,9 +39,11 @@ from .composite_state import CompositeState
 from .roles import ROLE_BACKUP, ROLE_MUON, ROLE_TAG_PREFIX, ROLES, role_tag
 from .routing import (
     DEFAULT_BACKUP_SUBSTRINGS,
+    OUTPUT_HEAD_NAMES,
     NamedParameter,
     RoutedParameters,
     RoutingRules,
+    RoutingWarning,
     route_model,
     route_named_parameters,
     split_by_role,
@@ -66,6 +68,7 @@ __all__ = [
     "FORMAT_VERSION",
     "NO_STATE_VARIANT",
     "NamedParameter",
+    "OUTPUT_HEAD_NAMES",
     "PORTABLE_SUPPORT",
     "ROLES",
     "ROLE_BACKUP",
@@ -73,6 +76,7 @@ __all__ = [
     "ROLE_TAG_PREFIX",
     "RoutedParameters",
     "RoutingRules",
+    "RoutingWarning",
     "STEP_PHASE",
     "__version__",
     "adamw_contract",

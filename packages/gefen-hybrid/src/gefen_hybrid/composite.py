@@ -47,7 +47,7 @@ from .routing import (
     NamedParameter,
     RoutedParameters,
     RoutingRules,
-    embedding_weight_ids,
+    backup_module_weight_ids,
     route_model,
     route_named_parameters,
     split_by_role,
@@ -388,7 +388,7 @@ class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, t
         embedding_ids: frozenset[int] = frozenset()
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
-            embedding_ids = embedding_weight_ids(model, self._rules.embedding_types)
+            embedding_ids = backup_module_weight_ids(model, self._rules.embedding_types)
         routed = route_named_parameters(params, self._rules, embedding_ids=embedding_ids, check_overrides=False)
         taken = dict(self.parameter_routing())
         for name, _ in routed.routing():

@@ -5,13 +5,19 @@ rules send hidden 2-D matrices to ``"muon"`` and everything else to ``"backup"``
 
 1. an explicit override (``RoutingRules.overrides``, FQN -> role) wins;
 2. then a predicate (``RoutingRules.predicate(name, parameter)``), if it returns a role;
-3. the ``weight`` of any ``nn.Embedding`` / ``nn.EmbeddingBag`` (or subclass) goes to the
-   backup, matched by tensor identity, so tied LM heads follow their embedding whatever
-   they are named (only when a model is routed);
+3. when a model is routed, by module type and matched by tensor identity: the ``weight``
+   of any ``nn.Embedding`` / ``nn.EmbeddingBag`` (or subclass), so a tied LM head follows
+   its embedding whatever it is named, and the weight of an output head, an ``nn.Linear``
+   registered under one of :data:`OUTPUT_HEAD_NAMES` (torchtitan's ``output``, HF's
+   ``lm_head``, timm's ``head``), go to the backup;
 4. a parameter that is not 2-D (norms, biases, convolutions) goes to the backup;
 5. a name containing one of ``backup_substrings`` (case-insensitive; by default
    ``embed``, ``wte``, ``wpe``, ``lm_head``, ``classifier``, ``score``) goes to the backup;
 6. everything else goes to muon.
+
+Without a model (named parameters only) module types are unknown: rule 3 cannot apply, and
+a 2-D parameter routed to muon whose name says nothing of its module (``nn.Sequential``'s
+``"0.weight"``) or that names an output head is reported in one :class:`RoutingWarning`.
 
 Parameters are always named: the routing report, the checkpoint and the overrides use the
 names. Frozen parameters (``requires_grad=False``) are skipped, and a tensor that appears
@@ -20,6 +26,7 @@ twice (tied weights) is routed once, under its first name.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,11 +39,13 @@ from .roles import ROLE_BACKUP, ROLE_MUON, ROLES, check_role
 
 __all__ = [
     "DEFAULT_BACKUP_SUBSTRINGS",
+    "OUTPUT_HEAD_NAMES",
     "NamedParameter",
     "RoutePredicate",
     "RoutedParameters",
     "RoutingRules",
-    "embedding_weight_ids",
+    "RoutingWarning",
+    "backup_module_weight_ids",
     "named_parameter_list",
     "route_model",
     "route_named_parameters",
@@ -46,6 +55,14 @@ __all__ = [
 #: Name fragments that send a 2-D parameter to the backup. Broad tokens such as ``head`` and
 #: ``output`` are deliberately absent: they would catch hidden matrices in many models.
 DEFAULT_BACKUP_SUBSTRINGS: tuple[str, ...] = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
+#: Module names (the last component) of the ``nn.Linear`` output heads a routed model sends to
+#: the backup. Matched on modules, not parameter-name substrings, so ``attn.heads`` is not one.
+OUTPUT_HEAD_NAMES: tuple[str, ...] = ("lm_head", "output", "head")
+
+
+class RoutingWarning(UserWarning):
+    """Named parameters were routed whose names cannot tell an embedding or a head from a hidden matrix."""
+
 
 NamedParameter = tuple[str, torch.Tensor]
 #: ``predicate(name, parameter)`` returns a role to force, or ``None`` to let the next rule decide.
@@ -171,15 +188,27 @@ def named_parameter_list(params: object, what: str = "params") -> list[NamedPara
     return named
 
 
-def embedding_weight_ids(model: nn.Module, types: tuple[type[nn.Module], ...]) -> frozenset[int]:
-    """Identities of the ``weight`` tensors of every embedding module in ``model``."""
+def backup_module_weight_ids(model: nn.Module, types: tuple[type[nn.Module], ...]) -> frozenset[int]:
+    """Identities of the ``weight`` tensors rule 3 sends to the backup: every embedding module's
+    (``types``) and every output head's (an ``nn.Linear`` named in :data:`OUTPUT_HEAD_NAMES`)."""
     ids = set()
-    for module in model.modules():
-        if isinstance(module, types):
+    for name, module in model.named_modules():
+        head = isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in OUTPUT_HEAD_NAMES
+        if isinstance(module, types) or head:
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.Tensor):
                 ids.add(id(weight))
     return frozenset(ids)
+
+
+def _unclassified(by_role: Mapping[str, Sequence[NamedParameter]]) -> list[str]:
+    """Muon-routed names that say nothing of their module, or that name an output head."""
+    found = []
+    for name, _ in by_role[ROLE_MUON]:
+        modules = name.split(".")[:-1]
+        if not any(not part.isdigit() for part in modules) or modules[-1] in OUTPUT_HEAD_NAMES:
+            found.append(name)
+    return found
 
 
 def _assign(
@@ -213,7 +242,7 @@ def route_model(model: nn.Module, rules: RoutingRules | None = None) -> RoutedPa
     named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
     _check_overrides_known(named, rules)
     _reject_placeholders(named)
-    return RoutedParameters(_assign(named, rules, embedding_weight_ids(model, rules.embedding_types)))
+    return RoutedParameters(_assign(named, rules, backup_module_weight_ids(model, rules.embedding_types)))
 
 
 def route_named_parameters(
@@ -223,14 +252,26 @@ def route_named_parameters(
     embedding_ids: frozenset[int] = frozenset(),
     check_overrides: bool = True,
 ) -> RoutedParameters:
-    """Route ``(name, parameter)`` pairs by name and shape (no module types are known, so only
-    ``embedding_ids`` identifies embedding weights)."""
+    """Route ``(name, parameter)`` pairs by name and shape. No module types are known, so only
+    ``embedding_ids`` (:func:`backup_module_weight_ids` of the model, when the caller has it)
+    identifies embeddings and heads; without them, unclassifiable muon names are reported in
+    a :class:`RoutingWarning` (module docstring)."""
     rules = RoutingRules() if rules is None else rules
     named = named_parameter_list(params)
     if check_overrides:
         _check_overrides_known(named, rules)
         _reject_placeholders(named)
-    return RoutedParameters(_assign(named, rules, embedding_ids))
+    by_role = _assign(named, rules, embedding_ids)
+    unclassified = [] if embedding_ids else [n for n in _unclassified(by_role) if n not in rules.overrides]
+    if unclassified:
+        warnings.warn(
+            f"{len(unclassified)} 2-D parameter(s) go to muon by shape although their names cannot tell an "
+            f"embedding or output head from a hidden matrix: {unclassified[:5]}; pass the model itself to route "
+            "by module type, or name each one in RoutingRules.overrides",
+            RoutingWarning,
+            stacklevel=3,
+        )
+    return RoutedParameters(by_role)
 
 
 def split_by_role(split: Mapping[str, Iterable[NamedParameter]]) -> RoutedParameters:
