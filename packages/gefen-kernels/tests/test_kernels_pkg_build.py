@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import stat
 import warnings
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gefen_kernels import CpuKernelUnavailableWarning, GefenKernelProvider, cpu_kernel_status
+from gefen_kernels import CpuKernelCacheWarning, CpuKernelUnavailableWarning, GefenKernelProvider, cpu_kernel_status
 from gefen_kernels.cpu_build import load_cpu_library, reset_cpu_library
 
 
@@ -53,6 +54,38 @@ def test_a_compiler_that_fails_is_reported_with_its_error(fresh_build: Path, mon
     with pytest.warns(CpuKernelUnavailableWarning, match="this compiler is broken"):
         assert load_cpu_library() is None
     assert not list((fresh_build / "cache").glob("*.so"))
+
+
+def test_a_compiler_command_with_arguments_builds(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    monkeypatch.setenv("GEFEN_KERNELS_CC", f"env {compiler}")  # a wrapper, as CC="ccache gcc" is
+    status = cpu_kernel_status()
+    assert status.available and status.compiled and status.compiler.endswith(f" {compiler}")
+
+
+def test_without_a_compiler_the_library_built_here_before_is_loaded(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = cpu_kernel_status()
+    assert built.available
+    reset_cpu_library()
+    monkeypatch.setenv("GEFEN_KERNELS_CC", str(fresh_build / "absent-cc"))  # a slim container, a stale CC
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        status = cpu_kernel_status()
+    assert status.available and not status.compiled and status.path == built.path
+
+
+def test_an_unusable_cache_directory_warns_and_builds_elsewhere(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = fresh_build / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GEFEN_KERNELS_CACHE_DIR", str(blocker / "cache"))  # it raised NotADirectoryError from step()
+    with pytest.warns(CpuKernelCacheWarning, match="a-file/cache is unusable"):
+        status = cpu_kernel_status()
+    assert status.available and Path(status.path).parent != blocker / "cache"
 
 
 def test_the_switch_disables_the_cpu_kernel(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:

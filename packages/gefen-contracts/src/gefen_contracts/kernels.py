@@ -49,7 +49,9 @@ class KernelProvider(Protocol):
     ``name`` identifies the provider in messages. ``op_ids()`` lists the op ids it
     implements. ``supports(op_id, *args, **kwargs)`` answers cheaply, without side effects,
     whether it can run those arguments (device, dtypes, contiguity...). ``implementation(op_id)``
-    returns the callable, whose signature is the op owner's.
+    returns the callable, whose signature is the op owner's. A provider may also define
+    ``explain(op_id, *args, **kwargs) -> str | None`` (why it declines, ``None`` when it
+    supports them): :meth:`KernelRegistry.require` quotes it in its error.
     """
 
     @property
@@ -116,9 +118,11 @@ class KernelRegistry:
         found = self.lookup(op_id, *args, **kwargs)
         if found is not None:
             return found
-        offering = [p.name for p in self._providers if op_id in p.op_ids()]
+        offering = [p for p in self._providers if op_id in p.op_ids()]
         if offering:
-            why = f"providers {offering} implement {op_id} but do not support these tensors"
+            why = f"providers {[p.name for p in offering]} implement {op_id} but do not support these tensors"
+            reasons = [f"{p.name}: {_explanation(p, op_id, args, kwargs)}" for p in offering]
+            why += " (" + "; ".join(reasons) + ")"
         else:
             why = f"no registered provider implements {op_id}"
         if self._failures:
@@ -126,6 +130,18 @@ class KernelRegistry:
                 f"{f.entry_point}: {f.error}" for f in self._failures
             )
         raise KernelUnavailableError(f"fused=True needs a kernel for {op_id}: {why}")
+
+
+def _explanation(provider: KernelProvider, op_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The provider's own reason, from its optional ``explain(op_id, *args, **kwargs)``."""
+    explain = getattr(provider, "explain", None)
+    if not callable(explain):
+        return "no reason given (the provider has no explain())"
+    try:
+        reason = explain(op_id, *args, **kwargs)
+    except Exception as exc:
+        return f"explain() raised {type(exc).__name__}: {exc}"
+    return str(reason) if reason else "no reason given"
 
 
 _DEFAULT: KernelRegistry | None = None

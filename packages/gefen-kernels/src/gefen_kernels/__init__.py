@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from ._version import __version__
 from .arguments import KernelArgumentError
-from .cpu_build import CpuKernelStatus, CpuKernelUnavailableWarning, cpu_kernel_status
+from .cpu_build import CpuKernelCacheWarning, CpuKernelStatus, CpuKernelUnavailableWarning, cpu_kernel_status
 from .kernel_provider import GefenKernelProvider, provider
 
 __all__ = [
     "CpuKernelStatus",
+    "CpuKernelCacheWarning",
     "CpuKernelUnavailableWarning",
     "GefenKernelProvider",
     "KernelArgumentError",

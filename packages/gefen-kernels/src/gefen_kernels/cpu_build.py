@@ -8,13 +8,20 @@ concurrent processes (for example spawned ranks) never see a half-written librar
 
 Environment:
 
-* ``GEFEN_KERNELS_CC``: the C compiler (default: ``$CC``, else ``cc``, ``gcc``, ``clang``);
+* ``GEFEN_KERNELS_CC``: the C compiler command (default: ``$CC``, else ``cc``, ``gcc``,
+  ``clang``); a command with arguments such as ``ccache gcc`` works;
 * ``GEFEN_KERNELS_CACHE_DIR``: the cache directory (default:
   ``$XDG_CACHE_HOME/gefen-kernels`` or ``~/.cache/gefen-kernels``);
 * ``GEFEN_KERNELS_CPU=0``: do not build or use the CPU kernel.
 
-When no compiler works, :func:`load_cpu_library` warns once (:class:`CpuKernelUnavailableWarning`)
-and returns ``None``; the provider then declines CPU tensors and the reference path runs.
+Nothing here can make a step fail. An unusable cache directory (a file, no permission) is
+replaced by one under the system's temporary directory, with one
+:class:`CpuKernelCacheWarning` naming the cause. Each successful load records its library
+under a key of the source, the ABI and the CPU, so a process without a working compiler
+(a slim container, a ``CC`` that does not exist) still loads the library a previous process
+built here. When neither works, :func:`load_cpu_library` warns once
+(:class:`CpuKernelUnavailableWarning`, with the cause) and returns ``None``; the provider
+then declines CPU tensors with that cause and the reference path runs.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +42,7 @@ from pathlib import Path
 
 __all__ = [
     "ABI_VERSION",
+    "CpuKernelCacheWarning",
     "CpuKernelStatus",
     "CpuKernelUnavailableWarning",
     "cpu_kernel_status",
@@ -63,6 +72,10 @@ class CpuKernelUnavailableWarning(RuntimeWarning):
     """The CPU kernel could not be built or loaded; Gefen runs its reference path on CPU."""
 
 
+class CpuKernelCacheWarning(RuntimeWarning):
+    """The kernel cache directory is unusable; a temporary one is used instead."""
+
+
 @dataclass(frozen=True, slots=True)
 class CpuKernelStatus:
     """What happened when the CPU kernel was first needed in this process.
@@ -88,7 +101,7 @@ _LIBRARY: ctypes.CDLL | None = None
 _STATUS: CpuKernelStatus | None = None
 
 
-def _cache_dir() -> Path:
+def _configured_cache_dir() -> Path:
     explicit = os.environ.get("GEFEN_KERNELS_CACHE_DIR")
     if explicit:
         return Path(explicit)
@@ -96,14 +109,41 @@ def _cache_dir() -> Path:
     return Path(base) / "gefen-kernels"
 
 
-def _compiler() -> str | None:
+def _cache_dir() -> Path:
+    """The configured cache directory, or a per-user temporary one (after a warning) when it
+    cannot be created or written."""
+    configured = _configured_cache_dir()
+    try:
+        configured.mkdir(parents=True, exist_ok=True)
+        if not os.access(configured, os.W_OK | os.X_OK):
+            raise PermissionError(f"{configured} is not writable")
+        return configured
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / f"gefen-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        warnings.warn(
+            f"gefen-kernels: the cache directory {configured} is unusable ({type(exc).__name__}: {exc}); "
+            f"using {fallback}. Set GEFEN_KERNELS_CACHE_DIR to a writable directory.",
+            CpuKernelCacheWarning,
+            stacklevel=4,
+        )
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def _compiler() -> list[str] | None:
+    """The compiler command, its program resolved on ``PATH`` (``None`` when there is none)."""
     for candidate in (os.environ.get("GEFEN_KERNELS_CC"), os.environ.get("CC")):
-        if candidate:
-            return shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
+        if candidate and candidate.strip():
+            try:
+                program, *arguments = shlex.split(candidate)
+            except ValueError:
+                return None
+            resolved = shutil.which(program) or (program if Path(program).is_file() else None)
+            return None if resolved is None else [resolved, *arguments]
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
@@ -123,30 +163,60 @@ def _cpu_features() -> str:
     return platform.machine() + " " + platform.processor()
 
 
-def _compiler_identity(compiler: str) -> str:
+def _compiler_identity(compiler: list[str]) -> str:
     try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"unknown ({exc})"
     return done.stdout.strip()
 
 
-def _library_name(source: bytes, compiler: str, identity: str, flags: tuple[str, ...]) -> str:
+def _digest(*parts: bytes) -> str:
     digest = hashlib.sha256()
-    for part in (source, compiler.encode(), identity.encode(), " ".join(flags).encode(), _cpu_features().encode()):
+    for part in parts:
         digest.update(part)
         digest.update(b"\0")
-    return f"gefen_cpu-{ABI_VERSION}-{digest.hexdigest()[:20]}.so"
+    return digest.hexdigest()[:20]
 
 
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str:
+def _library_name(source: bytes, compiler: list[str], identity: str, flags: tuple[str, ...]) -> str:
+    key = _digest(
+        source, " ".join(compiler).encode(), identity.encode(), " ".join(flags).encode(), _cpu_features().encode()
+    )
+    return f"gefen_cpu-{ABI_VERSION}-{key}.so"
+
+
+def _record_path(cache: Path, source: bytes) -> Path:
+    """Where the last library loaded for this source, ABI and CPU is recorded (any compiler)."""
+    return cache / f"gefen_cpu-{ABI_VERSION}-{_digest(source, _cpu_features().encode())}.last"
+
+
+def _remember(cache: Path, source: bytes, library: Path) -> None:
+    try:
+        record = _record_path(cache, source)
+        temporary = record.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(library.name)
+        os.replace(temporary, record)
+    except OSError:
+        pass  # only an optimisation for processes without a compiler
+
+
+def _recorded_library(cache: Path, source: bytes) -> Path | None:
+    try:
+        name = _record_path(cache, source).read_text().strip()
+    except OSError:
+        return None
+    path = cache / name
+    return path if name and "/" not in name and path.is_file() else None
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str:
     """Compile into ``target`` atomically; return the compiler's error text ('' on success)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(handle)
     try:
         done = subprocess.run(
-            [compiler, *flags, "-o", temporary, str(_SOURCE)],
+            [*compiler, *flags, "-o", temporary, str(_SOURCE)],
             capture_output=True,
             text=True,
             timeout=_COMPILE_TIMEOUT_S,
@@ -179,15 +249,25 @@ def _open(path: Path) -> ctypes.CDLL:
 def _build() -> tuple[ctypes.CDLL | None, CpuKernelStatus]:
     if os.environ.get("GEFEN_KERNELS_CPU", "").strip().lower() in ("0", "false", "no", "off"):
         return None, CpuKernelStatus(False, reason="disabled by GEFEN_KERNELS_CPU=0")
+    source = _SOURCE.read_bytes()
+    cache = _cache_dir()
     compiler = _compiler()
     if compiler is None:
-        return None, CpuKernelStatus(False, reason=f"no C compiler found (looked for {_requested_compiler()!r})")
-    source = _SOURCE.read_bytes()
+        missing = f"no C compiler found (looked for {_requested_compiler()!r})"
+        recorded = _recorded_library(cache, source)
+        if recorded is None:
+            return None, CpuKernelStatus(False, reason=missing)
+        try:
+            library = _open(recorded)
+        except OSError as exc:
+            return None, CpuKernelStatus(False, reason=f"{missing}, and the cached {recorded.name} fails: {exc}")
+        return library, CpuKernelStatus(True, str(recorded), "", False, 0.0, (), bool(library.gefen_openmp_enabled()))
+    command = " ".join(compiler)
     identity = _compiler_identity(compiler)
     errors: list[str] = []
     for extra in _FLAG_SETS:
         flags = (*_BASE_FLAGS, *extra)
-        target = _cache_dir() / _library_name(source, compiler, identity, flags)
+        target = cache / _library_name(source, compiler, identity, flags)
         compiled, seconds = False, 0.0
         if not target.exists():
             started = time.perf_counter()
@@ -202,11 +282,10 @@ def _build() -> tuple[ctypes.CDLL | None, CpuKernelStatus]:
         except OSError as exc:
             errors.append(f"loading {target}: {exc}")
             continue
+        _remember(cache, source, target)
         openmp = bool(library.gefen_openmp_enabled())
-        return library, CpuKernelStatus(True, str(target), compiler, compiled, seconds, flags, openmp)
-    return None, CpuKernelStatus(
-        False, compiler=compiler, reason=f"{compiler} could not build it: " + "; ".join(errors)
-    )
+        return library, CpuKernelStatus(True, str(target), command, compiled, seconds, flags, openmp)
+    return None, CpuKernelStatus(False, compiler=command, reason=f"{command} could not build it: " + "; ".join(errors))
 
 
 def load_cpu_library() -> ctypes.CDLL | None:
@@ -216,7 +295,10 @@ def load_cpu_library() -> ctypes.CDLL | None:
         return _LIBRARY
     with _LOCK:
         if _STATUS is None:
-            library, status = _build()
+            try:
+                library, status = _build()
+            except Exception as exc:  # a cache or build problem must never fail a step
+                library, status = None, CpuKernelStatus(False, reason=f"{type(exc).__name__}: {exc}")
             _LIBRARY = library
             _STATUS = status
             if library is None:
