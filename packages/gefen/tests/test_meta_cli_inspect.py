@@ -211,18 +211,59 @@ def _momentum_bytes(document: dict[str, Any]) -> bytes:
     return largest.contiguous().numpy().tobytes()
 
 
-def test_unknown_files_and_folders_are_problems_and_missing_paths_usage_errors(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_unknown_formats_are_never_ok_and_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """They were CORRUPT (exit 1), or OK ("verified: nothing") for a DCP folder of torch's recipe."""
     (tmp_path / "garbage.pt").write_bytes(b"not a pickle at all")
-    assert "torch.load(weights_only=True) failed" in inspect_checkpoint(tmp_path / "garbage.pt").problems[0].message
-    torch.save({"weights": torch.ones(2)}, tmp_path / "model.pt")
-    assert "not a checkpoint format gefen knows" in inspect_checkpoint(tmp_path / "model.pt").problems[0].message
+    torch.save({"model": {"weights": torch.ones(2)}, "step": 3}, tmp_path / "model.pt")
+    (tmp_path / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
     (tmp_path / "folder").mkdir()
-    assert "not a DCP checkpoint" in inspect_checkpoint(tmp_path / "folder").problems[0].message
+    (tmp_path / "folder" / "notes.txt").write_text("no checkpoint here")
+    model = torch.nn.Linear(4, 4)
+    recipe = tmp_path / "recipe"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(recipe))
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    (unreadable / ".metadata").write_bytes(b"written by some other torch")
+    expected = {
+        "garbage.pt": "cannot read it",
+        "model.pt": "none an optimizer state gefen knows",
+        "model.safetensors": "safetensors",
+        "folder": "without DCP's .metadata",
+        "recipe": "without a gefen-dcp namespace",
+        "unreadable": "cannot read",
+    }
+    for name, recognised in expected.items():
+        description = inspect_checkpoint(tmp_path / name)
+        assert description.status == "UNKNOWN FORMAT" and not description.ok and not description.all_problems(), name
+        assert recognised in dict(description.facts)["recognised"], (name, description.facts)
+        assert main(["inspect", str(tmp_path / name)]) == 3, name
+        assert "UNKNOWN FORMAT" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect", str(tmp_path / "absent")])
     assert exit_info.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+
+
+def test_a_training_dict_and_a_checkpoint_folder_are_read(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    native = torch.load(checkpoints["gefen"], weights_only=True)
+    torch.save({"model": {"w": torch.ones(2)}, "optimizer": native, "step": 7}, tmp_path / "train.pt")
+    described = inspect_checkpoint(tmp_path / "train.pt")
+    assert described.status == "OK", described.format_text()
+    assert [child.format for child in described.children] == ["gefen.native_state"]
+    folder = tmp_path / "checkpoint-100"  # a Hugging Face Trainer checkpoint folder
+    folder.mkdir()
+    torch.save(native, folder / "optimizer.pt")
+    (folder / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    (folder / "trainer_state.json").write_text("{}")
+    described = inspect_checkpoint(folder)
+    assert described.status == "OK" and [child.path for child in described.children] == [str(folder / "optimizer.pt")]
+    broken = dict(native)
+    broken["gefen_format_version"] = 2
+    torch.save({"optimizer": broken}, tmp_path / "old.pt")
+    assert inspect_checkpoint(tmp_path / "old.pt").status == "CORRUPT"  # a version Gefen cannot load is never OK
 
 
 def test_dense_shard_dcp_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_path: Path) -> None:

@@ -8,21 +8,26 @@ from typing import Any
 
 from .errors import UsageError
 
-__all__ = ["register"]
+__all__ = ["UNKNOWN_FORMAT_EXIT", "register"]
+
+#: Exit status of ``gefen inspect`` for a format it does not know (0: OK, 1: CORRUPT).
+UNKNOWN_FORMAT_EXIT = 3
 
 
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "inspect",
-        help="describe a native, portable or DCP checkpoint and verify its digests (exit 1 if corrupt)",
+        help="describe a native, portable or DCP checkpoint and verify it (exit 1 corrupt, 3 unknown format)",
         description=(
             "Describe the checkpoint at PATH: its kind, format and version, the implementation that wrote it, its "
             "parameters (shape, state variant, bytes) and key facts; then verify it: DCP folders (gefen-dcp "
             "dense-shard and portable states) are loaded through gefen-dcp's own loaders, which check every chunk's "
             "SHA-256 and every catalog digest; portable documents are checked against their completion digest; "
             "native state dicts (Gefen, GefenMuon, composite, torch) and canonical local state, which carry no "
-            "digest, are checked structurally. Every problem names where it is. Exits 0 when nothing is wrong, 1 "
-            "otherwise. Files are read with torch.load(weights_only=True)."
+            "digest, are checked structurally; a dict holding one under a key and a folder of torch.save files "
+            "(optimizer.pt) are read too. Every problem names where it is. Exits 0 when nothing is wrong (OK), 1 "
+            "when something is (CORRUPT), 3 when gefen does not know the format and verified nothing (UNKNOWN "
+            "FORMAT: what was recognised is printed). Files are read with torch.load(weights_only=True)."
         ),
     )
     parser.add_argument("path", metavar="PATH", help="a torch.save file or a DCP checkpoint folder")
@@ -45,4 +50,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(description.to_json(), indent=2))
     else:
         print(description.format_text(max_parameters=args.max_parameters))
-    return 0 if description.ok else 1
+    return {"OK": 0, "CORRUPT": 1}.get(description.status, UNKNOWN_FORMAT_EXIT)

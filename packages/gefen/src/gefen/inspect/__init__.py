@@ -11,6 +11,13 @@
   ``gefen.muon_native_state``, the composite's ``gefen.composite_native_state`` and torch's
   own optimizer format (AdamW, ``ContractedAdamW``), checked structurally.
 
+and the usual containers: a dict holding such a state dict or document under a key (a
+training script's ``{"model": ..., "optimizer": ..., "step": ...}``), and a folder of
+``torch.save`` files (a Hugging Face checkpoint folder's ``optimizer.pt``). Anything else is
+``UNKNOWN FORMAT`` (``status``), never OK: a DCP folder without a gefen-dcp namespace (torch's
+own recipe is verified by loading it into the optimizer), a ``.metadata`` this torch cannot
+read, ``model.safetensors``.
+
 Files are read with ``torch.load(weights_only=True)``: nothing in them is executed.
 """
 
@@ -34,32 +41,70 @@ def inspect_checkpoint(path: str | Path, *, verify: bool = True) -> CheckpointDe
     say what is wrong and ``ok`` is false. ``FileNotFoundError`` if nothing is at ``path``.
     ``verify=False`` skips the DCP loads (a description from the records alone).
     """
-    import torch
-
     target = Path(path)
     if not target.exists():
         raise FileNotFoundError(f"no checkpoint at {target}")
     if is_dcp_checkpoint(target):
         return describe_dcp(target, verify=verify)
     if target.is_dir():
-        return CheckpointDescription(
-            str(target), "folder", "unknown", None,
-            problems=(Problem(str(target), "a folder without DCP's .metadata file: not a DCP checkpoint"),),
-        )  # fmt: skip
+        return _describe_folder(target, verify)
+    return _describe_file(target)
+
+
+def _unknown(path: str, kind: str, seen: str, file_bytes: int | None = None) -> CheckpointDescription:
+    return CheckpointDescription(
+        path, kind, "unknown", None, facts=(("recognised", seen),), file_bytes=file_bytes, recognised=False
+    )
+
+
+def _describe_folder(target: Path, verify: bool) -> CheckpointDescription:
+    """A folder of ``torch.save`` files (a Hugging Face checkpoint): each one described."""
+    files = sorted(p for p in target.iterdir() if p.is_file() and p.suffix in _TORCH_SUFFIXES)
+    children = tuple(_describe_file(p) for p in files)
+    known = tuple(child for child in children if child.recognised)
+    others = sorted(p.name for p in target.iterdir() if p.suffix not in _TORCH_SUFFIXES)[:6]
+    seen = f"a folder without DCP's .metadata; torch.save files {[p.name for p in files]}, other entries {others}"
+    if not known:
+        return _unknown(str(target), "folder", seen)
+    return CheckpointDescription(
+        str(target), "folder", "checkpoint folder", None, facts=(("recognised", seen),), children=known
+    )
+
+
+def _describe_file(target: Path) -> CheckpointDescription:
+    import torch
+
     size = target.stat().st_size
+    if target.suffix == ".safetensors":
+        return _unknown(str(target), "file", "a safetensors file (model weights, no optimizer state)", size)
     try:
         loaded = torch.load(target, map_location="cpu", weights_only=True)
     except Exception as exc:
-        return CheckpointDescription(
-            str(target), "file", "unknown", None, file_bytes=size,
-            problems=(Problem(str(target), f"torch.load(weights_only=True) failed: {type(exc).__name__}: {exc}"),),
-        )  # fmt: skip
-    if isinstance(loaded, Mapping) and loaded.get("format") in DOCUMENT_FORMATS:
-        return describe_document(loaded, str(target), size)
-    if is_native_state_dict(loaded):
-        return describe_native(loaded, str(target), size)
-    keys = sorted(map(str, loaded))[:8] if isinstance(loaded, Mapping) else []
-    return CheckpointDescription(
-        str(target), "file", "unknown", None, file_bytes=size,
-        problems=(Problem(str(target), f"not a checkpoint format gefen knows ({type(loaded).__name__}; keys {keys})"),),
-    )  # fmt: skip
+        return _unknown(
+            str(target), "file", f"torch.load(weights_only=True) cannot read it: {type(exc).__name__}: {exc}", size
+        )
+    found = _describe_value(loaded, str(target), size)
+    if found is not None:
+        return found
+    if isinstance(loaded, Mapping):
+        inner = [(str(key), _describe_value(value, f"{target}[{key!r}]", None)) for key, value in loaded.items()]
+        children = tuple(child for _, child in inner if child is not None)
+        keys = sorted(map(str, loaded))[:8]
+        if children:
+            return CheckpointDescription(
+                str(target), "file", "container dict", None,
+                facts=(("keys", ", ".join(keys)),), children=children, file_bytes=size,
+            )  # fmt: skip
+        return _unknown(str(target), "file", f"a dict with keys {keys}, none an optimizer state gefen knows", size)
+    return _unknown(str(target), "file", f"a {type(loaded).__name__}", size)
+
+
+def _describe_value(value: object, path: str, size: int | None) -> CheckpointDescription | None:
+    if isinstance(value, Mapping) and value.get("format") in DOCUMENT_FORMATS:
+        return describe_document(value, path, size)
+    if isinstance(value, Mapping) and is_native_state_dict(value):
+        return describe_native(value, path, size)
+    return None
+
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

@@ -342,8 +342,9 @@ def _describe_dcp(root: Path, verify: bool) -> CheckpointDescription:
         metadata = FileSystemReader(str(root)).read_metadata()
     except Exception as exc:
         return CheckpointDescription(
-            str(root), "DCP checkpoint", "torch.distributed.checkpoint", None,
-            problems=(Problem(".metadata", f"unreadable: {_error(exc)}"),), file_bytes=file_bytes,
+            str(root), "DCP checkpoint", "torch.distributed.checkpoint", None, file_bytes=file_bytes, recognised=False,
+            facts=(("recognised", f"a DCP folder whose .metadata this torch cannot read ({_error(exc)}): "
+                    "written by another torch version, or damaged"),),
         )  # fmt: skip
     keys = _keys(metadata)
     paths = set(keys.values())
@@ -368,13 +369,21 @@ def _describe_dcp(root: Path, verify: bool) -> CheckpointDescription:
     facts = [("keys", str(len(keys))), ("gefen namespaces", str(len(children)))]
     if others:
         facts.append(("other keys", f"{len(others)} ({other_bytes:,} B), e.g. {', '.join(others[:3])}"))
+    if not children:
+        facts.append(
+            (
+                "recognised",
+                "a DCP checkpoint without a gefen-dcp namespace (torch's get_state_dict recipe, a model): its "
+                "tensors carry no digests; verify it by loading it into the optimizer's template (dcp.load)",
+            )
+        )
     return CheckpointDescription(
         str(root),
         "DCP checkpoint",
         "torch.distributed.checkpoint",
         None,
         facts=tuple(facts),
-        verified=() if children else ("nothing: no gefen namespace found",),
+        recognised=bool(children),
         children=tuple(children),
         file_bytes=file_bytes,
         tensor_bytes=sum(_stored_bytes(md) for md in metadata.state_dict_metadata.values()),

@@ -64,10 +64,24 @@ class CheckpointDescription:
     file_bytes: int | None = None
     tensor_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: ``False`` when gefen does not know the format: nothing could be verified (``status``
+    #: ``"UNKNOWN FORMAT"``); ``facts`` then say what was recognised.
+    recognised: bool = True
 
     @property
     def ok(self) -> bool:
-        return not self.problems and all(child.ok for child in self.children)
+        """Recognised, verified as far as the format allows, and no problem found (children too)."""
+        return self.status == "OK"
+
+    @property
+    def status(self) -> str:
+        """``"CORRUPT"`` (a problem anywhere), ``"UNKNOWN FORMAT"`` (nothing recognised to verify)
+        or ``"OK"``."""
+        if self.all_problems():
+            return "CORRUPT"
+        if not self.recognised or any(child.status == "UNKNOWN FORMAT" for child in self.children):
+            return "UNKNOWN FORMAT"
+        return "OK"
 
     def all_problems(self) -> list[Problem]:
         """Problems of this description and every child (children's ``where`` prefixed)."""
@@ -84,6 +98,8 @@ class CheckpointDescription:
             "format_version": self.format_version,
             "implementation": self.implementation,
             "ok": self.ok,
+            "status": self.status,
+            "recognised": self.recognised,
             "file_bytes": self.file_bytes,
             "tensor_bytes": self.tensor_bytes,
             "parameters": [p.to_json() for p in self.parameters],
@@ -122,8 +138,15 @@ class CheckpointDescription:
             lines.extend(f"{indent}  PROBLEM {problem}" for problem in self.problems)
         if not indent:
             lines.append("")
-            problems = len(self.all_problems())
-            lines.append("OK: no problem found" if self.ok else f"CORRUPT: {problems} problem(s) found")
+            status = self.status
+            if status == "OK":
+                lines.append("OK: no problem found")
+            elif status == "CORRUPT":
+                lines.append(f"CORRUPT: {len(self.all_problems())} problem(s) found")
+            else:
+                lines.append(
+                    "UNKNOWN FORMAT: not a checkpoint gefen can verify (the facts above say what was recognised)"
+                )
         return "\n".join(lines)
 
 
