@@ -134,3 +134,22 @@ def test_a_zero_baseline_keeps_the_reference_but_has_no_ratio() -> None:
     document["rows"][1]["ratio"] = 1.0  # type: ignore[index]
     with pytest.raises(BenchmarkSchemaError, match="must be null"):
         validate_report(document)
+
+
+def test_without_matplotlib_a_report_is_written_without_a_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plots are the ``gefen[plots]`` extra: without it JSON and text are written and the hint printed."""
+    import io
+
+    from gefen.bench import output
+    from gefen.bench.plot import Panel, Series
+
+    builder = ReportBuilder("memory", config={})
+    builder.add("m/adamw", "state_bytes_per_param", 8.0, "B/param")
+    report = builder.build(machine=MACHINE, libraries=LIBRARIES)
+    panels = [Panel("state", "x", "B/param", (Series("adamw", (0,), (8.0,)),))]
+    monkeypatch.setattr(output, "plots_available", lambda: False)
+    stream = io.StringIO()
+    files = output.emit(report, out=tmp_path, stem="memory", panels=panels, stream=stream)
+    assert files.plot is None and not (tmp_path / "memory.png").exists()
+    assert files.json.exists() and files.table.exists()
+    assert "pip install 'gefen[plots]'" in stream.getvalue()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from .plot import Panel, save_panels
+from .plot import PLOTS_HINT, Panel, plots_available, save_panels
 from .schema import BenchmarkReport, render_table, report_to_json, write_report
 
 __all__ = ["EmittedFiles", "add_output_options", "emit"]
@@ -53,12 +53,14 @@ def emit(
     as_json: bool = False,
     stream: TextIO | None = None,
 ) -> EmittedFiles:
-    """Write the report's JSON, table and plot under ``out``; print the table (or JSON) to ``stream``."""
+    """Write the report's JSON, table and plot (with matplotlib, the ``plots`` extra) under ``out``; print the
+    table (or JSON) to ``stream``."""
     text = table if table is not None else render_table(report)
     json_path = write_report(report, out / f"{stem}.json")
     table_path = out / f"{stem}.txt"
     table_path.write_text(text + "\n", encoding="utf-8")
-    plot_path = save_panels(out / f"{stem}.png", panels, title=plot_title) if panels else None
+    drawn = bool(panels) and plots_available()
+    plot_path = save_panels(out / f"{stem}.png", panels, title=plot_title) if drawn else None
     target = stream if stream is not None else sys.stdout
     if as_json:
         target.write(json.dumps(report_to_json(report), indent=2) + "\n")
@@ -66,5 +68,7 @@ def emit(
         target.write(text + "\n")
         written = ", ".join(str(p) for p in (json_path, plot_path) if p is not None)
         target.write(f"\nwrote {written}\n")
+        if panels and not drawn:
+            target.write(f"no plot: matplotlib is not installed ({PLOTS_HINT} for PNG plots)\n")
     target.flush()
     return EmittedFiles(json_path, table_path, plot_path)

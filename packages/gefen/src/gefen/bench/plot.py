@@ -14,7 +14,17 @@ from typing import Literal
 
 from .schema import BenchmarkReport
 
-__all__ = ["Panel", "Series", "bar_panel", "save_panels"]
+__all__ = ["PLOTS_HINT", "Panel", "Series", "bar_panel", "plots_available", "save_panels"]
+
+#: What to install for PNG plots (matplotlib is the ``plots`` extra of the meta-package).
+PLOTS_HINT = "pip install 'gefen[plots]'"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib is installed (the ``gefen[plots]`` extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 @dataclass(frozen=True, slots=True)
