@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import fsdp2_recipe_ranks as ranks
 import pytest
 import torch
 from gefen_contracts.testing import GlooWorld
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 
 pytestmark = pytest.mark.distributed
 
@@ -33,22 +33,6 @@ DROPPED_FACTOR = 10.0
 def world1() -> Iterator[GlooWorld]:
     with GlooWorld(1) as world:
         yield world
-
-
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def _gap(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
@@ -68,7 +52,7 @@ def test_the_recipe_reshards_two_ranks_to_one_and_three_bit_exactly(
     for label, world in (("2->1", world1), ("2->3", world3)):
         loaded = world.run(ranks.load, name, path, mode)[0]
         assert loaded["template_step_moved_nothing"], label
-        _assert_same(saved["state"], loaded["state"], f"{label} state")
+        assert_trees_equal(saved["state"], loaded["state"], f"{label} state")
         gap = _gap(loaded["params"], saved["params"], checkpoint_weights)
         dropped = _gap(loaded["dropped_params"], saved["params"], checkpoint_weights)
         assert gap <= RESUME_BOUND, f"{label}: resumed run {gap:.2e} away from the uninterrupted one"
@@ -84,6 +68,6 @@ def test_gefen_reshards_from_one_and_three_ranks_to_two(
     saved = saving.run(ranks.save, "gefen", path, "nested")[0]
     checkpoint_weights = world2.run(ranks.checkpoint_params, path)[0]
     loaded = world2.run(ranks.load, "gefen", path, "nested")[0]
-    _assert_same(saved["state"], loaded["state"], f"{source}->2 state")
+    assert_trees_equal(saved["state"], loaded["state"], f"{source}->2 state")
     gap = _gap(loaded["params"], saved["params"], checkpoint_weights)
     assert gap <= RESUME_BOUND, f"{source}->2: resumed run {gap:.2e} away from the uninterrupted one"

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.model import kit_loss, make_kit_model
 from gefen_hybrid import ContractedAdamW
 from torch import nn
@@ -48,22 +49,6 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, start
         optimizer.step()
 
 
-def _assert_same(a: object, b: object, where: str = "state_dict") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
-
-
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_the_torch_recipe_round_trips_bit_exactly(tmp_path: Path, name: str, flatten: bool) -> None:
@@ -84,7 +69,7 @@ def test_the_torch_recipe_round_trips_bit_exactly(tmp_path: Path, name: str, fla
     dcp.load(template, checkpoint_id=str(tmp_path))
     set_optimizer_state_dict(restored_model, restored, template, options=options)
 
-    _assert_same(optimizer.state_dict(), restored.state_dict())
+    assert_trees_equal(optimizer.state_dict(), restored.state_dict())
     _train(model, optimizer, 2, start=3)
     _train(restored_model, restored, 2, start=3)
     for (n, a), b in zip(model.named_parameters(), restored_model.parameters()):

@@ -141,11 +141,8 @@ class GefenKernelProvider:
 
         run.__name__ = function_name
         run.__qualname__ = f"GefenKernelProvider.{function_name}"
-        # The kernels take raw pointers (ctypes) or launch Triton from Python: torch.compile must
-        # call them, never trace them (tracing them crashed the process under torch.compile).
-        compiled_safe: Callable[..., Any] = torch.compiler.disable(run)  # type: ignore[no-untyped-call]
-        self._implementations[op_id] = compiled_safe
-        return compiled_safe
+        self._implementations[op_id] = run
+        return run
 
 
 _PROVIDER: GefenKernelProvider | None = None

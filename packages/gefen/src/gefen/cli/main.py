@@ -14,24 +14,16 @@ __all__ = ["build_parser", "main", "versions"]
 
 _COMMANDS = (demo, bench, conformance, inspect_checkpoint, find_lr)
 
-#: The distributions ``gefen --version`` reports, the meta-package first.
-DISTRIBUTIONS = (
-    "gefen",
-    "gefen-contracts",
-    "gefen-core",
-    "gefen-kernels",
-    "gefen-portable",
-    "gefen-dcp",
-    "gefen-hybrid",
-)
-
 
 def versions() -> str:
-    """One line per workspace distribution with its installed version, then torch's."""
-    from importlib.metadata import PackageNotFoundError, version
+    """``gefen`` and every ``gefen-*`` distribution it requires, with installed versions, then torch's."""
+    import re
+    from importlib.metadata import PackageNotFoundError, requires, version
 
+    required = [re.split(r"[\[<>=!~;\s]", spec, maxsplit=1)[0] for spec in requires("gefen") or ()]
+    names = ["gefen", *dict.fromkeys(n for n in required if n.startswith("gefen-")), "torch"]
     lines = []
-    for name in (*DISTRIBUTIONS, "torch"):
+    for name in names:
         try:
             found = version(name)
         except PackageNotFoundError:
