@@ -66,10 +66,12 @@ WAIVERS: dict[str, str] = {
     _PORTABLE.format(_FLAT, _REPL): _RESHARD.format("2 flattened members -> 1 process"),
     _PORTABLE.format(_FLAT, _FLAT): _RESHARD.format("2 -> 3 flattened members, re-blocked"),
     "training:dtensor_1d_default_world": f"FSDP2 training {_DISTRIBUTED} (parity with one process)",
-    "checkpoint:native_optimizer:dtensor_1d_default_world": f"rank-local native resume {_DISTRIBUTED}",
+    "checkpoint:native_optimizer:dtensor_1d_default_world": (
+        f"per-rank native resume {_DISTRIBUTED}; DCP N -> M resharding by tests/test_fsdp2_dcp_recipe.py"
+    ),
     "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": (
         "the staged load is the same code for DTensor parameters (covered by the replicated atomic-load check); "
-        f"the foreign-topology refusal is {_DISTRIBUTED}"
+        "a mis-shaped state tensor is refused by packages/gefen-core/tests/test_core_torch_dcp_recipe.py"
     ),
     "checkpoint:pytorch_rank_local:dtensor_1d_default_world": f"get/set_optimizer_state_dict resume {_DISTRIBUTED}",
     "checkpoint:pytorch_rank_local:replicated": (
