@@ -24,8 +24,11 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 pytestmark = pytest.mark.distributed
 
 #: Relative parameter gap (L2, over all parameters' movement since the save) between the resumed
-#: and the uninterrupted run, and the factor by which dropping the state must do worse.
-RESUME_BOUND = 1e-3
+#: and the uninterrupted run, and the factor by which dropping the state must do worse. Another
+#: world size sums the row-sharded columns of ``v_col`` in another order; the last-bit difference
+#: enters the preconditioned momentum before it is quantised and flips an occasional codeword
+#: (hybrid with a Gefen backup, 2 -> 3: 2.5e-3, against 2.2 for a dropped state).
+RESUME_BOUND = 1e-2
 DROPPED_FACTOR = 10.0
 
 

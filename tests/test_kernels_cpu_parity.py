@@ -164,13 +164,13 @@ def test_provider_supports_cpu_tensors_and_explains_refusals() -> None:
     scalars = torch.zeros(9)
     flags = {"apply_decay": False, "maximize": False, "deterministic": False}
     args = (param, param.clone(), indices, block, block.clone(), codebook, scalars, None)
-    assert kernels.supports("gefen.block_step/1", *args, **flags)
-    assert kernels.explain("gefen.block_step/1", *args, **flags) is None
+    assert kernels.supports("gefen.block_step/2", *args, **flags)
+    assert kernels.explain("gefen.block_step/2", *args, **flags) is None
     wrong = (param, param.clone(), indices.float(), *args[3:])
-    assert "indices must be torch.uint8" in (kernels.explain("gefen.block_step/1", *wrong, **flags) or "")
+    assert "indices must be torch.uint8" in (kernels.explain("gefen.block_step/2", *wrong, **flags) or "")
     strided = torch.zeros(24)[::2]
-    assert "contiguous" in (kernels.explain("gefen.block_step/1", strided, *args[1:], **flags) or "")
-    assert not kernels.supports("gefen.block_step/1", *args[:-1], **flags)
+    assert "contiguous" in (kernels.explain("gefen.block_step/2", strided, *args[1:], **flags) or "")
+    assert not kernels.supports("gefen.block_step/2", *args[:-1], **flags)
     with pytest.raises(ValueError, match="indices"):
         cpu_ops.block_step(*wrong, **flags)
 

@@ -149,9 +149,9 @@ def test_fused_none_uses_a_provider_that_supports_the_tensors() -> None:
     reference = _run(False, KernelRegistry([provider]))
     assert all(torch.equal(a, b) for a, b in zip(with_provider, reference))
     assert provider.calls == {
-        "gefen.block_step/1": 3,
+        "gefen.block_step/2": 3,
         "gefen.factored_moments/1": 3,
-        "gefen.factored_step/2": 3,
+        "gefen.factored_step/3": 3,
         "gefen.histogram/1": 2,
     }
 
@@ -167,7 +167,7 @@ def test_fused_true_requires_a_provider() -> None:
         Gefen([torch.nn.Parameter(torch.ones(4))], fused=True, kernel_registry=KernelRegistry())
     provider = _CountingProvider()
     _run(True, KernelRegistry([provider]))
-    assert provider.calls["gefen.block_step/1"] == 3
+    assert provider.calls["gefen.block_step/2"] == 3
 
     class StepOpsOnly(_CountingProvider):
         def op_ids(self) -> frozenset[str]:

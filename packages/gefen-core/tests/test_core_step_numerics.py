@@ -65,10 +65,10 @@ def test_block_path_tracks_a_float64_reference() -> None:
         vmean = (1 - beta2) * block_mean if vmean is None else beta2 * vmean + (1 - beta2) * block_mean
         torch.testing.assert_close(opt.state[p]["vmean"].double(), vmean, rtol=1e-6, atol=0)
         m = _decode(opt, p)
-        unquantized = beta1 * prev_m.view(-1, period) + (1 - beta1) * g
+        denominator = vmean.sqrt() / (1 - beta2**t) ** 0.5 + eps
+        unquantized = beta1 * prev_m.view(-1, period) + (1 - beta1) * g / denominator  # preconditioned EMA
         torch.testing.assert_close(m.abs().amax(dim=1), unquantized.abs().amax(dim=1), rtol=1e-6, atol=0)
-        stepsize = (1 / (1 - beta1**t)) / (vmean.sqrt() / (1 - beta2**t) ** 0.5 + eps)
-        expected = prev.view(-1, period) * (1 - lr * wd) - lr * stepsize * m
+        expected = prev.view(-1, period) * (1 - lr * wd) - lr * m / (1 - beta1**t)
         torch.testing.assert_close(p.detach().double().view(-1, period), expected, rtol=0, atol=1e-6)
 
 
@@ -80,6 +80,7 @@ def test_factored_equations_match_a_float64_reference() -> None:
     opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0, fused=False)
     r = torch.zeros(rows, dtype=torch.float64)
     c = torch.zeros(cols, dtype=torch.float64)
+    prev_m = torch.zeros(rows, cols, dtype=torch.float64)
     for t in range(1, 5):
         grad = torch.randn(rows, cols) * torch.linspace(0.5, 2.0, cols)
         prev = p.detach().double().clone()
@@ -92,9 +93,15 @@ def test_factored_equations_match_a_float64_reference() -> None:
         torch.testing.assert_close(state["v_row"].double(), r, rtol=1e-6, atol=0)
         torch.testing.assert_close(state["v_col"].double(), c, rtol=1e-6, atol=0)
         estimate = torch.outer(r, c) / c.mean()
-        stepsize = (1 / (1 - beta1**t)) / ((estimate / (1 - beta2**t)).sqrt() + eps)
+        denominator = (estimate / (1 - beta2**t)).sqrt() + eps
         m = _decode(opt, p).view(rows, cols)
-        torch.testing.assert_close(p.detach().double(), prev - lr * stepsize * m, rtol=0, atol=2e-6)
+        unquantized = beta1 * prev_m + (1 - beta1) * grad.double() / denominator  # preconditioned EMA
+        period = state["automatic_period"]
+        torch.testing.assert_close(
+            m.view(-1, period).abs().amax(dim=1), unquantized.view(-1, period).abs().amax(dim=1), rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(p.detach().double(), prev - lr * m / (1 - beta1**t), rtol=0, atol=2e-6)
+        prev_m = m
 
 
 def test_maximize_equals_minimizing_the_negated_gradient() -> None:
@@ -254,18 +261,27 @@ def test_gradients_are_left_intact_and_a_negative_gradient_raises_the_parameter(
     assert bool((p > 0).all())
 
 
-def test_with_every_compression_off_gefen_is_adamw() -> None:
-    """Period 1 makes the momentum exact (z = +-1 is a codeword) and v per-element: AdamW."""
+def test_with_every_compression_off_gefen_is_laprop_ordered_adamw() -> None:
+    """Period 1 makes the momentum exact (z = +-1 is a codeword) and v per-element: AdamW with
+    the momentum taken after the preconditioning (LaProp's order), in float64 here."""
     torch.manual_seed(10)
     shapes = [(12, 20), (20,), (3, 12)]
     ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    options = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
-    gefen = Gefen(ours, force_1d_period_one=True, force_2d_period_one=True, factored_v_2d=False, **options)
-    adamw = torch.optim.AdamW(theirs, foreach=False, **options)
-    for _ in range(6):
+    theirs = [p.detach().double().clone() for p in ours]
+    lr, (beta1, beta2), eps, wd = 3e-3, (0.8, 0.95), 1e-6, 0.1
+    gefen = Gefen(
+        ours, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd,
+        force_1d_period_one=True, force_2d_period_one=True, factored_v_2d=False,
+    )  # fmt: skip
+    m = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    v = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for t in range(1, 7):
         grads = [torch.randn(s) for s in shapes]
         _step(gefen, ours, grads)
-        _step(adamw, theirs, grads)
+        for i, g in enumerate(grads):
+            g64 = g.double()
+            v[i] = beta2 * v[i] + (1 - beta2) * g64.square()
+            m[i] = beta1 * m[i] + (1 - beta1) * g64 / ((v[i] / (1 - beta2**t)).sqrt() + eps)
+            theirs[i] = theirs[i] * (1 - lr * wd) - lr * m[i] / (1 - beta1**t)
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.detach().double(), b, rtol=1e-5, atol=1e-6)

@@ -54,8 +54,8 @@ def test_an_older_native_format_is_refused_naming_both_versions() -> None:
     optimizer = _gefen(model)
     _step(model, optimizer, 4)
     sd = optimizer.state_dict()
-    sd["gefen_format_version"] = 2
-    with pytest.raises(StateValidationError, match=r"version 2.*reads version 3"):
+    sd["gefen_format_version"] = 3  # version 3 held the EMA of g, not of the preconditioned gradient
+    with pytest.raises(StateValidationError, match=r"version 3.*reads version 4"):
         optimizer.load_state_dict(sd)
 
 

@@ -81,7 +81,7 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
     assert description.ok, description.format_text()
     assert (description.format, description.format_version, description.implementation) == (
         "gefen.native_state",
-        3,
+        4,
         "gefen.Gefen",
     )
     facts = dict(description.facts)
@@ -138,7 +138,7 @@ def test_portable_document_and_dcp_folder_are_verified(checkpoints: dict[str, Pa
 def test_cli_prints_a_report_and_json(checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(checkpoints["gefen"])]) == 0
     text = capsys.readouterr().out
-    assert "gefen.native_state v3" in text and "OK: no problem found" in text and "factored" in text
+    assert "gefen.native_state v4" in text and "OK: no problem found" in text and "factored" in text
     assert main(["inspect", str(checkpoints["dcp"]), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["ok"] is True and document["children"][0]["format"] == "gefen.portable_dcp"

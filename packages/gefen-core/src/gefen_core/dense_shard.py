@@ -5,7 +5,7 @@ optional :class:`~gefen_contracts.DenseFieldRows` and :class:`~gefen_contracts.D
 global offsets (FSDP2 ``Shard(0)`` DTensors, replicated DTensors or plain tensors), lets DCP
 reshard them onto any later layout and hands the loaded local shards back. Gefen's part:
 
-* **common**: ``{"schema_version": 1, "global_step": int, "deterministic": bool}``,
+* **common**: ``{"schema_version": 2, "global_step": int, "deterministic": bool}``,
   identical on every rank (a load requires the same ``deterministic``). The codebook does
   not travel: without a codebook scope each rank learns its own from its own gradients, so
   on load each rank learns one from the dense momenta it receives, exactly as a first

@@ -36,7 +36,7 @@ from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
 from .identity import IdentityMethods
 from .native_records import codebook_record
-from .param_state import BLOCK, COUNTER_KEYS, INDICES, PERIOD, state_variant
+from .param_state import BLOCK, COUNTER_KEYS, INDICES, MOMENTUM_MEANING, PERIOD, state_variant
 from .periods import PeriodPolicy
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
@@ -241,6 +241,7 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
 
     def _canonical_policy(self) -> dict[str, Any]:
         return {
+            "momentum": MOMENTUM_MEANING,
             "codebook_refresh_every": self._refresh_every,
             "stochastic_round": self._stochastic_round,
             "deterministic": self._deterministic,

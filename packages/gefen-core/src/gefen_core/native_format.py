@@ -1,4 +1,4 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v3).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v4).
 
 ::
 
@@ -12,7 +12,7 @@
                         "factored_v_2d", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 3,
+      "gefen_format_version": 4,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -24,7 +24,7 @@ of the parameter's ``shape``, ``S = [rows, row_length / P]`` scales for a parame
 more dimensions, ``[numel / P]`` otherwise) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 3, "global_step",
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 4, "global_step",
 "codebook", "codebook_learned", "deterministic"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
@@ -35,7 +35,10 @@ Differences from the reference's format (spec/core.md §9.1): no per-parameter `
 live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1``/``beta2``,
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
-version. Version 2 held blocked ``[B, P]`` tensors and a per-rank topology record.
+version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
+(``gefen.block_step/2``, ``gefen.factored_step/3``). Version 3 had the same shapes but held the
+EMA of ``g`` itself (a different quantity: refused, not converted); version 2 held blocked
+``[B, P]`` tensors and a per-rank topology record.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 3
+VERSION = 4
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"

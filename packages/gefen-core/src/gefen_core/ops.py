@@ -10,12 +10,12 @@ reproduce are stated in :mod:`gefen_core.reference_ops`.
 =============================  ==============================================================
 op id                          signature (``*`` starts keyword-only arguments)
 =============================  ==============================================================
-``gefen.block_step/1``         ``(param, grad, indices, magnitude, vmean, codebook, scalars,
+``gefen.block_step/2``         ``(param, grad, indices, magnitude, vmean, codebook, scalars,
                                sr_seed, *, apply_decay, maximize, deterministic) -> None``
 ``gefen.factored_stats/1``     ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
 ``gefen.factored_moments/1``   ``(grad, v_row, v_col, scalars, *, deterministic) -> row_factor fp32[R]``
                                (the statistics and the ``v_row``/``v_col`` update in one call)
-``gefen.factored_step/2``      ``(param, grad, indices, magnitude, row_factor, v_col, codebook,
+``gefen.factored_step/3``      ``(param, grad, indices, magnitude, row_factor, v_col, codebook,
                                scalars, sr_seed, *, apply_decay, maximize, deterministic) -> None``
 ``gefen.histogram/1``          ``(grad, period, counts, *, deterministic) -> None`` (adds to int64 counts)
 ``gefen.stochastic_uniform/1`` ``(seed int64[1], index int64[...]) -> fp32[...]``
@@ -67,10 +67,10 @@ __all__ = [
     "OpSpec",
 ]
 
-BLOCK_STEP = "gefen.block_step/1"
+BLOCK_STEP = "gefen.block_step/2"
 FACTORED_STATS = "gefen.factored_stats/1"
 FACTORED_MOMENTS = "gefen.factored_moments/1"
-FACTORED_STEP = "gefen.factored_step/2"
+FACTORED_STEP = "gefen.factored_step/3"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
 MUON_MOMENTUM = "gefen.muon_momentum/1"

@@ -8,6 +8,11 @@ exactly one of two variants (the keys a checkpoint holds):
 * ``factored`` (2-D parameters with ``factored_v_2d``): ``automatic_period``, ``step``,
   ``m_codebook``, ``m_magnitude``, ``v_row``, ``v_col``, ``factored_step``.
 
+``m_codebook`` and ``m_magnitude`` (codes into the learned codebook and one scale per block)
+hold the momentum: since native format v4 the EMA of the *preconditioned* gradient
+``g / (sqrt(V) + eps)`` (:data:`MOMENTUM_MEANING`; :mod:`gefen_core.reference_ops`), so the
+update is the decoded momentum over the bias correction.
+
 Shapes, for a local tensor of ``n`` elements, period ``P``, ``B = n / P`` blocks and (for a
 2-D parameter) ``R_local x K``: ``m_codebook`` uint8 ``[B, P]``; ``m_magnitude`` and
 ``vmean`` fp32 ``[B, 1]``; ``v_row`` fp32 ``[R_local]``; ``v_col`` fp32 ``[K]``. Counters are
@@ -38,6 +43,7 @@ __all__ = [
     "FACTORED_KEYS",
     "INDICES",
     "MAGNITUDE",
+    "MOMENTUM_MEANING",
     "PERIOD",
     "STEP",
     "V_COL",
@@ -67,6 +73,10 @@ FACTORED_STEP = "factored_step"
 
 BLOCK = "block"
 FACTORED = "factored"
+
+#: What the momentum holds, recorded in canonical documents' policy (a document of another
+#: meaning is refused): the EMA of ``g / (sqrt(V) + eps)``.
+MOMENTUM_MEANING = "preconditioned"
 
 _COMMON = (PERIOD, STEP, INDICES, MAGNITUDE)
 BLOCK_KEYS = (*_COMMON, VMEAN, VMEAN_STEP)

@@ -6,7 +6,7 @@ and state in dense, topology-neutral form and re-encodes what it receives for it
 layout. What Gefen puts into a ``gefen.portable_state`` document:
 
 * ``implementation``: ``"gefen.Gefen"``;
-* ``policy``: ``{"schema_version": 1, "deterministic": bool}``; an import requires the
+* ``policy``: ``{"schema_version": 2, "deterministic": bool}``; an import requires the
   target's ``deterministic`` to be the same, as native loads do (the reference adopted the
   source's flag silently);
 * ``common``: ``{"global_step": int, "codebook": fp32[256] | None}``, identical on every

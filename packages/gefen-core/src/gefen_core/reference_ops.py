@@ -9,8 +9,7 @@ Second moment, block path (per block ``b`` of ``P`` elements)::
 
     mean_b = fl( (sum_i float64(g_i)^2) / P )        # float64 sum, any order
     v_b    = fl( fl(v_b * BETA2) + fl(mean_b * ONE_MINUS_BETA2) )
-    h_b    = fl( fl( fl(sqrt(v_b)) * BC2 ) + EPS )
-    s_b    = fl( INV_BC1 / h_b )
+    h_i    = fl( fl( fl(sqrt(v_b)) * BC2 ) + EPS )   # every element i of block b
 
 Second moment, factored path (``R x K`` matrix): :func:`factored_stats_reference` returns
 float64 row and column sums of ``g^2``; :mod:`gefen_core.second_moment` turns them into
@@ -18,19 +17,23 @@ float64 row and column sums of ``g^2``; :mod:`gefen_core.second_moment` turns th
 column, then per element::
 
     a_i = fl(sqrt(row_factor_i)) ;  b_j = fl(sqrt(v_col_j))
-    s_ij = fl( INV_BC1 / fl( fl(a_i * b_j) + EPS ) )
+    h_ij = fl( fl(a_i * b_j) + EPS )
 
 (``sqrt(r c) = sqrt(r) sqrt(c)`` in exact arithmetic; taking the roots of the factors costs
 ``R + K`` square roots instead of ``R K``, and ``a_i * b_j`` neither underflows nor overflows
 where ``r c`` would.)
 
 Momentum and write (both paths; ``C`` the codebook, ``q``/``M`` the stored indices and
-block scale, ``g`` negated first when maximizing)::
+block scale, ``g`` negated first when maximizing). The codes hold the EMA of the
+*preconditioned* gradient ``g / h`` (LaProp's order of momentum and preconditioning), so every
+element is rounded at the resolution of its own update; ``gefen.block_step/1`` and
+``gefen.factored_step/2`` stored the EMA of ``g`` and divided after decoding::
 
+    n_i  = fl(g_i / h_i)
     m_i  = fl(C[q_i] * M_b)
-    u_i  = fl( fl(m_i * BETA1) + fl(g_i * ONE_MINUS_BETA1) )
+    u_i  = fl( fl(m_i * BETA1) + fl(n_i * ONE_MINUS_BETA1) )
     M_b' = max_i |u_i| ;  z_i = fl(u_i / M_b')  (0 when M_b' == 0) ;  q_i' = round(C, z_i)
-    d_i  = fl( fl( fl(C[q_i'] * M_b') * s_i ) * LR )
+    d_i  = fl( fl( fl(C[q_i'] * M_b') * INV_BC1 ) * LR )
     p_i  = rp( c(p_i) * DECAY )      # only when weight_decay != 0
     p_i  = rp( c(p_i) - d_i )
 
@@ -139,17 +142,25 @@ def _momentum_write(
     indices: torch.Tensor,
     magnitude: torch.Tensor,
     codebook: torch.Tensor,
-    stepsize: torch.Tensor,
+    denominator: torch.Tensor,
     scalars: torch.Tensor,
     sr_seed: torch.Tensor | None,
     first_index: int,
     apply_decay: bool,
 ) -> None:
-    """Momentum EMA, requantisation and the parameter write for one chunk of rows."""
+    """Momentum EMA of the preconditioned gradient ``grad / denominator``, requantisation and the
+    parameter write for one chunk of rows."""
     momentum = requantized_momentum(
-        grad, indices, magnitude, codebook, scalars[S.BETA1], scalars[S.ONE_MINUS_BETA1], sr_seed, first_index
+        grad / denominator,
+        indices,
+        magnitude,
+        codebook,
+        scalars[S.BETA1],
+        scalars[S.ONE_MINUS_BETA1],
+        sr_seed,
+        first_index,
     )
-    update = momentum * stepsize * scalars[S.LR]
+    update = momentum * scalars[S.INV_BC1] * scalars[S.LR]
     if apply_decay:
         param.mul_(scalars[S.DECAY])
     param.sub_(update)
@@ -174,7 +185,7 @@ def block_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.block_step/1``: one full block-path update of one parameter, in place.
+    """``gefen.block_step/2``: one full block-path update of one parameter, in place.
 
     ``param``/``grad``: contiguous, same shape and dtype; ``indices``: uint8 ``[B, P]``;
     ``magnitude``/``vmean``: fp32 ``[B, 1]``; ``codebook``: fp32 ``[256]``; ``scalars``:
@@ -192,14 +203,13 @@ def block_step_reference(
         mean = _divide(g.to(torch.float64).square().sum(dim=1, keepdim=True), period).to(torch.float32)
         v = vmean[first:last] * scalars[S.BETA2] + mean * scalars[S.ONE_MINUS_BETA2]
         vmean[first:last] = v
-        stepsize = scalars[S.INV_BC1] / (_sqrt(v) * scalars[S.BC2] + scalars[S.EPS])
         _momentum_write(
             p2[first:last],
             g,
             indices[first:last],
             magnitude[first:last],
             codebook,
-            stepsize,
+            _sqrt(v) * scalars[S.BC2] + scalars[S.EPS],
             scalars,
             sr_seed,
             first * period,
@@ -249,7 +259,7 @@ def factored_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/2``: the factored-path update of one ``R x K`` parameter, in place.
+    """``gefen.factored_step/3``: the factored-path update of one ``R x K`` parameter, in place.
 
     ``param``/``grad``: contiguous ``R x K``; ``indices``/``magnitude``: the momentum in
     blocks of the parameter's period (flattened row-major); ``row_factor``: fp32 ``[R]``
@@ -267,9 +277,8 @@ def factored_step_reference(
         last = min(blocks, first + per_chunk)
         start, stop = first * period, last * period
         row0, row1 = start // cols, (stop - 1) // cols + 1
-        roots = row_roots[row0:row1, None] * col_roots[None, :]
-        stepsize_rows = scalars[S.INV_BC1] / (roots + scalars[S.EPS])
-        stepsize = stepsize_rows.view(-1)[start - row0 * cols : stop - row0 * cols].view(-1, period)
+        denominator_rows = row_roots[row0:row1, None] * col_roots[None, :] + scalars[S.EPS]
+        denominator = denominator_rows.view(-1)[start - row0 * cols : stop - row0 * cols].view(-1, period)
         g = _gradient_rows(g_flat[start:stop].view(-1, period), maximize)
         _momentum_write(
             p_flat[start:stop].view(-1, period),
@@ -277,7 +286,7 @@ def factored_step_reference(
             indices[first:last],
             magnitude[first:last],
             codebook,
-            stepsize,
+            denominator,
             scalars,
             sr_seed,
             start,

@@ -2,15 +2,20 @@
 
 Portable documents (``gefen_portable``):
 
-* ``policy``: ``{"schema_version": 1, "deterministic": bool}``. An import requires the
+* ``policy``: ``{"schema_version": 2, "deterministic": bool}``. An import requires the
   target's ``deterministic`` to be the same, as native loads do (the reference adopted the
   source's flag silently, spec portable-dcp.md section 12.9);
 * ``common``: ``{"global_step": int, "codebook": fp32[256] | None}``, identical on every
   member of the checkpoint group.
 
 Dense-shard checkpoints (``gefen_dcp.GefenDCPState``): ``common`` is
-``{"schema_version": 1, "global_step": int, "deterministic": bool}``; the codebook does not
+``{"schema_version": 2, "global_step": int, "deterministic": bool}``; the codebook does not
 travel (each rank learns its own without a codebook scope, so each learns one on load).
+
+Schema 2 (both records): Gefen's ``momentum`` field is the EMA of the preconditioned gradient
+``g / (sqrt(V) + eps)`` (native format v4); under schema 1 it was the EMA of ``g``. The two are
+different quantities, so a schema-1 record is refused, not converted. GefenMuon's fields did not
+change; its records carry the same version because the records are shared.
 
 :func:`portable_layout_of` builds the local target layout both optimizers describe.
 """
@@ -47,9 +52,9 @@ __all__ = [
 ]
 
 #: Version of the portable policy and common records.
-POLICY_SCHEMA_VERSION = 1
+POLICY_SCHEMA_VERSION = 2
 #: Version of the dense-shard common record.
-DENSE_SCHEMA_VERSION = 1
+DENSE_SCHEMA_VERSION = 2
 _MAX_STEP = 1 << 53
 
 

@@ -114,7 +114,7 @@ def _momentum(
 def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     """``(param, grad, indices, magnitude, vmean, codebook, scalars, sr_seed, *, apply_decay, maximize, deterministic)``."""
     if len(args) != 8:
-        return f"gefen.block_step/1 takes 8 positional arguments, got {len(args)}"
+        return f"gefen.block_step/2 takes 8 positional arguments, got {len(args)}"
     param, grad, indices, magnitude, vmean, codebook, scalars, sr_seed = args
     reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
     if reason:
@@ -133,7 +133,7 @@ def check_block_step(*args: Any, **kwargs: Any) -> str | None:
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     """``(param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed, *, flags)``."""
     if len(args) != 9:
-        return f"gefen.factored_step/2 takes 9 positional arguments, got {len(args)}"
+        return f"gefen.factored_step/3 takes 9 positional arguments, got {len(args)}"
     param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed = args
     reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
     if reason:

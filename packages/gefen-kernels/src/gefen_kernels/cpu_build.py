@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: Must equal ``GEFEN_ABI_VERSION`` in the C source.
-ABI_VERSION = 1
+ABI_VERSION = 2
 _SOURCE = Path(__file__).with_name("csrc") / "gefen_cpu.c"
 _BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 #: Tried in order; the first set that compiles is used. GCC's generic tuning emulates vector

@@ -126,7 +126,7 @@ def block_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.block_step/1`` on CPU (deterministic always: each block is summed by one thread)."""
+    """``gefen.block_step/2`` on CPU (deterministic always: each block is summed by one thread)."""
     _check(
         arguments.check_block_step(
             param,
@@ -182,7 +182,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/2`` on CPU."""
+    """``gefen.factored_step/3`` on CPU."""
     _check(
         arguments.check_factored_step(
             param,

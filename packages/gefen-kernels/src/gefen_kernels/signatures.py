@@ -25,10 +25,10 @@ __all__ = [
     "STOCHASTIC_UNIFORM",
 ]
 
-BLOCK_STEP = "gefen.block_step/1"
+BLOCK_STEP = "gefen.block_step/2"
 FACTORED_STATS = "gefen.factored_stats/1"
 FACTORED_MOMENTS = "gefen.factored_moments/1"
-FACTORED_STEP = "gefen.factored_step/2"
+FACTORED_STEP = "gefen.factored_step/3"
 HISTOGRAM = "gefen.histogram/1"
 STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
 MUON_MOMENTUM = "gefen.muon_momentum/1"

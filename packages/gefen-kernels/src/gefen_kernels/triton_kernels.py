@@ -10,10 +10,12 @@ codewords (the true lower bound, which is what the reference's bucket table comp
 every valid codebook). Stochastic rounding uses the same SplitMix64 hash of
 ``(seed, flat index)`` as the reference, in uint64 arithmetic.
 
-A program handles ``ROWS`` blocks and walks them in ``COLS``-wide column chunks: pass 1
-forms the momentum EMA, its block max and the block sum of squares; pass 2 recomputes the
-momentum (from the same inputs, bit for bit), quantises it and writes. No full-size
-temporary is allocated.
+A program handles ``ROWS`` blocks and walks them in ``COLS``-wide column chunks. Gefen's
+momentum is the EMA of the preconditioned gradient ``g / h``: the block path first sums the
+block's ``g^2`` (its second moment gives ``h``), the factored path computes ``h`` per element
+from the row and column roots; then pass 1 forms the momentum EMA and its block max, and
+pass 2 recomputes the momentum (from the same inputs, bit for bit), quantises it and writes.
+No full-size temporary is allocated.
 """
 
 from __future__ import annotations
@@ -38,14 +40,39 @@ def _uniform(seed, index):
     return (z >> 40).to(tl.float32) * (1.0 / 16777216.0)
 
 
+#: How the momentum's gradient is preconditioned: not at all (GefenMuon), by one ``h`` per
+#: block, or by the factored ``h = fl(fl(a_row * b_col) + eps)`` of each element.
+NO_DENOMINATOR = tl.constexpr(0)
+BLOCK_DENOMINATOR = tl.constexpr(1)
+FACTORED_DENOMINATOR = tl.constexpr(2)
+
+
 @triton.jit
-def _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old, sign, beta1, omb1):
-    """g (fp32, signed) and u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1)))."""
+def _denominator(offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr):
+    """Each element's ``h``: the block's (``h_rows``) or, factored, from ``row_factor``/``v_col``."""
+    h = h_rows
+    if DEN == FACTORED_DENOMINATOR:
+        prow = offs // ncols
+        pcol = offs - prow * ncols
+        a = tl.math.sqrt_rn(tl.load(rf_ptr + prow, mask=mask, other=1.0))
+        h = a * tl.math.sqrt_rn(tl.load(vc_ptr + pcol, mask=mask, other=1.0)) + eps
+    return h
+
+
+@triton.jit
+def _momentum(
+    g_ptr, q_ptr, cb_ptr, offs, mask, m_old, sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr
+):
+    """g (fp32, signed) and u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))), with
+    n = fl(g / h) (Gefen) or g (GefenMuon, ``DEN == NO_DENOMINATOR``)."""
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * sign
+    n = g
+    if DEN != NO_DENOMINATOR:
+        n = tl.math.div_rn(g, _denominator(offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN))
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
     c = tl.load(cb_ptr + q, mask=mask, other=0.0)
     m = c * m_old
-    u = m * beta1 + g * omb1
+    u = m * beta1 + n * omb1
     return g, u
 
 
@@ -107,25 +134,120 @@ def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl
 
 
 @triton.jit
-def _block_stats(
-    g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS: tl.constexpr, COLS: tl.constexpr
-):
-    """Pass 1 over ROWS blocks: (max |u| with NaN propagated, float64 sum of g^2)."""
-    amax = tl.zeros((ROWS,), dtype=tl.float32)
-    nan = tl.zeros((ROWS,), dtype=tl.int32)
+def _block_sumsq(g_ptr, rows, row_ok, period, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The float64 sum of fl(g)^2 of each of ROWS blocks (the block path's statistic)."""
     sumsq = tl.zeros((ROWS,), dtype=tl.float64)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
         mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
-        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
+        g64 = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.float64)
+        sumsq += tl.sum(g64 * g64, axis=1)
+    return sumsq
+
+
+@triton.jit
+def _block_stats(
+    g_ptr,
+    q_ptr,
+    cb_ptr,
+    rows,
+    row_ok,
+    m_old,
+    sign,
+    beta1,
+    omb1,
+    period,
+    h_rows,
+    rf_ptr,
+    vc_ptr,
+    ncols,
+    eps,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    DEN: tl.constexpr,
+):
+    """Pass 1 over ROWS blocks: max |u| with NaN propagated."""
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    nan = tl.zeros((ROWS,), dtype=tl.int32)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        _, u = _momentum(
+            g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
+        )
         a = tl.where(mask, tl.abs(u), 0.0)
         amax = tl.maximum(amax, tl.max(a, axis=1))
         nan = nan | tl.max(((u != u) & mask).to(tl.int32), axis=1)
-        g64 = g.to(tl.float64)
-        sumsq += tl.sum(g64 * g64, axis=1)
-    amax = tl.where(nan != 0, float("nan"), amax)
-    return amax, sumsq
+    return tl.where(nan != 0, float("nan"), amax)
+
+
+@triton.jit
+def _precondition_write(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    cb_ptr,
+    rows,
+    row_ok,
+    sign,
+    beta1,
+    omb1,
+    inv_bc1,
+    lr,
+    decay,
+    seed,
+    period,
+    h_rows,
+    rf_ptr,
+    vc_ptr,
+    ncols,
+    eps,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    DEN: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """Both step paths after their second moment: the momentum of the preconditioned gradient,
+    requantised, and the write d = fl(fl(fl(C[q'] * M') * INV_BC1) * LR)."""
+    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
+    m_new = _block_stats(
+        g_ptr,
+        q_ptr,
+        cb_ptr,
+        rows,
+        row_ok,
+        m_old,
+        sign,
+        beta1,
+        omb1,
+        period,
+        h_rows,
+        rf_ptr,
+        vc_ptr,
+        ncols,
+        eps,
+        ROWS,
+        COLS,
+        DEN,
+    )
+    tl.store(mag_ptr + rows, m_new, mask=row_ok)
+    safe = tl.where(m_new > 0.0, m_new, 1.0)
+    for c0 in range(0, period, COLS):
+        cols = c0 + tl.arange(0, COLS)
+        mask = row_ok[:, None] & (cols < period)[None, :]
+        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        _, u = _momentum(
+            g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
+        )
+        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
+        d = (value * inv_bc1) * lr
+        _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)
 
 
 @triton.jit
@@ -162,25 +284,39 @@ def block_step_kernel(
         seed = tl.load(seed_ptr).to(tl.uint64)
     else:
         seed = 0
-    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
-    m_new, sumsq = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS, COLS)
-    mean = (sumsq / period).to(tl.float32)
+    mean = (_block_sumsq(g_ptr, rows, row_ok, period, ROWS, COLS) / period).to(tl.float32)
     v = tl.load(v_ptr + rows, mask=row_ok, other=0.0)
     v = v * beta2 + mean * omb2
     h = tl.math.sqrt_rn(v) * bc2 + eps
-    s = tl.math.div_rn(inv_bc1 + tl.zeros_like(h), h)
     tl.store(v_ptr + rows, v, mask=row_ok)
-    tl.store(mag_ptr + rows, m_new, mask=row_ok)
-    safe = tl.where(m_new > 0.0, m_new, 1.0)
-    for c0 in range(0, period, COLS):
-        cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
-        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
-        _, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
-        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
-        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
-        d = (value * s[:, None]) * lr
-        _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)
+    _precondition_write(
+        p_ptr,
+        g_ptr,
+        q_ptr,
+        mag_ptr,
+        cb_ptr,
+        rows,
+        row_ok,
+        sign,
+        beta1,
+        omb1,
+        inv_bc1,
+        lr,
+        decay,
+        seed,
+        period,
+        h[:, None],
+        v_ptr,
+        v_ptr,
+        1,
+        eps,
+        ROWS,
+        COLS,
+        BLOCK_DENOMINATOR,
+        STOCHASTIC,
+        APPLY_DECAY,
+        F64,
+    )
 
 
 @triton.jit
@@ -216,24 +352,34 @@ def factored_step_kernel(
         seed = tl.load(seed_ptr).to(tl.uint64)
     else:
         seed = 0
-    m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
-    m_new, _ = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, sign, beta1, omb1, period, ROWS, COLS)
-    tl.store(mag_ptr + rows, m_new, mask=row_ok)
-    safe = tl.where(m_new > 0.0, m_new, 1.0)
-    for c0 in range(0, period, COLS):
-        cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
-        offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
-        _, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1)
-        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
-        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
-        prow = offs // ncols
-        pcol = offs - prow * ncols
-        a = tl.math.sqrt_rn(tl.load(rf_ptr + prow, mask=mask, other=1.0))
-        w = a * tl.math.sqrt_rn(tl.load(vc_ptr + pcol, mask=mask, other=1.0))
-        s = tl.math.div_rn(inv_bc1 + tl.zeros_like(w), w + eps)
-        d = (value * s) * lr
-        _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)
+    _precondition_write(
+        p_ptr,
+        g_ptr,
+        q_ptr,
+        mag_ptr,
+        cb_ptr,
+        rows,
+        row_ok,
+        sign,
+        beta1,
+        omb1,
+        inv_bc1,
+        lr,
+        decay,
+        seed,
+        period,
+        1.0,
+        rf_ptr,
+        vc_ptr,
+        ncols,
+        eps,
+        ROWS,
+        COLS,
+        FACTORED_DENOMINATOR,
+        STOCHASTIC,
+        APPLY_DECAY,
+        F64,
+    )
 
 
 @triton.jit
@@ -263,14 +409,49 @@ def muon_momentum_kernel(
     else:
         seed = 0
     m_old = tl.load(mag_ptr + rows, mask=row_ok, other=0.0)
-    m_new, _ = _block_stats(g_ptr, q_ptr, cb_ptr, rows, row_ok, m_old, 1.0, beta, omb, period, ROWS, COLS)
+    m_new = _block_stats(
+        g_ptr,
+        q_ptr,
+        cb_ptr,
+        rows,
+        row_ok,
+        m_old,
+        1.0,
+        beta,
+        omb,
+        period,
+        1.0,
+        sc_ptr,
+        sc_ptr,
+        1,
+        0.0,
+        ROWS,
+        COLS,
+        NO_DENOMINATOR,
+    )
     tl.store(mag_ptr + rows, m_new, mask=row_ok)
     safe = tl.where(m_new > 0.0, m_new, 1.0)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
         mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
-        g, u = _momentum(g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], 1.0, beta, omb)
+        g, u = _momentum(
+            g_ptr,
+            q_ptr,
+            cb_ptr,
+            offs,
+            mask,
+            m_old[:, None],
+            1.0,
+            beta,
+            omb,
+            1.0,
+            sc_ptr,
+            sc_ptr,
+            1,
+            0.0,
+            NO_DENOMINATOR,
+        )
         code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         if NESTEROV:

@@ -70,7 +70,7 @@ def block_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.block_step/1`` with Triton (deterministic always: one program sums each block)."""
+    """``gefen.block_step/2`` with Triton (deterministic always: one program sums each block)."""
     _check(
         arguments.check_block_step(
             param,
@@ -130,7 +130,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/2`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
+    """``gefen.factored_step/3`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
     _check(
         arguments.check_factored_step(
             param,

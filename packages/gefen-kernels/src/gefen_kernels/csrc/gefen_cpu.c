@@ -12,8 +12,9 @@
  * torch's, which can move an fp32 mean by one ulp, very rarely.
  *
  * Structure: work is split over blocks (OpenMP, static schedule); one thread handles a
- * block in two passes over its P elements (statistics, then requantise and write), in
- * tiles of TILE elements so the second pass reads from cache. Each tile is converted from
+ * block in passes over its P elements (the block path's sum of squares; the momentum of the
+ * preconditioned gradient and its max; requantise and write), in tiles of TILE elements so
+ * the later passes read from cache. Each tile is converted from
  * the parameter dtype into an fp32 buffer, processed by dtype-free loops written for the
  * auto-vectoriser (restrict pointers, scalars in locals, selects instead of branches),
  * and the parameter write converts back. Nearest rounding reads a threshold table derived
@@ -33,7 +34,7 @@
 #define GEFEN_AVX512 1
 #endif
 
-#define GEFEN_ABI_VERSION 1
+#define GEFEN_ABI_VERSION 2
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -320,19 +321,18 @@ static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_
     for (int64_t j = 0; j < n; j++) out[j] = q[j];
 }
 
-/* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1))), kept in
- * u_out, with max |u| and a NaN flag per lane and (when want_sumsq) the double sums of g^2 per
- * lane; lane k takes the elements j = k mod LANES of the tile, the tail lane 0 (the vector and
- * the scalar loops add in the same order). */
+/* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1))) (g: the
+ * preconditioned gradient for Gefen, the gradient for GefenMuon), kept in u_out, with max |u|
+ * and a NaN flag per lane; lane k takes the elements j = k mod LANES of the tile, the tail
+ * lane 0. */
 static void momentum_tile(const float* restrict g, const uint8_t* restrict q, const float* restrict cb, float m_old,
-                          float beta1, float omb1, int64_t n, float* restrict u_out, double* restrict acc,
-                          float* restrict amax, int32_t* restrict nan, int want_sumsq) {
+                          float beta1, float omb1, int64_t n, float* restrict u_out, float* restrict amax,
+                          int32_t* restrict nan) {
     int64_t j = 0;
 #ifdef GEFEN_AVX512
     {
         const __m512 vm = _mm512_set1_ps(m_old), vb1 = _mm512_set1_ps(beta1), vo1 = _mm512_set1_ps(omb1);
         __m512 best = _mm512_loadu_ps(amax);
-        __m512d lo = _mm512_loadu_pd(acc), hi = _mm512_loadu_pd(acc + 8);
         __mmask16 bad = 0;
         for (; j + LANES <= n; j += LANES) {
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + j)));
@@ -342,16 +342,8 @@ static void momentum_tile(const float* restrict g, const uint8_t* restrict q, co
             _mm512_storeu_ps(u_out + j, u);
             best = _mm512_max_ps(_mm512_abs_ps(u), best); /* a > best ? a : best (NaN a keeps best) */
             bad |= _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
-            if (want_sumsq) {
-                __m512d g0 = _mm512_cvtps_pd(_mm512_castps512_ps256(gv));
-                __m512d g1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(gv), 1)));
-                lo = _mm512_add_pd(lo, _mm512_mul_pd(g0, g0));
-                hi = _mm512_add_pd(hi, _mm512_mul_pd(g1, g1));
-            }
         }
         _mm512_storeu_ps(amax, best);
-        _mm512_storeu_pd(acc, lo);
-        _mm512_storeu_pd(acc + 8, hi);
         for (int k = 0; k < LANES; k++) nan[k] |= (bad >> k) & 1;
     }
 #else
@@ -364,10 +356,8 @@ static void momentum_tile(const float* restrict g, const uint8_t* restrict q, co
         }
         for (; j + LANES <= n; j += LANES) {
             for (int k = 0; k < LANES; k++) {
-                float gf = g[j + k];
                 float u = u_out[j + k];
                 float a = fabsf(u);
-                if (want_sumsq) acc[k] += (double)gf * (double)gf;
                 amax[k] = a > amax[k] ? a : amax[k];
                 nan[k] |= u != u;
             }
@@ -375,16 +365,48 @@ static void momentum_tile(const float* restrict g, const uint8_t* restrict q, co
     }
 #endif
     for (; j < n; j++) {
-        float gf = g[j];
 #ifdef GEFEN_AVX512
         float m = cb[q[j]] * m_old;
-        u_out[j] = m * beta1 + gf * omb1;
+        u_out[j] = m * beta1 + g[j] * omb1;
 #endif
         float u = u_out[j];
         float a = fabsf(u);
-        if (want_sumsq) acc[0] += (double)gf * (double)gf;
         amax[0] = a > amax[0] ? a : amax[0];
         nan[0] |= u != u;
+    }
+}
+
+/* The denominators h of Gefen's preconditioned momentum (gefen.block_step/2,
+ * gefen.factored_step/3): one per block (row_factor NULL), or per element of a factored
+ * matrix, h = fl(fl(a_r * b_c) + eps) with a_r = fl(sqrt(row_factor_r)) and b_c = col_root_c =
+ * fl(sqrt(v_col_c)). */
+typedef struct {
+    float h;
+    const float* row_factor;
+    const float* col_root;
+    int64_t cols;
+    float eps;
+} Denominator;
+
+/* g_j = fl(g_j / h_j) for the n elements starting at flat index first (IEEE division). */
+static void precondition_tile(const Denominator* den, int64_t first, float* restrict g, int64_t n) {
+    if (den->row_factor == NULL) {
+        const float h = den->h;
+        for (int64_t j = 0; j < n; j++) g[j] = g[j] / h;
+        return;
+    }
+    for (int64_t done = 0; done < n;) {
+        int64_t flat = first + done, row = flat / den->cols, col = flat - row * den->cols;
+        int64_t len = n - done < den->cols - col ? n - done : den->cols - col;
+        const float a = sqrtf(den->row_factor[row]), eps = den->eps;
+        const float* restrict b = den->col_root + col;
+        float* restrict x = g + done;
+        for (int64_t j = 0; j < len; j++) {
+            float h = a * b[j];
+            h = h + eps;
+            x[j] = x[j] / h;
+        }
+        done += len;
     }
 }
 
@@ -440,24 +462,8 @@ static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
 #endif
 
 /* Nearest rounding through the threshold table (z in [-1, 1]; see build_thresholds). */
-/* A factored tile's stepsizes, computed where they are used: s_j = fl(inv_bc1 / fl(fl(a * b_j) + eps))
- * (a: the row's root, b: the columns' roots). */
-typedef struct {
-    float a;
-    const float* b;
-    float inv_bc1;
-    float eps;
-} FactoredRow;
-
-static inline float factored_stepsize(const FactoredRow* fr, int64_t j) {
-    float h = fr->a * fr->b[j] + fr->eps;
-    return fr->inv_bc1 / h;
-}
-
-/* s: per-element stepsizes, or NULL with fr (computed in the codeword loop, where the division
- * overlaps the gathers instead of running in a loop of its own). */
 static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, const float* restrict s,
-                                     const FactoredRow* fr, float* restrict d, const CodebookTable* restrict t,
+                                     float* restrict d, const CodebookTable* restrict t,
                                      const float* restrict cb, float m_new, float lr, int64_t n) {
     float safe = m_new > 0.0f ? m_new : 1.0f;
     int64_t j = 0;
@@ -489,14 +495,10 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         }
         /* The codeword gather depends on the table gather: a second loop over the codes just
          * written keeps each loop's iterations independent, so their gathers overlap. */
-        const __m512 va = _mm512_set1_ps(fr ? fr->a : 0.0f), veps = _mm512_set1_ps(fr ? fr->eps : 0.0f);
-        const __m512 vn = _mm512_set1_ps(fr ? fr->inv_bc1 : 0.0f);
         for (int64_t i = 0; i + 16 <= j; i += 16) {
             __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
             __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
-            __m512 step = fr ? _mm512_div_ps(vn, _mm512_add_ps(_mm512_mul_ps(va, _mm512_loadu_ps(fr->b + i)), veps))
-                             : _mm512_loadu_ps(s + i);
-            __m512 x = _mm512_mul_ps(mq, step);
+            __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
             _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
         }
     }
@@ -513,7 +515,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         int32_t k = (int32_t)(word & 0xFFu) + (z > threshold[f]);
         codes[j] = k;
         float mq = cb[k] * m_new;
-        float x = mq * (fr ? factored_stepsize(fr, j) : s[j]);
+        float x = mq * s[j];
         d[j] = x * lr;
     }
     for (j = first; j < n; j++) q[j] = (uint8_t)codes[j];
@@ -571,22 +573,9 @@ static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, co
     if (ctx->stochastic)
         quantize_tile_stochastic(u, q, s, d, ctx->table, m_new, ctx->lr, n, ctx->seed, first);
     else if (ctx->table->thresholds && isfinite(m_new))
-        quantize_tile_thresholds(u, q, s, NULL, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
+        quantize_tile_thresholds(u, q, s, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
     else
         quantize_tile_nearest(u, q, s, d, ctx->table, m_new, ctx->lr, n);
-}
-
-/* A factored tile (one row segment; a = fl(sqrt(row_factor)), b_j = fl(sqrt(v_col_j))): nearest
- * rounding through the threshold table computes the stepsizes in its codeword loop; the other
- * roundings get them in s first. */
-static void quantize_tile_factored(const StepContext* ctx, const float* u, uint8_t* q, const FactoredRow* fr,
-                                   float* restrict s, float* d, float m_new, int64_t n, uint64_t first) {
-    if (!ctx->stochastic && ctx->table->thresholds && isfinite(m_new)) {
-        quantize_tile_thresholds(u, q, NULL, fr, d, ctx->table, ctx->codebook, m_new, ctx->lr, n);
-        return;
-    }
-    for (int64_t t = 0; t < n; t++) s[t] = factored_stepsize(fr, t);
-    quantize_tile(ctx, u, q, s, d, m_new, n, first);
 }
 
 
@@ -735,128 +724,133 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         }                                                                                                      \
     }                                                                                                          \
                                                                                                                \
-    /* Pass 1 over one block: the momentum u (kept in ubuf when the block fits), max |u| (NaN    \
-     * if any u is NaN) and the double sum of g^2. */                                                      \
-    static float block_stats_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, float m_old,         \
-                                   int64_t n, double* sumsq, float* ubuf, int want_sumsq, const PT* upcoming) { \
-        float gbuf[TILE], spill[TILE];                                                                         \
-        double acc[LANES];                                                                                     \
-        float amax[LANES];                                                                                     \
-        int32_t nan[LANES];                                                                                    \
-        for (int k = 0; k < LANES; k++) {                                                                      \
-            acc[k] = 0.0;                                                                                      \
-            amax[k] = 0.0f;                                                                                    \
-            nan[k] = 0;                                                                                        \
-        }                                                                                                      \
-        for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                             \
-            int64_t len = n - t0 < TILE ? n - t0 : TILE;                                                       \
-            if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));                    \
-            const float* gsrc = gbuf; /* fp32 gradients are read in place unless negated */                   \
-            if (DIRECT_##SUF && ctx->sign == 1.0f) gsrc = (const float*)(const void*)(g + t0);                \
-            else load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                \
-            momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,                      \
-                          n <= UBUF ? ubuf + t0 : spill, acc, amax, nan, want_sumsq);                          \
-        }                                                                                                      \
-        double total = 0.0;                                                                                    \
-        float best = 0.0f;                                                                                     \
-        int32_t any_nan = 0;                                                                                   \
-        for (int k = 0; k < LANES; k++) {                                                                      \
-            total += acc[k];                                                                                   \
-            best = amax[k] > best ? amax[k] : best;                                                            \
-            any_nan |= nan[k];                                                                                 \
-        }                                                                                                      \
-        *sumsq = total;                                                                                        \
-        return any_nan ? NAN : best;                                                                           \
-    }                                                                                                          \
-                                                                                                               \
-    /* The momentum of one tile for pass 2: from ubuf, or recomputed when the block did not fit. */            \
-    static const float* tile_momentum_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q,             \
-                                            float m_old, int64_t n_block, int64_t t0, int64_t len,             \
-                                            const float* ubuf, float* scratch) {                               \
-        if (n_block <= UBUF) return ubuf + t0;                                                                 \
-        float gbuf[TILE];                                                                                      \
-        double acc[LANES];                                                                                     \
-        float amax[LANES];                                                                                     \
-        int32_t nan[LANES];                                                                                    \
-        for (int k = 0; k < LANES; k++) {                                                                      \
-            acc[k] = 0.0;                                                                                      \
-            amax[k] = 0.0f;                                                                                    \
-            nan[k] = 0;                                                                                        \
-        }                                                                                                      \
-        load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                                         \
-        momentum_tile(gbuf, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, acc, amax, nan, 0); \
-        return scratch;                                                                                        \
-    }                                                                                                          \
-                                                                                                               \
-    static void block_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices,          \
+    /* The float64 sum of fl(g)^2 over one block (the block path's second-moment statistic;      \
+     * lane k sums the elements j = k mod LANES of each tile, the tail lane 0). */               \
+    static double block_sumsq_##SUF(const PT* g, int64_t n) {                                    \
+        float gbuf[TILE];                                                                        \
+        double acc[LANES];                                                                       \
+        for (int k = 0; k < LANES; k++) acc[k] = 0.0;                                            \
+        for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                               \
+            int64_t len = n - t0 < TILE ? n - t0 : TILE;                                         \
+            const float* x = gbuf;                                                               \
+            if (DIRECT_##SUF) x = (const float*)(const void*)(g + t0);                           \
+            else load_tile_##SUF(g + t0, gbuf, 1.0f, len);                                       \
+            int64_t j = 0;                                                                       \
+            for (; j + LANES <= len; j += LANES)                                                 \
+                for (int k = 0; k < LANES; k++) acc[k] += (double)x[j + k] * (double)x[j + k];   \
+            for (; j < len; j++) acc[0] += (double)x[j] * (double)x[j];                          \
+        }                                                                                        \
+        double total = 0.0;                                                                      \
+        for (int k = 0; k < LANES; k++) total += acc[k];                                         \
+        return total;                                                                            \
+    }                                                                                            \
+                                                                                                 \
+    /* One tile of the gradient as the momentum reads it: signed, divided by den when given      \
+     * (Gefen), read in place when it already is that fp32 tile. */                              \
+    static const float* gradient_tile_##SUF(const StepContext* ctx, const PT* g, int64_t t0, int64_t len, \
+                                            const Denominator* den, int64_t first, float* gbuf) { \
+        if (DIRECT_##SUF && ctx->sign == 1.0f && den == NULL) return (const float*)(const void*)(g + t0); \
+        load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                           \
+        if (den != NULL) precondition_tile(den, first + t0, gbuf, len);                          \
+        return gbuf;                                                                             \
+    }                                                                                            \
+                                                                                                 \
+    /* Pass 1 over one block (first: its flat index): the momentum u (kept in ubuf when the      \
+     * block fits) and max |u| (NaN if any u is NaN). */                                         \
+    static float block_stats_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, float m_old, \
+                                   int64_t n, float* ubuf, const Denominator* den, int64_t first, \
+                                   const PT* upcoming) {                                         \
+        float gbuf[TILE], spill[TILE];                                                           \
+        float amax[LANES];                                                                       \
+        int32_t nan[LANES];                                                                      \
+        for (int k = 0; k < LANES; k++) {                                                        \
+            amax[k] = 0.0f;                                                                      \
+            nan[k] = 0;                                                                          \
+        }                                                                                        \
+        for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                               \
+            int64_t len = n - t0 < TILE ? n - t0 : TILE;                                         \
+            if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));      \
+            const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, den, first, gbuf);          \
+            momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,        \
+                          n <= UBUF ? ubuf + t0 : spill, amax, nan);                             \
+        }                                                                                        \
+        float best = 0.0f;                                                                       \
+        int32_t any_nan = 0;                                                                     \
+        for (int k = 0; k < LANES; k++) {                                                        \
+            best = amax[k] > best ? amax[k] : best;                                              \
+            any_nan |= nan[k];                                                                   \
+        }                                                                                        \
+        return any_nan ? NAN : best;                                                             \
+    }                                                                                            \
+                                                                                                 \
+    /* The momentum of one tile for pass 2: from ubuf, or recomputed when the block did not fit. */ \
+    static const float* tile_momentum_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, \
+                                            float m_old, int64_t n_block, int64_t t0, int64_t len, \
+                                            const float* ubuf, float* scratch, const Denominator* den, \
+                                            int64_t first) {                                     \
+        if (n_block <= UBUF) return ubuf + t0;                                                   \
+        float gbuf[TILE];                                                                        \
+        float amax[LANES];                                                                       \
+        int32_t nan[LANES];                                                                      \
+        for (int k = 0; k < LANES; k++) {                                                        \
+            amax[k] = 0.0f;                                                                      \
+            nan[k] = 0;                                                                          \
+        }                                                                                        \
+        const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, den, first, gbuf);              \
+        momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, amax, nan); \
+        return scratch;                                                                          \
+    }                                                                                            \
+                                                                                                 \
+    /* Block b's momentum of the preconditioned gradient (den), requantised, and its write       \
+     * d = fl(fl(fl(C[q'] * M') * INV_BC1) * LR) (both paths after their second moment). */      \
+    static void precondition_write_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
+                                         float* magnitude, int64_t b, int64_t blocks, int64_t period, \
+                                         const Denominator* den) {                               \
+        float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                 \
+        int64_t off = b * period;                                                                \
+        float m_old = magnitude[b];                                                              \
+        float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, ubuf, den, off, param + off); \
+        magnitude[b] = m_new;                                                                    \
+        for (int k = 0; k < TILE; k++) sbuf[k] = ctx->inv_bc1;                                   \
+        for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                          \
+            int64_t len = period - t0 < TILE ? period - t0 : TILE;                               \
+            const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len, ubuf, \
+                                                 scratch, den, off);                             \
+            if (b + 1 < blocks) {                                                                \
+                prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));              \
+                prefetch_read(indices + off + period + t0, len);                                 \
+            }                                                                                    \
+            quantize_tile(ctx, u, indices + off + t0, sbuf, dbuf, m_new, len, (uint64_t)(off + t0)); \
+            write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);         \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    static void block_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
                                  float* magnitude, float* vmean, int64_t blocks, int64_t period, int threads) { \
-        int64_t b;                                                                                             \
+        int64_t b;                                                                               \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
-        for (b = 0; b < blocks; b++) {                                                                         \
-            float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                           \
-            int64_t off = b * period;                                                                          \
-            double sumsq = 0.0;                                                                                \
-            float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 1,    \
-                                            param + off);                                              \
-            float mean = (float)(sumsq / (double)period);                                                      \
-            float v = vmean[b] * ctx->beta2;                                                                   \
-            float w = mean * ctx->omb2;                                                                        \
-            v = v + w;                                                                                         \
-            vmean[b] = v;                                                                                      \
-            float h = sqrtf(v) * ctx->bc2;                                                                     \
-            h = h + ctx->eps;                                                                                  \
-            float s = ctx->inv_bc1 / h;                                                                        \
-            magnitude[b] = m_new;                                                                              \
-            for (int k = 0; k < TILE; k++) sbuf[k] = s;                                                        \
-            for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
-                int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
-                const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
-                                                     ubuf, scratch);                                           \
-                if (b + 1 < blocks) {                                                                          \
-                    prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
-                    prefetch_read(indices + off + period + t0, len);                                           \
-                }                                                                                              \
-                quantize_tile(ctx, u, indices + off + t0, sbuf, dbuf, m_new, len, (uint64_t)(off + t0));       \
-                write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);                   \
-            }                                                                                                  \
-        }                                                                                                      \
-    }                                                                                                          \
-                                                                                                               \
-    static void factored_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices,       \
-                                    float* magnitude, const float* row_factor, const float* col_root,          \
-                                    int64_t blocks, int64_t period, int64_t cols, int threads) {               \
-        int64_t b;                                                                                             \
+        for (b = 0; b < blocks; b++) {                                                           \
+            double sumsq = block_sumsq_##SUF(grad + b * period, period);                         \
+            float mean = (float)(sumsq / (double)period);                                        \
+            float v = vmean[b] * ctx->beta2;                                                     \
+            float w = mean * ctx->omb2;                                                          \
+            v = v + w;                                                                           \
+            vmean[b] = v;                                                                        \
+            float h = sqrtf(v) * ctx->bc2;                                                       \
+            h = h + ctx->eps;                                                                    \
+            const Denominator den = {h, NULL, NULL, 0, 0.0f};                                    \
+            precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    static void factored_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
+                                    float* magnitude, const float* row_factor, const float* col_root, \
+                                    int64_t blocks, int64_t period, int64_t cols, int threads) { \
+        const Denominator den = {0.0f, row_factor, col_root, cols, ctx->eps};                    \
+        int64_t b;                                                                               \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
-        for (b = 0; b < blocks; b++) {                                                                         \
-            float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                           \
-            int64_t off = b * period;                                                                          \
-            double sumsq = 0.0;                                                                                \
-            float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0,    \
-                                            param + off);                                              \
-            magnitude[b] = m_new;                                                                              \
-            for (int64_t done = 0; done < period;) {                                                           \
-                int64_t flat = off + done;                                                                     \
-                int64_t row = flat / cols;                                                                     \
-                int64_t col = flat - row * cols;                                                               \
-                int64_t len = period - done;                                                                   \
-                if (len > TILE) len = TILE;                                                                    \
-                if (len > cols - col) len = cols - col;                                                        \
-                const FactoredRow fr = {sqrtf(row_factor[row]), col_root + col, ctx->inv_bc1, ctx->eps};        \
-                const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, done, len, \
-                                                     ubuf, scratch);                                           \
-                if (b + 1 < blocks) {                                                                          \
-                    prefetch_read(grad + flat + period, len * (int64_t)sizeof(PT));                            \
-                    prefetch_read(indices + flat + period, len);                                               \
-                }                                                                                              \
-                quantize_tile_factored(ctx, u, indices + flat, &fr, sbuf, dbuf, m_new, len, (uint64_t)flat);   \
-                write_tile_##SUF(param + flat, dbuf, ctx->decay, ctx->apply_decay, len);                       \
-                done += len;                                                                                   \
-            }                                                                                                  \
-        }                                                                                                      \
-    }                                                                                                          \
-                                                                                                               \
+        for (b = 0; b < blocks; b++) precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+    }                                                                                            \
     /* GefenMuon: requantise the momentum EMA u = fl(fl(C[q] M) beta) + fl(g (1 - beta)) and write   \
      * the Newton-Schulz input C[q'] M' (Nesterov: fl(fl(C[q'] M' beta) + fl(g (1 - beta)))). */           \
     static void muon_momentum_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
@@ -867,16 +861,15 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         for (b = 0; b < blocks; b++) {                                                                         \
             float ubuf[UBUF], ones[TILE], vbuf[TILE], gbuf[TILE], scratch[TILE];                               \
             int64_t off = b * period;                                                                          \
-            double sumsq = 0.0;                                                                                \
             float m_old = magnitude[b];                                                                        \
-            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, &sumsq, ubuf, 0,    \
-                                            (const PT*)NULL);                                          \
+            float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, ubuf, NULL, off,    \
+                                            (const PT*)NULL);                                                  \
             magnitude[b] = m_new;                                                                              \
             for (int k = 0; k < TILE; k++) ones[k] = 1.0f;                                                     \
             for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
-                                                     ubuf, scratch);                                           \
+                                                     ubuf, scratch, NULL, off);                                \
                 if (b + 1 < blocks) {                                                                          \
                     prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
                     prefetch_read(indices + off + period + t0, len);                                           \

@@ -34,12 +34,13 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 * ``apply``: what the update applies: ``"stored"`` (the requantised momentum, as Gefen 0.1)
   or ``"exact"`` (the EMA ``u`` before requantisation, as torchao's low-bit AdamW: the
   rounding error then reaches the parameters only through the next step's ``beta1 m``).
-* ``quantize``: what the first moment holds: ``"momentum"`` (``u`` itself) or
+* ``quantize``: what the first moment holds: ``"momentum"`` (``u`` itself, Gefen up to native format v3) or
   ``"preconditioned"`` (``u / (sqrt(V) + eps)``, the update's direction, so every element is
   rounded to the same *update* resolution; decoded with the current step's ``V``, no extra
-  state). Decoding with the current ``V`` makes the stored value the EMA of ``g / (sqrt(V) + eps)``
-  (LaProp's order of momentum and preconditioning); with exact momentum the switch measures
-  that order alone.
+  state; Gefen's default since native format v4). Decoding with the current ``V`` makes the stored value the
+  EMA of ``g / (sqrt(V) + eps)`` (LaProp's order of momentum and preconditioning); with exact
+  momentum the switch measures that order alone. The codebook is learned from the gradient's
+  histogram either way, as Gefen learns it.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Approximations:
 
 
 #: Every switch where ``gefen_core.Gefen``'s defaults put it.
-GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized")
+GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned")
 
 _EXACT = Approximations()
 #: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): the climb from
@@ -100,6 +101,7 @@ _EXACT = Approximations()
 LADDER_RUNGS: dict[str, Approximations] = {
     "exact": _EXACT,
     "v2d-factored": _EXACT.but(v_2d="factored"),
+    "laprop": _EXACT.but(quantize="preconditioned"),
     "gefen": GEFEN_APPROXIMATIONS,
     "v2d-block": _EXACT.but(v_2d="block"),
     "m-quantized": _EXACT.but(momentum="quantized", quantize_1d=False),
@@ -113,8 +115,7 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "gefen-feedback": GEFEN_APPROXIMATIONS.but(error_feedback=True),
     "v2d-factored-laprop": _EXACT.but(v_2d="factored", quantize="preconditioned"),
     "gefen-apply-exact": GEFEN_APPROXIMATIONS.but(apply="exact"),
-    "gefen-preconditioned": GEFEN_APPROXIMATIONS.but(quantize="preconditioned"),
-    "gefen-preconditioned-apply-exact": GEFEN_APPROXIMATIONS.but(quantize="preconditioned", apply="exact"),
+    "gefen-momentum-codes": GEFEN_APPROXIMATIONS.but(quantize="momentum"),
 }
 
 
@@ -281,13 +282,11 @@ class LadderAdamW(torch.optim.Optimizer):
                     v_hat = self._second_moment(state, p.grad.float(), beta2, 1 - beta2 ** state["step"])
                     denoms[p] = v_hat.sqrt() + group["eps"]
         if self.codebook is None:
-            preconditioned = self.approx.quantize == "preconditioned"
             items = []
             for p in new:
                 if self._quantizes(p):
                     assert p.grad is not None  # a new state is made from a gradient
-                    grad = p.grad.float()
-                    items.append((grad / denoms[p] if preconditioned else grad, self.state[p]["period"]))
+                    items.append((p.grad.float(), self.state[p]["period"]))
             if items:
                 self.codebook = self._learn_codebook(items)
         if self.approx.codebook == "relearned" and self._steps % self.approx.refresh_every == 0:

@@ -152,7 +152,7 @@ def _gefen_entry(
 def _shaped_entry(
     check: _Checker, entry: Mapping[str, Any], where: str, period: object
 ) -> tuple[str, tuple[int, ...] | None]:
-    """A Gefen entry (``gefen.native_state`` v3): tensors shaped like the parameter, whose
+    """A Gefen entry (``gefen.native_state`` v4): tensors shaped like the parameter, whose
     shape the codes give (:func:`gefen_core.state_placement.expected_shapes`)."""
     indices = entry.get("m_codebook")
     if not isinstance(indices, torch.Tensor) or indices.dtype is not torch.uint8:
