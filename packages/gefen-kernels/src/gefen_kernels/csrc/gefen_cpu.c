@@ -321,23 +321,68 @@ static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_
     for (int64_t j = 0; j < n; j++) out[j] = q[j];
 }
 
-/* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(g * (1 - beta1))) (g: the
- * preconditioned gradient for Gefen, the gradient for GefenMuon), kept in u_out, with max |u|
+#ifdef GEFEN_AVX512
+/* Range of divisors a and dividends |u| for which quotient_avx512 needs no division. */
+#define QUOTIENT_MIN 0x1p-100f
+#define QUOTIENT_MAX 0x1p100f
+
+/* z = fl(u / a) for 16 lanes without the (slow) vector division, by Markstein's correction:
+ * with y = fl(1 / a) correctly rounded and q0 = fl(u * y) within an ulp of u / a, the
+ * remainder r = u - a q0 is exact in one fused multiply-add and q1 = fl(q0 + r y) (another)
+ * is the correctly rounded quotient (Markstein's theorem for round-to-nearest; also checked
+ * against the division on 4e8 random and near-midpoint pairs). The theorem needs no
+ * underflow or overflow: the caller keeps a in [QUOTIENT_MIN, QUOTIENT_MAX], and lanes with
+ * |u| outside that range (infinities included), or a quotient below 2^-124 or above 2^126,
+ * are recomputed with the IEEE division (u == 0 gives the signed zero either way; a NaN
+ * stays NaN). Explicit FMAs: the result does not depend on the compiler's contraction,
+ * which stays off. */
+static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
+    __m512 q0 = _mm512_mul_ps(u, y);
+    __m512 r = _mm512_fnmadd_ps(q0, a, u);
+    __m512 q1 = _mm512_fmadd_ps(r, y, q0);
+    __m512 au = _mm512_abs_ps(u), aq = _mm512_abs_ps(q1);
+    __mmask16 slow = _mm512_cmp_ps_mask(au, _mm512_set1_ps(QUOTIENT_MIN), _CMP_LT_OQ) |
+                     _mm512_cmp_ps_mask(au, _mm512_set1_ps(QUOTIENT_MAX), _CMP_GT_OQ) |
+                     _mm512_cmp_ps_mask(aq, _mm512_set1_ps(0x1p-124f), _CMP_LT_OQ) |
+                     _mm512_cmp_ps_mask(aq, _mm512_set1_ps(0x1p126f), _CMP_GT_OQ);
+    slow &= _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (slow) q1 = _mm512_mask_div_ps(q1, slow, u, a);
+    return q1;
+}
+#endif
+
+/* How momentum_tile preconditions the gradient: not at all (GefenMuon), by one denominator
+ * (Gefen's block path) or by one per element (the factored path). */
+typedef struct {
+    int kind; /* PRE_NONE, PRE_BLOCK or PRE_ELEMENT */
+    float h;  /* PRE_BLOCK */
+    const float* hs; /* PRE_ELEMENT: the tile's denominators */
+} Preconditioner;
+enum { PRE_NONE = 0, PRE_BLOCK = 1, PRE_ELEMENT = 2 };
+
+/* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))) with
+ * n = fl(g / h) (pre; the division overlaps the codeword gathers), kept in u_out, with max |u|
  * and a NaN flag per lane; lane k takes the elements j = k mod LANES of the tile, the tail
  * lane 0. */
-static void momentum_tile(const float* restrict g, const uint8_t* restrict q, const float* restrict cb, float m_old,
-                          float beta1, float omb1, int64_t n, float* restrict u_out, float* restrict amax,
-                          int32_t* restrict nan) {
+static void momentum_tile(const float* restrict g, const Preconditioner* pre, const uint8_t* restrict q,
+                          const float* restrict cb, float m_old, float beta1, float omb1, int64_t n,
+                          float* restrict u_out, float* restrict amax, int32_t* restrict nan) {
     int64_t j = 0;
+    const float* restrict hs = pre->hs;
 #ifdef GEFEN_AVX512
     {
         const __m512 vm = _mm512_set1_ps(m_old), vb1 = _mm512_set1_ps(beta1), vo1 = _mm512_set1_ps(omb1);
+        const __m512 vh = _mm512_set1_ps(pre->h), vy = _mm512_set1_ps(1.0f / pre->h);
+        const int markstein = pre->kind == PRE_BLOCK && pre->h >= QUOTIENT_MIN && pre->h <= QUOTIENT_MAX;
         __m512 best = _mm512_loadu_ps(amax);
         __mmask16 bad = 0;
         for (; j + LANES <= n; j += LANES) {
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + j)));
             __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, cb, 4), vm);
             __m512 gv = _mm512_loadu_ps(g + j);
+            if (pre->kind == PRE_ELEMENT) gv = _mm512_div_ps(gv, _mm512_loadu_ps(hs + j));
+            else if (markstein) gv = quotient_avx512(gv, vh, vy);
+            else if (pre->kind == PRE_BLOCK) gv = _mm512_div_ps(gv, vh);
             __m512 u = _mm512_add_ps(_mm512_mul_ps(m, vb1), _mm512_mul_ps(gv, vo1));
             _mm512_storeu_ps(u_out + j, u);
             best = _mm512_max_ps(_mm512_abs_ps(u), best); /* a > best ? a : best (NaN a keeps best) */
@@ -349,10 +394,20 @@ static void momentum_tile(const float* restrict g, const uint8_t* restrict q, co
 #else
     {
         int32_t codes[TILE];
+        float nbuf[TILE];
         widen_codes(q, codes, n);
+        const float* restrict x = g;
+        if (pre->kind != PRE_NONE) {
+            const float h = pre->h;
+            if (pre->kind == PRE_ELEMENT)
+                for (int64_t i = 0; i < n; i++) nbuf[i] = g[i] / hs[i];
+            else
+                for (int64_t i = 0; i < n; i++) nbuf[i] = g[i] / h;
+            x = nbuf;
+        }
         for (int64_t i = 0; i < n; i++) {
             float m = cb[codes[i]] * m_old;
-            u_out[i] = m * beta1 + g[i] * omb1;
+            u_out[i] = m * beta1 + x[i] * omb1;
         }
         for (; j + LANES <= n; j += LANES) {
             for (int k = 0; k < LANES; k++) {
@@ -367,13 +422,35 @@ static void momentum_tile(const float* restrict g, const uint8_t* restrict q, co
     for (; j < n; j++) {
 #ifdef GEFEN_AVX512
         float m = cb[q[j]] * m_old;
-        u_out[j] = m * beta1 + g[j] * omb1;
+        float x = pre->kind == PRE_NONE ? g[j] : g[j] / (pre->kind == PRE_ELEMENT ? hs[j] : pre->h);
+        u_out[j] = m * beta1 + x * omb1;
 #endif
         float u = u_out[j];
         float a = fabsf(u);
         amax[0] = a > amax[0] ? a : amax[0];
         nan[0] |= u != u;
     }
+}
+
+/* acc[k] += double(x_j)^2 for the elements j = k mod LANES of a tile (the tail: lane 0). */
+static void sumsq_tile(const float* restrict x, int64_t n, double* restrict acc) {
+    int64_t j = 0;
+#ifdef GEFEN_AVX512
+    __m512d lo = _mm512_loadu_pd(acc), hi = _mm512_loadu_pd(acc + 8);
+    for (; j + LANES <= n; j += LANES) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        lo = _mm512_add_pd(lo, _mm512_mul_pd(a, a));
+        hi = _mm512_add_pd(hi, _mm512_mul_pd(b, b));
+    }
+    _mm512_storeu_pd(acc, lo);
+    _mm512_storeu_pd(acc + 8, hi);
+#else
+    for (; j + LANES <= n; j += LANES)
+        for (int k = 0; k < LANES; k++) acc[k] += (double)x[j + k] * (double)x[j + k];
+#endif
+    for (; j < n; j++) acc[0] += (double)x[j] * (double)x[j];
 }
 
 /* The denominators h of Gefen's preconditioned momentum (gefen.block_step/2,
@@ -388,26 +465,31 @@ typedef struct {
     float eps;
 } Denominator;
 
-/* g_j = fl(g_j / h_j) for the n elements starting at flat index first (IEEE division). */
-static void precondition_tile(const Denominator* den, int64_t first, float* restrict g, int64_t n) {
+/* The preconditioner of the n elements starting at flat index first (hbuf: room for the
+ * factored path's n denominators). */
+static Preconditioner preconditioner_of(const Denominator* den, int64_t first, float* restrict hbuf, int64_t n) {
+    Preconditioner pre = {PRE_NONE, 0.0f, NULL};
+    if (den == NULL) return pre;
     if (den->row_factor == NULL) {
-        const float h = den->h;
-        for (int64_t j = 0; j < n; j++) g[j] = g[j] / h;
-        return;
+        pre.kind = PRE_BLOCK;
+        pre.h = den->h;
+        return pre;
     }
     for (int64_t done = 0; done < n;) {
         int64_t flat = first + done, row = flat / den->cols, col = flat - row * den->cols;
         int64_t len = n - done < den->cols - col ? n - done : den->cols - col;
         const float a = sqrtf(den->row_factor[row]), eps = den->eps;
         const float* restrict b = den->col_root + col;
-        float* restrict x = g + done;
+        float* restrict h = hbuf + done;
         for (int64_t j = 0; j < len; j++) {
-            float h = a * b[j];
-            h = h + eps;
-            x[j] = x[j] / h;
+            float w = a * b[j];
+            h[j] = w + eps;
         }
         done += len;
     }
+    pre.kind = PRE_ELEMENT;
+    pre.hs = hbuf;
+    return pre;
 }
 
 /* Bracket of z: codes (lo, hi) and their codewords, from the bucket table. */
@@ -435,31 +517,6 @@ static int32_t nearest_code_reference(const CodebookTable* t, float z) {
     return fabsf(z - clo) <= fabsf(z - chi) ? lo : hi;
 }
 
-#ifdef GEFEN_AVX512
-/* Range of block scales a (and of |u|) for which quotient_avx512 needs no division. */
-#define QUOTIENT_MIN 0x1p-100f
-#define QUOTIENT_MAX 0x1p100f
-
-/* z = fl(u / a) for 16 lanes without the (slow) vector division, by Markstein's correction:
- * with y = fl(1 / a) correctly rounded and q0 = fl(u * y) within an ulp of u / a, the
- * remainder r = u - a q0 is exact in one fused multiply-add and q1 = fl(q0 + r y) (another)
- * is the correctly rounded quotient (Markstein's theorem for round-to-nearest; also checked
- * against the division on 4e8 random and near-midpoint pairs). The theorem needs no
- * underflow: the caller keeps a in [QUOTIENT_MIN, QUOTIENT_MAX], and lanes with |u| below
- * QUOTIENT_MIN or a quotient below 2^-124 are recomputed with the IEEE division (u == 0
- * gives the signed zero either way). Explicit FMAs: the result does not depend on the
- * compiler's contraction, which stays off. */
-static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
-    __m512 q0 = _mm512_mul_ps(u, y);
-    __m512 r = _mm512_fnmadd_ps(q0, a, u);
-    __m512 q1 = _mm512_fmadd_ps(r, y, q0);
-    __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(u), _mm512_set1_ps(QUOTIENT_MIN), _CMP_LT_OQ) |
-                      _mm512_cmp_ps_mask(_mm512_abs_ps(q1), _mm512_set1_ps(0x1p-124f), _CMP_LT_OQ);
-    small &= _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    if (small) q1 = _mm512_mask_div_ps(q1, small, u, a);
-    return q1;
-}
-#endif
 
 /* Nearest rounding through the threshold table (z in [-1, 1]; see build_thresholds). */
 static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, const float* restrict s,
@@ -735,23 +792,19 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             const float* x = gbuf;                                                               \
             if (DIRECT_##SUF) x = (const float*)(const void*)(g + t0);                           \
             else load_tile_##SUF(g + t0, gbuf, 1.0f, len);                                       \
-            int64_t j = 0;                                                                       \
-            for (; j + LANES <= len; j += LANES)                                                 \
-                for (int k = 0; k < LANES; k++) acc[k] += (double)x[j + k] * (double)x[j + k];   \
-            for (; j < len; j++) acc[0] += (double)x[j] * (double)x[j];                          \
+            sumsq_tile(x, len, acc);                                                             \
         }                                                                                        \
         double total = 0.0;                                                                      \
         for (int k = 0; k < LANES; k++) total += acc[k];                                         \
         return total;                                                                            \
     }                                                                                            \
                                                                                                  \
-    /* One tile of the gradient as the momentum reads it: signed, divided by den when given      \
-     * (Gefen), read in place when it already is that fp32 tile. */                              \
+    /* One tile of the gradient as the momentum reads it: signed fp32, read in place when it     \
+     * already is. */                                                                            \
     static const float* gradient_tile_##SUF(const StepContext* ctx, const PT* g, int64_t t0, int64_t len, \
-                                            const Denominator* den, int64_t first, float* gbuf) { \
-        if (DIRECT_##SUF && ctx->sign == 1.0f && den == NULL) return (const float*)(const void*)(g + t0); \
+                                            float* gbuf) {                                       \
+        if (DIRECT_##SUF && ctx->sign == 1.0f) return (const float*)(const void*)(g + t0);       \
         load_tile_##SUF(g + t0, gbuf, ctx->sign, len);                                           \
-        if (den != NULL) precondition_tile(den, first + t0, gbuf, len);                          \
         return gbuf;                                                                             \
     }                                                                                            \
                                                                                                  \
@@ -760,7 +813,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     static float block_stats_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, float m_old, \
                                    int64_t n, float* ubuf, const Denominator* den, int64_t first, \
                                    const PT* upcoming) {                                         \
-        float gbuf[TILE], spill[TILE];                                                           \
+        float gbuf[TILE], spill[TILE], hbuf[TILE];                                               \
         float amax[LANES];                                                                       \
         int32_t nan[LANES];                                                                      \
         for (int k = 0; k < LANES; k++) {                                                        \
@@ -770,8 +823,9 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                               \
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                         \
             if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));      \
-            const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, den, first, gbuf);          \
-            momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,        \
+            const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, gbuf);                      \
+            const Preconditioner pre = preconditioner_of(den, first + t0, hbuf, len);            \
+            momentum_tile(gsrc, &pre, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,  \
                           n <= UBUF ? ubuf + t0 : spill, amax, nan);                             \
         }                                                                                        \
         float best = 0.0f;                                                                       \
@@ -789,15 +843,16 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                                             const float* ubuf, float* scratch, const Denominator* den, \
                                             int64_t first) {                                     \
         if (n_block <= UBUF) return ubuf + t0;                                                   \
-        float gbuf[TILE];                                                                        \
+        float gbuf[TILE], hbuf[TILE];                                                            \
         float amax[LANES];                                                                       \
         int32_t nan[LANES];                                                                      \
         for (int k = 0; k < LANES; k++) {                                                        \
             amax[k] = 0.0f;                                                                      \
             nan[k] = 0;                                                                          \
         }                                                                                        \
-        const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, den, first, gbuf);              \
-        momentum_tile(gsrc, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, amax, nan); \
+        const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, gbuf);                          \
+        const Preconditioner pre = preconditioner_of(den, first + t0, hbuf, len);                \
+        momentum_tile(gsrc, &pre, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, amax, nan); \
         return scratch;                                                                          \
     }                                                                                            \
                                                                                                  \
