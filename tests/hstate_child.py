@@ -20,7 +20,7 @@ from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
@@ -73,7 +73,7 @@ def _contract(dtensors: bool) -> OptimizerContract:
     portable = no("DTensor parameters have no implicit replicated layout") if dtensors else FeatureStatus.yes()
     checkpoints = [
         CheckpointSupport(
-            CheckpointTransport.DENSE_SHARD,
+            CheckpointTransport.PARAMETER_SHAPED,
             _DENSE,
             ProcessGroupScope.DEFAULT_WORLD,
             LoadAtomicity.GROUP_VOTED,
@@ -117,7 +117,7 @@ def _contract(dtensors: bool) -> OptimizerContract:
                 FEATURE_CANONICAL_IDENTITY: no("test child: no post_sharding"),
                 FEATURE_CANONICAL_LOCAL_STATE: no("test child: no canonical local state"),
                 FEATURE_PORTABLE_STATE: portable,
-                FEATURE_DENSE_SHARD_CODEC: FeatureStatus.yes(),
+                FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.yes(),
                 FEATURE_COLLECTIVE_SCOPE: no("test child: learns nothing collectively"),
                 FEATURE_COMPOSITE: no("test child: no children"),
             },

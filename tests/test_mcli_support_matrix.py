@@ -121,4 +121,4 @@ def test_binding_gefen_widens_canonical_global_as_the_page_says() -> None:
     (entry,) = [c for c in capabilities.checkpoints if c.transport is CheckpointTransport.CANONICAL_GLOBAL]
     assert entry.same_topology == {ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD}
     assert entry.allows_transition(ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD)
-    assert not capabilities.features["dense_shard_codec"].supported
+    assert not capabilities.features["parameter_shaped_state"].supported

@@ -141,19 +141,19 @@ class Refuses(torch.optim.SGD):
         self._refuse("portable_state")
 
     def dense_shard_common(self) -> Any:
-        return self._refuse("dense_shard_codec")
+        return self._refuse("parameter_shaped_state")
 
     def dense_shard_slots(self) -> Any:
-        return self._refuse("dense_shard_codec")
+        return self._refuse("parameter_shaped_state")
 
     def materialize_dense_field(self, fqn: str, field: str) -> Any:
-        return self._refuse("dense_shard_codec")
+        return self._refuse("parameter_shaped_state")
 
     def prepare_dense_shard_load(self, common: Any, slots: Any) -> Any:
-        return self._refuse("dense_shard_codec")
+        return self._refuse("parameter_shaped_state")
 
     def commit_dense_shard_load(self, staged: Any) -> None:
-        self._refuse("dense_shard_codec")
+        self._refuse("parameter_shaped_state")
 
     def collective_scope(self) -> None:
         return None

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from gefen_contracts import (
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointTransport,
     LogicalSlice,
@@ -209,9 +209,9 @@ def test_a_bound_optimizer_declares_portable_state_over_its_sealed_layout(kind: 
     (entry,) = [c for c in capabilities.checkpoints if c.transport is CheckpointTransport.CANONICAL_GLOBAL]
     assert entry == (MUON_PORTABLE_SUPPORT if kind.startswith("muon") else PORTABLE_SUPPORT)
     assert bound.optimizer.portable_layout().manifest == bound.plan.manifest
-    dense = capabilities.features[FEATURE_DENSE_SHARD_CODEC]
+    dense = capabilities.features[FEATURE_PARAMETER_SHAPED_STATE]
     assert not dense.supported and "portable state" in " ".join(dense.reasons)
-    assert CheckpointTransport.DENSE_SHARD not in {c.transport for c in capabilities.checkpoints}
+    assert CheckpointTransport.PARAMETER_SHAPED not in {c.transport for c in capabilities.checkpoints}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -289,7 +289,7 @@ def test_protocols_and_contract() -> None:
     assert contract.capabilities.supports("staged_native_load")
     for feature in (
         "portable_state",
-        "dense_shard_codec",
+        "parameter_shaped_state",
         "canonical_local_state",  # dynamic: once finalized by post_sharding (test_core_identity.py)
     ):
         status = contract.capabilities.feature(feature)

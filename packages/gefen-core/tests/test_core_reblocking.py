@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from gefen_contracts import (
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointTransport,
     DenseShardLoad,
@@ -368,8 +368,8 @@ def test_a_dense_shard_load_relearns_the_codebook_within_the_bound(kind: str, op
     optimizer = _optimizer(kind, model, **options)
     _train(model, optimizer, 0, BEFORE)
     contract = optimizer.optimizer_contract()
-    assert contract.capabilities.features[FEATURE_DENSE_SHARD_CODEC].supported
-    assert CheckpointTransport.DENSE_SHARD in {e.transport for e in contract.capabilities.checkpoints}
+    assert contract.capabilities.features[FEATURE_PARAMETER_SHAPED_STATE].supported
+    assert CheckpointTransport.PARAMETER_SHAPED in {e.transport for e in contract.capabilities.checkpoints}
     loads = _dense_loads(optimizer)
     twin_model, twin = _twin(kind, model, **options)
     twin.commit_dense_shard_load(twin.prepare_dense_shard_load(dict(optimizer.dense_shard_common()), loads))

@@ -342,12 +342,12 @@ def test_unsupported_and_broken_codecs_are_refused(
         def optimizer_contract(self) -> Any:
             import dataclasses
 
-            from gefen_contracts import FEATURE_DENSE_SHARD_CODEC, FeatureStatus
+            from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, FeatureStatus
 
             contract = super().optimizer_contract()
             capabilities = contract.capabilities
             features = dict(capabilities.features)
-            features[FEATURE_DENSE_SHARD_CODEC] = FeatureStatus.no("switched off for the test")
+            features[FEATURE_PARAMETER_SHAPED_STATE] = FeatureStatus.no("switched off for the test")
             checkpoints = tuple(c for c in capabilities.checkpoints if c.transport.value != "dense_shard")
             capabilities = dataclasses.replace(capabilities, features=features, checkpoints=checkpoints)
             return dataclasses.replace(contract, capabilities=capabilities)

@@ -25,7 +25,7 @@ from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
@@ -86,7 +86,7 @@ _NEGATIVE = {
     FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("toy optimizer: no post_sharding"),
     FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no("toy optimizer: native state dicts only"),
     FEATURE_PORTABLE_STATE: FeatureStatus.no("toy optimizer: no portable adapter"),
-    FEATURE_DENSE_SHARD_CODEC: FeatureStatus.no("toy optimizer: no dense-shard codec"),
+    FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.no("toy optimizer: no dense-shard codec"),
     FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no("toy optimizer: learns nothing collectively"),
     FEATURE_COMPOSITE: FeatureStatus.no("toy optimizer: no children"),
 }

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from gefen_contracts import (
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointTransport,
     DenseShardLoad,
@@ -82,10 +82,10 @@ def _with(exported: PortableExport, fqn: str, **changes: Any) -> PortableExport:
 
 def test_a_fresh_named_optimizer_claims_both_transports() -> None:
     capabilities = ContractedAdamW(_model().named_parameters()).optimizer_contract().capabilities
-    assert capabilities.supports(FEATURE_PORTABLE_STATE) and capabilities.supports(FEATURE_DENSE_SHARD_CODEC)
+    assert capabilities.supports(FEATURE_PORTABLE_STATE) and capabilities.supports(FEATURE_PARAMETER_SHAPED_STATE)
     entries = {e.transport: e for e in capabilities.checkpoints}
     assert entries[CheckpointTransport.CANONICAL_GLOBAL] == PORTABLE_SUPPORT
-    assert entries[CheckpointTransport.DENSE_SHARD] == DENSE_SHARD_SUPPORT
+    assert entries[CheckpointTransport.PARAMETER_SHAPED] == DENSE_SHARD_SUPPORT
     assert PORTABLE_SUPPORT.allows_transition(ParameterLayout.FLATTENED_ELEMENT_SHARD, ParameterLayout.REPLICATED)
     assert DENSE_SHARD_SUPPORT.allows_transition(ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, ParameterLayout.REPLICATED)
 
@@ -110,11 +110,11 @@ def test_negative_claims_say_why_and_the_methods_refuse(
     model = _model()
     optimizer = build(model)
     capabilities = optimizer.optimizer_contract().capabilities
-    for feature in (FEATURE_PORTABLE_STATE, FEATURE_DENSE_SHARD_CODEC):
+    for feature in (FEATURE_PORTABLE_STATE, FEATURE_PARAMETER_SHAPED_STATE):
         status = capabilities.feature(feature)
         assert not status.supported and any(fragment in r for r in status.reasons), status.reasons
     transports = {e.transport for e in capabilities.checkpoints}
-    assert not transports & {CheckpointTransport.CANONICAL_GLOBAL, CheckpointTransport.DENSE_SHARD}
+    assert not transports & {CheckpointTransport.CANONICAL_GLOBAL, CheckpointTransport.PARAMETER_SHAPED}
     with pytest.raises(NotSupportedError, match=fragment):
         optimizer.portable_export()
     with pytest.raises(NotSupportedError, match=fragment):
@@ -128,7 +128,7 @@ def test_flattened_shards_are_portable_but_not_dense_shard_state() -> None:
     optimizer.post_sharding(plan.rebindings, manifest=plan.manifest)
     capabilities = optimizer.optimizer_contract().capabilities
     assert capabilities.supports(FEATURE_PORTABLE_STATE)
-    reasons = capabilities.feature(FEATURE_DENSE_SHARD_CODEC).reasons
+    reasons = capabilities.feature(FEATURE_PARAMETER_SHAPED_STATE).reasons
     assert any("save_portable_dcp" in r for r in reasons)
     layout = optimizer.portable_layout()
     assert layout.manifest == plan.manifest
@@ -142,7 +142,7 @@ def test_a_tampered_layout_disables_both_transports() -> None:
     optimizer.post_sharding(plan.rebindings, manifest=plan.manifest)
     optimizer.param_groups[0]["params"].reverse()
     capabilities = optimizer.optimizer_contract().capabilities
-    for feature in (FEATURE_PORTABLE_STATE, FEATURE_DENSE_SHARD_CODEC):
+    for feature in (FEATURE_PORTABLE_STATE, FEATURE_PARAMETER_SHAPED_STATE):
         assert not capabilities.supports(feature)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from gefen_contracts import (
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointTransport,
     DenseShardCodec,
@@ -72,10 +72,10 @@ def test_the_composite_claims_what_both_children_claim() -> None:
     assert not isinstance(optimizer, PortableAdapter)  # portable state is served child by child
     assert isinstance(optimizer, DenseShardCodec)
     capabilities = optimizer.optimizer_contract().capabilities
-    assert capabilities.supports(FEATURE_PORTABLE_STATE) and capabilities.supports(FEATURE_DENSE_SHARD_CODEC)
+    assert capabilities.supports(FEATURE_PORTABLE_STATE) and capabilities.supports(FEATURE_PARAMETER_SHAPED_STATE)
     entries = {e.transport: e for e in capabilities.checkpoints}
     assert entries[CheckpointTransport.CANONICAL_GLOBAL] == PORTABLE_SUPPORT
-    assert entries[CheckpointTransport.DENSE_SHARD] == DENSE_SHARD_SUPPORT
+    assert entries[CheckpointTransport.PARAMETER_SHAPED] == DENSE_SHARD_SUPPORT
     model = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 2))
     mixed = CompositeOptimizer.from_factories(model, {"muon": sign_factory, "backup": ContractedAdamW})
     status = mixed.optimizer_contract().capabilities.feature(FEATURE_PORTABLE_STATE)

@@ -15,7 +15,7 @@ __all__ = [
     "FEATURE_CANONICAL_LOCAL_STATE",
     "FEATURE_COLLECTIVE_SCOPE",
     "FEATURE_COMPOSITE",
-    "FEATURE_DENSE_SHARD_CODEC",
+    "FEATURE_PARAMETER_SHAPED_STATE",
     "FEATURE_PORTABLE_STATE",
     "FEATURE_POST_SHARDING",
     "FEATURE_STAGED_NATIVE_LOAD",
@@ -32,7 +32,7 @@ FEATURE_POST_SHARDING = "post_sharding"
 FEATURE_CANONICAL_IDENTITY = "canonical_identity"
 FEATURE_CANONICAL_LOCAL_STATE = "canonical_local_state"
 FEATURE_PORTABLE_STATE = "portable_state"
-FEATURE_DENSE_SHARD_CODEC = "dense_shard_codec"
+FEATURE_PARAMETER_SHAPED_STATE = "parameter_shaped_state"
 FEATURE_COLLECTIVE_SCOPE = "collective_scope"
 FEATURE_COMPOSITE = "composite"
 
@@ -43,7 +43,7 @@ STANDARD_FEATURES: tuple[str, ...] = (
     FEATURE_CANONICAL_IDENTITY,
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_PORTABLE_STATE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
 )
@@ -52,7 +52,7 @@ STANDARD_FEATURES: tuple[str, ...] = (
 _TRANSPORT_FEATURES = {
     FEATURE_CANONICAL_LOCAL_STATE: CheckpointTransport.CANONICAL_LOCAL,
     FEATURE_PORTABLE_STATE: CheckpointTransport.CANONICAL_GLOBAL,
-    FEATURE_DENSE_SHARD_CODEC: CheckpointTransport.DENSE_SHARD,
+    FEATURE_PARAMETER_SHAPED_STATE: CheckpointTransport.PARAMETER_SHAPED,
 }
 
 
@@ -197,8 +197,8 @@ class OptimizerCapabilities:
     as ``"vendor.thing"``) to a :class:`FeatureStatus`. An omitted feature is unsupported,
     but an optimizer that implements a feature's Protocol must state its status explicitly
     (the conformance kit enforces this). Support for
-    ``canonical_local_state``, ``portable_state`` and ``dense_shard_codec`` must agree with
-    the presence of a ``CANONICAL_LOCAL``, ``CANONICAL_GLOBAL`` or ``DENSE_SHARD``
+    ``canonical_local_state``, ``portable_state`` and ``parameter_shaped_state`` must agree with
+    the presence of a ``CANONICAL_LOCAL``, ``CANONICAL_GLOBAL`` or ``PARAMETER_SHAPED``
     checkpoint entry; ``staged_native_load`` requires an atomic native entry.
     """
 

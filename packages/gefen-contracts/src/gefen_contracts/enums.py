@@ -131,8 +131,9 @@ class CheckpointTransport(StrEnum):
     ``NATIVE_OPTIMIZER``: ``state_dict()``/``load_state_dict()``. ``PYTORCH_RANK_LOCAL``: torch's
     rank-local (DCP ``get/set_optimizer_state_dict``) path. ``COMPOSITE_NATIVE``: a composite's
     nested native state dict. ``CANONICAL_LOCAL``: the FQN-keyed local document.
-    ``CANONICAL_GLOBAL``: the topology-neutral portable document. ``DENSE_SHARD``: dense
-    per-shard fields for DCP resharding of DTensor (FSDP2) parameters.
+    ``CANONICAL_GLOBAL``: the topology-neutral portable document. ``PARAMETER_SHAPED``: the
+    native state dict whose tensors follow their parameters' placements, resharded by DCP
+    (plain ``dcp.save``, torch's ``get/set_optimizer_state_dict``, ``gefen_dcp.GefenDCPState``).
     """
 
     NATIVE_OPTIMIZER = "native_optimizer"
@@ -140,7 +141,7 @@ class CheckpointTransport(StrEnum):
     COMPOSITE_NATIVE = "composite_native"
     CANONICAL_LOCAL = "canonical_local"
     CANONICAL_GLOBAL = "canonical_global"
-    DENSE_SHARD = "dense_shard"
+    PARAMETER_SHAPED = "parameter_shaped"
 
 
 class TopologyChange(StrEnum):

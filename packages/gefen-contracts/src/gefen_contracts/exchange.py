@@ -1,4 +1,4 @@
-"""Plain records exchanged through the portable-adapter and dense-shard Protocols.
+"""Plain records exchanged through the portable-adapter Protocol.
 
 They hold tensors as untyped ``object`` so this module stays torch-free. Mappings are
 copied into :class:`~gefen_contracts.frozen.FrozenMap` so a record cannot change after it
@@ -14,11 +14,9 @@ from .errors import ContractError, ContractTypeError
 from .frozen import FrozenMap, freeze_primitive
 from .identity import ShardIdentity
 from .manifest import ShardingManifest
-from .validation import exact_int, exact_str, identity_name, str_tuple
+from .validation import exact_int, exact_str, identity_name
 
 __all__ = [
-    "DenseShardLoad",
-    "DenseShardSlot",
     "PortableExport",
     "PortableLayout",
     "PortableSlotLayout",
@@ -167,45 +165,3 @@ class PortableExport:
             if type(slot) is not PortableSlotState:
                 raise ContractTypeError(f"PortableExport.slots[{index}] must be a PortableSlotState")
         object.__setattr__(self, "slots", slots)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class DenseShardSlot:
-    """One parameter's local shard as a dense-shard codec exposes it to DCP.
-
-    ``parameter`` is the live (DTensor or plain) parameter; ``fields`` names the dense fp32
-    element fields, each shaped exactly like the parameter's local shard, that
-    :meth:`DenseShardCodec.materialize_dense_field` produces on demand.
-    """
-
-    fqn: str
-    parameter: object
-    options: Mapping[str, object]
-    variant: str
-    counters: Mapping[str, int] = field(default_factory=FrozenMap)
-    fields: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        identity_name(self.fqn, "DenseShardSlot.fqn")
-        object.__setattr__(self, "options", _options(self.options, "DenseShardSlot.options"))
-        identity_name(self.variant, "DenseShardSlot.variant")
-        object.__setattr__(self, "counters", _counters(self.counters, "DenseShardSlot.counters"))
-        object.__setattr__(self, "fields", str_tuple(self.fields, "DenseShardSlot.fields", unique=True, names=True))
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class DenseShardLoad:
-    """What a DCP load hands back to a dense-shard codec for one local shard."""
-
-    fqn: str
-    options: Mapping[str, object]
-    variant: str
-    counters: Mapping[str, int] = field(default_factory=FrozenMap)
-    fields: Mapping[str, object] = field(default_factory=FrozenMap)
-
-    def __post_init__(self) -> None:
-        identity_name(self.fqn, "DenseShardLoad.fqn")
-        object.__setattr__(self, "options", _options(self.options, "DenseShardLoad.options"))
-        identity_name(self.variant, "DenseShardLoad.variant")
-        object.__setattr__(self, "counters", _counters(self.counters, "DenseShardLoad.counters"))
-        object.__setattr__(self, "fields", _tensors(self.fields, "DenseShardLoad.fields"))

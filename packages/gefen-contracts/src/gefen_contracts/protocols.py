@@ -29,13 +29,13 @@ from .capabilities import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
 )
 from .contract import OptimizerContract
-from .exchange import DenseShardLoad, DenseShardSlot, PortableExport, PortableLayout, PortableSlotState
+from .exchange import PortableExport, PortableLayout, PortableSlotState
 from .identity import ShardIdentity
 from .manifest import ShardingManifest
 from .rebinding import ParameterRebinding
@@ -48,11 +48,9 @@ __all__ = [
     "CollectiveScoped",
     "CompositeOptimizer",
     "ContractProvider",
-    "DenseFieldRows",
-    "DenseShardCodec",
-    "DenseShardSnapshot",
     "IdentityBindable",
     "ModeTaggedState",
+    "ParameterShapedState",
     "PortableAdapter",
     "StagedNativeLoad",
     "StepPreflight",
@@ -229,59 +227,26 @@ class PortableAdapter(Protocol):
 
 
 @runtime_checkable
-class DenseShardCodec(Protocol):
-    """Dense per-shard state for DCP resharding of DTensor (FSDP2) parameters (feature
-    ``dense_shard_codec``, transport ``DENSE_SHARD``).
+class ParameterShapedState(Protocol):
+    """State shaped like the parameters (feature ``parameter_shaped_state``, transport
+    ``PARAMETER_SHAPED``): what plain ``dcp.save(optimizer.state_dict())``, torch's
+    ``get/set_optimizer_state_dict`` and ``gefen_dcp.GefenDCPState`` need to reshard an
+    optimizer's state N ranks to M with nothing but DCP.
 
-    ``dense_shard_common()`` is primitive optimizer-common state, identical on every rank.
-    ``dense_shard_slots()`` lists every local parameter with its options, variant,
-    counters and the names of its dense element fields. ``materialize_dense_field(fqn,
-    field)`` returns a fresh fp32 tensor shaped like that parameter's local shard; it is
-    called one field at a time so the caller bounds peak memory, and it must not alias live
-    state. ``prepare_dense_shard_load(common, slots)`` receives the loaded dense local
-    shards for the (possibly different) current layout, compresses them back into native
-    state (re-inferring blocks and codebooks as the optimizer needs), validates and stages
-    them without mutation; ``commit_dense_shard_load(staged)`` publishes them.
+    ``state_dict()`` is torch's: ``state`` keyed by torch's parameter numbering and
+    ``param_groups``. The promise is about its tensors: each one under ``state[i]`` has a
+    shape that depends only on parameter ``i``'s global shape and the options (never on
+    data or topology) and is, for a DTensor parameter, a DTensor on the parameter's mesh
+    placed like the parameter or replicated; every other tensor is a plain tensor equal on
+    every rank. The load side is :class:`StagedNativeLoad`, so a verified load can stage
+    before it commits.
     """
 
-    def dense_shard_common(self) -> Mapping[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def dense_shard_slots(self) -> tuple[DenseShardSlot, ...]: ...
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction: ...
 
-    def materialize_dense_field(self, fqn: str, field: str) -> Any: ...
-
-    def prepare_dense_shard_load(
-        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
-    ) -> StagedTransaction: ...
-
-    def commit_dense_shard_load(self, staged: StagedTransaction) -> None: ...
-
-
-@runtime_checkable
-class DenseFieldRows(Protocol):
-    """Optional extension of :class:`DenseShardCodec` for memory-bounded saves.
-
-    ``materialize_dense_field_rows(fqn, field, start, stop)`` returns rows ``[start, stop)``
-    (first dimension) of the local shard's dense ``field``, equal bit for bit to
-    ``materialize_dense_field(fqn, field)[start:stop]``, so one huge tensor (an embedding)
-    is written chunk by chunk instead of materialised whole.
-    """
-
-    def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> Any: ...
-
-
-@runtime_checkable
-class DenseShardSnapshot(Protocol):
-    """Optional extension of :class:`DenseShardCodec` for asynchronous saves.
-
-    ``dense_shard_snapshot()`` returns a frozen object with ``materialize_dense_field`` (and
-    ideally ``materialize_dense_field_rows``) whose values never change afterwards, whatever
-    the optimizer does next; it should hold a copy of the compact state, not dense fields, so
-    an asynchronous save costs about the compact state's size instead of 4 bytes per element
-    per field.
-    """
-
-    def dense_shard_snapshot(self) -> Any: ...
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None: ...
 
 
 @runtime_checkable
@@ -330,7 +295,7 @@ FEATURE_PROTOCOLS: dict[str, type] = {
     FEATURE_CANONICAL_IDENTITY: IdentityBindable,
     FEATURE_CANONICAL_LOCAL_STATE: CanonicalLocalState,
     FEATURE_PORTABLE_STATE: PortableAdapter,
-    FEATURE_DENSE_SHARD_CODEC: DenseShardCodec,
+    FEATURE_PARAMETER_SHAPED_STATE: ParameterShapedState,
     FEATURE_COLLECTIVE_SCOPE: CollectiveScoped,
     FEATURE_COMPOSITE: CompositeOptimizer,
 }
@@ -341,7 +306,7 @@ PROTOCOL_FEATURES: dict[type, str] = {
     IdentityBindable: FEATURE_POST_SHARDING,
     CanonicalLocalState: FEATURE_CANONICAL_LOCAL_STATE,
     PortableAdapter: FEATURE_PORTABLE_STATE,
-    DenseShardCodec: FEATURE_DENSE_SHARD_CODEC,
+    ParameterShapedState: FEATURE_PARAMETER_SHAPED_STATE,
     CollectiveScoped: FEATURE_COLLECTIVE_SCOPE,
     CompositeOptimizer: FEATURE_COMPOSITE,
 }

@@ -19,22 +19,17 @@ Field names (shared by the portable and dense-shard transports):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from .dense_view import block_values, decode_momentum, factored_rows, row_values
 
-__all__ = ["MOMENTUM", "NORMUON_V_FIELD", "SECOND_MOMENT", "CompactPiece", "FrozenDenseShards"]
+__all__ = ["MOMENTUM", "NORMUON_V_FIELD", "SECOND_MOMENT", "CompactPiece"]
 
 MOMENTUM = "momentum"
 SECOND_MOMENT = "second_moment"
 NORMUON_V_FIELD = "normuon_v"
-
-
-def _host_copy(value: torch.Tensor | None) -> torch.Tensor | None:
-    return None if value is None else value.detach().to("cpu", copy=True)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -88,40 +83,3 @@ class CompactPiece:
         if field == NORMUON_V_FIELD and self.normuon_v is not None:
             return row_values(self.normuon_v, per_row, start, end)
         raise KeyError(f"this piece has no dense field {field!r} (it has {list(self.fields)})")
-
-    def frozen(self) -> CompactPiece:
-        """A host copy that later training cannot change."""
-        return CompactPiece(
-            self.shape,
-            self.period,
-            self.indices.detach().to("cpu", copy=True),
-            self.magnitude.detach().to("cpu", copy=True),
-            self.codebook.detach().to("cpu", copy=True),
-            _host_copy(self.vmean),
-            _host_copy(self.v_row),
-            _host_copy(self.v_col),
-            _host_copy(self.normuon_v),
-        )
-
-
-def stateful_piece(piece: CompactPiece | None, label: str, field: str) -> CompactPiece:
-    """``piece``, or ``KeyError`` saying that ``label`` has no state (so no dense ``field``)."""
-    if piece is None:
-        raise KeyError(f"{label} has no state, so no dense field {field!r}")
-    return piece
-
-
-class FrozenDenseShards:
-    """The frozen snapshot a dense-shard codec returns (``DenseShardSnapshot``): the compact
-    pieces by FQN, copied at the call, serving ``materialize_dense_field`` and its rows form."""
-
-    __slots__ = ("_pieces",)
-
-    def __init__(self, pieces: Mapping[str, CompactPiece]) -> None:
-        self._pieces = {fqn: piece.frozen() for fqn, piece in pieces.items()}
-
-    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        return self._pieces[fqn].dense(field)
-
-    def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> torch.Tensor:
-        return self._pieces[fqn].dense(field, start, stop)

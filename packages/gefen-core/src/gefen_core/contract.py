@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from gefen_contracts import (
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
@@ -61,7 +61,8 @@ from .reference_ops import HISTOGRAM_BINS
 
 __all__ = [
     "CANONICAL_LAYOUTS",
-    "DENSE_SHARD_SUPPORT",
+    "PARAMETER_SHAPED_SUPPORT",
+    "parameter_shaped_status",
     "IMPLEMENTATION",
     "IMPLICIT_PORTABLE_SUPPORT",
     "PORTABLE_SUPPORT",
@@ -171,18 +172,33 @@ PORTABLE_SUPPORT = CheckpointSupport(
     ),
     requires_collective=True,
 )
-_DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
-#: The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported: plain tensors and
-#: DTensor (FSDP2) shards, resharded N -> M ranks by DCP and re-blocked on load.
-DENSE_SHARD_SUPPORT = CheckpointSupport(
-    CheckpointTransport.DENSE_SHARD,
-    _DENSE_LAYOUTS,
+_SHAPED_LAYOUTS = frozenset({_REPL, _DTENSOR})
+#: The ``PARAMETER_SHAPED`` entry while ``parameter_shaped_state`` is supported: the native
+#: state of plain tensors and DTensor (FSDP2) parameters, every state tensor shaped by
+#: :mod:`gefen_core.state_placement` and placed like its parameter (``v_col`` replicated,
+#: the codebook a plain tensor), so DCP reshards it N -> M ranks bit for bit: each
+#: transition below is exact (nothing is re-quantised; FSDP2 learns one codebook per mesh).
+PARAMETER_SHAPED_SUPPORT = CheckpointSupport(
+    CheckpointTransport.PARAMETER_SHAPED,
+    _SHAPED_LAYOUTS,
     ProcessGroupScope.DEFAULT_WORLD,
     LoadAtomicity.GROUP_VOTED,
-    transitions=(TopologyTransition(_DENSE_LAYOUTS, _DENSE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),),
+    transitions=(
+        TopologyTransition(_SHAPED_LAYOUTS, _SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+    ),
     mesh_dimensions=(1,),
     requires_collective=True,
 )
+
+
+def parameter_shaped_status(readiness: IdentityReadiness) -> FeatureStatus:
+    """``parameter_shaped_state``: yes unless ``post_sharding`` bound flattened element shards."""
+    if readiness.finalized and _FLAT in readiness.layouts:
+        return FeatureStatus.no(
+            "flattened element shards hold state for a slice of the flattened parameter, which no DTensor "
+            "describes; checkpoint them as portable state (gefen_dcp.save_portable_dcp)"
+        )
+    return FeatureStatus.yes()
 
 
 def _training(readiness: IdentityReadiness) -> tuple[TrainingSupport, ...]:
@@ -242,20 +258,20 @@ def gefen_contract(
     fused: bool | None,
     factored_v_2d: tuple[bool, ...],
     portable: FeatureStatus = _NOT_ASSESSED,
-    dense_shard: FeatureStatus = _NOT_ASSESSED,
     portable_sealed: bool = False,
 ) -> OptimizerContract:
     """The contract of a Gefen instance with these options and this identity readiness
     (memoised, immutable).
 
-    ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
-    ``dense_shard_codec``; their entries are declared exactly while they are supported:
-    :data:`PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout (``portable_sealed``),
-    else :data:`IMPLICIT_PORTABLE_SUPPORT`, and :data:`DENSE_SHARD_SUPPORT`.
+    ``portable`` is the live status of ``portable_state``; its entry is declared exactly while
+    it is supported: :data:`PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout
+    (``portable_sealed``), else :data:`IMPLICIT_PORTABLE_SUPPORT`. Likewise
+    :data:`PARAMETER_SHAPED_SUPPORT` while :func:`parameter_shaped_status` is positive.
     """
     portable_entry = PORTABLE_SUPPORT if portable_sealed else IMPLICIT_PORTABLE_SUPPORT
+    shaped = parameter_shaped_status(readiness)
     transports = ((portable_entry,) if portable.supported else ()) + (
-        (DENSE_SHARD_SUPPORT,) if dense_shard.supported else ()
+        (PARAMETER_SHAPED_SUPPORT,) if shaped.supported else ()
     )
     capabilities = OptimizerCapabilities(
         training=_training(readiness),
@@ -266,7 +282,7 @@ def gefen_contract(
             FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
             **identity_features(readiness, canonical),
             FEATURE_PORTABLE_STATE: portable,
-            FEATURE_DENSE_SHARD_CODEC: dense_shard,
+            FEATURE_PARAMETER_SHAPED_STATE: shaped,
             FEATURE_COMPOSITE: FeatureStatus.no("Gefen has no child optimizers"),
         },
     )

@@ -31,7 +31,6 @@ import torch
 __all__ = [
     "all_reduce_column_sums",
     "check_parameter_layout",
-    "codebook_of_first_member",
     "counted_once_per_mesh",
     "is_dtensor",
     "is_row_sharded",
@@ -176,15 +175,3 @@ def sum_over_mesh(counts: torch.Tensor, mesh: Any) -> torch.Tensor:
     return packet.cpu()
 
 
-def codebook_of_first_member(codebook: torch.Tensor | None, mesh: Any) -> torch.Tensor | None:
-    """The codebook (or ``None``) of the mesh's first member, on every member (one broadcast)."""
-    import torch.distributed as dist
-
-    packet = torch.zeros(257, dtype=torch.float32)
-    if codebook is not None:
-        packet[0] = 1.0
-        packet[1:] = codebook
-    packet = packet.to(mesh.device_type)
-    dist.broadcast(packet, group=mesh.get_group(), group_src=0)
-    packet = packet.cpu()
-    return packet[1:].clone() if bool(packet[0]) else None

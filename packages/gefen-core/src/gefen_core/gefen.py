@@ -16,7 +16,6 @@ from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
-from .dense_shard import GefenDenseShard
 from .distributed import all_reduce_column_sums, counted_once_per_mesh, learning_mesh, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
@@ -50,7 +49,7 @@ _NATIVE_LOAD = "gefen.native_load"
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -268,7 +267,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, GefenDenseShard, OwnAttribu
             fused=self._fused,
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
             portable=self._portable_status(),
-            dense_shard=self._dense_shard_status(),
             portable_sealed=self._bound_layout() is not None,
         )
 

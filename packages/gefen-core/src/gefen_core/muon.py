@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
+from gefen_contracts import FeatureStatus, KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
 
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
@@ -25,8 +25,7 @@ from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable
 from .muon_binding import MuonBindingMethods
 from .muon_contract import IMPLEMENTATION, REPLICATED_STATE_LAYOUT, mode_tag, muon_contract
-from .muon_dense_shard import GefenMuonDenseShard
-from .muon_distributed import MuonScope, ScopeEntry, agree_step, vote
+from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
 from .muon_execution import MuonExecution
 from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
@@ -57,7 +56,6 @@ class GefenMuon(
     MuonExecution,
     MuonBindingMethods,
     GefenMuonPortableState,
-    GefenMuonDenseShard,
     OwnAttributesPickling,
     torch.optim.Optimizer,
 ):
@@ -279,9 +277,33 @@ class GefenMuon(
             stochastic_round=self._stochastic_round,
             fused=self._fused,
             portable=self._portable_status(),
-            dense_shard=self._dense_shard_status(),
+            parameter_shaped=self._parameter_shaped_status(),
             portable_sealed=self._bound_layout() is not None,
         )
+
+    def _parameter_shaped_status(self) -> FeatureStatus:
+        """``parameter_shaped_state``: plain matrices and ``"exact"`` DTensors only (cheap)."""
+        if self._bound_layout() is not None:
+            return FeatureStatus.no(
+                "a post_sharding layout (replicated copies or whole-parameter owners) is checkpointed as portable "
+                "state (gefen_dcp.save_portable_dcp)"
+            )
+        try:
+            modes = {layout.mode for layout in slot_layouts(self.param_groups)[0]}
+        except Exception as exc:  # an invalid layout is reported by step(); here it only blocks the claim
+            return FeatureStatus.no(f"the matrices' layout is invalid: {exc}")
+        reasons = []
+        if APPROX in modes:
+            reasons.append(
+                "sharded_mode='approx' keeps state for the local rows as plain tensors; checkpoint it with the native "
+                "state_dict on the same layout or as portable state"
+            )
+        if DISTRIBUTED in modes:
+            reasons.append(
+                "sharded_mode='distributed' keeps each matrix's state on its owner only; checkpoint it with the "
+                "native state_dict (consolidated, loads under any world size) or as portable state"
+            )
+        return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
 
     # -- preflight and step -------------------------------------------------------------
 

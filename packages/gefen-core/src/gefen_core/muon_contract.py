@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from gefen_contracts import (
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
@@ -189,18 +189,21 @@ MUON_PORTABLE_SUPPORT = CheckpointSupport(
     transitions=(TopologyTransition(_PORTABLE_LAYOUTS, _PORTABLE_LAYOUTS, _MOVES),),
     requires_collective=True,
 )
-_DENSE_LAYOUTS = frozenset({_REPL, _DTENSOR})
+_SHAPED_LAYOUTS = frozenset({_REPL, _DTENSOR})
 
 
-def _dense_support(tags: frozenset[str]) -> CheckpointSupport:
-    """The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported (exact and approx modes)."""
+def _shaped_support(tags: frozenset[str]) -> CheckpointSupport:
+    """The ``PARAMETER_SHAPED`` entry while ``parameter_shaped_state`` is supported (plain
+    matrices and ``"exact"`` DTensors, whose state describes the whole matrix as a plain
+    tensor equal on every rank: DCP stores it once and every rank reads it whole, so every
+    transition is exact)."""
     return CheckpointSupport(
-        CheckpointTransport.DENSE_SHARD,
-        _DENSE_LAYOUTS,
+        CheckpointTransport.PARAMETER_SHAPED,
+        _SHAPED_LAYOUTS,
         ProcessGroupScope.DEFAULT_WORLD,
         LoadAtomicity.GROUP_VOTED,
         transitions=(
-            TopologyTransition(_DENSE_LAYOUTS, _DENSE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+            TopologyTransition(_SHAPED_LAYOUTS, _SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
         ),
         mesh_dimensions=(1,),
         mode_tags=tags,
@@ -244,14 +247,14 @@ def muon_contract(
     stochastic_round: bool,
     fused: bool | None,
     portable: FeatureStatus = _NOT_ASSESSED,
-    dense_shard: FeatureStatus = _NOT_ASSESSED,
+    parameter_shaped: FeatureStatus = _NOT_ASSESSED,
     portable_sealed: bool = False,
 ) -> OptimizerContract:
     """The contract of a GefenMuon with these live ``sharded_mode`` values, options and identity
     readiness (after ``post_sharding``: exactly the bound layouts).
 
-    ``portable`` and ``dense_shard`` are the live statuses of ``portable_state`` and
-    ``dense_shard_codec``; their checkpoint entries are declared exactly while supported
+    ``portable`` and ``parameter_shaped`` are the live statuses of ``portable_state`` and
+    ``parameter_shaped_state``; their checkpoint entries are declared exactly while supported
     (:data:`MUON_PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout, else
     :data:`MUON_IMPLICIT_PORTABLE_SUPPORT`).
     """
@@ -267,7 +270,7 @@ def muon_contract(
             deterministic,
             stochastic_round,
             fused,
-            (portable, dense_shard),
+            (portable, parameter_shaped),
         )
     training = [TrainingSupport(_REPL, ProcessGroupScope.NONE, requires_complete_logical_matrix=True)]
     for mode in modes:
@@ -310,7 +313,7 @@ def muon_contract(
             requires_collective=DISTRIBUTED in modes,
         ),
         *((portable_entry,) if portable.supported else ()),
-        *((_dense_support(tags),) if dense_shard.supported else ()),
+        *((_shaped_support(tags),) if parameter_shaped.supported else ()),
     )
     return _assemble(
         tuple(training),
@@ -323,7 +326,7 @@ def muon_contract(
         deterministic,
         stochastic_round,
         fused,
-        (portable, dense_shard),
+        (portable, parameter_shaped),
     )
 
 
@@ -345,7 +348,7 @@ def _bound_contract(
         ProcessGroupScope.NONE,
         LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
     )
-    # The dense-shard codec refuses every bound layout (muon_dense_shard.py says why).
+    # parameter_shaped_state is negative for every bound layout (GefenMuon._parameter_shaped_status).
     portable = (MUON_PORTABLE_SUPPORT,) if transports[0].supported else ()
     checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})), *portable)
     return _assemble(
@@ -376,7 +379,7 @@ def _assemble(
     fused: bool | None,
     transports: tuple[FeatureStatus, FeatureStatus],
 ) -> OptimizerContract:
-    portable, dense_shard = transports
+    portable, parameter_shaped = transports
     capabilities = OptimizerCapabilities(
         training=training,
         checkpoints=checkpoints,
@@ -386,7 +389,7 @@ def _assemble(
             FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
             **identity_features(readiness, canonical),
             FEATURE_PORTABLE_STATE: portable,
-            FEATURE_DENSE_SHARD_CODEC: dense_shard,
+            FEATURE_PARAMETER_SHAPED_STATE: parameter_shaped,
             FEATURE_COMPOSITE: FeatureStatus.no("GefenMuon has no child optimizers"),
         },
     )

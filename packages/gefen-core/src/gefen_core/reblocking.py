@@ -16,8 +16,8 @@ The period rule (:func:`choose_period`), for a piece of ``L`` elements:
    With a codebook (a portable document carries the source's), the first candidate at
    which the momentum re-encodes **bit for bit** wins: when the target piece's blocks are
    the source's, that is the source period, so momentum, second moment and every later
-   step are exact. Without a codebook (dense-shard checkpoints, whose codebooks are
-   rank-local and relearned), the largest candidate wins when the source was block-shaped
+   step are exact. Without a codebook (a source that never learned one), the largest
+   candidate wins when the source was block-shaped
    (``v`` stays exact: target blocks lie inside constant runs), else ``F``.
 3. **Re-inference**: otherwise the period a fresh optimizer would choose for the piece
    (:func:`gefen_core.periods.shape_period` through the group's
@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .codebook import codebook_from_counts, gradient_histogram
-from .momentum_codec import bucket_occupancy_ok, dequantize, nearest_codeword, normalize_blocks
+from .momentum_codec import dequantize, nearest_codeword, normalize_blocks
 from .periods import MIN_BLOCK_PERIOD, memory_safe_fallback
 
 __all__ = [
@@ -56,10 +55,8 @@ __all__ = [
     "constant_run_gcd",
     "encode_momentum",
     "exact_encoding",
-    "learn_momentum_codebook",
     "period_divisors",
     "reencodes_exactly",
-    "refine_codebook",
 ]
 
 #: Elements per encoding chunk (whole blocks; at least one block).
@@ -253,48 +250,3 @@ def choose_period(
     if block_source and (low or high):
         return PeriodChoice(max(low + high), False, True, "structure")
     return PeriodChoice(searched, False, False, "reinferred")
-
-
-def learn_momentum_codebook(
-    items: Sequence[tuple[torch.Tensor, int]], run_op: Callable[..., object], *, deterministic: bool
-) -> torch.Tensor | None:
-    """A codebook for dense momenta at their target periods (``None`` when all are zero).
-
-    First exactly as a first step learns one from gradients (block-normalised 4096-bin
-    histogram, exact pinned DP; ``run_op`` dispatches ``gefen.histogram/1``), then one Lloyd
-    step on the actual normalised values (:func:`refine_codebook`). A momentum that was
-    encoded with some codebook at these blocks takes at most 256 normalised values, one per
-    histogram bin, so the refined codewords are those values (to rounding): re-encoding
-    with it reproduces the momentum to a few ulps instead of half a histogram bin.
-    """
-    counts = gradient_histogram(items, run_op, deterministic=deterministic)
-    learned = codebook_from_counts(counts)
-    return None if learned is None else refine_codebook(learned, items)
-
-
-def refine_codebook(codebook: torch.Tensor, items: Iterable[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """One Lloyd step: every codeword but the pinned ends moves to the float64 mean of the
-    block-normalised values (of non-zero blocks) nearest to it. The result is kept only if it
-    is still a valid codebook (sorted, inside ``[-1, 1]``, the lookup's bucket rule); otherwise
-    ``codebook`` is returned unchanged."""
-    size = codebook.numel()
-    sums = torch.zeros(size, dtype=torch.float64)
-    counts = torch.zeros(size, dtype=torch.float64)
-    for momentum, period in items:
-        flat = momentum.reshape(-1)
-        for first, last in _block_chunks(flat.numel(), period):
-            blocks = flat[first * period : last * period].to(torch.float32).view(-1, period)
-            scale, z = normalize_blocks(blocks.cpu())
-            z = z[scale.reshape(-1) > 0]
-            if not z.numel():
-                continue
-            codes = nearest_codeword(codebook, z).reshape(-1).to(torch.int64)
-            sums.index_add_(0, codes, z.reshape(-1).to(torch.float64))
-            counts.index_add_(0, codes, torch.ones(codes.numel(), dtype=torch.float64))
-    refined = codebook.to(torch.float64).clone()
-    used = counts > 0
-    refined[used] = sums[used] / counts[used]
-    refined[0], refined[-1] = -1.0, 1.0
-    candidate = refined.to(torch.float32)
-    ordered = bool((candidate[1:] >= candidate[:-1]).all()) and bool((candidate.abs() <= 1).all())
-    return candidate if ordered and bucket_occupancy_ok(candidate) else codebook

@@ -40,12 +40,9 @@ from .codebook import validate_codebook
 from .transport_slots import NamedSlot, implicit_shard, named_slots, require_feature
 
 __all__ = [
-    "DENSE_SCHEMA_VERSION",
     "POLICY_SCHEMA_VERSION",
     "check_common",
-    "check_dense_common",
     "check_policy",
-    "dense_common",
     "portable_common",
     "portable_layout_of",
     "portable_policy",
@@ -53,8 +50,6 @@ __all__ = [
 
 #: Version of the portable policy and common records.
 POLICY_SCHEMA_VERSION = 2
-#: Version of the dense-shard common record.
-DENSE_SCHEMA_VERSION = 2
 _MAX_STEP = 1 << 53
 
 
@@ -66,10 +61,6 @@ def portable_common(global_step: int, codebook: torch.Tensor | None) -> dict[str
     """The common record, with a fresh host copy of the codebook."""
     copy = None if codebook is None else codebook.detach().to("cpu", copy=True)
     return {"global_step": global_step, "codebook": copy}
-
-
-def dense_common(global_step: int, deterministic: bool) -> dict[str, Any]:
-    return {"schema_version": DENSE_SCHEMA_VERSION, "global_step": global_step, "deterministic": deterministic}
 
 
 def _step(value: object, where: str) -> int:
@@ -110,21 +101,6 @@ def check_common(common: Mapping[str, Any], who: str) -> tuple[int, torch.Tensor
     if codebook is not None:
         codebook = validate_codebook(codebook, f"{who}: common codebook").clone()
     return step, codebook
-
-
-def check_dense_common(common: Mapping[str, Any], deterministic: bool, who: str) -> int:
-    """The global step of a dense-shard common record of this version that keeps ``deterministic``."""
-    if set(common) != {"schema_version", "global_step", "deterministic"}:
-        raise StateValidationError(
-            f"{who}: common must hold exactly schema_version, global_step and deterministic, got {sorted(common)}"
-        )
-    if type(common["schema_version"]) is not int or common["schema_version"] != DENSE_SCHEMA_VERSION:
-        raise StateValidationError(
-            f"{who}: common schema_version {common['schema_version']!r} is not {DENSE_SCHEMA_VERSION}"
-        )
-    step = _step(common["global_step"], f"{who}: common global_step")
-    _deterministic(common["deterministic"], deterministic, who)
-    return step
 
 
 def portable_layout_of(

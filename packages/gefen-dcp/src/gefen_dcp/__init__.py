@@ -6,28 +6,28 @@ convention.
   rank-sharded: each member writes its own fragments with chunk digests under one catalog
   root digest, and reads back only the fragments its target layout needs.
 
-* :class:`GefenDCPState` saves any :class:`gefen_contracts.DenseShardCodec` optimizer beside
-  its FSDP2 model in one ``dcp.save`` / ``dcp.load`` and reshards it N -> M;
-  :class:`GefenSavePlanner` keeps the save memory-bounded, :class:`GefenLoadPlanner` loads
-  and verifies it, and :class:`GefenFileSystemWriter` streams, survives crashes and makes
-  ``dcp.async_save`` hold the state at the call.
+* :class:`GefenDCPState` saves any :class:`gefen_contracts.ParameterShapedState` optimizer's
+  own compact state beside its FSDP2 model in one ``dcp.save`` / ``dcp.load`` and reshards
+  it N -> M bit for bit; :class:`GefenSavePlanner` digests every chunk it writes,
+  :class:`GefenLoadPlanner` loads and verifies it into a fresh optimizer, and
+  :class:`GefenFileSystemWriter` streams, survives crashes and makes ``dcp.async_save``
+  hold the state at the call.
 """
 
 from __future__ import annotations
 
 from ._version import __version__
 from .digest_table import DIGEST_TABLE_FORMAT, DIGEST_TABLE_FORMAT_VERSION
-from .envelope import DENSE_SHARD_FORMAT, DENSE_SHARD_FORMAT_VERSION
+from .envelope import DCP_STATE_FORMAT, DCP_STATE_FORMAT_VERSION
 from .errors import (
     CheckpointIntegrityError,
     CheckpointLayoutError,
-    DenseFieldError,
     EnvelopeFormatError,
     GefenCheckpointError,
     PlannerRequiredError,
+    StateTensorError,
     StorageMismatchError,
 )
-from .field_source import DenseFieldRows, DenseFieldSource, DenseShardSnapshot
 from .planners import GefenLoadPlanner, GefenSavePlanner
 from .portable_format import (
     CHUNK_TABLE_FORMAT,
@@ -43,18 +43,14 @@ from .writer import GefenFileSystemWriter
 __all__ = [
     "CHUNK_TABLE_FORMAT",
     "CHUNK_TABLE_FORMAT_VERSION",
-    "DENSE_SHARD_FORMAT",
-    "DENSE_SHARD_FORMAT_VERSION",
+    "DCP_STATE_FORMAT",
+    "DCP_STATE_FORMAT_VERSION",
     "DIGEST_TABLE_FORMAT",
     "DIGEST_TABLE_FORMAT_VERSION",
     "PORTABLE_DCP_FORMAT",
     "PORTABLE_DCP_FORMAT_VERSION",
     "CheckpointIntegrityError",
     "CheckpointLayoutError",
-    "DenseFieldError",
-    "DenseFieldRows",
-    "DenseFieldSource",
-    "DenseShardSnapshot",
     "EnvelopeFormatError",
     "GefenCheckpointError",
     "GefenDCPState",
@@ -62,6 +58,7 @@ __all__ = [
     "GefenLoadPlanner",
     "GefenSavePlanner",
     "PlannerRequiredError",
+    "StateTensorError",
     "StorageMismatchError",
     "__version__",
     "async_save_portable_dcp",

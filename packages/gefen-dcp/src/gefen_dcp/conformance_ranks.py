@@ -7,12 +7,12 @@ CPU device mesh over the whole gloo world.
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from gefen_contracts import DenseShardLoad
 from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -26,7 +26,6 @@ __all__ = [
     "corrupt",
     "load_sharded",
     "load_state",
-    "loads_of",
     "refuse_corrupted",
     "save_sharded",
     "save_state",
@@ -39,7 +38,7 @@ CORRUPTIONS = ("flipped_chunk_byte", "edited_envelope", "edited_digest_table", "
 
 
 def save_state(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
-    """``dcp.save`` of the model and the optimizer's dense-shard state."""
+    """``dcp.save`` of the model and the optimizer's state through :class:`GefenDCPState`."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
     state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
@@ -54,20 +53,6 @@ def load_state(model: torch.nn.Module, optimizer: Any, path: Path, *, with_model
     if with_model:
         state["model"] = model.state_dict()
     load(state, checkpoint_id=path, planner=GefenLoadPlanner())
-
-
-def loads_of(optimizer: Any) -> dict[str, DenseShardLoad]:
-    """The optimizer's own state as the loads a dense-shard checkpoint would hand back."""
-    return {
-        slot.fqn: DenseShardLoad(
-            slot.fqn,
-            slot.options,
-            slot.variant,
-            slot.counters,
-            {field: optimizer.materialize_dense_field(slot.fqn, field) for field in slot.fields},
-        )
-        for slot in optimizer.dense_shard_slots()
-    }
 
 
 def _storage(path: Path, key: str) -> list[Any]:
@@ -87,20 +72,26 @@ def _patch(path: Path, info: Any, position: int, value: int) -> None:
 def corrupt(path: Path, corruption: str, optimizer: Any) -> None:
     """Apply one corruption class from :data:`CORRUPTIONS` to a single-process checkpoint."""
     if corruption == "flipped_chunk_byte":
-        for slot in sorted(
-            optimizer.dense_shard_slots(), key=lambda s: -int(getattr(s.parameter, "numel", lambda: 0)())
-        ):
-            for field in slot.fields:
-                values = optimizer.materialize_dense_field(slot.fqn, field).reshape(-1)[:4]
-                if values.numel() < 4 or not bool(values.ne(0).all()):
-                    continue
-                (info, *_) = _storage(path, f"optim.dense.{slot.fqn}.{field}")
-                region = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
-                position = region.find(values.contiguous().numpy().tobytes())
-                if position >= 0:
-                    _patch(path, info, position + 1, region[position + 1] ^ 0x10)
-                    return
-        raise AssertionError("no dense field with non-zero leading elements to corrupt")
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        metadata = FileSystemReader(path).read_metadata()
+        tensors = sorted(
+            (info.length, index.fqn, info)
+            for index, info in metadata.storage_data.items()
+            if index.fqn.startswith("optim.tensors.")
+        )
+        if not tensors:
+            raise AssertionError("the checkpoint holds no optimizer state tensor to corrupt")
+        length, _, info = tensors[-1]
+        region = (path / info.relative_path).read_bytes()[info.offset : info.offset + length]
+        stored = torch.load(io.BytesIO(region), weights_only=True)
+        raw = stored.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        position = region.find(raw) if raw else -1
+        if position < 0:
+            raise AssertionError("could not locate the stored tensor's bytes to corrupt")
+        middle = position + len(raw) // 2
+        _patch(path, info, middle, region[middle] ^ 0x10)
+        return
     if corruption in ("edited_envelope", "edited_digest_table"):
         key = "optim.envelope" if corruption == "edited_envelope" else "optim.digests.writer_00000"
         (info,) = _storage(path, key)

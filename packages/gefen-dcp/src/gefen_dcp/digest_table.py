@@ -1,9 +1,8 @@
-"""Per-writer chunk digest tables, ``gefen.dense_shard_digests`` version 1.
+"""Per-writer chunk digest tables, ``gefen.dcp_digests`` version 2.
 
-Every rank saves one table listing the dense chunks it holds locally; for each chunk it
-actually writes (after DCP's de-duplication of replicas) it records the SHA-256 of the
-chunk's fp32 little-endian bytes, computed from the very tensor handed to the writer, so a
-save materialises each chunk once. Chunks another replica writes are listed as absent.
+Every rank saves one table listing the state-tensor chunks it holds locally; for each chunk
+it actually writes (after DCP's de-duplication of replicas) it records the SHA-256 of the
+chunk's little-endian bytes, computed from the very tensor handed to the writer. Chunks another replica writes are listed as absent.
 On load, every stored chunk must have exactly one recorded digest across all tables, and
 every chunk a rank reads is hashed and compared before any value reaches the optimizer:
 corruption and truncation are caught whatever storage reader DCP was given, and after any
@@ -12,8 +11,10 @@ resharding.
 The table's byte length is fixed when DCP plans (digests and flags have fixed widths), so
 it can be planned before the digests exist::
 
-    {"format": "gefen.dense_shard_digests", "format_version": 1, "writer": int,
-     "chunks": [[fqn, field, [offset...], [size...], "w" | "-", "<64 hex or zeros>"], ...]}
+    {"format": "gefen.dcp_digests", "format_version": 2, "writer": int,
+     "chunks": [[key, [offset...], [size...], "w" | "-", "<64 hex or zeros>"], ...]}
+
+(version 1, ``gefen.dense_shard_digests``, named dense fields by FQN and field).
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from dataclasses import dataclass
 
 import torch
 from gefen_contracts import PortableStateLimits
-from gefen_contracts.validation import exact_int, identity_name
+from gefen_contracts.validation import exact_int
 
 from .canonical_json import dump_canonical, load_canonical
-from .envelope import field_name
 from .errors import EnvelopeFormatError
 
 __all__ = [
@@ -41,41 +41,39 @@ __all__ = [
     "encode_digest_table",
 ]
 
-DIGEST_TABLE_FORMAT = "gefen.dense_shard_digests"
-DIGEST_TABLE_FORMAT_VERSION = 1
+DIGEST_TABLE_FORMAT = "gefen.dcp_digests"
+DIGEST_TABLE_FORMAT_VERSION = 2
 _PLACEHOLDER = "0" * 64
 _HEX = frozenset("0123456789abcdef")
 _KEYS = frozenset({"format", "format_version", "writer", "chunks"})
 
-#: ``(fqn, field, global offsets)`` names one stored chunk.
-ChunkKey = tuple[str, str, tuple[int, ...]]
+#: ``(tensor key, global offsets)`` names one stored chunk.
+ChunkKey = tuple[str, tuple[int, ...]]
 
 
 def chunk_digest(tensor: torch.Tensor) -> str:
-    """SHA-256 of a CPU tensor's elements as contiguous little-endian bytes."""
-    data = tensor.detach().contiguous()
+    """SHA-256 of a CPU tensor's elements as contiguous little-endian bytes (any dtype)."""
+    data = tensor.detach().contiguous().reshape(-1)
     if data.device.type != "cpu":
         raise ValueError("chunk_digest needs a CPU tensor")
-    array = data.reshape(-1).numpy()
     if sys.byteorder == "big" and data.element_size() > 1:  # pragma: no cover - little-endian CI
-        array = array.byteswap()
-    return hashlib.sha256(array.tobytes() if not array.flags.c_contiguous else memoryview(array).cast("B")).hexdigest()  # type: ignore[arg-type]
+        raise ValueError("chunk digests are defined on little-endian bytes; big-endian hosts are not supported")
+    return hashlib.sha256(memoryview(data.view(torch.uint8).numpy())).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkRecord:
     """One chunk a writer held: where it sits, whether this writer wrote it, and its digest."""
 
-    fqn: str
-    field: str
+    key: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     written: bool
     digest: str
 
     @property
-    def key(self) -> ChunkKey:
-        return (self.fqn, self.field, self.offsets)
+    def chunk(self) -> ChunkKey:
+        return (self.key, self.offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +84,7 @@ class DigestTable:
 
 def _record_list(record: ChunkRecord) -> list[object]:
     return [
-        record.fqn,
-        record.field,
+        record.key,
         list(record.offsets),
         list(record.sizes),
         "w" if record.written else "-",
@@ -97,10 +94,10 @@ def _record_list(record: ChunkRecord) -> list[object]:
 
 def encode_digest_table(table: DigestTable, *, limits: PortableStateLimits) -> bytes:
     """Canonical bytes of ``table``; the length does not depend on flags or digests."""
-    chunks = sorted(table.chunks, key=lambda r: (r.fqn, r.field, r.offsets))
+    chunks = sorted(table.chunks, key=lambda r: r.chunk)
     for record in chunks:
         if record.written and (len(record.digest) != 64 or not set(record.digest) <= _HEX):
-            raise EnvelopeFormatError(f"chunk {record.key} has a malformed digest {record.digest!r}")
+            raise EnvelopeFormatError(f"chunk {record.chunk} has a malformed digest {record.digest!r}")
     value = {
         "format": DIGEST_TABLE_FORMAT,
         "format_version": DIGEST_TABLE_FORMAT_VERSION,
@@ -138,22 +135,20 @@ def decode_digest_table(data: bytes, *, limits: PortableStateLimits) -> DigestTa
     records = []
     for index, item in enumerate(chunks):
         where = f"digest table chunks[{index}]"
-        if type(item) is not list or len(item) != 6:
-            raise EnvelopeFormatError(f"{where} must be [fqn, field, offsets, sizes, flag, digest]")
-        try:
-            fqn = identity_name(item[0], f"{where} fqn")
-        except (TypeError, ValueError) as exc:
-            raise EnvelopeFormatError(str(exc)) from None
-        name = field_name(item[1], f"{where} field")
-        offsets = _ints(item[2], f"{where} offsets", limits)
-        sizes = _ints(item[3], f"{where} sizes", limits)
+        if type(item) is not list or len(item) != 5:
+            raise EnvelopeFormatError(f"{where} must be [key, offsets, sizes, flag, digest]")
+        key = item[0]
+        if type(key) is not str or not key:
+            raise EnvelopeFormatError(f"{where}: the tensor key must be a non-empty str")
+        offsets = _ints(item[1], f"{where} offsets", limits)
+        sizes = _ints(item[2], f"{where} sizes", limits)
         if len(offsets) != len(sizes):
             raise EnvelopeFormatError(f"{where}: offsets and sizes differ in rank")
-        flag, digest = item[4], item[5]
+        flag, digest = item[3], item[4]
         if flag not in ("w", "-") or type(digest) is not str or len(digest) != 64 or not set(digest) <= _HEX:
             raise EnvelopeFormatError(f"{where}: malformed flag or digest")
-        records.append(ChunkRecord(fqn, name, offsets, sizes, flag == "w", digest))
-    keys = [r.key for r in records]
+        records.append(ChunkRecord(key, offsets, sizes, flag == "w", digest))
+    keys = [r.chunk for r in records]
     if keys != sorted(keys) or len(set(keys)) != len(keys):
         raise EnvelopeFormatError("digest table records must be sorted and unique")
     return DigestTable(writer, tuple(records))

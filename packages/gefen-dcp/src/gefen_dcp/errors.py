@@ -14,10 +14,10 @@ from gefen_contracts import StateValidationError
 __all__ = [
     "CheckpointIntegrityError",
     "CheckpointLayoutError",
-    "DenseFieldError",
     "EnvelopeFormatError",
     "GefenCheckpointError",
     "PlannerRequiredError",
+    "StateTensorError",
     "StorageMismatchError",
 ]
 
@@ -42,9 +42,10 @@ class CheckpointIntegrityError(GefenCheckpointError):
     a record does not belong to the checkpoint's catalog."""
 
 
-class DenseFieldError(GefenCheckpointError):
-    """A dense-shard codec produced a field that is not a finite fp32 CPU-movable tensor of
-    the local shard's shape (a broken ``materialize_dense_field``)."""
+class StateTensorError(GefenCheckpointError):
+    """A state tensor could not be saved as planned: it changed while it was being written
+    (a step during a synchronous save), or a chunk was planned but never written before the
+    digest table."""
 
 
 class StorageMismatchError(GefenCheckpointError):

@@ -1,9 +1,8 @@
-"""Where a parameter's local shard sits in the global tensor, and how it is cut into chunks.
+"""Where a tensor's local shard sits in its global tensor (a box: offsets and sizes).
 
-A dense field of a parameter is saved as DCP ``SHARD`` items at the local shard's global
-offsets, so DCP can reshard it onto any later layout. Large local shards are cut along
-their first dimension into row chunks of at most ``chunk_bytes`` (one row at least), so
-a single huge embedding never has to exist densely in memory at once while it is written.
+A state tensor is saved as DCP items at its local shard's global offsets, so DCP can
+reshard it onto any later layout; on load, a tensor placed like its parameter gets the box
+the parameter's mesh and placements give its global shape on this rank.
 """
 
 from __future__ import annotations
@@ -16,25 +15,7 @@ import torch
 
 from .errors import CheckpointLayoutError
 
-__all__ = ["FIELD_ELEMENT_BYTES", "RowChunk", "ShardGeometry", "shard_geometry"]
-
-#: Dense fields are fp32.
-FIELD_ELEMENT_BYTES = 4
-
-
-@dataclass(frozen=True, slots=True)
-class RowChunk:
-    """Rows ``[start, stop)`` of a local shard (``start == stop == 0`` for a 0-d shard),
-    placed at global ``offsets`` with shape ``sizes``."""
-
-    start: int
-    stop: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
+__all__ = ["ShardGeometry", "is_dtensor", "local_box", "local_tensor", "shard_geometry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,28 +45,6 @@ class ShardGeometry:
     @property
     def global_numel(self) -> int:
         return math.prod(self.global_shape)
-
-    def row_chunks(self, chunk_bytes: int) -> tuple[RowChunk, ...]:
-        """The chunks written for this shard, each at most ``chunk_bytes`` (one row at least).
-
-        An empty local shard writes nothing, unless the whole parameter is empty (then one
-        empty chunk keeps the key in the checkpoint). A 0-d shard is one chunk.
-        """
-        if not self.sizes:
-            return (RowChunk(0, 0, (), ()),)
-        if self.numel == 0:
-            if self.global_numel == 0:
-                return (RowChunk(0, self.sizes[0], self.offsets, self.sizes),)
-            return ()
-        rows = self.sizes[0]
-        row_bytes = max(1, math.prod(self.sizes[1:]) * FIELD_ELEMENT_BYTES)
-        per_chunk = max(1, chunk_bytes // row_bytes)
-        chunks = []
-        for start in range(0, rows, per_chunk):
-            stop = min(rows, start + per_chunk)
-            offsets = (self.offsets[0] + start, *self.offsets[1:])
-            chunks.append(RowChunk(start, stop, offsets, (stop - start, *self.sizes[1:])))
-        return tuple(chunks)
 
     def overlap(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...]
@@ -149,4 +108,21 @@ def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
     )
 
 
-__all__ += ["is_dtensor", "local_tensor"]
+
+def local_box(global_shape: tuple[int, ...], parameter: object, *, where: str) -> ShardGeometry:
+    """This rank's box of a tensor of ``global_shape`` placed like ``parameter`` (a DTensor
+    parameter's mesh and placements), or the whole tensor when ``parameter`` is ``None`` or
+    a plain tensor."""
+    if parameter is None or not is_dtensor(parameter):
+        return ShardGeometry(global_shape, (0,) * len(global_shape), global_shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = parameter.device_mesh  # type: ignore[attr-defined]
+    if mesh.get_coordinate() is None:
+        raise CheckpointLayoutError(f"{where}: this process is not in the parameter's device mesh")
+    sizes, offsets = compute_local_shape_and_global_offset(
+        torch.Size(global_shape),
+        mesh,
+        parameter.placements,  # type: ignore[attr-defined]
+    )
+    return ShardGeometry(global_shape, tuple(int(o) for o in offsets), tuple(int(n) for n in sizes))

@@ -1,34 +1,37 @@
-"""The load side: check a checkpoint's metadata against the live layout, read only the
-chunks this rank's shards need, verify every chunk read, and assemble ``DenseShardLoad``s.
+"""The load side: check a checkpoint's metadata against the live parameters, read only the
+chunks this rank's state tensors need, verify every chunk read, and rebuild the native
+state dict.
 
 A :class:`LoadSession` is planned by :class:`~gefen_dcp.GefenLoadPlanner` from DCP's
 ``Metadata`` before anything is allocated or read: the key layout under the state's
-namespace, dtypes, shapes, chunk bounds, overlap and coverage, and the limits. Each stored
-chunk that overlaps this rank's local shard is read whole into a scratch buffer, hashed,
-copied into the destination and dropped, so the transient is one chunk (chunks are at most
-``chunk_bytes`` when gefen-dcp wrote them). :meth:`LoadSession.finish` then authenticates
-the envelope, matches every chunk read against the writers' digest tables and builds the
-codec's input.
+namespace (``tensors/<placement>/<key>``: the placement class and, for ``state/<i>/...``
+keys, the parameter are in the key), dtypes, shapes, chunk bounds, overlap and coverage,
+and the limits. Each stored chunk that overlaps this rank's local box is read whole into a
+scratch buffer, hashed, copied into the destination and dropped, so the transient is one
+chunk (one rank's shard of one state tensor). :meth:`LoadSession.finish` then authenticates
+the envelope, matches every chunk read against the writers' digest tables and rebuilds the
+optimizer's native state dict with each tensor placed for this rank (a DTensor like its
+parameter, a replicated DTensor, or a plain tensor).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import DenseShardLoad, PortableStateLimits
+from gefen_contracts import PortableStateLimits
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .digest_table import ChunkKey, DigestTable, chunk_digest, decode_digest_table
-from .envelope import DenseShardEnvelope, decode_envelope
+from .envelope import LIKE_PARAMETER, PLACEMENTS, PLAIN, DcpStateEnvelope, decode_envelope
 from .errors import CheckpointIntegrityError, CheckpointLayoutError, EnvelopeFormatError
-from .geometry import FIELD_ELEMENT_BYTES, ShardGeometry
+from .geometry import ShardGeometry, is_dtensor, local_box
 from .save_session import SaveSession
+from .skeleton import parameter_index, rebuild
 
 __all__ = ["LoadSession", "StoredChunk"]
 
@@ -104,7 +107,7 @@ def _bytes_md(metadata: Metadata, key: str, limits: PortableStateLimits) -> int:
 
 
 class LoadSession:
-    """Planned reads and verification for one dense-shard state dict (module docstring)."""
+    """Planned reads and verification for one DCP state dict (module docstring)."""
 
     def __init__(
         self,
@@ -127,7 +130,7 @@ class LoadSession:
         depth = len(path)
         envelope_key: str | None = None
         table_keys: dict[str, str] = {}
-        dense_keys: dict[tuple[str, str], str] = {}
+        tensor_keys: dict[str, tuple[str, str]] = {}
         for key, key_path in planner_data.items():
             if type(key_path) is not tuple or tuple(str(p) for p in key_path[:depth]) != path:
                 continue
@@ -136,63 +139,67 @@ class LoadSession:
                 envelope_key = key
             elif len(rest) == 2 and rest[0] == "digests" and type(rest[1]) is str:
                 table_keys[rest[1]] = key
-            elif len(rest) == 3 and rest[0] == "dense" and type(rest[1]) is str and type(rest[2]) is str:
-                dense_keys[(rest[1], rest[2])] = key
+            elif len(rest) == 3 and rest[0] == "tensors" and rest[1] in PLACEMENTS and type(rest[2]) is str:
+                tensor_keys[rest[2]] = (key, rest[1])
             else:
-                raise _layout_error(f"{key}: unexpected key {rest} under the dense-shard state {'.'.join(path)!r}")
+                raise _layout_error(f"{key}: unexpected key {rest} under the DCP state {'.'.join(path)!r}")
         namespace = ".".join(path)
         if envelope_key is None:
-            raise _layout_error(f"the checkpoint holds no dense-shard state under {namespace!r}")
+            raise _layout_error(f"the checkpoint holds no GefenDCPState under {namespace!r}")
         if not table_keys or len(table_keys) > limits.max_members:
             raise _layout_error(f"{namespace}: expected 1 to {limits.max_members} digest tables, got {len(table_keys)}")
-        self.envelope_key = envelope_key
         self.envelope_buffer = torch.empty(_bytes_md(metadata, envelope_key, limits), dtype=torch.uint8)
         self.table_buffers = {
             name: torch.empty(_bytes_md(metadata, key, limits), dtype=torch.uint8)
             for name, key in sorted(table_keys.items())
         }
-        self.stored: dict[tuple[str, str], list[StoredChunk]] = {}
-        self.keys: dict[str, tuple[str, str]] = {}
+        self.stored: dict[str, list[StoredChunk]] = {}
+        self.placements: dict[str, str] = {}
+        self.boxes: dict[str, ShardGeometry] = {}
+        self.keys: dict[str, str] = {}
+        self.destinations: dict[str, torch.Tensor] = {}
         total_chunks = 0
         total_bytes = 0
-        for (fqn, name), key in sorted(dense_keys.items()):
-            slot = live.slots.get(fqn)
-            if slot is None:
-                raise _layout_error(f"{key}: the checkpoint has parameter {fqn!r}, which the optimizer does not hold")
+        parameters = live.parameters
+        for name, (key, placement) in sorted(tensor_keys.items()):
             md = _tensor_md(metadata, key)
-            if md.properties.dtype is not torch.float32:
-                raise _layout_error(f"{key}: dense fields must be float32, got {md.properties.dtype}")
             size = tuple(int(d) for d in md.size)
-            if size != slot.geometry.global_shape:
-                raise _layout_error(
-                    f"{key}: saved with global shape {size}, the live parameter has {slot.geometry.global_shape}"
-                )
+            parameter = None
+            if placement != PLAIN:
+                index = parameter_index(name)
+                if index is None or index >= len(parameters):
+                    raise _layout_error(
+                        f"{key}: a {placement} state tensor of parameter {index} but the optimizer holds "
+                        f"{len(parameters)} parameters"
+                    )
+                parameter = parameters[index]
+            box = local_box(size, parameter if placement == LIKE_PARAMETER else None, where=key)
             chunks = _stored_chunks(md, key, limits)
             _check_chunks(key, size, chunks)
             total_chunks += len(chunks)
-            total_bytes += slot.geometry.numel * FIELD_ELEMENT_BYTES
-            self.stored[(fqn, name)] = chunks
-            self.keys[key] = (fqn, name)
-        if total_chunks > limits.max_tensors:
-            raise _layout_error(f"{namespace}: {total_chunks} chunks exceed max_tensors={limits.max_tensors}")
-        if total_bytes > limits.max_fragment_tensor_bytes:
-            raise _layout_error(
-                f"{namespace}: loading needs {total_bytes} bytes of dense fields on this rank, over "
-                f"max_fragment_tensor_bytes={limits.max_fragment_tensor_bytes}"
-            )
-        self.destinations = {
-            (fqn, name): torch.zeros(live.slots[fqn].geometry.sizes, dtype=torch.float32) for (fqn, name) in self.stored
-        }
+            total_bytes += box.numel * md.properties.dtype.itemsize
+            self.stored[name] = chunks
+            self.placements[name] = placement
+            self.boxes[name] = box
+            self.keys[key] = name
+            self.destinations[name] = torch.zeros(box.sizes, dtype=md.properties.dtype)
+            if total_chunks > limits.max_tensors:
+                raise _layout_error(f"{namespace}: more than max_tensors={limits.max_tensors} chunks")
+            if total_bytes > limits.max_fragment_tensor_bytes:
+                raise _layout_error(
+                    f"{namespace}: loading needs more than max_fragment_tensor_bytes={limits.max_fragment_tensor_bytes} "
+                    f"bytes of state on this rank"
+                )
 
     # -- reading ---------------------------------------------------------------------
 
     def read_items(self) -> list[ReadItem]:
-        """One read per stored chunk that overlaps this rank's local shard (the whole chunk)."""
+        """One read per stored chunk that overlaps this rank's local box (the whole chunk)."""
         items = []
-        for key, (fqn, name) in sorted(self.keys.items()):
-            geometry = self.live.slots[fqn].geometry
-            for chunk in self.stored[(fqn, name)]:
-                if math.prod(chunk.sizes) == 0 or geometry.overlap(chunk.offsets, chunk.sizes) is None:
+        for key, name in sorted(self.keys.items()):
+            box = self.boxes[name]
+            for chunk in self.stored[name]:
+                if math.prod(chunk.sizes) == 0 or box.overlap(chunk.offsets, chunk.sizes) is None:
                     continue
                 zeros = torch.Size([0] * len(chunk.offsets))
                 items.append(
@@ -210,29 +217,30 @@ class LoadSession:
     def resolve(self, item: ReadItem) -> torch.Tensor:
         """A scratch buffer for one whole stored chunk."""
         offsets = tuple(int(o) for o in (item.dest_index.offset or ()))
-        buffer = torch.empty(tuple(int(n) for n in item.lengths), dtype=torch.float32)
+        name = self.keys[item.dest_index.fqn]
+        buffer = torch.empty(tuple(int(n) for n in item.lengths), dtype=self.destinations[name].dtype)
         with self._lock:
             self._scratch[(item.dest_index.fqn, offsets)] = buffer
         return buffer
 
     def commit(self, item: ReadItem, tensor: torch.Tensor) -> None:
-        """Hash the chunk read, copy its overlap with the local shard, drop the scratch buffer."""
+        """Hash the chunk read, copy its overlap with the local box, drop the scratch buffer."""
         key = item.dest_index.fqn
         offsets = tuple(int(o) for o in (item.dest_index.offset or ()))
         with self._lock:
             buffer = self._scratch.pop((key, offsets), tensor)
-        fqn, name = self.keys[key]
+        name = self.keys[key]
         digest = chunk_digest(buffer)
-        geometry: ShardGeometry = self.live.slots[fqn].geometry
+        box = self.boxes[name]
         sizes = tuple(int(n) for n in buffer.shape)
-        overlap = geometry.overlap(offsets, sizes)
+        overlap = box.overlap(offsets, sizes)
         if overlap is not None:
             starts, lengths = overlap
-            local = tuple(slice(s - o, s - o + n) for s, o, n in zip(starts, geometry.offsets, lengths))
+            local = tuple(slice(s - o, s - o + n) for s, o, n in zip(starts, box.offsets, lengths))
             inside = tuple(slice(s - o, s - o + n) for s, o, n in zip(starts, offsets, lengths))
-            self.destinations[(fqn, name)][local] = buffer[inside]
+            self.destinations[name][local] = buffer[inside]
         with self._lock:
-            self._computed[(fqn, name, offsets)] = digest
+            self._computed[(name, offsets)] = digest
 
     # -- after the read --------------------------------------------------------------
 
@@ -251,12 +259,10 @@ class LoadSession:
             for record in table.chunks:
                 if not record.written:
                     continue
-                if record.key in recorded:
-                    raise CheckpointIntegrityError(f"chunk {record.key} has digests from two writers")
-                recorded[record.key] = (record.sizes, record.digest)
-        stored_keys = {
-            (fqn, name, chunk.offsets): chunk.sizes for (fqn, name), chunks in self.stored.items() for chunk in chunks
-        }
+                if record.chunk in recorded:
+                    raise CheckpointIntegrityError(f"chunk {record.chunk} has digests from two writers")
+                recorded[record.chunk] = (record.sizes, record.digest)
+        stored_keys = {(name, chunk.offsets): chunk.sizes for name, chunks in self.stored.items() for chunk in chunks}
         for key, sizes in stored_keys.items():
             found = recorded.get(key)
             if found is None:
@@ -271,12 +277,32 @@ class LoadSession:
         for key, digest in sorted(self._computed.items()):
             if recorded[key][1] != digest:
                 raise CheckpointIntegrityError(
-                    f"chunk {key[0]!r}.{key[1]} at offsets {key[2]} is corrupted: its SHA-256 differs from the digest "
+                    f"state tensor {key[0]!r} at offsets {key[1]} is corrupted: its SHA-256 differs from the digest "
                     f"recorded when it was written"
                 )
 
-    def finish(self) -> tuple[DenseShardEnvelope, dict[str, Any], dict[str, DenseShardLoad]]:
-        """Authenticate and match everything read; return the envelope, common and loads."""
+    def _placed(self, name: str) -> torch.Tensor:
+        """The loaded tensor ``name`` as this rank's optimizer holds it."""
+        local = self.destinations[name]
+        placement = self.placements[name]
+        if placement == PLAIN:
+            return local
+        index = parameter_index(name)
+        assert index is not None
+        parameter = self.live.parameters[index]
+        if not is_dtensor(parameter):
+            return local.to(parameter.device)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = parameter.device_mesh
+        placements = parameter.placements if placement == LIKE_PARAMETER else (Replicate(),) * mesh.ndim
+        shape = torch.Size(self.boxes[name].global_shape)
+        stride = torch.empty(shape, device="meta").stride()
+        device = parameter.to_local().device
+        return DTensor.from_local(local.to(device), mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def finish(self) -> tuple[DcpStateEnvelope, dict[str, Any]]:
+        """Authenticate and match everything read; return the envelope and the native state dict."""
         if self._scratch:
             raise CheckpointIntegrityError(f"{len(self._scratch)} chunk reads never completed")
         envelope = decode_envelope(bytes(self.envelope_buffer.numpy().tobytes()), limits=self.limits)
@@ -286,25 +312,25 @@ class LoadSession:
             raise _layout_error(
                 f"the checkpoint was saved by {envelope.implementation!r}, the optimizer is {live.implementation!r}"
             )
-        saved = envelope.by_fqn()
-        live_fqns = set(self.live.slots)
-        if set(saved) != live_fqns:
-            missing, extra = sorted(live_fqns - set(saved)), sorted(set(saved) - live_fqns)
+        stored = set(self.stored)
+        if set(envelope.tensors) != stored:
+            missing, extra = sorted(set(envelope.tensors) - stored), sorted(stored - set(envelope.tensors))
             raise _layout_error(
-                f"the checkpoint's parameters differ from the optimizer's (missing {missing[:5]}, unexpected {extra[:5]})"
+                f"the envelope's tensors differ from the stored ones (missing {missing[:5]}, unexpected {extra[:5]})"
             )
-        loads: dict[str, DenseShardLoad] = {}
-        for fqn, entry in sorted(saved.items()):
-            geometry = self.live.slots[fqn].geometry
-            if entry.global_shape != geometry.global_shape:
+        for name, entry in envelope.tensors.items():
+            box = self.boxes[name]
+            if entry.shape != box.global_shape or entry.dtype is not self.destinations[name].dtype:
                 raise _layout_error(
-                    f"parameter {fqn!r} was saved with shape {entry.global_shape}, the live one is {geometry.global_shape}"
+                    f"state tensor {name!r}: the envelope says {entry.dtype} {entry.shape}, the checkpoint stores "
+                    f"{self.destinations[name].dtype} {box.global_shape}"
                 )
-            present = tuple(sorted(name for (f, name) in self.stored if f == fqn))
-            if present != entry.fields:
-                raise _layout_error(
-                    f"parameter {fqn!r}: the envelope lists fields {entry.fields}, stored are {present}"
-                )
-            fields: Mapping[str, torch.Tensor] = {name: self.destinations[(fqn, name)] for name in entry.fields}
-            loads[fqn] = DenseShardLoad(fqn, entry.options, entry.variant, entry.counters, fields)
-        return envelope, dict(envelope.common), loads
+            if entry.placement != self.placements[name]:
+                raise _layout_error(f"state tensor {name!r}: stored as {self.placements[name]}, the envelope says {entry.placement}")
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in self.destinations:
+                raise EnvelopeFormatError(f"the skeleton names tensor {name!r}, which the checkpoint does not hold")
+            return self._placed(name)
+
+        return envelope, rebuild(envelope.skeleton, tensor)

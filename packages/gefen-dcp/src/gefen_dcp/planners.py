@@ -1,15 +1,16 @@
 """DCP planners that handle :class:`~gefen_dcp.GefenDCPState` entries (and everything else
 exactly like DCP's defaults).
 
-:class:`GefenSavePlanner` resolves a stand-in's write item by materialising that one chunk
-(no caching), so a streaming writer holds at most one chunk per writer thread; it tells the
-state which chunks this rank writes once DCP's global plan is final, and orders each rank's
-writes so its digest table comes after its chunks.
+:class:`GefenSavePlanner` plans the state tensors of a :class:`~gefen_dcp.GefenDCPState`
+like any tensor, digests each chunk as it is resolved for the writer, tells the state which
+chunks this rank writes once DCP's global plan is final, and orders each rank's writes so
+its digest table comes after its chunks.
 
-:class:`GefenLoadPlanner` plans a dense-shard state from the checkpoint's metadata (its
-keys and shapes are only known there): it validates everything before allocating, reads
-whole stored chunks that overlap this rank's shards into scratch buffers, hashes and
-copies them, and lets DCP's default machinery load every other entry.
+:class:`GefenLoadPlanner` plans a DCP state from the checkpoint's metadata (a fresh
+optimizer holds no state tensors to load into; their keys and shapes are only known
+there): it validates everything before allocating, reads whole stored chunks that overlap
+this rank's boxes into scratch buffers, hashes and copies them, and lets DCP's default
+machinery load every other entry.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from .digest_table import ChunkKey
 from .load_session import LoadSession
 from .save_session import SaveSession
-from .standins import DenseFieldStandIn, DigestTableStandIn, GefenDenseShardStateDict, StandIn
+from .standins import DigestTableStandIn, GefenDCPStateDict, StandIn
 
 __all__ = ["GefenLoadPlanner", "GefenSavePlanner"]
 
 
 class GefenSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` plus bounded, lazy writes of dense-shard stand-ins.
+    """``DefaultSavePlanner`` plus digested writes of :class:`~gefen_dcp.GefenDCPState` entries.
 
     Accepts ``DefaultSavePlanner``'s arguments; ``flatten_state_dict`` must stay ``True``
     (unflattened, a stand-in would become one opaque pickled item) and
@@ -43,12 +44,13 @@ class GefenSavePlanner(DefaultSavePlanner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self.flatten_state_dict:
-            raise ValueError("GefenSavePlanner needs flatten_state_dict=True to plan dense-shard stand-ins")
+            raise ValueError("GefenSavePlanner needs flatten_state_dict=True to plan GefenDCPState entries")
         if getattr(self, "_enable_plan_caching", False):
             raise ValueError(
                 "GefenSavePlanner does not support enable_plan_caching=True (stand-ins are planned afresh each save)"
             )
         self._standins: dict[str, StandIn] = {}
+        self._tensors: dict[str, tuple[SaveSession, str]] = {}
 
     def set_up_planner(
         self,
@@ -56,8 +58,20 @@ class GefenSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
+        states = list(_find_states(state_dict, ()))
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._standins = {key: value for key, value in self.state_dict.items() if isinstance(value, StandIn)}
+        paths = {
+            (*path, "tensors", placement, key): (state.session, key)
+            for path, state in states
+            for placement, tensors in state["tensors"].items()
+            for key in tensors
+        }
+        self._tensors = {}
+        for flat, key_path in self.mappings.items():
+            found = paths.get(tuple(str(p) for p in key_path))
+            if found is not None:
+                self._tensors[flat] = found
         for session in self._sessions():
             session.bind()
 
@@ -66,6 +80,12 @@ class GefenSavePlanner(DefaultSavePlanner):
         for standin in self._standins.values():
             seen.setdefault(id(standin.session), standin.session)
         return list(seen.values())
+
+    def _tensor(self, item: WriteItem) -> tuple[SaveSession, str, tuple[int, ...]] | None:
+        found = self._tensors.get(item.index.fqn)
+        if found is None:
+            return None
+        return found[0], found[1], tuple(int(o) for o in (item.index.offset or ()))
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global plan, without keeping every rank's plan on the coordinator.
@@ -83,19 +103,24 @@ class GefenSavePlanner(DefaultSavePlanner):
         plan = super().finish_plan(new_plan)
         written: dict[int, set[ChunkKey]] = {id(s): set() for s in self._sessions()}
         for item in plan.items:
-            standin = self._standins.get(item.index.fqn)
-            if isinstance(standin, DenseFieldStandIn):
-                offsets = tuple(int(o) for o in (item.index.offset or ()))
-                written[id(standin.session)].add((standin.fqn, standin.field, offsets))
+            found = self._tensor(item)
+            if found is not None:
+                session, key, offsets = found
+                written[id(session)].add((key, offsets))
         for session in self._sessions():
             session.mark_written(written[id(session)])
         return plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         standin = self._standins.get(write_item.index.fqn)
-        if standin is None:
-            return super().resolve_data(write_item)
-        return standin.resolve(write_item)
+        if standin is not None:
+            return standin.resolve(write_item)
+        data = super().resolve_data(write_item)
+        found = self._tensor(write_item)
+        if found is None:
+            return data
+        session, key, offsets = found
+        return session.record(key, offsets, data)
 
     def write_phases(self, items: Sequence[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:
         """``(first, last)``: a writer that writes ``last`` after everything in ``first`` (as
@@ -106,8 +131,8 @@ class GefenSavePlanner(DefaultSavePlanner):
         return rest, tables
 
 
-def _find_states(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], GefenDenseShardStateDict]]:
-    if isinstance(value, GefenDenseShardStateDict):
+def _find_states(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], GefenDCPStateDict]]:
+    if isinstance(value, GefenDCPStateDict):
         yield path, value
         return
     if isinstance(value, dict):
@@ -116,7 +141,7 @@ def _find_states(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str,
 
 
 class GefenLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` plus dynamic, verified loads of dense-shard states.
+    """``DefaultLoadPlanner`` plus dynamic, verified loads of :class:`~gefen_dcp.GefenDCPState` entries.
 
     ``limits`` bound what the metadata may ask this rank to allocate (defaults:
     :class:`gefen_contracts.PortableStateLimits`).
@@ -125,7 +150,7 @@ class GefenLoadPlanner(DefaultLoadPlanner):
     def __init__(self, *args: Any, limits: PortableStateLimits | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self.flatten_state_dict:
-            raise ValueError("GefenLoadPlanner needs flatten_state_dict=True to find dense-shard states")
+            raise ValueError("GefenLoadPlanner needs flatten_state_dict=True to find GefenDCPState entries")
         self.limits = limits if limits is not None else PortableStateLimits()
         self._sessions: list[LoadSession] = []
         self._by_key: dict[str, LoadSession] = {}
@@ -144,7 +169,7 @@ class GefenLoadPlanner(DefaultLoadPlanner):
             target.load_session = session
             target["envelope"] = session.envelope_buffer
             target["digests"] = dict(session.table_buffers)
-            target["dense"] = {}  # read by this planner, not the default machinery
+            target["tensors"] = {}  # read by this planner, not the default machinery
             self._sessions.append(session)
             for key in session.keys:
                 self._by_key[key] = session

@@ -27,7 +27,6 @@ from gefen_contracts import PortableStateLimits, canonical_digest
 from gefen_contracts.validation import exact_int, identity_name
 
 from .canonical_json import dump_canonical, load_canonical
-from .envelope import field_name
 from .errors import EnvelopeFormatError
 
 __all__ = [
@@ -65,6 +64,17 @@ _ENVELOPE_KEYS = frozenset(
     }
 )
 _TABLE_KEYS = frozenset({"format", "format_version", "catalog_digest", "writer", "chunks"})
+
+
+def field_name(value: object, where: str) -> str:
+    """A field name: an identity name without dots (it becomes a DCP key component)."""
+    try:
+        name = identity_name(value, where)
+    except (TypeError, ValueError) as exc:
+        raise EnvelopeFormatError(str(exc)) from None
+    if "." in name:
+        raise EnvelopeFormatError(f"{where} {name!r} must not contain '.' (it becomes a DCP key component)")
+    return name
 
 
 def check_namespace(namespace: object, limits: PortableStateLimits) -> str:

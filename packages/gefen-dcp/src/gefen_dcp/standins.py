@@ -1,19 +1,18 @@
-"""Lazy stand-ins: what ``GefenDCPState.state_dict()`` hands to DCP instead of dense tensors.
+"""What ``GefenDCPState.state_dict()`` hands to DCP: the state tensors themselves, and two
+lazy stand-ins for the records that are not tensors.
 
-A stand-in holds no tensor data. It implements DCP's planning hook
-``__create_write_items__`` (so DCP plans ``SHARD`` items at the local shard's global
-offsets, one per row chunk) and produces its bytes only when
-:class:`~gefen_dcp.GefenSavePlanner` resolves a write item, one chunk at a time, so the
-writer consumes and drops each chunk.
+A stand-in (the envelope, this rank's digest table) implements DCP's planning hook
+``__create_write_items__`` and produces its bytes only when
+:class:`~gefen_dcp.GefenSavePlanner` resolves its write item; the digest table is written
+after every chunk it describes.
 
-Copying a stand-in (``copy.deepcopy``, which DCP's staging for ``dcp.async_save`` does)
-freezes it: the copy reads from a snapshot of the optimizer's state taken at that moment,
-shared by all stand-ins of one state dict. Pickling a stand-in is refused.
+Copying the state dict (``copy.deepcopy``, which DCP's staging for ``dcp.async_save``
+does) freezes it: the copy holds CPU copies of the state tensors taken at that moment,
+shared by all of its entries. Pickling a stand-in is refused.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -24,10 +23,9 @@ from .errors import PlannerRequiredError
 from .save_session import SaveSession
 
 __all__ = [
-    "DenseFieldStandIn",
     "DigestTableStandIn",
     "EnvelopeStandIn",
-    "GefenDenseShardStateDict",
+    "GefenDCPStateDict",
     "StandIn",
 ]
 
@@ -91,45 +89,6 @@ class StandIn:
         )
 
 
-class DenseFieldStandIn(StandIn):
-    """One dense field of one parameter's local shard."""
-
-    __slots__ = ("field", "fqn")
-
-    def __init__(self, session: SaveSession, fqn: str, field: str) -> None:
-        super().__init__(session)
-        self.fqn = fqn
-        self.field = field
-
-    def __create_write_items__(self, key: str, obj: object) -> list[WriteItem]:
-        self._require_planner(key)
-        slot = self.session.slots[self.fqn]
-        size = torch.Size(slot.geometry.global_shape)
-        return [
-            WriteItem(
-                index=MetadataIndex(key, torch.Size(chunk.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)),
-                    properties=TensorProperties(dtype=torch.float32),
-                    size=size,
-                ),
-            )
-            for chunk in self.session.chunks(self.fqn, self.field)
-        ]
-
-    def resolve(self, item: WriteItem) -> torch.Tensor:
-        offsets = tuple(int(o) for o in (item.index.offset or ()))
-        return self.session.resolve_chunk(self.fqn, self.field, offsets)
-
-    def frozen(self, memo: dict[int, Any]) -> DenseFieldStandIn:
-        return DenseFieldStandIn(self.session.snapshot(), self.fqn, self.field)
-
-    def __repr__(self) -> str:
-        shape = tuple(self.session.slots[self.fqn].geometry.sizes)
-        return f"<DenseFieldStandIn {self.fqn}.{self.field} local {shape} fp32>"
-
-
 class EnvelopeStandIn(StandIn):
     """The envelope (identical on every rank; DCP writes it once)."""
 
@@ -168,12 +127,13 @@ class DigestTableStandIn(StandIn):
         return f"<DigestTableStandIn writer {self.session.writer}>"
 
 
-class GefenDenseShardStateDict(dict[str, Any]):
+class GefenDCPStateDict(dict[str, Any]):
     """The dict ``GefenDCPState.state_dict()`` returns (a plain ``dict`` to DCP).
 
-    Keys: ``"envelope"``, ``"digests"`` (``{"writer_NNNNN": table}``) and ``"dense"``
-    (``{fqn: {field: stand-in}}``). ``session`` is its save session; ``load_session`` is set
-    by :class:`~gefen_dcp.GefenLoadPlanner` when DCP loads into it.
+    Keys: ``"envelope"``, ``"digests"`` (``{"writer_NNNNN": table}``) and ``"tensors"``
+    (``{placement: {key: tensor}}``, see :mod:`gefen_dcp.envelope`). ``session`` is its
+    save session; ``load_session`` is set by :class:`~gefen_dcp.GefenLoadPlanner` when DCP
+    loads into it.
     """
 
     session: SaveSession
@@ -185,14 +145,10 @@ class GefenDenseShardStateDict(dict[str, Any]):
         self.load_session = None
         self["envelope"] = EnvelopeStandIn(session)
         self["digests"] = {writer_key(session.writer): DigestTableStandIn(session)}
-        self["dense"] = {
-            fqn: {name: DenseFieldStandIn(session, fqn, name) for name in slot.fields}
-            for fqn, slot in sorted(session.slots.items())
-            if slot.fields
-        }
+        self["tensors"] = session.tensor_tree()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
-        return {key: copy.deepcopy(value, memo) for key, value in self.items()}
+    def __deepcopy__(self, memo: dict[int, Any]) -> GefenDCPStateDict:
+        return GefenDCPStateDict(self.session.snapshot())
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise TypeError(f"a GefenDCPState state dict cannot be pickled; {_HINT}")

@@ -1,4 +1,4 @@
-"""``GefenDCPState``: an optimizer's dense-shard state as a DCP ``Stateful``.
+"""``GefenDCPState``: an optimizer's own compact state as a verified DCP ``Stateful``.
 
 Put it beside the model in one ``dcp.save`` / ``dcp.load``::
 
@@ -7,10 +7,19 @@ Put it beside the model in one ``dcp.save`` / ``dcp.load``::
     dcp.load({"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
              checkpoint_id=path, planner=GefenLoadPlanner())
 
-It works for any optimizer implementing :class:`gefen_contracts.DenseShardCodec`: each
-parameter's dense fp32 fields are saved at its DTensor shard's global offsets, so DCP
-reshards them onto any later layout (N ranks to M), and the codec compresses the loaded
-dense shards back into its own state.
+It saves ``optimizer.state_dict()`` as it is, so a Gefen optimizer's checkpoint is about 1
+byte per parameter: every state tensor is a DCP item at its local shard's global offsets
+(DTensors placed like their parameters under FSDP2), which DCP reshards onto any later
+layout (N ranks to M) bit for bit; everything else is one verified envelope. On top of
+plain ``dcp.save(optimizer.state_dict())`` it adds: every chunk's SHA-256 checked on load,
+group-voted all-or-nothing loads that never half-change the optimizer, loads into a fresh
+optimizer (no initialising step), crash-safe overwrites and async snapshots (with
+:class:`~gefen_dcp.GefenFileSystemWriter`).
+
+It works for any optimizer that implements :class:`gefen_contracts.StagedNativeLoad` and
+whose state tensors are placed like their parameters, replicated on their parameters'
+mesh, or plain tensors equal on every rank (the contract feature
+``parameter_shaped_state``).
 """
 
 from __future__ import annotations
@@ -18,60 +27,72 @@ from __future__ import annotations
 from typing import Any
 
 from gefen_contracts import (
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     ContractProvider,
-    DenseShardCodec,
-    DenseShardSlot,
-    FrozenMap,
     PortableStateLimits,
+    StagedNativeLoad,
     StagedTransaction,
 )
 from gefen_contracts.torch_support import failure_vote
-from gefen_contracts.validation import exact_int
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .canonical_json import dump_canonical
 from .collective import agree_layout, checkpoint_binding, member_coordinate
-from .envelope import DenseShardEnvelope, ParameterEntry, field_name
+from .envelope import LIKE_PARAMETER, PLAIN, REPLICATED, DcpStateEnvelope, TensorEntry
 from .errors import CheckpointLayoutError, PlannerRequiredError
-from .geometry import shard_geometry
+from .geometry import is_dtensor
 from .load_session import LoadSession
-from .save_session import SaveSession, SlotLayout
-from .standins import GefenDenseShardStateDict
+from .save_session import SaveSession
+from .skeleton import parameter_index, split
+from .standins import GefenDCPStateDict
 
 __all__ = ["GefenDCPState"]
-
-_MIN_DEFAULT_CHUNK_BYTES = 256 << 10
 
 
 def _implementation(optimizer: object) -> str:
     if isinstance(optimizer, ContractProvider):
         contract = optimizer.optimizer_contract()
-        contract.require(FEATURE_DENSE_SHARD_CODEC)
+        contract.require(FEATURE_PARAMETER_SHAPED_STATE)
         return contract.implementation
     kind = type(optimizer)
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _placement(key: str, tensor: Any, parameters: tuple[Any, ...]) -> str:
+    """The placement class of one state tensor (``CheckpointLayoutError`` if it has none)."""
+    if not is_dtensor(tensor):
+        return PLAIN
+    index = parameter_index(key)
+    parameter = parameters[index] if index is not None and index < len(parameters) else None
+    if parameter is None or not is_dtensor(parameter):
+        raise CheckpointLayoutError(f"state tensor {key!r} is a DTensor but does not belong to a DTensor parameter")
+    if tensor.device_mesh != parameter.device_mesh:
+        raise CheckpointLayoutError(f"state tensor {key!r} is not on its parameter's device mesh")
+    if tuple(tensor.placements) == tuple(parameter.placements):
+        return LIKE_PARAMETER
+    if all(p.is_replicate() for p in tensor.placements):
+        return REPLICATED
+    raise CheckpointLayoutError(
+        f"state tensor {key!r} is placed {tuple(tensor.placements)}, neither like its parameter "
+        f"{tuple(parameter.placements)} nor replicated"
+    )
+
+
 class GefenDCPState(Stateful):
-    """A ``torch.distributed.checkpoint.stateful.Stateful`` over a dense-shard codec.
+    """A ``torch.distributed.checkpoint.stateful.Stateful`` over an optimizer's native state.
 
     ``process_group`` is the group DCP saves and loads with (``None``: the default world);
-    ``state_dict()`` and ``load_state_dict()`` are collective over it. ``chunk_bytes`` caps
-    each written chunk; by default it is a sixteenth of a byte per local element (so a
-    chunk and its decode transient stay well under half a byte per parameter), clamped to
-    ``[256 KiB, limits.chunk_bytes]``. ``limits`` bound what a load may allocate and parse.
+    ``state_dict()`` and ``load_state_dict()`` are collective over it. ``limits`` bound what
+    a load may allocate and parse.
 
     Promises:
 
     * ``state_dict()`` votes on the local checks and makes every member agree on the
-      layout (FQNs, global shapes, options, variants, counters, field names) before DCP
-      plans anything; it materialises nothing. Dense fields are produced one chunk at a
-      time while the writer consumes them.
+      envelope (implementation, state-dict skeleton, tensor dtypes, shapes and
+      placements) before DCP plans anything; it copies nothing.
     * ``load_state_dict()`` (after a load with :class:`~gefen_dcp.GefenLoadPlanner`)
       authenticates the envelope, verifies every chunk read against its recorded SHA-256,
-      stages the codec's load and commits only if every member succeeded (group-voted);
-      on any failure the optimizer is unchanged on every member.
+      stages the optimizer's native load and commits only if every member succeeded
+      (group-voted); on any failure the optimizer is unchanged on every member.
     """
 
     def __init__(
@@ -79,12 +100,11 @@ class GefenDCPState(Stateful):
         optimizer: Any,
         *,
         process_group: Any = None,
-        chunk_bytes: int | None = None,
         limits: PortableStateLimits | None = None,
     ) -> None:
-        if not isinstance(optimizer, DenseShardCodec):
+        if not isinstance(optimizer, StagedNativeLoad) or not callable(getattr(optimizer, "state_dict", None)):
             raise TypeError(
-                f"GefenDCPState needs an optimizer implementing gefen_contracts.DenseShardCodec, got "
+                f"GefenDCPState needs an optimizer implementing gefen_contracts.StagedNativeLoad, got "
                 f"{type(optimizer).__name__}"
             )
         self.optimizer = optimizer
@@ -92,45 +112,23 @@ class GefenDCPState(Stateful):
         self.limits = limits if limits is not None else PortableStateLimits()
         if type(self.limits) is not PortableStateLimits:
             raise TypeError("GefenDCPState limits must be a gefen_contracts.PortableStateLimits")
-        self.chunk_bytes = (
-            None if chunk_bytes is None else exact_int(chunk_bytes, "GefenDCPState chunk_bytes", minimum=1)
-        )
 
     def _session(self, writer: int) -> SaveSession:
         optimizer = self.optimizer
         implementation = _implementation(optimizer)
-        common = dict(optimizer.dense_shard_common())
-        dump_canonical(common, limits=self.limits, what="dense_shard_common()")
-        slots = optimizer.dense_shard_slots()
-        layouts: dict[str, SlotLayout] = {}
-        entries = []
-        for index, slot in enumerate(slots):
-            if type(slot) is not DenseShardSlot:
-                raise CheckpointLayoutError(f"dense_shard_slots()[{index}] must be a DenseShardSlot")
-            if slot.fqn in layouts:
-                raise CheckpointLayoutError(f"dense_shard_slots() lists {slot.fqn!r} twice")
-            fields = tuple(sorted(field_name(f, f"{slot.fqn!r} field") for f in slot.fields))
-            geometry = shard_geometry(slot.parameter, where=f"parameter {slot.fqn!r}")
-            layouts[slot.fqn] = SlotLayout(slot.fqn, slot.parameter, geometry, fields)
-            entries.append(
-                ParameterEntry(slot.fqn, geometry.global_shape, slot.options, slot.variant, slot.counters, fields)
-            )
-        envelope = DenseShardEnvelope(implementation, FrozenMap(common), tuple(sorted(entries, key=lambda e: e.fqn)))
-        chunk_bytes = self.chunk_bytes
-        if chunk_bytes is None:
-            local = sum(layout.geometry.numel for layout in layouts.values())
-            chunk_bytes = min(self.limits.chunk_bytes, max(_MIN_DEFAULT_CHUNK_BYTES, local // 16))
+        parameters = tuple(p for group in optimizer.param_groups for p in group["params"])  # type: ignore[attr-defined]
+        skeleton, tensors = split(optimizer.state_dict())  # type: ignore[attr-defined]
+        entries = {}
+        for key, tensor in tensors.items():
+            placement = _placement(key, tensor, parameters)
+            entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement)
+        envelope = DcpStateEnvelope(implementation, skeleton, entries)
         return SaveSession(
-            envelope=envelope,
-            slots=layouts,
-            source=optimizer,
-            writer=writer,
-            chunk_bytes=chunk_bytes,
-            limits=self.limits,
+            envelope=envelope, tensors=tensors, parameters=parameters, writer=writer, limits=self.limits
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """A lazy state dict (collective; see the class docstring). Nothing is materialised."""
+        """The state dict DCP saves (collective; see the class docstring). Nothing is copied."""
         binding = checkpoint_binding(self.process_group)
         session: SaveSession | None = None
         error: BaseException | None = None
@@ -141,31 +139,30 @@ class GefenDCPState(Stateful):
         failure_vote(binding, "gefen_dcp.state_dict", error)
         assert session is not None
         agree_layout(binding, session.envelope.digest())
-        return GefenDenseShardStateDict(session)
+        return GefenDCPStateDict(session)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Verify, stage and (if every member succeeded) commit a loaded state (collective)."""
-        if not isinstance(state_dict, GefenDenseShardStateDict) or not isinstance(state_dict.load_session, LoadSession):
+        if not isinstance(state_dict, GefenDCPStateDict) or not isinstance(state_dict.load_session, LoadSession):
             raise PlannerRequiredError(
                 "GefenDCPState.load_state_dict needs a state dict filled by dcp.load(..., planner=GefenLoadPlanner())"
             )
         binding = checkpoint_binding(self.process_group)
         error: BaseException | None = None
-        common: dict[str, Any] = {}
-        loads: dict[str, Any] = {}
+        native: dict[str, Any] = {}
         try:
-            _envelope, common, loads = state_dict.load_session.finish()
+            _envelope, native = state_dict.load_session.finish()
         except Exception as exc:
             error = exc
         failure_vote(binding, "gefen_dcp.load_state_dict.verify", error)
         staged: StagedTransaction | None = None
         try:
-            staged = self.optimizer.prepare_dense_shard_load(common, loads)
+            staged = self.optimizer.stage_state_dict(native)
             if type(staged) is not StagedTransaction:
-                raise TypeError("prepare_dense_shard_load must return a gefen_contracts.StagedTransaction")
+                raise TypeError("stage_state_dict must return a gefen_contracts.StagedTransaction")
         except Exception as exc:
             error = exc
         failure_vote(binding, "gefen_dcp.load_state_dict.prepare", error)
         assert staged is not None
-        self.optimizer.commit_dense_shard_load(staged)
+        self.optimizer.commit_staged_state_dict(staged)
         state_dict.load_session = None

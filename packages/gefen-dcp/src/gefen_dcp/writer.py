@@ -2,15 +2,15 @@
 
 * **Streaming.** Each item is resolved, serialised and dropped before the next one, so the
   writer holds one chunk per thread (the stock writer keeps every written tensor of a file
-  alive until the file is closed, which on CPU is the whole dense state).
+  alive until the file is closed, which on CPU is the whole state).
 * **Crash-safe.** Data files of every save get fresh names (``__<rank>_<save>_<n>.distcp``);
   the previous checkpoint's files are untouched until the new ``.metadata`` replaces the old
   one by one atomic ``os.replace`` (the stock writer deletes the old ``.metadata`` first).
   Only after that commit are data files no longer referenced removed. A save killed at any
   point leaves the previous checkpoint loadable.
 * **Async-safe.** ``stage()`` (used by ``dcp.async_save``) freezes every
-  :class:`~gefen_dcp.GefenDCPState` entry at the moment of the call (the optimizer's
-  snapshot, see :mod:`gefen_dcp.field_source`) and stages everything else like the stock
+  :class:`~gefen_dcp.GefenDCPState` entry at the moment of the call (CPU copies of its state
+  tensors, about 1 byte per parameter for Gefen) and stages everything else like the stock
   writer, so the checkpoint holds the state at the call while training continues.
 
 Only DCP's collective mode and the ``torch.save`` serialisation are supported.
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .standins import GefenDenseShardStateDict, StandIn
+from .standins import GefenDCPStateDict, StandIn
 
 __all__ = ["DATA_SUFFIX", "GefenFileSystemWriter"]
 
@@ -262,7 +262,7 @@ class GefenFileSystemWriter(FileSystemWriter):
     # -- async staging ---------------------------------------------------------------
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Freeze every dense-shard state now and stage the rest like ``FileSystemWriter``."""
+        """Freeze every GefenDCPState entry now and stage the rest like ``FileSystemWriter``."""
         frozen: list[tuple[tuple[str, ...], Any]] = []
         rest = _split(state_dict, (), frozen)
         staged = super().stage(rest)
@@ -275,8 +275,8 @@ class GefenFileSystemWriter(FileSystemWriter):
 
 
 def _split(value: Any, path: tuple[str, ...], frozen: list[tuple[tuple[str, ...], Any]]) -> Any:
-    """A copy of the container tree without dense-shard states (recorded frozen in ``frozen``)."""
-    if isinstance(value, (GefenDenseShardStateDict, StandIn)):
+    """A copy of the container tree without GefenDCPState entries (recorded frozen in ``frozen``)."""
+    if isinstance(value, (GefenDCPStateDict, StandIn)):
         frozen.append((path, copy.deepcopy(value)))
         return _REMOVED
     if isinstance(value, dict):

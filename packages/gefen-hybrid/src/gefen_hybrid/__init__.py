@@ -10,9 +10,10 @@ Depends only on gefen-contracts and torch. Public API:
 * shard identity (``post_sharding``) and canonical local state on both, the composite's
   document being ``gefen.composite_bound_state`` (:data:`COMPOSITE_DOCUMENT_FORMAT`);
 * portable state (``PortableAdapter`` on ContractedAdamW; the composite is served child by
-  child through gefen-portable's composite wrapper) and dense-shard checkpoints
-  (``DenseShardCodec`` on both, the composite delegating to its children), driven by
-  gefen-portable and gefen-dcp (:data:`PORTABLE_SUPPORT`, :data:`DENSE_SHARD_SUPPORT`);
+  child through gefen-portable's composite wrapper), driven by gefen-portable and gefen-dcp
+  (:data:`PORTABLE_SUPPORT`), and parameter-shaped native state on both
+  (:data:`PARAMETER_SHAPED_SUPPORT`), which DCP reshards (``gefen_dcp.GefenDCPState`` or
+  torch's ``get/set_optimizer_state_dict``);
 * :mod:`gefen_hybrid.conformance`: factories for the conformance kit.
 """
 
@@ -25,7 +26,7 @@ from .adamw_contract import (
     ADAMW_CONTRACT,
     ADAMW_IMPLEMENTATION,
     ADAMW_STATE_LAYOUT,
-    DENSE_SHARD_SUPPORT,
+    PARAMETER_SHAPED_SUPPORT,
     PORTABLE_SUPPORT,
     AdamWReadiness,
     adamw_contract,
@@ -33,7 +34,6 @@ from .adamw_contract import (
 from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, CompositeOptimizer
 from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_VERSION
 from .composite_contract import derive_composite_contract, intersect_checkpoint_support
-from .composite_dense import COMPOSITE_DENSE_SHARD_VERSION
 from .composite_format import FORMAT, FORMAT_VERSION, children_of_state_dict
 from .composite_state import CompositeState
 from .roles import ROLE_BACKUP, ROLE_MUON, ROLE_TAG_PREFIX, ROLES, role_tag
@@ -54,7 +54,6 @@ __all__ = [
     "ADAMW_IMPLEMENTATION",
     "ADAMW_STATE_LAYOUT",
     "AdamWReadiness",
-    "COMPOSITE_DENSE_SHARD_VERSION",
     "COMPOSITE_DOCUMENT_FORMAT",
     "COMPOSITE_DOCUMENT_VERSION",
     "ChildFactory",
@@ -63,7 +62,7 @@ __all__ = [
     "ContractedAdamW",
     "DEFAULT_BACKUP_SUBSTRINGS",
     "DEFAULT_IMPLEMENTATION",
-    "DENSE_SHARD_SUPPORT",
+    "PARAMETER_SHAPED_SUPPORT",
     "FORMAT",
     "FORMAT_VERSION",
     "NO_STATE_VARIANT",

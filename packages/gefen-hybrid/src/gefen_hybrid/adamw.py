@@ -3,7 +3,7 @@
 Same constructor, same ``foreach``/``fused`` flags, same numerics (the step is torch's own
 code path), plus: a published (dynamic) contract, an atomic staged native load, a side-effect
 free step preflight, post-sharding identity binding with a sealed layout, canonical local
-state documents, portable state and dense-shard (DCP) checkpoints, so that it can be the
+state documents, portable state and parameter-shaped (DCP) checkpoints, so that it can be the
 backup child of a composite and refuse a bad gradient, checkpoint or layout change before
 anything changes.
 """
@@ -34,7 +34,6 @@ from gefen_contracts.torch_support import SealedLayout, plan_rebinding, state_ve
 
 from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
 from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
-from .adamw_dense import dense_blockers
 from .adamw_exchange import AdamWExchangeMethods
 from .adamw_identity import (
     StagedBinding,
@@ -79,7 +78,7 @@ def _fused_device_check() -> Callable[[torch.Tensor], None] | None:
 class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
     """AdamW with a contract (``"gefen.ContractedAdamW"``) implementing ``StagedNativeLoad``,
     ``StepPreflight``, ``IdentityBindable``, ``CanonicalLocalState``, ``PortableAdapter`` and
-    ``DenseShardCodec``.
+    ``ParameterShapedState``.
 
     ``step`` is bit-identical to ``torch.optim.AdamW`` with the same arguments (it runs
     torch's own implementation) but first checks every gradient, so a bad one raises before
@@ -98,8 +97,8 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
     documents (see :mod:`gefen_hybrid.adamw_canonical`). Portable state
     (:mod:`gefen_hybrid.adamw_portable`) works on the sealed layout or, before
     ``post_sharding``, on an implicit ungrouped replicated layout keyed by torch's parameter
-    names; dense-shard checkpoints (:mod:`gefen_hybrid.adamw_dense`) work on plain and DTensor
-    (FSDP2) parameters.
+    names; its native state (torch's AdamW state) is shaped like plain and DTensor (FSDP2)
+    parameters, so ``gefen_dcp.GefenDCPState`` and torch's DCP recipe reshard it.
     """
 
     def __init__(
@@ -179,14 +178,21 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
             post, identity = FeatureStatus.yes(), FeatureStatus.yes()
             canonical = FeatureStatus.no(*options) if options else FeatureStatus.yes()
         portable = portable_blockers(self.param_groups, sealed)
-        dense = dense_blockers(self.param_groups, sealed, layouts)
+        shaped = (
+            FeatureStatus.no(
+                "flattened element shards hold state for a slice of the flattened parameter, which no DTensor "
+                "describes; checkpoint them as portable state (gefen_dcp.save_portable_dcp)"
+            )
+            if ParameterLayout.FLATTENED_ELEMENT_SHARD in layouts
+            else FeatureStatus.yes()
+        )
         return AdamWReadiness(
             post,
             identity,
             canonical,
             layouts,
             FeatureStatus.no(*portable) if portable else FeatureStatus.yes(),
-            FeatureStatus.no(*dense) if dense else FeatureStatus.yes(),
+            shaped,
         )
 
     def _verify_layout(self, where: str) -> None:

@@ -1,6 +1,6 @@
 """What ``ContractedAdamW`` declares: its state keys, variants, claims and honest negatives.
 
-The contract is dynamic: identity, canonical-state, portable-state and dense-shard claims
+The contract is dynamic: identity, canonical-state, portable-state and parameter-shaped claims
 appear only while the live optimizer is ready for them, and every negative says why
 (:class:`AdamWReadiness`).
 """
@@ -15,7 +15,7 @@ from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
@@ -45,8 +45,8 @@ __all__ = [
     "ADAMW_IMPLEMENTATION",
     "ADAMW_STATE_LAYOUT",
     "COLLECTIVE_SCOPE_REASON",
-    "DENSE_SHARD_LAYOUTS",
-    "DENSE_SHARD_SUPPORT",
+    "PARAMETER_SHAPED_LAYOUTS",
+    "PARAMETER_SHAPED_SUPPORT",
     "FRESH_READINESS",
     "PORTABLE_LAYOUTS",
     "PORTABLE_SUPPORT",
@@ -121,11 +121,11 @@ _NOT_ASSESSED = FeatureStatus.no("not assessed for this readiness record")
 class AdamWReadiness:
     """The live facts the contract depends on (computed by ``ContractedAdamW`` per query).
 
-    ``post_sharding`` / ``identity`` / ``canonical`` / ``portable`` / ``dense_shard`` are the
-    statuses of the features ``post_sharding``, ``canonical_identity``,
-    ``canonical_local_state``, ``portable_state`` and ``dense_shard_codec``;
+    ``post_sharding`` / ``identity`` / ``canonical`` / ``portable`` / ``parameter_shaped`` are
+    the statuses of the features ``post_sharding``, ``canonical_identity``,
+    ``canonical_local_state``, ``portable_state`` and ``parameter_shaped_state``;
     ``local_layouts`` are the layouts of the finalized local bindings (empty before
-    ``post_sharding``). ``portable`` and ``dense_shard`` default to negative, so a record
+    ``post_sharding``). ``portable`` and ``parameter_shaped`` default to negative, so a record
     built with the first four fields only claims neither.
     """
 
@@ -134,24 +134,25 @@ class AdamWReadiness:
     canonical: FeatureStatus
     local_layouts: frozenset[ParameterLayout] = frozenset()
     portable: FeatureStatus = _NOT_ASSESSED
-    dense_shard: FeatureStatus = _NOT_ASSESSED
+    parameter_shaped: FeatureStatus = _NOT_ASSESSED
 
 
 #: A fresh ContractedAdamW built from named parameters: pristine, not finalized, portable
-#: through its implicit ungrouped replicated layout and ready for dense-shard checkpoints.
+#: through its implicit ungrouped replicated layout, its state shaped like the parameters.
 FRESH_READINESS = AdamWReadiness(
     post_sharding=FeatureStatus.yes(),
     identity=FeatureStatus.no("no shard identity is bound yet: call post_sharding first"),
     canonical=FeatureStatus.no("canonical local state is keyed by canonical FQNs: call post_sharding first"),
     portable=FeatureStatus.yes(),
-    dense_shard=FeatureStatus.yes(),
+    parameter_shaped=FeatureStatus.yes(),
 )
 
 #: Layouts whose portable state ContractedAdamW exports and imports (AdamW is elementwise, so
 #: any element of the dense moments can be re-projected onto any piece).
 PORTABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
-#: Layouts whose dense-shard (DCP) state ContractedAdamW saves and loads.
-DENSE_SHARD_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD})
+#: Layouts whose native state is shaped like the parameters (torch's AdamW state: moments
+#: placed like the parameter, ``step`` a plain scalar), so DCP reshards it.
+PARAMETER_SHAPED_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.DTENSOR_1D_DEFAULT_WORLD})
 
 #: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported: both layouts round
 #: trip, and any source layout and member count reshards onto any target layout and member
@@ -166,15 +167,15 @@ PORTABLE_SUPPORT = CheckpointSupport(
     ),
     requires_collective=True,
 )
-#: The ``DENSE_SHARD`` entry while ``dense_shard_codec`` is supported: replicated tensors and
-#: DTensor (FSDP2) shards, resharded N -> M ranks by DCP.
-DENSE_SHARD_SUPPORT = CheckpointSupport(
-    CheckpointTransport.DENSE_SHARD,
-    DENSE_SHARD_LAYOUTS,
+#: The ``PARAMETER_SHAPED`` entry while ``parameter_shaped_state`` is supported: replicated
+#: tensors and DTensor (FSDP2) shards, resharded N -> M ranks by DCP bit for bit.
+PARAMETER_SHAPED_SUPPORT = CheckpointSupport(
+    CheckpointTransport.PARAMETER_SHAPED,
+    PARAMETER_SHAPED_LAYOUTS,
     ProcessGroupScope.DEFAULT_WORLD,
     LoadAtomicity.GROUP_VOTED,
     transitions=(
-        TopologyTransition(DENSE_SHARD_LAYOUTS, DENSE_SHARD_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+        TopologyTransition(PARAMETER_SHAPED_LAYOUTS, PARAMETER_SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
     ),
     requires_collective=True,
 )
@@ -190,7 +191,7 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
     entry once flattened shards are bound; the ``CANONICAL_LOCAL`` entry (same-topology over
     the bound local layouts, fail-before-mutation, no collective) exists exactly while
     ``canonical_local_state`` is supported, :data:`PORTABLE_SUPPORT` exactly while
-    ``portable_state`` is, and :data:`DENSE_SHARD_SUPPORT` exactly while ``dense_shard_codec`` is.
+    ``portable_state`` is, and :data:`PARAMETER_SHAPED_SUPPORT` exactly while ``parameter_shaped_state`` is.
     """
     native = _NATIVE_LAYOUTS
     if ParameterLayout.FLATTENED_ELEMENT_SHARD in readiness.local_layouts:
@@ -214,8 +215,8 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
         )
     if readiness.portable.supported:
         checkpoints.append(PORTABLE_SUPPORT)
-    if readiness.dense_shard.supported:
-        checkpoints.append(DENSE_SHARD_SUPPORT)
+    if readiness.parameter_shaped.supported:
+        checkpoints.append(PARAMETER_SHAPED_SUPPORT)
     return OptimizerContract(
         implementation=ADAMW_IMPLEMENTATION,
         state_layout=ADAMW_STATE_LAYOUT,
@@ -230,7 +231,7 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
                 FEATURE_CANONICAL_IDENTITY: readiness.identity,
                 FEATURE_CANONICAL_LOCAL_STATE: readiness.canonical,
                 FEATURE_PORTABLE_STATE: readiness.portable,
-                FEATURE_DENSE_SHARD_CODEC: readiness.dense_shard,
+                FEATURE_PARAMETER_SHAPED_STATE: readiness.parameter_shaped,
                 FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no(COLLECTIVE_SCOPE_REASON),
                 FEATURE_COMPOSITE: FeatureStatus.no("ContractedAdamW has no child optimizers"),
             },

@@ -1,9 +1,9 @@
-"""``ContractedAdamW``'s ``PortableAdapter`` and ``DenseShardCodec`` methods.
+"""``ContractedAdamW``'s ``PortableAdapter`` methods.
 
 :class:`AdamWExchangeMethods` is a base class of :class:`~gefen_hybrid.adamw.ContractedAdamW`
 (kept apart because it is one concept: handing AdamW's state to the optimizer-agnostic
-drivers ``gefen_portable`` and ``gefen_dcp`` and taking it back). The formats are described in
-:mod:`gefen_hybrid.adamw_portable` and :mod:`gefen_hybrid.adamw_dense`. Every method first
+driver ``gefen_portable`` and taking it back). The format is described in
+:mod:`gefen_hybrid.adamw_portable`. Every method first
 verifies the sealed layout (if any) and requires its feature to be supported
 (``NotSupportedError`` with the contract's reasons otherwise). Imports and loads are staged on
 fresh containers through the native-load validation and published by the same swap as a
@@ -16,12 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-import torch
 from gefen_contracts import (
-    FEATURE_DENSE_SHARD_CODEC,
     FEATURE_PORTABLE_STATE,
-    DenseShardLoad,
-    DenseShardSlot,
     FeatureStatus,
     NotSupportedError,
     PortableExport,
@@ -33,18 +29,16 @@ from gefen_contracts import (
 from gefen_contracts.torch_support import SealedLayout
 
 from .adamw_contract import AdamWReadiness
-from .adamw_dense import dense_slots_of, materialize_field, native_state_from_dense
 from .adamw_portable import native_state_from_portable, portable_export_of, portable_layout_of
 from .adamw_state import StagedAdamWState, stage_adamw_state
 
 __all__ = ["AdamWExchangeMethods"]
 
 _PORTABLE_KIND = "gefen.ContractedAdamW.portable_import"
-_DENSE_KIND = "gefen.ContractedAdamW.dense_shard_load"
 
 
 class AdamWExchangeMethods:
-    """Portable state and dense-shard checkpoints for ``ContractedAdamW`` (see the module docstring)."""
+    """Portable state for ``ContractedAdamW`` (see the module docstring)."""
 
     param_groups: list[dict[str, Any]]
     state: Any
@@ -65,7 +59,7 @@ class AdamWExchangeMethods:
     def _require(self, feature: str, where: str) -> None:
         self._verify_layout(where)
         readiness = self._readiness()
-        status: FeatureStatus = readiness.portable if feature == FEATURE_PORTABLE_STATE else readiness.dense_shard
+        status: FeatureStatus = readiness.portable
         if not status.supported:
             raise NotSupportedError(feature, status.reasons)
 
@@ -118,36 +112,3 @@ class AdamWExchangeMethods:
     def portable_commit_import(self, staged: StagedTransaction) -> None:
         """Publish a prepared portable import by swaps that cannot raise (single use)."""
         self._commit(_PORTABLE_KIND, staged, "portable_commit_import")
-
-    # -- DenseShardCodec ----------------------------------------------------------------------
-
-    def dense_shard_common(self) -> Mapping[str, Any]:
-        """``{}``: AdamW has no optimizer-common state."""
-        self._require(FEATURE_DENSE_SHARD_CODEC, "dense_shard_common")
-        return {}
-
-    def dense_shard_slots(self) -> tuple[DenseShardSlot, ...]:
-        """One slot per parameter (its live tensor, options, variant, ``step`` and moment names)."""
-        self._require(FEATURE_DENSE_SHARD_CODEC, "dense_shard_slots")
-        return dense_slots_of(self.param_groups, self.state, self._sealed)
-
-    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        """A fresh fp32 CPU copy of one moment, shaped like the parameter's local shard.
-
-        Called once per field by a checkpoint writer, so it checks only what concerns this
-        parameter (the sealed layout, its layout and dtype) instead of the whole readiness.
-        """
-        self._verify_layout("materialize_dense_field")
-        return materialize_field(self.param_groups, self.state, self._sealed, fqn, field)
-
-    def prepare_dense_shard_load(
-        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
-    ) -> StagedTransaction:
-        """Validate loaded dense local shards for the live layout and stage them (no mutation)."""
-        self._require(FEATURE_DENSE_SHARD_CODEC, "prepare_dense_shard_load")
-        native = native_state_from_dense(self.param_groups, self._sealed, common, slots)
-        return self._staged(_DENSE_KIND, native)
-
-    def commit_dense_shard_load(self, staged: StagedTransaction) -> None:
-        """Publish a prepared dense-shard load by swaps that cannot raise (single use)."""
-        self._commit(_DENSE_KIND, staged, "commit_dense_shard_load")

@@ -37,7 +37,6 @@ from torch import nn
 
 from .composite_binding import ChangeCounter, CompositeIdentityMethods
 from .composite_contract import derive_composite_contract
-from .composite_dense import CompositeDenseShardMethods
 from .composite_format import build_composite_state_dict, children_of_state_dict
 from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
@@ -82,15 +81,15 @@ def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedP
     return named
 
 
-class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, torch.optim.Optimizer):
+class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` over a ``"muon"`` child and a ``"backup"`` child.
 
     Build it from ready children (``CompositeOptimizer({"muon": a, "backup": b})``, each
     built from named parameters) or let it route and build them
     (:meth:`from_factories`). It implements the ``ContractProvider``, ``StagedNativeLoad``,
     ``CompositeOptimizer``, ``StepPreflight``, ``ModeTaggedState``, ``IdentityBindable``,
-    ``CanonicalLocalState`` and ``DenseShardCodec`` Protocols (the last three work when every
-    child implements them), and claims ``portable_state`` when every child is a portable
+    ``CanonicalLocalState`` and ``ParameterShapedState`` Protocols (the last three work when
+    every child implements them), and claims ``portable_state`` when every child is a portable
     adapter (served child by child through gefen-portable's composite wrapper).
 
     Promises:
@@ -110,9 +109,10 @@ class CompositeOptimizer(CompositeIdentityMethods, CompositeDenseShardMethods, t
       untouched) and seals the composite; afterwards routing is by canonical FQN.
     * Canonical local state nests each child's document by role
       (``gefen.composite_bound_state``, see :mod:`gefen_hybrid.composite_bound_state`).
-    * Dense-shard checkpoints delegate to the children (role-tagged variants, loads
-      partitioned by routing, every child prepared before any commits; see
-      :mod:`gefen_hybrid.composite_dense`). Portable state is exported and imported child by
+    * Its native state dict is flat in torch's numbering (muon parameters first), so when
+      both children keep parameter-shaped state it is parameter-shaped too:
+      ``gefen_dcp.GefenDCPState``, torch's DCP recipe and an FQN-keyed ``state_dict()``
+      reshard it like any optimizer's. Portable state is exported and imported child by
       child by ``gefen_portable.export_portable_composite_state`` /
       ``import_portable_composite_state`` (and ``gefen_dcp.save_portable_dcp`` /
       ``load_portable_dcp``), which stage every child before one vote.

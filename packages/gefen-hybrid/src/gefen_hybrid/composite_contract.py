@@ -19,7 +19,7 @@
   and the composite implements its Protocol, or (``portable_state``) is served through its
   children: the caller lists those in ``implemented_features``. For the features served by
   the children's methods, ``staged_native_load``, ``portable_state`` and
-  ``dense_shard_codec``, every child must implement the Protocol too. Every negative says
+  ``parameter_shaped_state``, every child must implement the Protocol too. Every negative says
   why, naming the child.
 * Precisions: those every child accepts. Parameter ranks: any rank some child accepts.
 """
@@ -34,7 +34,7 @@ from typing import Any
 from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
     FEATURE_PROTOCOLS,
@@ -71,11 +71,11 @@ _ATOMICITY_ORDER = (LoadAtomicity.NONE, LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION
 _FEATURE_TRANSPORTS = {
     FEATURE_CANONICAL_LOCAL_STATE: CheckpointTransport.CANONICAL_LOCAL,
     FEATURE_PORTABLE_STATE: CheckpointTransport.CANONICAL_GLOBAL,
-    FEATURE_DENSE_SHARD_CODEC: CheckpointTransport.DENSE_SHARD,
+    FEATURE_PARAMETER_SHAPED_STATE: CheckpointTransport.PARAMETER_SHAPED,
 }
 
 #: Features the composite serves by calling its children's Protocol methods.
-_DELEGATED_FEATURES = frozenset({FEATURE_STAGED_NATIVE_LOAD, FEATURE_PORTABLE_STATE, FEATURE_DENSE_SHARD_CODEC})
+_DELEGATED_FEATURES = frozenset({FEATURE_STAGED_NATIVE_LOAD, FEATURE_PORTABLE_STATE, FEATURE_PARAMETER_SHAPED_STATE})
 
 ChildEntry = tuple[str, Any, OptimizerContract]
 

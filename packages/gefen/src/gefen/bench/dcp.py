@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gefen_contracts import FEATURE_DENSE_SHARD_CODEC
+from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE
 
 from .checkpoint_arms import claim_status
 from .dcp_worker import TORCH_ARM, through_torch_recipe
@@ -80,7 +80,7 @@ def run_dcp(options: DcpOptions, *, progress: Callable[[str], None] | None = Non
     )
     arms = []
     for arm in options.arms:
-        reason = None if through_torch_recipe(arm) else claim_status(arm, FEATURE_DENSE_SHARD_CODEC)
+        reason = None if through_torch_recipe(arm) else claim_status(arm, FEATURE_PARAMETER_SHAPED_STATE)
         if reason is None:
             arms.append(arm)
         else:

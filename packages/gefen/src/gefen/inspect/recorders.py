@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from gefen_contracts import (
     FEATURE_COMPOSITE,
-    FEATURE_DENSE_SHARD_CODEC,
+    FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointSupport,
     CheckpointTransport,
@@ -123,7 +123,7 @@ class RecordingDenseCodec:
 
     def optimizer_contract(self) -> OptimizerContract:
         return _contract(
-            self._implementation, {FEATURE_DENSE_SHARD_CODEC: FeatureStatus.yes()}, CheckpointTransport.DENSE_SHARD
+            self._implementation, {FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.yes()}, CheckpointTransport.PARAMETER_SHAPED
         )
 
     def dense_shard_common(self) -> Mapping[str, Any]:

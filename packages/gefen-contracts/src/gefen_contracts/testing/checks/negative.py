@@ -17,7 +17,6 @@ from ...protocols import (
     CanonicalLocalState,
     CollectiveScoped,
     CompositeOptimizer,
-    DenseShardCodec,
     IdentityBindable,
     PortableAdapter,
     StagedNativeLoad,
@@ -66,10 +65,6 @@ _ACTIONS: dict[type, tuple[tuple[str, Action], ...]] = {
             "portable_prepare_import",
             lambda opt, model: opt.portable_prepare_import(implementation="x.y", policy={}, common={}, slots=()),
         ),
-    ),
-    DenseShardCodec: (
-        ("dense_shard_slots", lambda opt, model: opt.dense_shard_slots()),
-        ("prepare_dense_shard_load", lambda opt, model: opt.prepare_dense_shard_load({}, {})),
     ),
     CollectiveScoped: (
         ("initialize_collective_state", lambda opt, model: opt.initialize_collective_state()),
