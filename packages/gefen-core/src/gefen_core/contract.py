@@ -183,9 +183,7 @@ PARAMETER_SHAPED_SUPPORT = CheckpointSupport(
     _SHAPED_LAYOUTS,
     ProcessGroupScope.DEFAULT_WORLD,
     LoadAtomicity.GROUP_VOTED,
-    transitions=(
-        TopologyTransition(_SHAPED_LAYOUTS, _SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
-    ),
+    transitions=(TopologyTransition(_SHAPED_LAYOUTS, _SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),),
     mesh_dimensions=(1,),
     requires_collective=True,
 )

@@ -173,5 +173,3 @@ def sum_over_mesh(counts: torch.Tensor, mesh: Any) -> torch.Tensor:
     packet = counts.to(mesh.device_type)
     dist.all_reduce(packet, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return packet.cpu()
-
-

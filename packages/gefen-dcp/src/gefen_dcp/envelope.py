@@ -146,7 +146,7 @@ def _tensor_entry(key: object, record: object, limits: PortableStateLimits) -> T
 def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnvelope:
     """Parse and authenticate envelope bytes (format, version, exact keys, digest)."""
     value = load_canonical(data, limits=limits, what="DCP state envelope")
-    if type(value) is dict and _OLD_FORMATS.get(value.get("format")) == value.get("format_version"):  # type: ignore[call-overload]
+    if type(value) is dict and value.get("format") in _OLD_FORMATS and value.get("format_version") == 1:
         raise _fail(
             f"this checkpoint holds {value['format']!r} version {value['format_version']} (dense fp32 fields); "
             f"this library reads {DCP_STATE_FORMAT!r} version {DCP_STATE_FORMAT_VERSION} (compact state); load it "

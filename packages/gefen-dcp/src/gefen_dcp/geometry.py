@@ -108,7 +108,6 @@ def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
     )
 
 
-
 def local_box(global_shape: tuple[int, ...], parameter: object, *, where: str) -> ShardGeometry:
     """This rank's box of a tensor of ``global_shape`` placed like ``parameter`` (a DTensor
     parameter's mesh and placements), or the whole tensor when ``parameter`` is ``None`` or

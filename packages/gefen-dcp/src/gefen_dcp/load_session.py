@@ -27,7 +27,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from .digest_table import ChunkKey, DigestTable, chunk_digest, decode_digest_table
-from .envelope import LIKE_PARAMETER, PLACEMENTS, PLAIN, DcpStateEnvelope, decode_envelope
+from .envelope import (
+    DCP_STATE_FORMAT,
+    DCP_STATE_FORMAT_VERSION,
+    LIKE_PARAMETER,
+    PLACEMENTS,
+    PLAIN,
+    DcpStateEnvelope,
+    decode_envelope,
+)
 from .errors import CheckpointIntegrityError, CheckpointLayoutError, EnvelopeFormatError
 from .geometry import ShardGeometry, is_dtensor, local_box
 from .save_session import SaveSession
@@ -141,6 +149,12 @@ class LoadSession:
                 table_keys[rest[1]] = key
             elif len(rest) == 3 and rest[0] == "tensors" and rest[1] in PLACEMENTS and type(rest[2]) is str:
                 tensor_keys[rest[2]] = (key, rest[1])
+            elif rest[:1] == ("dense",):
+                raise EnvelopeFormatError(
+                    f"{'.'.join(path)!r} holds 'gefen.dense_shard_state' version 1 (dense fp32 fields); this library "
+                    f"reads {DCP_STATE_FORMAT!r} version {DCP_STATE_FORMAT_VERSION} (compact state): load it with the "
+                    f"gefen-dcp release that wrote it"
+                )
             else:
                 raise _layout_error(f"{key}: unexpected key {rest} under the DCP state {'.'.join(path)!r}")
         namespace = ".".join(path)
@@ -326,7 +340,9 @@ class LoadSession:
                     f"{self.destinations[name].dtype} {box.global_shape}"
                 )
             if entry.placement != self.placements[name]:
-                raise _layout_error(f"state tensor {name!r}: stored as {self.placements[name]}, the envelope says {entry.placement}")
+                raise _layout_error(
+                    f"state tensor {name!r}: stored as {self.placements[name]}, the envelope says {entry.placement}"
+                )
 
         def tensor(name: str) -> torch.Tensor:
             if name not in self.destinations:

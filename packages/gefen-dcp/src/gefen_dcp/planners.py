@@ -120,6 +120,8 @@ class GefenSavePlanner(DefaultSavePlanner):
         if found is None:
             return data
         session, key, offsets = found
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"{write_item.index.fqn}: a GefenDCPState tensor resolved to {type(data).__name__}")
         return session.record(key, offsets, data)
 
     def write_phases(self, items: Sequence[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:

@@ -57,12 +57,12 @@ def split(state_dict: Mapping[str, Any]) -> tuple[object, dict[str, torch.Tensor
             key = "/".join(path)
             tensors[key] = value
             return {"tensor": key}
-        if type(value) in (list, tuple):
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
             tag = "list" if type(value) is list else "tuple"
-            return {tag: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}  # type: ignore[attr-defined]
-        if type(value) is dict:
+            return {tag: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
+        if isinstance(value, dict) and type(value) is dict:
             pairs = []
-            for key, item in value.items():  # type: ignore[attr-defined]
+            for key, item in value.items():
                 text = _key_text(key, where)
                 pairs.append([key, walk(item, (*path, text))])
             return {"dict": pairs}

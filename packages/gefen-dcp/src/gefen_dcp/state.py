@@ -123,9 +123,7 @@ class GefenDCPState(Stateful):
             placement = _placement(key, tensor, parameters)
             entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement)
         envelope = DcpStateEnvelope(implementation, skeleton, entries)
-        return SaveSession(
-            envelope=envelope, tensors=tensors, parameters=parameters, writer=writer, limits=self.limits
-        )
+        return SaveSession(envelope=envelope, tensors=tensors, parameters=parameters, writer=writer, limits=self.limits)
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict DCP saves (collective; see the class docstring). Nothing is copied."""

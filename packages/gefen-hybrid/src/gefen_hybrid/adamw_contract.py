@@ -175,7 +175,9 @@ PARAMETER_SHAPED_SUPPORT = CheckpointSupport(
     ProcessGroupScope.DEFAULT_WORLD,
     LoadAtomicity.GROUP_VOTED,
     transitions=(
-        TopologyTransition(PARAMETER_SHAPED_LAYOUTS, PARAMETER_SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+        TopologyTransition(
+            PARAMETER_SHAPED_LAYOUTS, PARAMETER_SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})
+        ),
     ),
     requires_collective=True,
 )

@@ -12,7 +12,7 @@ is reported separately.
 
 An arm ``recipe:<arm>`` saves ``<arm>``'s optimizer through torch's recipe, exactly as the
 baseline does: any optimizer whose state dict DCP can shard. Any other arm saves its
-optimizer through :class:`gefen_dcp.GefenDCPState` and must claim ``dense_shard_codec`` (an
+optimizer through :class:`gefen_dcp.GefenDCPState` and must claim ``parameter_shaped_state`` (an
 arm whose contract does not is skipped with the contract's reason). Default arms:
 ``recipe:gefen``, ``gefen`` (``GefenDCPState``) and gefen-dcp's reference codec ``int8-sgd``
 (``gefen_dcp.testing.Int8MomentumSGD``, about 1 B/param). The baseline ``torch-dcp-adamw``
@@ -51,7 +51,6 @@ class DcpOptions:
     model: str = "decoder-50m"
     ranks: tuple[int, ...] = (1, 2, 3)
     arms: tuple[str, ...] = DEFAULT_ARMS
-    chunk_bytes: int | None = None
     threads: int = 1
     batch_size: int = 2
     sequence_length: int = 64
@@ -63,8 +62,6 @@ class DcpOptions:
             raise ValueError(f"DcpOptions.ranks must be positive ints, got {list(self.ranks)!r}")
         if not self.arms or TORCH_ARM in self.arms:
             raise ValueError(f"DcpOptions.arms must name at least one arm besides the baseline {TORCH_ARM!r}")
-        if self.chunk_bytes is not None and (type(self.chunk_bytes) is not int or self.chunk_bytes < 1):
-            raise ValueError(f"DcpOptions.chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
         for name in ("threads", "batch_size", "sequence_length"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

@@ -55,7 +55,7 @@ def _states(spec: Mapping[str, Any], model: Any, optimizer: Any) -> dict[str, An
         return {"model": model_state, "optim": optimizer_state} if spec["with_model"] else {"optim": optimizer_state}
     from gefen_dcp import GefenDCPState
 
-    state: dict[str, Any] = {"optim": GefenDCPState(optimizer, chunk_bytes=spec["chunk_bytes"])}
+    state: dict[str, Any] = {"optim": GefenDCPState(optimizer)}
     if spec["with_model"]:
         state["model"] = model.state_dict()
     return state

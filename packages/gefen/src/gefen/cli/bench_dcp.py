@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
             "the peak resident growth per parameter on the worst rank, and the checkpoint's bytes on disk per "
             "parameter. An arm recipe:NAME saves NAME's optimizer through torch's get_state_dict/set_state_dict and "
             "DCP's stock planner and writer, as the baseline torch.optim.AdamW does; other arms save through "
-            "gefen_dcp.GefenDCPState and must claim dense_shard_codec (others are skipped with their contract's reason)."
+            "gefen_dcp.GefenDCPState and must claim parameter_shaped_state (others are skipped with their contract's reason)."
         ),
     )
     parser.add_argument(
@@ -51,7 +51,6 @@ def register(sub: Any) -> None:
         metavar="A,B",
         help=f"arms: registry names or MODULE:FACTORY, recipe:NAME for torch's recipe (default {','.join(DEFAULT_ARMS)})",
     )
-    parser.add_argument("--chunk-bytes", type=int, default=None, help="GefenDCPState chunk_bytes (default: its own)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default 1)")
     parser.add_argument("--with-model", action="store_true", help="save the model beside the optimizer")
     add_output_options(parser)
@@ -68,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             ranks=args.ranks,
             arms=args.optimizers,
-            chunk_bytes=args.chunk_bytes,
             threads=args.threads,
             with_model=args.with_model,
         )

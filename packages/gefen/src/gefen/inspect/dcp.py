@@ -1,7 +1,7 @@
 """PyTorch Distributed Checkpoint folders: what they hold and whether their digests verify.
 
 DCP's ``.metadata`` lists every stored key. Keys are grouped by namespace: a gefen-dcp
-dense-shard state (``<ns>.envelope``, ``<ns>.digests.*``, ``<ns>.dense.*``), a portable state
+``GefenDCPState`` (``<ns>.envelope``, ``<ns>.digests.*``, ``<ns>.tensors.*``), a portable state
 (``<ns>.envelope``, ``<ns>.catalog.*``, ``<ns>.writers.*``, ``<ns>.fragments.*``), a portable
 composite (``<ns>.composite``, ``<ns>.roles.<role>.*``), and everything else (a model's
 weights, torch's own optimizer state), which is listed with its byte count.
@@ -10,7 +10,7 @@ Each gefen namespace is described from its own records (envelope, catalog) and, 
 ``verify=False``, loaded in this process into a recorder (:mod:`gefen.inspect.recorders`)
 through gefen-dcp's loaders, which authenticate the envelopes and check every chunk's
 SHA-256 and every catalog and fragment digest; their error names the corrupted chunk.
-Verification reads the whole optimizer state once (4 bytes per element per dense field).
+Verification reads the whole optimizer state once (its stored size).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .recorders import LoadedParameter, RecordingComposite, RecordingDenseCodec, RecordingPortableAdapter
+from .recorders import LoadedParameter, RecordingComposite, RecordingNativeState, RecordingPortableAdapter
 from .report import CheckpointDescription, ParameterSummary, Problem
 
 __all__ = ["describe_dcp", "is_dcp_checkpoint"]
@@ -98,31 +98,59 @@ def _nest(path: tuple[str, ...], value: object) -> dict[str, Any]:
     return nested
 
 
-def _dense_shard(
+def _parameter_index(key: str) -> int | None:
+    parts = key.split("/")
+    return int(parts[1]) if len(parts) >= 3 and parts[0] == "state" and parts[1].isdigit() else None
+
+
+def _dcp_state(
     root: Path, prefix: tuple[str, ...], metadata: Any, keys: dict[str, tuple[str, ...]], verify: bool
 ) -> CheckpointDescription:
     name = ".".join(prefix)
     envelope_key = next(k for k, p in keys.items() if p == (*prefix, "envelope"))
     writers = sum(1 for p in keys.values() if p[: len(prefix) + 1] == (*prefix, "digests"))
     stored = sum(_stored_bytes(metadata.state_dict_metadata[k]) for k, p in keys.items() if p[: len(prefix)] == prefix)
+    kind = "DCP optimizer state (GefenDCPState)"
     try:
         envelope = _read_json(root, envelope_key, metadata)
-        parameters_record = envelope["parameters"]
+        if envelope.get("format") != "gefen.dcp_state":
+            raise ValueError(
+                f"{envelope.get('format')!r} version {envelope.get('format_version')!r} is not 'gefen.dcp_state' "
+                f"version 2, the format this gefen reads"
+            )
+        tensors_record = envelope["tensors"]
         implementation = str(envelope["implementation"])
+        if not isinstance(tensors_record, dict):
+            raise ValueError("the envelope's tensors are not a table")
     except Exception as exc:
         return CheckpointDescription(
-            name, "DCP dense-shard optimizer state", "gefen.dense_shard_state", None,
+            name, kind, "gefen.dcp_state", None,
             problems=(Problem(envelope_key, f"unreadable envelope: {_error(exc)}"),), tensor_bytes=stored,
         )  # fmt: skip
+    by_parameter: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    common: list[str] = []
+    for key, record in sorted(tensors_record.items()):
+        index = _parameter_index(key)
+        if index is None:
+            common.append(key)
+        else:
+            by_parameter.setdefault(index, []).append((key.split("/", 2)[2], record))
+
+    def nbytes(record: dict[str, Any]) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, str(record.get("dtype")), torch.uint8)).element_size()
+        return int(math.prod(record.get("shape", ()))) * itemsize
+
     parameters = tuple(
         ParameterSummary(
-            fqn,
-            tuple(record.get("global_shape", ())),
-            str(record.get("variant")),
-            4 * math.prod(record.get("global_shape", ())) * len(record.get("fields", ())),
-            "dense fields " + (", ".join(record.get("fields", ())) or "-"),
+            f"state/{index}",
+            next((tuple(r["shape"]) for _, r in entries if r.get("placement") == "like_parameter"), None),
+            "",
+            sum(nbytes(r) for _, r in entries),
+            ", ".join(
+                f"{field} {r.get('dtype')}{list(r.get('shape', ()))} {r.get('placement')}" for field, r in entries
+            ),
         )
-        for fqn, record in sorted(parameters_record.items())
+        for index, entries in sorted(by_parameter.items())
     )
     problems: list[Problem] = []
     verified: list[str] = []
@@ -131,7 +159,7 @@ def _dense_shard(
         from gefen_dcp import GefenDCPState, GefenLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        recorder = RecordingDenseCodec(implementation, envelope.get("common", {}), parameters_record)
+        recorder = RecordingNativeState(implementation, max(by_parameter, default=-1) + 1)
         limits = PortableStateLimits(max_fragment_tensor_bytes=max(1, 2 * stored))
         try:
             load(
@@ -141,7 +169,7 @@ def _dense_shard(
                 no_dist=True,
             )
             verified.append(
-                f"envelope digest and the SHA-256 of every dense chunk against {writers} writer table(s) (gefen-dcp)"
+                f"envelope digest and the SHA-256 of every stored chunk against {writers} writer table(s) (gefen-dcp)"
             )
             problems.extend(_loaded_problems(recorder.loaded))
         except BaseException as exc:
@@ -150,12 +178,17 @@ def _dense_shard(
             problems.append(Problem(name, _error(exc)))
     return CheckpointDescription(
         name,
-        "DCP dense-shard optimizer state",
+        kind,
         str(envelope.get("format")),
         envelope.get("format_version") if type(envelope.get("format_version")) is int else None,
         implementation=implementation,
         parameters=parameters,
-        facts=(("namespace", name), ("writers", str(writers)), ("envelope digest", str(envelope.get("digest")))),
+        facts=(
+            ("namespace", name),
+            ("writers", str(writers)),
+            ("envelope digest", str(envelope.get("digest"))),
+            ("optimizer-wide tensors", ", ".join(common) or "-"),
+        ),
         verified=tuple(verified),
         problems=tuple(problems),
         tensor_bytes=stored,
@@ -360,7 +393,7 @@ def _describe_dcp(root: Path, verify: bool) -> CheckpointDescription:
         elif (*prefix, "catalog", "wire") in paths and len(prefix) == 1:
             children.append(_portable(root, prefix[0], metadata, keys, verify))
         elif any(p[: len(prefix) + 1] == (*prefix, "digests") for p in paths):
-            children.append(_dense_shard(root, prefix, metadata, keys, verify))
+            children.append(_dcp_state(root, prefix, metadata, keys, verify))
         else:
             continue
         claimed |= under

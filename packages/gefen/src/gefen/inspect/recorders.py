@@ -2,7 +2,7 @@
 
 Verification must use the code paths real loads use, not a second reading of the formats,
 so ``gefen inspect`` loads a DCP checkpoint into a *recorder*: an object that implements
-the Protocol the loader drives (:class:`gefen_contracts.DenseShardCodec` or
+the Protocol the loader drives (:class:`gefen_contracts.ParameterShapedState` or
 :class:`gefen_contracts.PortableAdapter`, or a :class:`gefen_contracts.CompositeOptimizer`
 of portable recorders), takes its implementation name and parameter shapes from the
 checkpoint's own records, holds every parameter as one whole ``REPLICATED`` piece in this
@@ -25,8 +25,6 @@ from gefen_contracts import (
     FEATURE_PORTABLE_STATE,
     CheckpointSupport,
     CheckpointTransport,
-    DenseShardLoad,
-    DenseShardSlot,
     FeatureStatus,
     LoadAtomicity,
     LogicalSlice,
@@ -49,7 +47,7 @@ from gefen_contracts import (
     TrainingSupport,
 )
 
-__all__ = ["LoadedParameter", "RecordingComposite", "RecordingDenseCodec", "RecordingPortableAdapter"]
+__all__ = ["LoadedParameter", "RecordingComposite", "RecordingNativeState", "RecordingPortableAdapter"]
 
 _REPLICATED = frozenset({ParameterLayout.REPLICATED})
 
@@ -100,48 +98,37 @@ def _summary(fqn: str, variant: str, counters: Mapping[str, int], fields: Mappin
     return LoadedParameter(fqn, variant, dict(counters), nbytes, nonfinite)
 
 
-class RecordingDenseCodec:
-    """A :class:`gefen_contracts.DenseShardCodec` shaped like a dense-shard envelope."""
+class RecordingNativeState:
+    """A :class:`gefen_contracts.ParameterShapedState` with ``parameters`` plain placeholder
+    parameters, recording what a ``GefenDCPState`` load hands its ``stage_state_dict``."""
 
-    def __init__(
-        self, implementation: str, common: Mapping[str, Any], parameters: Mapping[str, Mapping[str, Any]]
-    ) -> None:
+    def __init__(self, implementation: str, parameters: int) -> None:
         self._implementation = implementation
-        self._common = dict(common)
-        self._slots = tuple(
-            DenseShardSlot(
-                fqn,
-                torch.empty(tuple(record["global_shape"]), device="meta"),
-                record["options"],
-                record["variant"],
-                record["counters"],
-                tuple(record["fields"]),
-            )
-            for fqn, record in sorted(parameters.items())
-        )
+        self.param_groups: list[dict[str, Any]] = [{"params": [torch.empty(0) for _ in range(parameters)]}]
         self.loaded: dict[str, LoadedParameter] = {}
 
     def optimizer_contract(self) -> OptimizerContract:
         return _contract(
-            self._implementation, {FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.yes()}, CheckpointTransport.PARAMETER_SHAPED
+            self._implementation,
+            {FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.yes()},
+            CheckpointTransport.PARAMETER_SHAPED,
         )
 
-    def dense_shard_common(self) -> Mapping[str, Any]:
-        return dict(self._common)
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
 
-    def dense_shard_slots(self) -> tuple[DenseShardSlot, ...]:
-        return self._slots
-
-    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        raise NotImplementedError("a recorder only loads")
-
-    def prepare_dense_shard_load(
-        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
-    ) -> StagedTransaction:
-        summaries = {fqn: _summary(fqn, load.variant, load.counters, load.fields) for fqn, load in slots.items()}
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
+        state = state_dict.get("state", {})
+        summaries = {}
+        for index, entry in sorted(state.items()) if isinstance(state, dict) else ():
+            if not isinstance(entry, dict):
+                continue
+            tensors = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+            counters = {k: v for k, v in entry.items() if type(v) is int}
+            summaries[f"state/{index}"] = _summary(f"state/{index}", "", counters, tensors)
         return StagedTransaction(self, kind="inspect", token=0, payload=summaries)
 
-    def commit_dense_shard_load(self, staged: StagedTransaction) -> None:
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         loaded = staged.claim(self, kind="inspect", current_token=0)
         assert isinstance(loaded, dict)
         self.loaded = loaded
