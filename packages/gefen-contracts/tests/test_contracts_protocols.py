@@ -17,7 +17,6 @@ from gefen_contracts import (
     CollectiveScoped,
     CompositeOptimizer,
     ContractProvider,
-    DenseShardCodec,
     FeatureStatus,
     IdentityBindable,
     LoadAtomicity,
@@ -27,6 +26,7 @@ from gefen_contracts import (
     OptimizerContract,
     OptimizerStateLayout,
     ParameterLayout,
+    ParameterShapedState,
     PortableAdapter,
     Precision,
     ProcessGroupScope,
@@ -44,7 +44,7 @@ ALL_PROTOCOLS = (
     IdentityBindable,
     CanonicalLocalState,
     PortableAdapter,
-    DenseShardCodec,
+    ParameterShapedState,
     CollectiveScoped,
     CompositeOptimizer,
 )
@@ -140,21 +140,6 @@ class Refuses(torch.optim.SGD):
     def portable_commit_import(self, staged: Any) -> None:
         self._refuse("portable_state")
 
-    def dense_shard_common(self) -> Any:
-        return self._refuse("parameter_shaped_state")
-
-    def dense_shard_slots(self) -> Any:
-        return self._refuse("parameter_shaped_state")
-
-    def materialize_dense_field(self, fqn: str, field: str) -> Any:
-        return self._refuse("parameter_shaped_state")
-
-    def prepare_dense_shard_load(self, common: Any, slots: Any) -> Any:
-        return self._refuse("parameter_shaped_state")
-
-    def commit_dense_shard_load(self, staged: Any) -> None:
-        self._refuse("parameter_shaped_state")
-
     def collective_scope(self) -> None:
         return None
 
@@ -206,7 +191,6 @@ def misbehaving_report() -> Any:
         "post_sharding",
         "export_local_state",
         "portable_export",
-        "dense_shard_slots",
         "initialize_collective_state",
         "parameter_routing",
     ],

@@ -1,4 +1,8 @@
-"""Dense-shard adopters that break one promise each (for the conformance checks' proof)."""
+"""A parameter-shaped adopter that breaks the round trip (for the conformance checks' proof).
+
+An adopter whose staged load mutates before validating cannot break the atomic-load check
+through ``GefenDCPState``: every corruption is refused before the optimizer sees the state;
+the kit's own staged-native-load checks catch that adopter."""
 
 from __future__ import annotations
 
@@ -6,61 +10,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import DenseShardLoad, StagedTransaction
+from gefen_contracts import StagedTransaction
 from gefen_dcp.testing import Int8MomentumSGD
 
 
-class ForgetfulCodec(Int8MomentumSGD):
-    """Loads zeros instead of the loaded momentum."""
+class ForgetfulLoad(Int8MomentumSGD):
+    """Stages zeros instead of the loaded momentum."""
 
-    def prepare_dense_shard_load(
-        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
-    ) -> StagedTransaction:
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         zeroed = {
-            fqn: DenseShardLoad(
-                load.fqn,
-                load.options,
-                load.variant,
-                load.counters,
-                {k: torch.zeros_like(v) for k, v in load.fields.items()},  # type: ignore[arg-type]
-            )
-            for fqn, load in slots.items()
+            "param_groups": state_dict["param_groups"],
+            "state": {
+                number: {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                for number, entry in state_dict["state"].items()
+            },
         }
-        return super().prepare_dense_shard_load(common, zeroed)
+        return super().stage_state_dict(zeroed)
 
 
-class MutatingPrepare(Int8MomentumSGD):
-    """Stages by writing into the live state."""
-
-    def prepare_dense_shard_load(
-        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
-    ) -> StagedTransaction:
-        for state in self.state.values():
-            if "momentum" in state:
-                state["momentum"].mul_(0.5)
-        return super().prepare_dense_shard_load(common, slots)
-
-
-class StaleCommit(Int8MomentumSGD):
-    """Commits whatever it is handed, stale or foreign."""
-
-    def commit_dense_shard_load(self, staged: StagedTransaction) -> None:
-        payload = staged._payload
-        if payload is None:
-            return
-        _groups, state = payload  # type: ignore[misc]
-        fresh: Any = type(self.state)()
-        fresh.update({k: v for k, v in state.items() if any(k is p for g in self.param_groups for p in g["params"])})
-        self.state = fresh
-
-
-def forgetful(named: list[tuple[str, torch.nn.Parameter]]) -> ForgetfulCodec:
-    return ForgetfulCodec(named, lr=0.05, momentum=0.9)
-
-
-def mutating(named: list[tuple[str, torch.nn.Parameter]]) -> MutatingPrepare:
-    return MutatingPrepare(named, lr=0.05, momentum=0.9)
-
-
-def stale(named: list[tuple[str, torch.nn.Parameter]]) -> StaleCommit:
-    return StaleCommit(named, lr=0.05, momentum=0.9)
+def forgetful(named: list[tuple[str, torch.nn.Parameter]]) -> ForgetfulLoad:
+    return ForgetfulLoad(named, lr=0.05, momentum=0.9)

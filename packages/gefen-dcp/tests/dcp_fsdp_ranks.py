@@ -76,22 +76,13 @@ def train(model: torch.nn.Module, optimizer: Int8MomentumSGD, start: int, steps:
 
 
 def full_momentum(optimizer: Int8MomentumSGD) -> dict[str, torch.Tensor]:
-    """Every parameter's dense momentum, gathered to full tensors (collective)."""
+    """Every state tensor (``<parameter number>.<name>``), gathered to full tensors (collective)."""
     out = {}
-    for slot in optimizer.dense_shard_slots():
-        if not slot.fields:
-            continue
-        local = optimizer.materialize_dense_field(slot.fqn, "momentum")
-        parameter: Any = slot.parameter
-        if hasattr(parameter, "device_mesh"):
-            from torch.distributed.tensor import DTensor
-
-            full = DTensor.from_local(
-                local, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride()
-            ).full_tensor()
-        else:
-            full = local
-        out[slot.fqn] = full
+    for number, entry in sorted(optimizer.state_dict()["state"].items()):
+        for name, value in sorted(entry.items()):
+            if isinstance(value, torch.Tensor):
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                out[f"{number}.{name}"] = full.detach().clone()
     return out
 
 
@@ -188,7 +179,7 @@ def flip_chunk_byte(path: str, key: str, offsets: tuple[int, ...], elements: tor
     with open(target, "r+b") as handle:
         handle.seek(info.offset)
         region = handle.read(info.length)
-        position = region.find(elements.contiguous().reshape(-1)[:4].numpy().tobytes())
+        position = region.find(elements.contiguous().reshape(-1)[:16].numpy().tobytes())
         if position < 0:
             raise AssertionError(f"the elements of {key} at {offsets} are not in {info.relative_path}")
         handle.seek(info.offset + position + 1)
@@ -200,10 +191,11 @@ def corrupt_own_chunk_then_load(rank: int, world_size: int, path: str, victim: i
     model, optimizer = build(world_size)
     train(model, optimizer, 0, 2)
     if rank == victim:
-        (slot,) = [s for s in optimizer.dense_shard_slots() if s.fqn == "head.weight"]
-        offsets = tuple(int(o) for o in slot.parameter.__create_chunk_list__()[0].offsets)  # type: ignore[attr-defined]
-        local = optimizer.materialize_dense_field("head.weight", "momentum")
-        flip_chunk_byte(path, "optim.dense.head.weight.momentum", offsets, local)
+        number = [name for name, _ in model.named_parameters()].index("head.weight")
+        codes = optimizer.state_dict()["state"][number]["momentum_int8"]
+        offsets = tuple(int(o) for o in codes.__create_chunk_list__()[0].offsets)
+        key = f"optim.tensors.like_parameter.state/{number}/momentum_int8"
+        flip_chunk_byte(path, key, offsets, codes.to_local())
     dist.barrier()
     before = deep_snapshot(optimizer)
     try:

@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 from gefen_contracts.testing import CheckStatus, assert_conformant, run_conformance
 from gefen_contracts.testing.runner import contributed_checks
-from gefen_dcp.conformance import DenseShardAtomicLoadCheck, DenseShardRoundTripCheck
+from gefen_dcp.conformance import ParameterShapedAtomicLoadCheck, ParameterShapedRoundTripCheck
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-SINGLE_PROCESS = [DenseShardRoundTripCheck(), DenseShardAtomicLoadCheck()]
+SINGLE_PROCESS = [ParameterShapedRoundTripCheck(), ParameterShapedAtomicLoadCheck()]
 
 
 def test_checks_are_registered_through_the_entry_point() -> None:
     checks, broken = contributed_checks()
     assert not broken
     names = {c.name for c in checks}
-    assert {"dcp.dense_shard_roundtrip", "dcp.dense_shard_atomic_load", "dcp.dense_shard_reshard"} <= names
+    assert {"dcp.parameter_shaped_roundtrip", "dcp.parameter_shaped_atomic_load", "dcp.parameter_shaped_reshard"} <= names
 
 
 @pytest.mark.slow
@@ -26,17 +26,15 @@ def test_reference_adopter_passes_the_whole_kit() -> None:
     report = run_conformance("gefen_dcp.testing:conformance_factory")
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status is CheckStatus.PASSED}
-    assert {"dcp.dense_shard_roundtrip", "dcp.dense_shard_atomic_load", "dcp.dense_shard_reshard"} <= passed
+    assert {"dcp.parameter_shaped_roundtrip", "dcp.parameter_shaped_atomic_load", "dcp.parameter_shaped_reshard"} <= passed
     covered = {claim for r in report.results if r.status is CheckStatus.PASSED for claim in r.claims}
-    assert "checkpoint:dense_shard:transition:dtensor_1d_default_world->replicated:placement_reshard" in covered
+    assert "checkpoint:parameter_shaped:transition:dtensor_1d_default_world->replicated:placement_reshard" in covered
 
 
 @pytest.mark.parametrize(
     ("factory", "check", "fragment"),
     [
-        ("forgetful", "dcp.dense_shard_roundtrip", "relative error"),
-        ("mutating", "dcp.dense_shard_atomic_load", "prepare_dense_shard_load changed the optimizer"),
-        ("stale", "dcp.dense_shard_atomic_load", "stale staged dense-shard load"),
+        ("forgetful", "dcp.parameter_shaped_roundtrip", "tensor bytes differ"),
     ],
 )
 def test_broken_adopters_fail_the_check_they_break(factory: str, check: str, fragment: str) -> None:
@@ -46,7 +44,7 @@ def test_broken_adopters_fail_the_check_they_break(factory: str, check: str, fra
     assert fragment in failed[check], failed[check]
 
 
-def test_checks_cover_nothing_for_optimizers_without_the_dense_shard_feature() -> None:
+def test_checks_cover_nothing_for_optimizers_without_the_parameter_shaped_feature() -> None:
     from gefen_dcp.conformance import checks
 
     claims = frozenset(

@@ -1,5 +1,5 @@
-"""GefenDCPState through real DCP in one process (no process group): round trips, chunking,
-refusals of corrupted or mismatched checkpoints with the optimizer unchanged, the writer's
+"""GefenDCPState through real DCP in one process (no process group): round trips of the
+compact state, refusals of corrupted or mismatched checkpoints with the optimizer unchanged, the writer's
 crash safety and async snapshots."""
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_fsdp_ranks import TinyDecoder, batch, build, train
-from gefen_contracts import NotSupportedError
+from dcp_fsdp_ranks import batch, build, train
+from gefen_contracts import NotSupportedError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_dcp import (
     CheckpointIntegrityError,
     CheckpointLayoutError,
-    DenseFieldError,
     EnvelopeFormatError,
     GefenDCPState,
     GefenFileSystemWriter,
     GefenLoadPlanner,
     GefenSavePlanner,
     PlannerRequiredError,
+    StateTensorError,
 )
 from gefen_dcp.testing import Int8MomentumSGD
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -37,8 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 
 def _save(model: torch.nn.Module, optimizer: Any, path: Path, **options: Any) -> None:
-    chunk_bytes = options.pop("chunk_bytes", None)
-    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer, chunk_bytes=chunk_bytes)}
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
     dcp.save(state, storage_writer=GefenFileSystemWriter(path, **options), planner=GefenSavePlanner())
 
 
@@ -48,8 +48,12 @@ def _load(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
 
 
 def _momenta(optimizer: Any) -> dict[str, torch.Tensor]:
+    """Every state tensor by ``<parameter number>.<name>`` (cloned)."""
     return {
-        s.fqn: optimizer.materialize_dense_field(s.fqn, "momentum") for s in optimizer.dense_shard_slots() if s.fields
+        f"{number}.{name}": value.clone()
+        for number, entry in optimizer.state_dict()["state"].items()
+        for name, value in entry.items()
+        if isinstance(value, torch.Tensor)
     }
 
 
@@ -66,99 +70,44 @@ def trained() -> tuple[torch.nn.Module, Int8MomentumSGD]:
 
 def test_round_trip_continues_bit_exactly(trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path) -> None:
     model, optimizer = trained
-    _save(model, optimizer, tmp_path, chunk_bytes=256)
+    _save(model, optimizer, tmp_path)
     twin_model, twin = build(1)
     _load(twin_model, twin, tmp_path)
-    assert {k: v.tolist() for k, v in _momenta(twin).items()} == {k: v.tolist() for k, v in _momenta(optimizer).items()}
+    assert_trees_equal(twin.state_dict(), optimizer.state_dict())
     assert train(model, optimizer, 3, 3) == train(twin_model, twin, 3, 3)
     for (name, a), (_, b) in zip(model.named_parameters(), twin_model.named_parameters()):
         assert torch.equal(a, b), name
 
 
-def test_checkpoint_is_tensor_only_and_chunked(
+def test_checkpoint_holds_the_compact_tensors_and_no_pickles(
     trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
 ) -> None:
     model, optimizer = trained
-    _save(model, optimizer, tmp_path, chunk_bytes=256)
+    _save(model, optimizer, tmp_path)
     metadata = FileSystemReader(tmp_path).read_metadata()
     optim_keys = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith("optim.")}
     assert not any(isinstance(v, BytesStorageMetadata) for v in optim_keys.values())
-    embed = optim_keys["optim.dense.embed.weight.momentum"]
-    assert isinstance(embed, TensorStorageMetadata) and embed.properties.dtype is torch.float32
-    assert len(embed.chunks) == 64 // 2  # 256-byte chunks of a (64, 32) fp32 field: 2 rows each
+    codes = optim_keys["optim.tensors.like_parameter.state/0/momentum_int8"]
+    assert isinstance(codes, TensorStorageMetadata) and codes.properties.dtype is torch.int8
+    assert tuple(codes.size) == (64, 32) and len(codes.chunks) == 1
     assert set(optim_keys) >= {"optim.envelope", "optim.digests.writer_00000"}
+    state_bytes = sum(
+        int(torch.Size(v.size).numel()) * v.properties.dtype.itemsize
+        for k, v in optim_keys.items()
+        if k.startswith("optim.tensors.")
+    )
+    compact = sum(t.numel() * t.element_size() for t in _momenta(optimizer).values())
+    assert state_bytes == compact  # the compact state itself, nothing expanded
 
 
-class _RowSpy(Int8MomentumSGD):
-    """Records every materialisation request."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.calls: list[tuple[str, int]] = []
-
-    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        value = super().materialize_dense_field(fqn, field)
-        self.calls.append(("whole", value.numel()))
-        return value
-
-    def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> torch.Tensor:
-        value = super().materialize_dense_field_rows(fqn, field, start, stop)
-        self.calls.append(("rows", value.numel()))
-        return value
-
-
-class _WholeFieldCodec:
-    """Only the DenseShardCodec Protocol (no row chunks, no snapshot), over an Int8MomentumSGD."""
-
-    def __init__(self, inner: Int8MomentumSGD) -> None:
-        self.inner = inner
-        self.largest = 0
-
-    def optimizer_contract(self) -> Any:
-        return self.inner.optimizer_contract()
-
-    def dense_shard_common(self) -> Any:
-        return self.inner.dense_shard_common()
-
-    def dense_shard_slots(self) -> Any:
-        return self.inner.dense_shard_slots()
-
-    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        value = self.inner.materialize_dense_field(fqn, field)
-        self.largest = max(self.largest, value.numel())
-        return value
-
-    def prepare_dense_shard_load(self, common: Any, slots: Any) -> Any:
-        return self.inner.prepare_dense_shard_load(common, slots)
-
-    def commit_dense_shard_load(self, staged: Any) -> None:
-        self.inner.commit_dense_shard_load(staged)
-
-
-def test_save_materialises_one_chunk_at_a_time_and_each_chunk_once(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = TinyDecoder()
-    optimizer = _RowSpy(list(model.named_parameters()), lr=0.1)
-    train(model, optimizer, 0, 2)  # type: ignore[arg-type]
-    optimizer.calls.clear()
-    _save(model, optimizer, tmp_path, chunk_bytes=512)
-    assert optimizer.calls and all(kind == "rows" for kind, _ in optimizer.calls)
-    assert max(n for _, n in optimizer.calls) * 4 <= 512
-    metadata = FileSystemReader(tmp_path).read_metadata()
-    stored = sum(len(v.chunks) for k, v in metadata.state_dict_metadata.items() if k.startswith("optim.dense."))
-    assert len(optimizer.calls) == stored  # digests come from the written tensors: no second pass
-
-
-def test_codec_without_optional_methods_round_trips(tmp_path: Path) -> None:
+def test_a_fresh_optimizer_loads_without_an_initialising_step(tmp_path: Path) -> None:
     model, optimizer = build(1)
     train(model, optimizer, 0, 2)
-    codec = _WholeFieldCodec(optimizer)
-    state = {"model": model.state_dict(), "optim": GefenDCPState(codec, chunk_bytes=256)}
-    dcp.save(state, storage_writer=GefenFileSystemWriter(tmp_path), planner=GefenSavePlanner())
-    assert codec.largest == 64 * 32  # the whole embedding field, once per field (cached across its chunks)
-    twin_model, twin = build(1)
-    _load(twin_model, twin, tmp_path)
-    assert all(torch.equal(a, _momenta(optimizer)[k]) for k, a in _momenta(twin).items())
+    _save(model, optimizer, tmp_path)
+    fresh_model, fresh = build(1)
+    assert not fresh.state
+    _load(fresh_model, fresh, tmp_path)
+    assert_trees_equal(fresh.state_dict(), optimizer.state_dict())
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -175,17 +124,18 @@ def _flip_payload(path: Path, key: str, expected: torch.Tensor) -> None:
     target = path / info.relative_path
     data = bytearray(target.read_bytes())
     region = bytes(data[info.offset : info.offset + info.length])
-    needle = expected.contiguous().reshape(-1)[:4].numpy().tobytes()
+    needle = expected.contiguous().reshape(-1)[:16].numpy().tobytes()
     position = region.find(needle)
     assert position >= 0, "could not locate the chunk's elements in its file"
     data[info.offset + position + 1] ^= 0x10
     target.write_bytes(bytes(data))
 
 
-def _corrupt_dense(path: Path, optimizer: Int8MomentumSGD) -> None:
-    _flip_payload(
-        path, "optim.dense.embed.weight.momentum", optimizer.materialize_dense_field("embed.weight", "momentum")
-    )
+_CODES = "optim.tensors.like_parameter.state/0/momentum_int8"
+
+
+def _corrupt_tensor(path: Path, optimizer: Int8MomentumSGD) -> None:
+    _flip_payload(path, _CODES, optimizer.state_dict()["state"][0]["momentum_int8"][4:])
 
 
 def _corrupt_envelope(path: Path, optimizer: Int8MomentumSGD) -> None:
@@ -193,9 +143,9 @@ def _corrupt_envelope(path: Path, optimizer: Int8MomentumSGD) -> None:
     target = path / info.relative_path
     data = bytearray(target.read_bytes())
     region = bytes(data[info.offset : info.offset + info.length])
-    position = region.find(b'"step":3')
+    position = region.find(b'["step",3]')
     assert position >= 0
-    data[info.offset + position + 7] = ord("4")
+    data[info.offset + position + 8] = ord("4")
     target.write_bytes(bytes(data))
 
 
@@ -211,7 +161,7 @@ def _corrupt_table(path: Path, optimizer: Int8MomentumSGD) -> None:
 
 
 def _truncate_data_file(path: Path, optimizer: Int8MomentumSGD) -> None:
-    info = _storage(path, "optim.dense.embed.weight.momentum")[0]
+    info = _storage(path, _CODES)[0]
     target = path / info.relative_path
     size = target.stat().st_size
     with open(target, "r+b") as handle:
@@ -219,7 +169,7 @@ def _truncate_data_file(path: Path, optimizer: Int8MomentumSGD) -> None:
 
 
 CORRUPTIONS: dict[str, tuple[Callable[[Path, Int8MomentumSGD], None], type[BaseException]]] = {
-    "flipped_dense_byte": (_corrupt_dense, CheckpointIntegrityError),
+    "flipped_state_byte": (_corrupt_tensor, CheckpointIntegrityError),
     "edited_envelope": (_corrupt_envelope, EnvelopeFormatError),
     "edited_digest": (_corrupt_table, CheckpointIntegrityError),
     "truncated_file": (_truncate_data_file, CheckpointException),
@@ -267,7 +217,7 @@ def test_a_checkpoint_missing_live_parameters_is_refused(
     )
     _, target = build(1)
     before = deep_snapshot(target)
-    with pytest.raises(CheckpointLayoutError, match="missing"):
+    with pytest.raises(StateValidationError, match="parameter numbering"):
         dcp.load({"optim": GefenDCPState(target)}, checkpoint_id=tmp_path, planner=GefenLoadPlanner())
     assert not snapshot_diff(before, target)
 
@@ -304,36 +254,31 @@ def test_the_coordinator_does_not_keep_the_global_plan_while_writing(
     assert all(torch.equal(a, b) for a, b in zip(_momenta(fresh).values(), _momenta(optimizer).values(), strict=True))
 
 
-def test_non_finite_values_anywhere_in_a_large_field_are_refused() -> None:
-    from gefen_dcp.field_source import DenseSnapshotSource, FieldReader
-
-    values = torch.ones(3, 50_000)
-    reader = FieldReader(DenseSnapshotSource({("w", "m"): values}), {"w": (3, 50_000)})
-    assert torch.equal(reader.whole("w", "m"), values)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        broken = values.clone()
-        broken[2, 49_999] = bad  # past the first slices the check walks
-        reader = FieldReader(DenseSnapshotSource({("w", "m"): broken}), {"w": (3, 50_000)})
-        with pytest.raises(DenseFieldError, match="non-finite"):
-            reader.whole("w", "m")
-
-
 def test_stand_ins_refuse_pickling_and_copies_freeze(trained: tuple[torch.nn.Module, Int8MomentumSGD]) -> None:
     model, optimizer = trained
     state = GefenDCPState(optimizer).state_dict()
-    standin = state["dense"]["embed.weight"]["momentum"]
     with pytest.raises(TypeError, match="cannot be pickled"):
-        pickle.dumps(standin)
+        pickle.dumps(state["envelope"])
     frozen = copy.deepcopy(state)
-    expected = optimizer.materialize_dense_field("embed.weight", "momentum")
+    expected = _momenta(optimizer)
     train(model, optimizer, 3, 1)
-    assert not torch.equal(optimizer.materialize_dense_field("embed.weight", "momentum"), expected)
-    session = frozen["dense"]["embed.weight"]["momentum"].session
-    assert session is frozen["envelope"].session  # one snapshot for the whole state dict
-    assert torch.equal(session.reader.whole("embed.weight", "momentum"), expected)
+    assert not torch.equal(_momenta(optimizer)["0.momentum_int8"], expected["0.momentum_int8"])
+    assert frozen["envelope"].session is frozen["digests"]["writer_00000"].session  # one snapshot for all entries
+    assert torch.equal(frozen["tensors"]["like_parameter"]["state/0/momentum_int8"], expected["0.momentum_int8"])
 
 
-def test_unsupported_and_broken_codecs_are_refused(
+def test_a_state_changed_during_a_save_is_refused(trained: tuple[torch.nn.Module, Int8MomentumSGD]) -> None:
+    _, optimizer = trained
+    session = GefenDCPState(optimizer).state_dict().session
+    codes = session.tensors["state/0/momentum_int8"]
+    session.record("state/0/momentum_int8", (0, 0), codes)
+    with pytest.raises(StateTensorError, match="changed while it was being saved"):
+        session.record("state/0/momentum_int8", (0, 0), codes + 1)
+    with pytest.raises(CheckpointLayoutError, match="no local chunk"):
+        session.record("state/0/momentum_int8", (1, 0), codes)
+
+
+def test_unsupported_optimizers_are_refused(
     trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
 ) -> None:
     model, _ = trained
@@ -348,26 +293,14 @@ def test_unsupported_and_broken_codecs_are_refused(
             capabilities = contract.capabilities
             features = dict(capabilities.features)
             features[FEATURE_PARAMETER_SHAPED_STATE] = FeatureStatus.no("switched off for the test")
-            checkpoints = tuple(c for c in capabilities.checkpoints if c.transport.value != "dense_shard")
+            checkpoints = tuple(c for c in capabilities.checkpoints if c.transport.value != "parameter_shaped")
             capabilities = dataclasses.replace(capabilities, features=features, checkpoints=checkpoints)
             return dataclasses.replace(contract, capabilities=capabilities)
 
     with pytest.raises(NotSupportedError, match="switched off"):
         GefenDCPState(Unsupported(list(model.named_parameters()))).state_dict()
-    with pytest.raises(TypeError, match="DenseShardCodec"):
+    with pytest.raises(TypeError, match="StagedNativeLoad"):
         GefenDCPState(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    class WrongShape(Int8MomentumSGD):
-        def materialize_dense_field_rows(self, fqn: str, field: str, start: int, stop: int) -> torch.Tensor:
-            rows = super().materialize_dense_field_rows(fqn, field, start, stop)
-            return torch.cat([rows, rows])
-
-    broken = WrongShape(list(model.named_parameters()))
-    train(model, broken, 0, 1)  # type: ignore[arg-type]
-    with pytest.raises(CheckpointException) as caught:
-        _save(model, broken, tmp_path)
-    assert any(isinstance(f, DenseFieldError) for f in _failures(caught.value)), _failures(caught.value)
-    assert not (tmp_path / ".metadata").exists()
 
 
 # -- the writer ----------------------------------------------------------------------------

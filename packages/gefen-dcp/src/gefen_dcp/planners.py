@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from .digest_table import ChunkKey
 from .load_session import LoadSession
 from .save_session import SaveSession
-from .standins import DigestTableStandIn, GefenDCPStateDict, StandIn
+from .standins import DigestTableStandIn, EnvelopeStandIn, GefenDCPStateDict, StandIn
 
 __all__ = ["GefenLoadPlanner", "GefenSavePlanner"]
 
@@ -58,20 +58,22 @@ class GefenSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        states = list(_find_states(state_dict, ()))
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._standins = {key: value for key, value in self.state_dict.items() if isinstance(value, StandIn)}
-        paths = {
-            (*path, "tensors", placement, key): (state.session, key)
-            for path, state in states
-            for placement, tensors in state["tensors"].items()
-            for key in tensors
+        # Found through the stand-ins, which any staging keeps, so the tensors map to their
+        # session even when a stock writer's staging copied them into plain dicts.
+        prefixes = {
+            tuple(str(p) for p in self.mappings[flat][:-1]): standin.session
+            for flat, standin in self._standins.items()
+            if isinstance(standin, EnvelopeStandIn)
         }
         self._tensors = {}
         for flat, key_path in self.mappings.items():
-            found = paths.get(tuple(str(p) for p in key_path))
-            if found is not None:
-                self._tensors[flat] = found
+            path = tuple(str(p) for p in key_path)
+            session = prefixes.get(path[:-3])
+            if session is not None and len(path) >= 3 and path[-3] == "tensors" and path[-1] in session.tensors:
+                self._tensors[flat] = (session, path[-1])
+                session.tensors[path[-1]] = self.state_dict[flat]  # a staged copy, if a writer staged one
         for session in self._sessions():
             session.bind()
 

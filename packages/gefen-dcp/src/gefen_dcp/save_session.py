@@ -20,7 +20,7 @@ from gefen_contracts import PortableStateLimits
 from .digest_table import ChunkKey, ChunkRecord, DigestTable, chunk_digest, encode_digest_table
 from .envelope import DcpStateEnvelope, encode_envelope
 from .errors import CheckpointLayoutError, StateTensorError
-from .geometry import is_dtensor, shard_geometry
+from .geometry import is_dtensor, local_tensor, shard_geometry
 
 __all__ = ["SaveSession", "frozen_copy"]
 
@@ -124,15 +124,14 @@ class SaveSession:
         return data
 
     def table_bytes(self) -> bytes:
-        """The digest table (every chunk this rank writes must have been recorded)."""
+        """The digest table, digesting written chunks the writer has not resolved yet (a
+        writer that does not write the table last, such as DCP's stock one)."""
+        with self._lock:
+            missing = sorted(self._written - set(self._digests))
+        for key, offsets in missing:
+            self.record(key, offsets, local_tensor(self.tensors[key]))
         with self._lock:
             digests = dict(self._digests)
-        missing = sorted(self._written - set(digests))
-        if missing:
-            raise StateTensorError(
-                f"chunks {missing[:3]} were planned but never written before the digest table; write the table "
-                f"last (GefenFileSystemWriter does)"
-            )
         data = encode_digest_table(self._table(digests=digests), limits=self.limits)
         if len(data) != self.table_nbytes():  # pragma: no cover - fixed-width encoding
             raise AssertionError("digest table size changed between planning and writing")

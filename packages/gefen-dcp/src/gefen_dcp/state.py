@@ -32,6 +32,8 @@ from gefen_contracts import (
     PortableStateLimits,
     StagedNativeLoad,
     StagedTransaction,
+    StateGeometry,
+    StateScope,
 )
 from gefen_contracts.torch_support import failure_vote
 from torch.distributed.checkpoint.stateful import Stateful
@@ -57,24 +59,57 @@ def _implementation(optimizer: object) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _placement(key: str, tensor: Any, parameters: tuple[Any, ...]) -> str:
-    """The placement class of one state tensor (``CheckpointLayoutError`` if it has none)."""
-    if not is_dtensor(tensor):
-        return PLAIN
+def _field_geometry(optimizer: object) -> dict[str, str]:
+    """Per-parameter state field name -> its declared geometry (from the contract, children included)."""
+    if not isinstance(optimizer, ContractProvider):
+        return {}
+    geometry: dict[str, str] = {}
+    pending = [optimizer.optimizer_contract()]
+    while pending:
+        contract = pending.pop()
+        for field in contract.state_layout.fields:
+            if field.scope is StateScope.PARAMETER:
+                geometry.setdefault(field.name, field.geometry.value)
+        pending.extend(child.contract for child in contract.children if child.contract is not None)
+    return geometry
+
+
+def _placement(key: str, tensor: Any, parameters: tuple[Any, ...], geometry: dict[str, str]) -> str:
+    """The placement class of one state tensor (``CheckpointLayoutError`` if it has none).
+
+    A DTensor is placed like its parameter or replicated on its mesh. A plain tensor of a
+    DTensor parameter is whole on every rank (``plain``). A plain tensor of a plain parameter
+    (a single-process save) takes the class its declared geometry gives it under sharding:
+    per-column state is replicated, parameter-, row- and block-shaped state follows the
+    parameter's rows, scalars and tables are plain; an undeclared field follows the rows
+    when its first dimension is the parameter's.
+    """
     index = parameter_index(key)
     parameter = parameters[index] if index is not None and index < len(parameters) else None
-    if parameter is None or not is_dtensor(parameter):
-        raise CheckpointLayoutError(f"state tensor {key!r} is a DTensor but does not belong to a DTensor parameter")
-    if tensor.device_mesh != parameter.device_mesh:
-        raise CheckpointLayoutError(f"state tensor {key!r} is not on its parameter's device mesh")
-    if tuple(tensor.placements) == tuple(parameter.placements):
-        return LIKE_PARAMETER
-    if all(p.is_replicate() for p in tensor.placements):
+    if is_dtensor(tensor):
+        if parameter is None or not is_dtensor(parameter):
+            raise CheckpointLayoutError(f"state tensor {key!r} is a DTensor but does not belong to a DTensor parameter")
+        if tensor.device_mesh != parameter.device_mesh:
+            raise CheckpointLayoutError(f"state tensor {key!r} is not on its parameter's device mesh")
+        if tuple(tensor.placements) == tuple(parameter.placements):
+            return LIKE_PARAMETER
+        if all(p.is_replicate() for p in tensor.placements):
+            return REPLICATED
+        raise CheckpointLayoutError(
+            f"state tensor {key!r} is placed {tuple(tensor.placements)}, neither like its parameter "
+            f"{tuple(parameter.placements)} nor replicated"
+        )
+    if parameter is None or is_dtensor(parameter):
+        return PLAIN
+    declared = geometry.get(key.rsplit("/", 1)[-1])
+    if declared == StateGeometry.COLUMN.value:
         return REPLICATED
-    raise CheckpointLayoutError(
-        f"state tensor {key!r} is placed {tuple(tensor.placements)}, neither like its parameter "
-        f"{tuple(parameter.placements)} nor replicated"
-    )
+    if declared in (StateGeometry.SCALAR.value, StateGeometry.TABLE.value, StateGeometry.OPAQUE.value):
+        return PLAIN
+    if declared is not None:
+        return LIKE_PARAMETER
+    rows_follow = tensor.dim() >= 1 and parameter.dim() >= 1 and tensor.shape[0] == parameter.shape[0]
+    return LIKE_PARAMETER if rows_follow else PLAIN
 
 
 class GefenDCPState(Stateful):
@@ -118,9 +153,10 @@ class GefenDCPState(Stateful):
         implementation = _implementation(optimizer)
         parameters = tuple(p for group in optimizer.param_groups for p in group["params"])  # type: ignore[attr-defined]
         skeleton, tensors = split(optimizer.state_dict())  # type: ignore[attr-defined]
+        geometry = _field_geometry(optimizer)
         entries = {}
         for key, tensor in tensors.items():
-            placement = _placement(key, tensor, parameters)
+            placement = _placement(key, tensor, parameters, geometry)
             entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement)
         envelope = DcpStateEnvelope(implementation, skeleton, entries)
         return SaveSession(envelope=envelope, tensors=tensors, parameters=parameters, writer=writer, limits=self.limits)

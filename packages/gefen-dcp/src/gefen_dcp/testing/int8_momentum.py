@@ -86,7 +86,7 @@ CONTRACT = OptimizerContract(
         checkpoints=(
             CheckpointSupport(
                 CheckpointTransport.NATIVE_OPTIMIZER,
-                _LAYOUTS,
+                frozenset({ParameterLayout.REPLICATED}),
                 ProcessGroupScope.NONE,
                 LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
             ),
