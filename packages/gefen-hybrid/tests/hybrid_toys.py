@@ -65,19 +65,19 @@ _CONTRIBUTED_WHY = (
     "executed by the checks gefen-portable and gefen-dcp contribute (tests/test_hstate_conformance.py runs the "
     "kit with them); gefen-hybrid's own tests run only the kit's built-in checks"
 )
-_DENSE = ("replicated", "dtensor_1d_default_world")
-#: The portable and dense-shard claims of ContractedAdamW (and composites of it) that only the
+_SHAPED = ("replicated", "dtensor_1d_default_world")
+#: The portable and parameter-shaped claims of ContractedAdamW (and composites of it) that only the
 #: contributed checks execute.
 CONTRIBUTED_WAIVERS: dict[str, str] = {
     claim: _CONTRIBUTED_WHY
     for claim in (
         "feature:portable_state",
-        "feature:dense_shard_codec",
+        "feature:parameter_shaped_state",
         "checkpoint:canonical_global:replicated",
         "checkpoint:canonical_global:replicated:atomic",
-        *(f"checkpoint:dense_shard:{layout}" for layout in _DENSE),
-        *(f"checkpoint:dense_shard:{layout}:atomic" for layout in _DENSE),
-        *(f"checkpoint:dense_shard:transition:{a}->{b}:placement_reshard" for a in _DENSE for b in _DENSE),
+        *(f"checkpoint:parameter_shaped:{layout}" for layout in _SHAPED),
+        *(f"checkpoint:parameter_shaped:{layout}:atomic" for layout in _SHAPED),
+        *(f"checkpoint:parameter_shaped:transition:{a}->{b}:placement_reshard" for a in _SHAPED for b in _SHAPED),
     )
 }
 
@@ -86,7 +86,7 @@ _NEGATIVE = {
     FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("toy optimizer: no post_sharding"),
     FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no("toy optimizer: native state dicts only"),
     FEATURE_PORTABLE_STATE: FeatureStatus.no("toy optimizer: no portable adapter"),
-    FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.no("toy optimizer: no dense-shard codec"),
+    FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.no("toy optimizer: its state is not declared parameter-shaped"),
     FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no("toy optimizer: learns nothing collectively"),
     FEATURE_COMPOSITE: FeatureStatus.no("toy optimizer: no children"),
 }

@@ -1,4 +1,4 @@
-"""ContractedAdamW's PortableAdapter and DenseShardCodec methods, called directly (no driver):
+"""ContractedAdamW's PortableAdapter methods, called directly (no driver):
 the dynamic claims, the implicit and sealed layouts, exact fp32 records, validating staged
 imports and loads that change nothing when refused, and single-use transactions."""
 
@@ -13,7 +13,6 @@ from gefen_contracts import (
     FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointTransport,
-    DenseShardLoad,
     NotSupportedError,
     ParameterLayout,
     PortableExport,
@@ -22,7 +21,7 @@ from gefen_contracts import (
     StateValidationError,
 )
 from gefen_contracts.testing import deep_snapshot, flattened_plan, replicated_copy_plan, snapshot_diff
-from gefen_hybrid import DENSE_SHARD_SUPPORT, PORTABLE_SUPPORT, ContractedAdamW
+from gefen_hybrid import PARAMETER_SHAPED_SUPPORT, PORTABLE_SUPPORT, ContractedAdamW
 from hybrid_toys import single_threaded_torch  # noqa: F401 (autouse fixture)
 from torch import nn
 
@@ -85,9 +84,9 @@ def test_a_fresh_named_optimizer_claims_both_transports() -> None:
     assert capabilities.supports(FEATURE_PORTABLE_STATE) and capabilities.supports(FEATURE_PARAMETER_SHAPED_STATE)
     entries = {e.transport: e for e in capabilities.checkpoints}
     assert entries[CheckpointTransport.CANONICAL_GLOBAL] == PORTABLE_SUPPORT
-    assert entries[CheckpointTransport.PARAMETER_SHAPED] == DENSE_SHARD_SUPPORT
+    assert entries[CheckpointTransport.PARAMETER_SHAPED] == PARAMETER_SHAPED_SUPPORT
     assert PORTABLE_SUPPORT.allows_transition(ParameterLayout.FLATTENED_ELEMENT_SHARD, ParameterLayout.REPLICATED)
-    assert DENSE_SHARD_SUPPORT.allows_transition(ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, ParameterLayout.REPLICATED)
+    assert PARAMETER_SHAPED_SUPPORT.allows_transition(ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, ParameterLayout.REPLICATED)
 
 
 @pytest.mark.parametrize(
@@ -110,18 +109,16 @@ def test_negative_claims_say_why_and_the_methods_refuse(
     model = _model()
     optimizer = build(model)
     capabilities = optimizer.optimizer_contract().capabilities
-    for feature in (FEATURE_PORTABLE_STATE, FEATURE_PARAMETER_SHAPED_STATE):
-        status = capabilities.feature(feature)
-        assert not status.supported and any(fragment in r for r in status.reasons), status.reasons
+    status = capabilities.feature(FEATURE_PORTABLE_STATE)
+    assert not status.supported and any(fragment in r for r in status.reasons), status.reasons
     transports = {e.transport for e in capabilities.checkpoints}
-    assert not transports & {CheckpointTransport.CANONICAL_GLOBAL, CheckpointTransport.PARAMETER_SHAPED}
+    assert CheckpointTransport.CANONICAL_GLOBAL not in transports
+    assert capabilities.supports(FEATURE_PARAMETER_SHAPED_STATE)  # torch's AdamW state is always parameter-shaped
     with pytest.raises(NotSupportedError, match=fragment):
         optimizer.portable_export()
-    with pytest.raises(NotSupportedError, match=fragment):
-        optimizer.dense_shard_slots()
 
 
-def test_flattened_shards_are_portable_but_not_dense_shard_state() -> None:
+def test_flattened_shards_are_portable_but_not_parameter_shaped() -> None:
     model = _model()
     optimizer = ContractedAdamW(model.named_parameters())
     plan = flattened_plan(list(model.named_parameters()), 0)
@@ -319,66 +316,3 @@ def test_staged_imports_are_single_use_owned_and_fresh() -> None:
     optimizer.portable_commit_import(fresh)
     with pytest.raises(StaleTransactionError, match="consumed"):
         optimizer.portable_commit_import(fresh)
-
-
-# -- dense-shard records ------------------------------------------------------------------------
-
-
-def _loads(optimizer: ContractedAdamW) -> dict[str, DenseShardLoad]:
-    return {
-        slot.fqn: DenseShardLoad(
-            slot.fqn,
-            slot.options,
-            slot.variant,
-            slot.counters,
-            {field: optimizer.materialize_dense_field(slot.fqn, field) for field in slot.fields},
-        )
-        for slot in optimizer.dense_shard_slots()
-    }
-
-
-def test_dense_slots_and_fields_describe_the_state_without_aliasing_it() -> None:
-    model, optimizer = _trained()
-    slots = optimizer.dense_shard_slots()
-    assert [(s.fqn, s.variant, dict(s.counters), s.fields) for s in slots][:1] == [
-        ("0.weight", "adamw", {"step": 2}, ("exp_avg", "exp_avg_sq"))
-    ]
-    assert all(s.parameter is p for s, p in zip(slots, model.parameters()))
-    assert optimizer.dense_shard_common() == {}
-    field = optimizer.materialize_dense_field("0.weight", "exp_avg")
-    live = optimizer.state[model[0].weight]["exp_avg"]
-    assert _bitwise(field, live)
-    field.add_(1.0)
-    assert not _bitwise(field, live)
-    with pytest.raises(KeyError, match="no dense field"):
-        optimizer.materialize_dense_field("0.weight", "max_exp_avg_sq")
-    with pytest.raises(KeyError, match="no parameter named"):
-        optimizer.materialize_dense_field("missing", "exp_avg")
-
-
-def test_dense_loads_round_trip_exactly_and_refusals_change_nothing() -> None:
-    model, optimizer = _trained()
-    loads = _loads(optimizer)
-    twin_model = _model()
-    twin_model.load_state_dict(model.state_dict())
-    twin = ContractedAdamW(twin_model.named_parameters(), lr=0.3)
-    twin.commit_dense_shard_load(twin.prepare_dense_shard_load({}, loads))
-    _train(model, optimizer, 2, start=2)
-    _train(twin_model, twin, 2, start=2)
-    assert all(_bitwise(a.detach(), b.detach()) for a, b in zip(model.parameters(), twin_model.parameters()))
-    before = deep_snapshot(twin, twin_model)
-    bad = dict(loads)
-    bad.pop("1.bias")
-    with pytest.raises(StateValidationError, match=r"missing \['1\.bias'\]"):
-        twin.prepare_dense_shard_load({}, bad)
-    with pytest.raises(StateValidationError, match="common must be empty"):
-        twin.prepare_dense_shard_load({"codebook": 1}, loads)
-    load = loads["0.weight"]
-    wrong = DenseShardLoad(load.fqn, load.options, load.variant, {"step": 2}, {"exp_avg": load.fields["exp_avg"]})
-    with pytest.raises(StateValidationError, match="needs the fields"):
-        twin.prepare_dense_shard_load({}, {**loads, "0.weight": wrong})
-    assert not snapshot_diff(before, twin, twin_model)
-    staged = twin.prepare_dense_shard_load({}, loads)
-    _train(twin_model, twin, 1, start=9)
-    with pytest.raises(StaleTransactionError):
-        twin.commit_dense_shard_load(staged)
