@@ -3,7 +3,7 @@
 The transports read the sealed layout: a bound replicated and a bound one-member flattened
 Gefen (and a bound replicated and a one-member whole-owner GefenMuon) export their own shards, and a twin bound the same
 way imports them and continues bit-exactly. The contract then declares ``PORTABLE_SUPPORT``
-(``MUON_PORTABLE_SUPPORT``), the dense-shard codec refuses a bound layout with its reason, and
+(``MUON_PORTABLE_SUPPORT``), parameter-shaped state is refused for flattened and owner layouts with its reason, and
 corrupted records are refused with nothing changed. The multi-member cases (gloo) are in the
 repository's ``tests/test_bound_resharding.py``.
 """
@@ -209,9 +209,13 @@ def test_a_bound_optimizer_declares_portable_state_over_its_sealed_layout(kind: 
     (entry,) = [c for c in capabilities.checkpoints if c.transport is CheckpointTransport.CANONICAL_GLOBAL]
     assert entry == (MUON_PORTABLE_SUPPORT if kind.startswith("muon") else PORTABLE_SUPPORT)
     assert bound.optimizer.portable_layout().manifest == bound.plan.manifest
-    dense = capabilities.features[FEATURE_PARAMETER_SHAPED_STATE]
-    assert not dense.supported and "portable state" in " ".join(dense.reasons)
-    assert CheckpointTransport.PARAMETER_SHAPED not in {c.transport for c in capabilities.checkpoints}
+    shaped = capabilities.features[FEATURE_PARAMETER_SHAPED_STATE]
+    transports = {c.transport for c in capabilities.checkpoints}
+    if kind == "gefen_replicated":  # whole replicated tensors: the native state is still parameter-shaped
+        assert shaped.supported and CheckpointTransport.PARAMETER_SHAPED in transports
+    else:  # flattened element shards, whole-matrix owners: checkpointed as portable state
+        assert not shaped.supported and "portable state" in " ".join(shaped.reasons)
+        assert CheckpointTransport.PARAMETER_SHAPED not in transports
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

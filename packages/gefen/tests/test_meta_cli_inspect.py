@@ -266,17 +266,17 @@ def test_a_training_dict_and_a_checkpoint_folder_are_read(checkpoints: dict[str,
     assert inspect_checkpoint(tmp_path / "old.pt").status == "CORRUPT"  # a version Gefen cannot load is never OK
 
 
-def test_dense_shard_dcp_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_path: Path) -> None:
+def test_gefen_dcp_state_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from gefen_dcp import GefenDCPState, GefenSavePlanner
     from gefen_dcp.testing import conformance_factory
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
-    optimizer = conformance_factory(list(model.named_parameters()))  # gefen-dcp's Int8MomentumSGD codec
+    optimizer = conformance_factory(list(model.named_parameters()))  # gefen-dcp's Int8MomentumSGD adopter
     model(torch.randn(5, 16)).sum().backward()
     optimizer.step()
-    root = tmp_path / "dense"
+    root = tmp_path / "compact"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(
@@ -285,17 +285,18 @@ def test_dense_shard_dcp_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_pa
     folder = inspect_checkpoint(root)
     assert folder.ok, folder.format_text()
     (child,) = folder.children
-    assert child.format == "gefen.dense_shard_state" and len(child.parameters) == 4
-    assert {p.name: p.variant for p in child.parameters}["0.weight"] == "int8_rows"
-    dense = optimizer.materialize_dense_field("0.weight", "momentum")
-    needle = dense.contiguous().numpy().tobytes()
+    assert child.format == "gefen.dcp_state" and child.format_version == 2 and len(child.parameters) == 4
+    first = {p.name: p for p in child.parameters}["state/0"]
+    assert first.shape == (32, 16) and first.state_bytes == 32 * 16 + 32 * 4  # int8 codes + fp32 row scales
+    codes = optimizer.state_dict()["state"][0]["momentum_int8"]
+    needle = codes.contiguous().numpy().tobytes()
     (data,) = [path for path in root.glob("*.distcp") if needle in path.read_bytes()]  # stored verbatim, once
     raw = bytearray(data.read_bytes())
     raw[raw.find(needle) + 5] ^= 0x01
     data.write_bytes(bytes(raw))
     broken = inspect_checkpoint(root)
     assert not broken.ok
-    assert any("0.weight" in str(problem) for problem in broken.all_problems()), broken.format_text()
+    assert any("state/0/momentum_int8" in str(problem) for problem in broken.all_problems()), broken.format_text()
 
 
 def test_canonical_local_state_document_is_validated(tmp_path: Path) -> None:
