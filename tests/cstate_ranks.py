@@ -66,7 +66,9 @@ def build(kind: str, world_size: int | None) -> tuple[nn.Module, Any]:
         fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     if kind == "muon":
         return model, GefenMuon(model.named_parameters(), lr=2e-2)
-    return model, Gefen(model.named_parameters(), lr=1e-2)
+    # FSDP2 keeps one block per element of a sharded 1-D parameter; a single process with the
+    # same rule holds the same state shapes, so its checkpoint reshards onto FSDP2 exactly.
+    return model, Gefen(model.named_parameters(), lr=1e-2, force_1d_period_one=world_size is None)
 
 
 def train(model: nn.Module, optimizer: Any, start: int, steps: int) -> list[float]:
@@ -108,10 +110,12 @@ def load_continue(rank: int, world_size: int | None, kind: str, path: str, keep_
 
 
 def _dense_state(optimizer: Any) -> dict[tuple[str, str], torch.Tensor]:
+    """Every local state tensor (a DTensor's local shard), cloned."""
     return {
-        (slot.fqn, name): optimizer.materialize_dense_field(slot.fqn, name)
-        for slot in optimizer.dense_shard_slots()
-        for name in slot.fields
+        (str(number), name): (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+        for number, entry in optimizer.state_dict()["state"].items()
+        for name, value in entry.items()
+        if isinstance(value, torch.Tensor)
     }
 
 

@@ -2,10 +2,11 @@
 
 ``buf = momentum * buf + grad``, ``p -= lr * sign(buf)``, elementwise, so it trains plain and
 DTensor (FSDP2) parameters alike (on the local shard). It keeps the convention just far
-enough to sit in a composite that moves portable and dense-shard state: a dynamic contract,
-``PortableAdapter`` over an implicit ungrouped replicated layout keyed by parameter names,
-and ``DenseShardCodec`` (field ``momentum_buffer``, counter ``step``). Importable by spawned
-gloo ranks (module-level names only).
+enough to sit in a composite that moves portable and parameter-shaped state: a dynamic
+contract, ``PortableAdapter`` over an implicit ungrouped replicated layout keyed by parameter
+names, and a staged native load of parameter-shaped state (``momentum_buffer`` a DTensor
+placed like a DTensor parameter, counter ``step``). Importable by spawned gloo ranks
+(module-level names only).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from gefen_contracts import (
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
     CheckpointTransport,
-    DenseShardLoad,
-    DenseShardSlot,
     FeatureStatus,
     LoadAtomicity,
     LogicalSlice,
@@ -64,7 +63,7 @@ _R, _F, _D = (
     ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
 )
 _PORTABLE = frozenset({_R, _F})
-_DENSE = frozenset({_R, _D})
+_SHAPED = frozenset({_R, _D})
 _RESHARD = frozenset({TopologyChange.PLACEMENT_RESHARD})
 
 
@@ -73,13 +72,19 @@ def _contract(dtensors: bool) -> OptimizerContract:
     portable = no("DTensor parameters have no implicit replicated layout") if dtensors else FeatureStatus.yes()
     checkpoints = [
         CheckpointSupport(
+            CheckpointTransport.NATIVE_OPTIMIZER,
+            frozenset({_R}),
+            ProcessGroupScope.NONE,
+            LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
+        ),
+        CheckpointSupport(
             CheckpointTransport.PARAMETER_SHAPED,
-            _DENSE,
+            _SHAPED,
             ProcessGroupScope.DEFAULT_WORLD,
             LoadAtomicity.GROUP_VOTED,
-            transitions=(TopologyTransition(_DENSE, _DENSE, _RESHARD),),
+            transitions=(TopologyTransition(_SHAPED, _SHAPED, _RESHARD),),
             requires_collective=True,
-        )
+        ),
     ]
     if not dtensors:
         checkpoints.append(
@@ -112,7 +117,7 @@ def _contract(dtensors: bool) -> OptimizerContract:
             precisions=frozenset({Precision.FLOAT32}),
             supported_parameter_ranks=None,
             features={
-                FEATURE_STAGED_NATIVE_LOAD: no("test child: no staged native load"),
+                FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),
                 FEATURE_POST_SHARDING: no("test child: no identity binding"),
                 FEATURE_CANONICAL_IDENTITY: no("test child: no post_sharding"),
                 FEATURE_CANONICAL_LOCAL_STATE: no("test child: no canonical local state"),
@@ -157,12 +162,12 @@ class SignMomentumChild(torch.optim.Optimizer):
                 continue
             state = self.state[parameter]
             if not state:
-                state["momentum_buffer"] = torch.zeros_like(_local(parameter))
+                state["momentum_buffer"] = torch.zeros_like(parameter)  # a DTensor like a DTensor parameter
                 state["step"] = 0
             buffer = state["momentum_buffer"]
-            buffer.mul_(group["momentum"]).add_(_local(parameter.grad))
+            buffer.mul_(group["momentum"]).add_(parameter.grad)
             state["step"] += 1
-            _local(parameter).add_(buffer.sign(), alpha=-group["lr"])
+            parameter.add_(buffer.sign(), alpha=-group["lr"])
         self._version += 1
         return loss
 
@@ -195,8 +200,10 @@ class SignMomentumChild(torch.optim.Optimizer):
             buffer = fields.get("momentum_buffer")
             if variant != "sign" or set(counters) != {"step"} or not isinstance(buffer, torch.Tensor):
                 raise StateValidationError(f"SignMomentumChild: {name!r} has an invalid record")
-            if buffer.dtype is not torch.float32 or tuple(buffer.shape) != tuple(_local(parameter).shape):
+            if buffer.dtype is not torch.float32 or tuple(buffer.shape) != tuple(parameter.shape):
                 raise StateValidationError(f"SignMomentumChild: {name!r} momentum_buffer has the wrong shape or dtype")
+            if hasattr(parameter, "device_mesh") != hasattr(buffer, "device_mesh"):
+                raise StateValidationError(f"SignMomentumChild: {name!r} momentum_buffer must be placed like it")
             state[parameter] = {"momentum_buffer": buffer.clone(), "step": int(counters["step"])}
         return StagedTransaction(self, kind="sign_child_load", token=self._version, payload=state)
 
@@ -223,7 +230,7 @@ class SignMomentumChild(torch.optim.Optimizer):
         layout = self.portable_layout()
         slots = []
         for slot, (_, _, options, variant, counters, state) in zip(layout.slots, self._records()):
-            fields = {"momentum_buffer": state["momentum_buffer"].clone()} if state else {}
+            fields = {"momentum_buffer": _local(state["momentum_buffer"]).clone()} if state else {}
             slots.append(PortableSlotState(slot, options, variant, counters, element_fields=fields))
         return PortableExport(IMPLEMENTATION, {}, {}, layout.manifest, tuple(slots))
 
@@ -244,32 +251,33 @@ class SignMomentumChild(torch.optim.Optimizer):
     def portable_commit_import(self, staged: StagedTransaction) -> None:
         self._publish(staged)
 
-    # -- DenseShardCodec ---------------------------------------------------------------------------
+    # -- StagedNativeLoad (torch's numbering; parameter-shaped state) --------------------------
 
-    def dense_shard_common(self) -> Mapping[str, Any]:
-        return {}
+    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
+        records = []
+        numbered = dict(state_dict.get("state", {}))
+        for number, (name, _, group) in enumerate(self._named()):
+            entry = numbered.pop(number, None)
+            if entry is None:
+                records.append((name, self._options(group), "pristine", {}, {}))
+                continue
+            if (
+                not isinstance(entry, dict)
+                or set(entry) != {"momentum_buffer", "step"}
+                or type(entry["step"]) is not int
+            ):
+                raise StateValidationError(f"SignMomentumChild: parameter {number} has an invalid state entry")
+            fields = {"momentum_buffer": entry["momentum_buffer"]}
+            records.append((name, self._options(group), "sign", {"step": entry["step"]}, fields))
+        if numbered:
+            raise StateValidationError(f"SignMomentumChild: state for unknown parameters {sorted(numbered)[:5]}")
+        return self._stage(records)
 
-    def dense_shard_slots(self) -> tuple[DenseShardSlot, ...]:
-        return tuple(
-            DenseShardSlot(name, parameter, options, variant, counters, ("momentum_buffer",) if state else ())
-            for name, parameter, options, variant, counters, state in self._records()
-        )
-
-    def materialize_dense_field(self, fqn: str, field: str) -> torch.Tensor:
-        for name, parameter, _ in self._named():
-            if name == fqn:
-                return self.state[parameter][field].to(dtype=torch.float32, device="cpu", copy=True)  # type: ignore[no-any-return]
-        raise KeyError(fqn)
-
-    def prepare_dense_shard_load(
-        self, common: Mapping[str, Any], slots: Mapping[str, DenseShardLoad]
-    ) -> StagedTransaction:
-        if dict(common):
-            raise StateValidationError("SignMomentumChild has no common state")
-        return self._stage([(f, s.options, s.variant, s.counters, s.fields) for f, s in slots.items()])
-
-    def commit_dense_shard_load(self, staged: StagedTransaction) -> None:
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         self._publish(staged)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.commit_staged_state_dict(self.stage_state_dict(state_dict))
 
 
 def sign_child_factory(named: list[tuple[str, torch.Tensor]]) -> SignMomentumChild:

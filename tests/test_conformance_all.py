@@ -212,7 +212,7 @@ def _check_report(report: ConformanceReport, claims: frozenset[str]) -> None:
 #: The kit's multi-process checks, executed once each elsewhere (they spawn gloo ranks for a minute
 #: or more per target, so this all-targets run skips them by name).
 MULTI_PROCESS_CHECKS: dict[str, str] = {
-    "dcp.dense_shard_reshard": (
+    "dcp.parameter_shaped_reshard": (
         "executed on gloo ranks by tests/test_cstate_resharding.py (Gefen, GefenMuon), "
         "tests/test_hstate_resharding.py (ContractedAdamW, the composite) and packages/gefen-dcp/tests/test_dcp_conformance.py"
     ),

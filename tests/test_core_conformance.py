@@ -48,7 +48,7 @@ def _bf16_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
 #: other contributed checks, and the claims this one executes are executed by
 #: tests/test_cstate_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
 RESHARD_WAIVER = {
-    "dcp.dense_shard_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
+    "dcp.parameter_shaped_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
 }
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -76,11 +76,11 @@ def test_conformance(name: str) -> None:
     assert_conformant(report)
     executed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"checkpoint.native_roundtrip", "checkpoint.native_atomic_load", "training.replicated"} <= executed
-    assert {"portable.roundtrip", "portable.atomic_import", "dcp.dense_shard_roundtrip"} <= executed
+    assert {"portable.roundtrip", "portable.atomic_import", "dcp.parameter_shaped_roundtrip"} <= executed
     waived = {r.name for r in report.results if r.status.value == "waived"}
-    assert "dcp.dense_shard_reshard" in waived and set(CHECK_WAIVERS) <= waived
+    assert "dcp.parameter_shaped_reshard" in waived and set(CHECK_WAIVERS) <= waived
     # every other waiver names a claim no check executes (a stale waiver would not appear)
-    assert waived - {"dcp.dense_shard_reshard"} - set(CHECK_WAIVERS) <= {f"claim {c}" for c in WAIVERS}
+    assert waived - {"dcp.parameter_shaped_reshard"} - set(CHECK_WAIVERS) <= {f"claim {c}" for c in WAIVERS}
 
 
 def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
@@ -88,4 +88,4 @@ def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"scope.collective_protocol", "portable.roundtrip", "portable.atomic_import"} <= passed
-    assert "dcp.dense_shard_roundtrip" in passed
+    assert "dcp.parameter_shaped_roundtrip" in passed

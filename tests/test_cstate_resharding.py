@@ -4,7 +4,8 @@
 A model trained on 2 ranks, saved, and loaded on 1 and on 3 ranks keeps training within the
 issue's bound (relative loss difference <= 5e-3 at every step over 20 steps against the
 uninterrupted run) and far below a run that drops the optimizer state; the same holds for a
-single-process checkpoint resumed on 2 ranks, and for GefenMuon 2 -> 3 ranks. An async save
+single-process checkpoint (built with ``force_1d_period_one=True``, FSDP2's rule for 1-D
+parameters) resumed on 2 ranks, and for GefenMuon 2 -> 3 ranks. An async save
 followed by more training holds the state at the call.
 """
 

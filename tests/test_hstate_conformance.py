@@ -27,7 +27,7 @@ from gefen_portable.conformance import PortableAtomicImportCheck, PortableRoundT
 #: gefen-dcp's multi-process check spawns two gloo worlds per target (about two minutes on the CI
 #: machine); the claims it executes are executed here by tests/test_hstate_resharding.py.
 RESHARD_WAIVER = {
-    "dcp.dense_shard_reshard": (
+    "dcp.parameter_shaped_reshard": (
         "executed by tests/test_hstate_resharding.py (FSDP2 on gloo: 1 -> 2, 2 -> 1 and 2 -> 3 ranks within 5e-3); "
         "`gefen conformance` runs it in full"
     )
@@ -35,8 +35,8 @@ RESHARD_WAIVER = {
 CONTRIBUTED = {
     "portable.roundtrip",
     "portable.atomic_import",
-    "dcp.dense_shard_roundtrip",
-    "dcp.dense_shard_atomic_load",
+    "dcp.parameter_shaped_roundtrip",
+    "dcp.parameter_shaped_atomic_load",
 }
 
 
@@ -56,7 +56,7 @@ def test_the_kit_with_contributed_checks_passes(spec: str) -> None:
     covered = {claim for r in report.results if r.status is CheckStatus.PASSED for claim in r.claims}
     assert {
         "feature:portable_state",
-        "feature:dense_shard_codec",
+        "feature:parameter_shaped_state",
         "checkpoint:canonical_global:replicated:atomic",
     } <= covered
     assert adamw_factory.conformance_waive and composite_factory.conformance_waive  # type: ignore[attr-defined]

@@ -46,7 +46,7 @@ def _bf16_model(seed: int) -> torch.nn.Module:
 #: other contributed checks, and the claims this one executes are executed by
 #: tests/test_cstate_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
 RESHARD_WAIVER = {
-    "dcp.dense_shard_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
+    "dcp.parameter_shaped_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
 }
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -87,8 +87,8 @@ def test_conformance(name: str) -> None:
     plan = replicated_copy_plan(list(model.named_parameters()))
     bound.post_sharding(plan.rebindings, manifest=plan.manifest)  # type: ignore[attr-defined]
     claims |= enumerate_claims(bound.optimizer_contract())  # type: ignore[attr-defined]
-    waived = {r.name for r in report.results if r.status.value == "waived"} - {"dcp.dense_shard_reshard"}
-    covered = {c for r in report.results if r.name == "dcp.dense_shard_reshard" for c in r.claims}
+    waived = {r.name for r in report.results if r.status.value == "waived"} - {"dcp.parameter_shaped_reshard"}
+    covered = {c for r in report.results if r.name == "dcp.parameter_shaped_reshard" for c in r.claims}
     scope = "feature:collective_scope"  # covered by the waived scope check, so not listed separately
     expected = {f"claim {c}" for c in MUON_WAIVERS if c in claims - covered and c != scope}
     assert waived == expected | set(CHECK_WAIVERS)
@@ -100,4 +100,4 @@ def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"scope.collective_protocol", "portable.roundtrip", "portable.atomic_import"} <= passed
-    assert "dcp.dense_shard_roundtrip" in passed
+    assert "dcp.parameter_shaped_roundtrip" in passed

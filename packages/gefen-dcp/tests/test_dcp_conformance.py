@@ -17,7 +17,11 @@ def test_checks_are_registered_through_the_entry_point() -> None:
     checks, broken = contributed_checks()
     assert not broken
     names = {c.name for c in checks}
-    assert {"dcp.parameter_shaped_roundtrip", "dcp.parameter_shaped_atomic_load", "dcp.parameter_shaped_reshard"} <= names
+    assert {
+        "dcp.parameter_shaped_roundtrip",
+        "dcp.parameter_shaped_atomic_load",
+        "dcp.parameter_shaped_reshard",
+    } <= names
 
 
 @pytest.mark.slow
@@ -26,7 +30,11 @@ def test_reference_adopter_passes_the_whole_kit() -> None:
     report = run_conformance("gefen_dcp.testing:conformance_factory")
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status is CheckStatus.PASSED}
-    assert {"dcp.parameter_shaped_roundtrip", "dcp.parameter_shaped_atomic_load", "dcp.parameter_shaped_reshard"} <= passed
+    assert {
+        "dcp.parameter_shaped_roundtrip",
+        "dcp.parameter_shaped_atomic_load",
+        "dcp.parameter_shaped_reshard",
+    } <= passed
     covered = {claim for r in report.results if r.status is CheckStatus.PASSED for claim in r.claims}
     assert "checkpoint:parameter_shaped:transition:dtensor_1d_default_world->replicated:placement_reshard" in covered
 

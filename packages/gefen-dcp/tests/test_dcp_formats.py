@@ -119,7 +119,9 @@ def test_envelope_refuses_tampering(change: object) -> None:
 
 def test_version_1_envelope_is_refused_naming_both_versions() -> None:
     old = json.dumps({"format": "gefen.dense_shard_state", "format_version": 1}, separators=(",", ":")).encode()
-    with pytest.raises(EnvelopeFormatError, match=r"'gefen\.dense_shard_state' version 1.*'gefen\.dcp_state' version 2"):
+    with pytest.raises(
+        EnvelopeFormatError, match=r"'gefen\.dense_shard_state' version 1.*'gefen\.dcp_state' version 2"
+    ):
         decode_envelope(old, limits=LIMITS)
 
 

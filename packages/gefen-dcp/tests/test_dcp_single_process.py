@@ -278,9 +278,7 @@ def test_a_state_changed_during_a_save_is_refused(trained: tuple[torch.nn.Module
         session.record("state/0/momentum_int8", (1, 0), codes)
 
 
-def test_unsupported_optimizers_are_refused(
-    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
-) -> None:
+def test_unsupported_optimizers_are_refused(trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path) -> None:
     model, _ = trained
 
     class Unsupported(Int8MomentumSGD):

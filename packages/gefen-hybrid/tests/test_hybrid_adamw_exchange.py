@@ -86,7 +86,9 @@ def test_a_fresh_named_optimizer_claims_both_transports() -> None:
     assert entries[CheckpointTransport.CANONICAL_GLOBAL] == PORTABLE_SUPPORT
     assert entries[CheckpointTransport.PARAMETER_SHAPED] == PARAMETER_SHAPED_SUPPORT
     assert PORTABLE_SUPPORT.allows_transition(ParameterLayout.FLATTENED_ELEMENT_SHARD, ParameterLayout.REPLICATED)
-    assert PARAMETER_SHAPED_SUPPORT.allows_transition(ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, ParameterLayout.REPLICATED)
+    assert PARAMETER_SHAPED_SUPPORT.allows_transition(
+        ParameterLayout.DTENSOR_1D_DEFAULT_WORLD, ParameterLayout.REPLICATED
+    )
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ from .reference_ops import HISTOGRAM_BINS
 __all__ = [
     "CANONICAL_LAYOUTS",
     "PARAMETER_SHAPED_SUPPORT",
+    "parameter_shaped_support",
     "parameter_shaped_status",
     "IMPLEMENTATION",
     "IMPLICIT_PORTABLE_SUPPORT",
@@ -173,20 +174,38 @@ PORTABLE_SUPPORT = CheckpointSupport(
     requires_collective=True,
 )
 _SHAPED_LAYOUTS = frozenset({_REPL, _DTENSOR})
-#: The ``PARAMETER_SHAPED`` entry while ``parameter_shaped_state`` is supported: the native
-#: state of plain tensors and DTensor (FSDP2) parameters, every state tensor shaped by
-#: :mod:`gefen_core.state_placement` and placed like its parameter (``v_col`` replicated,
-#: the codebook a plain tensor), so DCP reshards it N -> M ranks bit for bit: each
-#: transition below is exact (nothing is re-quantised; FSDP2 learns one codebook per mesh).
-PARAMETER_SHAPED_SUPPORT = CheckpointSupport(
-    CheckpointTransport.PARAMETER_SHAPED,
-    _SHAPED_LAYOUTS,
-    ProcessGroupScope.DEFAULT_WORLD,
-    LoadAtomicity.GROUP_VOTED,
-    transitions=(TopologyTransition(_SHAPED_LAYOUTS, _SHAPED_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),),
-    mesh_dimensions=(1,),
-    requires_collective=True,
-)
+_RESHARD = frozenset({TopologyChange.PLACEMENT_RESHARD})
+
+
+def parameter_shaped_support(period_one_1d: bool) -> CheckpointSupport:
+    """The ``PARAMETER_SHAPED`` entry while ``parameter_shaped_state`` is supported: the native
+    state of plain tensors and DTensor (FSDP2) parameters, every state tensor shaped by
+    :mod:`gefen_core.state_placement` and placed like its parameter (``v_col`` replicated, the
+    codebook a plain tensor), so DCP reshards it N -> M ranks bit for bit: each declared
+    transition is exact (nothing is re-quantised; FSDP2 learns one codebook per mesh).
+
+    DTensor -> DTensor (any world size), DTensor -> replicated and replicated -> replicated
+    always hold. Replicated -> DTensor holds when every group uses FSDP2's rule for 1-D
+    parameters (``period_one_1d``: ``force_1d_period_one=True``), since a sharded 1-D parameter
+    keeps one block per element; otherwise move that state as portable state (it re-blocks).
+    """
+    transitions = [
+        TopologyTransition(frozenset({_DTENSOR}), _SHAPED_LAYOUTS, _RESHARD),
+        TopologyTransition(frozenset({_REPL}), frozenset({_REPL, _DTENSOR} if period_one_1d else {_REPL}), _RESHARD),
+    ]
+    return CheckpointSupport(
+        CheckpointTransport.PARAMETER_SHAPED,
+        _SHAPED_LAYOUTS,
+        ProcessGroupScope.DEFAULT_WORLD,
+        LoadAtomicity.GROUP_VOTED,
+        transitions=tuple(transitions),
+        mesh_dimensions=(1,),
+        requires_collective=True,
+    )
+
+
+#: The entry of an optimizer whose groups all use ``force_1d_period_one=True``.
+PARAMETER_SHAPED_SUPPORT = parameter_shaped_support(True)
 
 
 def parameter_shaped_status(readiness: IdentityReadiness) -> FeatureStatus:
@@ -257,6 +276,7 @@ def gefen_contract(
     factored_v_2d: tuple[bool, ...],
     portable: FeatureStatus = _NOT_ASSESSED,
     portable_sealed: bool = False,
+    period_one_1d: bool = False,
 ) -> OptimizerContract:
     """The contract of a Gefen instance with these options and this identity readiness
     (memoised, immutable).
@@ -264,12 +284,12 @@ def gefen_contract(
     ``portable`` is the live status of ``portable_state``; its entry is declared exactly while
     it is supported: :data:`PORTABLE_SUPPORT` over a sealed ``post_sharding`` layout
     (``portable_sealed``), else :data:`IMPLICIT_PORTABLE_SUPPORT`. Likewise
-    :data:`PARAMETER_SHAPED_SUPPORT` while :func:`parameter_shaped_status` is positive.
+    :func:`parameter_shaped_support` while :func:`parameter_shaped_status` is positive.
     """
     portable_entry = PORTABLE_SUPPORT if portable_sealed else IMPLICIT_PORTABLE_SUPPORT
     shaped = parameter_shaped_status(readiness)
     transports = ((portable_entry,) if portable.supported else ()) + (
-        (PARAMETER_SHAPED_SUPPORT,) if shaped.supported else ()
+        (parameter_shaped_support(period_one_1d),) if shaped.supported else ()
     )
     capabilities = OptimizerCapabilities(
         training=_training(readiness),

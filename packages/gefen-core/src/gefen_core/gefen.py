@@ -268,6 +268,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
             portable=self._portable_status(),
             portable_sealed=self._bound_layout() is not None,
+            period_one_1d=all(bool(g["force_1d_period_one"]) for g in self.param_groups),
         )
 
     def _refresh_due(self) -> bool:

@@ -105,7 +105,13 @@ def _stage_entry(
     local = local_tensor(param)
     period = exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)
     if local.numel() % period:
-        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the parameter's {local.numel()} local elements")
+        hint = ""
+        if param.dim() == 1 and local is not param:
+            hint = (
+                " (a sharded 1-D parameter keeps one block per element; a single-process state loads onto FSDP2 "
+                "shards when it was trained with force_1d_period_one=True, FSDP2's rule, or through portable state)"
+            )
+        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the parameter's {local.numel()} local elements{hint}")
     if variant == FACTORED and param.dim() != 2:
         raise fail(f"{where} holds a factored second moment but the parameter is {param.dim()}-D")
     step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
