@@ -1,6 +1,6 @@
 """Importable optimizer factories for tests/test_conformance_all.py.
 
-The kit's multi-process checks (portable and dense-shard resharding) spawn gloo ranks that
+The kit's multi-process checks (portable and parameter-shaped resharding) spawn gloo ranks that
 rebuild the optimizer from a ``MODULE:FACTORY`` spec, so configurations that no package
 ships as a factory live here rather than as lambdas in the test module.
 """

@@ -322,7 +322,7 @@ def flattened_two_to_three_through_dcp(rank: int, world_size: int, kind: str, pa
     return problems + differences(ref, target, "after continuing")
 
 
-# -- FSDP2 dense-shard resharding --------------------------------------------------------------------
+# -- FSDP2 resharding of parameter-shaped state --------------------------------------------------------------------
 
 BEFORE = 6
 AFTER = 20

@@ -127,7 +127,7 @@ def _contract(portable: bool) -> OptimizerContract:
                 FEATURE_CANONICAL_IDENTITY: no("post_sharding is not implemented"),
                 FEATURE_CANONICAL_LOCAL_STATE: no("only portable state"),
                 FEATURE_PORTABLE_STATE: FeatureStatus.yes() if portable else no("disabled for this test"),
-                FEATURE_PARAMETER_SHAPED_STATE: no("no dense-shard codec"),
+                FEATURE_PARAMETER_SHAPED_STATE: no("its state is not declared parameter-shaped"),
                 FEATURE_COLLECTIVE_SCOPE: no("it learns nothing collectively"),
                 FEATURE_COMPOSITE: no("it has no children"),
             },

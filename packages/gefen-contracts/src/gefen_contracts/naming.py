@@ -1,6 +1,6 @@
 """Whether an optimizer's parameters can be keyed by their names (torch-free).
 
-An optimizer without a sealed layout keys its portable and dense-shard state by the names in
+An optimizer without a sealed layout keys its portable state by the names in
 ``param_groups[i]["param_names"]`` (what ``torch.optim.Optimizer`` stores when it is built
 from ``model.named_parameters()``). Those names must be valid FQNs (the rule of
 :attr:`ParameterIdentity.fqn <gefen_contracts.ParameterIdentity>`) and unique.

@@ -8,7 +8,7 @@ writer can take a huge embedding chunk by chunk. :meth:`CompactPiece.frozen` cop
 compact tensors to the host (about one byte per element): that is what an asynchronous
 save keeps instead of the dense fields (four bytes per element per field).
 
-Field names (shared by the portable and dense-shard transports):
+Field names (of the portable transport):
 
 * ``"momentum"``: the decoded first moment;
 * ``"second_moment"``: the dense second moment (block or factored, see

@@ -1,6 +1,6 @@
 """Dense fp32 views of the compact per-parameter state, by flat element range.
 
-Portable documents and dense-shard (DCP) checkpoints carry the *meaning* of the state, not
+Portable documents carry the *meaning* of the state, not
 its encoding: for one local tensor of ``n`` elements (row-major), period ``P`` and
 ``B = n / P`` blocks,
 

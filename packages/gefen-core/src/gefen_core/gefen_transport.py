@@ -1,4 +1,4 @@
-"""``Gefen``'s state in transport form, shared by the portable adapter and the dense-shard codec.
+"""``Gefen``'s state in transport form, used by the portable adapter.
 
 One piece of one parameter travels as
 

@@ -211,7 +211,7 @@ class IdentityMethods:
             )
 
     def _bound_layout(self) -> SealedLayout | None:
-        """The sealed layout the transports (portable state, dense shards) read; ``None`` before
+        """The sealed layout the transports (portable state) read; ``None`` before
         ``post_sharding`` (the implicit layout: one replicated shard per named parameter)."""
         identity = self._identity
         return None if identity is None else identity.sealed

@@ -9,7 +9,7 @@ matrix, non-owners hold nothing), or before it the implicit one, an ungrouped
 ``REPLICATED`` shard per named matrix. Whole matrices keep their blocks across any change of
 owners or members, so a portable round trip of GefenMuon is exact whenever the document's
 codebook re-encodes them (always, for state GefenMuon exported). DTensor (FSDP2) matrices use
-the dense-shard codec (:mod:`gefen_core.muon_dense_shard`).
+parameter-shaped native state (``gefen_dcp.GefenDCPState``).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class GefenMuonPortableState(BoundLayoutHook):
             if dtensors:
                 reasons.append(
                     f"{dtensors} matrix(es) are DTensor (FSDP2) shards, which the implicit replicated layout cannot "
-                    "describe: checkpoint them with the dense-shard codec (gefen_dcp.GefenDCPState)"
+                    "describe: checkpoint their parameter-shaped native state (gefen_dcp.GefenDCPState)"
                 )
         else:
             others = sorted({s.layout.value for _, s in sealed.bindings} - {x.value for x in _PORTABLE_LAYOUTS})

@@ -1,4 +1,4 @@
-"""``GefenMuon``'s state in transport form, shared by its portable adapter and dense-shard codec.
+"""``GefenMuon``'s state in transport form, used by its portable adapter.
 
 One matrix's state (the whole matrix, or an ``"approx"`` row shard's rows) travels as
 

@@ -19,7 +19,7 @@ Layouts (:mod:`gefen_core.transport_slots`): the sealed ``post_sharding`` layout
 (``REPLICATED`` and ``FLATTENED_ELEMENT_SHARD``), or before it the implicit one, an
 ungrouped ``REPLICATED`` shard per named parameter, which a single process exports and
 imports with a one-member checkpoint binding. DTensor (FSDP2) parameters use the
-dense-shard codec instead (:mod:`gefen_core.dense_shard`).
+parameter-shaped native state instead (``gefen_dcp.GefenDCPState``).
 
 Import: every target piece is re-blocked (:mod:`gefen_core.reblocking`) and re-encoded
 with the document's codebook, so a piece whose blocks are the source's is restored bit for
@@ -136,7 +136,7 @@ class GefenPortableState(BoundLayoutHook):
             if dtensors:
                 reasons.append(
                     f"{dtensors} parameter(s) are DTensor (FSDP2) shards, which the implicit replicated layout cannot "
-                    "describe: checkpoint them with the dense-shard codec (gefen_dcp.GefenDCPState)"
+                    "describe: checkpoint their parameter-shaped native state (gefen_dcp.GefenDCPState)"
                 )
         else:
             others = sorted({s.layout.value for _, s in sealed.bindings} - {x.value for x in _PORTABLE_LAYOUTS})

@@ -1,5 +1,5 @@
 """Which name, position and shard each slot of a Gefen optimizer travels under in portable
-and dense-shard state, and which group options travel with it.
+state, and which group options travel with it.
 
 * **Before ``post_sharding``** the layout is *implicit*: one ungrouped ``REPLICATED`` shard
   per parameter, keyed by torch's own ``param_names`` (what ``Gefen(model.named_parameters())``

@@ -1,6 +1,6 @@
 """Canonical JSON bytes for small primitive records, parsed under limits before use.
 
-Records written into checkpoints by gefen-dcp (the dense-shard envelope and the per-writer
+Records written into checkpoints by gefen-dcp (the DCP state envelope and the per-writer
 digest tables) are primitive trees: ``dict`` with ``str`` keys, ``list``, ``str``, exact
 ``int``, finite ``float``, ``bool`` and ``None``. They are stored as canonical UTF-8 JSON
 (sorted keys, no whitespace, shortest round-trip floats), which keeps ``int`` and

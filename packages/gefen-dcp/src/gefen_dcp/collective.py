@@ -1,4 +1,4 @@
-"""The process group a dense-shard checkpoint votes and agrees over.
+"""The process group a ``GefenDCPState`` checkpoint votes and agrees over.
 
 gefen-dcp reuses the convention's primitives (:func:`gefen_contracts.torch_support.failure_vote`,
 :func:`~gefen_contracts.torch_support.agree_digest`) over a
@@ -53,6 +53,8 @@ def member_coordinate(binding: CheckpointProcessGroupBinding | None) -> int:
 def agree_layout(binding: CheckpointProcessGroupBinding | None, digest: str) -> None:
     """Every member must hold the same envelope digest (``CheckpointLayoutError`` on every member)."""
     try:
-        agree_digest(binding, digest, what="the dense-shard layout (FQNs, shapes, options, variants, counters, fields)")
+        agree_digest(
+            binding, digest, what="the DCP state envelope (state-dict skeleton, tensor dtypes, shapes and placements)"
+        )
     except ContractError as exc:
         raise CheckpointLayoutError(str(exc)) from None

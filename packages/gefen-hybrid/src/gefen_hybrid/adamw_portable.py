@@ -73,7 +73,7 @@ def portable_blockers(param_groups: Sequence[Mapping[str, Any]], sealed: SealedL
         if dtensors:
             reasons.append(
                 f"{dtensors} parameter(s) are DTensor (FSDP2) shards, which the implicit replicated layout cannot "
-                "describe: checkpoint them with the dense-shard codec (gefen_dcp.GefenDCPState), or bind replicated "
+                "describe: checkpoint their parameter-shaped native state (gefen_dcp.GefenDCPState), or bind replicated "
                 "or flattened local tensors with post_sharding"
             )
     reasons.extend(dtype_blockers(param_groups, "portable element"))

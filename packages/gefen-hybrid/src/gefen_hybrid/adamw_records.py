@@ -1,6 +1,6 @@
 """``ContractedAdamW``'s state as transport records, shared by every state transport.
 
-Canonical local documents, portable state and dense-shard checkpoints all describe one
+Canonical local documents and portable state both describe one
 parameter's AdamW state the same way: the group options it was trained with, a variant
 (``"adamw"``, ``"adamw_amsgrad"``, or ``"uninitialized"`` before its first step), the
 ``step`` counter as an exact int and the moments (``exp_avg``, ``exp_avg_sq``, plus

@@ -1,10 +1,10 @@
-"""Which name each ``ContractedAdamW`` slot travels under in portable and dense-shard state.
+"""Which name each ``ContractedAdamW`` slot travels under in portable state.
 
 After ``post_sharding`` a slot's name is the canonical FQN of its sealed shard identity.
 Before it, the optimizer is keyed by torch's own ``param_names`` (the names
 ``ContractedAdamW(model.named_parameters())`` records), which must then exist for every
 parameter, be unique and be valid FQNs: that is what makes single-process portable export
-and FSDP2 dense-shard checkpoints work without ``post_sharding``.
+works without ``post_sharding``.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ claims no kit check can execute in one process, each with the test that executes
   ``tests/test_hstate_resharding.py`` (gloo: flattened 2 -> 3 members and replicated 1 ->
   flattened 2 members, bit-exact state and continuation).
 
-The portable and dense-shard claims on replicated tensors, and the dense-shard DTensor and
-resharding claims, are executed by the checks gefen-portable and gefen-dcp contribute to the
+The portable and parameter-shaped claims on replicated tensors, and the parameter-shaped
+DTensor and resharding claims, are executed by the checks gefen-portable and gefen-dcp contribute to the
 kit (``gefen.conformance`` entry points) when they are installed.
 """
 

@@ -68,7 +68,7 @@ CONTRACT = OptimizerContract(
             FEATURE_CANONICAL_IDENTITY: FeatureStatus.no("post_sharding is not implemented"),
             FEATURE_CANONICAL_LOCAL_STATE: FeatureStatus.no("native state dicts are its only checkpoint format"),
             FEATURE_PORTABLE_STATE: FeatureStatus.no("no portable adapter"),
-            FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.no("no dense-shard codec"),
+            FEATURE_PARAMETER_SHAPED_STATE: FeatureStatus.no("its state is not declared parameter-shaped"),
             FEATURE_COLLECTIVE_SCOPE: FeatureStatus.no("it learns nothing collectively"),
             FEATURE_COMPOSITE: FeatureStatus.no("it has no children"),
         },

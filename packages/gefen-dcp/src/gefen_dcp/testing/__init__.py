@@ -1,9 +1,9 @@
 """Reference adopters for gefen-dcp's tests, conformance self-checks and benchmark.
 
 :class:`Int8MomentumSGD` is a small optimizer that is not Gefen but keeps a compact state
-(int8 rows with per-row scales for matrices) and implements
-:class:`gefen_contracts.DenseShardCodec` with the optional row-chunk and snapshot methods,
-so every code path of :class:`gefen_dcp.GefenDCPState` can be exercised on CPU.
+(int8 codes with per-row scales for matrices, DTensors placed like DTensor parameters) and
+implements :class:`gefen_contracts.ParameterShapedState`, so every code path of
+:class:`gefen_dcp.GefenDCPState` can be exercised on CPU.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def _int8_sgd(named: NamedParameters) -> torch.optim.Optimizer:
 
 #: Arms that are not in the training registry of :mod:`gefen.bench.optimizers`:
 #: ``contracted-adamw`` (gefen-hybrid's ``ContractedAdamW``) and ``int8-sgd`` (gefen-dcp's
-#: reference dense-shard codec ``Int8MomentumSGD``, about 1 B/param of state).
+#: reference parameter-shaped adopter ``Int8MomentumSGD``, about 1 B/param of state).
 EXTRA_ARMS: dict[str, Callable[[NamedParameters], torch.optim.Optimizer]] = {
     "contracted-adamw": _contracted_adamw,
     "int8-sgd": _int8_sgd,

@@ -15,7 +15,7 @@ contract claims ``portable_state`` (and, on more than one rank, ``post_sharding`
 otherwise skipped with a note quoting its contract's reason. On more than one rank an arm is
 finalized by ``post_sharding`` onto flattened element shards over the ranks (with a codebook
 scope over them when it claims ``collective_scope``, as Gefen does) and goes through
-gefen-portable and gefen-dcp's portable checkpoint, never the dense-shard codec; imports go
+gefen-portable and gefen-dcp's portable checkpoint, never GefenDCPState; imports go
 onto the same layout. Each row's ``detail`` names the layout the arm held.
 """
 

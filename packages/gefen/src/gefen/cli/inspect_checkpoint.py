@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
         description=(
             "Describe the checkpoint at PATH: its kind, format and version, the implementation that wrote it, its "
             "parameters (shape, state variant, bytes) and key facts; then verify it: DCP folders (gefen-dcp "
-            "dense-shard and portable states) are loaded through gefen-dcp's own loaders, which check every chunk's "
+            "GefenDCPState and portable states) are loaded through gefen-dcp's own loaders, which check every chunk's "
             "SHA-256 and every catalog digest; portable documents are checked against their completion digest; "
             "native state dicts (Gefen, GefenMuon, composite, torch) and canonical local state, which carry no "
             "digest, are checked structurally; a dict holding one under a key and a folder of torch.save files "

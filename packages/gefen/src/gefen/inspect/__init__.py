@@ -2,7 +2,7 @@
 
 :func:`inspect_checkpoint` recognises
 
-* a DCP folder (``.metadata`` inside): gefen-dcp dense-shard states, portable states and
+* a DCP folder (``.metadata`` inside): gefen-dcp GefenDCPState entries, portable states and
   portable composites, each verified through gefen-dcp's own loaders (every chunk digest);
 * a ``torch.save`` file of a convention document: ``gefen.portable_state`` and
   ``gefen.portable_composite_state`` (completion digests verified by gefen-portable),
