@@ -98,6 +98,10 @@ def test_checkpoint_holds_the_compact_tensors_and_no_pickles(
     )
     compact = sum(t.numel() * t.element_size() for t in _momenta(optimizer).values())
     assert state_bytes == compact  # the compact state itself, nothing expanded
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.distcp"))
+    framing = (on_disk - model_bytes - compact) / len(metadata.storage_data)
+    assert framing < 600, f"{framing:.0f} bytes of framing per item"  # torch.save's zip format: about 1.6 KB
 
 
 def test_a_fresh_optimizer_loads_without_an_initialising_step(tmp_path: Path) -> None:

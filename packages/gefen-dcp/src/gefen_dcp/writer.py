@@ -3,6 +3,10 @@
 * **Streaming.** Each item is resolved, serialised and dropped before the next one, so the
   writer holds one chunk per thread (the stock writer keeps every written tensor of a file
   alive until the file is closed, which on CPU is the whole state).
+* **Compact framing.** Each tensor item is serialised with ``torch.save``'s non-zip format
+  (about 340 bytes of framing instead of about 1.6 KB), which DCP's stock reader loads with
+  ``torch.load(weights_only=True)`` like any item: a Gefen checkpoint of a few hundred small
+  state tensors stays near its 1 B/param of state.
 * **Crash-safe.** Data files of every save get fresh names (``__<rank>_<save>_<n>.distcp``);
   the previous checkpoint's files are untouched until the new ``.metadata`` replaces the old
   one by one atomic ``os.replace`` (the stock writer deletes the old ``.metadata`` first).
@@ -212,7 +216,7 @@ class GefenFileSystemWriter(FileSystemWriter):
                         tensor = tensor.to("cpu")
                     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                         tensor = tensor.clone()  # torch.save writes whole storages
-                    torch.save(tensor, stream)
+                    torch.save(tensor, stream, _use_new_zipfile_serialization=False)
                     del tensor
                 del data
                 length = stream.tell() - offset
