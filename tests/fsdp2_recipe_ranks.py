@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_dcp import GefenDCPState, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
 from gefen_hybrid import ContractedAdamW
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -147,9 +148,17 @@ def save(rank: int, world: int, name: str, path: str, mode: str) -> dict[str, An
     model = _model(0)
     optimizer = FACTORIES[name](model)
     _train(model, optimizer, 0, BEFORE)
-    dcp.save(
-        {"model": get_model_state_dict(model), "optim": _optimizer_state(model, optimizer, mode)}, checkpoint_id=path
-    )
+    if mode == "gefen_dcp_state":
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": GefenDCPState(optimizer)},
+            storage_writer=GefenFileSystemWriter(path),
+            planner=GefenSavePlanner(),
+        )
+    else:
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": _optimizer_state(model, optimizer, mode)},
+            checkpoint_id=path,
+        )
     state = _full(optimizer.state_dict())
     losses = _train(model, optimizer, BEFORE, AFTER)
     params = _params(model)
@@ -165,12 +174,20 @@ def load(rank: int, world: int, name: str, path: str, mode: str) -> dict[str, An
     weights = get_model_state_dict(model)
     if mode == "fqn_native":
         _template_step(model, optimizer)
-    template = _optimizer_state(model, optimizer, mode)
+    if mode == "gefen_dcp_state":  # a fresh optimizer, no template: the metadata plans the load
+        template: Any = GefenDCPState(optimizer)
+    else:
+        template = _optimizer_state(model, optimizer, mode)
     untouched = all(torch.equal(_full(p), q) for p, q in zip(model.parameters(), _params(_model(1)).values()))
     checkpoint = {"model": weights, "optim": template}
-    dcp.load(checkpoint, checkpoint_id=path)
+    if mode == "gefen_dcp_state":
+        dcp.load(checkpoint, checkpoint_id=path, planner=GefenLoadPlanner())
+    else:
+        dcp.load(checkpoint, checkpoint_id=path)
     set_model_state_dict(model, checkpoint["model"])
-    if mode == "fqn_native":
+    if mode == "gefen_dcp_state":
+        pass  # GefenDCPState.load_state_dict verified, staged and committed it inside dcp.load
+    elif mode == "fqn_native":
         optimizer.load_state_dict(checkpoint["optim"])
     else:
         options = StateDictOptions(flatten_optimizer_state_dict=mode == "flattened")

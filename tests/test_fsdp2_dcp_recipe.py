@@ -3,7 +3,8 @@
 ``get_optimizer_state_dict`` -> ``dcp.save`` on 2 ranks, then ``get_optimizer_state_dict``
 (template) -> ``dcp.load`` -> ``set_optimizer_state_dict`` on 1 and on 3 ranks, nested and
 flattened, and torchtitan's FQN-keyed ``optimizer.state_dict()`` with its zero-gradient
-initialising step; and Gefen from 1 and from 3 ranks to 2. The state is shaped like the parameters (Gefen's codes, row-aligned scales,
+initialising step, and ``gefen_dcp.GefenDCPState`` into a fresh optimizer (no initialising
+step); and Gefen from 1 and from 3 ranks to 2. The state is shaped like the parameters (Gefen's codes, row-aligned scales,
 ``v_row`` sharded, ``v_col`` and the codebook replicated), so the gathered state after the load
 equals the gathered state at the save bit for bit, and training continues like the
 uninterrupted run (same batches; the world size changes only reduction order), far closer
@@ -44,7 +45,7 @@ def _gap(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], st
     return float(diff / moved)
 
 
-@pytest.mark.parametrize("mode", ["nested", "flattened", "fqn_native"])
+@pytest.mark.parametrize("mode", ["nested", "flattened", "fqn_native", "gefen_dcp_state"])
 @pytest.mark.parametrize("name", sorted(ranks.FACTORIES))
 def test_the_recipe_reshards_two_ranks_to_one_and_three_bit_exactly(
     tmp_path: Path, world1: GlooWorld, world2: GlooWorld, world3: GlooWorld, name: str, mode: str
@@ -62,15 +63,16 @@ def test_the_recipe_reshards_two_ranks_to_one_and_three_bit_exactly(
         assert dropped >= DROPPED_FACTOR * max(gap, 1e-6), f"{label}: dropping the state gives {dropped:.2e}"
 
 
+@pytest.mark.parametrize("mode", ["nested", "gefen_dcp_state"])
 @pytest.mark.parametrize("source", [1, 3], ids=["1->2", "3->2"])
 def test_gefen_reshards_from_one_and_three_ranks_to_two(
-    tmp_path: Path, world1: GlooWorld, world2: GlooWorld, world3: GlooWorld, source: int
+    tmp_path: Path, world1: GlooWorld, world2: GlooWorld, world3: GlooWorld, source: int, mode: str
 ) -> None:
     path = str(tmp_path / "ckpt")
     saving = world1 if source == 1 else world3
-    saved = saving.run(ranks.save, "gefen", path, "nested")[0]
+    saved = saving.run(ranks.save, "gefen", path, mode)[0]
     checkpoint_weights = world2.run(ranks.checkpoint_params, path)[0]
-    loaded = world2.run(ranks.load, "gefen", path, "nested")[0]
+    loaded = world2.run(ranks.load, "gefen", path, mode)[0]
     assert_trees_equal(saved["state"], loaded["state"], f"{source}->2 state")
     gap = _gap(loaded["params"], saved["params"], checkpoint_weights)
     assert gap <= RESUME_BOUND, f"{source}->2: resumed run {gap:.2e} away from the uninterrupted one"
