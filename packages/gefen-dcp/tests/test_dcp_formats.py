@@ -78,6 +78,8 @@ def test_skeleton_rebuilds_the_state_dict_exactly() -> None:
         split({"state": {0: {"bad": object()}}})
     with pytest.raises(CheckpointLayoutError, match="without '/'"):
         split({"state": {"a/b": 1}})
+    with pytest.raises(CheckpointLayoutError, match="share this tensor key"):
+        split({"state": {0: torch.zeros(1), "0": torch.ones(1)}})
     with pytest.raises(EnvelopeFormatError, match="unknown tag"):
         rebuild({"dict": [["x", {"pickle": "..."}]]}, lambda key: torch.zeros(0))
 

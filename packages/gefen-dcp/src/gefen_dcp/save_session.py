@@ -107,7 +107,7 @@ class SaveSession:
     # -- writing ---------------------------------------------------------------------
 
     def record(self, key: str, offsets: tuple[int, ...], chunk: torch.Tensor) -> torch.Tensor:
-        """Digest one chunk on its way to the writer; returns it as an owned CPU tensor."""
+        """Digest one chunk on its way to the writer; returns it on the CPU (a copy only if it was elsewhere)."""
         if (key, offsets) not in self._chunks:
             raise CheckpointLayoutError(f"no local chunk of {key!r} at offsets {offsets}")
         data = chunk.detach()

@@ -55,6 +55,8 @@ def split(state_dict: Mapping[str, Any]) -> tuple[object, dict[str, torch.Tensor
             return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
         if isinstance(value, torch.Tensor):
             key = "/".join(path)
+            if key in tensors:  # e.g. keys 0 and "0" side by side
+                raise CheckpointLayoutError(f"{key}: two state-dict entries share this tensor key")
             tensors[key] = value
             return {"tensor": key}
         if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
