@@ -238,6 +238,10 @@ def test_default_planners_are_refused_with_a_clear_error(
     state = GefenDCPState(optimizer)
     with pytest.raises(PlannerRequiredError):
         state.load_state_dict(state.state_dict())
+    with pytest.raises(CheckpointException) as caught:  # DCP's default load planner
+        dcp.load({"optim": GefenDCPState(build(1)[1])}, checkpoint_id=tmp_path)
+    failures = _failures(caught.value)
+    assert any(isinstance(f, PlannerRequiredError) and "GefenLoadPlanner" in str(f) for f in failures), failures
     with pytest.raises(ValueError, match="flatten_state_dict"):
         GefenSavePlanner(flatten_state_dict=False)
     with pytest.raises(ValueError, match="enable_plan_caching"):

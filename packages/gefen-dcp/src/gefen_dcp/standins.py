@@ -147,6 +147,16 @@ class GefenDCPStateDict(dict[str, Any]):
         self["digests"] = {writer_key(session.writer): DigestTableStandIn(session)}
         self["tensors"] = session.tensor_tree()
 
+    def __setitem__(self, key: str, value: Any) -> None:
+        # DCP's default load planner replaces every value it does not know with None before
+        # planning (its own error would then be a metadata-type mismatch): name the planner.
+        if value is None and isinstance(self.get(key), StandIn):
+            raise PlannerRequiredError(
+                f"this checkpoint holds a GefenDCPState: load it with dcp.load(..., planner=GefenLoadPlanner()) "
+                f"({_HINT})"
+            )
+        super().__setitem__(key, value)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> GefenDCPStateDict:
         return GefenDCPStateDict(self.session.snapshot())
 
