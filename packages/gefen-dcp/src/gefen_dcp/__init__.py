@@ -37,6 +37,7 @@ from .portable_format import (
 )
 from .portable_load import load_portable_dcp
 from .portable_save import async_save_portable_dcp, save_portable_dcp
+from .skeleton import parameter_index
 from .state import GefenDCPState
 from .writer import GefenFileSystemWriter
 
@@ -63,5 +64,6 @@ __all__ = [
     "__version__",
     "async_save_portable_dcp",
     "load_portable_dcp",
+    "parameter_index",
     "save_portable_dcp",
 ]

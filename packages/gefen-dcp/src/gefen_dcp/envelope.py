@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import PortableStateLimits, canonical_digest
+from gefen_contracts import CodecError, PortableStateLimits, canonical_digest
+from gefen_contracts.torch_support import dtype_from_name, dtype_name
 from gefen_contracts.validation import exact_int, identity_name
 
 from .canonical_json import dump_canonical, load_canonical
@@ -39,7 +40,6 @@ __all__ = [
     "DcpStateEnvelope",
     "TensorEntry",
     "decode_envelope",
-    "dtype_from_name",
     "encode_envelope",
 ]
 
@@ -52,39 +52,17 @@ PLAIN = "plain"
 PLACEMENTS = (LIKE_PARAMETER, REPLICATED, PLAIN)
 _TOP_KEYS = frozenset({"format", "format_version", "implementation", "skeleton", "tensors", "digest"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "placement"})
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64,
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
 
 
 def _fail(message: str) -> EnvelopeFormatError:
     return EnvelopeFormatError(message)
 
 
-def dtype_from_name(name: object, where: str) -> torch.dtype:
-    dtype = _DTYPES.get(name) if type(name) is str else None
-    if dtype is None:
-        raise _fail(f"{where}: dtype {name!r} is not one of {sorted(_DTYPES)}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype, where: str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise _fail(f"{where}: dtype {dtype} cannot be saved (one of {sorted(_DTYPES)})")
-    return name
+def _dtype(name: object, where: str) -> torch.dtype:
+    try:
+        return dtype_from_name(name)
+    except CodecError as exc:
+        raise _fail(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +74,11 @@ class TensorEntry:
     placement: str
 
     def record(self) -> dict[str, object]:
-        return {"dtype": dtype_name(self.dtype, "tensor"), "shape": list(self.shape), "placement": self.placement}
+        try:
+            name = dtype_name(self.dtype)
+        except CodecError as exc:
+            raise _fail(f"a state tensor cannot be saved: {exc}") from None
+        return {"dtype": name, "shape": list(self.shape), "placement": self.placement}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -140,7 +122,7 @@ def _tensor_entry(key: object, record: object, limits: PortableStateLimits) -> T
         raise _fail(str(exc)) from None
     if record["placement"] not in PLACEMENTS:
         raise _fail(f"{where}.placement must be one of {list(PLACEMENTS)}, got {record['placement']!r}")
-    return TensorEntry(dtype_from_name(record["dtype"], where), dims, record["placement"])
+    return TensorEntry(_dtype(record["dtype"], where), dims, record["placement"])
 
 
 def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnvelope:

@@ -25,7 +25,7 @@ from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, f
 from .freshness import state_version_token, tensor_version_token
 from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
 from .sealed_layout import SealedLayout
-from .tensors import tensor_digest, tensor_leaf
+from .tensors import dtype_from_name, dtype_name, tensor_digest, tensor_leaf
 
 __all__ = [
     "BOUND_STATE_COVERAGE",
@@ -49,6 +49,8 @@ __all__ = [
     "parse_bound_state",
     "plan_rebinding",
     "state_version_token",
+    "dtype_from_name",
+    "dtype_name",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

@@ -10,7 +10,7 @@ import torch
 from ..digest import DigestLeaf, canonical_digest
 from ..errors import CodecError
 
-__all__ = ["tensor_digest", "tensor_leaf"]
+__all__ = ["dtype_from_name", "dtype_name", "tensor_digest", "tensor_leaf"]
 
 _CHUNK_BYTES = 8 << 20
 _NAMES = {
@@ -27,6 +27,25 @@ _NAMES = {
     torch.complex64: "complex64",
     torch.complex128: "complex128",
 }
+
+
+_DTYPES = {name: dtype for dtype, name in _NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The convention's name of a tensor dtype (``"bfloat16"``); ``CodecError`` if it has none."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise CodecError(f"dtype {dtype} has no name in the convention (one of {sorted(_DTYPES)})")
+    return name
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    """The dtype :func:`dtype_name` names; ``CodecError`` for anything else."""
+    dtype = _DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        raise CodecError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return dtype
 
 
 class _TensorLeaf:

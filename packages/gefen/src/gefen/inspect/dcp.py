@@ -98,11 +98,6 @@ def _nest(path: tuple[str, ...], value: object) -> dict[str, Any]:
     return nested
 
 
-def _parameter_index(key: str) -> int | None:
-    parts = key.split("/")
-    return int(parts[1]) if len(parts) >= 3 and parts[0] == "state" and parts[1].isdigit() else None
-
-
 def _dcp_state(
     root: Path, prefix: tuple[str, ...], metadata: Any, keys: dict[str, tuple[str, ...]], verify: bool
 ) -> CheckpointDescription:
@@ -127,18 +122,24 @@ def _dcp_state(
             name, kind, "gefen.dcp_state", None,
             problems=(Problem(envelope_key, f"unreadable envelope: {_error(exc)}"),), tensor_bytes=stored,
         )  # fmt: skip
+    from gefen_contracts import CodecError
+    from gefen_contracts.torch_support import dtype_from_name
+    from gefen_dcp import parameter_index
+
     by_parameter: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     common: list[str] = []
     for key, record in sorted(tensors_record.items()):
-        index = _parameter_index(key)
+        index = parameter_index(key)
         if index is None:
             common.append(key)
         else:
             by_parameter.setdefault(index, []).append((key.split("/", 2)[2], record))
 
     def nbytes(record: dict[str, Any]) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, str(record.get("dtype")), torch.uint8)).element_size()
-        return int(math.prod(record.get("shape", ()))) * itemsize
+        try:  # the record is not verified yet; verification reports a bad one
+            return int(math.prod(record.get("shape", ()))) * dtype_from_name(record.get("dtype")).itemsize
+        except (CodecError, TypeError):
+            return 0
 
     parameters = tuple(
         ParameterSummary(
