@@ -34,7 +34,7 @@ from gefen_portable import (
     export_portable_state,
     import_portable_composite_state,
     import_portable_state,
-    portable_state_digest,
+    reseal_document,
 )
 from hstate_child import sign_child_factory
 from torch import nn
@@ -121,7 +121,7 @@ def test_a_contracted_adamw_document_round_trips_through_a_weights_only_file(tmp
     assert not snapshot_diff(before, optimizer, model)
     assert document["implementation"] == "gefen.ContractedAdamW"
     record = document["parameters"]["hidden.weight"]
-    assert (record["variant"], record["counters"], sorted(record["element_fields"])) == (
+    assert (record["variant"], record["counters"], sorted(record["fields"])) == (
         "adamw_amsgrad",
         {"step": 3},
         ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
@@ -155,7 +155,7 @@ def test_a_composite_document_round_trips_through_a_weights_only_file(tmp_path: 
 
 
 def _reseal(document: dict[str, Any]) -> None:
-    document["completion"]["digest"] = portable_state_digest({k: v for k, v in document.items() if k != "completion"})
+    reseal_document(document)
 
 
 def _reseal_wrapper(wrapper: dict[str, Any]) -> None:
@@ -174,11 +174,11 @@ def _edit_record(fqn: str, edit: Callable[[dict[str, Any]], None]) -> Callable[[
 
 
 def _flip_byte(document: dict[str, Any]) -> None:
-    document["parameters"]["hidden.weight"]["element_fields"]["exp_avg"].view(-1)[0] += 1.0
+    document["parameters"]["hidden.weight"]["fragments"][0]["fields"]["exp_avg"].view(-1)[0] += 1.0
 
 
 def _negate(name: str) -> Callable[[dict[str, Any]], None]:
-    return lambda record: record["element_fields"][name].neg_().sub_(1.0)
+    return lambda record: record["fragments"][0]["fields"][name].neg_().sub_(1.0)
 
 
 def _amsgrad_everywhere(document: dict[str, Any]) -> None:

@@ -44,6 +44,7 @@ from gefen_contracts.torch_support import CodebookProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
 from gefen_core.contract import PORTABLE_SUPPORT
 from gefen_core.muon_contract import MUON_PORTABLE_SUPPORT
+from gefen_core_test_support import imported_slots
 
 SOLO = ProcessGroupIdentity("tests.solo", ("member:0",))
 STEPS = 4
@@ -179,7 +180,7 @@ def _import(optimizer: Any, export: PortableExport, slots: Any = None) -> None:
         implementation=export.implementation,
         policy=export.policy,
         common=export.common,
-        slots=export.slots if slots is None else slots,
+        slots=imported_slots(export.slots if slots is None else slots),
     )
     optimizer.portable_commit_import(staged)
 
@@ -195,7 +196,14 @@ def _same_exports(got: PortableExport, expected: PortableExport) -> bool:
             dict(b.counters),
         ):
             return False
-        for mine, theirs in ((a.element_fields, b.element_fields), (a.replica_fields, b.replica_fields)):
+        if a.block_period != b.block_period:
+            return False
+        pairs = (
+            (a.element_fields, b.element_fields),
+            (a.block_fields, b.block_fields),
+            (a.replica_fields, b.replica_fields),
+        )
+        for mine, theirs in pairs:
             if mine.keys() != theirs.keys() or not all(torch.equal(mine[k], theirs[k]) for k in mine):  # type: ignore[arg-type]
                 return False
     return True
@@ -237,11 +245,11 @@ def test_a_bound_round_trip_continues_bit_exactly(kind: str) -> None:
 
 
 def _corruptions(export: PortableExport) -> dict[str, tuple[list[Any], str]]:
-    slots = list(export.slots)
+    slots = imported_slots(export.slots)
     index = next(i for i, s in enumerate(slots) if s.variant != "pristine" and s.element_fields)
     slot = slots[index]
-    momentum = slot.element_fields["momentum"]
-    assert isinstance(momentum, torch.Tensor)
+    scale, codes = slot.element_fields["momentum_scale"], slot.element_fields["momentum_codes"]
+    assert isinstance(scale, torch.Tensor) and isinstance(codes, torch.Tensor)
 
     def with_slot(**changes: Any) -> list[Any]:
         edited = list(slots)
@@ -250,16 +258,20 @@ def _corruptions(export: PortableExport) -> dict[str, tuple[list[Any], str]]:
 
     global_step = export.common["global_step"]
     assert type(global_step) is int
-    nan = momentum.clone().reshape(-1)
+    nan = scale.clone().reshape(-1)
     nan[0] = float("nan")
     return {
-        "non-finite momentum": (
-            with_slot(element_fields={**slot.element_fields, "momentum": nan.view_as(momentum)}),
-            "non-finite",
+        "non-finite momentum scale": (
+            with_slot(element_fields={**slot.element_fields, "momentum_scale": nan.view_as(scale)}),
+            "finite",
         ),
         "wrong shape": (
-            with_slot(element_fields={**slot.element_fields, "momentum": momentum.reshape(-1)[:-1].clone()}),
+            with_slot(element_fields={**slot.element_fields, "momentum_codes": codes.reshape(-1)[:-1].clone()}),
             "shape",
+        ),
+        "codes as float": (
+            with_slot(element_fields={**slot.element_fields, "momentum_codes": codes.float()}),
+            "uint8",
         ),
         "step beyond the global step": (
             with_slot(counters={**slot.counters, "step": global_step + 1}),

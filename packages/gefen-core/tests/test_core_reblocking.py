@@ -36,6 +36,7 @@ from gefen_core.reblocking import (
     period_divisors,
     reencodes_exactly,
 )
+from gefen_core_test_support import dense_momentum, imported_slots
 
 #: The issue's bound on the relative loss difference of a resumed run, at every step.
 BOUND = 5e-3
@@ -120,7 +121,7 @@ def _import(optimizer: Any, export: PortableExport, slots: Any = None) -> None:
         implementation=export.implementation,
         policy=export.policy,
         common=export.common,
-        slots=export.slots if slots is None else slots,
+        slots=imported_slots(export.slots if slots is None else slots),
     )
     optimizer.portable_commit_import(staged)
 
@@ -133,7 +134,12 @@ def _assert_same_slots(got: PortableExport, expected: PortableExport) -> None:
             b.variant,
             dict(b.counters),
         )
-        for mine, theirs in ((a.element_fields, b.element_fields), (a.replica_fields, b.replica_fields)):
+        assert a.block_period == b.block_period
+        for mine, theirs in (
+            (a.element_fields, b.element_fields),
+            (a.block_fields, b.block_fields),
+            (a.replica_fields, b.replica_fields),
+        ):
             assert mine.keys() == theirs.keys()
             for name in mine:
                 assert torch.equal(mine[name], theirs[name]), (a.layout.fqn, name)  # type: ignore[arg-type]
@@ -141,7 +147,8 @@ def _assert_same_slots(got: PortableExport, expected: PortableExport) -> None:
 
 def _momenta(optimizer: Any) -> dict[str, torch.Tensor]:
     """Every slot's dense momentum, from its portable export."""
-    return {s.layout.fqn: s.element_fields["momentum"] for s in optimizer.portable_export().slots if s.element_fields}  # type: ignore[misc]
+    codebook = optimizer.codebook
+    return {s.layout.fqn: dense_momentum(s, codebook) for s in optimizer.portable_export().slots if s.element_fields}
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -259,10 +266,10 @@ def test_re_encoding_at_other_blocks_stays_within_the_stated_error() -> None:
         optimizer.step()
     source = int(optimizer.state[layer.weight]["automatic_period"])
     (slot,) = [s for s in optimizer.portable_export().slots if s.layout.fqn == "weight"]
-    momentum = slot.element_fields["momentum"].reshape(-1)  # type: ignore[attr-defined]
-    v = slot.element_fields["second_moment"].reshape(-1)  # type: ignore[attr-defined]
     codebook = optimizer._codebook
     assert codebook is not None
+    momentum = dense_momentum(slot, codebook).reshape(-1)
+    v = imported_slots([slot])[0].element_fields["second_moment"].reshape(-1)  # type: ignore[attr-defined]
     for period in (source // 2, 96, 3 * source // 2):
         assert momentum.numel() % period == 0
         indices, magnitude = encode_momentum(momentum, period, codebook, "cpu")
@@ -340,7 +347,10 @@ def test_a_portable_import_refuses_a_foreign_document_unchanged() -> None:
             slots=export.slots,
         )
     staged = twin.portable_prepare_import(
-        implementation=export.implementation, policy=export.policy, common=export.common, slots=export.slots
+        implementation=export.implementation,
+        policy=export.policy,
+        common=export.common,
+        slots=imported_slots(export.slots),
     )
     _train(twin_model, twin, 1, 1)
     with pytest.raises(StaleTransactionError):

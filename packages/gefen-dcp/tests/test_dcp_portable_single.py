@@ -51,7 +51,7 @@ STEPS = 3
 def test_portable_envelope_chunk_table_and_composite_golden_vectors() -> None:
     limits = PortableStateLimits()
     envelope = PortableEnvelope("optimizer", "a" * 64, "b" * 64, 2, 3, 8 << 20)
-    golden = (GOLDEN / "portable_dcp_envelope_v1.json").read_bytes()
+    golden = (GOLDEN / "portable_dcp_envelope_v2.json").read_bytes()
     assert encode_portable_envelope(envelope, limits=limits) == golden
     assert decode_portable_envelope(golden, limits=limits) == envelope
     assert json.loads(golden)["format"] == PORTABLE_DCP_FORMAT
@@ -78,7 +78,7 @@ def test_portable_envelope_chunk_table_and_composite_golden_vectors() -> None:
     golden = (GOLDEN / "portable_dcp_composite_v1.json").read_bytes()
     assert encode_composite_envelope(composite, limits=limits) == golden
     assert decode_composite_envelope(golden, limits=limits) == composite
-    tampered = json.loads((GOLDEN / "portable_dcp_envelope_v1.json").read_bytes())
+    tampered = json.loads((GOLDEN / "portable_dcp_envelope_v2.json").read_bytes())
     tampered["writers"] = 4
     with pytest.raises(EnvelopeFormatError, match="digest"):
         decode_portable_envelope(json.dumps(tampered, sort_keys=True, separators=(",", ":")).encode(), limits=limits)

@@ -26,11 +26,13 @@ from gefen_contracts import (
     PortableSlotLayout,
     PortableStateLimits,
     ProcessGroupIdentity,
-    to_primitive,
+    ShardingManifest,
 )
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_portable import (
     Catalog,
+    FieldSpec,
+    FragmentRecord,
     ParameterRecord,
     PortableFragment,
     PortableIntegrityError,
@@ -41,11 +43,13 @@ from gefen_portable import (
     decode_wire,
     encode_wire,
     export_portable_state,
+    fragment_digest,
     needed_fragments,
     parse_catalog,
     portable_state_digest,
+    reseal_document,
 )
-from gefen_portable.document import build_document, parse_document
+from gefen_portable.document import parse_document
 from hypothesis import given
 from hypothesis import strategies as st
 from portable_sgd_adopter import PortableSGD, flattened_manifest, group, initial_values, replicated_manifest
@@ -53,20 +57,29 @@ from portable_sgd_adopter import PortableSGD, flattened_manifest, group, initial
 GOLDEN = Path(__file__).parent / "golden" / "portable_document_vectors.json"
 REGEN = os.environ.get("GEFEN_REGEN_GOLDEN") == "1"
 LIMITS = PortableStateLimits()
+FP32, U8 = FieldSpec(torch.float32), FieldSpec(torch.uint8)
+BLOCK = FieldSpec(torch.float32, blocked=True)
 
 
-def golden_document() -> dict[str, Any]:
-    """A hand-built document (no RNG), flattened ``w`` and replicated ``b`` over two members."""
+def _fragment(fqn: str, index: int, extent: LogicalSlice, period: int, fields: dict[str, torch.Tensor]) -> Any:
+    digest = fragment_digest(fqn, extent, period, fields)
+    nbytes = sum(t.numel() * t.element_size() for t in fields.values())
+    return FragmentRecord(extent, period, digest, nbytes), PortableFragment(fqn, index, extent, period, fields, digest)
+
+
+def golden_state() -> PortableState:
+    """A hand-built state (no RNG): ``w`` (2x3) as two flattened fragments over two members
+    with an fp32 and a uint8 element field and a block field (runs of 3, then 2), and a
+    replicated ``b`` with one fp32 element field and a replica field."""
     pg = group(2, "dp2")
-    shards = flattened_manifest({"w": (2, 3)}, pg).shards + replicated_manifest({"b": (3,)}, pg).shards
-    from gefen_contracts import ShardingManifest
-
-    manifest = ShardingManifest(shards)
+    shards = (
+        flattened_manifest({"w": (2, 3)}, pg, {"w": [0, 4, 6]}).shards + replicated_manifest({"b": (3,)}, pg).shards
+    )
     header = StateHeader(
         "gefen_test.Golden",
         {"schema": 1, "eps": 1e-8, "names": ["x", "y"]},
         {"global_step": 3, "table": torch.tensor([-1.0, -0.0, 1.0])},
-        manifest,
+        ShardingManifest(shards),
     )
     records = {
         "w": ParameterRecord(
@@ -76,7 +89,7 @@ def golden_document() -> dict[str, Any]:
             {"lr": 0.1, "nesterov": False},
             "momentum",
             {"step": 3},
-            ("momentum", "variance"),
+            {"codes": U8, "momentum": FP32, "scale": BLOCK},
             {},
             ParameterLayout.FLATTENED_ELEMENT_SHARD,
         ),
@@ -87,19 +100,34 @@ def golden_document() -> dict[str, Any]:
             {"lr": 0.1, "nesterov": False},
             "momentum_scaled",
             {"step": 3},
-            ("momentum",),
+            {"momentum": FP32},
             {"lr_scale": torch.tensor([0.5])},
             ParameterLayout.REPLICATED,
         ),
     }
-    fields = {
-        "w": {
-            "momentum": (torch.arange(6, dtype=torch.float32) / 4).reshape(2, 3),
-            "variance": torch.full((2, 3), 0.25),
-        },
-        "b": {"momentum": torch.tensor([-0.0, 1.5, -2.25])},
-    }
-    return build_document(header, records, fields)
+    momentum = torch.arange(6, dtype=torch.float32) / 4
+    codes = torch.tensor([0, 7, 255, 3, 128, 9], dtype=torch.uint8)
+    w0 = _fragment(
+        "w",
+        0,
+        LogicalSlice(0, 4),
+        3,
+        {"codes": codes[:4].clone(), "momentum": momentum[:4].clone(), "scale": torch.tensor([0.5, 2.0])},
+    )
+    w1 = _fragment(
+        "w",
+        1,
+        LogicalSlice(4, 2),
+        2,
+        {"codes": codes[4:].clone(), "momentum": momentum[4:].clone(), "scale": torch.tensor([-0.0])},
+    )
+    b0 = _fragment("b", 0, LogicalSlice(0, 3), 0, {"momentum": torch.tensor([-0.0, 1.5, -2.25])})
+    catalog = Catalog.build(header, records, {"w": (w0[0], w1[0]), "b": (b0[0],)})
+    return PortableState(catalog, [b0[1], w0[1], w1[1]])
+
+
+def golden_document() -> dict[str, Any]:
+    return golden_state().materialize()
 
 
 def roundtrip(value: Any) -> Any:
@@ -129,9 +157,8 @@ def assert_trees_bitwise(a: Any, b: Any, path: str = "doc") -> None:
         assert a == b, path
 
 
-def reseal(document: dict[str, Any]) -> None:
-    payload = {k: v for k, v in document.items() if k != "completion"}
-    document["completion"]["digest"] = portable_state_digest(payload)
+def w_fields(document: dict[str, Any], index: int) -> dict[str, torch.Tensor]:
+    return document["parameters"]["w"]["fragments"][index]["fields"]  # type: ignore[no-any-return]
 
 
 # -- golden vectors --------------------------------------------------------------------
@@ -169,11 +196,20 @@ def test_document_is_weights_only_safe_and_reparses_to_the_same_state() -> None:
             "completion",
         ]
     )
+    assert document["format"] == "gefen.portable_state" and document["format_version"] == 2
+    assert w_fields(document, 0)["codes"].dtype is torch.uint8
     loaded = roundtrip(document)
-    parsed = parse_document(loaded, limits=LIMITS)
-    assert parsed.digest == document["completion"]["digest"]
+    catalog, fragments = parse_document(loaded, limits=LIMITS)
+    assert catalog.digest == document["completion"]["digest"] and len(fragments) == 3
     again = PortableState.from_document(loaded, limits=LIMITS).materialize()
     assert_trees_bitwise(again, document)
+
+
+def test_a_version_1_document_is_refused_naming_both_versions() -> None:
+    document = golden_document()
+    document["format_version"] = 1
+    with pytest.raises(PortableStateError, match=r"version 1.*version 2|version 2.*version 1"):
+        PortableState.from_document(document, limits=LIMITS)
 
 
 def test_parsing_neither_aliases_nor_mutates_the_input() -> None:
@@ -181,8 +217,9 @@ def test_parsing_neither_aliases_nor_mutates_the_input() -> None:
     reference = copy.deepcopy(document)
     state = PortableState.from_document(document, limits=LIMITS)
     assert_trees_bitwise(document, reference)
-    document["parameters"]["b"]["element_fields"]["momentum"].add_(1.0)
+    document["parameters"]["b"]["fragments"][0]["fields"]["momentum"].add_(1.0)
     assert state.materialize()["completion"]["digest"] == reference["completion"]["digest"]
+    assert_trees_bitwise(state.materialize(), reference)
 
 
 def test_digest_is_independent_of_key_order_and_sensitive_to_every_value() -> None:
@@ -190,9 +227,14 @@ def test_digest_is_independent_of_key_order_and_sensitive_to_every_value() -> No
     payload = {k: v for k, v in document.items() if k != "completion"}
     reordered = {k: payload[k] for k in reversed(list(payload))}
     assert portable_state_digest(reordered) == document["completion"]["digest"]
-    changed = copy.deepcopy(payload)
-    changed["parameters"]["b"]["element_fields"]["momentum"][0] = 0.0  # -0.0 -> +0.0
-    assert portable_state_digest(changed) != document["completion"]["digest"]
+    changed = copy.deepcopy(document)
+    changed["parameters"]["b"]["fragments"][0]["fields"]["momentum"][0] = 0.0  # -0.0 -> +0.0
+    reseal_document(changed)
+    assert changed["completion"]["digest"] != document["completion"]["digest"]
+    changed = copy.deepcopy(document)
+    w_fields(changed, 1)["scale"][0] = 0.0  # a block field's -0.0 -> +0.0
+    reseal_document(changed)
+    assert changed["completion"]["digest"] != document["completion"]["digest"]
 
 
 # -- strict validation -----------------------------------------------------------------
@@ -220,6 +262,9 @@ def _delete(path: tuple[Any, ...]) -> Edit:
     return edit
 
 
+_B = ("parameters", "b", "fragments", 0, "fields")
+_W0 = ("parameters", "w", "fragments", 0)
+
 SEMANTIC_EDITS: dict[str, Edit] = {
     "missing top-level key": _delete(("policy",)),
     "extra top-level key": _set(("provenance",), None),
@@ -246,15 +291,22 @@ SEMANTIC_EDITS: dict[str, Edit] = {
     "replica field dtype": _set(
         ("parameters", "b", "replica_fields", "lr_scale"), torch.tensor([1], dtype=torch.int32)
     ),
-    "replica field also element": _set(("parameters", "b", "replica_fields", "momentum"), torch.zeros(1)),
-    "element field shape": _set(("parameters", "b", "element_fields", "momentum"), torch.zeros(4)),
-    "element field dtype": _set(("parameters", "b", "element_fields", "momentum"), torch.zeros(3, dtype=torch.float64)),
-    "element field non-finite": _set(
-        ("parameters", "b", "element_fields", "momentum"), torch.tensor([0.0, float("inf"), 1.0])
-    ),
-    "element field name": _set(("parameters", "b", "element_fields", " momentum"), torch.zeros(3)),
+    "replica field also a fragment field": _set(("parameters", "b", "replica_fields", "momentum"), torch.zeros(1)),
+    "field spec dtype unknown": _set(("parameters", "w", "fields", "codes", "dtype"), "uint9"),
+    "field spec blocked not bool": _set(("parameters", "w", "fields", "scale", "blocked"), 1),
+    "field spec missing key": _delete(("parameters", "w", "fields", "codes", "blocked")),
+    "field spec says fp32 for codes": _set(("parameters", "w", "fields", "codes", "dtype"), "float32"),
+    "block period zero with block fields": _set((*_W0, "block_period"), 0),
+    "block period changed": _set((*_W0, "block_period"), 1),
+    "element field shape": _set((*_B, "momentum"), torch.zeros(4)),
+    "element field dtype": _set((*_B, "momentum"), torch.zeros(3, dtype=torch.float64)),
+    "element field non-finite": _set((*_B, "momentum"), torch.tensor([0.0, float("inf"), 1.0])),
+    "block field length": _set((*_W0, "fields", "scale"), torch.tensor([0.5, 2.0, 1.0])),
+    "block field non-finite": _set((*_W0, "fields", "scale"), torch.tensor([0.5, float("nan")])),
+    "field missing from a fragment": _delete((*_W0, "fields", "codes")),
+    "field name": _set((*_B, " momentum"), torch.zeros(3)),
     "hint source layout": _set(("parameters", "w", "projection_hints", "source_layout"), "replicated"),
-    "hint unknown rule": _set(("parameters", "w", "projection_hints", "element_fields"), "shard_identity_v2"),
+    "hint unknown rule": _set(("parameters", "w", "projection_hints", "element_fields"), "shard_identity_v1"),
     "completion status": _set(("completion", "status"), "partial"),
     "completion grammar": _set(("completion", "digest_grammar"), "repr"),
 }
@@ -266,19 +318,21 @@ def test_every_malformed_field_is_refused_even_with_a_recomputed_digest(name: st
     SEMANTIC_EDITS[name](document)
     # The digest grammar itself refuses some values (non-finite); parsing must refuse them too.
     with contextlib.suppress(Exception):
-        reseal(document)
+        reseal_document(document)
     with pytest.raises(PortableStateError) as raised:
         PortableState.from_document(document, limits=LIMITS)
     assert type(raised.value) is not PortableIntegrityError or name.startswith("completion")
 
 
-@pytest.mark.parametrize("edit", ["counter", "tensor", "option", "digest text"])
+@pytest.mark.parametrize("edit", ["counter", "tensor", "block tensor", "option", "digest text"])
 def test_any_edit_without_a_matching_digest_is_an_integrity_error(edit: str) -> None:
     document = golden_document()
     if edit == "counter":
         document["parameters"]["w"]["counters"]["step"] = 4
     elif edit == "tensor":
-        document["parameters"]["w"]["element_fields"]["variance"][0, 0] = 0.5
+        w_fields(document, 0)["codes"][0] = 1
+    elif edit == "block tensor":
+        w_fields(document, 0)["scale"][1] = 0.25
     elif edit == "option":
         document["parameters"]["w"]["options"]["lr"] = 0.2
     else:
@@ -289,7 +343,7 @@ def test_any_edit_without_a_matching_digest_is_an_integrity_error(edit: str) -> 
 
 def test_a_document_above_the_collective_limits_is_refused_before_its_tensors_are_copied() -> None:
     document = golden_document()
-    tight = PortableStateLimits(max_fragment_tensor_bytes=16, max_collective_tensor_bytes=32)
+    tight = PortableStateLimits(max_fragment_tensor_bytes=8, max_collective_tensor_bytes=16)
     copied: list[int] = []
     from gefen_portable import wire
 
@@ -308,40 +362,24 @@ def test_a_document_above_the_collective_limits_is_refused_before_its_tensors_ar
 
 
 def test_catalog_record_round_trips_and_is_weights_only_safe() -> None:
-    state = PortableState.from_document(golden_document(), limits=LIMITS)
+    state = golden_state()
     record = roundtrip(state.catalog_record())
     catalog = parse_catalog(record, limits=LIMITS)
     assert catalog.digest == state.catalog_digest
     assert catalog.to_record()["completion"] == record["completion"]
+    assert catalog.fragment_tensors("w", 0) == {
+        "codes": ((4,), torch.uint8),
+        "momentum": ((4,), torch.float32),
+        "scale": ((2,), torch.float32),
+    }
+    assert catalog.fragment_tensors("w", 1)["scale"] == ((1,), torch.float32)
 
 
 def _catalog_edit(record: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     edited = copy.deepcopy(record)
     edit(edited)
-    payload = {k: v for k, v in edited.items() if k != "completion"}
-    edited["completion"]["digest"] = portable_state_digest(payload)
+    edited["completion"]["digest"] = portable_state_digest(edited)
     return edited
-
-
-def _split_catalog() -> dict[str, Any]:
-    """A catalog whose ``w`` is held as two fragments (as after a two-member export)."""
-    document = golden_document()
-    state = PortableState.from_document(document, limits=LIMITS)
-    record = state.catalog_record()
-    w = document["parameters"]["w"]["element_fields"]
-    pieces = []
-    for offset, length in ((0, 4), (4, 2)):
-        fields = {name: t.reshape(-1)[offset : offset + length].clone() for name, t in w.items()}
-        from gefen_portable import fragment_digest
-
-        extent = LogicalSlice(offset, length)
-        pieces.append(
-            {"extent": to_primitive(extent), "digest": fragment_digest("w", extent, fields), "nbytes": length * 8}
-        )
-    record["parameters"]["w"]["fragments"] = pieces
-    payload = {k: v for k, v in record.items() if k != "completion"}
-    record["completion"]["digest"] = portable_state_digest(payload)
-    return record
 
 
 CATALOG_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -350,47 +388,51 @@ CATALOG_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
     "out of order": lambda r: r["parameters"]["w"]["fragments"].reverse(),
     "nbytes": lambda r: r["parameters"]["w"]["fragments"][0].update(nbytes=1),
     "digest text": lambda r: r["parameters"]["w"]["fragments"][0].update(digest="XYZ"),
-    "fragments without fields": lambda r: r["parameters"]["w"].update(element_fields=[]),
-    "unsorted field names": lambda r: r["parameters"]["w"].update(element_fields=["variance", "momentum"]),
+    "negative block period": lambda r: r["parameters"]["w"]["fragments"][0].update(block_period=-1),
+    "fragments without fields": lambda r: r["parameters"]["w"].update(fields={}),
     "no fragments": lambda r: r["parameters"]["w"].update(fragments=[]),
+    "version 1": lambda r: r.update(format_version=1),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG_EDITS))
 def test_catalog_fragments_must_tile_each_parameter_exactly_once(name: str) -> None:
-    record = _split_catalog()
+    record = golden_state().catalog_record()
     assert parse_catalog(record, limits=LIMITS).fragment_keys() == (("b", 0), ("w", 0), ("w", 1))
     with pytest.raises(PortableStateError):
         parse_catalog(_catalog_edit(record, CATALOG_EDITS[name]), limits=LIMITS)
 
 
 def test_a_partial_state_needs_its_peers_and_a_corrupted_fragment_is_refused() -> None:
-    document = golden_document()
-    full = PortableState.from_document(document, limits=LIMITS)
+    full = golden_state()
     record = full.catalog_record()
     partial = PortableState.from_parts(record, full.fragments[:1], limits=LIMITS)
     assert not partial.is_complete and full.is_complete
     with pytest.raises(PortableStateError, match="fragments"):
         partial.materialize()
     broken = full.fragments[1]
-    tensor = next(iter(broken.fields.values())).clone()
+    tensor = broken.fields["codes"].clone()
     tensor.view(-1)[0] += 1
     forged = PortableFragment(
-        broken.fqn, broken.index, broken.extent, {**broken.fields, next(iter(broken.fields)): tensor}, broken.digest
+        broken.fqn, broken.index, broken.extent, broken.block_period, {**broken.fields, "codes": tensor}, broken.digest
     )
-    corrupted = PortableState(full.catalog, [full.fragments[0], forged])
+    corrupted = PortableState(full.catalog, [full.fragments[0], forged, full.fragments[2]])
     with pytest.raises(PortableIntegrityError):
         corrupted.materialize()
     with pytest.raises(PortableStateError):
         PortableState(full.catalog, [full.fragments[0], full.fragments[0]])
-    wrong = PortableFragment("w", 0, LogicalSlice(0, 6), broken.fields, "0" * 64)
+    wrong = PortableFragment("w", 0, LogicalSlice(0, 6), 3, broken.fields, "0" * 64)
     with pytest.raises(PortableStateError):
         PortableState(full.catalog, [wrong])
+    other_period = PortableFragment("w", 0, broken.extent, 2, broken.fields, broken.digest)
+    with pytest.raises(PortableStateError, match="block period"):
+        PortableState(full.catalog, [other_period])
     assert isinstance(full.catalog, Catalog)
 
 
 def test_a_member_needs_only_the_fragments_overlapping_its_pieces() -> None:
-    catalog = parse_catalog(_split_catalog(), limits=LIMITS)
+    full = golden_state()
+    catalog = full.catalog
     manifest = flattened_manifest({"w": (2, 3), "b": (3,)}, group(2, "dp2"))
     wanted = {}
     for member in ("rank:0", "rank:1"):
@@ -398,11 +440,10 @@ def test_a_member_needs_only_the_fragments_overlapping_its_pieces() -> None:
         wanted[member] = needed_fragments(catalog, PortableLayout("gefen_test.Golden", manifest, slots))
     assert wanted["rank:0"] == {("b", 0), ("w", 0)}
     assert wanted["rank:1"] == {("b", 0), ("w", 0), ("w", 1)}
-    document = golden_document()
-    fields = {n: t.reshape(-1)[4:6].clone() for n, t in document["parameters"]["w"]["element_fields"].items()}
+    fields = dict(full.fragment("w", 1).fields)  # type: ignore[union-attr]
     fragment = PortableFragment.from_catalog(catalog, "w", 1, fields)
     state = PortableState(catalog, [fragment])
-    assert not state.is_complete and state.local_bytes == 16
+    assert not state.is_complete and state.local_bytes == 2 + 8 + 4
     with pytest.raises(PortableStateError):
         PortableFragment.from_catalog(catalog, "w", 2, fields)
 

@@ -32,7 +32,7 @@ from gefen_portable import (
     encode_wire,
     export_portable_state,
     import_portable_state,
-    portable_state_digest,
+    reseal_document,
 )
 from gefen_portable.importer import commit_on_session, prepare_on_session
 from gefen_portable.protocol import Session
@@ -126,7 +126,7 @@ def test_export_is_read_only_and_deterministic() -> None:
 def test_a_pristine_document_resets_a_trained_target() -> None:
     source = trained(steps=0)
     document = export(source).materialize()
-    assert all(not p["element_fields"] for p in document["parameters"].values())
+    assert all(not p["fields"] and not p["fragments"] for p in document["parameters"].values())
     target = trained(steps=2)
     do_import(target, document)
     assert not any(target.state.values()) and target.global_step == 0
@@ -181,8 +181,7 @@ def _resealed(edit: Callable[[dict[str, Any]], None]) -> Callable[[], Any]:
     def make() -> Any:
         document = export(trained()).materialize()
         edit(document)
-        payload = {k: v for k, v in document.items() if k != "completion"}
-        document["completion"]["digest"] = portable_state_digest(payload)
+        reseal_document(document)
         return document
 
     return make
@@ -297,7 +296,7 @@ class Misbehaving(PortableSGD):
         if self.mode == "shape":
             fields["momentum"] = torch.zeros(3)
         elif self.mode == "dtype":
-            fields["momentum"] = fields["momentum"].double()
+            fields["momentum"] = fields["momentum"].to(torch.float8_e4m3fn)  # not a wire dtype
         elif self.mode == "nan":
             fields["momentum"] = torch.full_like(fields["momentum"], float("nan"))
         elif self.mode == "order":
@@ -389,21 +388,29 @@ def _invalid_edits() -> list[tuple[str, Callable[[dict[str, Any]], None]]]:
         ("common extra", lambda d: d["common"].update(codebook=torch.zeros(4))),
         ("replica removed", lambda d: record(d)["replica_fields"].clear()),
         ("replica shape", lambda d: record(d)["replica_fields"].update(lr_scale=torch.zeros(2))),
-        (
-            "element renamed",
-            lambda d: record(d)["element_fields"].update(velocity=record(d)["element_fields"].pop("momentum")),
-        ),
-        ("element shape", lambda d: record(d)["element_fields"].update(momentum=torch.zeros(16, 25))),
-        (
-            "element dtype",
-            lambda d: record(d)["element_fields"].update(momentum=record(d)["element_fields"]["momentum"].half()),
-        ),
+        ("element renamed", lambda d: _rename_field(record(d), "momentum", "velocity")),
+        ("element shape", lambda d: record(d)["fragments"][0]["fields"].update(momentum=torch.zeros(16, 25))),
+        ("element dtype", lambda d: _half_field(record(d), "momentum")),
         ("parameter dropped", lambda d: d["parameters"].pop("norm.gain")),
         ("identity shape", lambda d: record(d)["identity"].update(global_shape=[24, 16])),
         ("position clash", lambda d: record(d).update(position=list(d["parameters"]["norm.gain"]["position"]))),
         ("manifest member", lambda d: d["manifest"]["shards"][0].update(local_member="x")),
         ("hint", lambda d: record(d)["projection_hints"].update(replica_fields="row_slices_v1")),
     ]
+
+
+def _rename_field(record: dict[str, Any], old: str, new: str) -> None:
+    record["fields"][new] = record["fields"].pop(old)
+    for fragment in record["fragments"]:
+        fragment["fields"][new] = fragment["fields"].pop(old)
+
+
+def _half_field(record: dict[str, Any], name: str) -> None:
+    """The field stored as float16, spec and tensors alike (so only the adapter can object)."""
+    record["fields"][name]["dtype"] = "float16"
+    for fragment in record["fragments"]:
+        fragment["fields"][name] = fragment["fields"][name].half()
+        fragment["nbytes"] = sum(t.numel() * t.element_size() for t in fragment["fields"].values())
 
 
 def _live_import(
@@ -414,8 +421,7 @@ def _live_import(
     if edit is not None:
         edit(document)
         if reseal:
-            payload = {k: v for k, v in document.items() if k != "completion"}
-            document["completion"]["digest"] = portable_state_digest(payload)
+            reseal_document(document)
     do_import(target, document)
 
 

@@ -102,14 +102,22 @@ class PortableLayout:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PortableSlotState:
-    """One local slot's state in dense, topology-neutral form.
+    """One local slot's state in topology-neutral form.
 
-    ``element_fields`` are fp32 tensors shaped like this member's piece of the parameter
-    (the full shape for replicated and owner pieces, ``(length,)`` for a flattened slice,
-    the region's lengths for a DTensor piece); they are assembled and re-projected by
-    shard identity. ``replica_fields`` are small fp32 tensors that are not
-    shard-addressable (for example factored statistics) and must be bit-identical on every
-    replica, or present only on a whole-parameter owner. ``counters`` are exact ints.
+    ``element_fields`` are tensors of any dtype the portable wire carries, shaped like this
+    member's piece of the parameter (the full shape for replicated and owner pieces,
+    ``(length,)`` for a flattened slice, the region's lengths for a DTensor piece); they
+    are assembled and re-projected by shard identity, element by element.
+    ``block_fields`` (export only) are compact fields that are constant on runs of
+    ``block_period`` consecutive elements of the piece's row-major order (the last run may
+    be shorter): each is 1-D with one value per run, ``ceil(numel / block_period)`` values.
+    A quantised optimizer exports its codes as an element field and its block scales as
+    block fields, so a document costs about one byte per element. **On import every block
+    field arrives expanded**: an element field shaped like the target piece holding, for
+    each element, the value of the source run it came from (the target's runs need not be
+    the source's). ``replica_fields`` are small tensors that are not shard-addressable
+    (for example factored statistics) and must be bit-identical on every replica, or
+    present only on a whole-parameter owner. ``counters`` are exact ints.
     """
 
     layout: PortableSlotLayout
@@ -118,6 +126,8 @@ class PortableSlotState:
     counters: Mapping[str, int] = field(default_factory=FrozenMap)
     element_fields: Mapping[str, object] = field(default_factory=FrozenMap)
     replica_fields: Mapping[str, object] = field(default_factory=FrozenMap)
+    block_fields: Mapping[str, object] = field(default_factory=FrozenMap)
+    block_period: int = 0
 
     def __post_init__(self) -> None:
         if type(self.layout) is not PortableSlotLayout:
@@ -127,9 +137,16 @@ class PortableSlotState:
         object.__setattr__(self, "counters", _counters(self.counters, "PortableSlotState.counters"))
         object.__setattr__(self, "element_fields", _tensors(self.element_fields, "PortableSlotState.element_fields"))
         object.__setattr__(self, "replica_fields", _tensors(self.replica_fields, "PortableSlotState.replica_fields"))
-        clash = set(self.element_fields) & set(self.replica_fields)
+        object.__setattr__(self, "block_fields", _tensors(self.block_fields, "PortableSlotState.block_fields"))
+        exact_int(self.block_period, "PortableSlotState.block_period", minimum=0)
+        if self.block_fields and self.block_period < 1:
+            raise ContractError("PortableSlotState.block_period must be >= 1 when there are block fields")
+        if not self.block_fields and self.block_period:
+            raise ContractError("PortableSlotState.block_period must be 0 without block fields")
+        names = [*self.element_fields, *self.replica_fields, *self.block_fields]
+        clash = sorted({name for name in names if names.count(name) > 1})
         if clash:
-            raise ContractError(f"PortableSlotState fields {sorted(clash)} are both element and replica fields")
+            raise ContractError(f"PortableSlotState fields {clash} appear in more than one field kind")
 
     @property
     def fqn(self) -> str:

@@ -192,7 +192,7 @@ class CanonicalLocalState(Protocol):
 
 @runtime_checkable
 class PortableAdapter(Protocol):
-    """Dense, topology-neutral state for portable export/import (feature ``portable_state``,
+    """Topology-neutral state for portable export/import (feature ``portable_state``,
     transport ``CANONICAL_GLOBAL``). Called by an optimizer-agnostic driver such as
     ``gefen_portable``, which does the collectives, assembly, projection and digests.
 
@@ -200,8 +200,10 @@ class PortableAdapter(Protocol):
     slots) without state. ``portable_export()`` returns this member's
     :class:`~gefen_contracts.exchange.PortableExport`: a primitive ``policy`` and ``common``
     record identical on every member, and one
-    :class:`~gefen_contracts.exchange.PortableSlotState` per local slot with dense fp32
-    fields (decoded from whatever compact form the optimizer keeps). It performs no
+    :class:`~gefen_contracts.exchange.PortableSlotState` per local slot: element fields
+    (any wire dtype, shaped like the piece), block fields (one value per run of
+    ``block_period`` elements) and replica fields, so a quantised state can travel in its
+    compact form. It performs no
     collective and raises ``NotSupportedError`` if the optimizer is not ready.
     ``portable_prepare_import(*, implementation, policy, common, slots)`` receives the
     document's records already projected onto this member's slots (same order as

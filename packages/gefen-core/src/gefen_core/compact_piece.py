@@ -1,40 +1,52 @@
-"""One local piece's compact state and the dense fields it stands for.
+"""One local piece's compact state, and its portable fields in both directions.
 
 A :class:`CompactPiece` holds what the quantized state of one local tensor (or one whole
-matrix) keeps: period, codes, block scales, the codebook, and the second moment or NorMuon
-statistic when there is one. It produces the piece's dense fp32 fields
-(:mod:`gefen_core.dense_view`) for any row range of its first dimension, so a checkpoint
-writer can take a huge embedding chunk by chunk. :meth:`CompactPiece.frozen` copies the
-compact tensors to the host (about one byte per element): that is what an asynchronous
-save keeps instead of the dense fields (four bytes per element per field).
+matrix) keeps: period ``P``, codes, block scales, the codebook, and the second moment or
+NorMuon statistic when there is one. A portable export carries it as it is (about one
+byte per element):
 
-Field names (of the portable transport):
+* element field ``"momentum_codes"``: the uint8 codeword indices, shaped like the piece;
+* block fields (one value per run of ``P`` elements, ``block_period = P``):
+  ``"momentum_scale"`` (fp32 block scales) and, for a block second moment,
+  ``"second_moment"`` (fp32 block means of ``v``);
+* the factored second moment (``v_row``, ``v_col``) and NorMuon's row statistic
+  (``normuon_v``) travel as replica fields of a complete piece (the callers decide).
 
-* ``"momentum"``: the decoded first moment;
-* ``"second_moment"``: the dense second moment (block or factored, see
-  :mod:`gefen_core.dense_view`);
-* ``"normuon_v"``: GefenMuon's NorMuon row statistic repeated along each row.
+An import receives the block fields expanded per element (the portable projection), so
+:func:`incoming_momentum` decodes ``C[code] * scale`` for any target piece, bit for bit
+what the source's step decodes; re-blocking (:mod:`gefen_core.reblocking`) then recovers
+the source's blocks exactly when the target piece's blocks are the source's.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .dense_view import block_values, decode_momentum, factored_rows, row_values
+__all__ = [
+    "MOMENTUM_CODES",
+    "MOMENTUM_SCALE",
+    "NORMUON_V_FIELD",
+    "SECOND_MOMENT",
+    "CompactPiece",
+    "incoming_momentum",
+]
 
-__all__ = ["MOMENTUM", "NORMUON_V_FIELD", "SECOND_MOMENT", "CompactPiece"]
-
-MOMENTUM = "momentum"
+MOMENTUM_CODES = "momentum_codes"
+MOMENTUM_SCALE = "momentum_scale"
 SECOND_MOMENT = "second_moment"
 NORMUON_V_FIELD = "normuon_v"
 
 
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class CompactPiece:
-    """Compact state of one piece whose dense fields have shape ``shape`` (see the module docstring).
+    """Compact state of one piece of shape ``shape`` (see the module docstring).
 
     ``vmean`` (block) or ``v_row``/``v_col`` (factored; ``v_row`` holds the piece's rows)
     give the second moment; ``normuon_v`` (``[rows, 1]``) the NorMuon statistic.
@@ -50,36 +62,35 @@ class CompactPiece:
     v_col: torch.Tensor | None = None
     normuon_v: torch.Tensor | None = None
 
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The dense fields this piece produces, sorted."""
-        names = [MOMENTUM]
-        if self.vmean is not None or self.v_row is not None:
-            names.append(SECOND_MOMENT)
-        if self.normuon_v is not None:
-            names.append(NORMUON_V_FIELD)
-        return tuple(sorted(names))
+    def portable_fields(self) -> tuple[dict[str, object], dict[str, object]]:
+        """``(element fields, block fields)``: fresh CPU copies, nothing aliasing live state."""
+        elements: dict[str, object] = {MOMENTUM_CODES: _host(self.indices).reshape(self.shape)}
+        blocks: dict[str, object] = {MOMENTUM_SCALE: _host(self.magnitude).reshape(-1).float()}
+        if self.vmean is not None:
+            blocks[SECOND_MOMENT] = _host(self.vmean).reshape(-1).float()
+        return elements, blocks
 
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
 
-    def dense(self, field: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows ``[start, stop)`` (first dimension) of ``field`` as a fresh fp32 CPU tensor
-        (the whole field for a 0-d piece). ``KeyError`` for a field the piece lacks."""
-        end = self.rows if stop is None else stop
-        if not 0 <= start <= end <= self.rows:
-            raise ValueError(f"rows [{start}, {end}) are outside a piece of {self.rows} rows")
-        tail = self.shape[1:]
-        per_row = math.prod(tail)
-        lo, hi = start * per_row, end * per_row
-        out_shape = (end - start, *tail) if self.shape else ()
-        if field == MOMENTUM:
-            return decode_momentum(self.indices, self.magnitude, self.codebook, lo, hi).reshape(out_shape)
-        if field == SECOND_MOMENT and self.vmean is not None:
-            return block_values(self.vmean, self.period, lo, hi).reshape(out_shape)
-        if field == SECOND_MOMENT and self.v_row is not None and self.v_col is not None:
-            return factored_rows(self.v_row, self.v_col, start, end)
-        if field == NORMUON_V_FIELD and self.normuon_v is not None:
-            return row_values(self.normuon_v, per_row, start, end)
-        raise KeyError(f"this piece has no dense field {field!r} (it has {list(self.fields)})")
+def incoming_momentum(
+    element_fields: Mapping[str, object],
+    shape: tuple[int, ...],
+    codebook: torch.Tensor,
+    where: str,
+    fail: Callable[[str], Exception],
+) -> torch.Tensor:
+    """The flat fp32 momentum ``C[code] * scale`` of an imported piece of ``shape``.
+
+    Checks ``momentum_codes`` (uint8) and ``momentum_scale`` (finite, non-negative fp32),
+    both shaped like the piece; raises ``fail(message)`` naming ``where`` otherwise.
+    """
+    codes, scale = element_fields.get(MOMENTUM_CODES), element_fields.get(MOMENTUM_SCALE)
+    for name, value, dtype in ((MOMENTUM_CODES, codes, torch.uint8), (MOMENTUM_SCALE, scale, torch.float32)):
+        if type(value) is not torch.Tensor or value.dtype is not dtype or tuple(value.shape) != shape:
+            got = f"{value.dtype}{tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise fail(f"{where} field {name!r} must be a {dtype} tensor of shape {shape}, got {got}")
+    assert isinstance(codes, torch.Tensor) and isinstance(scale, torch.Tensor)
+    flat_scale = scale.detach().reshape(-1)
+    if flat_scale.numel() and not bool(torch.isfinite(flat_scale).all() and (flat_scale >= 0).all()):
+        raise fail(f"{where} field {MOMENTUM_SCALE!r} must be finite and non-negative")
+    table = codebook.detach().to(device="cpu", dtype=torch.float32)
+    return table[codes.detach().reshape(-1).long()] * flat_scale

@@ -5,9 +5,11 @@ One piece of one parameter travels as
 * a **variant**: ``"pristine"`` (no state yet), ``"block"`` (block second moment) or
   ``"factored"`` (factored second moment);
 * **counters**: ``step`` and the second moment's age (``vmean_step`` or ``factored_step``);
-* **fields** (:mod:`gefen_core.compact_piece`): the dense ``momentum``, and the dense
-  ``second_moment``, except that a portable document keeps a complete piece's factored
-  second moment exactly as its two vectors, the *replica fields* ``v_row`` and ``v_col``.
+* **fields** (:mod:`gefen_core.compact_piece`): the momentum as uint8 codes (an element
+  field) and fp32 block scales (a block field, one per block of the piece's period), the
+  block second moment as a block field, and a complete piece's factored second moment
+  exactly as its two vectors, the *replica fields* ``v_row`` and ``v_col``: about one
+  byte per element in all.
 
 Coming back, :func:`check_incoming` validates a record for one target piece and
 :func:`native_entry` re-encodes it into the native per-parameter state of the target
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from gefen_contracts import StateValidationError
 
-from .compact_piece import MOMENTUM, SECOND_MOMENT, CompactPiece
+from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, SECOND_MOMENT, CompactPiece, incoming_momentum
 from .dense_view import factored_statistics, factored_values
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
@@ -162,13 +164,16 @@ def check_incoming(
     flat_offset: int,
     global_shape: tuple[int, ...],
     global_step: int,
+    codebook: torch.Tensor | None,
 ) -> IncomingPiece | None:
-    """Validate one record for a target piece of ``piece_shape`` (``None`` for ``"pristine"``).
+    """Validate one projected record for a target piece of ``piece_shape`` (``None`` for ``"pristine"``).
 
-    Raises :class:`~gefen_contracts.StateValidationError` naming the parameter, the field and
-    what is wrong (unknown variant, counters other than the variant's, a counter outside
+    The block fields arrive expanded per element; the momentum is decoded with ``codebook``
+    (the document's; the placeholder when the source never learned one). Raises
+    :class:`~gefen_contracts.StateValidationError` naming the parameter, the field and what
+    is wrong (unknown variant, counters other than the variant's, a counter outside
     ``[1, global_step]`` or an age above ``step``, missing or extra fields, wrong dtype or
-    shape, non-finite values, a negative second moment).
+    shape, non-finite values, a negative scale or second moment).
     """
     where = f"parameter {fqn!r}"
     if variant == PRISTINE:
@@ -182,10 +187,11 @@ def check_incoming(
     step = _counter(counters, STEP, where, global_step)
     age = _counter(counters, AGE_KEYS[variant], where, step)
     factors = None
+    momentum_fields = sorted((MOMENTUM_CODES, MOMENTUM_SCALE))
     if variant == FACTORED and replica_fields:
-        if sorted(element_fields) != [MOMENTUM] or sorted(replica_fields) != sorted((V_ROW, V_COL)):
+        if sorted(element_fields) != momentum_fields or sorted(replica_fields) != sorted((V_ROW, V_COL)):
             raise _fail(
-                f"{where}: a factored record holds element field {MOMENTUM!r} and replica fields "
+                f"{where}: a factored record holds fields {momentum_fields} and replica fields "
                 f"{[V_COL, V_ROW]}, got {sorted(element_fields)} and {sorted(replica_fields)}"
             )
         if len(global_shape) != 2:
@@ -198,12 +204,13 @@ def check_incoming(
     else:
         if replica_fields:
             raise _fail(f"{where}: variant {variant!r} has no replica fields, got {sorted(replica_fields)}")
-        if sorted(element_fields) != sorted((MOMENTUM, SECOND_MOMENT)):
+        if sorted(element_fields) != sorted((*momentum_fields, SECOND_MOMENT)):
             raise _fail(
-                f"{where}: variant {variant!r} needs element fields {sorted((MOMENTUM, SECOND_MOMENT))}, "
+                f"{where}: variant {variant!r} needs fields {sorted((*momentum_fields, SECOND_MOMENT))}, "
                 f"got {sorted(element_fields)}"
             )
-    momentum = _field(element_fields[MOMENTUM], piece_shape, f"{where} field {MOMENTUM!r}", nonnegative=False)
+    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
+    momentum = incoming_momentum(element_fields, piece_shape, table, where, _fail)
     dense = None
     if factors is None:
         dense = _field(element_fields[SECOND_MOMENT], piece_shape, f"{where} field {SECOND_MOMENT!r}", nonnegative=True)

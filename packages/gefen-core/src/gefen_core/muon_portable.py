@@ -31,7 +31,7 @@ from gefen_contracts import (
 )
 from gefen_contracts.torch_support import SealedLayout
 
-from .compact_piece import MOMENTUM, NORMUON_V_FIELD
+from .compact_piece import NORMUON_V_FIELD
 from .distributed import is_dtensor
 from .muon_native_state import export_muon_state_dict, slot_layouts
 from .muon_transport import (
@@ -119,7 +119,7 @@ class GefenMuonPortableState(BoundLayoutHook):
         return portable_layout_of(self.param_groups, self._bound_layout(), _IMPLEMENTATION)
 
     def portable_export(self: _Host) -> PortableExport:
-        """This member's state in dense form (fresh fp32 CPU fields); no collective."""
+        """This member's compact state (codes, block scales, NorMuon statistic: fresh CPU copies); no collective."""
         self._verify_layout("portable_export")
         require_feature(FEATURE_PORTABLE_STATE, self._portable_status())
         layout = self.portable_layout()
@@ -135,8 +135,19 @@ class GefenMuonPortableState(BoundLayoutHook):
             replicas: dict[str, object] = {}
             if piece.normuon_v is not None:
                 replicas[NORMUON_V_FIELD] = piece.normuon_v.detach().to("cpu", copy=True)
-            elements = {MOMENTUM: piece.dense(MOMENTUM)}
-            exported.append(PortableSlotState(slot_layout, options, variant, counters, elements, replicas))
+            elements, blocks = piece.portable_fields()
+            exported.append(
+                PortableSlotState(
+                    slot_layout,
+                    options,
+                    variant,
+                    counters,
+                    elements,
+                    replicas,
+                    block_fields=blocks,
+                    block_period=piece.period,
+                )
+            )
         policy = portable_policy(self._deterministic)
         common = portable_common(self.global_step, self._codebook)
         return PortableExport(_IMPLEMENTATION, policy, common, layout.manifest, tuple(exported))
@@ -178,6 +189,7 @@ class GefenMuonPortableState(BoundLayoutHook):
                 record.replica_fields,
                 shape=(rows, cols),
                 global_step=global_step,
+                codebook=codebook,
             )
             if piece is None:
                 continue

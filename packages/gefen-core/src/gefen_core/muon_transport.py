@@ -5,9 +5,9 @@ One matrix's state (the whole matrix, or an ``"approx"`` row shard's rows) trave
 * a **variant**: ``"pristine"`` (no state yet), ``"muon"`` (quantized momentum) or
   ``"normuon"`` (momentum and NorMuon row statistics);
 * **counters**: ``step``, plus ``normuon_step`` for ``"normuon"``;
-* **fields**: the dense ``momentum``; the NorMuon statistic ``normuon_v`` as a replica field
-  ``[rows, 1]`` in portable documents (complete matrices) and as a dense field repeated along
-  each row in dense-shard checkpoints (so DCP can reshard it with the rows).
+* **fields** (:mod:`gefen_core.compact_piece`): the momentum as uint8 codes and fp32 block
+  scales; the NorMuon statistic ``normuon_v`` as a replica field ``[rows, 1]`` (complete
+  matrices), or on import as an element field repeated along each row.
 
 Coming back, the momentum is re-blocked (:mod:`gefen_core.reblocking`; GefenMuon has no
 second moment, so the period follows the momentum's exact structure, else a fresh search)
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from gefen_contracts import StateValidationError
 
-from .compact_piece import MOMENTUM, NORMUON_V_FIELD, CompactPiece
+from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, NORMUON_V_FIELD, CompactPiece, incoming_momentum
 from .gefen_transport import momentum_codes
 from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
@@ -112,9 +112,12 @@ def check_incoming_muon(
     *,
     shape: tuple[int, int],
     global_step: int,
+    codebook: torch.Tensor | None,
 ) -> IncomingMuonPiece | None:
-    """Validate one record for a target of ``shape`` (``None`` for ``"pristine"``).
+    """Validate one projected record for a target of ``shape`` (``None`` for ``"pristine"``).
 
+    The momentum arrives as codes and per-element scales (:mod:`gefen_core.compact_piece`)
+    and is decoded with ``codebook`` (the placeholder when the source never learned one).
     ``normuon_v`` may come as a replica field ``[rows, 1]`` or as a dense element field
     ``[rows, cols]`` whose rows are constant. Raises
     :class:`~gefen_contracts.StateValidationError` naming the parameter and the problem.
@@ -138,10 +141,11 @@ def check_incoming_muon(
             raise _fail(f"{where} counter {NORMUON_STEP!r} must be an int in [1, {step}], got {normuon_step!r}")
     rows, cols = shape
     names = set(element_fields) | set(replica_fields)
-    expected = {MOMENTUM} | ({NORMUON_V_FIELD} if variant == NORMUON else set())
-    if names != expected or MOMENTUM not in element_fields or set(element_fields) & set(replica_fields):
+    expected = {MOMENTUM_CODES, MOMENTUM_SCALE} | ({NORMUON_V_FIELD} if variant == NORMUON else set())
+    if names != expected or not {MOMENTUM_CODES, MOMENTUM_SCALE} <= set(element_fields):
         raise _fail(f"{where}: variant {variant!r} needs the fields {sorted(expected)}, got {sorted(names)}")
-    momentum = _field(element_fields[MOMENTUM], shape, f"{where} field {MOMENTUM!r}", nonnegative=False)
+    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
+    momentum = incoming_momentum(element_fields, shape, table, where, _fail)
     normuon_v = None
     if variant == NORMUON:
         if NORMUON_V_FIELD in replica_fields:
@@ -153,7 +157,7 @@ def check_incoming_muon(
             normuon_v = dense[:, :1].contiguous()
             if not torch.equal(dense, normuon_v.expand(rows, cols)):
                 raise _fail(f"{where} field 'normuon_v' must repeat one value along each row")
-    return IncomingMuonPiece(fqn, variant, step, normuon_step, momentum.reshape(-1), normuon_v, shape)
+    return IncomingMuonPiece(fqn, variant, step, normuon_step, momentum, normuon_v, shape)
 
 
 def plan_muon_piece(

@@ -2,7 +2,8 @@
 
 An optimizer-agnostic driver (``gefen_portable``) runs the collectives, assembles and
 projects fields by shard identity and digests everything; Gefen describes its local layout
-and state in dense, topology-neutral form and re-encodes what it receives for its own
+and exports its compact state (codes, block scales, second moments: about one byte per
+element, :mod:`gefen_core.gefen_transport`) and re-encodes what it receives for its own
 layout. What Gefen puts into a ``gefen.portable_state`` document:
 
 * ``implementation``: ``"gefen.Gefen"``;
@@ -49,7 +50,6 @@ from gefen_contracts import (
 from gefen_contracts.torch_support import SealedLayout
 
 from . import native_format as F
-from .compact_piece import MOMENTUM, SECOND_MOMENT
 from .distributed import is_dtensor
 from .gefen_transport import (
     PRISTINE,
@@ -150,7 +150,8 @@ class GefenPortableState(BoundLayoutHook):
         return portable_layout_of(self.param_groups, self._bound_layout(), _IMPLEMENTATION)
 
     def portable_export(self: _Host) -> PortableExport:
-        """This member's state in dense form: fresh fp32 CPU fields, nothing aliasing live state.
+        """This member's state in compact form (codes, block scales, second moments): fresh CPU
+        copies, nothing aliasing live state.
 
         ``NotSupportedError`` when ``portable_state`` is not supported now; no collective.
         """
@@ -166,7 +167,7 @@ class GefenPortableState(BoundLayoutHook):
             if piece is None:
                 exported.append(PortableSlotState(slot_layout, options, PRISTINE))
                 continue
-            elements: dict[str, object] = {MOMENTUM: piece.dense(MOMENTUM)}
+            elements, blocks = piece.portable_fields()
             replicas: dict[str, object] = {}
             if variant == FACTORED:
                 assert piece.v_row is not None and piece.v_col is not None
@@ -174,9 +175,18 @@ class GefenPortableState(BoundLayoutHook):
                     V_ROW: piece.v_row.detach().to("cpu", copy=True),
                     V_COL: piece.v_col.detach().to("cpu", copy=True),
                 }
-            else:
-                elements[SECOND_MOMENT] = piece.dense(SECOND_MOMENT)
-            exported.append(PortableSlotState(slot_layout, options, variant, counters, elements, replicas))
+            exported.append(
+                PortableSlotState(
+                    slot_layout,
+                    options,
+                    variant,
+                    counters,
+                    elements,
+                    replicas,
+                    block_fields=blocks,
+                    block_period=piece.period,
+                )
+            )
         policy = portable_policy(self._deterministic)
         common = portable_common(self.global_step, self._codebook)
         return PortableExport(_IMPLEMENTATION, policy, common, layout.manifest, tuple(exported))
@@ -225,6 +235,7 @@ class GefenPortableState(BoundLayoutHook):
                 flat_offset=offset,
                 global_shape=shard.parameter.global_shape,
                 global_step=global_step,
+                codebook=codebook,
             )
             if piece is None:
                 continue

@@ -1,4 +1,4 @@
-"""Records of a rank-sharded portable checkpoint: ``gefen.portable_dcp`` v1 and
+"""Records of a rank-sharded portable checkpoint: ``gefen.portable_dcp`` v2 and
 ``gefen.portable_dcp_chunks`` v1 (canonical JSON, stored as 1-D ``uint8`` tensors).
 
 The **envelope** (one per checkpoint, identical on every member) names the namespace, the
@@ -6,13 +6,13 @@ catalog's completion digest (the *root digest*: it covers every fragment digest)
 digest of the catalog's wire bytes, how many catalog tensors and writers there are, and the
 chunk size, with a SHA-256 over all of it::
 
-    {"format": "gefen.portable_dcp", "format_version": 1, "namespace": str,
+    {"format": "gefen.portable_dcp", "format_version": 2, "namespace": str,
      "catalog_digest": hex, "catalog_wire_digest": hex, "catalog_tensors": int,
      "writers": int, "chunk_bytes": int, "digest": hex}
 
 Each member writes one **chunk table** for the fragment chunks it wrote, bound to the root
 digest: every record is ``[fqn, fragment index, field, start, length, sha256]`` over the
-chunk's fp32 little-endian bytes, sorted::
+chunk's little-endian bytes (of the field's dtype), sorted::
 
     {"format": "gefen.portable_dcp_chunks", "format_version": 1, "catalog_digest": hex,
      "writer": int, "chunks": [[...], ...]}
@@ -45,7 +45,9 @@ __all__ = [
 ]
 
 PORTABLE_DCP_FORMAT = "gefen.portable_dcp"
-PORTABLE_DCP_FORMAT_VERSION = 1
+#: v2: the catalog is ``gefen.portable_state_catalog`` v2 and fragment fields keep their
+#: dtype (compact codes and block scales) instead of dense fp32; v1 is refused
+PORTABLE_DCP_FORMAT_VERSION = 2
 CHUNK_TABLE_FORMAT = "gefen.portable_dcp_chunks"
 CHUNK_TABLE_FORMAT_VERSION = 1
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -136,7 +138,10 @@ def decode_portable_envelope(data: bytes, *, limits: PortableStateLimits) -> Por
     if value["format"] != PORTABLE_DCP_FORMAT:
         raise EnvelopeFormatError(f"envelope format {value['format']!r} is not {PORTABLE_DCP_FORMAT!r}")
     if type(value["format_version"]) is not int or value["format_version"] != PORTABLE_DCP_FORMAT_VERSION:
-        raise EnvelopeFormatError(f"envelope format_version {value['format_version']!r} is unsupported")
+        raise EnvelopeFormatError(
+            f"envelope format_version is {value['format_version']!r}; this library reads version "
+            f"{PORTABLE_DCP_FORMAT_VERSION} only (version 1 stored dense fp32 fields; save it again)"
+        )
     body = {k: v for k, v in value.items() if k != "digest"}
     if value["digest"] != canonical_digest(body):
         raise EnvelopeFormatError("the portable DCP envelope's digest does not match its content (corrupted)")

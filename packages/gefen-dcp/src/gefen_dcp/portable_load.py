@@ -290,14 +290,14 @@ def _read_fragments(
             )
         items = []
         for fqn, index in sorted(needed):
-            numel = math.prod(catalog.fragment_shape(fqn, index))
-            for name in catalog.parameters[fqn].element_fields:
+            for name, (shape, dtype) in catalog.fragment_tensors(fqn, index).items():
+                numel = math.prod(shape)
                 key = header.layout.fragments.get((fqn, index, name))
                 if key is None:
                     raise CheckpointLayoutError(f"fragment {index} of {fqn!r} field {name!r} is not in the checkpoint")
                 md = _md(metadata, key)
-                if md.properties.dtype is not torch.float32 or tuple(md.size) != (numel,):
-                    raise CheckpointLayoutError(f"{key}: expected 1-D float32 of {numel} elements")
+                if md.properties.dtype is not dtype or tuple(md.size) != (numel,):
+                    raise CheckpointLayoutError(f"{key}: expected 1-D {dtype} of {numel} elements")
                 spans = sorted((int(c.offsets[0]), int(c.sizes[0]), i) for i, c in enumerate(md.chunks))
                 cursor = 0
                 for start, length, position in spans:
@@ -322,9 +322,8 @@ def _read_fragments(
                     raise CheckpointIntegrityError(f"{key}: stored chunks cover {cursor} of {numel} elements")
                 keys[key] = (fqn, index, name)
         for fqn, index, name in keys.values():
-            buffers[(fqn, index, name)] = torch.empty(
-                math.prod(catalog.fragment_shape(fqn, index)), dtype=torch.float32
-            )
+            shape, dtype = catalog.fragment_tensors(fqn, index)[name]
+            buffers[(fqn, index, name)] = torch.empty(math.prod(shape), dtype=dtype)
         planner.items = items
         planner.keys = frozenset(keys)
 
@@ -350,8 +349,8 @@ def _read_fragments(
             fqn,
             index,
             {
-                name: buffers[(fqn, index, name)].reshape(catalog.fragment_shape(fqn, index))
-                for name in catalog.parameters[fqn].element_fields
+                name: buffers[(fqn, index, name)].reshape(shape)
+                for name, (shape, _) in catalog.fragment_tensors(fqn, index).items()
             },
         )
         for fqn, index in sorted(needed)

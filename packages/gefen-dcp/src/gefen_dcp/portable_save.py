@@ -11,8 +11,10 @@ DCP key (namespace ``ns``)                  content
 ``ns.catalog.wire``                         the catalog record's wire metadata (``uint8``)
 ``ns.catalog.tensors.tNNNNNN``              the catalog's payload tensors, in wire order
 ``ns.writers.writer_NNNNN``                 this member's chunk table (``gefen.portable_dcp_chunks``)
-``ns.fragments.<fqn>.<index>.<field>``      a fragment's field, flattened to 1-D fp32, as
-                                            ``SHARD`` chunks of at most ``chunk_bytes``
+``ns.fragments.<fqn>.<index>.<field>``      a fragment's field (any wire dtype: Gefen's
+                                            uint8 codes, fp32 block scales), flattened to
+                                            1-D, as ``SHARD`` chunks of at most
+                                            ``chunk_bytes``
 ==========================================  ==================================================
 
 So each member writes only its own fragments, and holds at most its local dense state plus
@@ -53,7 +55,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 
 class ChunkedField:
-    """One fragment field (a flat fp32 tensor this member owns) written as 1-D ``SHARD`` chunks.
+    """One fragment field (a flat tensor this member owns) written as 1-D ``SHARD`` chunks.
 
     Deep copies return the object itself: it holds an exported snapshot nobody mutates, so
     DCP's async staging need not copy it again.
@@ -73,7 +75,7 @@ class ChunkedField:
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([length])),
-                    properties=TensorProperties(dtype=torch.float32),
+                    properties=TensorProperties(dtype=self.flat.dtype),
                     size=size,
                 ),
             )
@@ -117,13 +119,12 @@ def build_state_dict(
     """This member's DCP state dict for ``state`` (see the module docstring)."""
     catalog = state.catalog_record()
     payload = encode_wire(catalog, limits=limits.collective())
-    chunk_elements = max(1, limits.chunk_bytes // 4)
     fragments: dict[str, dict[str, dict[str, ChunkedField]]] = {}
     records = []
     for fragment in state.fragments:
         for name, tensor in sorted(fragment.fields.items()):
             flat = tensor.detach().reshape(-1)
-            ranges = _chunk_ranges(flat.numel(), chunk_elements)
+            ranges = _chunk_ranges(flat.numel(), max(1, limits.chunk_bytes // flat.element_size()))
             for start, length in ranges:
                 records.append(
                     FragmentChunk(

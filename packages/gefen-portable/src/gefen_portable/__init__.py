@@ -24,7 +24,7 @@ from .composite import (
     export_portable_composite_state,
     import_portable_composite_state,
 )
-from .document import PORTABLE_STATE_FORMAT, PORTABLE_STATE_FORMAT_VERSION, portable_state_digest
+from .document import PORTABLE_STATE_FORMAT, PORTABLE_STATE_FORMAT_VERSION, portable_state_digest, reseal_document
 from .errors import (
     PortableCollectiveError,
     PortableIntegrityError,
@@ -36,7 +36,7 @@ from .export import export_portable_state
 from .fragments import FRAGMENT_FORMAT, PortableFragment, fragment_digest
 from .importer import import_portable_state
 from .projection import needed_fragments
-from .records import PORTABLE_STATE_COVERAGE, ParameterRecord, StateHeader
+from .records import PORTABLE_STATE_COVERAGE, FieldSpec, ParameterRecord, StateHeader
 from .state import PortableState
 from .wire import (
     WIRE_CODEC_VERSION,
@@ -63,6 +63,7 @@ __all__ = [
     "WIRE_CODEC_VERSION",
     "WIRE_PREAMBLE",
     "Catalog",
+    "FieldSpec",
     "FragmentRecord",
     "ParameterRecord",
     "PortableCollectiveError",
@@ -90,5 +91,6 @@ __all__ = [
     "parse_catalog",
     "parse_wire",
     "portable_state_digest",
+    "reseal_document",
     "reconstruct_wire",
 ]

@@ -7,7 +7,7 @@ error. Rules, per parameter (spec section 2.12, generalised):
 * all members agree bitwise on implementation, policy, common state and manifest (by
   digest), and each member contributes exactly one slot per manifest parameter;
 * every member's slot agrees on the original position, the native name and the options;
-* payload pieces agree on the variant, the counters, the element field names and the
+* payload pieces agree on the variant, the counters, the field specs and the
   replica fields (bitwise); pieces that carry no payload are ignored;
 * payload pieces with the same extent are replicas and must be bitwise equal (compared by
   fragment digest); the distinct extents become the fragments, which must tile the
@@ -44,7 +44,7 @@ _SLOT_KEYS = {
     "payload",
     "variant",
     "counters",
-    "element_fields",
+    "fields",
     "fragment",
     "replica_digest",
     "replica_fields",
@@ -145,7 +145,7 @@ def _parameter(
         raise PortableStateError(f"no member holds a payload piece of {fqn!r}")
     variant = check_name(_same(payload, "variant", fqn), f"the variant of {fqn!r}")
     counters = _same(payload, "counters", fqn)
-    names = _same(payload, "element_fields", fqn)
+    specs = _same(payload, "fields", fqn)
     replica_digest = _same(payload, "replica_digest", fqn)
     senders = [e for _, e in payload if e["replica_fields"] is not None]
     if len(senders) != 1 or type(senders[0]["replica_fields"]) is not dict:
@@ -154,23 +154,23 @@ def _parameter(
     assert type(replica) is dict
     if tensor_digest(replica) != replica_digest:
         raise PortableStateError(f"the replica fields sent for {fqn!r} differ from their agreed digest")
-    if type(names) is not list or any(type(n) is not str for n in names) or names != sorted(set(names)):
-        raise PortableStateError(f"the element field names of {fqn!r} are malformed")
+    if type(specs) is not dict:
+        raise PortableStateError(f"the field specs of {fqn!r} are malformed")
     by_extent: dict[Extent, tuple[FragmentRecord, list[int]]] = {}
     for coordinate, entry in payload:
         raw = entry["fragment"]
         if raw is None:
-            if names:
+            if specs:
                 raise PortableStateError(f"coordinate {coordinate} sent no fragment for {fqn!r}")
             continue
-        if type(raw) is not dict or set(raw) != {"extent", "digest", "nbytes"}:
+        if type(raw) is not dict or set(raw) != {"extent", "block_period", "digest", "nbytes"}:
             raise PortableStateError(f"coordinate {coordinate} sent a malformed fragment for {fqn!r}")
         extent = parse_extent(raw["extent"], f"the fragment of {fqn!r} from coordinate {coordinate}")
         digest = check_digest_text(raw["digest"], f"the fragment digest of {fqn!r}")
-        nbytes = raw["nbytes"]
-        if type(nbytes) is not int:
+        nbytes, period = raw["nbytes"], raw["block_period"]
+        if type(nbytes) is not int or type(period) is not int:
             raise PortableStateError(f"coordinate {coordinate} sent a malformed fragment size for {fqn!r}")
-        frag = FragmentRecord(extent, digest, nbytes)
+        frag = FragmentRecord(extent, period, digest, nbytes)
         known = by_extent.get(extent)
         if known is None:
             by_extent[extent] = (frag, [coordinate])
@@ -190,6 +190,7 @@ def _parameter(
         "options": options,
         "variant": variant,
         "counters": counters,
+        "fields": specs,
         "replica_fields": dict(replica),
         "projection_hints": {
             "source_layout": shards[0].layout.value,
@@ -197,9 +198,7 @@ def _parameter(
             "replica_fields": REPLICA_PROJECTION,
         },
     }
-    for index, name_item in enumerate(names):
-        check_name(name_item, f"element field {index} of {fqn!r}")
-    record = ParameterRecord.parse(fqn, raw_record, tuple(names), header.manifest, f"the record of {fqn!r}")
+    record = ParameterRecord.parse(fqn, raw_record, header.manifest, f"the record of {fqn!r}")
     return record, tuple(f for f, _ in ordered), [c for _, c in ordered]
 
 

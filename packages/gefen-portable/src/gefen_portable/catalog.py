@@ -1,26 +1,31 @@
-"""The portable catalog, ``gefen.portable_state_catalog`` v1: the global state minus dense data.
+"""The portable catalog, ``gefen.portable_state_catalog`` v2: the global state minus tensor data.
 
 Every member of an export agrees on one catalog (its digest is voted on). It holds the
 header (implementation, policy, common state, source manifest) and, per parameter, the
-shared record plus the list of *fragments* that together hold its dense element fields::
+shared record plus the list of *fragments* that together hold its fields::
 
     {
-      "format": "gefen.portable_state_catalog", "format_version": 1,
+      "format": "gefen.portable_state_catalog", "format_version": 2,
       "coverage": "global_logical_optimizer",
       "implementation": str, "policy": {...}, "common": {...}, "manifest": <sharding_manifest>,
       "parameters": {fqn: {
-          <shared record keys, see records.py>,
-          "element_fields": [sorted field names],
-          "fragments": [{"extent": <logical_slice | logical_region>, "digest": hex, "nbytes": int}, ...]
+          <record keys, see records.py; "fields": {name: {"dtype": str, "blocked": bool}}>,
+          "fragments": [{"extent": <logical_slice | logical_region>, "block_period": int,
+                         "digest": hex, "nbytes": int}, ...]
       }},
       "completion": {"status": "complete", "digest_algorithm": "sha256",
                      "digest_grammar": "gefen.digest.v1", "digest": hex}
     }
 
 A fragment is one distinct piece of a parameter (deduplicated across replicas, in flat
-order, tiling the parameter exactly once); its ``digest`` covers its tensors (see
-:mod:`gefen_portable.fragments`), and the completion digest covers the catalog, hence every
-fragment digest. A parameter without element fields has no fragments.
+order, tiling the parameter exactly once); its ``block_period`` is the run length of its
+block fields (0 when the parameter has none; fragments may differ), its ``digest`` covers
+its tensors (see :mod:`gefen_portable.fragments`), and the completion digest covers the
+catalog, hence every fragment digest. A parameter without fields has no fragments.
+v1 (dense fp32 element fields only) is refused.
+
+The complete document (:mod:`gefen_portable.document`) is this record with each
+fragment's tensors inline.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import torch
 from gefen_contracts import LogicalRegion, LogicalSlice, PortableStateLimits, from_primitive, to_primitive
 from gefen_contracts.torch_support import tensor_digest
 
@@ -38,6 +44,7 @@ from .errors import PortableIntegrityError, PortableStateError
 from .extents import Extent, fragment_shape, validate_tiling
 from .records import (
     PORTABLE_STATE_COVERAGE,
+    FieldSpec,
     ParameterRecord,
     StateHeader,
     check_digest_text,
@@ -48,13 +55,23 @@ from .records import (
     parse_completion,
     shared_keys,
 )
-from .values import check_name
+from .tensors import DTYPE_CODES
 from .wire import bounded_clone, require_limits
 
-__all__ = ["CATALOG_FORMAT", "CATALOG_FORMAT_VERSION", "Catalog", "FragmentRecord", "parse_catalog", "parse_extent"]
+__all__ = [
+    "CATALOG_FORMAT",
+    "CATALOG_FORMAT_VERSION",
+    "Catalog",
+    "FragmentRecord",
+    "fragment_tensors",
+    "parse_catalog",
+    "parse_catalog_record",
+    "parse_extent",
+    "tensors_nbytes",
+]
 
 CATALOG_FORMAT = "gefen.portable_state_catalog"
-CATALOG_FORMAT_VERSION = 1
+CATALOG_FORMAT_VERSION = 2
 _TOP_KEYS = {
     "format",
     "format_version",
@@ -66,27 +83,36 @@ _TOP_KEYS = {
     "parameters",
     "completion",
 }
-_FRAGMENT_KEYS = {"extent", "digest", "nbytes"}
-_FP32_BYTES = 4
+_FRAGMENT_KEYS = {"extent", "block_period", "digest", "nbytes"}
 
 
 @dataclass(frozen=True, slots=True)
 class FragmentRecord:
-    """One fragment of a parameter: its extent, digest and tensor byte count."""
+    """One fragment of a parameter: its extent, block period, digest and tensor byte count."""
 
     extent: Extent
+    block_period: int
     digest: str
     nbytes: int
 
     def to_record(self) -> dict[str, object]:
-        return {"extent": to_primitive(self.extent), "digest": self.digest, "nbytes": self.nbytes}
+        return {
+            "extent": to_primitive(self.extent),
+            "block_period": self.block_period,
+            "digest": self.digest,
+            "nbytes": self.nbytes,
+        }
 
 
-def _extent_numel(extent: Extent) -> int:
-    if type(extent) is LogicalSlice:
-        return extent.length
-    assert type(extent) is LogicalRegion
-    return math.prod(extent.lengths)
+def fragment_tensors(
+    fields: Mapping[str, FieldSpec], piece: tuple[int, ...], block_period: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (shape, dtype)}`` of every tensor of a fragment of ``piece`` shape."""
+    return {name: (spec.shape(piece, block_period), spec.dtype) for name, spec in fields.items()}
+
+
+def tensors_nbytes(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    return sum(math.prod(shape) * DTYPE_CODES[dtype].itemsize for shape, dtype in tensors.values())
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -125,7 +151,6 @@ class Catalog:
         parameters: dict[str, object] = {}
         for fqn, record in self.parameters.items():
             entry = record.to_record()
-            entry["element_fields"] = list(record.element_fields)
             entry["fragments"] = [f.to_record() for f in self.fragments[fqn]]
             parameters[fqn] = entry
         return {
@@ -147,7 +172,13 @@ class Catalog:
         return tuple((fqn, index) for fqn, frags in self.fragments.items() for index in range(len(frags)))
 
     def fragment_shape(self, fqn: str, index: int) -> tuple[int, ...]:
+        """The shape of the fragment's piece (what its element fields look like)."""
         return fragment_shape(self.fragments[fqn][index].extent, self.parameters[fqn].identity)
+
+    def fragment_tensors(self, fqn: str, index: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{name: (shape, dtype)}`` of every tensor fragment ``index`` of ``fqn`` holds."""
+        period = self.fragments[fqn][index].block_period
+        return fragment_tensors(self.parameters[fqn].fields, self.fragment_shape(fqn, index), period)
 
     @property
     def total_fragment_bytes(self) -> int:
@@ -164,13 +195,19 @@ def _validate(
     check_positions(parameters, where)
     for fqn, record in parameters.items():
         frags = fragments[fqn]
-        if not record.element_fields:
+        if not record.fields:
             if frags:
-                raise PortableStateError(f"{where}: parameter {fqn!r} has no element fields but lists fragments")
+                raise PortableStateError(f"{where}: parameter {fqn!r} has no fields but lists fragments")
             continue
         validate_tiling([f.extent for f in frags], record.identity)
         for index, frag in enumerate(frags):
-            expected = _extent_numel(frag.extent) * _FP32_BYTES * len(record.element_fields)
+            if record.blocked != (frag.block_period > 0):
+                raise PortableStateError(
+                    f"{where}: fragment {index} of {fqn!r} must name a block period >= 1 exactly when the "
+                    "parameter has block fields"
+                )
+            piece = fragment_shape(frag.extent, record.identity)
+            expected = tensors_nbytes(fragment_tensors(record.fields, piece, frag.block_period))
             if frag.nbytes != expected:
                 raise PortableStateError(
                     f"{where}: fragment {index} of {fqn!r} announces {frag.nbytes} bytes, its extent holds {expected}"
@@ -198,45 +235,58 @@ def parse_catalog(record: object, *, limits: PortableStateLimits) -> Catalog:
     """
     require_limits(limits)
     clone = bounded_clone(record, limits=limits.collective())
-    top = check_keys(clone, _TOP_KEYS, "catalog")
-    if top["format"] != CATALOG_FORMAT or top["coverage"] != PORTABLE_STATE_COVERAGE:
-        raise PortableStateError(f"catalog format must be {CATALOG_FORMAT!r} with coverage {PORTABLE_STATE_COVERAGE!r}")
-    if type(top["format_version"]) is not int or top["format_version"] != CATALOG_FORMAT_VERSION:
-        raise PortableStateError(f"catalog format_version must be {CATALOG_FORMAT_VERSION}")
-    header = StateHeader.parse(top, "catalog")
+    catalog, _ = parse_catalog_record(clone, CATALOG_FORMAT, CATALOG_FORMAT_VERSION, "catalog", inline=False)
+    return catalog
+
+
+def parse_catalog_record(
+    clone: object, format_name: str, version: int, where: str, *, inline: bool
+) -> tuple[Catalog, dict[tuple[str, int], object]]:
+    """Parse a catalog-shaped record already copied under the limits (see :func:`parse_catalog`).
+
+    With ``inline`` (a complete document) every fragment entry also holds ``"fields"``,
+    returned unvalidated by ``(fqn, index)``; the caller checks them against the catalog.
+    """
+    top = check_keys(clone, _TOP_KEYS, where)
+    if top["format"] != format_name or top["coverage"] != PORTABLE_STATE_COVERAGE:
+        raise PortableStateError(f"{where} format must be {format_name!r} with coverage {PORTABLE_STATE_COVERAGE!r}")
+    if type(top["format_version"]) is not int or top["format_version"] != version:
+        raise PortableStateError(
+            f"{where} format_version is {top['format_version']!r}; this library reads version {version} only"
+        )
+    header = StateHeader.parse(top, where)
     raw_parameters = top["parameters"]
     if type(raw_parameters) is not dict:
-        raise PortableStateError("catalog.parameters must be a dict")
+        raise PortableStateError(f"{where}.parameters must be a dict")
     parameters: dict[str, ParameterRecord] = {}
     fragments: dict[str, tuple[FragmentRecord, ...]] = {}
-    keys = shared_keys() | {"element_fields", "fragments"}
+    inline_fields: dict[tuple[str, int], object] = {}
+    keys = shared_keys() | {"fragments"}
+    fragment_keys = _FRAGMENT_KEYS | {"fields"} if inline else _FRAGMENT_KEYS
     for fqn, raw in raw_parameters.items():
-        where = f"catalog.parameters[{fqn!r}]"
-        entry = check_keys(raw, keys, where)
-        names = entry["element_fields"]
-        if type(names) is not list:
-            raise PortableStateError(f"{where}.element_fields must be a list of names")
-        for name in names:
-            check_name(name, f"{where}.element_fields item")
-        if names != sorted(set(names)):
-            raise PortableStateError(f"{where}.element_fields must be sorted and unique")
-        parameters[fqn] = ParameterRecord.parse(fqn, entry, tuple(names), header.manifest, where)
+        here = f"{where}.parameters[{fqn!r}]"
+        entry = check_keys(raw, keys, here)
+        parameters[fqn] = ParameterRecord.parse(fqn, entry, header.manifest, here)
         raw_frags = entry["fragments"]
         if type(raw_frags) is not list:
-            raise PortableStateError(f"{where}.fragments must be a list")
+            raise PortableStateError(f"{here}.fragments must be a list")
         parsed = []
         for index, raw_frag in enumerate(raw_frags):
-            frag = check_keys(raw_frag, _FRAGMENT_KEYS, f"{where}.fragments[{index}]")
-            extent = parse_extent(frag["extent"], f"{where}.fragments[{index}].extent")
-            digest = check_digest_text(frag["digest"], f"{where}.fragments[{index}].digest")
-            nbytes = frag["nbytes"]
+            frag = check_keys(raw_frag, fragment_keys, f"{here}.fragments[{index}]")
+            extent = parse_extent(frag["extent"], f"{here}.fragments[{index}].extent")
+            digest = check_digest_text(frag["digest"], f"{here}.fragments[{index}].digest")
+            period, nbytes = frag["block_period"], frag["nbytes"]
+            if type(period) is not int or period < 0:
+                raise PortableStateError(f"{here}.fragments[{index}].block_period must be an int >= 0")
             if type(nbytes) is not int or nbytes < 0:
-                raise PortableStateError(f"{where}.fragments[{index}].nbytes must be an int >= 0")
-            parsed.append(FragmentRecord(extent, digest, nbytes))
+                raise PortableStateError(f"{here}.fragments[{index}].nbytes must be an int >= 0")
+            parsed.append(FragmentRecord(extent, period, digest, nbytes))
+            if inline:
+                inline_fields[(fqn, index)] = frag["fields"]
         fragments[fqn] = tuple(parsed)
-    _validate(header, parameters, fragments, "catalog")
-    claimed = parse_completion(top["completion"], "catalog.completion")
+    _validate(header, parameters, fragments, where)
+    claimed = parse_completion(top["completion"], f"{where}.completion")
     catalog = Catalog(header, parameters, fragments, claimed)
     if not hmac.compare_digest(tensor_digest(catalog._payload()), claimed):
-        raise PortableIntegrityError("catalog completion digest mismatch: the catalog was changed or corrupted")
-    return catalog
+        raise PortableIntegrityError(f"{where} completion digest mismatch: it was changed or corrupted")
+    return catalog, inline_fields

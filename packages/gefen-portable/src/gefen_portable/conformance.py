@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from gefen_contracts.testing.context import Unverifiable
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest
 
 from .composite import export_portable_composite_state, import_portable_composite_state, wrapper_payload
-from .document import portable_state_digest
+from .document import reseal_document
 from .export import export_portable_state
 from .importer import import_portable_state
 
@@ -144,17 +144,23 @@ def _edits(document: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]
 
     def some_parameter(doc: dict[str, Any]) -> dict[str, Any]:
         for record in doc["parameters"].values():
-            if record["element_fields"] or record["counters"]:
+            if record["fields"] or record["counters"]:
                 return record  # type: ignore[no-any-return]
         first: dict[str, Any] = next(iter(doc["parameters"].values()))
         return first
 
-    def flip_tensor(doc: dict[str, Any]) -> None:
+    def fragment_fields(doc: dict[str, Any], floating: bool = False) -> Iterator[tuple[dict[str, Any], str]]:
         for record in doc["parameters"].values():
-            for value in record["element_fields"].values():
-                if value.numel():
-                    value.view(-1)[0] = float(value.view(-1)[0]) + 1.0
-                    return
+            for frag in record["fragments"]:
+                for name, value in frag["fields"].items():
+                    if value.numel() and (value.is_floating_point() or not floating):
+                        yield frag["fields"], name
+
+    def flip_tensor(doc: dict[str, Any]) -> None:
+        for fields, name in fragment_fields(doc):
+            value = fields[name]
+            value.view(-1)[0] = value.view(-1)[0] + 1
+            return
         doc["implementation"] = doc["implementation"] + ".x"
 
     def bump_counter(doc: dict[str, Any]) -> None:
@@ -176,18 +182,16 @@ def _edits(document: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]
         doc["parameters"].pop(sorted(doc["parameters"])[0])
 
     def wrong_shape(doc: dict[str, Any]) -> None:
-        for record in doc["parameters"].values():
-            for name, value in record["element_fields"].items():
-                record["element_fields"][name] = torch.cat([value.reshape(-1), torch.zeros(1)])
-                return
+        for fields, name in fragment_fields(doc):
+            value = fields[name]
+            fields[name] = torch.cat([value.reshape(-1), torch.zeros(1, dtype=value.dtype)])
+            return
         doc["parameters"][sorted(doc["parameters"])[0]]["identity"]["global_shape"].append(2)
 
     def non_finite(doc: dict[str, Any]) -> None:
-        for record in doc["parameters"].values():
-            for value in record["element_fields"].values():
-                if value.numel():
-                    value.view(-1)[0] = float("nan")
-                    return
+        for fields, name in fragment_fields(doc, floating=True):
+            fields[name].view(-1)[0] = float("nan")
+            return
         doc["policy"]["gefen_conformance_nan"] = float("nan")
 
     def unknown_variant(doc: dict[str, Any]) -> None:
@@ -210,10 +214,9 @@ def _edits(document: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]
 
 
 def _reseal(document: dict[str, Any]) -> None:
-    payload = {k: v for k, v in document.items() if k != "completion"}
     # A payload the digest cannot hold (a NaN float) keeps its old digest; it is refused anyway.
     with contextlib.suppress(Exception):
-        document["completion"]["digest"] = portable_state_digest(payload)
+        reseal_document(document)
 
 
 def _corrupt(document: dict[str, Any], edit: Callable[[dict[str, Any]], None], reseal: bool) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
         local_bytes = sum(t.numel() * t.element_size() for f in local.fragments.values() for t in f.fields.values())
         if local_bytes > session.limits.max_fragment_tensor_bytes:
             raise PortableLimitError(
-                "max_fragment_tensor_bytes", f"this member's dense fields hold {local_bytes} bytes"
+                "max_fragment_tensor_bytes", f"this member's fragment fields hold {local_bytes} bytes"
             )
     except Exception as exc:
         error = exc
@@ -79,7 +79,7 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
         catalog = assembly.catalog
         if catalog.total_fragment_bytes > session.limits.max_collective_tensor_bytes:
             raise PortableLimitError(
-                "max_collective_tensor_bytes", f"the state's dense fields hold {catalog.total_fragment_bytes} bytes"
+                "max_collective_tensor_bytes", f"the state's fragment fields hold {catalog.total_fragment_bytes} bytes"
             )
         kept = []
         for key, holder in assembly.holders.items():
@@ -88,9 +88,15 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
             fqn, index = key
             candidate = local.fragments[fqn]
             record = catalog.fragments[fqn][index]
-            if candidate.extent != record.extent or candidate.digest != record.digest:
+            if (candidate.extent, candidate.block_period, candidate.digest) != (
+                record.extent,
+                record.block_period,
+                record.digest,
+            ):
                 raise PortableStateError(f"this member was assigned fragment {index} of {fqn!r} but holds another")
-            kept.append(PortableFragment(fqn, index, record.extent, candidate.fields, record.digest))
+            kept.append(
+                PortableFragment(fqn, index, record.extent, record.block_period, candidate.fields, record.digest)
+            )
         state = PortableState(catalog, kept)
         catalog_digest = catalog.digest
     except Exception as exc:

@@ -5,8 +5,8 @@ The adapter's :class:`~gefen_contracts.PortableExport` is checked against its ow
 manifest, slot order, shard membership, field shapes, dtypes and finiteness). Each *payload
 piece* (see :func:`~gefen_portable.extents.carries_payload`) becomes a candidate fragment
 with its digest. What travels to the other members is a small *contribution*: per slot the
-position, native name, options, variant, counters, field names, the fragment's extent and
-digest and the replica fields' digest; replica tensors travel only from the lowest-coordinate
+position, native name, options, variant, counters, field specs, the fragment's extent,
+block period and digest and the replica fields' digest; replica tensors travel only from the lowest-coordinate
 payload piece of each parameter. No dense element data is exchanged during an export.
 Pieces without payload (empty slices, non-owners) are validated but not described: their
 variant, counters and fields are not part of the document.
@@ -14,6 +14,7 @@ variant, counters and fields are not part of the document.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,17 +22,18 @@ import torch
 from gefen_contracts import (
     PortableExport,
     PortableLayout,
+    PortableSlotState,
     ShardIdentity,
     ShardingManifest,
     to_primitive,
 )
-from gefen_contracts.torch_support import ProcessGroupBinding, tensor_digest
+from gefen_contracts.torch_support import ProcessGroupBinding, block_count, tensor_digest
 
 from .errors import PortableStateError
 from .extents import Extent, carries_payload, fragment_extent, fragment_shape, piece_shape
 from .fragments import fragment_digest
-from .records import StateHeader
-from .tensors import check_finite, is_tight_cpu, owned_cpu_copy
+from .records import FieldSpec, StateHeader
+from .tensors import DTYPE_CODES, check_finite, is_tight_cpu, owned_cpu_copy
 from .values import check_name, plain_common, plain_primitive
 
 __all__ = ["LocalExport", "LocalFragment", "build_local_export", "check_layout", "header_digest", "replica_sender"]
@@ -39,10 +41,11 @@ __all__ = ["LocalExport", "LocalFragment", "build_local_export", "check_layout",
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LocalFragment:
-    """A candidate fragment of this member: its extent, tight fp32 CPU fields and digest."""
+    """A candidate fragment of this member: its extent, block period, tight CPU fields and digest."""
 
     fqn: str
     extent: Extent
+    block_period: int
     fields: Mapping[str, torch.Tensor]
     digest: str
 
@@ -98,11 +101,20 @@ def replica_sender(manifest: ShardingManifest, fqn: str) -> str | None:
     return payload[0].local_member if payload else None
 
 
-def _element(value: object, shape: tuple[int, ...], where: str, live: frozenset[int] = frozenset()) -> torch.Tensor:
+def _element(
+    value: object,
+    shape: tuple[int, ...],
+    where: str,
+    live: frozenset[int] = frozenset(),
+    *,
+    fp32: bool = False,
+) -> torch.Tensor:
     if type(value) is not torch.Tensor:
         raise PortableStateError(f"{where} must be exactly torch.Tensor, got {type(value).__name__}")
-    if value.dtype is not torch.float32 or value.layout is not torch.strided or value.is_meta:
-        raise PortableStateError(f"{where} must be a materialized strided float32 tensor, got {value.dtype}")
+    if value.layout is not torch.strided or value.is_meta or value.dtype not in DTYPE_CODES:
+        raise PortableStateError(f"{where} must be a materialized strided tensor of a wire dtype, got {value.dtype}")
+    if fp32 and value.dtype is not torch.float32:
+        raise PortableStateError(f"{where} must be float32, got {value.dtype}")
     if tuple(value.shape) != shape:
         raise PortableStateError(f"{where} must have shape {shape}, got {tuple(value.shape)}")
     aliased = value.untyped_storage().data_ptr() in live
@@ -113,7 +125,7 @@ def _element(value: object, shape: tuple[int, ...], where: str, live: frozenset[
 
 def _replica(value: object, where: str, live: frozenset[int]) -> torch.Tensor:
     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
-    return _element(value, shape, where, live)
+    return _element(value, shape, where, live, fp32=True)
 
 
 def build_local_export(
@@ -158,11 +170,11 @@ def build_local_export(
             "payload": carries_payload(shard),
         }
         if not carries_payload(shard):
-            _check_empty_piece(shard, slot.element_fields, slot.replica_fields, where)
+            _check_empty_piece(shard, slot, where)
             entry.update(
                 variant=None,
                 counters=None,
-                element_fields=None,
+                fields=None,
                 fragment=None,
                 replica_digest=None,
                 replica_fields=None,
@@ -173,30 +185,39 @@ def build_local_export(
         assert shape is not None
         extent = fragment_extent(shard)
         target_shape = fragment_shape(extent, shard.parameter)
-        names = sorted(slot.element_fields)
-        for name in names:
-            check_name(name, f"{where} element field name")
         fields = {
             name: _element(slot.element_fields[name], shape, f"{where} element field {name!r}", live).reshape(
                 target_shape
             )
-            for name in names
+            for name in slot.element_fields
         }
+        blocks = (block_count(math.prod(shape), slot.block_period),) if slot.block_fields else ()
+        fields.update(
+            (name, _element(value, blocks, f"{where} block field {name!r}", live))
+            for name, value in slot.block_fields.items()
+        )
+        fields = {check_name(name, f"{where} field name"): fields[name] for name in sorted(fields)}
+        specs = {name: FieldSpec(t.dtype, name in slot.block_fields).to_record() for name, t in fields.items()}
         replica = {
             check_name(name, f"{where} replica field name"): _replica(value, f"{where} replica field {name!r}", live)
             for name, value in sorted(slot.replica_fields.items())
         }
         fragment = None
         if fields:
-            digest = fragment_digest(fqn, extent, fields)
-            fragments[fqn] = LocalFragment(fqn, extent, fields, digest)
-            nbytes = sum(t.numel() * 4 for t in fields.values())
-            fragment = {"extent": to_primitive(extent), "digest": digest, "nbytes": nbytes}
+            digest = fragment_digest(fqn, extent, slot.block_period, fields)
+            fragments[fqn] = LocalFragment(fqn, extent, slot.block_period, fields, digest)
+            nbytes = sum(t.numel() * t.element_size() for t in fields.values())
+            fragment = {
+                "extent": to_primitive(extent),
+                "block_period": slot.block_period,
+                "digest": digest,
+                "nbytes": nbytes,
+            }
         sends_replica = replica_sender(layout.manifest, fqn) == shard.local_member
         entry.update(
             variant=slot.variant,
             counters=dict(slot.counters),
-            element_fields=names,
+            fields=specs,
             fragment=fragment,
             replica_digest=tensor_digest(replica),
             replica_fields=replica if sends_replica else None,
@@ -211,15 +232,14 @@ def build_local_export(
     return LocalExport(header, fragments, contribution)
 
 
-def _check_empty_piece(
-    shard: ShardIdentity, elements: Mapping[str, object], replicas: Mapping[str, object], where: str
-) -> None:
+def _check_empty_piece(shard: ShardIdentity, slot: PortableSlotState, where: str) -> None:
     shape = piece_shape(shard)
-    for name, value in elements.items():
-        if shape is None:
-            raise PortableStateError(f"{where} is a non-owner piece but returned element field {name!r}")
+    if shape is None and (slot.element_fields or slot.block_fields or slot.replica_fields):
+        raise PortableStateError(f"{where} is a non-owner piece but returned fields")
+    for name, value in slot.element_fields.items():
+        assert shape is not None
         _element(value, shape, f"{where} element field {name!r}")
-    for name, value in replicas.items():
-        if shape is None:
-            raise PortableStateError(f"{where} is a non-owner piece but returned replica field {name!r}")
+    for name, value in slot.block_fields.items():
+        _element(value, (0,), f"{where} block field {name!r}")
+    for name, value in slot.replica_fields.items():
         _replica(value, f"{where} replica field {name!r}", frozenset())

@@ -4,17 +4,19 @@ For every target slot (in ``portable_layout().slots`` order) the adapter receive
 :class:`~gefen_contracts.PortableSlotState` with the document's options, variant and
 counters and:
 
-* a *payload piece* (see :func:`~gefen_portable.extents.carries_payload`): each element
-  field as a fresh fp32 CPU tensor shaped like the piece, filled from every fragment that
-  overlaps the piece (by flat runs, so any source layout maps onto any target layout), and
-  a fresh copy of every replica field;
-* an empty flattened slice or empty region: zero-element element fields and a copy of
-  every replica field;
+* a *payload piece* (see :func:`~gefen_portable.extents.carries_payload`): every field as
+  a fresh CPU tensor of its dtype shaped like the piece, filled from every fragment that
+  overlaps the piece (by flat runs, so any source layout maps onto any target layout; a
+  block field is expanded per element over the fragment first, so each target element
+  holds the value of the source run it came from), and a fresh copy of every replica
+  field;
+* an empty flattened slice or empty region: zero-element fields and a copy of every
+  replica field;
 * a non-owner piece of a whole-parameter-owner layout: no fields.
 
 Buffers are allocated once per target piece; fragments are copied in as they arrive and
-dropped, so the peak is the target's own dense fields plus one fragment in flight. Every
-element of every buffer must be written exactly once (checked by count).
+dropped, so the peak is the target's own fields plus one fragment in flight (block fields
+expanded). Every element of every buffer must be written exactly once (checked by count).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import math
 
 import torch
 from gefen_contracts import LogicalSlice, PortableLayout, PortableSlotState, ShardIdentity
+from gefen_contracts.torch_support import expand_blocks
 
 from .catalog import Catalog
 from .errors import PortableLimitError, PortableStateError
 from .extents import Extent, carries_payload, copy_overlap, covers_parameter, overlaps, piece_shape
 from .fragments import PortableFragment
+from .records import ParameterRecord
+from .tensors import DTYPE_CODES
 
 __all__ = ["Projection", "needed_fragments"]
 
@@ -45,7 +50,7 @@ def needed_fragments(catalog: Catalog, layout: PortableLayout) -> frozenset[tupl
     for slot in layout.slots:
         shard = slot.shard
         record = catalog.parameters.get(slot.fqn)
-        if record is None or not carries_payload(shard) or not record.element_fields:
+        if record is None or not carries_payload(shard) or not record.fields:
             continue
         extent = _target_extent(shard)
         for index, frag in enumerate(catalog.fragments[slot.fqn]):
@@ -71,19 +76,19 @@ class Projection:
             record = catalog.parameters.get(slot.fqn)
             if record is None:
                 raise PortableStateError(f"the document has no parameter {slot.fqn!r}")
-            if not carries_payload(shard) or not record.element_fields:
+            if not carries_payload(shard) or not record.fields:
                 continue
             shape = piece_shape(shard)
             assert shape is not None
-            planned += math.prod(shape) * 4 * len(record.element_fields)
-            targets.append((slot.fqn, shape, record.element_fields))
+            planned += math.prod(shape) * sum(DTYPE_CODES[spec.dtype].itemsize for spec in record.fields.values())
+            targets.append((slot.fqn, shape, record))
             self._extents[slot.fqn] = _target_extent(shard)
         if planned > max_bytes:
             raise PortableLimitError(
-                "max_fragment_tensor_bytes", f"this member's target pieces need {planned} bytes of dense fields"
+                "max_fragment_tensor_bytes", f"this member's target pieces need {planned} bytes of fields"
             )
-        for fqn, shape, names in targets:
-            self._buffers[fqn] = {name: torch.empty(shape, dtype=torch.float32) for name in names}
+        for fqn, shape, record in targets:
+            self._buffers[fqn] = _empty_fields(record, shape)
             self._written[fqn] = 0
 
     def accept(self, fragment: PortableFragment) -> None:
@@ -92,9 +97,13 @@ class Projection:
         buffers = self._buffers.get(fqn)
         if buffers is None or fragment.key not in self.needed:
             return
-        shape = self.catalog.parameters[fqn].identity.global_shape
+        record = self.catalog.parameters[fqn]
+        piece = self.catalog.fragment_shape(fqn, fragment.index)
         for name, target in buffers.items():
-            copied = copy_overlap(fragment.fields[name], fragment.extent, target, self._extents[fqn], shape)
+            source = fragment.fields[name]
+            if record.fields[name].blocked:
+                source = expand_blocks(source, fragment.block_period, piece)
+            copied = copy_overlap(source, fragment.extent, target, self._extents[fqn], record.identity.global_shape)
             self._written[fqn] += copied
 
     def slot_states(self) -> tuple[PortableSlotState, ...]:
@@ -116,7 +125,7 @@ class Projection:
             elif piece_shape(shard) is not None:
                 shape = piece_shape(shard)
                 assert shape is not None
-                elements = {name: torch.empty(shape, dtype=torch.float32) for name in record.element_fields}
+                elements = dict(_empty_fields(record, shape))
             if piece_shape(shard) is not None:
                 replicas = {name: value.clone() for name, value in record.replica_fields.items()}
             states.append(
@@ -130,3 +139,8 @@ class Projection:
                 )
             )
         return tuple(states)
+
+
+def _empty_fields(record: ParameterRecord, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """One uninitialised per-element buffer per field of ``record`` (block fields expanded)."""
+    return {name: torch.empty(shape, dtype=spec.dtype) for name, spec in record.fields.items()}

@@ -2,10 +2,10 @@
 
 A :class:`StateHeader` holds what is global to the optimizer (implementation, policy,
 common state, source manifest); a :class:`ParameterRecord` holds what is global to one
-logical parameter except its dense element fields (identity, original slot position and
-native name, options, variant, counters, replica fields, projection hints). The document
-adds the assembled dense element fields; the catalog adds the list of fragments that hold
-them. Parsing is strict: exact key sets, exact types, canonical identity records (through
+logical parameter except its fragments (identity, original slot position and native name,
+options, variant, counters, the :class:`FieldSpec` of every fragment field, replica fields,
+projection hints). The catalog adds the list of fragments that hold the fields; the
+document adds their tensors. Parsing is strict: exact key sets, exact types, canonical identity records (through
 :func:`gefen_contracts.from_primitive`), and every error names the record and field.
 """
 
@@ -24,9 +24,10 @@ from gefen_contracts import (
     from_primitive,
     to_primitive,
 )
+from gefen_contracts.torch_support import block_count, dtype_from_name, dtype_name
 
 from .errors import PortableStateError
-from .tensors import require_tight_fp32
+from .tensors import DTYPE_CODES, require_tight_fp32
 from .values import check_name, plain_common, plain_primitive
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "DIGEST_GRAMMAR",
     "ELEMENT_PROJECTION",
     "PORTABLE_STATE_COVERAGE",
+    "FieldSpec",
     "REPLICA_PROJECTION",
     "ParameterRecord",
     "StateHeader",
@@ -43,6 +45,7 @@ __all__ = [
     "check_positions",
     "completion_record",
     "parse_completion",
+    "parse_field_specs",
     "shared_keys",
 ]
 
@@ -50,8 +53,9 @@ PORTABLE_STATE_COVERAGE = "global_logical_optimizer"
 DIGEST_ALGORITHM = "sha256"
 #: the contracts' digest grammar (``gefen_contracts.canonical_digest`` with tensor leaves)
 DIGEST_GRAMMAR = "gefen.digest.v1"
-#: element fields are assembled from and projected onto pieces by shard identity
-ELEMENT_PROJECTION = "shard_identity_v1"
+#: fields are assembled from and projected onto pieces by shard identity; block fields are
+#: expanded per element on projection
+ELEMENT_PROJECTION = "shard_identity_v2"
 #: replica fields are bit-identical on every payload piece and copied onto every target piece
 REPLICA_PROJECTION = "complete_piece_copy_v1"
 
@@ -62,10 +66,12 @@ _COMMON_KEYS = (
     "options",
     "variant",
     "counters",
+    "fields",
     "replica_fields",
     "projection_hints",
 )
 _HINT_KEYS = {"source_layout", "element_fields", "replica_fields"}
+_SPEC_KEYS = {"dtype", "blocked"}
 _COMPLETION_KEYS = {"status", "digest_algorithm", "digest_grammar", "digest"}
 _HEX = frozenset("0123456789abcdef")
 
@@ -115,6 +121,52 @@ def _decode(value: object, expected: type, where: str) -> object:
         raise PortableStateError(f"{where}: {exc}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How one fragment field of a parameter is stored.
+
+    An element field (``blocked=False``) holds one value per element, shaped like the
+    fragment. A block field (``blocked=True``) is 1-D with one value per run of the
+    fragment's ``block_period`` consecutive elements (row-major order; the last run may be
+    shorter), and is expanded per element when projected onto a target piece.
+    """
+
+    dtype: torch.dtype
+    blocked: bool = False
+
+    def to_record(self) -> dict[str, object]:
+        return {"dtype": dtype_name(self.dtype), "blocked": self.blocked}
+
+    def shape(self, piece: tuple[int, ...], block_period: int) -> tuple[int, ...]:
+        """The shape of this field's tensor in a fragment of ``piece`` shape."""
+        if not self.blocked:
+            return piece
+        numel = 1
+        for size in piece:
+            numel *= size
+        return (block_count(numel, block_period),)
+
+
+def parse_field_specs(value: object, where: str) -> dict[str, FieldSpec]:
+    """A ``{name: {"dtype": str, "blocked": bool}}`` record decoded strictly (sorted by name)."""
+    if type(value) is not dict:
+        raise PortableStateError(f"{where} must be a dict of field name -> field spec")
+    specs: dict[str, FieldSpec] = {}
+    for name, raw in sorted(value.items()):
+        check_name(name, f"{where} key")
+        spec = check_keys(raw, _SPEC_KEYS, f"{where}[{name!r}]")
+        try:
+            dtype = dtype_from_name(spec["dtype"])
+        except CodecError as exc:
+            raise PortableStateError(f"{where}[{name!r}].dtype: {exc}") from None
+        if dtype not in DTYPE_CODES:
+            raise PortableStateError(f"{where}[{name!r}].dtype {spec['dtype']!r} is not a wire dtype")
+        if type(spec["blocked"]) is not bool:
+            raise PortableStateError(f"{where}[{name!r}].blocked must be a bool")
+        specs[name] = FieldSpec(dtype, spec["blocked"])
+    return specs
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class StateHeader:
     """What one portable state holds once for the whole optimizer."""
@@ -147,10 +199,10 @@ class StateHeader:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParameterRecord:
-    """One logical parameter's state, except its dense element fields.
+    """One logical parameter's state, except its fragments.
 
-    ``element_fields`` names the dense fp32 fields shaped like the parameter (sorted);
-    ``replica_fields`` are small fp32 tensors identical on every piece.
+    ``fields`` describes every fragment field (sorted by name); ``replica_fields`` are
+    small fp32 tensors identical on every piece.
     """
 
     identity: ParameterIdentity
@@ -159,7 +211,7 @@ class ParameterRecord:
     options: dict[str, object]
     variant: str
     counters: dict[str, int]
-    element_fields: tuple[str, ...]
+    fields: dict[str, FieldSpec]
     replica_fields: dict[str, torch.Tensor]
     source_layout: ParameterLayout
 
@@ -167,8 +219,13 @@ class ParameterRecord:
     def fqn(self) -> str:
         return self.identity.fqn
 
+    @property
+    def blocked(self) -> bool:
+        """Whether any field is a block field (then every fragment names its block period)."""
+        return any(spec.blocked for spec in self.fields.values())
+
     def to_record(self) -> dict[str, object]:
-        """The shared part of the record (the document and catalog add their element keys)."""
+        """The parameter's record (the catalog adds its fragments)."""
         return {
             "identity": to_primitive(self.identity),
             "position": list(self.position),
@@ -176,6 +233,7 @@ class ParameterRecord:
             "options": plain_primitive(self.options, "options"),
             "variant": self.variant,
             "counters": dict(self.counters),
+            "fields": {name: spec.to_record() for name, spec in self.fields.items()},
             "replica_fields": dict(self.replica_fields),
             "projection_hints": {
                 "source_layout": self.source_layout.value,
@@ -189,7 +247,6 @@ class ParameterRecord:
         cls,
         fqn: str,
         record: dict[str, object],
-        element_fields: tuple[str, ...],
         manifest: ShardingManifest,
         where: str,
     ) -> ParameterRecord:
@@ -228,8 +285,9 @@ class ParameterRecord:
             tensor = value if type(value) is torch.Tensor else None
             shape = tuple(tensor.shape) if tensor is not None else ()
             require_tight_fp32(value, shape, f"{where}.replica_fields[{key!r}]")
-        if set(replica) & set(element_fields):
-            raise PortableStateError(f"{where} names a field both as element and replica field")
+        fields = parse_field_specs(record["fields"], f"{where}.fields")
+        if set(replica) & set(fields):
+            raise PortableStateError(f"{where} names a field both as fragment and replica field")
         hints = check_keys(record["projection_hints"], _HINT_KEYS, f"{where}.projection_hints")
         layout = shards[0].layout
         if hints["source_layout"] != layout.value:
@@ -246,7 +304,7 @@ class ParameterRecord:
             plain_options,
             variant,
             dict(counters),
-            element_fields,
+            fields,
             dict(replica),
             layout,
         )

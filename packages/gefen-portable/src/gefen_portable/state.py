@@ -1,30 +1,26 @@
 """``PortableState``: what an export returns and an import accepts, sized for large models.
 
 It holds the *catalog* every member agreed on (small: records, fragment digests, replica
-fields, common state) and *this member's fragments* (its share of the dense element
-fields). Nothing requires a member to hold the whole dense state: a rank-sharded save
-writes each member's fragments and one catalog; an import reads only the fragments that
-overlap its target pieces. :meth:`PortableState.materialize` builds the complete
+fields, common state) and *this member's fragments* (its share of the fields). Nothing
+requires a member to hold the whole state: a rank-sharded save writes each member's
+fragments and one catalog; an import reads only the fragments that overlap its target
+pieces. :meth:`PortableState.materialize` builds the complete
 ``gefen.portable_state`` document when that is wanted (small models, tests, one file).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
-from gefen_contracts import ContractTypeError, LogicalSlice, PortableStateLimits
+from gefen_contracts import ContractTypeError, PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding
 
-from .catalog import Catalog, FragmentRecord, parse_catalog
+from .catalog import Catalog, parse_catalog
 from .document import build_document, parse_document
 from .errors import PortableIntegrityError, PortableStateError
-from .extents import copy_overlap
-from .fragments import PortableFragment, check_fragment_shape, fragment_digest, verify_fragment
+from .fragments import PortableFragment, check_fragment_shape, verify_fragment
 from .protocol import Session
-from .records import StateHeader
 from .transport import fetch_fragments
 from .values import clone_tree
 from .wire import require_limits
@@ -65,20 +61,8 @@ class PortableState:
 
     @classmethod
     def from_document(cls, document: object, *, limits: PortableStateLimits) -> PortableState:
-        """Validate a complete document (digest included) and hold it as one fragment per parameter."""
-        parsed = parse_document(document, limits=limits)
-        fragments = []
-        records: dict[str, tuple[FragmentRecord, ...]] = {}
-        for fqn, record in parsed.parameters.items():
-            if not record.element_fields:
-                continue
-            extent = LogicalSlice(0, record.identity.numel)
-            fields = {name: parsed.fields[fqn][name] for name in record.element_fields}
-            digest = fragment_digest(fqn, extent, fields)
-            nbytes = sum(t.numel() * 4 for t in fields.values())
-            records[fqn] = (FragmentRecord(extent, digest, nbytes),)
-            fragments.append(PortableFragment(fqn, 0, extent, fields, digest))
-        catalog = Catalog.build(parsed.header, parsed.parameters, records)
+        """Validate a complete document (every digest included) and hold all its fragments."""
+        catalog, fragments = parse_document(document, limits=limits)
         return cls(catalog, fragments)
 
     # -- queries ------------------------------------------------------------------------
@@ -134,26 +118,15 @@ class PortableState:
 
         Without a communicating binding this member must hold every fragment. With one,
         every member of the group must call it (collectively); each receives the fragments
-        it lacks and returns the same document. Peak memory per member: the whole dense
+        it lacks and returns the same document. Peak memory per member: the whole compact
         state plus one fragment in flight.
         """
         limits = require_limits(PortableStateLimits() if limits is None else limits)
         catalog = self._catalog
-        fields: dict[str, dict[str, torch.Tensor]] = {
-            fqn: {
-                name: torch.empty(record.identity.global_shape, dtype=torch.float32) for name in record.element_fields
-            }
-            for fqn, record in catalog.parameters.items()
-        }
-        written = dict.fromkeys(fields, 0)
+        collected: dict[tuple[str, int], PortableFragment] = {}
 
         def sink(fragment: PortableFragment) -> None:
-            identity = catalog.parameters[fragment.fqn].identity
-            full = LogicalSlice(0, identity.numel)
-            for name, target in fields[fragment.fqn].items():
-                written[fragment.fqn] += copy_overlap(
-                    fragment.fields[name], fragment.extent, target, full, identity.global_shape
-                )
+            collected[fragment.key] = fragment
 
         needed = set(catalog.fragment_keys())
         if checkpoint_process_group is not None and checkpoint_process_group.communicates:
@@ -171,15 +144,9 @@ class PortableState:
                 fragment = self._fragments[key]
                 verify_fragment(fragment, catalog)
                 sink(fragment)
-        for fqn, tensors in fields.items():
-            if written[fqn] != sum(t.numel() for t in tensors.values()):
-                raise PortableIntegrityError(f"the fragments of {fqn!r} did not fill its element fields")
-        header = catalog.header
-        common = clone_tree(header.common)
-        assert isinstance(common, dict)
-        header = StateHeader(header.implementation, header.policy, common, header.manifest)
-        parameters = {
-            fqn: dataclasses.replace(record, replica_fields={k: v.clone() for k, v in record.replica_fields.items()})
-            for fqn, record in catalog.parameters.items()
-        }
-        return build_document(header, parameters, fields)
+        if set(collected) != needed:
+            raise PortableIntegrityError("the fragments delivered do not cover the catalog")
+        document = build_document(catalog, collected)
+        fresh = clone_tree(document)
+        assert isinstance(fresh, dict)
+        return fresh

@@ -25,6 +25,7 @@ __all__ = [
     "is_tight_cpu",
     "owned_cpu_copy",
     "require_little_endian",
+    "require_tight",
     "require_tight_fp32",
     "tensor_nbytes",
     "tensor_sha256",
@@ -114,12 +115,12 @@ def owned_cpu_copy(tensor: torch.Tensor, *, chunk_bytes: int = 8 << 20) -> torch
     return out
 
 
-def require_tight_fp32(value: object, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    """Return ``value`` if it is a tight, finite fp32 CPU tensor of exactly ``shape``."""
+def require_tight(value: object, shape: tuple[int, ...], dtype: torch.dtype, where: str) -> torch.Tensor:
+    """Return ``value`` if it is a tight, finite CPU tensor of exactly ``shape`` and ``dtype``."""
     if type(value) is not torch.Tensor:
         raise PortableStateError(f"{where} must be a torch.Tensor (no subclass), got {type(value).__name__}")
-    if value.dtype is not torch.float32:
-        raise PortableStateError(f"{where} must be float32, got {value.dtype}")
+    if value.dtype is not dtype:
+        raise PortableStateError(f"{where} must be {dtype}, got {value.dtype}")
     if tuple(value.shape) != shape:
         raise PortableStateError(f"{where} must have shape {shape}, got {tuple(value.shape)}")
     if not is_tight_cpu(value):
@@ -128,6 +129,11 @@ def require_tight_fp32(value: object, shape: tuple[int, ...], where: str) -> tor
         raise PortableStateError(f"{where} must not require grad")
     check_finite(value, where)
     return value
+
+
+def require_tight_fp32(value: object, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    """:func:`require_tight` for ``float32``."""
+    return require_tight(value, shape, torch.float32, where)
 
 
 def tensor_sha256(tensor: torch.Tensor) -> bytes:

@@ -232,24 +232,25 @@ def fetch_fragments(
     schedule = _schedule(session, f"{phase}.plan", catalog, keys, maps, limits)
     for index, source, target in schedule:
         key = keys[index]
-        names = catalog.parameters[key[0]].element_fields
-        shape = catalog.fragment_shape(*key)
+        specs = catalog.fragment_tensors(*key)
         if session.coordinate == source:
             fragment = held[key]
-            for name in names:
+            for name, (shape, dtype) in specs.items():
                 tensor = fragment.fields.get(name)
-                if tensor is None or tuple(tensor.shape) != shape or tensor.dtype is not torch.float32:
-                    tensor = torch.zeros(shape, dtype=torch.float32)  # keep the peer in step; it rejects the digest
+                if tensor is None or tuple(tensor.shape) != shape or tensor.dtype is not dtype:
+                    tensor = torch.zeros(shape, dtype=dtype)  # keep the peer in step; it rejects the digest
                 _send(session, _byte_view(tensor.contiguous()), target, limits.chunk_bytes)
         elif session.coordinate == target:
-            fields = {name: torch.empty(shape, dtype=torch.float32) for name in names}
-            for name in names:
-                if fields[name].numel():
-                    _recv(session, _byte_view(fields[name]), source, limits.chunk_bytes)
+            fields = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+            for tensor in fields.values():
+                if tensor.numel():
+                    _recv(session, _byte_view(tensor), source, limits.chunk_bytes)
             if error is None:
                 try:
                     record = catalog.fragments[key[0]][key[1]]
-                    fetched = PortableFragment(key[0], key[1], record.extent, fields, record.digest)
+                    fetched = PortableFragment(
+                        key[0], key[1], record.extent, record.block_period, fields, record.digest
+                    )
                     verify_fragment(fetched, catalog)
                     sink(fetched)
                 except Exception as exc:

@@ -6,12 +6,14 @@ for the digest grammar, and the generic identity machinery every ``IdentityBinda
 ``CanonicalLocalState`` optimizer shares: request validation (:func:`plan_rebinding`),
 the owned sealed layout and its guard (:class:`SealedLayout`), the
 ``gefen.bound_state`` envelope (:func:`build_bound_state`, :func:`parse_bound_state`) and the
-version-counter freshness token of prepared transactions (:func:`state_version_token`).
+version-counter freshness token of prepared transactions (:func:`state_version_token`), and
+the expansion of a portable record's block fields (:func:`expand_blocks`, :func:`as_imported`).
 """
 
 from __future__ import annotations
 
 from .bindings import CheckpointProcessGroupBinding, CodebookProcessGroupBinding, ProcessGroupBinding
+from .block_fields import as_imported, block_count, expand_blocks
 from .bound_state import (
     BOUND_STATE_COVERAGE,
     BOUND_STATE_FORMAT,
@@ -42,6 +44,8 @@ __all__ = [
     "SlotRebinding",
     "agree",
     "agree_digest",
+    "as_imported",
+    "block_count",
     "build_bound_state",
     "failure_vote",
     "failure_vote_on_group",
@@ -51,6 +55,7 @@ __all__ = [
     "state_version_token",
     "dtype_from_name",
     "dtype_name",
+    "expand_blocks",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

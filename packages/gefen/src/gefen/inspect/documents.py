@@ -49,7 +49,7 @@ def _portable_parameters(state: Any) -> tuple[ParameterSummary, ...]:
     summaries = []
     for fqn, record in catalog.parameters.items():
         fragments = catalog.fragments.get(fqn, ())
-        fields = ", ".join(record.element_fields + tuple(sorted(record.replica_fields)))
+        fields = ", ".join([*record.fields, *sorted(record.replica_fields)])
         summaries.append(
             ParameterSummary(
                 fqn,
