@@ -105,3 +105,19 @@ def test_a_document_of_the_other_implementation_is_refused_unchanged() -> None:
     with pytest.raises(StateValidationError, match=r"'gefen\.GefenMuon'"):
         import_portable_state(gefen, state, checkpoint_process_group=_binding(), transaction_id="import", limits=LIMITS)
     assert not snapshot_diff(before, gefen)
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+def test_a_portable_export_holds_the_compact_state_about_one_byte_per_parameter(kind: str) -> None:
+    """Codes (uint8, one per element) and fp32 block scales: the fragments hold 1 + 4/P (+ 4/P
+    for a block second moment) bytes per element, not dense fp32 fields."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
+    optimizer: Any = (GefenMuon if kind == "muon" else Gefen)(model.named_parameters(), lr=1e-2, fused=False)
+    model(torch.randn(4, 256)).square().mean().backward()
+    optimizer.step()
+    state = export_portable_state(optimizer, checkpoint_process_group=_binding(), transaction_id="size", limits=LIMITS)
+    numel = sum(p.numel() for p in model.parameters())
+    record = state.catalog.parameters["0.weight"]
+    assert record.fields["momentum_codes"].dtype is torch.uint8 and record.fields["momentum_scale"].blocked
+    assert numel <= state.local_bytes <= 1.05 * numel, state.local_bytes / numel

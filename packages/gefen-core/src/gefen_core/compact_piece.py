@@ -77,8 +77,10 @@ def incoming_momentum(
     codebook: torch.Tensor,
     where: str,
     fail: Callable[[str], Exception],
-) -> torch.Tensor:
-    """The flat fp32 momentum ``C[code] * scale`` of an imported piece of ``shape``.
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``(momentum, (codes, scale))``: the flat fp32 momentum ``C[code] * scale`` of an imported
+    piece of ``shape`` and the flat codes and scales it was decoded from (re-blocking reuses
+    them when the target's blocks are the source's: :func:`gefen_core.reblocking.source_encoding`).
 
     Checks ``momentum_codes`` (uint8) and ``momentum_scale`` (finite, non-negative fp32),
     both shaped like the piece; raises ``fail(message)`` naming ``where`` otherwise.
@@ -92,5 +94,6 @@ def incoming_momentum(
     flat_scale = scale.detach().reshape(-1)
     if flat_scale.numel() and not bool(torch.isfinite(flat_scale).all() and (flat_scale >= 0).all()):
         raise fail(f"{where} field {MOMENTUM_SCALE!r} must be finite and non-negative")
+    flat_codes = codes.detach().reshape(-1)
     table = codebook.detach().to(device="cpu", dtype=torch.float32)
-    return table[codes.detach().reshape(-1).long()] * flat_scale
+    return table.index_select(0, flat_codes.to(torch.int32)) * flat_scale, (flat_codes, flat_scale)

@@ -104,7 +104,8 @@ class IncomingPiece:
     ``momentum`` is flat (the piece's row-major order). The second moment is one of:
     ``block_v`` (dense, block-shaped), ``dense_v`` (dense, from a factored source) or
     ``factors`` (the complete parameter's ``v_row`` and ``v_col``). ``flat_offset`` is the
-    piece's first element within the parameter of ``global_shape``.
+    piece's first element within the parameter of ``global_shape``; ``source`` the flat codes
+    and scales the momentum was decoded from.
     """
 
     fqn: str
@@ -117,6 +118,7 @@ class IncomingPiece:
     factors: tuple[torch.Tensor, torch.Tensor] | None
     flat_offset: int
     global_shape: tuple[int, ...]
+    source: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def second_moment(self) -> torch.Tensor:
         """The dense second moment of the piece, flat."""
@@ -210,7 +212,7 @@ def check_incoming(
                 f"got {sorted(element_fields)}"
             )
     table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
-    momentum = incoming_momentum(element_fields, piece_shape, table, where, _fail)
+    momentum, source = incoming_momentum(element_fields, piece_shape, table, where, _fail)
     dense = None
     if factors is None:
         dense = _field(element_fields[SECOND_MOMENT], piece_shape, f"{where} field {SECOND_MOMENT!r}", nonnegative=True)
@@ -225,6 +227,7 @@ def check_incoming(
         factors,
         flat_offset,
         global_shape,
+        source,
     )
 
 
@@ -253,6 +256,7 @@ def plan_piece(
         codebook=codebook,
         forced_one=policy.forces_period_one(name, ndim),
         reinfer=reinfer,
+        source=piece.source,
     )
 
 

@@ -75,7 +75,8 @@ def live_muon_piece(
 
 @dataclass(frozen=True, slots=True, eq=False)
 class IncomingMuonPiece:
-    """A validated incoming record for one target matrix (or row shard) of ``shape``."""
+    """A validated incoming record for one target matrix (or row shard) of ``shape``
+    (``source``: the flat codes and scales the momentum was decoded from)."""
 
     fqn: str
     variant: str
@@ -84,6 +85,7 @@ class IncomingMuonPiece:
     momentum: torch.Tensor
     normuon_v: torch.Tensor | None
     shape: tuple[int, int]
+    source: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bool) -> torch.Tensor:
@@ -145,7 +147,7 @@ def check_incoming_muon(
     if names != expected or not {MOMENTUM_CODES, MOMENTUM_SCALE} <= set(element_fields):
         raise _fail(f"{where}: variant {variant!r} needs the fields {sorted(expected)}, got {sorted(names)}")
     table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
-    momentum = incoming_momentum(element_fields, shape, table, where, _fail)
+    momentum, source = incoming_momentum(element_fields, shape, table, where, _fail)
     normuon_v = None
     if variant == NORMUON:
         if NORMUON_V_FIELD in replica_fields:
@@ -157,7 +159,7 @@ def check_incoming_muon(
             normuon_v = dense[:, :1].contiguous()
             if not torch.equal(dense, normuon_v.expand(rows, cols)):
                 raise _fail(f"{where} field 'normuon_v' must repeat one value along each row")
-    return IncomingMuonPiece(fqn, variant, step, normuon_step, momentum, normuon_v, shape)
+    return IncomingMuonPiece(fqn, variant, step, normuon_step, momentum, normuon_v, shape, source)
 
 
 def plan_muon_piece(
@@ -172,6 +174,7 @@ def plan_muon_piece(
         codebook=codebook,
         forced_one=False,
         reinfer=lambda: shape_period(search_shape, piece.momentum.numel()),
+        source=piece.source,
     )
 
 

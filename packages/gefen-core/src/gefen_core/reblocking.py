@@ -57,6 +57,7 @@ __all__ = [
     "exact_encoding",
     "period_divisors",
     "reencodes_exactly",
+    "source_encoding",
 ]
 
 #: Elements per encoding chunk (whole blocks; at least one block).
@@ -169,6 +170,39 @@ def exact_encoding(
     return _encode(flat, period, codebook, flat.device, exact=True)
 
 
+def source_encoding(
+    codes: torch.Tensor, scale: torch.Tensor, period: int, codebook: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The source's own ``(indices [B, P], magnitude [B, 1])`` at ``period`` when re-encoding
+    ``codebook[codes] * scale`` there would give them back, else ``None``; no search.
+
+    ``codes`` (uint8) and ``scale`` (fp32) are flat, one per element (a portable import's
+    expanded block scales). It holds when the scale is constant on every target block and,
+    where it is not 0, the block's largest ``|codebook[code]|`` is 1 (the source normalised
+    by that element, so the block maximum is the scale and each value decodes to its own
+    code). Checked chunk by chunk, the first chunk small, so a wrong period costs a prefix.
+    """
+    numel = codes.numel()
+    if numel % period or scale.numel() != numel:
+        return None
+    blocks = numel // period
+    table = codebook.to(device=codes.device, dtype=torch.float32).abs()
+    indices = torch.empty(blocks, period, dtype=torch.uint8, device=codes.device)
+    magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=codes.device)
+    for first, last in _block_chunks(numel, period, TRIAL_FIRST_CHUNK_ELEMENTS):
+        rows = scale[first * period : last * period].view(-1, period)
+        head = rows[:, :1]
+        if not bool((rows == head).all()):
+            return None
+        q = codes[first * period : last * period].view(-1, period)
+        top = table.index_select(0, q.reshape(-1).to(torch.int32)).view(-1, period).amax(dim=1, keepdim=True)
+        if not bool(((top == 1.0) | (head == 0.0)).all()):
+            return None
+        indices[first:last] = q
+        magnitude[first:last] = head
+    return indices, magnitude
+
+
 def reencodes_exactly(momentum: torch.Tensor, period: int, codebook: torch.Tensor) -> bool:
     """Whether encoding ``momentum`` at ``period`` with ``codebook`` decodes back to equal values
     (:func:`exact_encoding`, the codes discarded)."""
@@ -211,6 +245,7 @@ def choose_period(
     codebook: torch.Tensor | None,
     forced_one: bool,
     reinfer: Callable[[], int],
+    source: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PeriodChoice:
     """The target piece's period by the module's rule.
 
@@ -219,9 +254,21 @@ def choose_period(
     shape, else the local one); ``second_moment`` the dense *block* second moment when the
     source kept one (``None`` for factored sources and GefenMuon); ``codebook`` the source's
     codebook when it is kept; ``reinfer()`` computes the period a fresh optimizer would
-    choose (called only when needed).
+    choose (called only when needed); ``source`` the flat ``(codes, scale)`` the momentum was
+    decoded from, when known: each exactness trial is then :func:`source_encoding` (no
+    codeword search; a wrong period fails on a small prefix). Its verdict is the search's
+    wherever the target blocks lie inside source blocks (the source normalised each block by
+    its largest element, so it decodes to the scale), and blocks whose scale is 0 keep the
+    source's codes (any code decodes them to 0).
     """
     numel = momentum.numel()
+
+    def exact(period: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        assert codebook is not None
+        if source is not None:
+            return source_encoding(source[0], source[1], period, codebook)
+        return exact_encoding(momentum, period, codebook)
+
     if numel == 0:
         return PeriodChoice(1, True, True, "empty")
     if forced_one or numel < MIN_BLOCK_PERIOD:
@@ -233,7 +280,7 @@ def choose_period(
     low = [d for d in divisors if d <= fallback]
     if codebook is not None:
         for period in low:
-            encoded = exact_encoding(momentum, period, codebook)
+            encoded = exact(period)
             if encoded is not None:
                 return PeriodChoice(period, True, block_source, "exact", encoded)
     elif block_source and low:
@@ -244,7 +291,7 @@ def choose_period(
     high = [d for d in divisors if fallback < d <= searched]
     if codebook is not None:
         for period in high:
-            encoded = exact_encoding(momentum, period, codebook)
+            encoded = exact(period)
             if encoded is not None:
                 return PeriodChoice(period, True, block_source, "exact", encoded)
     if block_source and (low or high):

@@ -5,7 +5,11 @@ processes (one per rank, gloo on 127.0.0.1) build the model, take one step and m
 memory and through DCP storage alike, an export and an import into a fresh optimizer
 (:mod:`gefen.bench.portable_worker`). Reported per operation: the slowest rank's seconds and
 the worst rank's peak resident growth (sampled every millisecond, and the kernel's
-high-water mark where Linux offers it) per parameter element that rank holds.
+high-water mark where Linux offers it) per parameter element that rank holds. Per arm and
+world size also: ``export_bytes_per_param``, the tensor bytes of the in-memory export summed
+over the ranks (a ``PortableState``'s fragments; torch's local state-dict shards), and
+``disk_bytes_per_param``, the storage checkpoint's size on disk, both over the model's
+parameter count.
 
 The baseline is ``torch.optim.AdamW`` under FSDP2 through ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict`` (and ``dcp.save`` / ``dcp.load``), measured in the same run at the
@@ -104,7 +108,7 @@ def run_portable(options: PortableOptions, *, progress: Callable[[str], None] | 
                         label=f"portable {arm}",
                     )
                     tick(f"{model} / {world_size} ranks / {arm}")
-                    _add_rows(builder, model, world_size, arm, results)
+                    _add_rows(builder, model, world_size, arm, results, bench_decoder(model).parameter_count())
     for (arm, sharded), reason in sorted(skipped.items()):
         if reason is not None:
             where = "on more than one rank" if sharded else "on one rank"
@@ -132,9 +136,14 @@ def run_portable(options: PortableOptions, *, progress: Callable[[str], None] | 
     return builder.build()
 
 
-def _add_rows(builder: ReportBuilder, model: str, world_size: int, arm: str, results: Sequence[dict[str, Any]]) -> None:
+def _add_rows(
+    builder: ReportBuilder, model: str, world_size: int, arm: str, results: Sequence[dict[str, Any]], parameters: int
+) -> None:
     name = f"{model}/{world_size}ranks/{arm}"
     base = None if arm == TORCH_ARM else f"{model}/{world_size}ranks/{TORCH_ARM}"
+    exported = sum(r["export_bytes"] for r in results)
+    builder.add(name, "export_bytes_per_param", exported / max(1, parameters), "B/param", baseline=base)
+    builder.add(name, "disk_bytes_per_param", results[0]["disk_bytes"] / max(1, parameters), "B/param", baseline=base)
     for operation in OPERATIONS:
         worst = max(results, key=lambda r: r[operation]["peak_extra_bytes"] / max(1, r["local_parameters"]))
         builder.add(

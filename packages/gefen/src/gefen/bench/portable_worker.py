@@ -77,6 +77,26 @@ def _measure(operations: list[Operation], barrier: Callable[[], object] | None, 
     return result
 
 
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a state tree (a DTensor counts its local shard)."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return int(local.numel() * local.element_size())
+    if isinstance(tree, Mapping):
+        return sum(_tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in tree)
+    return 0
+
+
+def _sizes(held: dict[str, Any], path: Path) -> dict[str, int]:
+    """The in-memory export's tensor bytes on this rank and the storage folder's bytes on disk."""
+    disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return {"export_bytes": int(held.get("export_bytes", 0)), "disk_bytes": disk}
+
+
 def _check_imported(fresh: Any, source: Any, arm: str) -> None:
     """An import that left the fresh optimizer without the source's per-parameter state is a bug, not a figure."""
     if len(fresh.state) != len(source.state):
@@ -109,6 +129,7 @@ def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object]
 
     def memory_export() -> None:
         held["state"] = get_optimizer_state_dict(model, optimizer)
+        held["export_bytes"] = _tensor_bytes(held["state"])
 
     def memory_import() -> None:
         set_optimizer_state_dict(model, held["fresh"], optim_state_dict=held["state"])
@@ -129,7 +150,8 @@ def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object]
         ("storage_export", None, storage_export),
         ("storage_import", fresh, storage_import),
     ]
-    return {"local_parameters": local, "layout": "fsdp2", **_measure(operations, barrier, held)}
+    measured = _measure(operations, barrier, held)
+    return {"local_parameters": local, "layout": "fsdp2", **measured, **_sizes(held, path)}
 
 
 def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object] | None) -> dict[str, Any]:
@@ -192,6 +214,7 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
         held["state"] = export_portable_state(
             optimizer, checkpoint_process_group=binding, transaction_id="bench-export", limits=limits
         )
+        held["export_bytes"] = held["state"].local_bytes
 
     def memory_import() -> None:
         import_portable_state(
@@ -225,7 +248,8 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
         ("storage_import", fresh, storage_import),
     ]
     layout = "whole" if world == 1 else ("flattened+codebook-scope" if scoped and scoped[0] else "flattened")
-    return {"local_parameters": local, "layout": layout, **_measure(operations, barrier, held)}
+    measured = _measure(operations, barrier, held)
+    return {"local_parameters": local, "layout": layout, **measured, **_sizes(held, path)}
 
 
 def _run(spec: Mapping[str, Any], rank: int) -> dict[str, Any]:
