@@ -135,3 +135,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, start:
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def tiny_llama() -> nn.Module:
+    """A seeded :class:`TinyLlama` (a ``MODULE:FUNCTION`` target for ``gefen routing``)."""
+    return seeded(TinyLlama)

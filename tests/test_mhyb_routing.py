@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -156,3 +157,24 @@ def test_add_param_group_routes_new_parameters_into_the_right_child_with_its_opt
     assert routing["extra.weight"] == "muon" and routing["extra.bias"] == "backup"
     new_muon_group = optimizer.muon.param_groups[-1]  # type: ignore[union-attr]
     assert new_muon_group["lr"] == 5e-4 and new_muon_group["ns_schedule"] == "tuned3" and new_muon_group["normuon"]
+
+
+def test_gefen_routing_prints_the_hybrids_routing_with_the_deciding_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    from gefen.cli.main import main
+
+    assert main(["routing", "mhyb_models:tiny_llama", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    expected = dict(GefenMuonHybrid(seeded(TinyLlama), lr=1e-2).parameter_routing())
+    assert {row["name"]: row["role"] for row in rows} == expected
+    assert {row["name"] for row in rows if row["role"] == "muon"} == LLAMA_MUON
+    reasons = {row["name"]: row["reason"] for row in rows}
+    assert reasons["model.embed_tokens.weight"] == "embedding or output-head module"
+    assert reasons["model.norm.weight"] == "1-D, not a matrix"
+    assert reasons["model.layers.0.mlp.up_proj.weight"] == "hidden 2-D matrix"
+    assert main(["routing", "mhyb_models:tiny_llama"]) == 0
+    table = capsys.readouterr().out
+    assert "model.layers.1.self_attn.q_proj.weight" in table and "muon:" in table and "backup:" in table
+    with pytest.raises(SystemExit) as raised:
+        main(["routing", "mhyb_models:no_such_function"])
+    assert raised.value.code == 2
+    assert "cannot load mhyb_models:no_such_function" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from gefen_contracts.torch_support import finite_bounds
 
 __all__ = [
     "MOMENTUM_CODES",
@@ -92,7 +93,8 @@ def incoming_momentum(
             raise fail(f"{where} field {name!r} must be a {dtype} tensor of shape {shape}, got {got}")
     assert isinstance(codes, torch.Tensor) and isinstance(scale, torch.Tensor)
     flat_scale = scale.detach().reshape(-1)
-    if flat_scale.numel() and not bool(torch.isfinite(flat_scale).all() and (flat_scale >= 0).all()):
+    bounds = finite_bounds(flat_scale) if flat_scale.numel() else (0.0, 0.0)
+    if bounds is None or bounds[0] < 0:
         raise fail(f"{where} field {MOMENTUM_SCALE!r} must be finite and non-negative")
     flat_codes = codes.detach().reshape(-1)
     table = codebook.detach().to(device="cpu", dtype=torch.float32)

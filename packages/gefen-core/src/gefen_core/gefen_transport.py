@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import finite_bounds
 
 from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, SECOND_MOMENT, CompactPiece, incoming_momentum
 from .dense_view import factored_statistics, factored_values
@@ -141,9 +142,10 @@ def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bo
         raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
     flat = tensor.detach().reshape(-1)
     if flat.numel():
-        if not bool(torch.isfinite(flat).all()):
+        bounds = finite_bounds(flat)
+        if bounds is None:
             raise _fail(f"{where} holds non-finite values")
-        if nonnegative and bool((flat < 0).any()):
+        if nonnegative and bounds[0] < 0:
             raise _fail(f"{where} holds negative values (a second moment is never negative)")
     return flat
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import finite_bounds
 
 from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, NORMUON_V_FIELD, CompactPiece, incoming_momentum
 from .gefen_transport import momentum_codes
@@ -98,9 +99,10 @@ def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bo
         raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
     detached = tensor.detach()
     if detached.numel():
-        if not bool(torch.isfinite(detached).all()):
+        bounds = finite_bounds(detached)
+        if bounds is None:
             raise _fail(f"{where} holds non-finite values")
-        if nonnegative and bool((detached < 0).any()):
+        if nonnegative and bounds[0] < 0:
             raise _fail(f"{where} holds negative values")
     return detached
 

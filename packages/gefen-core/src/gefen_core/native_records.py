@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import finite_bounds
 
 from .codebook import validate_codebook
 from .errors import GefenOptionError, GefenOptionTypeError
@@ -245,9 +246,10 @@ def check_state_tensor(
     if tuple(value.shape) != shape:
         raise fail(f"{where} must have shape {shape}, got {tuple(value.shape)}")
     if finite_nonnegative and value.numel():
-        if not bool(torch.isfinite(value).all()):
+        bounds = finite_bounds(value)
+        if bounds is None:
             raise fail(f"{where} must be finite")
-        if bool((value < 0).any()):
+        if bounds[0] < 0:
             raise fail(f"{where} must be >= 0")
     return value
 

@@ -42,10 +42,12 @@ from .routing import (
     OUTPUT_HEAD_NAMES,
     NamedParameter,
     RoutedParameters,
+    RoutingDecision,
     RoutingRules,
     RoutingWarning,
     route_model,
     route_named_parameters,
+    routing_report,
     split_by_role,
 )
 
@@ -74,6 +76,7 @@ __all__ = [
     "ROLE_MUON",
     "ROLE_TAG_PREFIX",
     "RoutedParameters",
+    "RoutingDecision",
     "RoutingRules",
     "RoutingWarning",
     "STEP_PHASE",
@@ -84,6 +87,7 @@ __all__ = [
     "intersect_checkpoint_support",
     "role_tag",
     "route_model",
+    "routing_report",
     "route_named_parameters",
     "split_by_role",
 ]

@@ -43,12 +43,14 @@ __all__ = [
     "NamedParameter",
     "RoutePredicate",
     "RoutedParameters",
+    "RoutingDecision",
     "RoutingRules",
     "RoutingWarning",
     "backup_module_weight_ids",
     "named_parameter_list",
     "route_model",
     "route_named_parameters",
+    "routing_report",
     "split_by_role",
 ]
 
@@ -107,19 +109,26 @@ class RoutingRules:
 
     def role_for(self, name: str, parameter: torch.Tensor, *, is_embedding: bool = False) -> str:
         """The role of one parameter; ``is_embedding`` says it is an embedding module's weight."""
+        return self.decide(name, parameter, is_embedding=is_embedding)[0]
+
+    def decide(self, name: str, parameter: torch.Tensor, *, is_embedding: bool = False) -> tuple[str, str]:
+        """``(role, reason)`` of one parameter: which rule of the module docstring decided."""
         override = self.overrides.get(name)
         if override is not None:
-            return override
+            return override, "override"
         if self.predicate is not None:
             chosen = self.predicate(name, parameter)
             if chosen is not None:
-                return check_role(chosen, f"RoutingRules.predicate({name!r}, ...)")
-        if is_embedding or parameter.dim() != 2:
-            return ROLE_BACKUP
+                return check_role(chosen, f"RoutingRules.predicate({name!r}, ...)"), "predicate"
+        if is_embedding:
+            return ROLE_BACKUP, "embedding or output-head module"
+        if parameter.dim() != 2:
+            return ROLE_BACKUP, f"{parameter.dim()}-D, not a matrix"
         lowered = name.lower()
-        if any(fragment in lowered for fragment in self.backup_substrings):
-            return ROLE_BACKUP
-        return ROLE_MUON
+        for fragment in self.backup_substrings:
+            if fragment in lowered:
+                return ROLE_BACKUP, f"name contains {fragment!r}"
+        return ROLE_MUON, "hidden 2-D matrix"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -243,6 +252,29 @@ def route_model(model: nn.Module, rules: RoutingRules | None = None) -> RoutedPa
     _check_overrides_known(named, rules)
     _reject_placeholders(named)
     return RoutedParameters(_assign(named, rules, backup_module_weight_ids(model, rules.embedding_types)))
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """One row of :func:`routing_report`."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    reason: str
+
+
+def routing_report(model: nn.Module, rules: RoutingRules | None = None) -> tuple[RoutingDecision, ...]:
+    """Every trainable parameter of ``model`` (tied tensors once) with the role :func:`route_model`
+    gives it and the rule that decided, in ``named_parameters()`` order."""
+    rules = RoutingRules() if rules is None else rules
+    named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
+    heads = backup_module_weight_ids(model, rules.embedding_types)
+    rows = []
+    for name, tensor in named:
+        role, reason = rules.decide(name, tensor, is_embedding=id(tensor) in heads)
+        rows.append(RoutingDecision(name, tuple(tensor.shape), role, reason))
+    return tuple(rows)
 
 
 def route_named_parameters(

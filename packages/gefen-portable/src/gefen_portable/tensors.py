@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts.torch_support import tensor_digest
+from gefen_contracts.torch_support import finite_bounds, tensor_digest
 
 from .errors import PortableStateError
 
@@ -60,8 +60,6 @@ DTYPE_BY_CODE: dict[int, WireDtype] = {row.code: row for row in _TABLE}
 #: torch dtype -> row
 DTYPE_CODES: dict[torch.dtype, WireDtype] = {row.dtype: row for row in _TABLE}
 
-_FINITE_CHUNK_ELEMENTS = 1 << 20
-
 
 def require_little_endian() -> None:
     """Raise unless the host is little-endian (wire bytes are the native little-endian bytes)."""
@@ -89,9 +87,12 @@ def check_finite(tensor: torch.Tensor, where: str) -> None:
     if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
         return
     flat = tensor.detach().reshape(-1)
-    for start in range(0, flat.numel(), _FINITE_CHUNK_ELEMENTS):
-        if not bool(torch.isfinite(flat[start : start + _FINITE_CHUNK_ELEMENTS]).all()):
-            raise PortableStateError(f"{where} holds a non-finite value")
+    if tensor.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    if finite_bounds(flat) is None:
+        raise PortableStateError(f"{where} holds a non-finite value")
 
 
 def owned_cpu_copy(tensor: torch.Tensor, *, chunk_bytes: int = 8 << 20) -> torch.Tensor:

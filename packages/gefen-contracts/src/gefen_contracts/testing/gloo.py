@@ -10,7 +10,6 @@ importable in a fresh interpreter: a module-level function, or ``"MODULE:FUNCTIO
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -21,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from .target import import_attribute
 
 __all__ = ["GlooWorld", "RankFailure", "RankOutcome", "resolve_callable"]
 
@@ -49,13 +50,7 @@ class RankFailure(AssertionError):
 
 
 def resolve_callable(spec: str) -> Callable[..., Any]:
-    module_name, sep, attribute = spec.partition(":")
-    if not sep:
-        raise ValueError(f"expected MODULE:FUNCTION, got {spec!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    return import_attribute(spec)  # type: ignore[no-any-return]
 
 
 def _spec_of(fn: Callable[..., Any] | str) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from .model import kit_loss, make_kit_model
 
-__all__ = ["ConformanceTarget", "Factory", "load_target"]
+__all__ = ["ConformanceTarget", "Factory", "import_attribute", "load_target"]
 
 Factory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -50,6 +50,21 @@ class ConformanceTarget:
         )
 
 
+def import_attribute(spec: str) -> Any:
+    """The object ``"MODULE:ATTRIBUTE"`` names (``ATTRIBUTE`` may be dotted).
+
+    ``ValueError`` for a spec that is not of that form; the import's own ``ImportError`` or
+    ``AttributeError`` otherwise (callers turn them into their usage errors).
+    """
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"expected MODULE:ATTRIBUTE, got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def load_target(spec: str) -> ConformanceTarget:
     """Resolve ``"MODULE:ATTRIBUTE"`` to a target.
 
@@ -57,13 +72,10 @@ def load_target(spec: str) -> ConformanceTarget:
     carry ``conformance_model_builder`` / ``conformance_loss`` / ``conformance_waive``
     attributes to customise the target.
     """
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"a conformance target must be given as MODULE:FACTORY, got {spec!r}")
-    module = importlib.import_module(module_name)
-    obj: Any = module
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj = import_attribute(spec)
+    except ValueError:
+        raise ValueError(f"a conformance target must be given as MODULE:FACTORY, got {spec!r}") from None
     if isinstance(obj, ConformanceTarget):
         return obj if obj.spec is not None else _respec(obj, spec)
     if not callable(obj):

@@ -27,7 +27,7 @@ from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, f
 from .freshness import state_version_token, tensor_version_token
 from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
 from .sealed_layout import SealedLayout
-from .tensors import dtype_from_name, dtype_name, tensor_digest, tensor_leaf
+from .tensors import dtype_from_name, dtype_name, finite_bounds, tensor_digest, tensor_leaf
 
 __all__ = [
     "BOUND_STATE_COVERAGE",
@@ -56,6 +56,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "expand_blocks",
+    "finite_bounds",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

@@ -9,12 +9,12 @@ the contract's own reason until the optimizer implements the Protocol.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from gefen_contracts import ContractProvider
+from gefen_contracts.testing import import_attribute
 
 __all__ = ["EXTRA_ARMS", "build_arm", "claim_status"]
 
@@ -43,10 +43,7 @@ EXTRA_ARMS: dict[str, Callable[[NamedParameters], torch.optim.Optimizer]] = {
 
 
 def _resolve(spec: str) -> Callable[..., Any]:
-    module, _, attribute = spec.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in attribute.split("."):
-        target = getattr(target, part)
+    target: Any = import_attribute(spec)
     if not callable(target):
         raise TypeError(f"{spec} is not callable")
     return target  # type: ignore[no-any-return]

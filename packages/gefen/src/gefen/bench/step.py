@@ -18,7 +18,6 @@ cannot run here (no kernel provider, a peer that fails on this device) becomes a
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import statistics
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from gefen_contracts.testing import import_attribute
 
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
@@ -166,9 +166,7 @@ def _muon_momentum(named: NamedParameters) -> Callable[[], object]:
 
 def _peer(module: str, attribute: str) -> StepFactory:
     def build(named: NamedParameters) -> Callable[[], object]:
-        target: Any = importlib.import_module(module)
-        for part in attribute.split("."):
-            target = getattr(target, part)
+        target: Any = import_attribute(f"{module}:{attribute}")
         optimizer: torch.optim.Optimizer = target([p for _, p in named], lr=1e-3)
         return optimizer.step
 

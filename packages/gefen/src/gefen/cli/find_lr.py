@@ -62,17 +62,14 @@ def register(sub: Any) -> None:
 
 
 def _factory(name: str, weight_decay: float) -> Any:
-    import importlib
+    from gefen_contracts.testing import import_attribute
 
     from ..bench.optimizers import build_optimizer, get_optimizer
 
     if ":" in name:
-        module, _, attribute = name.partition(":")
         try:
-            target: Any = importlib.import_module(module)
-            for part in attribute.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError) as exc:
+            target: Any = import_attribute(name)
+        except (ValueError, ImportError, AttributeError) as exc:
             raise UsageError(f"cannot load optimizer factory {name}: {exc}") from None
         return lambda named, lr: target(named)
     try:

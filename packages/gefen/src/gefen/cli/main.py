@@ -7,12 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench, conformance, demo, find_lr, inspect_checkpoint
+from . import bench, conformance, demo, find_lr, inspect_checkpoint, routing
 from .errors import UsageError
 
 __all__ = ["build_parser", "main", "versions"]
 
-_COMMANDS = (demo, bench, conformance, inspect_checkpoint, find_lr)
+_COMMANDS = (demo, bench, conformance, inspect_checkpoint, find_lr, routing)
 
 
 def versions() -> str:

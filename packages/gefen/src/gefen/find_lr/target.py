@@ -12,12 +12,12 @@ parameters) on tinylang characters, 16 random windows of 64 tokens per batch.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gefen_contracts.testing import import_attribute
 
 __all__ = ["DEFAULT_TARGET", "LRTestTarget", "TargetError", "default_loss", "demo_target", "load_target"]
 
@@ -56,13 +56,10 @@ class LRTestTarget:
 
 def load_target(spec: str) -> LRTestTarget:
     """Import ``MODULE:FUNCTION``, call it and check what it returned (:class:`TargetError` says why not)."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise TargetError(f"a target must be MODULE:FUNCTION, got {spec!r}")
     try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
+        target: Any = import_attribute(spec)
+    except ValueError:
+        raise TargetError(f"a target must be MODULE:FUNCTION, got {spec!r}") from None
     except (ImportError, AttributeError) as exc:
         raise TargetError(f"cannot load {spec}: {type(exc).__name__}: {exc}") from None
     if not callable(target):
