@@ -172,14 +172,22 @@ def test_bench_step_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert {"adamw-fused", "adamw-default", "copy-14B", "gefen-reference", "gefen-fused"} <= names
     assert "gefenmuon-momentum-fused" in names and "gefen-block-fused" in names
     for row in report.rows:
-        assert row.metric == "step_time" and row.unit == "ms" and row.value > 0
-        assert row.baseline == (None if row.name == "adamw-fused" else "adamw-fused")
+        assert row.metric in ("step_time", "first_step_time", "codebook_solve_time") and row.unit == "ms"
+        assert row.value > 0
+        if row.metric == "step_time":
+            assert row.baseline == (None if row.name == "adamw-fused" else "adamw-fused")
+    first = report.row("gefen-fused", "first_step_time")
+    steady = report.row("gefen-fused", "step_time")
+    assert first.detail["x_steady"] == pytest.approx(first.value / steady.value)
+    assert "x_steady_without_codebook_solve" in first.detail
+    assert report.row("codebook_solve", "codebook_solve_time").value > 0
     assert report.config["parameters"] == 64 * 256 + 3 * 64 + 64 * 64 * (1 + 0.25 + 0.25 + 1 + 12)
     assert report.config["kernels"]["cpu_available"] is True  # type: ignore[index]
     _ratios_hold(document)
     table = capsys.readouterr().out  # the figures tools/bench_step.py printed: size, ms, ns/param, ratio
     assert f"{report.config['parameters']:,} float32 parameters in 11 tensors" in table
     assert "ns/param" in table and "vs adamw-fused" in table
+    assert "first step (codebook solve alone:" in table and "x steady w/o solve" in table
 
 
 def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,7 +207,8 @@ def test_bench_step_runs_only_the_chosen_arms_and_the_baseline(tmp_path: Path) -
          "--threads", "1", "--arms", "gefen-block-fused", "--out", str(tmp_path)]
     )  # fmt: skip
     assert code == 0
-    assert {row.name for row in read_report(tmp_path / "step.json").rows} == {"adamw-fused", "gefen-block-fused"}
+    rows = read_report(tmp_path / "step.json").rows
+    assert {row.name for row in rows if row.metric == "step_time"} == {"adamw-fused", "gefen-block-fused"}
 
 
 def test_bench_muon_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -319,8 +328,12 @@ def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     report = read_report(tmp_path / "portable.json")
     operations = ("memory_export", "memory_import", "storage_export", "storage_import")
     metrics = {f"{op}_{kind}" for op in operations for kind in ("seconds", "peak_bytes_per_param")}
+    metrics |= {"export_bytes_per_param", "disk_bytes_per_param"}
     for name in ("torch-adamw", "gefen"):
         assert {row.metric for row in report.rows if row.name == f"tiny/2ranks/{name}"} == metrics
+    for size in ("export_bytes_per_param", "disk_bytes_per_param"):  # compact codes and block scales
+        compact = report.row("tiny/2ranks/gefen", size)
+        assert 1.0 < compact.value < report.row("tiny/2ranks/torch-adamw", size).value / 2, size
     seconds = report.row("tiny/2ranks/gefen", "storage_import_seconds")
     assert seconds.baseline == "tiny/2ranks/torch-adamw" and seconds.value > 0
     assert seconds.detail["layout"] == "flattened+codebook-scope"

@@ -8,6 +8,12 @@ learns its codebook and periods) the median of ``repeats`` timed rounds is repor
 the minimum in the detail. Ratios are against ``torch.optim.AdamW(fused=True)`` measured in
 the same run.
 
+The first step is reported too (``first_step_time``, with its multiple of the arm's steady
+median in the detail): Gefen's creates its state, chooses its periods and solves its
+codebook there. ``codebook_solve`` times that solve alone (the exact DP on a 4096-bin
+histogram of the same gradients, each tensor normalised by its max ``|g|``), so a Gefen
+arm's ``x_steady_without_codebook_solve`` is the rest of its first step in steady steps.
+
 Arms: AdamW fused and default (torch's for-each path), a copy of the bytes Gefen's step
 moves at least (14 B/param for fp32: read parameter, gradient, indices, write parameter and
 indices; the bandwidth bound), Gefen on its reference path and with kernels (factored and
@@ -197,6 +203,23 @@ def _arms(numel: int, device: str) -> tuple[dict[str, StepFactory], list[str]]:
     return arms, notes
 
 
+def _codebook_solve_seconds(named: NamedParameters) -> float:
+    """Seconds of one exact-DP codebook solve on a 4096-bin histogram of ``named``'s gradients."""
+    from gefen_core.codebook import codebook_from_counts
+    from gefen_core.reference_ops import HISTOGRAM_BINS
+
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    for _, parameter in named:
+        gradient = parameter.grad
+        if gradient is None or gradient.numel() == 0:
+            continue
+        scale = gradient.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+        counts += torch.histc((gradient / scale).float().cpu(), bins=HISTOGRAM_BINS, min=-1.0, max=1.0).to(torch.int64)
+    started = time.perf_counter()
+    codebook_from_counts(counts)
+    return time.perf_counter() - started
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -244,6 +267,7 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
             except Exception as exc:  # an arm that cannot run here is reported, not fatal
                 notes.append(f"{name}: not measured ({type(exc).__name__}: {exc})")
         samples: dict[str, list[float]] = {name: [] for name in steps}
+        first: dict[str, float] = {}
         failed: set[str] = set()
         for round_index in range(options.warmup + options.repeats):
             for name, step in steps.items():
@@ -260,8 +284,11 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
                     failed.add(name)
                     notes.append(f"{name}: not measured ({type(exc).__name__}: {exc})")
                     continue
+                elapsed = time.perf_counter() - started
+                if round_index == 0:
+                    first[name] = elapsed
                 if round_index >= options.warmup:
-                    samples[name].append(time.perf_counter() - started)
+                    samples[name].append(elapsed)
             tick("warm-up" if round_index < options.warmup else f"round {round_index - options.warmup + 1}")
         measured = {name: values for name, values in samples.items() if name not in failed and values}
         baseline = BASELINE if BASELINE in measured else None
@@ -277,8 +304,20 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
                 baseline=None if name == BASELINE else baseline,
                 detail={"ns_per_param": median / numel * 1e9, "min_ms": min(measured[name]) * 1e3},
             )
+        solve = _codebook_solve_seconds(_parameters(shapes, options.device, options.seed))
+        builder.add("codebook_solve", "codebook_solve_time", solve * 1e3, "ms")
+        for name in sorted(measured, key=lambda n: n != BASELINE):
+            steady = statistics.median(measured[name])
+            detail = {"x_steady": first[name] / steady}
+            if name.startswith("gefen-"):
+                detail["x_steady_without_codebook_solve"] = (first[name] - solve) / steady
+            builder.add(name, "first_step_time", first[name] * 1e3, "ms", detail=detail)
         for note in notes:
             builder.note(note)
+        builder.note(
+            "first step: round 0 of each arm (state creation; for Gefen also the period choice and the codebook "
+            "solve, timed alone as codebook_solve); the issue-20 budget is 3x a steady step plus the solve"
+        )
         builder.note(
             f"median of {options.repeats} interleaved rounds after {options.warmup} warm-up rounds, "
             f"{options.threads} thread(s); timings on a shared machine are noisy, ratios less so"
@@ -306,6 +345,15 @@ def step_table(report: BenchmarkReport) -> str:
         minimum, per_param = row.detail.get("min_ms"), row.detail.get("ns_per_param")
         assert isinstance(minimum, float) and isinstance(per_param, float)  # run_step writes both
         lines.append(f"{row.name:28s} {row.value:10.3f} {minimum:10.3f} {per_param:9.3f} {ratio:>15s}")
+    firsts = [row for row in report.rows if row.metric == "first_step_time"]
+    if firsts:
+        solve = next((row.value for row in report.rows if row.metric == "codebook_solve_time"), float("nan"))
+        lines.append(f"first step (codebook solve alone: {solve:.3f} ms)")
+        lines.append(f"{'name':28s} {'first ms':>10s} {'x steady':>10s} {'x steady w/o solve':>19s}")
+        for row in firsts:
+            rest = row.detail.get("x_steady_without_codebook_solve")
+            rest_text = f"{rest:.2f}x" if isinstance(rest, float) else ""
+            lines.append(f"{row.name:28s} {row.value:10.3f} {row.detail['x_steady']:9.2f}x {rest_text:>19s}")
     lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)
 
