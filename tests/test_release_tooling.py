@@ -58,3 +58,7 @@ def test_every_wheel_builds_and_installs_in_a_clean_environment(tmp_path: Path) 
     lines = release.verify(tmp_path / "dist")
     assert any(line.startswith("gefen-contracts ") and "(alone)" in line for line in lines), lines
     assert len(lines) == len(wheels)
+    kernels = next(w for w in wheels if w.name.startswith("gefen_kernels-"))
+    assert "-py3-none-linux_" in kernels.name or "-py3-none-macosx" in kernels.name, kernels.name
+    (meta,) = [line for line in lines if line.startswith("gefen ")]
+    assert "fused CPU step without a compiler on gefen_cpu-" in meta, meta  # a prebuilt library, loaded

@@ -10,7 +10,9 @@ siblings' wheels) with ``--no-deps`` into a fresh virtual environment whose thir
 dependencies (torch, numpy...) come from the workspace environment through a ``.pth`` path
 entry (no network, no editable workspace packages visible), then imports it and checks its
 declared third-party requirements are importable; ``gefen-contracts`` is installed fully alone
-and must import without torch.
+and must import without torch. The ``gefen-kernels`` wheel must be a platform wheel carrying
+the prebuilt CPU kernel, and in the meta-package's environment, run with no C compiler on
+``PATH`` and an empty kernel cache, Gefen's fused CPU step must run on a prebuilt library.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +151,48 @@ def _third_party_site(root: Path) -> Path:
     return found[0]
 
 
+#: Run in the meta-package's clean venv with PATH holding only the venv's bin: Gefen's fused
+#: CPU step must load a prebuilt kernel (no compiler, nothing compiled, nothing cached).
+_FUSED_PROBE = """
+import shutil, torch
+assert shutil.which("cc") is None and shutil.which("gcc") is None, "a C compiler is on PATH"
+from gefen_core import Gefen
+from gefen_kernels.cpu_build import cpu_kernel_status
+p = torch.nn.Parameter(torch.randn(64, 32))
+p.grad = torch.randn(64, 32)
+Gefen([("w", p)], lr=1e-2, fused=True).step()
+status = cpu_kernel_status()
+assert status.available and status.prebuilt and not status.compiled, status
+print(status.path.rsplit("/", 1)[-1])
+"""
+
+
+def _prebuilt_in_wheel(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return sorted(Path(n).name for n in archive.namelist() if "/prebuilt/" in n and n.endswith(".so"))
+
+
+def _fused_step_without_compiler(python: Path, scratch: Path) -> str:
+    env = {
+        "PATH": str(python.parent),
+        "HOME": str(scratch / "home"),
+        "GEFEN_KERNELS_CACHE_DIR": str(scratch / "empty-cache"),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [str(python), "-c", _FUSED_PROBE],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=scratch,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"the fused CPU step without a compiler failed:\n{result.stderr[-2000:]}")
+    return result.stdout.strip()
+
+
 def verify(dist: Path, root: Path = ROOT) -> list[str]:
     """Install each published wheel into its own clean venv (no network) and import it."""
     uv = shutil.which("uv") or "uv"
@@ -184,7 +229,15 @@ def verify(dist: Path, root: Path = ROOT) -> list[str]:
                 raise RuntimeError(f"{name}: installed version {version} != {package.version}")
             if alone and has_torch == "True":
                 raise RuntimeError(f"{name} installed alone pulled in torch")
-            lines.append(f"{name} {version} ok ({'alone' if alone else 'with torch from the workspace'})")
+            note = "alone" if alone else "with torch from the workspace"
+            if name == "gefen-kernels":
+                shipped = _prebuilt_in_wheel(wheels[name])
+                if wheels[name].name.endswith("-none-any.whl") or not shipped:
+                    raise RuntimeError(f"{wheels[name].name} carries no prebuilt CPU kernel")
+                note += f"; prebuilt {len(shipped)} libraries"
+            if name == "gefen":
+                note += f"; fused CPU step without a compiler on {_fused_step_without_compiler(python, Path(tmp))}"
+            lines.append(f"{name} {version} ok ({note})")
     return lines
 
 

@@ -106,3 +106,60 @@ def test_the_provider_explains_what_it_cannot_run() -> None:
     assert "bool" in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=1) or "")
     with pytest.raises(KeyError):
         kernels.implementation("gefen.unknown/1")
+
+
+def _prebuilt_dir(monkeypatch: pytest.MonkeyPatch, directory: Path) -> Path:
+    from gefen_kernels import prebuilt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(prebuilt, "PREBUILT_DIR", directory)
+    return directory
+
+
+def test_prebuilt_candidates_follow_the_cpu_best_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from gefen_kernels.prebuilt import VARIANTS, prebuilt_candidates, variant_file
+
+    directory = _prebuilt_dir(monkeypatch, tmp_path / "prebuilt")
+    for variant in VARIANTS:
+        for openmp in (True, False):
+            (directory / variant_file(2, variant, openmp)).write_bytes(b"")
+    avx2 = frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
+    names = [p.name for p in prebuilt_candidates(2, avx2, "x86_64")]
+    assert names == [
+        "gefen_cpu-2-x86-64-v3-omp.so",
+        "gefen_cpu-2-x86-64-v3.so",
+        "gefen_cpu-2-x86-64-omp.so",
+        "gefen_cpu-2-x86-64.so",
+    ]
+    assert [p.name for p in prebuilt_candidates(2, frozenset(), "aarch64")][0] == "gefen_cpu-2-armv8-a-omp.so"
+    assert prebuilt_candidates(3, avx2, "x86_64") == []  # another ABI ships nothing usable
+    assert prebuilt_candidates(2, avx2, "riscv64") == []
+
+
+def test_a_prebuilt_library_is_loaded_first_and_a_broken_one_is_skipped(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library shipped in prebuilt/ wins over compiling; one that does not load (here: not a
+    shared object) is skipped; GEFEN_KERNELS_PREBUILT=0 ignores them all."""
+    import platform
+
+    from gefen_kernels.cpu_build import ABI_VERSION, _cpu_features
+    from gefen_kernels.prebuilt import VARIANTS, variant_file
+
+    built = cpu_kernel_status()  # a just-in-time build stands in for a release build
+    assert built.available and not built.prebuilt
+    directory = _prebuilt_dir(monkeypatch, fresh_build / "prebuilt")
+    flags = frozenset(_cpu_features().split())
+    usable = [v for v in VARIANTS if v.machine == platform.machine() and v.cpu_flags <= flags]
+    if not usable:
+        pytest.skip(f"no prebuilt variant is defined for {platform.machine()}")
+    (directory / variant_file(ABI_VERSION, usable[0], True)).write_bytes(b"not a shared object")
+    shutil.copy(built.path, directory / variant_file(ABI_VERSION, usable[-1], False))
+    monkeypatch.setenv("GEFEN_KERNELS_CC", str(fresh_build / "absent-cc"))  # prove no compiler is needed
+    reset_cpu_library()
+    status = cpu_kernel_status()
+    assert status.available and status.prebuilt and not status.compiled
+    assert status.path == str(directory / variant_file(ABI_VERSION, usable[-1], False))
+    monkeypatch.setenv("GEFEN_KERNELS_PREBUILT", "0")
+    reset_cpu_library()
+    assert not cpu_kernel_status().prebuilt

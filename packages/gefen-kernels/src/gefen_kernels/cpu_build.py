@@ -1,4 +1,10 @@
-"""Building and loading the CPU kernel library: the system C compiler, a per-user cache, ctypes.
+"""Loading the CPU kernel library: prebuilt in a platform wheel, else built with the system C
+compiler into a per-user cache; loaded with ctypes.
+
+A platform wheel ships the kernel compiled for a few instruction-set levels
+(:mod:`gefen_kernels.prebuilt`); the best one this CPU can run is loaded first, so no
+compiler is needed. Otherwise (a pure wheel, another platform, ``GEFEN_KERNELS_PREBUILT=0``)
+the kernel is compiled just in time, as follows.
 
 The C source (``csrc/gefen_cpu.c``) includes no torch headers, so compiling it takes about
 a second. The shared library is cached under a name derived from a hash of the source,
@@ -12,7 +18,8 @@ Environment:
   ``clang``); a command with arguments such as ``ccache gcc`` works;
 * ``GEFEN_KERNELS_CACHE_DIR``: the cache directory (default:
   ``$XDG_CACHE_HOME/gefen-kernels`` or ``~/.cache/gefen-kernels``);
-* ``GEFEN_KERNELS_CPU=0``: do not build or use the CPU kernel.
+* ``GEFEN_KERNELS_CPU=0``: do not build or use the CPU kernel;
+* ``GEFEN_KERNELS_PREBUILT=0``: ignore the prebuilt libraries (compile just in time).
 
 Nothing here can make a step fail. An unusable cache directory (a file, no permission) is
 replaced by one under the system's temporary directory, with one
@@ -40,6 +47,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .prebuilt import BASE_FLAGS, GATHER_FLAGS, prebuilt_candidates
+
 __all__ = [
     "ABI_VERSION",
     "CpuKernelCacheWarning",
@@ -53,15 +62,11 @@ __all__ = [
 #: Must equal ``GEFEN_ABI_VERSION`` in the C source.
 ABI_VERSION = 2
 _SOURCE = Path(__file__).with_name("csrc") / "gefen_cpu.c"
-_BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
-#: Tried in order; the first set that compiles is used. GCC's generic tuning emulates vector
-#: gathers with scalar loads, which made the step 6x slower here: ``-mgather`` (GCC >= 13) or
-#: ``-mtune-ctrl=use_gather`` (GCC 12) turn real gathers back on; other compilers reject both
-#: flags and fall through to the plain native set.
+#: Tried in order; the first set that compiles is used: native code with real vector gathers
+#: (:data:`gefen_kernels.prebuilt.GATHER_FLAGS`: GCC's generic tuning emulates them with
+#: scalar loads, which made the step 6x slower here), then portable code.
 _FLAG_SETS = (
-    ("-march=native", "-mgather", "-fopenmp"),
-    ("-march=native", "-mtune-ctrl=use_gather", "-fopenmp"),
-    ("-march=native", "-fopenmp"),
+    *(("-march=native", *gather, "-fopenmp") for gather in GATHER_FLAGS),
     ("-fopenmp",),
     (),
 )
@@ -83,7 +88,8 @@ class CpuKernelStatus:
     ``available``: the library is loaded. ``path``: the shared library. ``compiled``: it was
     built in this process (``False``: found in the cache). ``build_seconds``: compile time
     when built here. ``flags``: the compiler flags used. ``openmp``: multi-threaded build.
-    ``reason``: why it is unavailable (empty when available).
+    ``reason``: why it is unavailable (empty when available). ``prebuilt``: the library came
+    with the wheel (no compiler involved).
     """
 
     available: bool
@@ -94,6 +100,7 @@ class CpuKernelStatus:
     flags: tuple[str, ...] = ()
     openmp: bool = False
     reason: str = ""
+    prebuilt: bool = False
 
 
 _LOCK = threading.Lock()
@@ -246,14 +253,39 @@ def _open(path: Path) -> ctypes.CDLL:
     return library
 
 
+def _disabled(variable: str) -> bool:
+    return os.environ.get(variable, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def _prebuilt() -> tuple[ctypes.CDLL | None, CpuKernelStatus | None, list[str]]:
+    """The best shipped library this CPU runs, or ``(None, None, problems)``."""
+    problems = []
+    for path in prebuilt_candidates(ABI_VERSION, frozenset(_cpu_features().split())):
+        try:
+            library = _open(path)
+        except OSError as exc:  # e.g. the OpenMP build without libgomp: try the next one
+            problems.append(f"{path.name}: {exc}")
+            continue
+        openmp = bool(library.gefen_openmp_enabled())
+        return library, CpuKernelStatus(True, str(path), openmp=openmp, prebuilt=True), problems
+    return None, None, problems
+
+
 def _build() -> tuple[ctypes.CDLL | None, CpuKernelStatus]:
-    if os.environ.get("GEFEN_KERNELS_CPU", "").strip().lower() in ("0", "false", "no", "off"):
+    if _disabled("GEFEN_KERNELS_CPU"):
         return None, CpuKernelStatus(False, reason="disabled by GEFEN_KERNELS_CPU=0")
+    prebuilt_problems: list[str] = []
+    if not _disabled("GEFEN_KERNELS_PREBUILT"):
+        library, status, prebuilt_problems = _prebuilt()
+        if library is not None and status is not None:
+            return library, status
     source = _SOURCE.read_bytes()
     cache = _cache_dir()
     compiler = _compiler()
     if compiler is None:
         missing = f"no C compiler found (looked for {_requested_compiler()!r})"
+        if prebuilt_problems:
+            missing += f", and no prebuilt library loads ({'; '.join(prebuilt_problems)})"
         recorded = _recorded_library(cache, source)
         if recorded is None:
             return None, CpuKernelStatus(False, reason=missing)
@@ -266,7 +298,7 @@ def _build() -> tuple[ctypes.CDLL | None, CpuKernelStatus]:
     identity = _compiler_identity(compiler)
     errors: list[str] = []
     for extra in _FLAG_SETS:
-        flags = (*_BASE_FLAGS, *extra)
+        flags = (*BASE_FLAGS, *extra)
         target = cache / _library_name(source, compiler, identity, flags)
         compiled, seconds = False, 0.0
         if not target.exists():
