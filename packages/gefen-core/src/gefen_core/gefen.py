@@ -419,7 +419,11 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
 
     def _locally_nonzero(self, work: ParamWork) -> bool:
         if work.local_nonzero is None:
-            work.local_nonzero = bool(work.grad.numel()) and bool(work.grad.ne(0).any())
+            if work.grad.numel():
+                low, high = torch.aminmax(work.grad.reshape(-1))  # one pass, no mask
+                work.local_nonzero = bool(low != 0) or bool(high != 0)
+            else:
+                work.local_nonzero = False
         return work.local_nonzero
 
     def _move_state(self, work: ParamWork) -> None:

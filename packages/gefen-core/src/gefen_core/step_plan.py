@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import KernelUnavailableError
+from gefen_contracts.torch_support import finite_bounds
 
 from .distributed import is_dtensor, is_row_sharded, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
@@ -202,10 +203,14 @@ def plan_step(
             else:
                 if in_capture:
                     raise CaptureError(f"{where}: has no state yet; run one eager step before capturing")
-                if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
-                    raise GradientError(
-                        f"{where}: the first gradient is not finite; periods and the codebook cannot be learned from it"
-                    )
+                if local_grad.numel():
+                    bounds = finite_bounds(local_grad)
+                    if bounds is None:
+                        raise GradientError(
+                            f"{where}: the first gradient is not finite; periods and the codebook cannot be learned "
+                            "from it"
+                        )
+                    work.local_nonzero = bounds != (0.0, 0.0)
             plan.works.append(work)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
