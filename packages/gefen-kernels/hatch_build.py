@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -46,19 +44,6 @@ def _abi() -> int:
     raise RuntimeError("GEFEN_ABI_VERSION is not defined in csrc/gefen_cpu.c")
 
 
-def _compiler() -> list[str] | None:
-    for candidate in (os.environ.get("GEFEN_KERNELS_CC"), os.environ.get("CC")):
-        if candidate and candidate.strip():
-            program, *arguments = shlex.split(candidate)
-            resolved = shutil.which(program)
-            return None if resolved is None else [resolved, *arguments]
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    return None
-
-
 class CustomBuildHook(BuildHookInterface):
     """Compiles the prebuilt variants into a standard wheel (see the module docstring)."""
 
@@ -66,7 +51,7 @@ class CustomBuildHook(BuildHookInterface):
         if self.target_name != "wheel" or version == "editable":
             return
         prebuilt = _module("prebuilt")
-        compiler = _compiler()
+        compiler = prebuilt.find_compiler()
         required = os.environ.get("GEFEN_KERNELS_REQUIRE_PREBUILT") == "1"
         if compiler is None:
             if required:

@@ -10,7 +10,7 @@ byte per element):
   ``"momentum_scale"`` (fp32 block scales) and, for a block second moment,
   ``"second_moment"`` (fp32 block means of ``v``);
 * the factored second moment (``v_row``, ``v_col``) and NorMuon's row statistic
-  (``normuon_v``) travel as replica fields of a complete piece (the callers decide).
+  (``normuon_v``) travel as replica fields (the pieces that hold them are complete).
 
 An import receives the block fields expanded per element (the portable projection), so
 :func:`incoming_momentum` decodes ``C[code] * scale`` for any target piece, bit for bit
@@ -24,7 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from gefen_contracts import PortableSlotLayout, PortableSlotState
 from gefen_contracts.torch_support import finite_bounds
+
+from .param_state import V_COL, V_ROW
 
 __all__ = [
     "MOMENTUM_CODES",
@@ -63,13 +66,22 @@ class CompactPiece:
     v_col: torch.Tensor | None = None
     normuon_v: torch.Tensor | None = None
 
-    def portable_fields(self) -> tuple[dict[str, object], dict[str, object]]:
-        """``(element fields, block fields)``: fresh CPU copies, nothing aliasing live state."""
+    def portable_slot(
+        self, layout: PortableSlotLayout, options: Mapping[str, object], variant: str, counters: Mapping[str, int]
+    ) -> PortableSlotState:
+        """The piece's portable record: fresh CPU copies, nothing aliasing live state."""
         elements: dict[str, object] = {MOMENTUM_CODES: _host(self.indices).reshape(self.shape)}
         blocks: dict[str, object] = {MOMENTUM_SCALE: _host(self.magnitude).reshape(-1).float()}
         if self.vmean is not None:
             blocks[SECOND_MOMENT] = _host(self.vmean).reshape(-1).float()
-        return elements, blocks
+        replicas: dict[str, object] = {}
+        if self.v_row is not None and self.v_col is not None:
+            replicas = {V_ROW: _host(self.v_row), V_COL: _host(self.v_col)}
+        if self.normuon_v is not None:
+            replicas[NORMUON_V_FIELD] = _host(self.normuon_v)
+        return PortableSlotState(
+            layout, options, variant, counters, elements, replicas, block_fields=blocks, block_period=self.period
+        )
 
 
 def incoming_momentum(

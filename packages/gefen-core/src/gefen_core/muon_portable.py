@@ -31,7 +31,6 @@ from gefen_contracts import (
 )
 from gefen_contracts.torch_support import SealedLayout
 
-from .compact_piece import NORMUON_V_FIELD
 from .distributed import is_dtensor
 from .muon_native_state import export_muon_state_dict, slot_layouts
 from .muon_transport import (
@@ -132,22 +131,7 @@ class GefenMuonPortableState(BoundLayoutHook):
             if piece is None:
                 exported.append(PortableSlotState(slot_layout, options, PRISTINE))
                 continue
-            replicas: dict[str, object] = {}
-            if piece.normuon_v is not None:
-                replicas[NORMUON_V_FIELD] = piece.normuon_v.detach().to("cpu", copy=True)
-            elements, blocks = piece.portable_fields()
-            exported.append(
-                PortableSlotState(
-                    slot_layout,
-                    options,
-                    variant,
-                    counters,
-                    elements,
-                    replicas,
-                    block_fields=blocks,
-                    block_period=piece.period,
-                )
-            )
+            exported.append(piece.portable_slot(slot_layout, options, variant, counters))
         policy = portable_policy(self._deterministic)
         common = portable_common(self.global_step, self._codebook)
         return PortableExport(_IMPLEMENTATION, policy, common, layout.manifest, tuple(exported))

@@ -62,7 +62,6 @@ from .gefen_transport import (
     slot_options,
 )
 from .native_records import native_state_dict
-from .param_state import FACTORED, V_COL, V_ROW
 from .transport_records import checked_import_records, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
     BoundLayoutHook,
@@ -167,26 +166,7 @@ class GefenPortableState(BoundLayoutHook):
             if piece is None:
                 exported.append(PortableSlotState(slot_layout, options, PRISTINE))
                 continue
-            elements, blocks = piece.portable_fields()
-            replicas: dict[str, object] = {}
-            if variant == FACTORED:
-                assert piece.v_row is not None and piece.v_col is not None
-                replicas = {
-                    V_ROW: piece.v_row.detach().to("cpu", copy=True),
-                    V_COL: piece.v_col.detach().to("cpu", copy=True),
-                }
-            exported.append(
-                PortableSlotState(
-                    slot_layout,
-                    options,
-                    variant,
-                    counters,
-                    elements,
-                    replicas,
-                    block_fields=blocks,
-                    block_period=piece.period,
-                )
-            )
+            exported.append(piece.portable_slot(slot_layout, options, variant, counters))
         policy = portable_policy(self._deterministic)
         common = portable_common(self.global_step, self._codebook)
         return PortableExport(_IMPLEMENTATION, policy, common, layout.manifest, tuple(exported))

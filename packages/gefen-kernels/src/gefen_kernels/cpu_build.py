@@ -37,8 +37,6 @@ import ctypes
 import hashlib
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -47,7 +45,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .prebuilt import BASE_FLAGS, GATHER_FLAGS, prebuilt_candidates
+from .prebuilt import BASE_FLAGS, GATHER_FLAGS, find_compiler, prebuilt_candidates
 
 __all__ = [
     "ABI_VERSION",
@@ -135,23 +133,6 @@ def _cache_dir() -> Path:
         )
         fallback.mkdir(parents=True, exist_ok=True)
         return fallback
-
-
-def _compiler() -> list[str] | None:
-    """The compiler command, its program resolved on ``PATH`` (``None`` when there is none)."""
-    for candidate in (os.environ.get("GEFEN_KERNELS_CC"), os.environ.get("CC")):
-        if candidate and candidate.strip():
-            try:
-                program, *arguments = shlex.split(candidate)
-            except ValueError:
-                return None
-            resolved = shutil.which(program) or (program if Path(program).is_file() else None)
-            return None if resolved is None else [resolved, *arguments]
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    return None
 
 
 def _requested_compiler() -> str:
@@ -281,7 +262,7 @@ def _build() -> tuple[ctypes.CDLL | None, CpuKernelStatus]:
             return library, status
     source = _SOURCE.read_bytes()
     cache = _cache_dir()
-    compiler = _compiler()
+    compiler = find_compiler()
     if compiler is None:
         missing = f"no C compiler found (looked for {_requested_compiler()!r})"
         if prebuilt_problems:

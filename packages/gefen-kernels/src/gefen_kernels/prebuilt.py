@@ -7,17 +7,30 @@ every variant of :data:`VARIANTS` for the build machine's architecture with the 
 as the just-in-time build (:data:`BASE_FLAGS`; ``-ffp-contract=off`` keeps every variant
 bit-identical to the reference). At run time :func:`prebuilt_candidates` lists the shipped
 libraries this CPU can execute, best first (the OpenMP build before the single-threaded one,
-which needs no ``libgomp``); the loader takes the first that opens. This module imports
-only the standard library: the build hook loads it by path.
+which needs no ``libgomp``); the loader takes the first that opens. The compiler lookup
+(:func:`find_compiler`) is shared by both builds too. This module imports only the standard
+library: the build hook loads it by path.
 """
 
 from __future__ import annotations
 
+import os
 import platform
+import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BASE_FLAGS", "GATHER_FLAGS", "PREBUILT_DIR", "VARIANTS", "Variant", "prebuilt_candidates", "variant_file"]
+__all__ = [
+    "BASE_FLAGS",
+    "GATHER_FLAGS",
+    "PREBUILT_DIR",
+    "VARIANTS",
+    "Variant",
+    "find_compiler",
+    "prebuilt_candidates",
+    "variant_file",
+]
 
 #: Flags of every build, prebuilt or just in time.
 BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
@@ -70,3 +83,22 @@ def prebuilt_candidates(abi: int, cpu_flags: frozenset[str], machine: str | None
             if path.is_file():
                 found.append(path)
     return found
+
+
+def find_compiler() -> list[str] | None:
+    """The C compiler command (``GEFEN_KERNELS_CC``, else ``CC``, else ``cc``/``gcc``/``clang``
+    on ``PATH``; a command with arguments such as ``ccache gcc`` works), its program resolved;
+    ``None`` when there is none."""
+    for candidate in (os.environ.get("GEFEN_KERNELS_CC"), os.environ.get("CC")):
+        if candidate and candidate.strip():
+            try:
+                program, *arguments = shlex.split(candidate)
+            except ValueError:
+                return None
+            resolved = shutil.which(program) or (program if Path(program).is_file() else None)
+            return None if resolved is None else [resolved, *arguments]
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    return None

@@ -27,7 +27,7 @@ from gefen_contracts import (
 from gefen_contracts.torch_support import block_count, dtype_from_name, dtype_name
 
 from .errors import PortableStateError
-from .tensors import DTYPE_CODES, require_tight_fp32
+from .tensors import DTYPE_CODES, require_tight
 from .values import check_name, plain_common, plain_primitive
 
 __all__ = [
@@ -284,7 +284,7 @@ class ParameterRecord:
             check_name(key, f"{where}.replica_fields key")
             tensor = value if type(value) is torch.Tensor else None
             shape = tuple(tensor.shape) if tensor is not None else ()
-            require_tight_fp32(value, shape, f"{where}.replica_fields[{key!r}]")
+            require_tight(value, shape, torch.float32, f"{where}.replica_fields[{key!r}]")
         fields = parse_field_specs(record["fields"], f"{where}.fields")
         if set(replica) & set(fields):
             raise PortableStateError(f"{where} names a field both as fragment and replica field")

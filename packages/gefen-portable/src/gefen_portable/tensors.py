@@ -26,7 +26,6 @@ __all__ = [
     "owned_cpu_copy",
     "require_little_endian",
     "require_tight",
-    "require_tight_fp32",
     "tensor_nbytes",
     "tensor_sha256",
 ]
@@ -130,11 +129,6 @@ def require_tight(value: object, shape: tuple[int, ...], dtype: torch.dtype, whe
         raise PortableStateError(f"{where} must not require grad")
     check_finite(value, where)
     return value
-
-
-def require_tight_fp32(value: object, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    """:func:`require_tight` for ``float32``."""
-    return require_tight(value, shape, torch.float32, where)
 
 
 def tensor_sha256(tensor: torch.Tensor) -> bytes:

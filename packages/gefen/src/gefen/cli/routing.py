@@ -50,21 +50,15 @@ def _model(spec: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from gefen_hybrid import routing_report
 
+    from ..text_table import text_table
+
     rows = routing_report(_model(args.target))
     if args.json:
         print(json.dumps([{"name": r.name, "shape": list(r.shape), "role": r.role, "reason": r.reason} for r in rows]))
         return 0
-    columns = [
-        ("parameter", [r.name for r in rows]),
-        ("shape", [str(list(r.shape)) for r in rows]),
-        ("role", [r.role for r in rows]),
-        ("why", [r.reason for r in rows]),
-    ]
-    widths = [max([len(header), *(len(cell) for cell in cells)]) for header, cells in columns]
-    print("  ".join(header.ljust(width) for (header, _), width in zip(columns, widths)).rstrip())
-    print("  ".join("-" * width for width in widths))
-    for index in range(len(rows)):
-        print("  ".join(cells[index].ljust(width) for (_, cells), width in zip(columns, widths)).rstrip())
+    header = ("parameter", "shape", "role", "why")
+    for line in text_table(header, [(r.name, str(list(r.shape)), r.role, r.reason) for r in rows]):
+        print(line)
     totals: dict[str, int] = {}
     for row in rows:
         totals[row.role] = totals.get(row.role, 0) + math.prod(row.shape)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..text_table import text_table
+
 __all__ = ["CheckpointDescription", "ParameterSummary", "Problem", "format_bytes"]
 
 
@@ -162,10 +164,7 @@ def _parameter_table(parameters: tuple[ParameterSummary, ...], limit: int) -> li
         )
         for p in parameters[:limit]
     ]
-    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(header)).rstrip()]
-    out.append("  ".join("-" * w for w in widths))
-    out.extend("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows)
+    out = text_table(header, rows)
     if len(parameters) > limit:
         out.append(f"... and {len(parameters) - limit} more (--json lists all)")
     return out
