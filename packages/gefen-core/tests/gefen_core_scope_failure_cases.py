@@ -150,3 +150,32 @@ def disagreements(rank: int, world: int) -> dict[str, Any]:
     roots = (mismatched.optimizer, *[p for p in mismatched.pieces.values() if p is not None])
     results["manifest"] = _outcome(mismatched.optimizer.step, roots)
     return results
+
+
+def nonfinite_gradient(rank: int, world: int) -> dict[str, Any]:
+    """A NaN in one member's gradient after the first step: every member raises, nothing
+    changes; the same NaN under an agreed GradScaler overflow is skipped by every member; with
+    the NaN gone every member steps."""
+    driver = make_net()
+    bound = bind(driver, layouts_for(world), rank, world, gefen_factory(), scope=binding(rank, world))
+    opt = bound.optimizer
+    backward(driver, 0)
+    bound.feed(driver)
+    opt.step()
+    backward(driver, 1)
+    bound.feed(driver)
+    pieces = [p for p in bound.pieces.values() if p is not None and p.grad is not None and p.grad.numel()]
+    clean = pieces[0].grad.clone()  # type: ignore[union-attr]
+    if rank == 0:
+        pieces[0].grad.view(-1)[0] = float("nan")  # type: ignore[union-attr]
+    roots = (opt, *[p for p in bound.pieces.values() if p is not None])
+    raised = _outcome(opt.step, roots)
+    opt.grad_scale = torch.tensor(1.0)
+    opt.found_inf = torch.tensor(1.0)  # what torch.amp.GradScaler reports to every member on overflow
+    skipped = _outcome(opt.step, roots)
+    skipped["global_step"] = opt.global_step
+    del opt.grad_scale, opt.found_inf
+    pieces[0].grad.copy_(clean)  # type: ignore[union-attr]
+    stepped = _outcome(opt.step, roots)
+    stepped["global_step"] = opt.global_step
+    return {"raised": raised, "skipped": skipped, "stepped": stepped}

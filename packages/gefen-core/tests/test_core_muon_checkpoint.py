@@ -17,7 +17,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen, GefenMuon
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v2.pt"
+GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v3.pt"
 
 
 def _named(dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
@@ -217,7 +217,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 2 and golden["gefen_muon_owners"] is None
+    assert golden["gefen_format_version"] == 3 and golden["gefen_muon_owners"] is None
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.muon_native_state"
     assert_trees_equal(produced, golden, "golden muon native state dict")
     named = _named()

@@ -84,7 +84,7 @@ def test_bad_parameters_are_refused() -> None:
     with pytest.raises(GefenOptionError, match="named parameters"):
         Gefen(_model().parameters(), period_one_substrings=("bias",))
     p = torch.nn.Parameter(torch.ones(2))
-    with pytest.raises(ValueError, match="more than one parameter group"):
+    with pytest.raises(ValueError, match=r"is the same parameter as param_groups\[0\]"):
         Gefen([{"params": [p]}, {"params": [p]}])
 
 
@@ -118,7 +118,7 @@ def test_add_param_group_is_all_or_nothing() -> None:
         opt.add_param_group({"params": [model[0].bias, torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]})
     with pytest.raises(GefenOptionError, match="weight_decay"):
         opt.add_param_group({"params": [model[0].bias], "weight_decay": -1.0})
-    with pytest.raises(ValueError, match="more than one"):
+    with pytest.raises(ValueError, match="same parameter"):
         opt.add_param_group({"params": [model[0].weight]})
     assert not snapshot_diff(before, opt)
     opt.add_param_group({"params": model[0].bias, "lr": 0.5})

@@ -137,3 +137,15 @@ def test_fsdp2_with_a_scope_is_bit_exact_with_one_process(world: GlooWorld) -> N
     for result in world.run(layout_cases.fsdp2_scoped_matches_one_process):
         assert result["exact"] and result["codebook_equal_oracle"]
         assert result["periods"] == result["oracle_periods"]
+
+
+def test_a_nonfinite_gradient_on_one_member_is_decided_on_every_member(world: GlooWorld) -> None:
+    """Issue 19: the rank with the NaN used to step into NaN state while the others went on."""
+    results = world.run(failure_cases.nonfinite_gradient)
+    for rank, result in enumerate(results):
+        raised = result["raised"]
+        assert raised["raised"] == "CollectiveFailureError" and raised["local"] is (rank == 0), (rank, raised)
+        assert raised["diffs"] == [], (rank, raised["diffs"])
+        assert result["skipped"]["raised"] is None and result["skipped"]["global_step"] == 1, (rank, result)
+        assert result["stepped"]["raised"] is None and result["stepped"]["global_step"] == 2, (rank, result)
+    assert "NaN or inf" in results[0]["raised"]["message"]

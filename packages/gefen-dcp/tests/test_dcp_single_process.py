@@ -23,6 +23,7 @@ from gefen_dcp import (
     CheckpointLayoutError,
     EnvelopeFormatError,
     GefenDCPState,
+    GefenFileSystemReader,
     GefenFileSystemWriter,
     GefenLoadPlanner,
     GefenSavePlanner,
@@ -44,7 +45,7 @@ def _save(model: torch.nn.Module, optimizer: Any, path: Path, **options: Any) ->
 
 def _load(model: torch.nn.Module, optimizer: Any, path: Path) -> None:
     state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
-    dcp.load(state, checkpoint_id=path, planner=GefenLoadPlanner())
+    dcp.load(state, storage_reader=GefenFileSystemReader(path), planner=GefenLoadPlanner())
 
 
 def _momenta(optimizer: Any) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
     assert description.ok, description.format_text()
     assert (description.format, description.format_version, description.implementation) == (
         "gefen.native_state",
-        4,
+        5,
         "gefen.Gefen",
     )
     facts = dict(description.facts)
@@ -138,7 +139,7 @@ def test_portable_document_and_dcp_folder_are_verified(checkpoints: dict[str, Pa
 def test_cli_prints_a_report_and_json(checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(checkpoints["gefen"])]) == 0
     text = capsys.readouterr().out
-    assert "gefen.native_state v4" in text and "OK: no problem found" in text and "factored" in text
+    assert "gefen.native_state v5" in text and "OK: no problem found" in text and "factored" in text
     assert main(["inspect", str(checkpoints["dcp"]), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["ok"] is True and document["children"][0]["format"] == "gefen.portable_dcp"
@@ -228,6 +229,13 @@ def test_unknown_formats_are_never_ok_and_exit_3(tmp_path: Path, capsys: pytest.
     unreadable = tmp_path / "unreadable"
     unreadable.mkdir()
     (unreadable / ".metadata").write_bytes(b"written by some other torch")
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    marker = tmp_path / "marker"
+    # a pickle that would create `marker` if unpickled: gefen inspect must not run it
+    (hostile / ".metadata").write_bytes(
+        b"\x80\x04\x8c\x02io\x8c\x04open\x93" + pickle.dumps((str(marker), "w"))[2:-1] + b"R."
+    )
     expected = {
         "garbage.pt": "cannot read it",
         "model.pt": "none an optimizer state gefen knows",
@@ -235,6 +243,7 @@ def test_unknown_formats_are_never_ok_and_exit_3(tmp_path: Path, capsys: pytest.
         "folder": "without DCP's .metadata",
         "recipe": "without a gefen-dcp namespace",
         "unreadable": "cannot read",
+        "hostile": "io.open, which is not one of DCP's metadata classes",
     }
     for name, recognised in expected.items():
         description = inspect_checkpoint(tmp_path / name)
@@ -242,6 +251,7 @@ def test_unknown_formats_are_never_ok_and_exit_3(tmp_path: Path, capsys: pytest.
         assert recognised in dict(description.facts)["recognised"], (name, description.facts)
         assert main(["inspect", str(tmp_path / name)]) == 3, name
         assert "UNKNOWN FORMAT" in capsys.readouterr().out
+    assert not marker.exists()
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect", str(tmp_path / "absent")])
     assert exit_info.value.code == 2 and "no checkpoint at" in capsys.readouterr().err

@@ -54,7 +54,7 @@ from gefen_contracts import (
 from gefen_contracts.torch_support import BoundParameter, build_bound_state, parse_bound_state, state_version_token
 
 from .identity import IdentityReadiness, IdentityRecord
-from .native_records import GROUP_MIRROR
+from .native_records import GROUP_MIRROR, NativeFormat, with_state_digest
 
 __all__ = ["NO_STATE_VARIANT", "CanonicalStateMethods"]
 
@@ -126,6 +126,7 @@ class CanonicalStateMethods:
 
     The host provides ``_identity``, ``_version``, ``_identity_implementation``,
     ``_canonical_layout`` (its ``OptimizerStateLayout``), ``_canonical_counters``,
+    ``_native_format`` (its :class:`~gefen_core.native_records.NativeFormat`),
     ``_canonical_policy()``, ``_canonical_common()``, ``_canonical_record(common)``,
     ``_canonical_blockers()``, ``_stage_native_state(state_dict)`` and
     ``_publish_native_state(payload)``.
@@ -139,6 +140,7 @@ class CanonicalStateMethods:
     _canonical_layout: OptimizerStateLayout
     _canonical_layouts: frozenset[ParameterLayout]
     _canonical_counters: tuple[str, ...]
+    _native_format: NativeFormat
     param_groups: list[dict[str, Any]]
     state: Any
 
@@ -318,7 +320,8 @@ class CanonicalStateMethods:
             if "param_names" in group:
                 saved["param_names"] = list(group["param_names"])
             groups.append(saved)
-        return {"state": state, "param_groups": groups, **self._canonical_record(parsed.common)}
+        native = {"state": state, "param_groups": groups, **self._canonical_record(parsed.common)}
+        return with_state_digest(self._native_format, native)
 
     def _prepare_import(self, document: Mapping[str, Any], identity_ready: FeatureStatus) -> StagedTransaction:
         identity = self._require_canonical("prepare_local_import", identity_ready)

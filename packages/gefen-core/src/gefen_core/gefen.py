@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
+from gefen_contracts.torch_support import check_new_group
 
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
@@ -190,6 +191,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             raise ValueError(f"param_groups[{index}] has an empty parameter list")
         check_parameters(listed, index)
         merged = {**param_group, **options, "params": listed}
+        check_new_group(listed, index, self.param_groups, merged.get("lr", self.defaults["lr"]))
         substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
         named = all(isinstance(p, tuple) for p in listed)
         if substrings and not named:

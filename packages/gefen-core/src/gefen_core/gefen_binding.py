@@ -71,6 +71,7 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
     _canonical_layout = STATE_LAYOUT
     _canonical_layouts = CANONICAL_LAYOUTS
     _canonical_counters = COUNTER_KEYS
+    _native_format = F.FORMAT
     _codebook: torch.Tensor | None
     _codebook_copies: dict[torch.device, torch.Tensor]
     _global_step: int

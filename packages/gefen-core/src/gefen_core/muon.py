@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import FeatureStatus, KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
+from gefen_contracts.torch_support import check_new_group
 
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
@@ -211,6 +212,7 @@ class GefenMuon(
         for position, param in enumerate(listed):
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
             check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")
+        check_new_group(listed, index, self.param_groups, options["lr"])
         super().add_param_group({**param_group, **options, "params": listed})
         self._version += 1
         if hasattr(self, "_fp8_warned"):

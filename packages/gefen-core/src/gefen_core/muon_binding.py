@@ -34,7 +34,7 @@ from .muon_learning import LearningResult, is_nonzero
 from .muon_native_state import FORMAT
 from .muon_plan import MuonItem, MuonPlan
 from .muon_state import NORMUON_STEP
-from .native_records import codebook_record
+from .native_records import DIGEST_FIELD, codebook_record
 from .param_state import INDICES, PERIOD, STEP
 from .periods import shape_period
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
@@ -62,6 +62,7 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
     _scope_who = "GefenMuon"
     _canonical_layouts = frozenset({ParameterLayout.REPLICATED})
     _canonical_counters = (STEP, NORMUON_STEP)
+    _native_format = FORMAT
     _codebook: torch.Tensor | None
     _codebook_copies: dict[torch.device, torch.Tensor]
     _global_step: int
@@ -226,7 +227,10 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
     def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
         values = {"global_step": common["global_step"], **codebook_record(common["codebook"])}
         values.update(deterministic=self._deterministic, topology=None, owners=None)
-        return {"gefen_format_version": FORMAT.version, **{key: values[name] for name, key in FORMAT.records}}
+        return {
+            "gefen_format_version": FORMAT.version,
+            **{key: values[name] for name, key in FORMAT.records if key != DIGEST_FIELD[1]},
+        }
 
     def _canonical_blockers(self) -> tuple[str, ...]:
         if self._stochastic_round:

@@ -1,4 +1,4 @@
-"""GefenMuon's native state dict (``gefen.muon_native_state`` v2): export and staged loading.
+"""GefenMuon's native state dict (``gefen.muon_native_state`` v3): export and staged loading.
 
 ::
 
@@ -8,7 +8,7 @@
                       ["normuon_v": fp32[R, 1], "normuon_step": int]}},
       "param_groups": [{"params": [pid, ...], <the GefenMuon options>, ["param_names"],
                         "_gefen_checkpoint_metadata": <mirror of the record>}],
-      "gefen_format_version": 2,
+      "gefen_format_version": 3,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -16,6 +16,7 @@
       "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement", "global_shape",
                                         "local_shape"} per slot],          # "approx" DTensors only
       "gefen_muon_owners": None | <owner manifest>,
+      "gefen_state_digest": str,     # SHA-256 over the record and every entry (v2 had none)
     }
 
 Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). Which state a
@@ -52,8 +53,10 @@ from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, build_scope, execu
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_state import MUON_KEYS, NORMUON_KEYS, NORMUON_STEP, NORMUON_V
 from .native_records import (
+    DIGEST_FIELD,
     NativeFormat,
     check_common_record,
+    check_state_digest,
     check_state_tensor,
     check_top_level,
     exact_int,
@@ -78,7 +81,7 @@ __all__ = [
 
 FORMAT = NativeFormat(
     "gefen.muon_native_state",
-    2,
+    3,
     (
         ("global_step", "gefen_global_step"),
         ("codebook", "gefen_codebook"),
@@ -86,6 +89,7 @@ FORMAT = NativeFormat(
         ("deterministic", "gefen_deterministic"),
         ("topology", "gefen_topology"),
         ("owners", "gefen_muon_owners"),
+        DIGEST_FIELD,
     ),
     "GefenMuon",
 )
@@ -336,6 +340,8 @@ def stage_muon_state_dict(
     _check_owners(record["owners"], layouts, set(staged_slots))
     if any(bool(s[MAGNITUDE].ne(0).any()) for s in staged_slots.values()) and codebook is None:
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
+    # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
+    check_state_digest(FORMAT, saved_ids, saved_state, record)
     new_state = {
         layouts[slot].param: staged
         for slot, staged in staged_slots.items()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import KernelUnavailableError
+from gefen_contracts.torch_support import check_tensor_lr
 
 from .batched_newton_schulz import chunk_capacity, plan_chunks, shape_eligible
 from .distributed import check_parameter_layout, local_tensor
@@ -118,6 +119,7 @@ def check_entry(param_groups: Sequence[dict[str, Any]]) -> list[MuonItem]:
     slot = 0
     for group_index, group in enumerate(param_groups):
         check_muon_group(group, group_index)
+        check_tensor_lr(group["lr"], group["params"], f"param_groups[{group_index}]")
         names = _names(group, slot)
         for position, param in enumerate(group["params"]):
             name = names[position]

@@ -1,4 +1,4 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v4).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v5).
 
 ::
 
@@ -12,11 +12,12 @@
                         "factored_v_2d", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 4,
+      "gefen_format_version": 5,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
       "gefen_deterministic": bool,
+      "gefen_state_digest": str,                   # SHA-256 over the record and every entry
     }
 
 The state tensors are shaped like their parameter (:mod:`gefen_core.state_placement`: codes
@@ -24,8 +25,8 @@ of the parameter's ``shape``, ``S = [rows, row_length / P]`` scales for a parame
 more dimensions, ``[numel / P]`` otherwise) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 4, "global_step",
-"codebook", "codebook_learned", "deterministic"}`` (the same values), repeated in every group because
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 5, "global_step",
+"codebook", "codebook_learned", "deterministic", "state_digest"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
 unique keys (torch's DCP helpers pass FQN strings); they are matched by position.
@@ -36,14 +37,15 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(``gefen.block_step/2``, ``gefen.factored_step/3``). Version 3 had the same shapes but held the
+(``gefen.block_step/2``, ``gefen.factored_step/3``). Version 4 had no ``state_digest`` (a
+flipped bit loaded silently; refused naming both versions). Version 3 had the same shapes but held the
 EMA of ``g`` itself (a different quantity: refused, not converted); version 2 held blocked
 ``[B, P]`` tensors and a per-rank topology record.
 """
 
 from __future__ import annotations
 
-from .native_records import GROUP_MIRROR, NativeFormat
+from .native_records import DIGEST_FIELD, GROUP_MIRROR, NativeFormat
 
 __all__ = [
     "CODEBOOK",
@@ -54,20 +56,22 @@ __all__ = [
     "FORMAT_VERSION",
     "GLOBAL_STEP",
     "GROUP_MIRROR",
+    "STATE_DIGEST",
     "TOP_LEVEL_KEYS",
     "VERSION",
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 4
+VERSION = 5
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"
 CODEBOOK = "gefen_codebook"
 CODEBOOK_LEARNED = "gefen_codebook_learned"
 DETERMINISTIC = "gefen_deterministic"
+STATE_DIGEST = DIGEST_FIELD[1]
 
-TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, CODEBOOK_LEARNED, DETERMINISTIC)
+TOP_LEVEL_KEYS = (FORMAT_VERSION, GLOBAL_STEP, CODEBOOK, CODEBOOK_LEARNED, DETERMINISTIC, STATE_DIGEST)
 
 #: The format's record, for :mod:`gefen_core.native_records`.
 FORMAT = NativeFormat(
@@ -78,6 +82,7 @@ FORMAT = NativeFormat(
         ("codebook", CODEBOOK),
         ("codebook_learned", CODEBOOK_LEARNED),
         ("deterministic", DETERMINISTIC),
+        DIGEST_FIELD,
     ),
     "Gefen",
 )

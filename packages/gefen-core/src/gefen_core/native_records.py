@@ -7,6 +7,15 @@ only ``state`` and ``param_groups``). A :class:`NativeFormat` names one format's
 :func:`native_state_dict` writes it and the functions below validate a loaded one, raising
 :class:`~gefen_contracts.StateValidationError` that names what is wrong. Nothing here mutates
 its inputs.
+
+The record's ``state_digest`` (:func:`state_digest`) holds two SHA-256 over the format, the
+rest of the record and every parameter's state entry in ``param_groups`` order (so it survives
+torch's re-keying by FQN): one flipped bit in a saved tensor or counter is refused by
+:func:`check_state_digest`. Tensor values are covered when both the saving and the loading
+state hold plain tensors; a DTensor (FSDP2) state is covered by dtype and global shape only,
+since DCP reshards its local pieces (``gefen_dcp.GefenDCPState`` digests every chunk of
+those). Group hyperparameters (``lr``, ``betas``, ...) are not covered: users edit them in
+checkpoints, and the load validates them.
 """
 
 from __future__ import annotations
@@ -17,17 +26,19 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
-from gefen_contracts.torch_support import finite_bounds
+from gefen_contracts.torch_support import dtype_name, finite_bounds, tensor_digest
 
 from .codebook import validate_codebook
 from .errors import GefenOptionError, GefenOptionTypeError
 from .momentum_codec import CODEBOOK_SIZE
 
 __all__ = [
+    "DIGEST_FIELD",
     "GROUP_MIRROR",
     "codebook_record",
     "NativeFormat",
     "check_common_record",
+    "check_state_digest",
     "check_state_tensor",
     "check_top_level",
     "exact_int",
@@ -36,6 +47,8 @@ __all__ = [
     "parameter_slots",
     "reconcile_record",
     "stage_group",
+    "state_digest",
+    "with_state_digest",
 ]
 
 #: The per-group copy of the optimizer-wide record. Live groups hold the key too (value ``None``;
@@ -43,6 +56,8 @@ __all__ = [
 #: ``flatten_optimizer_state_dict=True`` rebuilds a group from the live group's keys only.
 GROUP_MIRROR = "_gefen_checkpoint_metadata"
 _VERSION_KEY = "gefen_format_version"
+#: The record field (and its top-level key) holding :func:`state_digest`; every format has it.
+DIGEST_FIELD = ("state_digest", "gefen_state_digest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +77,11 @@ class NativeFormat:
     def fields(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.records)
 
+    @property
+    def covered_fields(self) -> tuple[str, ...]:
+        """The record fields :func:`state_digest` covers (all but the digest itself)."""
+        return tuple(name for name, _ in self.records if name != DIGEST_FIELD[0])
+
     def mirror(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """The per-group copy of ``record`` (tagged with the format's name and version)."""
         return {"format": self.name, "format_version": self.version, **{f: record[f] for f in self.fields}}
@@ -80,6 +100,78 @@ def codebook_record(codebook: torch.Tensor | None) -> dict[str, Any]:
     return {"codebook": codebook.detach().clone(), "codebook_learned": True}
 
 
+def _is_dtensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "to_local")
+
+
+def _tree(value: object, *, contents: bool) -> object:
+    """``value`` as a digestable tree: tensors as their content (``contents``) or as dtype and
+    (global) shape only."""
+    if isinstance(value, torch.Tensor):
+        if contents:
+            return value
+        return {"tensor": dtype_name(value.dtype), "shape": list(value.shape)}
+    if isinstance(value, Mapping):
+        return {str(key): _tree(item, contents=contents) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tree(item, contents=contents) for item in value]
+    return value
+
+
+def _holds_dtensor(value: object) -> bool:
+    if isinstance(value, Mapping):
+        return any(_holds_dtensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(item) for item in value)
+    return _is_dtensor(value)
+
+
+def state_digest(
+    fmt: NativeFormat, ids: Sequence[Sequence[object]], state: Mapping[Any, Any], record: Mapping[str, Any]
+) -> dict[str, str | None]:
+    """``{"layout", "content"}``: two SHA-256 over the state entries in the order of ``ids``
+    (one list per group; ``None`` for an id without state). ``layout`` covers ``fmt``, the
+    record fields (the codebook's values included) and every entry with tensors as dtype and
+    global shape; ``content`` covers every entry's tensor values and is ``None`` when an entry
+    holds a DTensor (DCP reshards those, so their local values differ between layouts)."""
+    entries = [state.get(pid) for group_ids in ids for pid in group_ids]
+    covered = {name: record[name] for name in fmt.covered_fields}
+    layout = tensor_digest(
+        {"format": fmt.name, "version": fmt.version, "record": covered, "entries": _tree(entries, contents=False)}
+    )
+    content = None if _holds_dtensor(entries) else tensor_digest(_tree(entries, contents=True))
+    return {"layout": layout, "content": content}
+
+
+def check_state_digest(
+    fmt: NativeFormat, ids: Sequence[Sequence[object]], state: Mapping[Any, Any], record: Mapping[str, Any]
+) -> None:
+    """Refuse a state dict whose record, layout or (where both sides hold plain tensors)
+    tensor values differ from what its ``state_digest`` was computed over."""
+    saved = record[DIGEST_FIELD[0]]
+    if not isinstance(saved, Mapping) or set(saved) != {"layout", "content"}:
+        raise fail(f"state_digest must be a dict with 'layout' and 'content', got {type(saved).__name__}")
+    try:
+        digest = state_digest(fmt, ids, state, record)
+    except Exception as exc:  # a value the digest grammar cannot encode (a non-finite float, ...)
+        raise fail(f"the state dict cannot be digested ({exc}); it was not written by {fmt.optimizer}") from None
+    both_plain = None not in (digest["content"], saved["content"])
+    if digest["layout"] != saved["layout"] or (both_plain and digest["content"] != saved["content"]):
+        raise fail(
+            f"the state dict's content does not match its state_digest (a flipped bit, a truncated or edited "
+            f"tensor or counter, or entries from another save); {fmt.optimizer} refuses it"
+        )
+
+
+def with_state_digest(fmt: NativeFormat, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (top-level record, ``state`` and ``param_groups`` with their ids) with its
+    :func:`state_digest` added at the top level (a native state dict built without
+    :func:`native_state_dict`, such as a canonical import's)."""
+    record = {name: state_dict[key] for name, key in fmt.records if name != DIGEST_FIELD[0]}
+    ids = [list(group["params"]) for group in state_dict["param_groups"]]
+    return {**state_dict, DIGEST_FIELD[1]: state_digest(fmt, ids, state_dict["state"], record)}
+
+
 def native_state_dict(
     fmt: NativeFormat,
     param_groups: Sequence[Mapping[str, Any]],
@@ -89,14 +181,18 @@ def native_state_dict(
     """``{"state": entries, "param_groups": [...], <top-level record>}``; ids are slot positions.
 
     ``record["codebook"]`` is the live codebook or ``None``; it is written as
-    :func:`codebook_record`'s two fields."""
+    :func:`codebook_record`'s two fields. ``record``'s ``state_digest`` is computed here."""
     record = {**record, **codebook_record(record["codebook"])}
-    groups: list[dict[str, Any]] = []
+    ids: list[list[object]] = []
     pid = 0
     for group in param_groups:
-        saved = {key: value for key, value in group.items() if key != "params"}
-        saved["params"] = list(range(pid, pid + len(group["params"])))
+        ids.append(list(range(pid, pid + len(group["params"]))))
         pid += len(group["params"])
+    record[DIGEST_FIELD[0]] = state_digest(fmt, ids, entries, record)
+    groups: list[dict[str, Any]] = []
+    for group, group_ids in zip(param_groups, ids):
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = group_ids
         saved[GROUP_MIRROR] = fmt.mirror(record)
         groups.append(saved)
     out: dict[str, Any] = {"state": entries, "param_groups": groups, _VERSION_KEY: fmt.version}

@@ -19,6 +19,7 @@ from . import native_format as F
 from .distributed import local_tensor
 from .native_records import (
     check_common_record,
+    check_state_digest,
     check_top_level,
     exact_int,
     fail,
@@ -185,4 +186,6 @@ def stage_state_dict(
             moving = moving or bool(staged[MAGNITUDE].ne(0).any())
     if moving and codebook is None:
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
+    # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
+    check_state_digest(F.FORMAT, saved_ids, saved_state, common)
     return StagedNativeState(tuple(new_groups), new_state, codebook, global_step)

@@ -8,7 +8,10 @@ A scoped ``step(closure)``:
    voted before the closure runs (so no member runs a closure with collectives in it after
    a peer failed);
 2. the closure, then the preflight (the identity record unchanged, the sealed layout again,
-   every gradient check of ``preflight_step``), then the gradient scaler's state;
+   every gradient check of ``preflight_step``), then the gradient scaler's state and, unless
+   the scaler reported an overflow (which every member then skips), every local gradient
+   finite: one member's NaN or inf makes every member raise :class:`GradientError` instead
+   of one member stepping into NaN state while the others go on;
 3. the header: every member sees every member's failures, fingerprints, gradient presence,
    scaler state and needs; all raise together, skip together (agreed overflow) or go on;
 4. steady state: update locally, no further collective. Otherwise learn over the scope,
@@ -27,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 from gefen_contracts import LayoutTamperedError
+from gefen_contracts.torch_support import finite_bounds
 
 from .codebook_scope import (
     AMP_PHASE,
@@ -53,7 +57,8 @@ from .codebook_scope import (
     fault_point,
     read_amp,
 )
-from .errors import CaptureError
+from .distributed import local_tensor
+from .errors import CaptureError, GradientError
 from .identity import IdentityRecord
 from .ops import KernelDispatch
 from .scoped_learning import LearningOutcome, LearnItem, learn_over_scope, periods_digest
@@ -106,6 +111,17 @@ def _attempt(phase: str, action: Callable[[], object]) -> tuple[object, Failure 
         return action(), None
     except Exception as exc:
         return None, Failure(phase, exc)
+
+
+def _check_finite(grads: Sequence[torch.Tensor]) -> None:
+    # Checked here, not in the kernel: the header vote then makes every member raise together.
+    for position, grad in enumerate(grads):
+        local = local_tensor(grad)
+        if local.numel() and finite_bounds(local) is None:
+            raise GradientError(
+                f"gradient {position} of this member holds NaN or inf; a scoped step raises on every member "
+                "rather than step with it (attach a torch.amp.GradScaler to skip such steps together)"
+            )
 
 
 def _entry_checks(host: ScopedHost, identity: IdentityRecord | None, where: str) -> None:
@@ -204,6 +220,8 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
 
         def scaler() -> AmpReading:
             reading = read_amp(host)
+            if not reading.overflow and plan is not None:
+                _check_finite(plan.grads)
             fault_point(AMP_PHASE)
             return reading
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import KernelUnavailableError
-from gefen_contracts.torch_support import finite_bounds
+from gefen_contracts.torch_support import check_tensor_lr, finite_bounds
 
 from .distributed import is_dtensor, is_row_sharded, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
@@ -181,6 +181,7 @@ def plan_step(
     slot = -1
     for group_index, group in enumerate(param_groups):
         check_group_options(group, group_index)
+        check_tensor_lr(group["lr"], group["params"], f"param_groups[{group_index}]")
         names = group.get("param_names")
         for position, param in enumerate(group["params"]):
             slot += 1

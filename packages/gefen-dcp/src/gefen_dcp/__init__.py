@@ -11,7 +11,8 @@ convention.
   it N -> M bit for bit; :class:`GefenSavePlanner` digests every chunk it writes,
   :class:`GefenLoadPlanner` loads and verifies it into a fresh optimizer, and
   :class:`GefenFileSystemWriter` streams, survives crashes and makes ``dcp.async_save``
-  hold the state at the call.
+  hold the state at the call; :class:`GefenFileSystemReader` reads ``.metadata`` without
+  executing it, in bounded memory.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from .errors import (
     CheckpointLayoutError,
     EnvelopeFormatError,
     GefenCheckpointError,
+    MetadataFormatError,
     PlannerRequiredError,
     StateTensorError,
     StorageMismatchError,
 )
+from .metadata_reader import DEFAULT_MAX_METADATA_BYTES, GefenFileSystemReader, read_dcp_metadata
 from .planners import GefenLoadPlanner, GefenSavePlanner
 from .portable_format import (
     CHUNK_TABLE_FORMAT,
@@ -45,6 +48,7 @@ __all__ = [
     "CHUNK_TABLE_FORMAT",
     "CHUNK_TABLE_FORMAT_VERSION",
     "DCP_STATE_FORMAT",
+    "DEFAULT_MAX_METADATA_BYTES",
     "DCP_STATE_FORMAT_VERSION",
     "DIGEST_TABLE_FORMAT",
     "DIGEST_TABLE_FORMAT_VERSION",
@@ -55,9 +59,11 @@ __all__ = [
     "EnvelopeFormatError",
     "GefenCheckpointError",
     "GefenDCPState",
+    "GefenFileSystemReader",
     "GefenFileSystemWriter",
     "GefenLoadPlanner",
     "GefenSavePlanner",
+    "MetadataFormatError",
     "PlannerRequiredError",
     "StateTensorError",
     "StorageMismatchError",
@@ -65,5 +71,6 @@ __all__ = [
     "async_save_portable_dcp",
     "load_portable_dcp",
     "parameter_index",
+    "read_dcp_metadata",
     "save_portable_dcp",
 ]

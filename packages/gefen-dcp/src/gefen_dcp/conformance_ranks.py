@@ -16,6 +16,7 @@ import torch
 from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .metadata_reader import GefenFileSystemReader, read_dcp_metadata
 from .planners import GefenLoadPlanner, GefenSavePlanner
 from .state import GefenDCPState
 from .writer import GefenFileSystemWriter
@@ -52,13 +53,11 @@ def load_state(model: torch.nn.Module, optimizer: Any, path: Path, *, with_model
     state: dict[str, Any] = {"optim": GefenDCPState(optimizer)}
     if with_model:
         state["model"] = model.state_dict()
-    load(state, checkpoint_id=path, planner=GefenLoadPlanner())
+    load(state, storage_reader=GefenFileSystemReader(path), planner=GefenLoadPlanner())
 
 
 def _storage(path: Path, key: str) -> list[Any]:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = read_dcp_metadata(path / ".metadata")
     return [info for index, info in metadata.storage_data.items() if index.fqn == key]
 
 
@@ -72,9 +71,7 @@ def _patch(path: Path, info: Any, position: int, value: int) -> None:
 def corrupt(path: Path, corruption: str, optimizer: Any) -> None:
     """Apply one corruption class from :data:`CORRUPTIONS` to a single-process checkpoint."""
     if corruption == "flipped_chunk_byte":
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_dcp_metadata(path / ".metadata")
         tensors = sorted(
             (info.length, index.fqn, info)
             for index, info in metadata.storage_data.items()

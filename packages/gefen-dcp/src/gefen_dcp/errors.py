@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointLayoutError",
     "EnvelopeFormatError",
     "GefenCheckpointError",
+    "MetadataFormatError",
     "PlannerRequiredError",
     "StateTensorError",
     "StorageMismatchError",
@@ -40,6 +41,11 @@ class CheckpointIntegrityError(GefenCheckpointError):
     """Checkpoint bytes were corrupted or truncated: a chunk's SHA-256 digest does not match
     the digest recorded when it was written, a chunk has no (or several) recorded digests, or
     a record does not belong to the checkpoint's catalog."""
+
+
+class MetadataFormatError(GefenCheckpointError):
+    """A DCP ``.metadata`` file is over its size limit, is not a well-formed pickle, or names
+    a class outside DCP's metadata classes; refused before anything in it was built or run."""
 
 
 class StateTensorError(GefenCheckpointError):

@@ -16,16 +16,19 @@ machinery load every other entry.
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from gefen_contracts import PortableStateLimits
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 
 from .digest_table import ChunkKey
+from .errors import CheckpointIntegrityError
 from .load_session import LoadSession
 from .save_session import SaveSession
 from .standins import DigestTableStandIn, EnvelopeStandIn, GefenDCPStateDict, StandIn
@@ -148,7 +151,10 @@ class GefenLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` plus dynamic, verified loads of :class:`~gefen_dcp.GefenDCPState` entries.
 
     ``limits`` bound what the metadata may ask this rank to allocate (defaults:
-    :class:`gefen_contracts.PortableStateLimits`).
+    :class:`gefen_contracts.PortableStateLimits`). Non-tensor entries load with
+    ``torch.load(weights_only=True)`` (DCP's default planner unpickles them unrestricted);
+    read ``.metadata`` with :class:`~gefen_dcp.GefenFileSystemReader` so that nothing in
+    the checkpoint runs.
     """
 
     def __init__(self, *args: Any, limits: PortableStateLimits | None = None, **kwargs: Any) -> None:
@@ -183,6 +189,19 @@ class GefenLoadPlanner(DefaultLoadPlanner):
         plan = super().create_local_plan()
         extra = [item for session in self._sessions for item in session.read_items()]
         return dataclasses.replace(plan, items=[*plan.items, *extra])
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """A non-tensor entry (a model's extra state, a step count): loaded with
+        ``weights_only=True``, where DCP's default unpickles anything (and so runs code)."""
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as error:
+            raise CheckpointIntegrityError(
+                f"{fqn}: the stored bytes are not tensors and primitives (refused by torch.load(weights_only=True)): "
+                f"{type(error).__name__}: {str(error)[:200]}"
+            ) from None
+        set_element(self.original_state_dict, self.mappings[fqn], loaded)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         session = self._by_key.get(read_item.dest_index.fqn)

@@ -5,7 +5,7 @@ Put it beside the model in one ``dcp.save`` / ``dcp.load``::
     dcp.save({"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
              storage_writer=GefenFileSystemWriter(path), planner=GefenSavePlanner())
     dcp.load({"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
-             checkpoint_id=path, planner=GefenLoadPlanner())
+             storage_reader=GefenFileSystemReader(path), planner=GefenLoadPlanner())
 
 It saves ``optimizer.state_dict()`` as it is, so a Gefen optimizer's checkpoint is about 1
 byte per parameter: every state tensor is a DCP item at its local shard's global offsets

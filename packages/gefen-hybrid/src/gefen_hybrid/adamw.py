@@ -30,7 +30,13 @@ from gefen_contracts import (
     StagedTransaction,
     require_transaction,
 )
-from gefen_contracts.torch_support import SealedLayout, plan_rebinding, state_version_token
+from gefen_contracts.torch_support import (
+    SealedLayout,
+    check_new_group,
+    check_tensor_lr,
+    plan_rebinding,
+    state_version_token,
+)
 
 from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
 from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
@@ -211,19 +217,34 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
     def preflight_step(self) -> None:
         """Raise the error ``step()`` would raise for the attached gradients; change nothing.
 
-        Checks: sparse gradients, a gradient whose kind (DTensor or not), shape or device
-        differs from its parameter, parameters the fused kernel cannot take, and a tensor
-        ``lr`` with ``foreach=True`` and ``capturable=False``; first of all, the sealed layout.
+        Checks: sparse gradients, a gradient whose kind (DTensor or not), shape, dtype or
+        device differs from its parameter, state whose shape no longer matches its (resized)
+        parameter, parameters the fused kernel cannot take, a tensor ``lr`` on a device that
+        is neither the CPU nor the parameters', and a tensor ``lr`` with ``foreach=True`` and
+        ``capturable=False``; first of all, the sealed layout.
         """
         self._verify_layout("step")
         fused_check = _fused_device_check()
         for index, group in enumerate(self.param_groups):
             if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
                 raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            check_tensor_lr(group["lr"], group["params"], f"param_groups[{index}]")
             for parameter in group["params"]:
+                state = self.state.get(parameter)
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    held = state.get(key) if state else None
+                    if isinstance(held, torch.Tensor) and held.shape != parameter.shape:
+                        raise RuntimeError(
+                            f"param group {index}: a parameter of shape {tuple(parameter.shape)} holds {key} of "
+                            f"shape {tuple(held.shape)} (was it resized after its first step?)"
+                        )
                 grad = parameter.grad
                 if grad is None:
                     continue
+                if grad.dtype != parameter.dtype:
+                    raise RuntimeError(
+                        f"param group {index}: a {grad.dtype} gradient does not match its {parameter.dtype} parameter"
+                    )
                 if grad.is_sparse:
                     raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
                 if is_dtensor(grad) != is_dtensor(parameter):
@@ -261,6 +282,12 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
                 "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
                 "parameter group before calling post_sharding"
             )
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]
+            listed = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": listed}
+            lr = param_group.get("lr", self.defaults.get("lr"))
+            check_new_group(listed, len(self.param_groups), self.param_groups, lr)
         super().add_param_group(param_group)
         self._version = getattr(self, "_version", 0) + 1
 

@@ -25,6 +25,7 @@ from .bound_state import (
 )
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .freshness import state_version_token, tensor_version_token
+from .param_groups import check_new_group, check_tensor_lr
 from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
 from .sealed_layout import SealedLayout
 from .tensors import dtype_from_name, dtype_name, finite_bounds, tensor_digest, tensor_leaf
@@ -47,6 +48,8 @@ __all__ = [
     "as_imported",
     "block_count",
     "build_bound_state",
+    "check_new_group",
+    "check_tensor_lr",
     "failure_vote",
     "failure_vote_on_group",
     "has_internal_overlap",

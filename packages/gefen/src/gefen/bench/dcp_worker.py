@@ -85,9 +85,9 @@ def _load(spec: Mapping[str, Any], model: Any, optimizer: Any, path: Path) -> No
         load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state.get("model", {}), optim_state_dict=state["optim"])
         return
-    from gefen_dcp import GefenLoadPlanner
+    from gefen_dcp import GefenFileSystemReader, GefenLoadPlanner
 
-    load(state, checkpoint_id=path, planner=GefenLoadPlanner())
+    load(state, storage_reader=GefenFileSystemReader(path), planner=GefenLoadPlanner())
 
 
 def _async_saver(spec: Mapping[str, Any], model: Any, optimizer: Any, path: Path) -> Callable[[], None]:

@@ -160,9 +160,8 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
     from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, PortableStateLimits, ProcessGroupIdentity
     from gefen_contracts.testing import flattened_plan, scatter_flat_grads
     from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
-    from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp
+    from gefen_dcp import GefenFileSystemReader, GefenFileSystemWriter, load_portable_dcp, save_portable_dcp
     from gefen_portable import export_portable_state, import_portable_state
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     from .checkpoint_arms import build_arm
 
@@ -235,7 +234,7 @@ def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], ob
         load_portable_dcp(
             held["fresh"],
             checkpoint_process_group=binding,
-            storage_reader=FileSystemReader(str(path)),
+            storage_reader=GefenFileSystemReader(str(path)),
             transaction_id="bench-load",
             limits=limits,
         )

@@ -66,11 +66,11 @@ def _stored_bytes(md: Any) -> int:
 
 def _read(path: Path, key: str, md: Any) -> torch.Tensor:
     """One stored tensor, whole (single-process DCP load)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from gefen_dcp import GefenFileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
     buffer = torch.empty(tuple(int(d) for d in md.size), dtype=md.properties.dtype)
-    load({key: buffer}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    load({key: buffer}, storage_reader=GefenFileSystemReader(str(path)), no_dist=True)
     return buffer
 
 
@@ -157,7 +157,7 @@ def _dcp_state(
     verified: list[str] = []
     if verify:
         from gefen_contracts import PortableStateLimits
-        from gefen_dcp import GefenDCPState, GefenLoadPlanner
+        from gefen_dcp import GefenDCPState, GefenFileSystemReader, GefenLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import load
 
         recorder = RecordingNativeState(implementation, max(by_parameter, default=-1) + 1)
@@ -165,7 +165,7 @@ def _dcp_state(
         try:
             load(
                 _nest(prefix, GefenDCPState(recorder, limits=limits)),
-                checkpoint_id=str(root),
+                storage_reader=GefenFileSystemReader(str(root)),
                 planner=GefenLoadPlanner(limits=limits),
                 no_dist=True,
             )
@@ -239,8 +239,7 @@ def _recorder(catalog: Any) -> RecordingPortableAdapter:
 def _portable_load(root: Path, namespace: str, optimizer: object) -> None:
     from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
     from gefen_contracts.torch_support import CheckpointProcessGroupBinding
-    from gefen_dcp import load_portable_dcp
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from gefen_dcp import GefenFileSystemReader, load_portable_dcp
 
     binding = CheckpointProcessGroupBinding(
         ProcessGroupIdentity("gefen-inspect", ("rank:0",)), "rank:0", None, torch.device("cpu")
@@ -248,7 +247,7 @@ def _portable_load(root: Path, namespace: str, optimizer: object) -> None:
     load_portable_dcp(
         optimizer,
         checkpoint_process_group=binding,
-        storage_reader=FileSystemReader(str(root)),
+        storage_reader=GefenFileSystemReader(str(root)),
         transaction_id=_TRANSACTION,
         limits=PortableStateLimits(),
         namespace=namespace,
@@ -369,11 +368,17 @@ def describe_dcp(root: Path, *, verify: bool = True) -> CheckpointDescription:
 
 
 def _describe_dcp(root: Path, verify: bool) -> CheckpointDescription:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from gefen_dcp import MetadataFormatError, read_dcp_metadata
 
     file_bytes = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     try:
-        metadata = FileSystemReader(str(root)).read_metadata()
+        metadata = read_dcp_metadata(root / ".metadata")
+    except MetadataFormatError as exc:
+        return CheckpointDescription(
+            str(root), "DCP checkpoint", "torch.distributed.checkpoint", None, file_bytes=file_bytes, recognised=False,
+            facts=(("recognised", f"a DCP folder whose .metadata gefen cannot read safely, refused unread "
+                                  f"({_error(exc)}): damaged, hostile, or written by another torch"),),
+        )  # fmt: skip
     except Exception as exc:
         return CheckpointDescription(
             str(root), "DCP checkpoint", "torch.distributed.checkpoint", None, file_bytes=file_bytes, recognised=False,

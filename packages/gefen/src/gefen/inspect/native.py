@@ -1,7 +1,7 @@
 """Native optimizer state dicts: Gefen's, GefenMuon's, the composite's and torch's.
 
-Native formats carry no digests, so "verifying" one means checking everything the format
-promises that can be checked without the model: exact key sets and types, the shapes that
+"Verifying" a native state dict means checking everything the format promises that can be
+checked without the model, then (Gefen's and GefenMuon's formats) its ``gefen_state_digest``: exact key sets and types, the shapes that
 tie a parameter's entries together (Gefen's tensors shaped like the parameter that
 ``m_codebook`` has, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codebook [B, P]``
 with ``P = automatic_period`` and ``m_magnitude [B, 1]``, ...), dtypes,
@@ -248,6 +248,16 @@ def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tu
     return facts
 
 
+def _check_digest(check: _Checker, state_dict: Mapping[str, Any], fmt: Any, ids: list[list[Any]]) -> None:
+    """Last, once the structure is sound: the record's state digest against the content."""
+    from gefen_core.native_records import check_state_digest
+
+    try:
+        check_state_digest(fmt, ids, state_dict["state"], {name: state_dict.get(key) for name, key in fmt.records})
+    except StateValidationError as exc:
+        check.fail("gefen_state_digest", str(exc))
+
+
 def _moving(entry: object) -> bool:
     """Whether a state entry holds non-zero quantized momentum."""
     magnitude = entry.get("m_magnitude") if isinstance(entry, Mapping) else None
@@ -316,6 +326,8 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
             variant, shape = _torch_entry(check, entry, where) if entry else ("no state", None)
             detail = f"step {entry.get('step')}" if "step" in entry else ""
         parameters.append(ParameterSummary(names[pid], shape, variant, _tensor_bytes(entry), detail))
+    if fmt in _RECORD_KEYS and not check.problems:
+        _check_digest(check, state_dict, _FORMATS[fmt], [list(g.get("params", [])) for g in groups])
     if fmt in _RECORD_KEYS:
         kind, implementation, version = "native optimizer state dict", _IMPLEMENTATIONS[fmt], _FORMATS[fmt].version
     else:
@@ -331,7 +343,11 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
         implementation=implementation,
         parameters=tuple(parameters),
         facts=tuple(facts),
-        verified=("structure, shapes, dtypes, finiteness and counters (native formats carry no digest)",),
+        verified=(
+            "structure, shapes, dtypes, finiteness, counters and the state digest"
+            if fmt in _RECORD_KEYS
+            else "structure, shapes, dtypes, finiteness and counters (torch's format carries no digest)",
+        ),
         problems=tuple(check.problems),
         file_bytes=file_bytes,
         tensor_bytes=_tensor_bytes(state_dict),

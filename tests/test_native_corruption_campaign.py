@@ -1,0 +1,115 @@
+"""Corruption campaign over the native writer, ``torch.save(optimizer.state_dict())`` (issue 19).
+
+Every trial flips one bit of the saved file (random offsets, plus one bit inside every stored
+state tensor's bytes), then reads it with ``torch.load(weights_only=True)`` and loads it into
+a fresh optimizer. Each trial must end one of three ways: torch's reader refuses the file,
+the optimizer refuses the state dict and is left unchanged (deep snapshot), or the load
+restores exactly what was saved (a flip in bytes nothing reads). A load that changes the
+state silently fails the campaign. ``GEFEN_CAMPAIGN_TRIALS`` sets the random trials per
+optimizer (default 40; the exhaustive run uses thousands).
+
+Covered: the native formats that carry ``gefen_state_digest`` (Gefen, GefenMuon, and the
+hybrid with a Gefen backup, whose children carry theirs). ``ContractedAdamW`` writes torch's
+own AdamW format, which carries no digest; it is outside this promise.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
+from gefen_contracts.testing.model import kit_loss, make_kit_model
+from torch import nn
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+Factory = Callable[[nn.Module], torch.optim.Optimizer]
+FACTORIES: dict[str, Factory] = {
+    "gefen": lambda m: Gefen(m.named_parameters(), lr=1e-2, weight_decay=0.1, fused=False),
+    "gefen_muon": lambda m: GefenMuon([(n, p) for n, p in m.named_parameters() if p.ndim == 2], lr=1e-2, fused=False),
+    "hybrid_gefen": lambda m: GefenMuonHybrid(m.named_parameters(), lr=1e-2, fused=False),
+}
+TRIALS = int(os.environ.get("GEFEN_CAMPAIGN_TRIALS", "40"))
+
+
+def _saved(factory: Factory) -> tuple[dict[str, object], bytes]:
+    model = make_kit_model(0)
+    optimizer = factory(model)
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        kit_loss(model, step).backward()
+        optimizer.step()
+    state = optimizer.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return state, buffer.getvalue()
+
+
+def _tensor_offsets(state: object, data: bytes) -> list[int]:
+    """One offset inside each stored state tensor's bytes (found in the file)."""
+    offsets: list[int] = []
+
+    def visit(value: object) -> None:
+        if isinstance(value, torch.Tensor) and value.numel() > 0:
+            raw = value.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            at = data.find(raw) if len(raw) >= 8 else -1
+            if at >= 0:
+                offsets.append(at + len(raw) // 2)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, list):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return offsets
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_every_flipped_bit_is_refused_or_harmless(name: str) -> None:
+    factory = FACTORIES[name]
+    saved, data = _saved(factory)
+    rng = random.Random(19)
+    targeted = _tensor_offsets(saved, data)
+    assert len(targeted) >= 4, "the campaign must reach the stored tensors"
+    positions = [*targeted, *(rng.randrange(len(data)) for _ in range(TRIALS))]
+    counts = {"trials": 0, "unreadable": 0, "refused": 0, "unchanged": 0, "exact": 0}
+    outcomes: list[str] = []
+    target_model = make_kit_model(0)
+    target = factory(target_model)
+    before = deep_snapshot(target)
+    for trial, position in enumerate(positions):
+        mutated = bytearray(data)
+        mutated[position] ^= 1 << (trial % 8 if trial < len(targeted) else rng.randrange(8))
+        counts["trials"] += 1
+        try:
+            loaded = torch.load(io.BytesIO(bytes(mutated)), weights_only=True)
+        except Exception:
+            counts["unreadable"] += 1
+            outcomes.append("unreadable")
+            continue
+        try:
+            target.load_state_dict(loaded)
+        except Exception:
+            counts["refused"] += 1
+            assert snapshot_diff(before, target) == [], f"trial {trial}: a refused load changed the optimizer"
+            counts["unchanged"] += 1
+            outcomes.append("refused")
+            continue
+        assert_trees_equal(target.state_dict(), saved, f"trial {trial} (bit at byte {position})")
+        counts["exact"] += 1
+        outcomes.append("exact")
+        target = factory(make_kit_model(0))  # a fresh target for the next trial
+        before = deep_snapshot(target)
+    print(f"native corruption campaign [{name}]: {counts} (hangs: 0)")
+    assert counts["trials"] == len(positions)
+    assert "exact" not in outcomes[: len(targeted)], "a flipped bit inside a stored state tensor loaded"

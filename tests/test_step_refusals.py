@@ -1,0 +1,100 @@
+"""Options and parameters refused before anything changes (issue 19): a parameter listed
+twice (within a group, across groups, through ``add_param_group``), a tensor ``lr`` on a
+device the step cannot read it from (at construction and when set later), and, in the
+hybrid's preflight, a backup gradient of the wrong dtype or a resized backup parameter:
+every optimizer and child is left exactly as it was."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_hybrid import ContractedAdamW
+from torch import nn
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+Factory = Callable[..., torch.optim.Optimizer]
+FACTORIES: dict[str, Factory] = {
+    "gefen": lambda params, **kw: Gefen(params, fused=False, **kw),
+    "gefen_muon": lambda params, **kw: GefenMuon(params, fused=False, **kw),
+    "contracted_adamw": ContractedAdamW,
+}
+
+
+def _matrix(seed: int) -> nn.Parameter:
+    return nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_a_parameter_listed_twice_is_refused(name: str) -> None:
+    factory = FACTORIES[name]
+    a, b = _matrix(0), _matrix(1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is the same parameter as .*\[0\]"):
+        factory([a, b, a], lr=1e-2)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is the same parameter as .*\[1\]"):
+        factory([{"params": [a, b]}, {"params": [b]}], lr=1e-2)
+    optimizer = factory([a], lr=1e-2)
+    before = deep_snapshot(optimizer)
+    with pytest.raises(ValueError, match="same parameter"):
+        optimizer.add_param_group({"params": [b, a]})
+    assert snapshot_diff(before, optimizer) == []
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen_muon"])
+def test_a_tensor_lr_on_another_device_is_refused_before_any_state(name: str) -> None:
+    factory = FACTORIES[name]
+    param = _matrix(0)
+    with pytest.raises(ValueError, match="a tensor lr on meta cannot drive a parameter on cpu"):
+        factory([param], lr=torch.tensor(1e-2, device="meta"))
+    optimizer = factory([param], lr=1e-2)
+    param.grad = torch.randn_like(param)
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-2, device="meta")
+    before = deep_snapshot(optimizer, param)
+    with pytest.raises(ValueError, match="a tensor lr on meta"):
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, param) == [] and not optimizer.state
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-2)  # on the CPU: accepted
+    optimizer.step()
+    assert optimizer.state
+
+
+def _hybrid(backup: str) -> tuple[nn.Module, GefenMuonHybrid]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    optimizer = GefenMuonHybrid(model.named_parameters(), lr=1e-2, backup_optimizer=backup, fused=False)
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    model(torch.randn(3, 8)).sum().backward()
+    return model, optimizer
+
+
+def _wrong_dtype(model: nn.Module) -> None:
+    bias: Any = model[1].bias
+    bias.grad_dtype = None  # torch 2.15 refuses a mismatched gradient dtype unless told otherwise
+    bias.grad = bias.grad.double()
+
+
+def _resized(model: nn.Module) -> None:
+    weight: Any = model[1].weight
+    weight.data = torch.randn(9)
+    weight.grad = torch.randn(9)
+
+
+@pytest.mark.parametrize("backup", ["adamw", "gefen"])
+@pytest.mark.parametrize("fault", [_wrong_dtype, _resized], ids=["float64_gradient", "resized_parameter"])
+def test_the_hybrid_preflight_refuses_a_faulty_backup_before_any_child_steps(
+    backup: str, fault: Callable[[nn.Module], None]
+) -> None:
+    model, optimizer = _hybrid(backup)
+    fault(model)
+    before = deep_snapshot(optimizer, model)
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, model) == []
