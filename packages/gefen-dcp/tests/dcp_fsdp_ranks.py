@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 import warnings
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
-from gefen_dcp import GefenDCPState, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
+from gefen_dcp import GefenDCPState, GefenFileSystemReader, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
 from gefen_dcp.testing import Int8MomentumSGD
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -106,7 +107,7 @@ def load(model: torch.nn.Module, optimizer: Int8MomentumSGD | None, path: str) -
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = GefenDCPState(optimizer)
-    dcp.load(state, checkpoint_id=path, planner=GefenLoadPlanner())
+    dcp.load(state, storage_reader=GefenFileSystemReader(path), planner=GefenLoadPlanner())
 
 
 # -- N -> M continuation ----------------------------------------------------------------
@@ -208,6 +209,45 @@ def corrupt_own_chunk_then_load(rank: int, world_size: int, path: str, victim: i
             "unchanged": not snapshot_diff(before, optimizer),
         }
     return {"error": None, "cause": None, "unchanged": not snapshot_diff(before, optimizer)}
+
+
+def mixed_saves_then_load(rank: int, world_size: int, first: str, second: str, swap: str) -> dict[str, Any]:
+    """Two saves of one run with DCP's stock writer (the same file names); then, with ``swap``
+    ``"saves"``, rank 0's data file of the second replaces the first's, with ``"ranks"`` the
+    first save's rank 0 and rank 1 data files trade places; every rank then loads the first."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, optimizer = build(world_size)
+    train(model, optimizer, 0, 2)
+    for path, steps in ((first, 1), (second, 0)):
+        state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+        dcp.save(state, storage_writer=FileSystemWriter(path), planner=GefenSavePlanner())
+        train(model, optimizer, 2, steps)
+    dist.barrier()
+    sizes = (0, 0)
+    if rank == 0 and swap == "saves":
+        name = "__0_0.distcp"
+        sizes = (os.path.getsize(os.path.join(first, name)), os.path.getsize(os.path.join(second, name)))
+        shutil.copyfile(os.path.join(second, name), os.path.join(first, name))
+    elif rank == 0:
+        zero, one = os.path.join(first, "__0_0.distcp"), os.path.join(first, "__1_0.distcp")
+        os.replace(zero, zero + ".swap")
+        os.replace(one, zero)
+        os.replace(zero + ".swap", one)
+    dist.barrier()
+    fresh_model, fresh = build(world_size)
+
+    def options() -> list[dict[str, Any]]:  # DCP loads the model's tensors in place: not compared
+        return [{k: v for k, v in g.items() if k != "params"} for g in fresh.param_groups]
+
+    before, groups = deep_snapshot(fresh.state), options()
+    outcome: dict[str, Any] = {"error": None, "message": "", "sizes": sizes}
+    try:
+        load(fresh_model, fresh, first)
+    except BaseException as exc:
+        outcome.update(error=type(exc).__name__, message=str(exc))
+    outcome["unchanged"] = not snapshot_diff(before, fresh.state) and options() == groups
+    return outcome
 
 
 def _kill_self(written: int) -> None:

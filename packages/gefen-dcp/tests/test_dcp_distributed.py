@@ -88,6 +88,21 @@ def test_a_corrupted_chunk_seen_by_one_rank_fails_every_rank_unchanged(world2: G
     assert all(r["unchanged"] for r in results)
 
 
+def test_data_files_mixed_from_two_saves_are_refused_on_every_rank(world2: GlooWorld, tmp_path: Path) -> None:
+    """Issue 19: each writer's digest table covered only its own chunks, so rank 0's file from
+    another save of the same run loaded without error; now every table names the save."""
+    results = world2.run("dcp_fsdp_ranks:mixed_saves_then_load", str(tmp_path / "a"), str(tmp_path / "b"), "saves")
+    assert results[0]["sizes"][0] == results[0]["sizes"][1], "the swapped file must fit the first save's metadata"
+    assert all(r["error"] == "CollectiveFailureError" and r["unchanged"] for r in results), results
+    assert any("files from two saves were mixed" in r["message"] for r in results), results
+
+
+def test_data_files_swapped_between_ranks_are_refused_on_every_rank(world2: GlooWorld, tmp_path: Path) -> None:
+    results = world2.run("dcp_fsdp_ranks:mixed_saves_then_load", str(tmp_path / "a"), str(tmp_path / "b"), "ranks")
+    # refused by DCP's reader (chunk sizes) or by the digests, on every rank, nothing changed
+    assert all(r["error"] is not None and r["unchanged"] for r in results), results
+
+
 # -- save_portable_dcp / load_portable_dcp ---------------------------------------------------
 
 PORTABLE_STEPS = 3

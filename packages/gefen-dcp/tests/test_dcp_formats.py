@@ -45,6 +45,7 @@ ENVELOPE = DcpStateEnvelope(
         "state/1/momentum": TensorEntry(torch.float32, (3,), "like_parameter"),
         "codebook": TensorEntry(torch.float32, (4,), "plain"),
     },
+    "0123456789abcdef0123456789abcdef",
 )
 CHUNK = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 8
 CHUNK_SHA256 = "259a2e23297810b6704586ca682a0f0497faa0a2260e08a6a30aa79b78fd621b"
@@ -60,6 +61,7 @@ def _golden(name: str, data: bytes) -> bytes:
 def _table(written: bool, digest: str) -> DigestTable:
     return DigestTable(
         3,
+        "0123456789abcdef0123456789abcdef",
         (
             ChunkRecord("state/0/codes", (0, 0), (2, 3), True, CHUNK_SHA256),
             ChunkRecord("state/0/codes", (2, 0), (2, 3), written, digest),
@@ -86,7 +88,7 @@ def test_skeleton_rebuilds_the_state_dict_exactly() -> None:
 
 def test_envelope_golden_vector() -> None:
     encoded = encode_envelope(ENVELOPE, limits=LIMITS)
-    golden = _golden("dcp_state_envelope_v2.json", encoded)
+    golden = _golden("dcp_state_envelope_v3.json", encoded)
     assert encoded == golden
     assert ENVELOPE.digest() == json.loads(golden)["digest"]
     decoded = decode_envelope(golden, limits=LIMITS)
@@ -97,7 +99,7 @@ def test_envelope_golden_vector() -> None:
 
 
 def _mutated(change: object) -> bytes:
-    value = json.loads((GOLDEN / "dcp_state_envelope_v2.json").read_bytes())
+    value = json.loads((GOLDEN / "dcp_state_envelope_v3.json").read_bytes())
     change(value)  # type: ignore[operator]
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -106,13 +108,14 @@ def _mutated(change: object) -> bytes:
     "change",
     [
         lambda v: v["tensors"]["codebook"].update(placement="replicated"),  # content changed, digest not
-        lambda v: v.update(format_version=3),
+        lambda v: v.update(format_version=4),
         lambda v: v.update(format="gefen.other"),
+        lambda v: v.update(save_id="not hex"),
         lambda v: v.pop("skeleton"),
         lambda v: v["tensors"]["codebook"].update(dtype="complex64"),
         lambda v: v["tensors"]["codebook"].update(placement="sharded"),
     ],
-    ids=["digest", "version", "format", "missing_key", "dtype", "placement"],
+    ids=["digest", "version", "format", "save_id", "missing_key", "dtype", "placement"],
 )
 def test_envelope_refuses_tampering(change: object) -> None:
     with pytest.raises(EnvelopeFormatError):
@@ -122,9 +125,12 @@ def test_envelope_refuses_tampering(change: object) -> None:
 def test_version_1_envelope_is_refused_naming_both_versions() -> None:
     old = json.dumps({"format": "gefen.dense_shard_state", "format_version": 1}, separators=(",", ":")).encode()
     with pytest.raises(
-        EnvelopeFormatError, match=r"'gefen\.dense_shard_state' version 1.*'gefen\.dcp_state' version 2"
+        EnvelopeFormatError, match=r"'gefen\.dense_shard_state' version 1.*'gefen\.dcp_state' version 3"
     ):
         decode_envelope(old, limits=LIMITS)
+    previous = json.dumps({"format": "gefen.dcp_state", "format_version": 2}, separators=(",", ":")).encode()
+    with pytest.raises(EnvelopeFormatError, match=r"'gefen\.dcp_state' version 2; this library reads version 3"):
+        decode_envelope(previous, limits=LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +150,7 @@ def test_envelope_parser_refuses_non_canonical_bytes(data: bytes) -> None:
 
 
 def test_envelope_limits_are_enforced_before_parsing() -> None:
-    golden = (GOLDEN / "dcp_state_envelope_v2.json").read_bytes()
+    golden = (GOLDEN / "dcp_state_envelope_v3.json").read_bytes()
     small = PortableStateLimits(max_metadata_bytes=len(golden) - 1)
     with pytest.raises(EnvelopeFormatError, match="max_metadata_bytes"):
         decode_envelope(golden, limits=small)
@@ -164,7 +170,7 @@ def test_chunk_digest_golden_and_layout_independent() -> None:
 
 def test_digest_table_golden_vector_and_fixed_width() -> None:
     encoded = encode_digest_table(_table(False, "0" * 64), limits=LIMITS)
-    golden = _golden("dcp_digests_v2.json", encoded)
+    golden = _golden("dcp_digests_v3.json", encoded)
     assert encoded == golden
     assert len(encode_digest_table(_table(True, "a" * 64), limits=LIMITS)) == len(golden)
     table = decode_digest_table(golden, limits=LIMITS)
@@ -185,7 +191,7 @@ def test_digest_table_golden_vector_and_fixed_width() -> None:
     ids=["flag", "digest", "unsorted", "rank", "version"],
 )
 def test_digest_table_refuses_malformed_records(change: object) -> None:
-    value = json.loads((GOLDEN / "dcp_digests_v2.json").read_bytes())
+    value = json.loads((GOLDEN / "dcp_digests_v3.json").read_bytes())
     change(value)  # type: ignore[operator]
     data = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
     with pytest.raises(EnvelopeFormatError):

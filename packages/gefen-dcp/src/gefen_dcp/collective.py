@@ -9,6 +9,7 @@ binding and runs no collective.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from gefen_contracts.torch_support import CheckpointProcessGroupBinding, agree_d
 
 from .errors import CheckpointLayoutError
 
-__all__ = ["GROUP_NAME", "agree_layout", "checkpoint_binding", "member_coordinate"]
+__all__ = ["GROUP_NAME", "agree_layout", "checkpoint_binding", "member_coordinate", "shared_save_id"]
 
 GROUP_NAME = "gefen_dcp.checkpoint"
 
@@ -58,3 +59,20 @@ def agree_layout(binding: CheckpointProcessGroupBinding | None, digest: str) -> 
         )
     except ContractError as exc:
         raise CheckpointLayoutError(str(exc)) from None
+
+
+def shared_save_id(binding: CheckpointProcessGroupBinding | None) -> str:
+    """One fresh random 128-bit save identity (32 hex digits), member 0's, on every member
+    (one ``broadcast`` of two int64 on the binding's group and device)."""
+    raw = os.urandom(16)
+    if binding is None:
+        return raw.hex()
+    import torch.distributed as dist
+
+    words = torch.tensor(
+        [int.from_bytes(raw[:8], "big", signed=True), int.from_bytes(raw[8:], "big", signed=True)],
+        dtype=torch.int64,
+        device=binding.collective_device,
+    )
+    dist.broadcast(words, group=binding.process_group, group_src=0)
+    return b"".join(int(w).to_bytes(8, "big", signed=True) for w in words.cpu().tolist()).hex()

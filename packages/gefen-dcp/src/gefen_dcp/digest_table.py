@@ -1,4 +1,4 @@
-"""Per-writer chunk digest tables, ``gefen.dcp_digests`` version 2.
+"""Per-writer chunk digest tables, ``gefen.dcp_digests`` version 3.
 
 Every rank saves one table listing the state-tensor chunks it holds locally; for each chunk
 it actually writes (after DCP's de-duplication of replicas) it records the SHA-256 of the
@@ -11,10 +11,13 @@ resharding.
 The table's byte length is fixed when DCP plans (digests and flags have fixed widths), so
 it can be planned before the digests exist::
 
-    {"format": "gefen.dcp_digests", "format_version": 2, "writer": int,
+    {"format": "gefen.dcp_digests", "format_version": 3, "writer": int, "save_id": "<32 hex>",
      "chunks": [[key, [offset...], [size...], "w" | "-", "<64 hex or zeros>"], ...]}
 
-(version 1, ``gefen.dense_shard_digests``, named dense fields by FQN and field).
+``save_id`` is the envelope's: a load refuses a table of another save, so a rank's data
+files swapped in from another save of the same run (same names, same sizes) are caught.
+(Version 2 had no ``save_id``; version 1, ``gefen.dense_shard_digests``, named dense fields
+by FQN and field.)
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ __all__ = [
 ]
 
 DIGEST_TABLE_FORMAT = "gefen.dcp_digests"
-DIGEST_TABLE_FORMAT_VERSION = 2
+DIGEST_TABLE_FORMAT_VERSION = 3
 _PLACEHOLDER = "0" * 64
 _HEX = frozenset("0123456789abcdef")
-_KEYS = frozenset({"format", "format_version", "writer", "chunks"})
+_KEYS = frozenset({"format", "format_version", "writer", "save_id", "chunks"})
 
 #: ``(tensor key, global offsets)`` names one stored chunk.
 ChunkKey = tuple[str, tuple[int, ...]]
@@ -79,6 +82,7 @@ class ChunkRecord:
 @dataclass(frozen=True, slots=True)
 class DigestTable:
     writer: int
+    save_id: str
     chunks: tuple[ChunkRecord, ...]
 
 
@@ -102,6 +106,7 @@ def encode_digest_table(table: DigestTable, *, limits: PortableStateLimits) -> b
         "format": DIGEST_TABLE_FORMAT,
         "format_version": DIGEST_TABLE_FORMAT_VERSION,
         "writer": table.writer,
+        "save_id": table.save_id,
         "chunks": [_record_list(r) for r in chunks],
     }
     return dump_canonical(value, limits=limits, what="digest table")
@@ -129,6 +134,9 @@ def decode_digest_table(data: bytes, *, limits: PortableStateLimits) -> DigestTa
         writer = exact_int(value["writer"], "digest table writer", minimum=0)
     except (TypeError, ValueError) as exc:
         raise EnvelopeFormatError(str(exc)) from None
+    save_id = value["save_id"]
+    if type(save_id) is not str or len(save_id) != 32 or not set(save_id) <= _HEX:
+        raise EnvelopeFormatError(f"digest table save_id must be 32 lowercase hex digits, got {save_id!r}")
     chunks = value["chunks"]
     if type(chunks) is not list or len(chunks) > limits.max_tensors:
         raise EnvelopeFormatError(f"digest table chunks must be a list of at most {limits.max_tensors} records")
@@ -151,4 +159,4 @@ def decode_digest_table(data: bytes, *, limits: PortableStateLimits) -> DigestTa
     keys = [r.chunk for r in records]
     if keys != sorted(keys) or len(set(keys)) != len(keys):
         raise EnvelopeFormatError("digest table records must be sorted and unique")
-    return DigestTable(writer, tuple(records))
+    return DigestTable(writer, save_id, tuple(records))

@@ -1,4 +1,4 @@
-"""The DCP state envelope, ``gefen.dcp_state`` version 2.
+"""The DCP state envelope, ``gefen.dcp_state`` version 3.
 
 One envelope per checkpoint holds everything about an optimizer's saved state that is not
 tensor data: the implementation name, the skeleton of its native state dict
@@ -6,8 +6,8 @@ tensor data: the implementation name, the skeleton of its native state dict
 class. It is identical on every rank (the ranks agree on its digest before saving) and is
 stored as a 1-D ``uint8`` tensor of canonical JSON::
 
-    {"format": "gefen.dcp_state", "format_version": 2,
-     "implementation": str, "skeleton": {...},
+    {"format": "gefen.dcp_state", "format_version": 3,
+     "save_id": "<32 hex>", "implementation": str, "skeleton": {...},
      "tensors": {key: {"dtype": str, "shape": [int...], "placement": str}},
      "digest": "<sha256 of the rest, gefen_contracts.canonical_digest>"}
 
@@ -15,7 +15,10 @@ Placement classes: ``like_parameter`` (a DTensor on its parameter's mesh with th
 parameter's placements, e.g. momentum codes or per-row scales under FSDP2),
 ``replicated`` (a DTensor replicated on its parameter's mesh, e.g. ``v_col``) and
 ``plain`` (an ordinary tensor equal on every rank, e.g. a codebook or a counter).
-Version 1 (dense fp32 fields per parameter, ``gefen.dense_shard_state``) is refused.
+``save_id`` is one random 128-bit identity per save, agreed by every rank and repeated in
+every writer's digest table (:mod:`gefen_dcp.digest_table`), so data files mixed from two
+saves are refused. Version 2 (no ``save_id``) and version 1 (dense fp32 fields per
+parameter, ``gefen.dense_shard_state``) are refused naming both versions.
 """
 
 from __future__ import annotations
@@ -41,17 +44,24 @@ __all__ = [
     "TensorEntry",
     "decode_envelope",
     "encode_envelope",
+    "is_save_id",
 ]
 
 DCP_STATE_FORMAT = "gefen.dcp_state"
-DCP_STATE_FORMAT_VERSION = 2
+DCP_STATE_FORMAT_VERSION = 3
 _OLD_FORMATS = {"gefen.dense_shard_state": 1}
 LIKE_PARAMETER = "like_parameter"
 REPLICATED = "replicated"
 PLAIN = "plain"
 PLACEMENTS = (LIKE_PARAMETER, REPLICATED, PLAIN)
-_TOP_KEYS = frozenset({"format", "format_version", "implementation", "skeleton", "tensors", "digest"})
+_TOP_KEYS = frozenset({"format", "format_version", "save_id", "implementation", "skeleton", "tensors", "digest"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "placement"})
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_save_id(value: object) -> bool:
+    """A save identity: 32 lowercase hex digits."""
+    return type(value) is str and len(value) == 32 and set(value) <= _HEX
 
 
 def _fail(message: str) -> EnvelopeFormatError:
@@ -88,12 +98,14 @@ class DcpStateEnvelope:
     implementation: str
     skeleton: object
     tensors: dict[str, TensorEntry]
+    save_id: str
 
     def body(self) -> dict[str, object]:
         """The primitive record the digest covers."""
         return {
             "format": DCP_STATE_FORMAT,
             "format_version": DCP_STATE_FORMAT_VERSION,
+            "save_id": self.save_id,
             "implementation": self.implementation,
             "skeleton": self.skeleton,
             "tensors": {key: entry.record() for key, entry in sorted(self.tensors.items())},
@@ -134,15 +146,19 @@ def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnve
             f"this library reads {DCP_STATE_FORMAT!r} version {DCP_STATE_FORMAT_VERSION} (compact state); load it "
             f"with the gefen-dcp release that wrote it"
         )
+    if type(value) is dict and value.get("format") == DCP_STATE_FORMAT:
+        version = value.get("format_version")
+        if type(version) is not int or version != DCP_STATE_FORMAT_VERSION:
+            raise _fail(
+                f"this checkpoint holds {DCP_STATE_FORMAT!r} version {version!r}; this library reads version "
+                f"{DCP_STATE_FORMAT_VERSION} (which binds every writer to one save): re-save it"
+            )
     if type(value) is not dict or set(value) != _TOP_KEYS:
         raise _fail(f"the DCP state envelope must be a dict with keys {sorted(_TOP_KEYS)}")
     if value["format"] != DCP_STATE_FORMAT:
         raise _fail(f"envelope format {value['format']!r} is not {DCP_STATE_FORMAT!r}")
-    version = value["format_version"]
-    if type(version) is not int or version != DCP_STATE_FORMAT_VERSION:
-        raise _fail(
-            f"envelope format_version {version!r} is unsupported (this library reads {DCP_STATE_FORMAT_VERSION})"
-        )
+    if not is_save_id(value["save_id"]):
+        raise _fail(f"envelope save_id must be 32 lowercase hex digits, got {value['save_id']!r}")
     body = {k: v for k, v in value.items() if k != "digest"}
     if value["digest"] != canonical_digest(body):
         raise _fail("the DCP state envelope's digest does not match its content (corrupted metadata)")
@@ -154,4 +170,4 @@ def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnve
     if type(tensors) is not dict:
         raise _fail("envelope tensors must be a dict keyed by tensor key")
     entries = {key: _tensor_entry(key, record, limits) for key, record in sorted(tensors.items())}
-    return DcpStateEnvelope(implementation, value["skeleton"], entries)
+    return DcpStateEnvelope(implementation, value["skeleton"], entries, value["save_id"])

@@ -258,12 +258,17 @@ class LoadSession:
 
     # -- after the read --------------------------------------------------------------
 
-    def _tables(self) -> list[DigestTable]:
+    def _tables(self, save_id: str) -> list[DigestTable]:
         tables = []
         for name, buffer in self.table_buffers.items():
             table = decode_digest_table(bytes(buffer.numpy().tobytes()), limits=self.limits)
             if name != f"writer_{table.writer:05d}":
                 raise EnvelopeFormatError(f"digest table {name!r} names writer {table.writer}")
+            if table.save_id != save_id:
+                raise CheckpointIntegrityError(
+                    f"writer {table.writer}'s data belongs to save {table.save_id}, the checkpoint's envelope to save "
+                    f"{save_id}: files from two saves were mixed"
+                )
             tables.append(table)
         return tables
 
@@ -320,7 +325,7 @@ class LoadSession:
         if self._scratch:
             raise CheckpointIntegrityError(f"{len(self._scratch)} chunk reads never completed")
         envelope = decode_envelope(bytes(self.envelope_buffer.numpy().tobytes()), limits=self.limits)
-        self._verify(self._tables())
+        self._verify(self._tables(envelope.save_id))
         live = self.live.envelope
         if envelope.implementation != live.implementation:
             raise _layout_error(

@@ -98,7 +98,7 @@ class SaveSession:
             ChunkRecord(key[0], key[1], sizes, key in self._written, digests.get(key, "0" * 64))
             for key, sizes in sorted(self._chunks.items())
         )
-        return DigestTable(self.writer, records)
+        return DigestTable(self.writer, self.envelope.save_id, records)
 
     def table_nbytes(self) -> int:
         """The digest table's planned size (independent of which chunks end up written)."""

@@ -38,7 +38,7 @@ from gefen_contracts import (
 from gefen_contracts.torch_support import failure_vote
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .collective import agree_layout, checkpoint_binding, member_coordinate
+from .collective import agree_layout, checkpoint_binding, member_coordinate, shared_save_id
 from .envelope import LIKE_PARAMETER, PLAIN, REPLICATED, DcpStateEnvelope, TensorEntry
 from .errors import CheckpointLayoutError, PlannerRequiredError
 from .geometry import is_dtensor
@@ -148,7 +148,7 @@ class GefenDCPState(Stateful):
         if type(self.limits) is not PortableStateLimits:
             raise TypeError("GefenDCPState limits must be a gefen_contracts.PortableStateLimits")
 
-    def _session(self, writer: int) -> SaveSession:
+    def _session(self, writer: int, save_id: str) -> SaveSession:
         optimizer = self.optimizer
         implementation = _implementation(optimizer)
         parameters = tuple(p for group in optimizer.param_groups for p in group["params"])  # type: ignore[attr-defined]
@@ -158,16 +158,17 @@ class GefenDCPState(Stateful):
         for key, tensor in tensors.items():
             placement = _placement(key, tensor, parameters, geometry)
             entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement)
-        envelope = DcpStateEnvelope(implementation, skeleton, entries)
+        envelope = DcpStateEnvelope(implementation, skeleton, entries, save_id)
         return SaveSession(envelope=envelope, tensors=tensors, parameters=parameters, writer=writer, limits=self.limits)
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict DCP saves (collective; see the class docstring). Nothing is copied."""
         binding = checkpoint_binding(self.process_group)
+        save_id = shared_save_id(binding)
         session: SaveSession | None = None
         error: BaseException | None = None
         try:
-            session = self._session(member_coordinate(binding))
+            session = self._session(member_coordinate(binding), save_id)
         except Exception as exc:
             error = exc
         failure_vote(binding, "gefen_dcp.state_dict", error)
