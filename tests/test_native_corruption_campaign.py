@@ -1,8 +1,11 @@
-"""Corruption campaign over the native writer, ``torch.save(optimizer.state_dict())`` (issue 19).
+"""Corruption campaigns over the ``torch.save`` writers: the native state dict
+(``torch.save(optimizer.state_dict())``) and the portable document
+(``torch.save(export_portable_state(...).materialize())``) (issue 19).
 
 Every trial flips one bit of the saved file (random offsets, plus one bit inside every stored
 state tensor's bytes), then reads it with ``torch.load(weights_only=True)`` and loads it into
-a fresh optimizer. Each trial must end one of three ways: torch's reader refuses the file,
+a fresh optimizer. A hostile pickle in place of the file must be refused by the reader
+without running. Each trial must end one of three ways: torch's reader refuses the file,
 the optimizer refuses the state dict and is left unchanged (deep snapshot), or the load
 restores exactly what was saved (a flip in bytes nothing reads). A load that changes the
 state silently fails the campaign. ``GEFEN_CAMPAIGN_TRIALS`` sets the random trials per
@@ -17,16 +20,22 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import random
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.model import kit_loss, make_kit_model
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding
+from gefen_portable import export_portable_state, import_portable_state
 from torch import nn
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -38,16 +47,28 @@ FACTORIES: dict[str, Factory] = {
     "hybrid_gefen": lambda m: GefenMuonHybrid(m.named_parameters(), lr=1e-2, fused=False),
 }
 TRIALS = int(os.environ.get("GEFEN_CAMPAIGN_TRIALS", "40"))
+SINGLE = CheckpointProcessGroupBinding(ProcessGroupIdentity("single", ("rank:0",)), "rank:0", None, "cpu")
+LIMITS = PortableStateLimits()
+
+
+class _Planted:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_hostile_pickle_in_place_of_a_checkpoint_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    (tmp_path / "optimizer.pt").write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    assert not marker.exists()
 
 
 def _saved(factory: Factory) -> tuple[dict[str, object], bytes]:
-    model = make_kit_model(0)
-    optimizer = factory(model)
-    for step in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        kit_loss(model, step).backward()
-        optimizer.step()
-    state = optimizer.state_dict()
+    state = _trained(factory).state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return state, buffer.getvalue()
@@ -72,6 +93,49 @@ def _tensor_offsets(state: object, data: bytes) -> list[int]:
 
     visit(state)
     return offsets
+
+
+def test_every_flipped_bit_of_a_portable_document_is_refused_or_harmless() -> None:
+    saved = _trained(FACTORIES["gefen"])
+    document = export_portable_state(saved, checkpoint_process_group=SINGLE, transaction_id="save", limits=LIMITS)
+    buffer = io.BytesIO()
+    torch.save(document.materialize(), buffer)
+    data = buffer.getvalue()
+    expected = saved.state_dict()
+    rng = random.Random(20)
+    counts = {"trials": 0, "unreadable": 0, "refused": 0, "unchanged": 0, "exact": 0}
+    for trial in range(TRIALS):
+        mutated = bytearray(data)
+        mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(8)
+        counts["trials"] += 1
+        try:
+            loaded = torch.load(io.BytesIO(bytes(mutated)), weights_only=True)
+        except Exception:
+            counts["unreadable"] += 1
+            continue
+        target = FACTORIES["gefen"](make_kit_model(0))
+        before = deep_snapshot(target)
+        try:
+            import_portable_state(target, loaded, checkpoint_process_group=SINGLE, transaction_id="load", limits=LIMITS)
+        except Exception:
+            counts["refused"] += 1
+            assert snapshot_diff(before, target) == [], f"trial {trial}: a refused import changed the optimizer"
+            counts["unchanged"] += 1
+            continue
+        assert_trees_equal(target.state_dict(), expected, f"portable trial {trial}")
+        counts["exact"] += 1
+    print(f"portable document corruption campaign: {counts} (hangs: 0)")
+    assert counts["trials"] == TRIALS
+
+
+def _trained(factory: Factory) -> torch.optim.Optimizer:
+    model = make_kit_model(0)
+    optimizer = factory(model)
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        kit_loss(model, step).backward()
+        optimizer.step()
+    return optimizer
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
