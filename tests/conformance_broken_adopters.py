@@ -90,6 +90,19 @@ class UndeclaredProtocol(ContractedSGD):
         return 0
 
 
+class PrecisionLiar(ContractedSGD):
+    """Claims every precision (the example's contract) but steps only float32 parameters
+    (lie p of issue 22: claimed precisions were never exercised)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise TypeError(f"only float32 parameters are supported, got {p.dtype}")
+        return super().step(closure)
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -103,6 +116,7 @@ mutating_query_factory = _factory(MutatingQuery)
 non_atomic_load_factory = _factory(NonAtomicLoad)
 undeclared_state_key_factory = _factory(UndeclaredStateKey)
 undeclared_protocol_factory = _factory(UndeclaredProtocol)
+precision_liar_factory = _factory(PrecisionLiar)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -111,4 +125,5 @@ EXPECTED_FAILURES = {
     "non_atomic_load_factory": ("checkpoint.native_atomic_load", "changed the optimizer"),
     "undeclared_state_key_factory": ("state.declared_variants", "'grad_norm' is not declared"),
     "undeclared_protocol_factory": ("contract.protocols_declared", "CollectiveScoped"),
+    "precision_liar_factory": ("training.precisions", "precision:bfloat16 is claimed but TypeError"),
 }

@@ -55,12 +55,14 @@ def test_factory_errors_are_reported_not_raised() -> None:
 @pytest.mark.slow
 def test_pytest_plugin_runs_the_kit_from_the_command_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    # a repository's own suite beside the run: a conformance run must not collect it
+    (tmp_path / "test_unrelated.py").write_text("def test_unrelated():\n    raise AssertionError('collected')\n")
     good = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--gefen-conformance", "gefen_example_sgd:conformance_factory", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert good.returncode == 0, good.stdout + good.stderr
-    assert "passed" in good.stdout
+    assert "passed" in good.stdout and "test_unrelated" not in good.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--gefen-conformance", "conformance_broken_adopters:mutating_query_factory", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,

@@ -84,3 +84,23 @@ def test_an_adopter_that_accepts_corrupted_documents_fails_the_atomic_check() ->
     report = run_conformance(target)
     result = next(r for r in report.results if r.name == "portable.atomic_import")
     assert result.status is CheckStatus.FAILED and "accepted" in result.detail
+
+
+class LossyExport(adopter.PortableSGD):
+    """Exports its momentum rounded to bfloat16 (lie h/i of issue 22): the import is lossy,
+    yet re-exporting the imported state gives the same document."""
+
+    def portable_export(self) -> Any:
+        exported = super().portable_export()
+        for slot in exported.slots:
+            for tensor in slot.element_fields.values():
+                tensor.copy_(tensor.to(torch.bfloat16).to(tensor.dtype))  # the exported copy, rounded
+        return exported
+
+
+def test_a_lossy_export_fails_the_round_trip_on_the_state_not_only_the_losses() -> None:
+    target = ConformanceTarget(_factory(LossyExport), name="lossy", waive=adopter.conformance_factory.conformance_waive)  # type: ignore[attr-defined]
+    report = run_conformance(target)
+    result = next(r for r in report.results if r.name == "portable.roundtrip")
+    assert result.status is CheckStatus.FAILED, report.format()
+    assert "native state after a portable import" in result.detail, result.detail

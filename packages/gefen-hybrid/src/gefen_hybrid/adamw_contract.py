@@ -68,6 +68,13 @@ _LAYOUT_ORDER = (
 _LAYOUTS = frozenset(_LAYOUT_ORDER)
 
 
+#: Not float16: torch's AdamW on pure fp16 parameters divides by an ``eps`` that rounds to 0
+#: (1e-8) or nearly so, so an embedding row with no gradient becomes NaN or inf within three
+#: steps (the kit's ``training.precisions`` check found it); train fp16 models with fp32
+#: master weights under ``torch.autocast`` instead.
+_PRECISIONS = frozenset({Precision.FLOAT32, Precision.BFLOAT16, Precision.FLOAT64})
+
+
 def _field(name: str, geometry: StateGeometry, description: str, *, optional: bool = False) -> StateField:
     return StateField(
         name,
@@ -225,7 +232,7 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
         capabilities=OptimizerCapabilities(
             training=_TRAINING,
             checkpoints=tuple(checkpoints),
-            precisions=frozenset(Precision),
+            precisions=_PRECISIONS,
             supported_parameter_ranks=None,
             features={
                 FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.yes(),

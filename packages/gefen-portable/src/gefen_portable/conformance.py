@@ -2,8 +2,10 @@
 
 * ``portable.roundtrip`` (``feature:portable_state`` and ``checkpoint:canonical_global:replicated``):
   export, materialize, ``torch.save`` +
-  ``torch.load(weights_only=True)``, import into a fresh twin, re-export (the document
-  digest must be identical), then continue training both bit for bit.
+  ``torch.load(weights_only=True)``, import into a fresh twin; the twin's native state must
+  equal the source's bit for bit (a lossy export that re-exports identically is caught
+  here), the re-export's digest must be the document's, the document must not change when
+  the source trains on (an export must not alias live state), then both continue bit for bit.
 * ``portable.atomic_import`` (``checkpoint:canonical_global:replicated:atomic``): corrupted
   documents (a flipped tensor byte, edited fields with and without a recomputed digest, a
   foreign implementation, a missing parameter, a wrong shape, a non-finite value) must each
@@ -35,6 +37,7 @@ from gefen_contracts import (
     StaleTransactionError,
 )
 from gefen_contracts.testing import CheckContext, ConformanceCheck, deep_snapshot, snapshot_diff
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.context import Unverifiable
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest
 
@@ -129,11 +132,17 @@ class PortableRoundTripCheck:
         twin_model, twin = context.fresh()
         context.copy_parameters(model, twin_model)
         _import(twin, saved, binding, "conformance-import")
+        assert_trees_equal(optimizer.state_dict(), twin.state_dict(), "native state after a portable import")
         again = _export(twin, binding, "conformance-re-export")
         assert again["completion"]["digest"] == document["completion"]["digest"], (
             "re-exporting the imported state gives a different document (the import lost or changed state)"
         )
+        exported = deep_snapshot(document)
         context.train(model, optimizer, steps, start=steps)
+        diffs = snapshot_diff(exported, document)
+        assert not diffs, "the exported document changed when the optimizer stepped (it aliases live state): " + (
+            "; ".join(diffs[:3])
+        )
         context.train(twin_model, twin, steps, start=steps)
         context.assert_models_bitwise_equal(model, twin_model, "continuation after a portable round trip")
         context.notes.append("round trip, identical re-export and bit-exact continuation")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from ..contract import OptimizerContract
 
-__all__ = ["CONTRACT_CLAIM", "atomic_claim", "checkpoint_claim", "enumerate_claims", "training_claim"]
+__all__ = [
+    "CONTRACT_CLAIM",
+    "atomic_claim",
+    "checkpoint_claim",
+    "enumerate_claims",
+    "precision_claim",
+    "training_claim",
+]
 
 CONTRACT_CLAIM = "contract"
 
@@ -12,6 +19,10 @@ CONTRACT_CLAIM = "contract"
 def training_claim(layout: str, tags: frozenset[str] = frozenset()) -> str:
     suffix = "[" + ",".join(sorted(tags)) + "]" if tags else ""
     return f"training:{layout}{suffix}"
+
+
+def precision_claim(precision: str) -> str:
+    return f"precision:{precision}"
 
 
 def checkpoint_claim(transport: str, layout: str) -> str:
@@ -35,6 +46,8 @@ def enumerate_claims(contract: OptimizerContract) -> frozenset[str]:
             claims.add(f"feature:{name}")
     for training in capabilities.training:
         claims.add(training_claim(training.layout.value, training.mode_tags))
+    for precision in capabilities.precisions:
+        claims.add(precision_claim(precision.value))
     for entry in capabilities.checkpoints:
         transport = entry.transport.value
         for layout in entry.same_topology:

@@ -46,10 +46,10 @@ class CheckContext:
     claims: frozenset[str]
     notes: list[str] = field(default_factory=list)
 
-    def fresh(self, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """A new model and optimizer; equal seeds give bit-identical twins."""
+    def fresh(self, seed: int = 0, dtype: torch.dtype | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A new model (in ``dtype`` when given) and optimizer; equal seeds give bit-identical twins."""
         torch.manual_seed(seed)
-        return self.target.build(seed)
+        return self.target.build(seed, dtype)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step_index: int) -> torch.Tensor:
         """One deterministic training step (zero_grad, loss, backward, step)."""

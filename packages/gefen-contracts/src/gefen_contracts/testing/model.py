@@ -41,7 +41,7 @@ def kit_loss(model: nn.Module, step: int) -> torch.Tensor:
     if isinstance(model, KitModel):
         tokens = torch.randint(0, 16, (6, 5), generator=generator)
         target = torch.randn(6, 4, generator=generator)
-        return torch.nn.functional.mse_loss(model(tokens), target)
+        return torch.nn.functional.mse_loss(model(tokens).float(), target)  # any parameter dtype
     total = torch.zeros(())
     for _, parameter in sorted(model.named_parameters()):
         weights = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)

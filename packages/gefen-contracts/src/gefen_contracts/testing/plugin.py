@@ -3,7 +3,8 @@
 Two ways to use it:
 
 * command line: ``pytest --gefen-conformance MODULE:FACTORY [--gefen-conformance-waive NAME]``
-  adds one test item per check (and per unverified claim) for each target;
+  runs one test item per check (and per unverified claim) for each target, and nothing
+  else: the paths pytest would collect (a repository's own suite) are not collected;
 * fixtures: define a ``gefen_conformance_target`` fixture returning a ``ConformanceTarget``
   (or ``"MODULE:FACTORY"``) and request ``gefen_conformance_report``; call
   ``assert_conformant(report)`` to fail with the readable report.
@@ -79,10 +80,16 @@ def _report_for(config: pytest.Config, spec: str) -> Any:
     return cache[spec]
 
 
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """A conformance run collects only the kit's items (``None``: pytest decides as usual)."""
+    return True if config.getoption("--gefen-conformance") else None
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     specs = config.getoption("--gefen-conformance")
     if not specs:
         return
+    items.clear()
     from .checks import builtin_checks
     from .runner import contributed_checks
 

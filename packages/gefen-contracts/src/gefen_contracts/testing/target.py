@@ -37,9 +37,12 @@ class ConformanceTarget:
     waive: dict[str, str] = field(default_factory=dict)
     steps: int = 3
 
-    def build(self, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """A fresh model (deterministic for ``seed``) and the optimizer over its named parameters."""
+    def build(self, seed: int = 0, dtype: torch.dtype | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A fresh model (deterministic for ``seed``; cast to ``dtype`` when given) and the
+        optimizer over its named parameters."""
         model = self.model_builder(seed)
+        if dtype is not None:
+            model = model.to(dtype)
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         return model, self.factory(named)
 
