@@ -10,9 +10,11 @@ from gefen_contracts import (
     FeatureStatus,
     OptimizerCapabilities,
     OptimizerContract,
+    ShardIdentity,
     StagedTransaction,
 )
 from gefen_example_sgd import CONTRACT, ContractedSGD
+from gefen_hybrid import ContractedAdamW
 
 
 class FalseRoundTripClaim(ContractedSGD):
@@ -103,6 +105,21 @@ class PrecisionLiar(ContractedSGD):
         return super().step(closure)
 
 
+class OffsetZeroIdentity(ContractedAdamW):
+    """Answers every identity query with member 0's shard of the parameter (lie c of issue 22:
+    every rank bound to the offset-0 shard)."""
+
+    def shard_identity(self, parameter: object) -> ShardIdentity:
+        shard = super().shard_identity(parameter)
+        manifest = self.sharding_manifest()
+        assert manifest is not None
+        return next(s for s in manifest.shards if s.fqn == shard.fqn)
+
+
+def offset_zero_identity_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedAdamW:
+    return OffsetZeroIdentity(named_parameters, lr=1e-2, weight_decay=0.01)
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -126,4 +143,5 @@ EXPECTED_FAILURES = {
     "undeclared_state_key_factory": ("state.declared_variants", "'grad_norm' is not declared"),
     "undeclared_protocol_factory": ("contract.protocols_declared", "CollectiveScoped"),
     "precision_liar_factory": ("training.precisions", "precision:bfloat16 is claimed but TypeError"),
+    "offset_zero_identity_factory": ("identity.flattened_training", "member 1: shard_identity() of its"),
 }

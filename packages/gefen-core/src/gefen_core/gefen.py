@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
-from gefen_contracts.torch_support import check_new_group
+from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
 
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
@@ -21,7 +21,6 @@ from .distributed import all_reduce_column_sums, counted_once_per_mesh, learning
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
-from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
@@ -550,13 +549,13 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             deterministic=self._deterministic,
         )
         if self._identity is not None:
-            exported[IDENTITY_KEY] = identity_guard(self._identity)
+            exported[IDENTITY_KEY] = identity_guard(self._identity.sealed)
         return exported
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage the new state; changes nothing."""
         self._verify_layout("load_state_dict")
-        staged = self._stage_native_state(split_identity_guard(state_dict, self._identity))  # type: ignore[arg-type]
+        staged = self._stage_native_state(split_identity_guard(state_dict, self._bound_layout()))  # type: ignore[arg-type]
         return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
 
     def _stage_native_state(self, state_dict: Mapping[str, Any]) -> StagedNativeState:

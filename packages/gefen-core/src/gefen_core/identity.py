@@ -45,17 +45,18 @@ from gefen_contracts import (
     require_transaction,
 )
 from gefen_contracts.torch_support import (
+    IDENTITY_KEY,
     ProcessGroupBinding,
     RebindingPlan,
     SealedLayout,
     SlotRebinding,
+    identity_guard,
     plan_rebinding,
     state_version_token,
     tensor_digest,
 )
 
 from .codebook_scope import STEADY_STEP_BUDGET, digest_words
-from .native_identity import IDENTITY_KEY, identity_guard
 
 __all__ = ["IdentityMethods", "IdentityReadiness", "IdentityRecord", "scope_fingerprint"]
 
@@ -220,7 +221,7 @@ class IdentityMethods:
         """A native state dict the transports built for the live layout, with the live
         shard-identity guard when bound (the transport matched every slot by shard identity)."""
         identity = self._identity
-        return native if identity is None else {**native, IDENTITY_KEY: identity_guard(identity)}
+        return native if identity is None else {**native, IDENTITY_KEY: identity_guard(identity.sealed)}
 
     def _identity_freshness(self) -> Hashable:
         return (self._version, id(self.state), state_version_token(self.param_groups, self.state))

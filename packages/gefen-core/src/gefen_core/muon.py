@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import FeatureStatus, KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
-from gefen_contracts.torch_support import check_new_group
+from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
 
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
@@ -32,7 +32,6 @@ from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, s
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_plan import MuonPlan, check_entry, check_matrix, plan_muon_step
 from .muon_portable import GefenMuonPortableState
-from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
 from .native_records import GROUP_MIRROR
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .ops import MUON_DISPATCHED_OPS, KernelDispatch
@@ -405,13 +404,13 @@ class GefenMuon(
             deterministic=self._deterministic,
         )
         if self._identity is not None:
-            exported[IDENTITY_KEY] = identity_guard(self._identity)
+            exported[IDENTITY_KEY] = identity_guard(self._identity.sealed)
         return exported
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage this rank's share; changes nothing."""
         self._verify_layout("load_state_dict")
-        staged = self._stage_native_state(split_identity_guard(state_dict, self._identity))  # type: ignore[arg-type]
+        staged = self._stage_native_state(split_identity_guard(state_dict, self._bound_layout()))  # type: ignore[arg-type]
         return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
 
     def _stage_native_state(self, state_dict: Mapping[str, Any]) -> StagedMuonState:

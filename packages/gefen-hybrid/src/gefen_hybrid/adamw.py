@@ -28,13 +28,17 @@ from gefen_contracts import (
     ShardIdentity,
     ShardingManifest,
     StagedTransaction,
+    StateValidationError,
     require_transaction,
 )
 from gefen_contracts.torch_support import (
+    IDENTITY_KEY,
     SealedLayout,
     check_new_group,
     check_tensor_lr,
+    identity_guard,
     plan_rebinding,
+    split_identity_guard,
     state_version_token,
 )
 
@@ -292,16 +296,23 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
         self._version = getattr(self, "_version", 0) + 1
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's ``state_dict`` after verifying the sealed layout."""
+        """torch's ``state_dict`` after verifying the sealed layout; once bound by
+        ``post_sharding``, with the shard-identity guard (``IDENTITY_KEY``) of the convention."""
         self._verify_layout("state_dict")
-        return super().state_dict()
+        exported = super().state_dict()
+        if self._sealed is not None:
+            exported[IDENTITY_KEY] = identity_guard(self._sealed)
+        return exported
 
     # -- StagedNativeLoad -------------------------------------------------------------------
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage it on fresh containers (no hooks, no mutation)."""
         self._verify_layout("load_state_dict")
-        staged = stage_adamw_state(self.param_groups, state_dict)
+        unguarded = split_identity_guard(state_dict, self._sealed)
+        if not isinstance(unguarded, Mapping):
+            raise StateValidationError(f"a state dict must be a mapping, got {type(unguarded).__name__}")
+        staged = stage_adamw_state(self.param_groups, unguarded)
         return StagedTransaction(self, kind=_LOAD_KIND, token=self._version, payload=staged)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:

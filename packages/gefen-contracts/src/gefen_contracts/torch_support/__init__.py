@@ -25,6 +25,7 @@ from .bound_state import (
 )
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .freshness import state_version_token, tensor_version_token
+from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import check_new_group, check_tensor_lr
 from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
 from .sealed_layout import SealedLayout
@@ -35,6 +36,8 @@ __all__ = [
     "BOUND_STATE_FORMAT",
     "BOUND_STATE_FORMAT_VERSION",
     "BoundParameter",
+    "IDENTITY_FORMAT",
+    "IDENTITY_KEY",
     "BoundStateDocument",
     "CheckpointProcessGroupBinding",
     "CodebookProcessGroupBinding",
@@ -53,8 +56,10 @@ __all__ = [
     "failure_vote",
     "failure_vote_on_group",
     "has_internal_overlap",
+    "identity_guard",
     "parse_bound_state",
     "plan_rebinding",
+    "split_identity_guard",
     "state_version_token",
     "dtype_from_name",
     "dtype_name",

@@ -265,6 +265,23 @@ class SealedLayoutGuardCheck:
         assert not problems, "; ".join(problems)
 
 
+def _member_queries(problems: list[str], member: int, optimizer: Any, plan: ShardingPlan) -> None:
+    """On each member of a flattened layout the identity queries name that member's own shards
+    (lie c of issue 22: every member bound to the offset-0 shard)."""
+    own = {r.shard for r in plan.rebindings}
+    listed = {shard for _, shard in optimizer.shard_bindings()}
+    if listed != own:
+        problems.append(f"member {member}: shard_bindings() does not list exactly this member's shards")
+    for rebinding in plan.rebindings:
+        shard = rebinding.shard
+        found = optimizer.shard_identity(rebinding.new_parameter)
+        if found != shard:
+            problems.append(
+                f"member {member}: shard_identity() of its {shard.fqn!r} shard names {found.logical_slice} on "
+                f"{found.local_member!r}, not {shard.logical_slice} on {shard.local_member!r}"
+            )
+
+
 def _flat_claims(claims: frozenset[str], transport: str) -> frozenset[str]:
     wanted = {checkpoint_claim(transport, _FLAT), atomic_claim(transport, _FLAT)}
     return frozenset(wanted) & claims
@@ -292,6 +309,10 @@ class FlattenedTrainingCheck:
                     "the composite's factory routes the 1-D shards differently than the logical parameters, so no "
                     "twin can be built directly on the shards; verify flattened training in the composite's own tests"
                 )
+        problems: list[str] = []
+        for member, (optimizer, plan) in enumerate(zip(bound.optimizers, bound.plans)):
+            _member_queries(problems, member, optimizer, plan)
+        assert not problems, "; ".join(problems)
         driver = context.target.model_builder(0)
         for step in range(context.target.steps):
             flat_step(driver, step, bound, (bound, direct))
@@ -338,6 +359,7 @@ class FlattenedCheckpointsCheck:
                 optimizer.load_state_dict(state)
             step = self._continue(context, driver, world, restored, "native", step)
             if native_atomic & claims:
+                self._cross_member(context, problems, "native")
                 target = FlatWorld(context, values=values)
                 for name, corrupted in corrupted_variants(saved[0]):
                     expect_refusal(
@@ -357,16 +379,10 @@ class FlattenedCheckpointsCheck:
                 optimizer.commit_local_import(optimizer.prepare_local_import(document))
             step = self._continue(context, driver, world, restored, "canonical local", step)
             if atomic_claim(CheckpointTransport.CANONICAL_LOCAL.value, _FLAT) in claims:
+                self._cross_member(context, problems, "canonical local")
                 target = FlatWorld(context, values=values)
                 member = target.optimizers[1]
                 roots = (member, target.plans[1].targets)
-                expect_refusal(
-                    problems,
-                    "member 0's document imported by member 1",
-                    roots,
-                    lambda: member.prepare_local_import(documents[0]),
-                    Exception,
-                )
                 for name, corrupted in corrupted_documents(documents[1]):
                     expect_refusal(
                         problems,
@@ -376,6 +392,32 @@ class FlattenedCheckpointsCheck:
                         Exception,
                     )
         assert not problems, "; ".join(problems)
+
+    @staticmethod
+    def _cross_member(context: CheckContext, problems: list[str], what: str) -> None:
+        """Member 0's checkpoint given to member 1, with shards of equal size on both (so only
+        identity can refuse it): lies f and g of issue 22."""
+        driver = context.target.model_builder(0)
+        source = FlatWorld(context, whole_last=False)
+        for step in range(context.target.steps):
+            flat_step(driver, step, source, (source,))
+        target = FlatWorld(context, values=source.values(driver), whole_last=False)
+        member = target.optimizers[1]
+        sizes = [[t.numel() for t in plan.targets.values()] for plan in source.plans]
+        assert sizes[0] == sizes[1], f"the cross-member check needs equal shards, got {sizes}"
+        if what == "native":
+            saved = context.weights_only_roundtrip(source.optimizers[0].state_dict())
+            attempt: Any = partial(member.load_state_dict, saved)
+        else:
+            document = context.weights_only_roundtrip(source.optimizers[0].export_local_state())
+            attempt = partial(member.prepare_local_import, document)
+        expect_refusal(
+            problems,
+            f"member 0's {what} checkpoint given to member 1 (shards of equal size)",
+            (member, target.plans[1].targets),
+            attempt,
+            Exception,
+        )
 
     @staticmethod
     def _continue(

@@ -69,8 +69,10 @@ class BoundTwin:
 class FlatWorld:
     """Two members of a flattened layout in one process: member ``m``'s optimizer is built on
     the full parameters and rebound to member ``m``'s slices (``bound=True``), or built
-    directly on the slices (``bound=False``). The last parameter lives wholly on member 0,
-    so member 1 holds an empty shard of it.
+    directly on the slices (``bound=False``). With ``whole_last`` the last parameter lives
+    wholly on member 0, so member 1 holds an empty shard of it; without, every parameter is
+    cut near-evenly (the kit model's shards are then of equal size on both members, which a
+    cross-member refusal needs: a size check alone cannot refuse them).
     """
 
     MEMBERS = 2
@@ -82,6 +84,7 @@ class FlatWorld:
         bound: bool = True,
         reverse: bool = False,
         values: dict[str, torch.Tensor] | None = None,
+        whole_last: bool = True,
     ) -> None:
         self.context = context
         self.plans: list[ShardingPlan] = []
@@ -90,7 +93,8 @@ class FlatWorld:
             model, built = build_model_and_optimizer(context, 0, reverse=reverse)
             optimizer: Any = built
             named = named_trainable(model)
-            plan = flattened_plan(named, member, whole_to_first=[named[-1][0]], values=values)
+            whole = [named[-1][0]] if whole_last else []
+            plan = flattened_plan(named, member, whole_to_first=whole, values=values)
             if bound:
                 optimizer.post_sharding(plan.rebindings, manifest=plan.manifest)
             else:

@@ -1,9 +1,11 @@
-"""The shard-identity guard of native checkpoints written by a finalized optimizer.
+"""How a native checkpoint of a bound optimizer carries its identity: the convention's carrier.
 
-A native state dict (``gefen.native_state`` / ``gefen.muon_native_state``) matches saved and
-live parameters by position. After ``post_sharding`` positions alone are not enough (another
-member's slice, a different manifest or scope has the same positions), so a finalized
-optimizer adds one optional top-level key, :data:`IDENTITY_KEY`::
+A native state dict matches saved and live parameters by position. After ``post_sharding``
+positions alone are not enough (another member's slice, a different manifest or scope has
+the same positions and, for equal cuts, the same shapes), so an optimizer finalized by
+``post_sharding`` adds one top-level key, :data:`IDENTITY_KEY`, built from its
+:class:`~gefen_contracts.torch_support.SealedLayout` by :func:`identity_guard`, and checks it
+with :func:`split_identity_guard` before staging a load::
 
     {"format": "gefen.shard_identity", "format_version": 1,
      "scope": None | {"semantic_name": str, "ordered_members": [str, ...]},   # rank-neutral
@@ -15,27 +17,23 @@ optimizer adds one optional top-level key, :data:`IDENTITY_KEY`::
 non-owners included, so the guard is rank-local while the scope record is the same on every
 member. Handles and devices are never written. Loading rules (checked before anything is
 staged): a checkpoint with a guard loads only into a finalized optimizer with an equal guard;
-a finalized optimizer accepts a checkpoint without one only when it has no codebook scope and
-every local slot is an ungrouped replicated parameter (then positions are enough, as before).
-Unfinalized optimizers write no guard, so their checkpoints are unchanged.
+a finalized optimizer accepts a checkpoint without one only when it has no scope and every
+local slot is an ungrouped replicated parameter (then positions are enough). Unfinalized
+optimizers write no guard, so their checkpoints are unchanged. Gefen, GefenMuon and
+ContractedAdamW use it; the conformance kit's ``identity.flattened_checkpoints`` gives member
+0's checkpoint to member 1 (shards of equal size) and requires a refusal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gefen_contracts import (
-    CodecError,
-    ParameterLayout,
-    StateValidationError,
-    canonical_digest,
-    descriptor_digest,
-    to_primitive,
-)
-
-if TYPE_CHECKING:  # identity.py imports this module
-    from .identity import IdentityRecord
+from ..codec import to_primitive
+from ..digest import canonical_digest, descriptor_digest
+from ..enums import ParameterLayout
+from ..errors import CodecError, StateValidationError
+from .sealed_layout import SealedLayout
 
 __all__ = ["IDENTITY_FORMAT", "IDENTITY_KEY", "identity_guard", "split_identity_guard"]
 
@@ -44,13 +42,13 @@ IDENTITY_FORMAT = "gefen.shard_identity"
 _VERSION = 1
 
 
-def identity_guard(identity: IdentityRecord) -> dict[str, Any]:
+def identity_guard(sealed: SealedLayout) -> dict[str, Any]:
     """The guard record of a finalized optimizer (primitives only)."""
     return {
         "format": IDENTITY_FORMAT,
         "format_version": _VERSION,
-        "scope": None if identity.scope is None else identity.scope.scope_record(),
-        "manifest_digest": descriptor_digest(identity.manifest),
+        "scope": None if sealed.scope is None else sealed.scope.scope_record(),
+        "manifest_digest": descriptor_digest(sealed.manifest),
         "slots": [
             {
                 "group_index": slot.group_index,
@@ -58,7 +56,7 @@ def identity_guard(identity: IdentityRecord) -> dict[str, Any]:
                 "compatibility_name": slot.compatibility_name,
                 "shard": to_primitive(slot.shard),
             }
-            for slot in identity.sealed.slots
+            for slot in sealed.slots
         ],
     }
 
@@ -71,15 +69,15 @@ def _same(saved: object, live: object) -> bool:
         return False
 
 
-def _positional_ok(identity: IdentityRecord) -> bool:
-    return identity.scope is None and all(
-        shard.layout is ParameterLayout.REPLICATED and shard.process_group is None
-        for _, shard in identity.sealed.bindings
+def _positional_ok(sealed: SealedLayout) -> bool:
+    return sealed.scope is None and all(
+        shard.layout is ParameterLayout.REPLICATED and shard.process_group is None for _, shard in sealed.bindings
     )
 
 
-def split_identity_guard(state_dict: object, identity: IdentityRecord | None) -> object:
-    """Check the guard of ``state_dict`` against ``identity`` and return the dict without it.
+def split_identity_guard(state_dict: object, sealed: SealedLayout | None) -> object:
+    """Check the guard of ``state_dict`` against ``sealed`` (``None``: not finalized) and
+    return the dict without it.
 
     Raises :class:`~gefen_contracts.StateValidationError` (nothing is staged) when the guard
     is missing where it is required, present for an unfinalized optimizer, or different from
@@ -91,19 +89,19 @@ def split_identity_guard(state_dict: object, identity: IdentityRecord | None) ->
     if guard is None:
         if IDENTITY_KEY in state_dict:
             raise StateValidationError(f"{IDENTITY_KEY!r} must be a guard record, not None")
-        if identity is not None and not _positional_ok(identity):
+        if sealed is not None and not _positional_ok(sealed):
             raise StateValidationError(
                 "this optimizer was finalized by post_sharding (flattened or whole-parameter shards, grouped "
                 "parameters or a codebook scope), but the checkpoint carries no shard-identity guard "
                 f"({IDENTITY_KEY!r}); it was saved by an optimizer with another layout"
             )
         return state_dict
-    if identity is None:
+    if sealed is None:
         raise StateValidationError(
             "the checkpoint was saved by an optimizer finalized by post_sharding; call post_sharding with the same "
             "manifest, local shards and scope before loading it"
         )
-    expected = identity_guard(identity)
+    expected = identity_guard(sealed)
     if not isinstance(guard, Mapping) or type(guard.get("format_version")) is not int:
         raise StateValidationError(f"{IDENTITY_KEY!r} must be a dict with an int format_version")
     if guard.get("format") != IDENTITY_FORMAT or guard["format_version"] != _VERSION:
