@@ -145,7 +145,18 @@ class CheckpointTransport(StrEnum):
 
 
 class TopologyChange(StrEnum):
-    """Kinds of topology change a checkpoint transition tolerates."""
+    """Kinds of topology change a checkpoint transition tolerates.
+
+    ``WORLD_SIZE_OWNER_REDISTRIBUTION``: the member count changes but every parameter stays
+    whole on one owner (``WHOLE_PARAMETER_OWNER`` to ``WHOLE_PARAMETER_OWNER``); only which
+    member owns which parameter moves. ``PLACEMENT_RESHARD``: the cut of a parameter's
+    elements changes (replicated to flattened, flattened on N members to flattened on M,
+    one DTensor placement to another), so state moves between members piece by piece. A
+    transition is declared per ``(source layout, target layout, kind)``: flattened 2 -> 3
+    members is the ``FLATTENED_ELEMENT_SHARD -> FLATTENED_ELEMENT_SHARD`` transition of kind
+    ``PLACEMENT_RESHARD`` and must be declared as such (the same-topology claim covers only
+    a reload on the same cut).
+    """
 
     WORLD_SIZE_OWNER_REDISTRIBUTION = "world_size_owner_redistribution"
     PLACEMENT_RESHARD = "placement_reshard"

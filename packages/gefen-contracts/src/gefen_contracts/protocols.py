@@ -129,7 +129,8 @@ class IdentityBindable(Protocol):
     ``CodebookProcessGroupBinding``) installed with the layout. It returns a staged
     transaction and mutates nothing. ``commit_post_sharding(staged)`` publishes the new
     groups, state and identity map in one swap and seals the layout: ``add_param_group``
-    and a second ``post_sharding`` raise afterwards, and any later change to the published
+    and a second ``post_sharding`` (or ``prepare_post_sharding``) raise ``RuntimeError``
+    afterwards, changing nothing, and any later change to the published
     layout through public containers raises
     :class:`~gefen_contracts.errors.LayoutTamperedError` before mutation.
     ``post_sharding(...)`` is prepare + commit. Training after rebinding is bit-identical to
@@ -137,8 +138,13 @@ class IdentityBindable(Protocol):
 
     Queries: ``sharding_manifest()`` (``None`` before finalization), ``shard_bindings()``
     (``(tensor or None, ShardIdentity)`` per local slot sorted by ``sort_key``; pruned
-    non-owner slots carry ``None``), ``shard_identity(parameter)`` (``KeyError`` for an
-    unknown tensor).
+    non-owner slots carry ``None``; ``()`` before finalization), ``shard_identity(parameter)``
+    (``KeyError`` for an unknown tensor, and before finalization). On each member they name
+    that member's own shards, never another member's.
+
+    A finalized optimizer's native ``state_dict()`` carries its identity under
+    :data:`gefen_contracts.torch_support.IDENTITY_KEY` and a load refuses another member's
+    (``identity_guard`` / ``split_identity_guard`` there).
     """
 
     def prepare_post_sharding(
