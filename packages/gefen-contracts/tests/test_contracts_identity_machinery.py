@@ -275,3 +275,20 @@ def test_bound_state_documents_round_trip_and_reject_corruption() -> None:
         )
     with pytest.raises(StateValidationError, match="not allowed"):
         build_bound_state(implementation="x", policy={"f": print}, common={}, manifest=manifest, parameters={})
+
+
+def test_a_bound_state_document_of_another_member_is_refused_with_shards_of_equal_size() -> None:
+    """Issue 22 (lie f): each shard of the document being *an* element of the manifest is not
+    enough; with ``local_shards`` it must be exactly this member's."""
+    mine, theirs = flat_shard("m.a", (4,), 0, 2, 0), flat_shard("m.a", (4,), 2, 2, 1)
+    manifest = ShardingManifest((mine, theirs))
+    entry = BoundParameter("group_0_param_0", theirs, {"lr": 0.1}, "stepped", {"m": torch.zeros(2)})
+    doc = build_bound_state(implementation="x.Opt", policy={}, common={}, manifest=manifest, parameters={"m.a": entry})
+    parse_bound_state(doc, implementation="x.Opt", policy={}, manifest=manifest)  # an element of the manifest
+    parse_bound_state(doc, implementation="x.Opt", policy={}, manifest=manifest, local_shards=[theirs])
+    with pytest.raises(StateValidationError, match="another member's slice"):
+        parse_bound_state(doc, implementation="x.Opt", policy={}, manifest=manifest, local_shards=[mine])
+    with pytest.raises(StateValidationError, match="missing"):
+        parse_bound_state(
+            doc, implementation="x.Opt", policy={}, manifest=manifest, local_shards=[theirs, replicated("m.b", (2,))]
+        )

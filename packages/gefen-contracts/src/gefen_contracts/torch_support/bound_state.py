@@ -19,7 +19,7 @@ Layout (format version 1)::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,13 +151,17 @@ def parse_bound_state(
     implementation: str,
     policy: Mapping[str, Any],
     manifest: ShardingManifest,
+    local_shards: Iterable[ShardIdentity] | None = None,
 ) -> BoundStateDocument:
     """Validate ``document`` for a target with this implementation, policy and manifest.
 
     Strict: exact key sets and types, the envelope constants, the implementation, the
     policy (compared exactly) and the manifest (compared as descriptors) must all match;
-    every parameter's shard must be in the manifest and keyed by its own FQN. Returns owned
-    copies; never mutates ``document``. Raises ``StateValidationError`` naming the problem.
+    every parameter's shard must be in the manifest and keyed by its own FQN. With
+    ``local_shards`` (the target member's own shards) the document must hold exactly those
+    shards: another member's document is refused even when its shards have the same sizes.
+    Returns owned copies; never mutates ``document``. Raises ``StateValidationError``
+    naming the problem.
     """
     _require(type(document) is dict, "bound-state document must be a dict")
     _require(
@@ -208,6 +212,18 @@ def parse_bound_state(
             _clone_value(entry["group_options"], f"{where}.group_options", tensors=True),
             entry["variant"],
             _clone_value(entry["state"], f"{where}.state", tensors=True),
+        )
+    if local_shards is not None:
+        local = {shard.fqn: shard for shard in local_shards}
+        missing, extra = sorted(set(local) - set(parsed)), sorted(set(parsed) - set(local))
+        _require(
+            not missing and not extra,
+            f"the document's parameters differ from the local ones (missing {missing}, not local {extra})",
+        )
+        foreign = sorted(fqn for fqn, entry in parsed.items() if entry.shard != local[fqn])
+        _require(
+            not foreign,
+            f"the document was exported for other shards of {foreign[:3]} (another member's slice or another layout)",
         )
     common = _clone_value(document["common"], "common", tensors=True)
     _require(type(common) is dict, "common must be a dict")
