@@ -227,7 +227,14 @@ class CanonicalLocalCheck:
             lambda: target.optimizer.commit_local_import(staged),
             StaleTransactionError,
         )
+        exported_before = deep_snapshot(exported)
         context.train(source.model, source.optimizer, steps, start=steps)
+        aliased = snapshot_diff(exported_before, exported)
+        if aliased:  # the document must be a snapshot, not a view of live state
+            problems.append(
+                "the exported document changed when the optimizer stepped (it aliases live state): "
+                + "; ".join(aliased[:3])
+            )
         context.train(target.model, target.optimizer, steps, start=steps)
         context.assert_models_bitwise_equal(
             source.model, target.model, "continuation after a canonical-local round trip"
