@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from gefen.bench.ladder import GEFEN_APPROXIMATIONS, LADDER_RUNGS, Approximations, LadderAdamW
-from gefen.bench.optimizers import build_optimizer
+from gefen.bench.optimizers import BACKUP_LADDER_RUNGS, HYBRID_BACKUP_SUBSTRINGS, build_optimizer
 from gefen_core import Gefen
+from gefen_hybrid import RoutingRules
 
 
 def _model() -> torch.nn.Module:
@@ -79,3 +80,27 @@ def test_bad_switches_are_refused() -> None:
         Approximations(codebook="relearned")
     with pytest.raises(ValueError, match="block_cap"):
         Approximations(block_cap=-1)
+
+
+def test_the_backup_ladder_changes_only_the_backup() -> None:
+    """``muon-ladder-<rung>``: torch Muon for the hidden matrices, the rung for the rest. With
+    the exact rung the backup is AdamW (so the arm follows ``muon-adamw`` closely), and the
+    Muon half is the same in every arm (the hidden matrix moves identically whatever the rung)."""
+    runs = {}
+    for name in ("muon-adamw", *(f"muon-ladder-{rung}" for rung in BACKUP_LADDER_RUNGS)):
+        model = _model()
+        optimizer = build_optimizer(name, list(model.named_parameters()), lr=3e-3, weight_decay=0.01)
+        losses = _train(model, optimizer, 1)
+        assert all(torch.isfinite(torch.tensor(losses))), name
+        runs[name] = model
+    rules = RoutingRules(backup_substrings=HYBRID_BACKUP_SUBSTRINGS)
+    hidden = [n for n, p in _model().named_parameters() if rules.role_for(n, p) == "muon"]
+    assert hidden and len(hidden) < len(list(_model().parameters()))  # both halves hold parameters
+    reference = dict(runs["muon-adamw"].named_parameters())
+    for name, model in runs.items():
+        params = dict(model.named_parameters())
+        for key in hidden:
+            assert torch.equal(params[key], reference[key]), f"{name}: the Muon half differs ({key})"
+    exact = dict(runs["muon-ladder-exact"].named_parameters())
+    for key, value in reference.items():
+        torch.testing.assert_close(exact[key], value, rtol=1e-5, atol=1e-6)

@@ -85,20 +85,25 @@ def _hybrid_builder(backup: str) -> Callable[[NamedParameters, float, float], to
     return build
 
 
-class _MuonWithAdamW(torch.optim.Optimizer):
-    """``torch.optim.Muon`` for the hidden matrices and ``torch.optim.AdamW`` for the rest, as one
-    optimizer: its ``param_groups`` are the children's own group dicts, so an LR scheduler
-    drives both. The reference arm GefenMuonHybrid is compared against."""
+Builder = Callable[[NamedParameters, float, float], torch.optim.Optimizer]
 
-    def __init__(self, named: NamedParameters, lr: float, weight_decay: float) -> None:
+
+class _MuonWith(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for the hidden matrices and ``backup`` for the rest (the hybrid's
+    routing), as one optimizer: its ``param_groups`` are the children's own group dicts, so an
+    LR scheduler drives both. With torch's AdamW as the backup it is the reference arm
+    GefenMuonHybrid is compared against; with a ladder rung it measures what each of Gefen's
+    compressions costs on the backup's parameters alone (embeddings, head, norms, biases)."""
+
+    def __init__(self, named: NamedParameters, lr: float, weight_decay: float, backup: Builder) -> None:
         from gefen_hybrid import RoutingRules
 
         rules = RoutingRules(backup_substrings=HYBRID_BACKUP_SUBSTRINGS)
         muon = [p for name, p in named if rules.role_for(name, p) == "muon"]
-        rest = [p for name, p in named if rules.role_for(name, p) != "muon"]
+        rest = [(name, p) for name, p in named if rules.role_for(name, p) != "muon"]
         self.children = (
             torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
-            _build_adamw([("", p) for p in rest], lr, weight_decay),
+            backup(rest, lr, weight_decay),
         )
         super().__init__([p for _, p in named], {"lr": lr})
         # The children's own group dicts: a scheduler writing ``lr`` here drives both.
@@ -135,6 +140,30 @@ def _ladder_entries() -> list[OptimizerEntry]:
             _always_available,
         )
         for rung, approx in LADDER_RUNGS.items()
+    ]
+
+
+def _muon_with(backup: Builder) -> Builder:
+    def build(named: NamedParameters, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        return _MuonWith(named, lr, weight_decay, backup)
+
+    return build
+
+
+#: The ladder rungs measured on the hybrid's backup parameters (issue 18): AdamW, then Gefen's
+#: compressions one at a time, then all of them (what the Gefen backup runs).
+BACKUP_LADDER_RUNGS = ("exact", "v2d-factored", "m-quantized", "laprop", "gefen-v1d-exact", "gefen")
+
+
+def _backup_ladder_entries() -> list[OptimizerEntry]:
+    return [
+        OptimizerEntry(
+            f"muon-ladder-{rung}",
+            f"backup ladder: torch Muon for hidden matrices + ladder rung {rung!r} for the hybrid's backup parameters",
+            _muon_with(_ladder_builder(rung)),
+            _always_available,
+        )
+        for rung in BACKUP_LADDER_RUNGS
     ]
 
 
@@ -217,7 +246,7 @@ _REGISTRY: dict[str, OptimizerEntry] = {
         OptimizerEntry(
             "muon-adamw",
             "torch.optim.Muon (match_rms_adamw) for hidden matrices + torch AdamW for the rest, the hybrid's routing",
-            _MuonWithAdamW,
+            _muon_with(_build_adamw),
             _always_available,
         ),
         OptimizerEntry(
@@ -233,6 +262,7 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _torchao_unavailable,
         ),
         *_ladder_entries(),
+        *_backup_ladder_entries(),
     )
 }
 
