@@ -97,7 +97,11 @@ STATE_LAYOUT = OptimizerStateLayout(
         _common(F.CODEBOOK, StateGeometry.TABLE, "shared fp32[256] momentum codebook (zeros before learning)"),
         _common(F.CODEBOOK_LEARNED, StateGeometry.SCALAR, "whether the codebook has been learned (bool)"),
         _common(F.DETERMINISTIC, StateGeometry.SCALAR, "the deterministic policy the state was produced under"),
-        _common(F.STATE_DIGEST, StateGeometry.SCALAR, "SHA-256 over the record and every parameter's state (str)"),
+        _common(
+            F.STATE_DIGEST,
+            StateGeometry.SCALAR,
+            "SHA-256 digests of the record and every parameter's state ({layout, content})",
+        ),
         StateField(
             F.GROUP_MIRROR,
             StateScope.CHECKPOINT_CARRIER,

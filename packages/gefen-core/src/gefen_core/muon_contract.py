@@ -102,7 +102,11 @@ _FIELDS = (
     _common("gefen_deterministic", StateGeometry.SCALAR, "the deterministic policy the state was produced under"),
     _common("gefen_topology", StateGeometry.OPAQUE, "per-slot topology records of approx DTensors, else None"),
     _common("gefen_muon_owners", StateGeometry.OPAQUE, "owner manifest of distributed-mode matrices, else None"),
-    _common("gefen_state_digest", StateGeometry.SCALAR, "SHA-256 over the record and every parameter's state (str)"),
+    _common(
+        "gefen_state_digest",
+        StateGeometry.SCALAR,
+        "SHA-256 digests of the record and every parameter's state ({layout, content})",
+    ),
     StateField(
         GROUP_MIRROR,
         StateScope.CHECKPOINT_CARRIER,

@@ -16,7 +16,7 @@
       "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement", "global_shape",
                                         "local_shape"} per slot],          # "approx" DTensors only
       "gefen_muon_owners": None | <owner manifest>,
-      "gefen_state_digest": str,     # SHA-256 over the record and every entry (v2 had none)
+      "gefen_state_digest": {"layout": str, "content": str | None},  # v2 had none
     }
 
 Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). Which state a

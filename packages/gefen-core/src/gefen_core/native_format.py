@@ -17,7 +17,7 @@
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
       "gefen_deterministic": bool,
-      "gefen_state_digest": str,                   # SHA-256 over the record and every entry
+      "gefen_state_digest": {"layout": str, "content": str | None},   # gefen_core.native_records
     }
 
 The state tensors are shaped like their parameter (:mod:`gefen_core.state_placement`: codes
