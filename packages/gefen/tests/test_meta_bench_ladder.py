@@ -87,7 +87,7 @@ def test_the_backup_ladder_changes_only_the_backup() -> None:
     the exact rung the backup is AdamW (so the arm follows ``muon-adamw`` closely), and the
     Muon half is the same in every arm (the hidden matrix moves identically whatever the rung)."""
     runs = {}
-    for name in ("muon-adamw", *(f"muon-ladder-{rung}" for rung in BACKUP_LADDER_RUNGS)):
+    for name in ("muon-adamw", "muon-gefen", *(f"muon-ladder-{rung}" for rung in BACKUP_LADDER_RUNGS)):
         model = _model()
         optimizer = build_optimizer(name, list(model.named_parameters()), lr=3e-3, weight_decay=0.01)
         losses = _train(model, optimizer, 1)

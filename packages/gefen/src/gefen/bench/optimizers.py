@@ -156,7 +156,14 @@ BACKUP_LADDER_RUNGS = ("exact", "v2d-factored", "m-quantized", "laprop", "gefen-
 
 
 def _backup_ladder_entries() -> list[OptimizerEntry]:
+    gefen = OptimizerEntry(
+        "muon-gefen",
+        "backup ladder: torch Muon for hidden matrices + gefen.Gefen (defaults) for the hybrid's backup parameters",
+        _muon_with(_gefen_builder()),
+        _always_available,
+    )
     return [
+        gefen,
         OptimizerEntry(
             f"muon-ladder-{rung}",
             f"backup ladder: torch Muon for hidden matrices + ladder rung {rung!r} for the hybrid's backup parameters",
