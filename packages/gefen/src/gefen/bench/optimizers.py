@@ -162,8 +162,7 @@ def _backup_ladder_entries() -> list[OptimizerEntry]:
         _muon_with(_gefen_builder()),
         _always_available,
     )
-    return [
-        gefen,
+    rungs = [
         OptimizerEntry(
             f"muon-ladder-{rung}",
             f"backup ladder: torch Muon for hidden matrices + ladder rung {rung!r} for the hybrid's backup parameters",
@@ -172,6 +171,7 @@ def _backup_ladder_entries() -> list[OptimizerEntry]:
         )
         for rung in BACKUP_LADDER_RUNGS
     ]
+    return [gefen, *rungs]
 
 
 def _torchao_unavailable() -> str | None:
