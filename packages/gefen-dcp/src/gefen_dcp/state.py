@@ -122,8 +122,10 @@ class GefenDCPState(Stateful):
     Promises:
 
     * ``state_dict()`` votes on the local checks and makes every member agree on the
-      envelope (implementation, state-dict skeleton, tensor dtypes, shapes and
-      placements) before DCP plans anything; it copies nothing.
+      envelope (a fresh ``save_id`` broadcast from member 0, implementation, state-dict
+      skeleton, tensor dtypes, shapes and placements) before DCP plans anything; it copies
+      nothing. Every writer's digest table repeats the ``save_id``, so a load refuses data
+      files mixed from two saves.
     * ``load_state_dict()`` (after a load with :class:`~gefen_dcp.GefenLoadPlanner`)
       authenticates the envelope, verifies every chunk read against its recorded SHA-256,
       stages the optimizer's native load and commits only if every member succeeded
