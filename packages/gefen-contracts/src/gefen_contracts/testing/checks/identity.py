@@ -404,7 +404,9 @@ class FlattenedCheckpointsCheck:
         target = FlatWorld(context, values=source.values(driver), whole_last=False)
         member = target.optimizers[1]
         sizes = [[t.numel() for t in plan.targets.values()] for plan in source.plans]
-        assert sizes[0] == sizes[1], f"the cross-member check needs equal shards, got {sizes}"
+        if sizes[0] != sizes[1]:  # a parameter with an odd element count: no equal cut exists
+            context.notes.append(f"{what}: cross-member refusal not checked (the model has no equal two-way cut)")
+            return
         if what == "native":
             saved = context.weights_only_roundtrip(source.optimizers[0].state_dict())
             attempt: Any = partial(member.load_state_dict, saved)

@@ -41,8 +41,8 @@ class ReplicatedTrainingCheck:
 
 class PrecisionsCheck:
     """Every claimed precision is exercised: the kit model in that dtype trains (parameters
-    move and stay finite, two twins agree bitwise) and, where native checkpoints are claimed,
-    a weights-only save loads into a twin of that dtype that continues bit for bit."""
+    move, stay finite and keep the dtype) and, where native checkpoints are claimed, a
+    weights-only save loads into a twin of that dtype that continues bit for bit."""
 
     name = "training.precisions"
 
