@@ -18,13 +18,12 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
 from gefen import Gefen
 from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
-from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.testing import deep_snapshot, hostile_object, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.model import kit_loss, make_kit_model
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
@@ -97,14 +96,6 @@ WRITERS: dict[str, tuple[Callable[[Gefen, Path], None], Callable[[Gefen, Path], 
 }
 
 
-class _Planted:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
-        return (open, (str(self.marker), "w"))
-
-
 def _damage(kind: str, files: list[Path], rng: random.Random, marker: Path) -> str:
     target = files[rng.randrange(len(files))]
     data = bytearray(target.read_bytes())
@@ -117,7 +108,7 @@ def _damage(kind: str, files: list[Path], rng: random.Random, marker: Path) -> s
     elif kind == "delete":
         target.unlink()
     else:
-        target.write_bytes(pickle.dumps(_Planted(marker)))
+        target.write_bytes(pickle.dumps(hostile_object(marker)))
     return f"{kind} {target.name}"
 
 

@@ -25,13 +25,12 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
 from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
-from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.testing import deep_snapshot, hostile_object, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.model import kit_loss, make_kit_model
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
@@ -51,17 +50,9 @@ SINGLE = CheckpointProcessGroupBinding(ProcessGroupIdentity("single", ("rank:0",
 LIMITS = PortableStateLimits()
 
 
-class _Planted:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
-        return (open, (str(self.marker), "w"))
-
-
 def test_a_hostile_pickle_in_place_of_a_checkpoint_runs_nothing(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    (tmp_path / "optimizer.pt").write_bytes(pickle.dumps(_Planted(marker)))
+    (tmp_path / "optimizer.pt").write_bytes(pickle.dumps(hostile_object(marker)))
     with pytest.raises(pickle.UnpicklingError):
         torch.load(tmp_path / "optimizer.pt", weights_only=True)
     assert not marker.exists()

@@ -101,16 +101,22 @@ def one_rank_failures(rank: int, world: int, failing: int, phases: Sequence[str]
     return results
 
 
-def amp_disagreement(rank: int, world: int) -> dict[str, Any]:
-    """A found_inf seen on one member only raises everywhere (no mutation); an agreed overflow skips."""
+def _after_one_step(rank: int, world: int) -> Any:
+    """A scoped Gefen bound to this member's shards, one step taken, the next gradients fed."""
     driver = make_net()
     bound = bind(driver, layouts_for(world), rank, world, gefen_factory(), scope=binding(rank, world))
-    opt = bound.optimizer
     backward(driver, 0)
     bound.feed(driver)
-    opt.step()
+    bound.optimizer.step()
     backward(driver, 1)
     bound.feed(driver)
+    return bound
+
+
+def amp_disagreement(rank: int, world: int) -> dict[str, Any]:
+    """A found_inf seen on one member only raises everywhere (no mutation); an agreed overflow skips."""
+    bound = _after_one_step(rank, world)
+    opt = bound.optimizer
     roots = (opt, *[p for p in bound.pieces.values() if p is not None])
     opt.grad_scale = torch.tensor(2.0**10)
     opt.found_inf = torch.tensor(1.0 if rank == 0 else 0.0)
@@ -156,14 +162,8 @@ def nonfinite_gradient(rank: int, world: int) -> dict[str, Any]:
     """A NaN in one member's gradient after the first step: every member raises, nothing
     changes; the same NaN under an agreed GradScaler overflow is skipped by every member; with
     the NaN gone every member steps."""
-    driver = make_net()
-    bound = bind(driver, layouts_for(world), rank, world, gefen_factory(), scope=binding(rank, world))
+    bound = _after_one_step(rank, world)
     opt = bound.optimizer
-    backward(driver, 0)
-    bound.feed(driver)
-    opt.step()
-    backward(driver, 1)
-    bound.feed(driver)
     pieces = [p for p in bound.pieces.values() if p is not None and p.grad is not None and p.grad.numel()]
     clean = pieces[0].grad.clone()  # type: ignore[union-attr]
     if rank == 0:

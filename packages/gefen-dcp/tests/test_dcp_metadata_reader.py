@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_fsdp_ranks import build, train
+from gefen_contracts.testing import hostile_object
 from gefen_dcp import (
     GefenDCPState,
     GefenFileSystemReader,
@@ -41,16 +42,6 @@ def _saved(path: Path) -> tuple[torch.nn.Module, Any]:
     return model, optimizer
 
 
-class _Planted:
-    """Pickles as a call that creates ``marker``: what a hostile checkpoint would run."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
-        return (open, (str(self.marker), "w"))
-
-
 def test_the_reader_reads_what_torch_reads(tmp_path: Path) -> None:
     _saved(tmp_path)
     ours = read_dcp_metadata(tmp_path / ".metadata")
@@ -63,7 +54,7 @@ def test_the_reader_reads_what_torch_reads(tmp_path: Path) -> None:
 def test_a_hostile_metadata_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     model, optimizer = _saved(tmp_path)
     marker = tmp_path.parent / f"{tmp_path.name}-marker"
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(hostile_object(marker)))
     with pytest.raises(MetadataFormatError, match=r"io\.open.*not one of DCP's metadata classes"):
         read_dcp_metadata(tmp_path / ".metadata")
     state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
@@ -78,7 +69,7 @@ def test_a_hostile_metadata_is_refused_and_runs_nothing(tmp_path: Path) -> None:
 
 def test_a_byte_io_entry_loads_weights_only(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    dcp.save({"extra": {"planted": _Planted(marker), "step": 7}}, checkpoint_id=tmp_path / "ckpt")
+    dcp.save({"extra": {"planted": hostile_object(marker), "step": 7}}, checkpoint_id=tmp_path / "ckpt")
     reader = GefenFileSystemReader(tmp_path / "ckpt")
     with pytest.raises(CheckpointException) as caught:
         dcp.load({"extra": {"planted": None, "step": 0}}, storage_reader=reader, planner=GefenLoadPlanner())

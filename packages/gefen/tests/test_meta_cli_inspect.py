@@ -13,6 +13,7 @@ import torch
 from gefen.cli.main import main
 from gefen.inspect import inspect_checkpoint
 from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts.testing import hostile_object
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
 from gefen_dcp import GefenFileSystemWriter, save_portable_dcp
@@ -233,9 +234,7 @@ def test_unknown_formats_are_never_ok_and_exit_3(tmp_path: Path, capsys: pytest.
     hostile.mkdir()
     marker = tmp_path / "marker"
     # a pickle that would create `marker` if unpickled: gefen inspect must not run it
-    (hostile / ".metadata").write_bytes(
-        b"\x80\x04\x8c\x02io\x8c\x04open\x93" + pickle.dumps((str(marker), "w"))[2:-1] + b"R."
-    )
+    (hostile / ".metadata").write_bytes(pickle.dumps(hostile_object(marker)))
     expected = {
         "garbage.pt": "cannot read it",
         "model.pt": "none an optimizer state gefen knows",

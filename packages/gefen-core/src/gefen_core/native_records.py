@@ -29,6 +29,7 @@ from gefen_contracts import StateValidationError
 from gefen_contracts.torch_support import dtype_name, finite_bounds, tensor_digest
 
 from .codebook import validate_codebook
+from .distributed import is_dtensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .momentum_codec import CODEBOOK_SIZE
 
@@ -100,10 +101,6 @@ def codebook_record(codebook: torch.Tensor | None) -> dict[str, Any]:
     return {"codebook": codebook.detach().clone(), "codebook_learned": True}
 
 
-def _is_dtensor(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "to_local")
-
-
 def _tree(value: object, *, contents: bool) -> object:
     """``value`` as a digestable tree: tensors as their content (``contents``) or as dtype and
     (global) shape only."""
@@ -123,7 +120,7 @@ def _holds_dtensor(value: object) -> bool:
         return any(_holds_dtensor(item) for item in value.values())
     if isinstance(value, (list, tuple)):
         return any(_holds_dtensor(item) for item in value)
-    return _is_dtensor(value)
+    return is_dtensor(value)
 
 
 def state_digest(

@@ -40,6 +40,7 @@ __all__ = [
     "flat_slices",
     "flattened_plan",
     "gather_flat",
+    "hostile_object",
     "install_parameters",
     "import_attribute",
     "load_target",
@@ -52,6 +53,7 @@ __all__ = [
 _LAZY = {
     "CONFORMANCE_ENTRY_POINT_GROUP": "runner",
     "CORRUPTIONS": "corruption",
+    "hostile_object": "corruption",
     "FLAT_GROUP": "checks.plans",
     "CheckContext": "context",
     "CheckResult": "report",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CORRUPTIONS", "Corruption", "corrupted_variants"]
+__all__ = ["CORRUPTIONS", "Corruption", "corrupted_variants", "hostile_object"]
 
 StateDict = dict[str, Any]
 
@@ -222,3 +223,17 @@ def corrupted_variants(state_dict: StateDict) -> Iterator[tuple[str, StateDict]]
             if corruption.apply(target):
                 suffix = "@" + ".".join(path) if path else ""
                 yield corruption.name + suffix, copy_
+
+
+class _Planted:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (self.marker, "w"))
+
+
+def hostile_object(marker: str | os.PathLike[str]) -> object:
+    """An object whose pickle creates the file ``marker`` when unpickled unrestricted: pickle
+    it (or save it) where a loader reads a checkpoint and check that ``marker`` never appears."""
+    return _Planted(os.fspath(marker))
