@@ -144,3 +144,29 @@ def test_triton_muon_momentum_matches_the_reference(dtype: torch.dtype, variant:
         nesterov=nesterov,
         sr_seed=_seed(stochastic),
     )
+
+
+def test_kernels_read_only_the_globals_a_compiled_kernel_may_read() -> None:
+    """Compiled Triton reads a module global only when it is a ``tl.constexpr``, a jitted function
+    or a module; the interpreter these CPU tests run under reads any (a plain-int hash constant
+    passed here and failed to compile on an H200). Every name each kernel's code looks up that is
+    a global of its module must be one of those."""
+    import inspect
+
+    import gefen_kernels.triton_kernels as kernels
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kinds = (triton.runtime.JITFunction, InterpretedFunction)
+    jitted = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, kinds)}
+    assert jitted, "no jitted functions found"
+    module_globals = vars(kernels)
+    refused = []
+    for name, fn in jitted.items():
+        for looked_up in fn.fn.__code__.co_names:
+            value = module_globals.get(looked_up)
+            if looked_up not in module_globals:
+                continue  # an attribute (tl.load) or a builtin (range)
+            allowed = isinstance(value, (triton.language.constexpr, *kinds)) or inspect.ismodule(value)
+            if not allowed:
+                refused.append(f"{name} reads {looked_up} = {value!r}")
+    assert not refused, refused

@@ -233,6 +233,30 @@ def test_bench_muon_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert "device check skipped" in capsys.readouterr().err
 
 
+def test_fp8_device_check_bounds_one_gemm_and_the_distance_from_bf16() -> None:
+    """The GPU check's logic on CPU: the emulated twin as the "real" GEMM holds every bound; a GEMM
+    that rounds its result coarser than bf16 (an fp8 output, say) breaks the per-GEMM bound."""
+    from gefen.bench.muon import fp8_agreement, fp8_problems
+    from gefen_core.fp8_newton_schulz import emulated_scaled_mm
+    from gefen_core.newton_schulz import resolve_schedule
+
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    steps = resolve_schedule(ns_schedule="tuned3")
+    faithful = fp8_agreement(x, steps, emulated_scaled_mm)
+    assert faithful["gemm_vs_twin"] == 0.0 and faithful["real_vs_twin"] == 0.0
+    assert 0.0 < faithful["fp8_vs_bf16"] < 0.2
+    assert fp8_problems("64x96 tuned3", faithful) == []
+
+    def coarse(p: torch.Tensor, ps: torch.Tensor, q: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+        return emulated_scaled_mm(p, ps, q, qs).to(torch.float8_e5m2).to(torch.bfloat16)
+
+    problems = fp8_problems("64x96 tuned3", fp8_agreement(x, steps, coarse))
+    assert any("gemm_vs_twin" in problem for problem in problems), problems
+    assert fp8_problems("x", {"gemm_vs_twin": 0.0, "fp8_vs_bf16": 0.5}) == [
+        "FAILED: x: fp8 is 0.500 away from bf16 (bound 0.2)"
+    ]
+
+
 def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Folds tools/bench_guard.py; Gefen's arms are notes until its contract claims them."""
     code = main(

@@ -49,3 +49,12 @@ def test_a_target_module_in_the_current_directory_is_found(tmp_path: Path, monke
     arguments = ["find-lr", "cwd_target_module:target", "--optimizer", "adamw", "--steps", "3", "--threads", "1"]
     assert main([*arguments, "--out", str(out)]) == 0  # it needed PYTHONPATH=. before
     assert (out / "find-lr.json").stat().st_size > 0
+
+
+def test_python_dash_m_gefen_runs_the_cli() -> None:
+    """``python -m gefen`` (where the console script is not on PATH) is the same command."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "gefen", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"gefen-core {gefen_core.__version__}" in done.stdout

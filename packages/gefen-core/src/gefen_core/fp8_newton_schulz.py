@@ -63,8 +63,11 @@ ScaledMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise e4m3 quantisation: ``(e4m3 [M, K], fp32 scales [M, 1])`` with ``x ~ q * scale``."""
-    wide = x.to(torch.float32)
+    """Row-wise e4m3 quantisation: ``(e4m3 [M, K], fp32 scales [M, 1])`` with ``x ~ q * scale``.
+
+    ``q`` is row-major whatever ``x``'s strides (``quantize_rows(x.T)`` is the transpose's own
+    copy), so ``q.T`` is the column-major right operand ``torch._scaled_mm`` takes."""
+    wide = x.to(torch.float32, memory_format=torch.contiguous_format)
     scale = torch.clamp(wide.abs().amax(dim=1, keepdim=True) / FP8_MAX, min=FP8_MIN_SCALE)
     return torch.clamp(wide / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
@@ -72,8 +75,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def emulated_scaled_mm(
     p_q: torch.Tensor, p_scale: torch.Tensor, q_q: torch.Tensor, q_scale: torch.Tensor
 ) -> torch.Tensor:
-    """The CPU twin of ``torch._scaled_mm`` with row-wise scales (fp32 matmul of decoded e4m3)."""
+    """The CPU twin of ``torch._scaled_mm`` with row-wise scales (fp32 matmul of decoded e4m3).
+
+    It refuses the operand layouts cuBLASLt refuses (``p_q`` row-major, ``q_q`` column-major),
+    so a layout that only a GPU would reject fails on CPU too."""
+    _check_layouts(p_q, q_q)
     return ((p_q.to(torch.float32) @ q_q.to(torch.float32)) * p_scale * q_scale).to(torch.bfloat16)
+
+
+def _check_layouts(p_q: torch.Tensor, q_q: torch.Tensor) -> None:
+    if not p_q.is_contiguous() or not q_q.T.is_contiguous():
+        raise RuntimeError(
+            "scaled fp8 matmul takes a row-major left and a column-major right operand, got strides "
+            f"{p_q.stride()} and {q_q.stride()} for shapes {tuple(p_q.shape)} and {tuple(q_q.shape)}"
+        )
 
 
 def torch_scaled_mm(p_q: torch.Tensor, p_scale: torch.Tensor, q_q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,11 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 # ruff: noqa: N803, PLR0124  (constexpr parameters are upper case; x != x is the NaN test in Triton)
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
+# A compiled kernel reads only module globals that are tl.constexpr (the interpreter reads any):
+# test_kernels_triton_parity.py checks what every kernel reads (a plain int ran on CPU, not on an H200).
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
+_MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
+_MIX2 = tl.constexpr(0x94D049BB133111EB)
 
 
 @triton.jit

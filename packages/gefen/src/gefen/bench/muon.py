@@ -10,10 +10,14 @@ Also measured: Newton-Schulz alone per schedule against torch's NS5, state bytes
 parameter, and each schedule's orthogonality error (``max |sigma - 1|`` of its output on
 Gaussian matrices of the benchmark's shapes) next to NS5's.
 
-:func:`run_fp8_device_check` is the GPU check of ``fp8_ns`` (CUDA capability >= 8.9): the
-real e4m3 iteration (``torch._scaled_mm``, eager and compiled) against its emulated twin
-(relative L2 < 1e-2) and against bf16 (< 0.2), with timings of both iterations and of
-GefenMuon steps with and without ``fp8_ns`` against ``torch.optim.Muon``.
+:func:`run_fp8_device_check` is the GPU check of ``fp8_ns`` (CUDA capability >= 8.9), built
+on :func:`fp8_agreement`: one real e4m3 GEMM (``torch._scaled_mm``) against its emulated twin
+(relative L2 < 1e-2), and the whole real iteration against bf16 (< 0.2). The whole iteration
+against its twin is reported, not bounded: on an H200 one GEMM agrees with the twin to bf16
+rounding, but five ``standard`` (NS5) iterations amplify that to 0.11 (``tuned3`` 0.006,
+``tuned4`` 0.03), about NS5's own distance from bf16. It also times both iterations (the
+compiled fp8 one at the first shape only: each shape compiles for about 50 s) and GefenMuon
+steps with and without ``fp8_ns`` against ``torch.optim.Muon``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,22 @@ from dataclasses import dataclass
 import torch
 from gefen_contracts import default_kernel_registry
 from gefen_core import GefenMuon
-from gefen_core.fp8_newton_schulz import emulated_scaled_mm, fp8_capable, fp8_eligible, newton_schulz_fp8
-from gefen_core.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz, orthogonality_error, resolve_schedule
+from gefen_core.fp8_newton_schulz import (
+    ScaledMatmul,
+    emulated_scaled_mm,
+    fp8_capable,
+    fp8_eligible,
+    newton_schulz_fp8,
+    quantize_rows,
+    torch_scaled_mm,
+)
+from gefen_core.newton_schulz import (
+    DEFAULT_COEFFICIENTS,
+    Schedule,
+    newton_schulz,
+    orthogonality_error,
+    resolve_schedule,
+)
 from gefen_core.ops import MUON_MOMENTUM
 
 from .plot import Panel, Series
@@ -43,6 +61,8 @@ __all__ = [
     "TINY_SHAPES",
     "MuonOptions",
     "muon_panels",
+    "fp8_agreement",
+    "fp8_problems",
     "run_fp8_device_check",
     "run_muon",
 ]
@@ -53,7 +73,8 @@ TINY_SHAPES: tuple[tuple[int, int], ...] = ((64, 64), (64, 64), (64, 256))
 BASELINE = "muon/torch-ns5"
 _NS_BASELINE = "ns/torch-ns5"
 FP8_SHAPES = ((2048, 2048), (2048, 8192), (4096, 4096))
-#: Device-check bounds: real fp8 against its emulated twin, and fp8 against bf16 (relative L2).
+#: Device-check bounds (relative L2): one real fp8 GEMM against its emulated twin, and the whole
+#: fp8 iteration against bf16.
 FP8_TWIN_BOUND = 1e-2
 FP8_BF16_BOUND = 0.2
 
@@ -239,6 +260,34 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def fp8_agreement(x: torch.Tensor, steps: Schedule, scaled_mm: ScaledMatmul) -> dict[str, float]:
+    """How ``scaled_mm`` (the real ``torch._scaled_mm`` on a GPU) agrees with the emulated twin and
+    bf16 on ``x``: one GEMM of ``x``'s e4m3 rows with their transpose against the twin
+    (``gemm_vs_twin``), the whole fp8 iteration against the twin's (``real_vs_twin``) and
+    against bf16 Newton-Schulz (``fp8_vs_bf16``); relative L2 distances."""
+    wide = x.to(torch.bfloat16)
+    xq, scale = quantize_rows(wide)
+    real_gemm = scaled_mm(xq, scale, xq.T, scale.T)
+    twin_gemm = emulated_scaled_mm(xq, scale, xq.T, scale.T)
+    real = newton_schulz_fp8(x, steps, 1e-7, scaled_mm=scaled_mm)
+    return {
+        "gemm_vs_twin": _relative(real_gemm, twin_gemm),
+        "real_vs_twin": _relative(real, newton_schulz_fp8(x, steps, 1e-7, scaled_mm=emulated_scaled_mm)),
+        "fp8_vs_bf16": _relative(real, newton_schulz(x, steps, 1e-7)),
+    }
+
+
+def fp8_problems(label: str, checks: dict[str, float]) -> list[str]:
+    """The ``"FAILED: ..."`` notes for the bounds ``checks`` (from :func:`fp8_agreement`) break."""
+    problems = []
+    for key, bound in (("gemm_vs_twin", FP8_TWIN_BOUND), ("compiled_vs_twin", FP8_TWIN_BOUND)):
+        if key in checks and not checks[key] < bound:
+            problems.append(f"FAILED: {label}: {key} {checks[key]:.3g} is not below {bound}")
+    if not checks["fp8_vs_bf16"] < FP8_BF16_BOUND:
+        problems.append(f"FAILED: {label}: fp8 is {checks['fp8_vs_bf16']:.3f} away from bf16 (bound {FP8_BF16_BOUND})")
+    return problems
+
+
 def run_fp8_device_check(repeats: int) -> BenchmarkReport | None:
     """The ``fp8_ns`` GPU check (module docstring); ``None`` without a capable GPU.
 
@@ -249,31 +298,27 @@ def run_fp8_device_check(repeats: int) -> BenchmarkReport | None:
         return None
     builder = ReportBuilder("muon-fp8-device-check", config={"shapes": [list(s) for s in FP8_SHAPES]})
     problems: list[str] = []
-    for shape in FP8_SHAPES:
+    for index, shape in enumerate(FP8_SHAPES):
         assert fp8_eligible(shape, device)
         (x,) = _matrices((shape,), 3)
         x = x.to(device)
         label = f"{shape[0]}x{shape[1]}"
         for schedule in SCHEDULES:
             steps = resolve_schedule(ns_schedule=schedule)
-            bf16 = newton_schulz(x, steps, 1e-7)
-            real = newton_schulz_fp8(x, steps, 1e-7)
-            compiled = newton_schulz_fp8(x, steps, 1e-7, compile=True)
-            twin = newton_schulz_fp8(x, steps, 1e-7, scaled_mm=emulated_scaled_mm)
-            checks = {
-                "real_vs_twin": _relative(real, twin),
-                "compiled_vs_twin": _relative(compiled, twin),
-                "fp8_vs_bf16": _relative(real, bf16),
-            }
-            if max(checks["real_vs_twin"], checks["compiled_vs_twin"]) >= FP8_TWIN_BOUND:
-                problems.append(f"FAILED: {label} {schedule}: fp8 GEMMs differ from the emulated twin {checks}")
-            if checks["fp8_vs_bf16"] >= FP8_BF16_BOUND:
-                problems.append(f"FAILED: {label} {schedule}: fp8 is {checks['fp8_vs_bf16']:.3f} away from bf16")
-            base = _cuda_median(functools.partial(newton_schulz, x, steps, 1e-7), repeats)
-            fast = _cuda_median(functools.partial(newton_schulz_fp8, x, steps, 1e-7, compile=True), repeats)
+            checks = fp8_agreement(x, steps, torch_scaled_mm)
+            compiled = index == 0 and schedule == "tuned3"
+            if compiled:
+                twin = newton_schulz_fp8(x, steps, 1e-7, scaled_mm=emulated_scaled_mm)
+                checks["compiled_vs_twin"] = _relative(newton_schulz_fp8(x, steps, 1e-7, compile=True), twin)
+            problems += fp8_problems(f"{label} {schedule}", checks)
             name = f"ns/{schedule}@{label}"
+            base = _cuda_median(functools.partial(newton_schulz, x, steps, 1e-7), repeats)
+            eager = _cuda_median(functools.partial(newton_schulz_fp8, x, steps, 1e-7), repeats)
             builder.add(f"{name}/bf16", "ns_time", base, "s")
-            builder.add(f"{name}/fp8", "ns_time", fast, "s", baseline=f"{name}/bf16", detail=checks)
+            builder.add(f"{name}/fp8", "ns_time", eager, "s", baseline=f"{name}/bf16", detail=checks)
+            if compiled:
+                fast = _cuda_median(functools.partial(newton_schulz_fp8, x, steps, 1e-7, compile=True), repeats)
+                builder.add(f"{name}/fp8-compiled", "ns_time", fast, "s", baseline=f"{name}/bf16")
     shapes = ((2048, 2048),) * 4 + ((2048, 8192),) * 2
     grads = [g.to(device) for g in _matrices(shapes, 5)]
     makers: dict[str, Factory] = {
