@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from gefen import ContractedAdamW
-from gefen_hybrid.conformance import DTENSOR_WAIVERS, PORTABLE_TOPOLOGY_WAIVERS
+from gefen_hybrid.conformance import DTENSOR_WAIVERS
 from torch import nn
 
 
@@ -19,7 +19,4 @@ def contracted_adamw_amsgrad_foreach(named_parameters: list[tuple[str, nn.Parame
 
 
 #: the same multi-process claims gefen-hybrid's packaged ``adamw_factory`` waives, with the same reasons
-contracted_adamw_amsgrad_foreach.conformance_waive = {  # type: ignore[attr-defined]
-    **DTENSOR_WAIVERS,
-    **PORTABLE_TOPOLOGY_WAIVERS,
-}
+contracted_adamw_amsgrad_foreach.conformance_waive = DTENSOR_WAIVERS  # type: ignore[attr-defined]

@@ -220,6 +220,10 @@ MULTI_PROCESS_CHECKS: dict[str, str] = {
         "executed on 2 gloo ranks by tests/test_core_conformance.py and tests/test_muon_conformance.py "
         "(the packaged factories)"
     ),
+    "portable.reshard": (
+        "executed on 3 gloo ranks by tests/test_hstate_conformance.py (ContractedAdamW, the composite), "
+        "tests/test_muon_conformance.py (GefenMuon) and tests/test_conformance_portable_gloo.py (a third party)"
+    ),
 }
 
 

@@ -66,6 +66,7 @@ _CONTRIBUTED_WHY = (
     "kit with them); gefen-hybrid's own tests run only the kit's built-in checks"
 )
 _SHAPED = ("replicated", "dtensor_1d_default_world")
+_PORTABLE = ("replicated", "flattened_element_shard")
 #: The portable and parameter-shaped claims of ContractedAdamW (and composites of it) that only the
 #: contributed checks execute.
 CONTRIBUTED_WAIVERS: dict[str, str] = {
@@ -75,6 +76,9 @@ CONTRIBUTED_WAIVERS: dict[str, str] = {
         "feature:parameter_shaped_state",
         "checkpoint:canonical_global:replicated",
         "checkpoint:canonical_global:replicated:atomic",
+        "checkpoint:canonical_global:flattened_element_shard",
+        "checkpoint:canonical_global:flattened_element_shard:atomic",
+        *(f"checkpoint:canonical_global:transition:{a}->{b}:placement_reshard" for a in _PORTABLE for b in _PORTABLE),
         *(f"checkpoint:parameter_shaped:{layout}" for layout in _SHAPED),
         *(f"checkpoint:parameter_shaped:{layout}:atomic" for layout in _SHAPED),
         *(f"checkpoint:parameter_shaped:transition:{a}->{b}:placement_reshard" for a in _SHAPED for b in _SHAPED),

@@ -5,14 +5,12 @@ claims no kit check can execute in one process, each with the test that executes
 
 * DTensor (FSDP2) training and same-topology native checkpoints: gefen-hybrid's gloo tests
   (``tests/test_hybrid_distributed.py``: bit-identical FSDP2 training against a
-  single-process twin, DTensor state-dict round trip and refused corrupted loads);
-* portable state on flattened shards and across topology changes: the repository's
-  ``tests/test_hstate_resharding.py`` (gloo: flattened 2 -> 3 members and replicated 1 ->
-  flattened 2 members, bit-exact state and continuation).
+  single-process twin, DTensor state-dict round trip and refused corrupted loads).
 
-The portable and parameter-shaped claims on replicated tensors, and the parameter-shaped
-DTensor and resharding claims, are executed by the checks gefen-portable and gefen-dcp contribute to the
-kit (``gefen.conformance`` entry points) when they are installed.
+The portable claims (replicated, flattened and every transition between them) and the
+parameter-shaped claims are executed by the checks gefen-portable and gefen-dcp contribute to
+the kit (``gefen.conformance`` entry points, in the kit's own gloo ranks) when they are
+installed.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from .adamw import ContractedAdamW
 from .composite import CompositeOptimizer
 from .routing import NamedParameter
 
-__all__ = ["DTENSOR_WAIVERS", "PORTABLE_TOPOLOGY_WAIVERS", "adamw_factory", "composite_factory"]
+__all__ = ["DTENSOR_WAIVERS", "adamw_factory", "composite_factory"]
 
 _WHY = "executed by gefen-hybrid's gloo FSDP2 tests; the kit has no in-process DTensor check"
 #: The DTensor claims of ContractedAdamW that only a multi-process run can execute.
@@ -31,23 +29,6 @@ DTENSOR_WAIVERS: dict[str, str] = {
     "training:dtensor_1d_default_world": _WHY,
     "checkpoint:native_optimizer:dtensor_1d_default_world": _WHY,
     "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": _WHY,
-}
-
-_PORTABLE_WHY = (
-    "executed by tests/test_hstate_resharding.py on gloo (flattened 2 -> 3 members, replicated 1 -> flattened "
-    "2 members, same-layout continuation; bit-exact); the kit's portable checks run one replicated process"
-)
-_LAYOUTS = ("replicated", "flattened_element_shard")
-#: ContractedAdamW's portable claims beyond one replicated process: flattened shards and every
-#: declared topology transition.
-PORTABLE_TOPOLOGY_WAIVERS: dict[str, str] = {
-    "checkpoint:canonical_global:flattened_element_shard": _PORTABLE_WHY,
-    "checkpoint:canonical_global:flattened_element_shard:atomic": _PORTABLE_WHY,
-    **{
-        f"checkpoint:canonical_global:transition:{source}->{target}:placement_reshard": _PORTABLE_WHY
-        for source in _LAYOUTS
-        for target in _LAYOUTS
-    },
 }
 
 
@@ -67,7 +48,7 @@ def composite_factory(named_parameters: list[NamedParameter]) -> torch.optim.Opt
     )
 
 
-adamw_factory.conformance_waive = {**DTENSOR_WAIVERS, **PORTABLE_TOPOLOGY_WAIVERS}  # type: ignore[attr-defined]
+adamw_factory.conformance_waive = DTENSOR_WAIVERS  # type: ignore[attr-defined]
 _FLAT_WHY = (
     "a twin built directly on the 1-D shards would be routed to another role; tests/test_hybrid_composite_identity.py "
     "trains a rebound flattened composite bit-identically to one built on the shards with the same routing"
@@ -78,5 +59,4 @@ composite_factory.conformance_waive = {  # type: ignore[attr-defined]
     "training:dtensor_1d_default_world[gefen.role=backup]": _WHY,
     "checkpoint:composite_native:dtensor_1d_default_world": _WHY,
     "checkpoint:composite_native:dtensor_1d_default_world:atomic": _WHY,
-    **PORTABLE_TOPOLOGY_WAIVERS,
 }

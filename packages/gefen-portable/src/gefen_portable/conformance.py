@@ -10,53 +10,80 @@
   documents (a flipped tensor byte, edited fields with and without a recomputed digest, a
   foreign implementation, a missing parameter, a wrong shape, a non-finite value) must each
   be refused with a typed error and leave the optimizer and model deep-snapshot unchanged.
+* ``portable.reshard`` (with ``feature:post_sharding``: ``checkpoint:canonical_global:
+  flattened_element_shard`` and its ``:atomic``, and the ``placement_reshard`` transitions
+  between ``replicated`` and ``flattened_element_shard``): the kit's own gloo ranks rebuild
+  the target from ``MODULE:FACTORY`` and bind it with ``post_sharding``
+  (:class:`~gefen_contracts.testing.gloo_members.GlooMember`). Flattened 2 members -> the
+  same layout must continue bit for bit; replicated 1 process -> 2 replicated members,
+  1 process -> 2 flattened members, 2 flattened members -> 1 process and 2 -> 3 flattened
+  members must continue within :data:`LOSS_RTOL` of the uninterrupted run, and where the
+  reverse transition is claimed too, the state must survive source -> target -> source bit
+  for bit (the returned twin's document has the first document's digest). Every corrupted
+  document is refused by both flattened members without mutation.
 
-Both run in one process with a one-member checkpoint binding; a composite whose children are
-adapters is checked through the composite wrapper. Claims about other layouts and topology
-transitions need several processes and a factory that can build sharded optimizers, so they
-stay unverified here (gefen-portable's own gloo tests cover the machinery).
+The first two run in one process with a one-member checkpoint binding; a composite whose
+children are adapters is checked through the composite wrapper. Owner layouts
+(``whole_parameter_owner``) and ``world_size_owner_redistribution`` transitions are not
+executed by these checks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from gefen_contracts import (
     CompositeOptimizer,
-    ContractError,
-    ContractTypeError,
-    NotSupportedError,
     ParameterLayout,
     PortableAdapter,
-    PortableStateLimits,
     ProcessGroupIdentity,
-    StaleTransactionError,
+    TopologyChange,
 )
-from gefen_contracts.testing import CheckContext, ConformanceCheck, deep_snapshot, snapshot_diff
+from gefen_contracts.testing import (
+    CheckContext,
+    ConformanceCheck,
+    GlooWorld,
+    RankFailure,
+    deep_snapshot,
+    snapshot_diff,
+)
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
+from gefen_contracts.testing.claims import atomic_claim, checkpoint_claim, transition_claim
 from gefen_contracts.testing.context import Unverifiable
-from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 
-from .composite import export_portable_composite_state, import_portable_composite_state, wrapper_payload
-from .document import reseal_document
-from .export import export_portable_state
-from .importer import import_portable_state
+from . import conformance_ranks as ranks
 
-__all__ = ["PortableAtomicImportCheck", "PortableRoundTripCheck", "checks"]
+__all__ = [
+    "LOSS_RTOL",
+    "RESHARD_CASES",
+    "PortableAtomicImportCheck",
+    "PortableReshardCheck",
+    "PortableRoundTripCheck",
+    "checks",
+]
 
 _TRANSPORT = "canonical_global"
 _REPLICATED = f"checkpoint:{_TRANSPORT}:{ParameterLayout.REPLICATED.value}"
-_LIMITS = PortableStateLimits()
-_TYPED = (ContractError, ContractTypeError, NotSupportedError, StaleTransactionError)
+_FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD.value
+_FLAT_CLAIM = checkpoint_claim(_TRANSPORT, _FLAT)
+#: Largest relative difference of a resharded continuation's loss from the uninterrupted run
+#: (another layout may sum a reduction in another order).
+LOSS_RTOL = 5e-3
+#: ``(source layout, target layout)`` claim -> the GlooMember ``(layout, members)`` it runs.
+RESHARD_CASES: dict[tuple[str, str], tuple[ranks.Member, ranks.Member]] = {
+    ("replicated", "replicated"): (("single", 1), ("replicated", 2)),
+    ("replicated", _FLAT): (("single", 1), ("flattened", 2)),
+    (_FLAT, "replicated"): (("flattened", 2), ("single", 1)),
+    (_FLAT, _FLAT): (("flattened", 2), ("flattened", 3)),
+}
 
 
 def checks() -> Iterable[ConformanceCheck]:
     """The entry point of the ``gefen.conformance`` group."""
-    return (PortableRoundTripCheck(), PortableAtomicImportCheck())
+    return (PortableRoundTripCheck(), PortableAtomicImportCheck(), PortableReshardCheck())
 
 
 def _adapters(optimizer: Any) -> list[Any]:
@@ -89,27 +116,6 @@ def _require_replicated(optimizer: Any) -> None:
         raise Unverifiable(f"the single-process optimizer is laid out as {sorted(x.value for x in layouts)}")
 
 
-def _export(optimizer: Any, binding: CheckpointProcessGroupBinding, label: str) -> dict[str, Any]:
-    if isinstance(optimizer, PortableAdapter):
-        state = export_portable_state(optimizer, checkpoint_process_group=binding, transaction_id=label, limits=_LIMITS)
-        return state.materialize()
-    composite = export_portable_composite_state(
-        optimizer, checkpoint_process_group=binding, transaction_id=label, limits=_LIMITS
-    )
-    return composite.materialize()
-
-
-def _import(optimizer: Any, document: Any, binding: CheckpointProcessGroupBinding, label: str) -> None:
-    if isinstance(optimizer, PortableAdapter):
-        import_portable_state(
-            optimizer, document, checkpoint_process_group=binding, transaction_id=label, limits=_LIMITS
-        )
-    else:
-        import_portable_composite_state(
-            optimizer, document, checkpoint_process_group=binding, transaction_id=label, limits=_LIMITS
-        )
-
-
 class PortableRoundTripCheck:
     """Export -> weights-only document -> import into a fresh twin -> identical re-export and
     bit-exact continuation."""
@@ -125,15 +131,15 @@ class PortableRoundTripCheck:
         binding = _binding(optimizer)
         _require_replicated(optimizer)
         before = deep_snapshot(optimizer, model)
-        document = _export(optimizer, binding, "conformance-export")
+        document = ranks.export_document(optimizer, binding, "conformance-export")
         diffs = snapshot_diff(before, optimizer, model)
         assert not diffs, "exporting portable state changed the optimizer: " + "; ".join(diffs[:3])
         saved = context.weights_only_roundtrip(document)
         twin_model, twin = context.fresh()
         context.copy_parameters(model, twin_model)
-        _import(twin, saved, binding, "conformance-import")
+        ranks.import_document(twin, saved, binding, "conformance-import")
         assert_trees_equal(optimizer.state_dict(), twin.state_dict(), "native state after a portable import")
-        again = _export(twin, binding, "conformance-re-export")
+        again = ranks.export_document(twin, binding, "conformance-re-export")
         assert again["completion"]["digest"] == document["completion"]["digest"], (
             "re-exporting the imported state gives a different document (the import lost or changed state)"
         )
@@ -146,104 +152,6 @@ class PortableRoundTripCheck:
         context.train(twin_model, twin, steps, start=steps)
         context.assert_models_bitwise_equal(model, twin_model, "continuation after a portable round trip")
         context.notes.append("round trip, identical re-export and bit-exact continuation")
-
-
-def _edits(document: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], None], bool]]:
-    """(name, in-place edit, reseal the digest afterwards) for one plain document."""
-
-    def some_parameter(doc: dict[str, Any]) -> dict[str, Any]:
-        for record in doc["parameters"].values():
-            if record["fields"] or record["counters"]:
-                return record  # type: ignore[no-any-return]
-        first: dict[str, Any] = next(iter(doc["parameters"].values()))
-        return first
-
-    def fragment_fields(doc: dict[str, Any], floating: bool = False) -> Iterator[tuple[dict[str, Any], str]]:
-        for record in doc["parameters"].values():
-            for frag in record["fragments"]:
-                for name, value in frag["fields"].items():
-                    if value.numel() and (value.is_floating_point() or not floating):
-                        yield frag["fields"], name
-
-    def flip_tensor(doc: dict[str, Any]) -> None:
-        for fields, name in fragment_fields(doc):
-            value = fields[name]
-            value.view(-1)[0] = value.view(-1)[0] + 1
-            return
-        doc["implementation"] = doc["implementation"] + ".x"
-
-    def bump_counter(doc: dict[str, Any]) -> None:
-        record = some_parameter(doc)
-        if record["counters"]:
-            name = sorted(record["counters"])[0]
-            record["counters"][name] += 1
-        else:
-            record["counters"]["gefen_conformance_counter"] = 1
-
-    def negative_counter(doc: dict[str, Any]) -> None:
-        record = some_parameter(doc)
-        record["counters"][sorted(record["counters"] or {"step": 0})[0]] = -1
-
-    def foreign_implementation(doc: dict[str, Any]) -> None:
-        doc["implementation"] = "gefen_conformance.Foreign"
-
-    def drop_parameter(doc: dict[str, Any]) -> None:
-        doc["parameters"].pop(sorted(doc["parameters"])[0])
-
-    def wrong_shape(doc: dict[str, Any]) -> None:
-        for fields, name in fragment_fields(doc):
-            value = fields[name]
-            fields[name] = torch.cat([value.reshape(-1), torch.zeros(1, dtype=value.dtype)])
-            return
-        doc["parameters"][sorted(doc["parameters"])[0]]["identity"]["global_shape"].append(2)
-
-    def non_finite(doc: dict[str, Any]) -> None:
-        for fields, name in fragment_fields(doc, floating=True):
-            fields[name].view(-1)[0] = float("nan")
-            return
-        doc["policy"]["gefen_conformance_nan"] = float("nan")
-
-    def unknown_variant(doc: dict[str, Any]) -> None:
-        some_parameter(doc)["variant"] = "gefen_conformance_unknown_variant"
-
-    def extra_key(doc: dict[str, Any]) -> None:
-        doc["gefen_conformance_extra"] = 1
-
-    return [
-        ("flipped tensor value", flip_tensor, False),
-        ("edited counter", bump_counter, False),
-        ("negative counter (digest recomputed)", negative_counter, True),
-        ("foreign implementation (digest recomputed)", foreign_implementation, True),
-        ("missing parameter (digest recomputed)", drop_parameter, True),
-        ("wrong field shape (digest recomputed)", wrong_shape, True),
-        ("non-finite value (digest recomputed)", non_finite, True),
-        ("unknown variant (digest recomputed)", unknown_variant, True),
-        ("unexpected top-level key", extra_key, False),
-    ]
-
-
-def _reseal(document: dict[str, Any]) -> None:
-    # A payload the digest cannot hold (a NaN float) keeps its old digest; it is refused anyway.
-    with contextlib.suppress(Exception):
-        reseal_document(document)
-
-
-def _corrupt(document: dict[str, Any], edit: Callable[[dict[str, Any]], None], reseal: bool) -> dict[str, Any]:
-    """A deep copy with ``edit`` applied (to the first child of a composite wrapper)."""
-    copied = copy.deepcopy(document)
-    if "parameters" in copied:
-        edit(copied)
-        if reseal:
-            _reseal(copied)
-        return copied
-    role = copied["roles"][0]
-    edit(copied["children"][role])
-    if reseal:
-        _reseal(copied["children"][role])
-        digests = {r: child["completion"]["digest"] for r, child in copied["children"].items()}
-        wrapper = wrapper_payload(copied["implementation"], tuple(copied["roles"]), copied["routing"], digests)
-        copied["completion"]["digest"] = tensor_digest(wrapper)
-    return copied
 
 
 class PortableAtomicImportCheck:
@@ -259,23 +167,82 @@ class PortableAtomicImportCheck:
         _source_model, source = context.trained(steps)
         binding = _binding(source)
         _require_replicated(source)
-        document = _export(source, binding, "conformance-atomic-export")
+        document = ranks.export_document(source, binding, "conformance-atomic-export")
         model, optimizer = context.trained(steps + 1)
-        problems: list[str] = []
-        for name, edit, reseal in _edits(document):
-            corrupted = _corrupt(document, edit, reseal)
-            before = deep_snapshot(optimizer, model)
-            try:
-                _import(optimizer, corrupted, binding, "conformance-atomic-import")
-            except _TYPED:
-                pass
-            except Exception as exc:
-                problems.append(f"{name}: refused with an untyped {type(exc).__name__}: {exc}")
-            else:
-                problems.append(f"{name}: the corrupted document was accepted")
-                continue
-            diffs = snapshot_diff(before, optimizer, model)
-            if diffs:
-                problems.append(f"{name}: a refused import changed the optimizer: " + "; ".join(diffs[:3]))
+        variants = ranks.corruptions(document)
+        problems = []
+        for name, corrupted in variants:
+            problem = ranks.refuse_attempt(optimizer, model, corrupted, binding)
+            if problem:
+                problems.append(f"{name}: {problem}")
         assert not problems, "; ".join(problems)
-        context.notes.append(f"{len(_edits(document))} corrupted documents refused without mutation")
+        context.notes.append(f"{len(variants)} corrupted documents refused without mutation")
+
+
+def _transition(source: str, target: str) -> str:
+    return transition_claim(_TRANSPORT, source, target, TopologyChange.PLACEMENT_RESHARD.value)
+
+
+def _relative(values: list[float], reference: list[float]) -> float:
+    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(values, reference, strict=True)), default=0.0)
+
+
+def _first_error(failure: RankFailure) -> str:
+    failed = next(o for o in failure.outcomes if not o.ok)
+    return f"rank {failed.rank} raised {failed.error_type}: {failed.message}"
+
+
+class PortableReshardCheck:
+    """Flattened portable state and the replicated/flattened transitions, executed on the
+    kit's own gloo ranks from ``MODULE:FACTORY`` (module docstring)."""
+
+    name = "portable.reshard"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        if not {"feature:portable_state", "feature:post_sharding"} <= claims:
+            return frozenset()
+        wanted = {_FLAT_CLAIM, atomic_claim(_TRANSPORT, _FLAT)} | {_transition(a, b) for a, b in RESHARD_CASES}
+        return frozenset(wanted) & claims
+
+    def run(self, context: CheckContext) -> None:
+        spec = context.target.spec
+        if spec is None:
+            raise Unverifiable("portable resharding needs an importable MODULE:FACTORY target for spawned ranks")
+        if not torch.distributed.is_available():
+            raise Unverifiable("torch.distributed is not available")
+        claims = self.covers(context.claims)
+        steps = context.target.steps
+        cases: list[tuple[str, ranks.Member, ranks.Member, bool]] = []
+        if _FLAT_CLAIM in claims:
+            cases.append((_FLAT_CLAIM, ("flattened", 2), ("flattened", 2), True))
+        for (source, target), (members, onto) in RESHARD_CASES.items():
+            if _transition(source, target) in claims:
+                cases.append((_transition(source, target), members, onto, _transition(target, source) in claims))
+        problems: list[str] = []
+        executed: list[str] = []
+        with GlooWorld(3) as world:
+            for claim, members, onto, back in cases:
+                try:
+                    outcome = world.run(ranks.transition, spec, members, onto, steps, back)[0]
+                except RankFailure as failure:
+                    problems.append(f"{claim}: {_first_error(failure)}")
+                    continue
+                what = f"{members[1]} {members[0]} -> {onto[1]} {onto[0]}"
+                gap = _relative(outcome["resumed"], outcome["uninterrupted"])
+                if members == onto and not outcome["bit_exact_continuation"]:
+                    problems.append(f"{claim}: the continuation after {what} is not bit-exact (gap {gap:.2e})")
+                elif gap > LOSS_RTOL:
+                    problems.append(f"{claim}: the continuation after {what} differs by {gap:.2e} (limit {LOSS_RTOL})")
+                if back and not outcome["round_trip_identical"]:
+                    problems.append(f"{claim}: the state changed through {what} and back (documents differ)")
+                executed.append(what + (" and back" if back else ""))
+            if atomic_claim(_TRANSPORT, _FLAT) in claims:
+                try:
+                    refused = world.run(ranks.refuse_corrupted, spec, ("flattened", 2), steps)
+                except RankFailure as failure:
+                    refused = [[_first_error(failure)]]
+                claim = atomic_claim(_TRANSPORT, _FLAT)
+                problems += [f"{claim}: rank {r}: {p}" for r, found in enumerate(refused) for p in found]
+                executed.append("corrupted documents refused on 2 flattened members")
+        assert not problems, "; ".join(problems)
+        context.notes.append("; ".join(executed))
