@@ -11,7 +11,6 @@ driver (what a data-parallel adapter does), so the driver's loss is the run's lo
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -91,17 +90,6 @@ def piece(full: torch.Tensor, shard: ShardIdentity) -> torch.Tensor:
     if shard.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
         return full.detach().reshape(-1)[extent.flat_offset : extent.end]
     return full.detach()
-
-
-def share(value: Any) -> Any:
-    """Test plumbing only: every rank receives rank 0's value (weights-only bytes)."""
-    payload: list[Any] = [None]
-    if dist.get_rank() == 0:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        payload = [buffer.getvalue()]
-    dist.broadcast_object_list(payload, src=0)
-    return torch.load(io.BytesIO(payload[0]), weights_only=True)
 
 
 class BoundMember:

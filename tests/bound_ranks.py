@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bound_members import BoundMember, Spec, even_cuts, process_group, share
+from bound_members import BoundMember, Spec, even_cuts, process_group
 from bound_members import checkpoint_binding as _binding
 from gefen_contracts import PortableStateLimits
+from gefen_contracts.testing.gloo_members import share
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
 from gefen_portable import PortableState, export_portable_state, import_portable_state
