@@ -89,4 +89,4 @@ def test_the_packaged_factory_passes_through_the_cli_loader() -> None:
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"scope.collective_protocol", "portable.roundtrip", "portable.atomic_import"} <= passed
-    assert "dcp.parameter_shaped_roundtrip" in passed
+    assert {"dcp.parameter_shaped_roundtrip", "portable.reshard"} <= passed  # flattened ones within update_rtol

@@ -28,6 +28,7 @@ from gefen_contracts import (
     TrainingSupport,
     schema_compatible,
 )
+from gefen_contracts.codec import from_primitive, to_primitive
 
 REPL = frozenset({ParameterLayout.REPLICATED})
 
@@ -62,6 +63,15 @@ def test_checkpoint_support_transitions_and_exact_types() -> None:
     assert entry.atomic_load
     with pytest.raises(ContractError, match="kinds"):
         TopologyTransition(REPL, REPL, frozenset())
+    assert transition.update_rtol == 0.0  # exact unless stated
+    reshard = frozenset({TopologyChange.PLACEMENT_RESHARD})
+    approximate = TopologyTransition(REPL, REPL, reshard, 0.125)
+    assert from_primitive(to_primitive(approximate), TopologyTransition) == approximate
+    with pytest.raises(ContractTypeError, match="update_rtol must be a float"):
+        TopologyTransition(REPL, REPL, reshard, 1)  # type: ignore[arg-type]
+    for bad in (-0.1, 1.0, float("nan"), float("inf")):
+        with pytest.raises(ContractError, match="update_rtol"):
+            TopologyTransition(REPL, REPL, reshard, bad)
     with pytest.raises(ContractTypeError, match="same_topology"):
         CheckpointSupport(
             CheckpointTransport.NATIVE_OPTIMIZER, frozenset({"junk"}), ProcessGroupScope.NONE, LoadAtomicity.NONE

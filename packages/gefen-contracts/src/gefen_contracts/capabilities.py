@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 from .enums import CheckpointTransport, LoadAtomicity, ParameterLayout, Precision, ProcessGroupScope, TopologyChange
 from .errors import ContractError, ContractTypeError
 from .frozen import FrozenMap
-from .validation import exact_bool, exact_enum, frozen_enum_set, frozen_str_set, identity_name, int_tuple, str_tuple
+from .validation import (
+    exact_bool,
+    exact_enum,
+    exact_float,
+    frozen_enum_set,
+    frozen_str_set,
+    identity_name,
+    int_tuple,
+    str_tuple,
+)
 
 __all__ = [
     "FEATURE_CANONICAL_IDENTITY",
@@ -87,11 +96,20 @@ class TrainingSupport:
 @dataclass(frozen=True, slots=True)
 class TopologyTransition:
     """A checkpoint saved under any of ``source_layouts`` on N members can be loaded under
-    any of ``target_layouts`` on M members, for the listed ``kinds`` of change."""
+    any of ``target_layouts`` on M members, for the listed ``kinds`` of change.
+
+    ``update_rtol`` states how exactly the state follows the transition. ``0.0`` (the
+    default): bit for bit, so a transition and its reverse return the very same state. A
+    positive value: the state is re-quantised or re-blocked; after the transition and its
+    reverse, the next update (same parameters, same gradient, the source layout) differs
+    from the uninterrupted run's by at most the two transitions' ``update_rtol`` added, as a
+    relative L2 distance. The conformance kit holds either promise.
+    """
 
     source_layouts: frozenset[ParameterLayout]
     target_layouts: frozenset[ParameterLayout]
     kinds: frozenset[TopologyChange]
+    update_rtol: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("source_layouts", "target_layouts"):
@@ -103,6 +121,9 @@ class TopologyTransition:
         if not kinds:
             raise ContractError("TopologyTransition.kinds must not be empty")
         object.__setattr__(self, "kinds", kinds)
+        rtol = exact_float(self.update_rtol, "TopologyTransition.update_rtol")
+        if not 0.0 <= rtol < 1.0:
+            raise ContractError(f"TopologyTransition.update_rtol must be in [0, 1), got {rtol!r}")
 
     def allows(self, source: ParameterLayout, target: ParameterLayout, kind: TopologyChange | None = None) -> bool:
         return source in self.source_layouts and target in self.target_layouts and (kind is None or kind in self.kinds)

@@ -47,8 +47,8 @@ CHECK_WAIVERS: dict[str, str] = {
         "processes by packages/gefen-core/tests/test_core_scope.py and test_core_scope_three.py"
     ),
     "portable.reshard": (
-        "executed in 3 gloo processes on the packaged GefenMuon factory (tests/test_muon_conformance.py, "
-        "test_the_packaged_factory_passes_through_the_cli_loader); Gefen's packaged factory waives it (WAIVERS)"
+        "executed in 3 gloo processes on the packaged factories (tests/test_core_conformance.py and "
+        "tests/test_muon_conformance.py, test_the_packaged_factory_passes_through_the_cli_loader)"
     ),
 }
 
@@ -63,13 +63,6 @@ _REPL, _FLAT, _OWNER = "replicated", "flattened_element_shard", "whole_parameter
 #: Claim or check name -> why a kit run accepts it as unverified.
 WAIVERS: dict[str, str] = {
     _SCOPE_CLAIM: _SCOPE,
-    "portable.reshard": (
-        "approximate for Gefen: flattened cuts of the kit's small model do not fall on block boundaries, so a "
-        "placement reshard re-blocks the momentum scales and block v (measured on the kit model: replicated -> 2 "
-        "flattened members continues 5.5e-3 away, the check's limit being 5e-3, and 1 -> 2 -> 1 does not return "
-        "the same state); the contract states no tolerance yet (issue 16, ragged blocks). "
-        + _RESHARD.format("within 5e-3 over 20 steps, well below dropped state, on block-aligned two-way cuts")
-    ),
     f"checkpoint:canonical_global:{_FLAT}": _BOUND_ONE,
     f"checkpoint:canonical_global:{_FLAT}:atomic": _BOUND_ONE,
     _PORTABLE.format(_REPL, _REPL): _RESHARD.format("replicated parameters, 1 process -> 2 and 3 members and back"),

@@ -151,6 +151,13 @@ _NOT_YET = "not implemented in gefen-core yet"
 _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 
 _PORTABLE_LAYOUTS = frozenset({_REPL, _FLAT})
+_PLACEMENT = frozenset({TopologyChange.PLACEMENT_RESHARD})
+#: The ``update_rtol`` of every portable transition onto or from flattened shards: their cuts
+#: split blocks, so the momentum codes are re-quantised onto the target's blocks and block
+#: ``v`` is re-averaged (a factored ``v`` becomes block ``v`` and back). Measured through the
+#: conformance kit's round trips on its small model (there and back, the next update moved
+#: 0.10-0.19 relative L2); replicated copies on any member count move bit for bit.
+RESHARD_UPDATE_RTOL = 0.125
 #: The ``CANONICAL_GLOBAL`` entry while ``portable_state`` is supported and no sealed
 #: ``post_sharding`` layout is bound: the implicit layout (one ``REPLICATED`` shard per named
 #: parameter, one member) round trips, and takes the state of a bound layout of any member
@@ -161,7 +168,8 @@ IMPLICIT_PORTABLE_SUPPORT = CheckpointSupport(
     ProcessGroupScope.ADAPTER_DEFINED,
     LoadAtomicity.GROUP_VOTED,
     transitions=(
-        TopologyTransition(_PORTABLE_LAYOUTS, frozenset({_REPL}), frozenset({TopologyChange.PLACEMENT_RESHARD})),
+        TopologyTransition(frozenset({_REPL}), frozenset({_REPL}), _PLACEMENT),
+        TopologyTransition(frozenset({_FLAT}), frozenset({_REPL}), _PLACEMENT, RESHARD_UPDATE_RTOL),
     ),
     requires_collective=True,
 )
@@ -174,7 +182,9 @@ PORTABLE_SUPPORT = CheckpointSupport(
     ProcessGroupScope.ADAPTER_DEFINED,
     LoadAtomicity.GROUP_VOTED,
     transitions=(
-        TopologyTransition(_PORTABLE_LAYOUTS, _PORTABLE_LAYOUTS, frozenset({TopologyChange.PLACEMENT_RESHARD})),
+        TopologyTransition(frozenset({_REPL}), frozenset({_REPL}), _PLACEMENT),
+        TopologyTransition(_PORTABLE_LAYOUTS, frozenset({_FLAT}), _PLACEMENT, RESHARD_UPDATE_RTOL),
+        TopologyTransition(frozenset({_FLAT}), frozenset({_REPL}), _PLACEMENT, RESHARD_UPDATE_RTOL),
     ),
     requires_collective=True,
 )

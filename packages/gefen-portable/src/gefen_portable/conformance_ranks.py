@@ -17,14 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gefen_contracts import (
+    CheckpointTransport,
     CollectiveFailureError,
     CompositeOptimizer,
     ContractError,
     ContractTypeError,
     NotSupportedError,
+    ParameterLayout,
     PortableAdapter,
     PortableStateLimits,
     StaleTransactionError,
+    TopologyChange,
 )
 from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
 from gefen_contracts.testing.gloo_members import GlooMember, init_member_groups, share
@@ -42,7 +45,9 @@ __all__ = [
     "export_document",
     "import_document",
     "refuse_corrupted",
+    "stated_update_rtol",
     "transition",
+    "update_gap",
 ]
 
 #: Small chunks, so every field of the kit's model spans several.
@@ -207,6 +212,33 @@ def refuse_attempt(optimizer: Any, model: Any, document: Any, binding: Checkpoin
 # -- rank functions ----------------------------------------------------------------------------------
 
 
+def _layout(member_layout: str) -> ParameterLayout:
+    return ParameterLayout.FLATTENED_ELEMENT_SHARD if member_layout == "flattened" else ParameterLayout.REPLICATED
+
+
+def stated_update_rtol(optimizer: Any, source: str, target: str) -> float | None:
+    """The ``update_rtol`` of the ``canonical_global`` placement reshard from GlooMember layout
+    ``source`` to ``target`` that ``optimizer``'s contract declares (``None``: it declares none)."""
+    for entry in optimizer.optimizer_contract().capabilities.checkpoints:
+        if entry.transport is CheckpointTransport.CANONICAL_GLOBAL:
+            for change in entry.transitions:
+                if change.allows(_layout(source), _layout(target), TopologyChange.PLACEMENT_RESHARD):
+                    return float(change.update_rtol)
+    return None
+
+
+def update_gap(
+    start: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]
+) -> float:
+    """Relative L2 distance of ``other``'s update from ``reference``'s (both taken from ``start``);
+    exactly ``0.0`` when the updates are bit-identical."""
+    difference = sum(float((other[n].double() - reference[n].double()).square().sum()) for n in start)
+    if difference == 0.0:
+        return 0.0
+    size = sum(float((reference[n].double() - start[n].double()).square().sum()) for n in start)
+    return float((difference / max(size, 1e-300)) ** 0.5)
+
+
 def transition(
     rank: int, world_size: int, spec: str, source: Member, target: Member, steps: int, back: bool
 ) -> dict[str, Any]:
@@ -214,8 +246,12 @@ def transition(
     ``target`` and continue; with ``back``, import the target's re-export into a twin of the
     source and compare that twin's export with the first (the state's round trip, bit for bit).
 
-    Rank 0 returns ``uninterrupted`` and ``resumed`` losses, ``bit_exact_continuation`` (same
-    driver bits after both continuations) and, with ``back``, ``round_trip_identical``.
+    Rank 0 returns ``uninterrupted`` and ``resumed`` losses, ``update_rtol`` (what the
+    target's contract states for the transition; ``0.0`` on the same layout),
+    ``bit_exact_continuation`` (same driver bits after both continuations) and, with
+    ``back``, ``back_rtol``, ``round_trip_identical`` and ``round_trip_update_gap`` (the
+    returned twin's first update against the source's, :func:`update_gap`: the same layout,
+    parameters and gradient, so only the state's trip there and back can tell them apart).
     """
     init_member_groups()
     conformance_target = load_target(spec)
@@ -227,13 +263,18 @@ def transition(
     exported = export_document(src.optimizer, src.binding, "conformance-export") if src else None
     document = share(exported if rank == 0 else None)
     outcome: dict[str, Any] = {}
+    after_source: dict[str, torch.Tensor] = {}
     if src is not None:
-        outcome["uninterrupted"] = src.train(steps, steps)
+        first = src.train(steps, 1)
+        after_source = src.parameter_values()
+        outcome["uninterrupted"] = first + src.train(steps + 1, steps - 1)
     re_exported = None
     if rank < tgt_size:
         tgt = GlooMember(conformance_target, tgt_layout, tgt_size, values=checkpoint)
         import_document(tgt.optimizer, document, tgt.binding, "conformance-reshard")
         re_exported = export_document(tgt.optimizer, tgt.binding, "conformance-re-export")
+        same = source == target
+        outcome["update_rtol"] = 0.0 if same else stated_update_rtol(tgt.optimizer, src_layout, tgt_layout)
         outcome["resumed"] = tgt.train(steps, steps)
         if src is not None:
             outcome["bit_exact_continuation"] = tgt.parameters_bits() == src.parameters_bits()
@@ -241,9 +282,12 @@ def transition(
         returned = share(re_exported if rank == 0 else None)
         if src is not None:
             twin = GlooMember(conformance_target, src_layout, src_size, values=checkpoint)
+            outcome["back_rtol"] = stated_update_rtol(twin.optimizer, tgt_layout, src_layout)
             import_document(twin.optimizer, returned, twin.binding, "conformance-back")
             again = export_document(twin.optimizer, twin.binding, "conformance-back-export")
             outcome["round_trip_identical"] = again["completion"]["digest"] == document["completion"]["digest"]
+            twin.train(steps, 1)
+            outcome["round_trip_update_gap"] = update_gap(checkpoint, after_source, twin.parameter_values())
     dist.barrier()
     return outcome
 

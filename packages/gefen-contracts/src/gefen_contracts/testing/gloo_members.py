@@ -199,6 +199,10 @@ class GlooMember:
                     offset, length = _extent(every[member if self.layout == "flattened" else self.rank])
                     flat[offset : offset + length].copy_(values[name].reshape(-1))
 
+    def parameter_values(self) -> dict[str, torch.Tensor]:
+        """Copies of the driver's parameters."""
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
     def parameters_bits(self) -> dict[str, bytes]:
         """The driver's parameters, bit for bit."""
         return {
