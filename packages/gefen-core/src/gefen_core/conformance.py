@@ -52,23 +52,10 @@ CHECK_WAIVERS: dict[str, str] = {
     ),
 }
 
-_BOUND_ONE = (
-    "executed in one process on bound layouts by packages/gefen-core/tests/test_core_bound_portable.py (bit-exact "
-    "round trip, corrupted records refused without mutation) and across members by tests/test_bound_resharding.py"
-)
-_RESHARD = "executed across gloo member counts by tests/test_bound_resharding.py ({})"
-_PORTABLE = "checkpoint:canonical_global:transition:{}->{}:placement_reshard"
-_REPL, _FLAT, _OWNER = "replicated", "flattened_element_shard", "whole_parameter_owner"
 
 #: Claim or check name -> why a kit run accepts it as unverified.
 WAIVERS: dict[str, str] = {
     _SCOPE_CLAIM: _SCOPE,
-    f"checkpoint:canonical_global:{_FLAT}": _BOUND_ONE,
-    f"checkpoint:canonical_global:{_FLAT}:atomic": _BOUND_ONE,
-    _PORTABLE.format(_REPL, _REPL): _RESHARD.format("replicated parameters, 1 process -> 2 and 3 members and back"),
-    _PORTABLE.format(_REPL, _FLAT): _RESHARD.format("1 process -> 2 and 3 flattened members"),
-    _PORTABLE.format(_FLAT, _REPL): _RESHARD.format("2 flattened members -> 1 process"),
-    _PORTABLE.format(_FLAT, _FLAT): _RESHARD.format("2 -> 3 flattened members, re-blocked"),
     "training:dtensor_1d_default_world": f"FSDP2 training {_DISTRIBUTED} (parity with one process)",
     "checkpoint:native_optimizer:dtensor_1d_default_world": (
         f"per-rank native resume {_DISTRIBUTED}; DCP N -> M resharding by tests/test_fsdp2_dcp_recipe.py"
@@ -110,18 +97,6 @@ MUON_WAIVERS: dict[str, str] = {
     ),
     _TRANSITION.format(_DTENSOR): f"2 -> 3 rank resume is {_MUON_GLOO}",
     _TRANSITION.format("replicated"): f"2 ranks -> one process resume is {_MUON_GLOO}",
-    f"checkpoint:canonical_global:{_OWNER}": _BOUND_ONE,
-    f"checkpoint:canonical_global:{_OWNER}:atomic": _BOUND_ONE,
-    **{
-        f"checkpoint:canonical_global:transition:{a}->{b}:{change}": _RESHARD.format(
-            "whole-parameter owners on 2 members -> other owners and replicated matrices on 3, replicated -> owners, "
-            "and -> 1 process, bit-exact"
-        )
-        for a in (_REPL, _OWNER)
-        for b in (_REPL, _OWNER)
-        for change in ("placement_reshard", "world_size_owner_redistribution")
-        if (a, b, change) != (_REPL, _REPL, "placement_reshard")  # the kit's portable.reshard executes it
-    },
 }
 
 

@@ -73,13 +73,20 @@ __all__ = [
 _TRANSPORT = "canonical_global"
 _REPLICATED = f"checkpoint:{_TRANSPORT}:{ParameterLayout.REPLICATED.value}"
 _FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD.value
-_FLAT_CLAIM = checkpoint_claim(_TRANSPORT, _FLAT)
+_OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER.value
+#: Same-layout claim -> the GlooMember ``(layout, members)`` that saves and reloads it.
+SAME_LAYOUT_CASES: dict[str, ranks.Member] = {_FLAT: ("flattened", 2), _OWNER: ("owner", 2)}
 #: ``(source layout, target layout)`` claim -> the GlooMember ``(layout, members)`` it runs.
 RESHARD_CASES: dict[tuple[str, str], tuple[ranks.Member, ranks.Member]] = {
     ("replicated", "replicated"): (("single", 1), ("replicated", 2)),
     ("replicated", _FLAT): (("single", 1), ("flattened", 2)),
     (_FLAT, "replicated"): (("flattened", 2), ("single", 1)),
     (_FLAT, _FLAT): (("flattened", 2), ("flattened", 3)),
+    ("replicated", _OWNER): (("single", 1), ("owner", 2)),
+    (_OWNER, "replicated"): (("owner", 2), ("single", 1)),
+    (_OWNER, _OWNER): (("owner", 2), ("owner", 3)),
+    (_FLAT, _OWNER): (("flattened", 2), ("owner", 3)),
+    (_OWNER, _FLAT): (("owner", 3), ("flattened", 2)),
 }
 
 
@@ -181,8 +188,9 @@ class PortableAtomicImportCheck:
         context.notes.append(f"{len(variants)} corrupted documents refused without mutation")
 
 
-def _transition(source: str, target: str) -> str:
-    return transition_claim(_TRANSPORT, source, target, TopologyChange.PLACEMENT_RESHARD.value)
+def _transitions(source: str, target: str) -> frozenset[str]:
+    """The transition claims ``source -> target`` of every kind (one case executes them all)."""
+    return frozenset(transition_claim(_TRANSPORT, source, target, kind.value) for kind in TopologyChange)
 
 
 def _relative(values: list[float], reference: list[float]) -> float:
@@ -230,7 +238,10 @@ class PortableReshardCheck:
     def covers(self, claims: frozenset[str]) -> frozenset[str]:
         if not {"feature:portable_state", "feature:post_sharding"} <= claims:
             return frozenset()
-        wanted = {_FLAT_CLAIM, atomic_claim(_TRANSPORT, _FLAT)} | {_transition(a, b) for a, b in RESHARD_CASES}
+        wanted = {checkpoint_claim(_TRANSPORT, layout) for layout in SAME_LAYOUT_CASES}
+        wanted |= {atomic_claim(_TRANSPORT, layout) for layout in SAME_LAYOUT_CASES}
+        for source, target in RESHARD_CASES:
+            wanted |= _transitions(source, target)
         return frozenset(wanted) & claims
 
     def run(self, context: CheckContext) -> None:
@@ -242,11 +253,14 @@ class PortableReshardCheck:
         claims = self.covers(context.claims)
         steps = context.target.steps
         cases: list[tuple[str, ranks.Member, ranks.Member, bool]] = []
-        if _FLAT_CLAIM in claims:
-            cases.append((_FLAT_CLAIM, ("flattened", 2), ("flattened", 2), True))
+        for layout, member in SAME_LAYOUT_CASES.items():
+            if checkpoint_claim(_TRANSPORT, layout) in claims:
+                cases.append((checkpoint_claim(_TRANSPORT, layout), member, member, True))
         for (source, target), (members, onto) in RESHARD_CASES.items():
-            if _transition(source, target) in claims:
-                cases.append((_transition(source, target), members, onto, _transition(target, source) in claims))
+            claimed = _transitions(source, target) & claims
+            if claimed:
+                back = bool(_transitions(target, source) & context.claims)
+                cases.append((", ".join(sorted(claimed)), members, onto, back))
         problems: list[str] = []
         executed: list[str] = []
         with GlooWorld(3) as world:
@@ -262,13 +276,15 @@ class PortableReshardCheck:
                 measured = f", next update {gap:.1e} away" if back and gap else ""
                 bound = f"approximate, update_rtol {rtol}" if rtol else "exact"
                 executed.append(f"{what}{' and back' if back else ''} ({bound}{measured})")
-            if atomic_claim(_TRANSPORT, _FLAT) in claims:
+            for layout, member in SAME_LAYOUT_CASES.items():
+                claim = atomic_claim(_TRANSPORT, layout)
+                if claim not in claims:
+                    continue
                 try:
-                    refused = world.run(ranks.refuse_corrupted, spec, ("flattened", 2), steps)
+                    refused = world.run(ranks.refuse_corrupted, spec, member, steps)
                 except RankFailure as failure:
                     refused = [[_first_error(failure)]]
-                claim = atomic_claim(_TRANSPORT, _FLAT)
                 problems += [f"{claim}: rank {r}: {p}" for r, found in enumerate(refused) for p in found]
-                executed.append("corrupted documents refused on 2 flattened members")
+                executed.append(f"corrupted documents refused on {member[1]} {member[0]} members")
         assert not problems, "; ".join(problems)
         context.notes.append("; ".join(executed))

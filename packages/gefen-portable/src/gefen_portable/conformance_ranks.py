@@ -27,7 +27,6 @@ from gefen_contracts import (
     PortableAdapter,
     PortableStateLimits,
     StaleTransactionError,
-    TopologyChange,
 )
 from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
 from gefen_contracts.testing.gloo_members import GlooMember, init_member_groups, share
@@ -212,17 +211,20 @@ def refuse_attempt(optimizer: Any, model: Any, document: Any, binding: Checkpoin
 # -- rank functions ----------------------------------------------------------------------------------
 
 
+_LAYOUT_OF = {"flattened": ParameterLayout.FLATTENED_ELEMENT_SHARD, "owner": ParameterLayout.WHOLE_PARAMETER_OWNER}
+
+
 def _layout(member_layout: str) -> ParameterLayout:
-    return ParameterLayout.FLATTENED_ELEMENT_SHARD if member_layout == "flattened" else ParameterLayout.REPLICATED
+    return _LAYOUT_OF.get(member_layout, ParameterLayout.REPLICATED)
 
 
 def stated_update_rtol(optimizer: Any, source: str, target: str) -> float | None:
-    """The ``update_rtol`` of the ``canonical_global`` placement reshard from GlooMember layout
-    ``source`` to ``target`` that ``optimizer``'s contract declares (``None``: it declares none)."""
+    """The ``update_rtol`` of the ``canonical_global`` transition (of any kind) from GlooMember
+    layout ``source`` to ``target`` that ``optimizer``'s contract declares (``None``: none)."""
     for entry in optimizer.optimizer_contract().capabilities.checkpoints:
         if entry.transport is CheckpointTransport.CANONICAL_GLOBAL:
             for change in entry.transitions:
-                if change.allows(_layout(source), _layout(target), TopologyChange.PLACEMENT_RESHARD):
+                if change.allows(_layout(source), _layout(target)):
                     return float(change.update_rtol)
     return None
 

@@ -10,12 +10,14 @@ model from the target and computes the full gradient of the same batch. A
   copy a ``REPLICATED`` shard of the member group;
 * ``"flattened"``: bound to this member's near-even contiguous slice of every flattened
   parameter (``FLATTENED_ELEMENT_SHARD``, the cuts of
-  :func:`~gefen_contracts.testing.checks.plans.flat_slices`).
+  :func:`~gefen_contracts.testing.checks.plans.flat_slices`);
+* ``"owner"``: every parameter whole on one member (``WHOLE_PARAMETER_OWNER``, parameter
+  ``i`` on member ``i % size``); the other members hold an empty shard of it and bind nothing.
 
 The member group is ranks ``[0, size)`` (``kit.gloo<size>``, members ``member:<rank>``).
 An optimizer whose contract claims ``feature:collective_scope`` is bound with that group as
-its scope. After each step the members all-gather their slices into the driver (what a
-data-parallel adapter does), so every member's driver, and its loss, is the run's.
+its scope. After each step the members all-gather their slices (or owned parameters) into the driver
+(what a data-parallel adapter does), so every member's driver, and its loss, is the run's.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .target import ConformanceTarget
 __all__ = ["LAYOUTS", "GlooMember", "checkpoint_binding", "init_member_groups", "member_group", "share"]
 
 #: The layouts a :class:`GlooMember` can take.
-LAYOUTS = ("single", "replicated", "flattened")
+LAYOUTS = ("single", "replicated", "flattened", "owner")
 _AXIS = "kit"
 _CPU = torch.device("cpu")
 _GROUPS: dict[int, Any] = {}
@@ -86,9 +88,25 @@ def share(value: Any) -> Any:
     return torch.load(io.BytesIO(payload[0]), weights_only=True)
 
 
-def _shards(name: str, parameter: torch.Tensor, layout: str, group: ProcessGroupIdentity) -> list[ShardIdentity]:
+def _shards(
+    name: str, parameter: torch.Tensor, layout: str, group: ProcessGroupIdentity, index: int
+) -> list[ShardIdentity]:
     identity = ParameterIdentity(name, tuple(parameter.shape))
     size = len(group.ordered_members)
+    if layout == "owner":
+        owner = group.ordered_members[index % size]
+        return [
+            ShardIdentity(
+                identity,
+                ParameterLayout.WHOLE_PARAMETER_OWNER,
+                LogicalSlice.full(identity) if r == index % size else LogicalSlice(0, 0),
+                (ShardPlacement(_AXIS, PlacementKind.WHOLE_PARAMETER_OWNER, r, size),),
+                group,
+                group.ordered_members[r],
+                owner=owner,
+            )
+            for r in range(size)
+        ]
     if layout == "replicated":
         return [
             ShardIdentity(
@@ -138,19 +156,24 @@ class GlooMember:
             with torch.no_grad():
                 for name, parameter in self.model.named_parameters():
                     parameter.copy_(values[name])
-        #: FQN -> (every member's shard, this member's bound tensor); empty when single.
-        self.pieces: dict[str, tuple[list[ShardIdentity], nn.Parameter]] = {}
+        #: FQN -> (every member's shard, this member's bound tensor or None where it owns
+        #: nothing); empty when single.
+        self.pieces: dict[str, tuple[list[ShardIdentity], nn.Parameter | None]] = {}
         if layout == "single":
             return
         group = member_group(size)
         rebindings, shards = [], []
-        for name, tensor in named_trainable(self.model):
-            every = _shards(name, tensor, layout, group)
+        for index, (name, tensor) in enumerate(named_trainable(self.model)):
+            every = _shards(name, tensor, layout, group, index)
             shards.extend(every)
             mine = every[self.rank]
+            if layout == "owner" and not mine.is_owner:
+                self.pieces[name] = (every, None)
+                rebindings.append(ParameterRebinding(tensor, None, mine))
+                continue
             offset, length = _extent(mine)
             flat = tensor.detach().reshape(-1)[offset : offset + length]
-            piece = flat.view_as(tensor) if layout == "replicated" else flat
+            piece = flat if layout == "flattened" else flat.view_as(tensor)
             bound = nn.Parameter(piece.clone(), requires_grad=tensor.requires_grad)
             self.pieces[name] = (every, bound)
             rebindings.append(ParameterRebinding(tensor, bound, mine))
@@ -174,6 +197,8 @@ class GlooMember:
             loss.backward()  # type: ignore[no-untyped-call]
             grads = {name: p.grad for name, p in self.model.named_parameters()}
             for name, (every, bound) in self.pieces.items():
+                if bound is None:
+                    continue
                 grad = grads[name]
                 offset, length = _extent(every[self.rank])
                 bound.grad = None if grad is None else grad.reshape(-1)[offset : offset + length].clone().view_as(bound)
@@ -184,10 +209,11 @@ class GlooMember:
         return losses
 
     def _gather(self) -> None:
-        mine = {name: bound.detach().clone() for name, (_, bound) in self.pieces.items()}
-        everyone: list[Any] = [mine]
-        if self.layout == "flattened":
-            everyone = [None] * self.size
+        mine = {name: bound.detach().clone() for name, (_, bound) in self.pieces.items() if bound is not None}
+        everyone: list[Any] = [None] * self.size
+        if self.layout == "replicated":
+            everyone[self.rank] = mine
+        else:
             dist.all_gather_object(everyone, mine, group=_process_group(self.size))
         with torch.no_grad():
             for name, parameter in self.model.named_parameters():
@@ -196,8 +222,9 @@ class GlooMember:
                 every, _ = self.pieces[name]
                 flat = parameter.view(-1)
                 for member, values in enumerate(everyone):
-                    offset, length = _extent(every[member if self.layout == "flattened" else self.rank])
-                    flat[offset : offset + length].copy_(values[name].reshape(-1))
+                    if values is not None and name in values:
+                        offset, length = _extent(every[member])
+                        flat[offset : offset + length].copy_(values[name].reshape(-1))
 
     def parameter_values(self) -> dict[str, torch.Tensor]:
         """Copies of the driver's parameters."""
