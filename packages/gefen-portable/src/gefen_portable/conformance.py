@@ -202,14 +202,14 @@ def _first_error(failure: RankFailure) -> str:
     return f"rank {failed.rank} raised {failed.error_type}: {failed.message}"
 
 
-def _verdict(claim: str, what: str, outcome: dict[str, Any], back: bool) -> list[str]:
+def _verdict(claim: str, what: str, outcome: dict[str, Any], *, same: bool, back: bool) -> list[str]:
     """What breaks the contract's promise for one case (see :class:`PortableReshardCheck`)."""
     rtol = outcome["update_rtol"]
     if rtol is None:
         return [f"{claim}: the importing optimizer's contract declares no such transition"]
     if not all(math.isfinite(loss) for loss in outcome["resumed"]):
         return [f"{claim}: the continuation after {what} is not finite"]
-    if what.split(" -> ", maxsplit=1)[0] == what.split(" -> ")[1]:  # the same layout: bit for bit
+    if same:  # the same layout: bit for bit
         if outcome["bit_exact_continuation"]:
             return []
         return [f"{claim}: the continuation after {what} is not bit for bit"]
@@ -271,7 +271,7 @@ class PortableReshardCheck:
                     problems.append(f"{claim}: {_first_error(failure)}")
                     continue
                 what = f"{members[1]} {members[0]} -> {onto[1]} {onto[0]}"
-                problems += _verdict(claim, what, outcome, back)
+                problems += _verdict(claim, what, outcome, same=members == onto, back=back)
                 rtol, gap = outcome["update_rtol"], outcome.get("round_trip_update_gap")
                 measured = f", next update {gap:.1e} away" if back and gap else ""
                 bound = f"approximate, update_rtol {rtol}" if rtol else "exact"
