@@ -22,11 +22,11 @@ Representation per layout (the default constructor works everywhere):
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from gefen_contracts.torch_support import is_dtensor, local_tensor
 
 __all__ = [
     "all_reduce_column_sums",
@@ -39,30 +39,6 @@ __all__ = [
     "sum_over_mesh",
     "topology_record",
 ]
-
-
-def _dtensor_type() -> type | None:
-    # A DTensor can only exist once its module was imported; importing it ourselves would
-    # cost seconds in processes that never use DTensors.
-    module = sys.modules.get("torch.distributed.tensor")
-    kind = getattr(module, "DTensor", None) if module is not None else None
-    return kind if isinstance(kind, type) else None
-
-
-def is_dtensor(tensor: object) -> bool:
-    cls = type(tensor)
-    if cls is torch.Tensor or cls is torch.nn.Parameter:  # the common case, without the module lookup
-        return False
-    kind = _dtensor_type()
-    return kind is not None and isinstance(tensor, kind)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (sharing its storage), or the tensor itself."""
-    if is_dtensor(tensor):
-        local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
-        return local
-    return tensor
 
 
 def _placement_kind(tensor: Any) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from gefen_contracts.torch_support import is_dtensor, local_tensor
 
 from .errors import CheckpointLayoutError
 
@@ -59,26 +59,6 @@ class ShardGeometry:
         return starts, tuple(end - start for start, end in zip(starts, ends))
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
-
-
-def is_dtensor(value: object) -> bool:
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(value, dtensor)
-
-
-def local_tensor(parameter: Any) -> torch.Tensor:
-    """The process-local tensor of a (DTensor or plain) parameter."""
-    if is_dtensor(parameter):
-        return parameter.to_local()  # type: ignore[no-any-return]
-    return parameter  # type: ignore[no-any-return]
-
-
 def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
     """The geometry of ``parameter``'s local shard (a plain tensor is its own full shard)."""
     if is_dtensor(parameter):
@@ -94,7 +74,7 @@ def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
             tuple(int(o) for o in chunk.offsets),
             tuple(int(s) for s in chunk.sizes),
         )
-        local_shape = tuple(int(d) for d in local_tensor(parameter).shape)
+        local_shape = tuple(int(d) for d in local_tensor(parameter).shape)  # type: ignore[arg-type]
         if local_shape != geometry.sizes:
             raise CheckpointLayoutError(
                 f"{where}: the DTensor's local tensor has shape {local_shape} but its chunk is {geometry.sizes}"

@@ -7,35 +7,12 @@ imported only if something already imported it: no DTensor can exist before that
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
+from gefen_contracts.torch_support import is_dtensor, local_tensor
 
 __all__ = ["is_dtensor", "local_tensor", "same_placement", "tensor_kind"]
-
-
-def _dtensor_type() -> type | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
-
-
-def is_dtensor(value: object) -> bool:
-    """Whether ``value`` is a ``torch.distributed.tensor.DTensor``."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(value, dtensor)
-
-
-def local_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this process's elements: the local shard of a DTensor, else ``value``.
-
-    Under ``no_grad`` this is the DTensor's own local storage, so writing into it writes into
-    the DTensor.
-    """
-    if is_dtensor(value):
-        with torch.no_grad():
-            return value.to_local()  # type: ignore[attr-defined,no-any-return]
-    return value
 
 
 def same_placement(value: torch.Tensor, reference: torch.Tensor) -> bool:

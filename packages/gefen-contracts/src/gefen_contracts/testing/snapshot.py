@@ -8,7 +8,6 @@ container was replaced or edited in place and no tensor changed a bit.
 
 from __future__ import annotations
 
-import sys
 import types
 import weakref
 from collections.abc import Mapping
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..torch_support.tensors import is_dtensor, local_tensor
 
 __all__ = ["Snapshot", "deep_snapshot", "snapshot_diff"]
 
@@ -62,12 +63,7 @@ def _short(token: object) -> str:
 
 def _dtensor_local(tensor: torch.Tensor) -> torch.Tensor | None:
     """This process's shard of a DTensor (``None`` for other tensors); no collective."""
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None) if module is not None else None
-    if dtensor is None or not isinstance(tensor, dtensor):
-        return None
-    with torch.no_grad():
-        return tensor.to_local()  # type: ignore[no-any-return]
+    return local_tensor(tensor) if is_dtensor(tensor) else None
 
 
 def _tensor_token(tensor: torch.Tensor) -> tuple[object, ...]:

@@ -29,7 +29,15 @@ from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, spli
 from .param_groups import check_new_group, check_tensor_lr
 from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
 from .sealed_layout import SealedLayout
-from .tensors import dtype_from_name, dtype_name, finite_bounds, tensor_digest, tensor_leaf
+from .tensors import (
+    dtype_from_name,
+    dtype_name,
+    finite_bounds,
+    is_dtensor,
+    local_tensor,
+    tensor_digest,
+    tensor_leaf,
+)
 
 __all__ = [
     "BOUND_STATE_COVERAGE",
@@ -65,6 +73,8 @@ __all__ = [
     "dtype_name",
     "expand_blocks",
     "finite_bounds",
+    "is_dtensor",
+    "local_tensor",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

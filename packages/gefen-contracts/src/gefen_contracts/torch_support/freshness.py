@@ -26,11 +26,9 @@ from typing import Any
 
 import torch
 
+from .tensors import local_tensor
+
 __all__ = ["state_version_token", "tensor_version_token"]
-
-
-def _is_dtensor(value: object) -> bool:
-    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
 def tensor_version_token(tensor: torch.Tensor) -> tuple[Hashable, ...]:
@@ -39,10 +37,7 @@ def tensor_version_token(tensor: torch.Tensor) -> tuple[Hashable, ...]:
     A DTensor is described by its local shard (no collective). Inference-mode tensors have no
     version counter; they are immutable outside inference mode, so they use ``-1``.
     """
-    local = tensor
-    if _is_dtensor(tensor):
-        with torch.no_grad():
-            local = tensor.to_local()  # type: ignore[attr-defined]
+    local = local_tensor(tensor)
     try:
         version = int(local._version)
     except RuntimeError:  # inference tensors do not track versions

@@ -23,6 +23,7 @@ from ..identity import LogicalSlice, ShardIdentity
 from ..manifest import ShardingManifest
 from ..rebinding import LogicalSlotBinding, ParameterRebinding
 from .bindings import ProcessGroupBinding
+from .tensors import is_dtensor
 
 __all__ = ["RebindingPlan", "SlotRebinding", "has_internal_overlap", "plan_rebinding"]
 
@@ -84,10 +85,6 @@ def has_internal_overlap(tensor: torch.Tensor) -> bool:
     return False
 
 
-def _is_dtensor(tensor: object) -> bool:
-    return type(tensor).__name__ == "DTensor" or hasattr(tensor, "device_mesh")
-
-
 def _check_target(shard: ShardIdentity, target: object, index: int) -> None:
     where = f"rebindings[{index}] ({shard.fqn!r})"
     layout = shard.layout
@@ -99,7 +96,7 @@ def _check_target(shard: ShardIdentity, target: object, index: int) -> None:
         raise ContractError(f"{where}: a whole-parameter non-owner must pass new_parameter=None (its slot is pruned)")
     if not isinstance(target, torch.Tensor):
         raise ContractTypeError(f"{where}: new_parameter must be a torch.Tensor, got {type(target).__name__}")
-    if _is_dtensor(target):
+    if is_dtensor(target):
         raise ContractTypeError(f"{where}: new_parameter must be a plain local tensor, not a DTensor")
     if target.is_meta or target.layout is not torch.strided:
         raise ContractError(f"{where}: new_parameter must be a materialized strided tensor")

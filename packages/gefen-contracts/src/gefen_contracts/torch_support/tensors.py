@@ -1,5 +1,6 @@
-"""Tensor leaves for the digest grammar (:mod:`gefen_contracts.digest`), dtype names, and the
-one-pass finiteness check every state validator uses (:func:`finite_bounds`)."""
+"""Tensor leaves for the digest grammar (:mod:`gefen_contracts.digest`), dtype names, the
+one-pass finiteness check every state validator uses (:func:`finite_bounds`), and the one
+DTensor test every package uses (:func:`is_dtensor`, :func:`local_tensor`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import torch
 from ..digest import DigestLeaf, canonical_digest
 from ..errors import CodecError
 
-__all__ = ["dtype_from_name", "dtype_name", "finite_bounds", "tensor_digest", "tensor_leaf"]
+__all__ = [
+    "dtype_from_name",
+    "dtype_name",
+    "finite_bounds",
+    "is_dtensor",
+    "local_tensor",
+    "tensor_digest",
+    "tensor_leaf",
+]
 
 _CHUNK_BYTES = 8 << 20
 _NAMES = {
@@ -32,6 +41,31 @@ _NAMES = {
 
 
 _DTYPES = {name: dtype for dtype, name in _NAMES.items()}
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor``.
+
+    A DTensor exists only once its module was imported, so this looks the class up in
+    ``sys.modules`` instead of importing it (which costs seconds in processes that never use
+    DTensors); plain tensors and parameters answer without the lookup."""
+    cls = type(value)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    kind = getattr(module, "DTensor", None) if module is not None else None
+    return isinstance(kind, type) and isinstance(value, kind)
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """This process's elements: a DTensor's local shard (taken under ``no_grad``, so it is the
+    DTensor's own storage and writing into it writes into the DTensor; no collective), else
+    ``value`` itself."""
+    if is_dtensor(value):
+        with torch.no_grad():
+            local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
+        return local
+    return value
 
 
 def finite_bounds(tensor: torch.Tensor) -> tuple[float, float] | None:
