@@ -193,10 +193,6 @@ def _transitions(source: str, target: str) -> frozenset[str]:
     return frozenset(transition_claim(_TRANSPORT, source, target, kind.value) for kind in TopologyChange)
 
 
-def _relative(values: list[float], reference: list[float]) -> float:
-    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(values, reference, strict=True)), default=0.0)
-
-
 def _first_error(failure: RankFailure) -> str:
     failed = next(o for o in failure.outcomes if not o.ok)
     return f"rank {failed.rank} raised {failed.error_type}: {failed.message}"

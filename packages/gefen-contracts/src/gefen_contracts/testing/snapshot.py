@@ -61,13 +61,8 @@ def _short(token: object) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def _dtensor_local(tensor: torch.Tensor) -> torch.Tensor | None:
-    """This process's shard of a DTensor (``None`` for other tensors); no collective."""
-    return local_tensor(tensor) if is_dtensor(tensor) else None
-
-
 def _tensor_token(tensor: torch.Tensor) -> tuple[object, ...]:
-    local = _dtensor_local(tensor)
+    local = local_tensor(tensor) if is_dtensor(tensor) else None
     if local is not None:
         # A tensor subclass has no .numpy(): record the global metadata and the local shard.
         placements = repr(tuple(tensor.placements))  # type: ignore[attr-defined]
