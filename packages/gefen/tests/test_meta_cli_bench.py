@@ -134,6 +134,8 @@ def test_bench_quality_smoke(tmp_path: Path) -> None:
     assert paired.detail["seeds"] == 2
     assert any(note.startswith("char-tiny: gefen / adamw = ") for note in report.notes)
     assert report.config["task_definitions"]["char-tiny"]["corpus_digest"]  # type: ignore[index]
+    # The pool options reach the runs (they were parsed and dropped before).
+    assert report.config["workers"] == 1 and report.config["threads"] == 1 and report.config["device"] == "cpu"
 
 
 @pytest.mark.slow
@@ -358,3 +360,10 @@ def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert not any(row.name.endswith(adopter) for row in report.rows)
     assert any(note.startswith(f"{adopter}: not measured on more than one rank") for note in report.notes)
     _ratios_hold(document)
+
+
+def test_bench_quality_refuses_an_unknown_device() -> None:
+    from gefen.bench.quality import QualityOptions
+
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'mps'"):
+        QualityOptions(tasks=("char-tiny",), optimizers=("adamw",), device="mps")

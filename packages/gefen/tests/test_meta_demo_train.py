@@ -74,6 +74,8 @@ def test_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert all(a >= b for a, b in itertools.pairwise(factors[4:]))
     with pytest.raises(ValueError, match="lr"):
         TrainConfig("adamw", 0.0, 10)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        TrainConfig("adamw", 1e-3, 10, device="tpu")
 
 
 def test_registry_names_and_errors() -> None:

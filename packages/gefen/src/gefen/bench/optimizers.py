@@ -69,7 +69,7 @@ def _gefen_builder(**options: Any) -> Callable[[NamedParameters, float, float], 
 HYBRID_BACKUP_SUBSTRINGS = (*DEFAULT_BACKUP_SUBSTRINGS, "head")
 
 
-def _hybrid_builder(backup: str) -> Callable[[NamedParameters, float, float], torch.optim.Optimizer]:
+def _hybrid_builder(backup: str, **muon: Any) -> Callable[[NamedParameters, float, float], torch.optim.Optimizer]:
     def build(named: NamedParameters, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         # Imported here: gefen.hybrid pulls in gefen-hybrid, which the other arms do not need.
         from ..hybrid import GefenMuonHybrid
@@ -80,6 +80,7 @@ def _hybrid_builder(backup: str) -> Callable[[NamedParameters, float, float], to
             weight_decay=weight_decay,
             backup_optimizer=backup,
             backup_substrings=HYBRID_BACKUP_SUBSTRINGS,
+            **muon,
         )
 
     return build
@@ -248,6 +249,25 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             "gefen-muon-hybrid-adamw",
             "gefen.GefenMuonHybrid(backup_optimizer='adamw'): GefenMuon plus ContractedAdamW (fp32 state)",
             _hybrid_builder("adamw"),
+            _always_available,
+        ),
+        # The hybrid's Muon options one at a time (issue 18: what separates it from torch's Muon).
+        OptimizerEntry(
+            "gefen-muon-hybrid-ns5",
+            "ablation: gefen.GefenMuonHybrid with torch Muon's Newton-Schulz (5 standard steps instead of tuned3)",
+            _hybrid_builder("gefen", ns_schedule="standard"),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-muon-hybrid-no-normuon",
+            "ablation: gefen.GefenMuonHybrid without NorMuon's row normalisation",
+            _hybrid_builder("gefen", normuon=False),
+            _always_available,
+        ),
+        OptimizerEntry(
+            "gefen-muon-hybrid-plain",
+            "ablation: gefen.GefenMuonHybrid with torch Muon's update (5 standard steps, no NorMuon)",
+            _hybrid_builder("gefen", ns_schedule="standard", normuon=False),
             _always_available,
         ),
         OptimizerEntry(

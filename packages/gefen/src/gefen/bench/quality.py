@@ -113,6 +113,9 @@ class QualityOptions:
     baseline: str = "adamw"
     workers: int = field(default_factory=lambda: max(1, min(2, os.cpu_count() or 1)))
     threads: int = 1
+    #: Where every run trains (``"cuda"``: one GPU shared by the workers; losses then differ from
+    #: the CPU's in the last bits, so compare runs of one device only).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in self.tasks:
@@ -133,6 +136,8 @@ class QualityOptions:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.steps is not None and (type(self.steps) is not int or self.steps <= 0):
             raise ValueError(f"steps must be a positive int or None, got {self.steps!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
     def task(self, name: str) -> QualityTask:
         task = QUALITY_TASKS[name]
@@ -170,15 +175,16 @@ class OptimizerOutcome:
         return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _job(task: QualityTask, optimizer: str, lr: float, seed: int, weight_decay: float) -> TrainJob:
+def _job(task: QualityTask, optimizer: str, lr: float, seed: int, options: QualityOptions) -> TrainJob:
     config = TrainConfig(
         optimizer=optimizer,
         lr=lr,
         steps=task.steps,
         batch_size=task.batch_size,
         seed=seed,
-        weight_decay=weight_decay,
+        weight_decay=options.weight_decay,
         eval_windows=task.eval_windows,
+        device=options.device,
     )
     return TrainJob(task.model_size, task.corpus, config)
 
@@ -227,7 +233,7 @@ def run_quality(
         tick(f"{job.model_size}/{job.label}")
 
     sweep_keys = [(task, name, lr) for task, name in pairs for lr in task.lr_grid]
-    sweep_jobs = [_job(task, name, lr, 0, options.weight_decay) for task, name, lr in sweep_keys]
+    sweep_jobs = [_job(task, name, lr, 0, options) for task, name, lr in sweep_keys]
     sweep = dict(
         zip(
             [(task.name, name, lr) for task, name, lr in sweep_keys],
@@ -240,9 +246,7 @@ def run_quality(
         best[(task.name, name)] = min(task.lr_grid, key=lambda lr: (valid[lr], lr))
     seeds = range(1, options.seeds + 1)
     seed_keys = [(task, name, seed) for task, name in pairs for seed in seeds]
-    seed_jobs = [
-        _job(task, name, best[(task.name, name)], seed, options.weight_decay) for task, name, seed in seed_keys
-    ]
+    seed_jobs = [_job(task, name, best[(task.name, name)], seed, options) for task, name, seed in seed_keys]
     seeded = dict(
         zip(
             [(task.name, name, seed) for task, name, seed in seed_keys],

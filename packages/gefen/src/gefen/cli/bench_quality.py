@@ -65,6 +65,12 @@ def register(sub: Any) -> None:
         "--workers", type=int, default=None, help="parallel single-threaded runs (default: up to 2, one per core)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the runs train (cuda: the workers share one GPU; compare runs of one device only)",
+    )
     add_output_options(parser)
     parser.set_defaults(handler=run)
 
@@ -76,8 +82,16 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.output import emit
     from ..bench.quality import QualityOptions, quality_panels, run_quality
 
+    pool = {"workers": args.workers} if args.workers is not None else {}
     options = QualityOptions(
-        tasks=args.tasks, optimizers=args.optimizers, lr_grid=args.lr_grid, seeds=args.seeds, steps=args.steps
+        tasks=args.tasks,
+        optimizers=args.optimizers,
+        lr_grid=args.lr_grid,
+        seeds=args.seeds,
+        steps=args.steps,
+        threads=args.threads,
+        device=args.device,
+        **pool,
     )
     runnable = [name for name in options.optimizers if unavailable_reason(name) is None]
     total = sum(len(runnable) * options.runs_per_optimizer(task) for task in options.tasks)

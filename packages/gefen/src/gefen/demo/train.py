@@ -39,8 +39,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_every: int = 0
     eval_windows: int = 64
+    #: Where the model, the batches and the optimizer state live (``"cpu"`` or ``"cuda"``).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"TrainConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
         if not (isinstance(self.lr, float) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"TrainConfig.lr must be a positive finite float, got {self.lr!r}")
         for name in ("steps", "batch_size", "eval_windows"):
@@ -90,6 +94,8 @@ def evaluate(model: TinyDecoder, tokens: torch.Tensor, windows: int, batch_size:
     inputs, targets = eval_windows(tokens, windows, model.config.context)
     model.eval()
     total = 0.0
+    device = next(model.parameters()).device
+    inputs, targets = inputs.to(device), targets.to(device)
     for start in range(0, windows, batch_size):
         x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
         total += float(model.loss(x, y)) * x.shape[0]
@@ -110,7 +116,8 @@ def train(
     marked ``diverged`` (its final losses are ``inf``), so a learning-rate sweep can go on."""
     shape = model_config.with_vocab(data.tokenizer.vocab_size)
     torch.manual_seed(config.seed)
-    model = TinyDecoder(shape)
+    # Initialised on the CPU (the same weights whatever the device), then moved.
+    model = TinyDecoder(shape).to(config.device)
     named = list(model.named_parameters())
     optimizer = build_optimizer(config.optimizer, named, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
@@ -132,17 +139,22 @@ def train(
         dynamic_ncols=True,
         leave=True,
     )
+    # On a GPU the clock needs the queued work finished, or it times the launches only.
+    sync = torch.cuda.synchronize if config.device == "cuda" else (lambda: None)
     try:
         for step in range(config.steps):
             started = time.perf_counter()
             x, y = sample_batch(data.train, config.batch_size, shape.context, batches)
+            x, y = x.to(config.device), y.to(config.device)
             loss = model.loss(x, y)
             torch.autograd.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            sync()
             step_started = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+            sync()
             finished = time.perf_counter()
             if step >= warmup_steps:
                 step_time += finished - step_started
