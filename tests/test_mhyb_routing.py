@@ -150,7 +150,7 @@ def test_frozen_placeholder_and_empty_parameter_sets_are_refused() -> None:
 
 def test_add_param_group_routes_new_parameters_into_the_right_child_with_its_options() -> None:
     model = seeded(TinyLlama)
-    optimizer = GefenMuonHybrid(model, lr=1e-3)
+    optimizer = GefenMuonHybrid(model, lr=1e-3, ns_schedule="tuned3", normuon=True)
     extra = nn.Linear(16, 16)
     optimizer.add_param_group({"params": [("extra.weight", extra.weight), ("extra.bias", extra.bias)], "lr": 5e-4})
     routing = dict(optimizer.parameter_routing())

@@ -8,7 +8,9 @@ a fresh optimizer. A hostile pickle in place of the file must be refused by the 
 without running. Each trial must end one of three ways: torch's reader refuses the file,
 the optimizer refuses the state dict and is left unchanged (deep snapshot), or the load
 restores exactly what was saved (a flip in bytes nothing reads). A load that changes the
-state silently fails the campaign. ``GEFEN_CAMPAIGN_TRIALS`` sets the random trials per
+state silently fails the campaign. Group hyperparameters (``lr``, ``betas``, ...) are outside
+the digest by design (users edit them in checkpoints; ``gefen_core.native_records``): a flip
+there loads the flipped value and is counted as ``hyperparameter``, with everything else exact. ``GEFEN_CAMPAIGN_TRIALS`` sets the random trials per
 optimizer (default 40; the exhaustive run uses thousands).
 
 Covered: the native formats that carry ``gefen_state_digest`` (Gefen, GefenMuon, and the
@@ -94,7 +96,7 @@ def test_every_flipped_bit_of_a_portable_document_is_refused_or_harmless() -> No
     data = buffer.getvalue()
     expected = saved.state_dict()
     rng = random.Random(20)
-    counts = {"trials": 0, "unreadable": 0, "refused": 0, "unchanged": 0, "exact": 0}
+    counts = {"trials": 0, "unreadable": 0, "refused": 0, "unchanged": 0, "exact": 0, "hyperparameter": 0}
     for trial in range(TRIALS):
         mutated = bytearray(data)
         mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(8)
@@ -119,6 +121,35 @@ def test_every_flipped_bit_of_a_portable_document_is_refused_or_harmless() -> No
     assert counts["trials"] == TRIALS
 
 
+def _without_hyperparameters(state_dict: dict[str, object]) -> dict[str, object]:
+    """``state_dict`` with each group reduced to its ids and its record mirror (the digest's
+    coverage; a hybrid's children are compared the same way)."""
+    out: dict[str, object] = {}
+    for key, value in state_dict.items():
+        if key == "param_groups" and isinstance(value, list):
+            out[key] = [
+                {k: v for k, v in group.items() if k in ("params", "_gefen_checkpoint_metadata")} for group in value
+            ]
+        elif isinstance(value, dict) and "param_groups" in value:
+            out[key] = _without_hyperparameters(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _hyperparameters(state_dict: dict[str, object]) -> list[object]:
+    found: list[object] = []
+    for key, value in state_dict.items():
+        if key == "param_groups" and isinstance(value, list):
+            found.extend(
+                sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "_gefen_checkpoint_metadata"))
+                for g in value
+            )
+        elif isinstance(value, dict) and "param_groups" in value:
+            found.extend(_hyperparameters(value))
+    return found
+
+
 def _trained(factory: Factory) -> torch.optim.Optimizer:
     model = make_kit_model(0)
     optimizer = factory(model)
@@ -137,7 +168,7 @@ def test_every_flipped_bit_is_refused_or_harmless(name: str) -> None:
     targeted = _tensor_offsets(saved, data)
     assert len(targeted) >= 4, "the campaign must reach the stored tensors"
     positions = [*targeted, *(rng.randrange(len(data)) for _ in range(TRIALS))]
-    counts = {"trials": 0, "unreadable": 0, "refused": 0, "unchanged": 0, "exact": 0}
+    counts = {"trials": 0, "unreadable": 0, "refused": 0, "unchanged": 0, "exact": 0, "hyperparameter": 0}
     outcomes: list[str] = []
     target_model = make_kit_model(0)
     target = factory(target_model)
@@ -160,11 +191,15 @@ def test_every_flipped_bit_is_refused_or_harmless(name: str) -> None:
             counts["unchanged"] += 1
             outcomes.append("refused")
             continue
-        assert_trees_equal(target.state_dict(), saved, f"trial {trial} (bit at byte {position})")
-        counts["exact"] += 1
-        outcomes.append("exact")
+        restored = target.state_dict()
+        where = f"trial {trial} (bit at byte {position})"
+        assert_trees_equal(_without_hyperparameters(restored), _without_hyperparameters(saved), where)
+        outcome = "exact" if _hyperparameters(restored) == _hyperparameters(saved) else "hyperparameter"
+        counts[outcome] += 1
+        outcomes.append(outcome)
         target = factory(make_kit_model(0))  # a fresh target for the next trial
         before = deep_snapshot(target)
     print(f"native corruption campaign [{name}]: {counts} (hangs: 0)")
     assert counts["trials"] == len(positions)
-    assert "exact" not in outcomes[: len(targeted)], "a flipped bit inside a stored state tensor loaded"
+    loaded_targeted = [o for o in outcomes[: len(targeted)] if o in ("exact", "hyperparameter")]
+    assert not loaded_targeted, "a flipped bit inside a stored state tensor loaded"

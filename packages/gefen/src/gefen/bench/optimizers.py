@@ -251,23 +251,23 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _hybrid_builder("adamw"),
             _always_available,
         ),
-        # The hybrid's Muon options one at a time (issue 18: what separates it from torch's Muon).
+        # The Muon options the hybrid's defaults leave out, one at a time and together (issue 18).
         OptimizerEntry(
-            "gefen-muon-hybrid-ns5",
-            "ablation: gefen.GefenMuonHybrid with torch Muon's Newton-Schulz (5 standard steps instead of tuned3)",
-            _hybrid_builder("gefen", ns_schedule="standard"),
+            "gefen-muon-hybrid-tuned3",
+            "ablation: gefen.GefenMuonHybrid with 3 tuned Newton-Schulz steps (ns_schedule='tuned3') instead of 5",
+            _hybrid_builder("gefen", ns_schedule="tuned3"),
             _always_available,
         ),
         OptimizerEntry(
-            "gefen-muon-hybrid-no-normuon",
-            "ablation: gefen.GefenMuonHybrid without NorMuon's row normalisation",
-            _hybrid_builder("gefen", normuon=False),
+            "gefen-muon-hybrid-normuon",
+            "ablation: gefen.GefenMuonHybrid with NorMuon's row normalisation (normuon=True)",
+            _hybrid_builder("gefen", normuon=True),
             _always_available,
         ),
         OptimizerEntry(
-            "gefen-muon-hybrid-plain",
-            "ablation: gefen.GefenMuonHybrid with torch Muon's update (5 standard steps, no NorMuon)",
-            _hybrid_builder("gefen", ns_schedule="standard", normuon=False),
+            "gefen-muon-hybrid-reference",
+            "ablation: gefen.GefenMuonHybrid with the reference hybrid's defaults (tuned3 and NorMuon)",
+            _hybrid_builder("gefen", ns_schedule="tuned3", normuon=True),
             _always_available,
         ),
         OptimizerEntry(
