@@ -139,8 +139,13 @@ def train(
         dynamic_ncols=True,
         leave=True,
     )
-    # On a GPU the clock needs the queued work finished, or it times the launches only.
-    sync = torch.cuda.synchronize if config.device == "cuda" else (lambda: None)
+    on_gpu = config.device == "cuda"
+
+    def sync() -> None:
+        # On a GPU the clock needs the queued work finished, or it times the launches only.
+        if on_gpu:
+            torch.cuda.synchronize()
+
     try:
         for step in range(config.steps):
             started = time.perf_counter()
