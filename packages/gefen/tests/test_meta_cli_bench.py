@@ -139,6 +139,32 @@ def test_bench_quality_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_bench_quality_chooses_the_rate_on_the_mean_of_the_sweep_seeds(tmp_path: Path) -> None:
+    code = main(
+        [
+            "bench", "quality", "--tasks", "char-tiny", "--optimizers", "adamw", "--lr-grid", "1e-3,1e-2",
+            "--seeds", "2", "--sweep-seeds", "2", "--steps", "3", "--workers", "1", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = read_report(tmp_path / "quality.json")
+    loss = report.row("char-tiny/adamw", "test_loss")
+    # Each rate's valid loss is the mean over sweep seeds 0 and 1; the reported seeds are 2 and 3.
+    from gefen.bench.training_pool import TrainJob, run_jobs
+    from gefen.demo.train import TrainConfig
+
+    def valid(lr: float, seed: int) -> float:
+        config = TrainConfig("adamw", lr, 3, batch_size=4, seed=seed, eval_windows=8)
+        return run_jobs([TrainJob("tiny", "tinylang-char", config)])[0].valid_loss
+
+    expected = {str(lr): (valid(lr, 0) + valid(lr, 1)) / 2 for lr in (1e-3, 1e-2)}
+    assert loss.detail["valid_by_lr"] == pytest.approx(expected)  # type: ignore[arg-type]
+    tests = [run_jobs([TrainJob("tiny", "tinylang-char", TrainConfig("adamw", report.row("char-tiny/adamw", "best_lr").value, 3, batch_size=4, seed=s, eval_windows=8))])[0].test_loss for s in (2, 3)]  # fmt: skip
+    assert loss.detail["per_seed"] == pytest.approx(tests)  # type: ignore[arg-type]
+    assert report.config["sweep_seeds"] == 2
+
+
+@pytest.mark.slow
 def test_bench_dp_smoke(tmp_path: Path) -> None:
     code = main(
         ["bench", "dp", "--repeats", "1", "--elements", "65536", "--bruteforce-bins", "256", "--out", str(tmp_path)]

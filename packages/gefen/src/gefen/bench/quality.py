@@ -2,11 +2,13 @@
 
 Protocol, per task and optimizer:
 
-1. train once per learning rate of the task's grid (shared by every optimizer) at seed 0
-   and pick the rate with the lowest loss on the ``valid`` split (a diverged run counts as
-   infinitely bad);
-2. train at that rate with seeds ``1..seeds`` (the sweep's seed is not reused, so the rate
-   is never chosen on the runs that are reported);
+1. train once per learning rate of the task's grid (shared by every optimizer) at each
+   sweep seed ``0..sweep_seeds-1`` and pick the rate with the lowest mean loss on the
+   ``valid`` split (a diverged run counts as infinitely bad). One sweep seed is the default;
+   on a task whose runs are chaotic (``char-mini``: one seed's valid loss picks between two
+   rates by less than the seed spread) more sweep seeds keep the choice from being a coin flip;
+2. train at that rate with the next ``seeds`` seeds (``sweep_seeds..``; the sweep's seeds are
+   not reused, so the rate is never chosen on the runs that are reported);
 3. report the mean loss on the held-out ``test`` split and, against the baseline (AdamW),
    the mean of the per-seed loss ratios with its 95 % Student-t interval
    (:mod:`gefen.bench.intervals`), and the best learning rate as a ratio to AdamW's.
@@ -108,6 +110,8 @@ class QualityOptions:
     #: Override every task's grid (``None``: each task's own).
     lr_grid: tuple[float, ...] | None = None
     seeds: int = 5
+    #: Seeds per learning rate in the sweep (the rate is chosen on their mean valid loss).
+    sweep_seeds: int = 1
     weight_decay: float = 0.01
     steps: int | None = None
     baseline: str = "adamw"
@@ -130,6 +134,8 @@ class QualityOptions:
             raise ValueError(f"lr_grid must hold positive finite learning rates, got {self.lr_grid!r}")
         if type(self.seeds) is not int or self.seeds < 1:
             raise ValueError(f"seeds must be a positive int, got {self.seeds!r}")
+        if type(self.sweep_seeds) is not int or self.sweep_seeds < 1:
+            raise ValueError(f"sweep_seeds must be a positive int, got {self.sweep_seeds!r}")
         for name in ("workers", "threads"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -152,7 +158,7 @@ class QualityOptions:
         )
 
     def runs_per_optimizer(self, task: str) -> int:
-        return len(self.task(task).lr_grid) + self.seeds
+        return len(self.task(task).lr_grid) * self.sweep_seeds + self.seeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,8 +200,8 @@ def run_quality(
 ) -> tuple[BenchmarkReport, dict[str, list[OptimizerOutcome]]]:
     """Run every task for every available optimizer; return the report and the raw outcomes.
 
-    Phase 1 runs every learning rate of each task's grid at seed 0, phase 2 seeds
-    ``1..options.seeds`` at each optimizer's chosen rate; the runs of a phase are spread over
+    Phase 1 runs every learning rate of each task's grid at the sweep seeds, phase 2 the next
+    ``options.seeds`` seeds at each optimizer's chosen rate; the runs of a phase are spread over
     ``options.workers`` processes.
     """
     tick = progress or (lambda _label: None)
@@ -213,8 +219,9 @@ def run_quality(
                 for task in tasks
             },
             "recipe": (
-                "AdamW-style: warm-up 5 %, cosine to 10 %, clip 1.0; LR chosen on valid at seed 0, "
-                "loss reported on test at seeds 1..N; ratios are paired by seed, 95 % Student-t intervals"
+                "AdamW-style: warm-up 5 %, cosine to 10 %, clip 1.0; LR chosen on the mean valid loss of the "
+                "sweep seeds, loss reported on test at the next N seeds; ratios are paired by seed, 95 % "
+                "Student-t intervals"
             ),
         },
     )
@@ -232,19 +239,27 @@ def run_quality(
     def done(job: TrainJob) -> None:
         tick(f"{job.model_size}/{job.label}")
 
-    sweep_keys = [(task, name, lr) for task, name in pairs for lr in task.lr_grid]
-    sweep_jobs = [_job(task, name, lr, 0, options) for task, name, lr in sweep_keys]
+    sweep_seeds = range(options.sweep_seeds)
+    sweep_keys = [(task, name, lr, seed) for task, name in pairs for lr in task.lr_grid for seed in sweep_seeds]
+    sweep_jobs = [_job(task, name, lr, seed, options) for task, name, lr, seed in sweep_keys]
     sweep = dict(
         zip(
-            [(task.name, name, lr) for task, name, lr in sweep_keys],
+            [(task.name, name, lr, seed) for task, name, lr, seed in sweep_keys],
             run_jobs(sweep_jobs, workers=options.workers, threads=options.threads, on_done=done),
         )
     )
+    valid_by_lr: dict[tuple[str, str], dict[float, float]] = {
+        (task.name, name): {
+            lr: statistics.fmean(sweep[(task.name, name, lr, seed)].valid_loss for seed in sweep_seeds)
+            for lr in task.lr_grid
+        }
+        for task, name in pairs
+    }
     best: dict[tuple[str, str], float] = {}
     for task, name in pairs:
-        valid = {lr: sweep[(task.name, name, lr)].valid_loss for lr in task.lr_grid}
+        valid = valid_by_lr[(task.name, name)]
         best[(task.name, name)] = min(task.lr_grid, key=lambda lr: (valid[lr], lr))
-    seeds = range(1, options.seeds + 1)
+    seeds = range(options.sweep_seeds, options.sweep_seeds + options.seeds)
     seed_keys = [(task, name, seed) for task, name in pairs for seed in seeds]
     seed_jobs = [_job(task, name, best[(task.name, name)], seed, options) for task, name, seed in seed_keys]
     seeded = dict(
@@ -260,7 +275,7 @@ def run_quality(
         runs = {seed: seeded[(task.name, name, seed)] for seed in seeds}
         outcome = OptimizerOutcome(
             optimizer=name,
-            valid_by_lr={lr: sweep[(task.name, name, lr)].valid_loss for lr in task.lr_grid},
+            valid_by_lr=valid_by_lr[(task.name, name)],
             best_lr=best_lr,
             test_by_seed={seed: result.test_loss for seed, result in runs.items()},
             tokens_per_s=statistics.fmean(result.tokens_per_s for result in runs.values()),
@@ -368,7 +383,7 @@ def quality_panels(report: BenchmarkReport) -> list[Panel]:
                 )
         panels.append(
             Panel(
-                f"{task}: validation loss vs learning rate (seed 0)",
+                f"{task}: validation loss vs learning rate (mean of the sweep seeds)",
                 "peak learning rate",
                 "nats/token",
                 tuple(series),
