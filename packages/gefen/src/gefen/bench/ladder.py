@@ -108,6 +108,8 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "gefen-v1d-exact": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
     "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
     "gefen-v2d-column-shaped-32": GEFEN_APPROXIMATIONS.but(v_2d="column-shaped", v_block=32),
+    # One fp32 per 128 elements: +0.031 B/param, what the 1.05 B/param budget leaves room for.
+    "gefen-v2d-column-shaped-128": GEFEN_APPROXIMATIONS.but(v_2d="column-shaped", v_block=128),
     "gefen-cap128": GEFEN_APPROXIMATIONS.but(block_cap=128),
     "gefen-uniform": GEFEN_APPROXIMATIONS.but(codebook="uniform"),
     "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),
