@@ -104,3 +104,21 @@ def test_the_backup_ladder_changes_only_the_backup() -> None:
     exact = dict(runs["muon-ladder-exact"].named_parameters())
     for key, value in reference.items():
         torch.testing.assert_close(exact[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_order_codes_decode_with_the_denominator_they_were_stored_with() -> None:
+    """``quantize="preconditioned-adam"``: with exact momentum it is AdamW (Adam's order);
+    quantised, its stored codes times the stored denominator are what the update applies."""
+    reference, instrument = _model(), _model()
+    adamw = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.01)
+    exact = LadderAdamW(instrument.parameters(), Approximations(quantize="preconditioned-adam"), lr=3e-3)
+    _train(reference, adamw, 6)
+    _train(instrument, exact, 6)
+    torch.testing.assert_close(_parameters(instrument), _parameters(reference), rtol=1e-5, atol=1e-6)
+    model = _model()
+    quantised = LadderAdamW(model.parameters(), LADDER_RUNGS["gefen-adam-order"], lr=3e-3)
+    _train(model, quantised, 3)
+    for p in model.parameters():
+        state = quantised.state[p]
+        assert "codes" in state and state["stored_unit"].shape == state["codes"].shape
+    assert quantised.state_bytes_per_element() < 1.5  # the instrument's copy of V is not counted

@@ -34,7 +34,11 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 * ``apply``: what the update applies: ``"stored"`` (the requantised momentum, as Gefen 0.1)
   or ``"exact"`` (the EMA ``u`` before requantisation, as torchao's low-bit AdamW: the
   rounding error then reaches the parameters only through the next step's ``beta1 m``).
-* ``quantize``: what the first moment holds: ``"momentum"`` (``u`` itself, Gefen up to native format v3) or
+* ``quantize``: what the first moment holds: ``"momentum"`` (``u`` itself, Gefen up to native format v3),
+  ``"preconditioned-adam"`` (the codes hold ``u / (sqrt(V_t) + eps)`` at the resolution of the update, but are
+  decoded with the denominator they were stored with, ``V_t``, so the decoded value is Adam's EMA of ``g``
+  itself: Adam's order of momentum and preconditioning; a real optimizer recomputes ``V_t`` from the second
+  moment before advancing it, no extra state; the instrument keeps it) or
   ``"preconditioned"`` (``u / (sqrt(V) + eps)``, the update's direction, so every element is
   rounded to the same *update* resolution; decoded with the current step's ``V``, no extra
   state; Gefen's default since native format v4). Decoding with the current ``V`` makes the stored value the
@@ -76,7 +80,7 @@ class Approximations:
     rounding: Literal["nearest", "stochastic"] = "nearest"
     error_feedback: bool = False
     apply: Literal["stored", "exact"] = "stored"
-    quantize: Literal["momentum", "preconditioned"] = "momentum"
+    quantize: Literal["momentum", "preconditioned", "preconditioned-adam"] = "momentum"
 
     def __post_init__(self) -> None:
         if self.v_1d == "factored":
@@ -118,6 +122,7 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "v2d-factored-laprop": _EXACT.but(v_2d="factored", quantize="preconditioned"),
     "gefen-apply-exact": GEFEN_APPROXIMATIONS.but(apply="exact"),
     "gefen-momentum-codes": GEFEN_APPROXIMATIONS.but(quantize="momentum"),
+    "gefen-adam-order": GEFEN_APPROXIMATIONS.but(quantize="preconditioned-adam"),
 }
 
 
@@ -241,9 +246,15 @@ class LadderAdamW(torch.optim.Optimizer):
             return m.mul_(beta1).add_(g, alpha=1 - beta1)
         assert self.codebook is not None
         blocks = g.reshape(-1, state["period"])
-        unit = denom.reshape(blocks.shape) if self.approx.quantize == "preconditioned" else None
+        unit = denom.reshape(blocks.shape) if self.approx.quantize != "momentum" else None
         decoded = dequantize(self.codebook, state["codes"], state["scale"])
-        u = (decoded if unit is None else decoded * unit) * beta1 + blocks * (1 - beta1)
+        if self.approx.quantize == "preconditioned-adam":
+            # Decode with the denominator the codes were stored with (Adam's order).
+            decoded = decoded * state.get("stored_unit", unit)
+            state["stored_unit"] = unit
+            u = decoded * beta1 + blocks * (1 - beta1)
+        else:
+            u = (decoded if unit is None else decoded * unit) * beta1 + blocks * (1 - beta1)
         exact = u
         if unit is not None:
             u = u / unit
@@ -314,5 +325,10 @@ class LadderAdamW(torch.optim.Optimizer):
         elements = 0
         for p, state in self.state.items():
             elements += p.numel()
-            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+            # ``stored_unit`` is the instrument's copy of what a real optimizer recomputes from v.
+            total += sum(
+                t.numel() * t.element_size()
+                for key, t in state.items()
+                if isinstance(t, torch.Tensor) and key != "stored_unit"
+            )
         return total / elements if elements else math.nan
