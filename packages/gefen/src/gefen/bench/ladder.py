@@ -250,6 +250,7 @@ class LadderAdamW(torch.optim.Optimizer):
         decoded = dequantize(self.codebook, state["codes"], state["scale"])
         if self.approx.quantize == "preconditioned-adam":
             # Decode with the denominator the codes were stored with (Adam's order).
+            assert unit is not None
             decoded = decoded * state.get("stored_unit", unit)
             state["stored_unit"] = unit
             u = decoded * beta1 + blocks * (1 - beta1)
