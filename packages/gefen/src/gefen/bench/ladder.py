@@ -251,7 +251,8 @@ class LadderAdamW(torch.optim.Optimizer):
         if self.approx.quantize == "preconditioned-adam":
             # Decode with the denominator the codes were stored with (Adam's order).
             assert unit is not None
-            decoded = decoded * state.get("stored_unit", unit)
+            stored_unit: torch.Tensor = state.get("stored_unit", unit)
+            decoded = decoded * stored_unit
             state["stored_unit"] = unit
             u = decoded * beta1 + blocks * (1 - beta1)
         else:
