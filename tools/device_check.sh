@@ -13,6 +13,9 @@
 # (a machine with torch and triton but no uv: install the packages' wheels first, e.g.
 #  `pip install --no-deps --target /tmp/site dist/*.whl && export PYTHONPATH=/tmp/site`).
 # GEFEN_DEVICE_CHECK_STAGE_TIMEOUT bounds each stage (seconds, default 900).
+# GEFEN_DEVICE_CHECK_QUALITY=1 runs the quality protocol on the GPU instead (`gefen bench quality
+# --device cuda`, docs/benchmarks.md "The protocol on a GPU"): char-mini and word-small with 8 seeds,
+# then word-medium with 3, every arm of the protocol (torchao installed for adamw-4bit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:+$OUT/device-check}}"
@@ -37,6 +40,20 @@ stage -c "import torch, triton; print(torch.__version__, torch.version.cuda, tri
     2>&1 | tee "$out/versions.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 pack
+if [ "${GEFEN_DEVICE_CHECK_QUALITY:-0}" = 1 ]; then
+    arms=adamw,gefen,adamw-4bit,muon-adamw,gefen-muon-hybrid
+    workers=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
+    for run in "char-mini 8" "word-small 8" "word-medium 3"; do
+        set -- $run
+        stage -m gefen bench quality --tasks "$1" --seeds "$2" --device cuda --workers "$workers" \
+            --optimizers "$arms" --out "$out/quality_$1" > "$out/quality_$1.txt" 2>&1
+        [ $? -eq 0 ] || status=1
+        pack
+    done
+    echo "device quality run finished with status $status; results in $out" | tee "$out/status.txt"
+    pack
+    exit "$status"
+fi
 stage -m pytest -q -p no:randomly tests/test_kernels_triton_parity.py tests/test_kernels_signatures.py 2>&1 | tee "$out/parity_gpu.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 pack
