@@ -1,4 +1,4 @@
-"""``fused=None/True/False`` on ``Gefen`` with gefen-kernels registered (ARCHITECTURE.md, "fused means one thing")."""
+"""``fused=None/True/False`` on ``Gefen`` with gefen-kernels registered ("fused" means one thing everywhere)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""ARCHITECTURE.md's layering rule, enforced from every import in the workspace."""
+"""The layering rule (``tools/layering.py``: a package imports a sibling only through its public API and
+only along the allowed edges), enforced from every import in the workspace."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The layering rule of ARCHITECTURE.md, as data and a checker (used by tests/test_layering.py).
+"""The workspace's layering rule, as data and a checker (used by tests/test_layering.py).
 
 A package imports a sibling only through the sibling's public API and only along the
 allowed edges. Imports are found in every ``.py`` file of a package (source and its

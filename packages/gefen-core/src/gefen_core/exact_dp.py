@@ -8,7 +8,7 @@ interior segments go to their weighted means, a possibly empty suffix goes to +1
 
 * ``N <= K - 2``: every point gets its own codeword (cost 0); the codebook is ``-1``, the
   points, then ``+1`` repeated. This replaces the reference's padding, which overwrote the
-  smallest centre with -1 (spec/core.md §6.2): every true centre is kept.
+  smallest centre with -1: every true centre is kept.
 * ``N > K - 2``: a dynamic program over ``K - 2`` layers,
   ``F_0(j) = cost(points 1..j -> -1)``,
   ``F_k(e) = min_{k-1 <= j < e} F_{k-1}(j) + SSE(points j+1..e)``,

@@ -32,7 +32,7 @@ DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -
 unique keys (torch's DCP helpers pass FQN strings); they are matched by position.
 Only tensors and primitives appear, so ``torch.load(weights_only=True)`` reads it.
 
-Differences from the reference's format (spec/core.md §9.1): no per-parameter ``name`` (names
+Differences from the reference implementation's format: no per-parameter ``name`` (names
 live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1``/``beta2``,
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and

@@ -12,8 +12,8 @@ its Frobenius norm (so every singular value is at most 1), and a wide orientatio
     return X^T if transposed else X                                    (bf16)
 
 With the ``"standard"`` schedule this is op for op the iteration of ``torch.optim.Muon``
-(tested bit for bit). Schedules (``NS_SCHEDULES``; coefficients exactly those of
-spec/muon-hybrid.md §3.4):
+(tested bit for bit). Schedules (``NS_SCHEDULES``; coefficients exactly the reference
+implementation's):
 
 * ``"standard"``: the classic quintic ``(3.4445, -4.7750, 2.0315)`` repeated ``ns_steps``
   times (5 by default);

@@ -24,7 +24,7 @@ The rule
 * the user's overrides force ``P = 1`` (:class:`PeriodPolicy`; 1-D parameters by default).
 
 Gefen 0.1 searched the first gradient for block structure (the reference's "largest drop of
-within-block spread", spec/core.md §5.2). The quality ladder measured that search against
+within-block spread"). The quality ladder measured that search against
 this rule (``ladder-gefen`` against ``ladder-gefen-row``, ``gefen bench quality``) and found
 no difference outside the seed noise, while the search made the state's shapes depend on
 the data, which torch's DCP state-dict recipe cannot load into. It is gone.

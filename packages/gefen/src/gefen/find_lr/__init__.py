@@ -1,4 +1,4 @@
-"""``gefen find-lr``: a learning-rate range test on any model (spec/core.md section 18).
+"""``gefen find-lr``: a learning-rate range test on any model.
 
 :func:`lr_range_test` runs the test on a model, an iterable of batches, an optimizer factory
 and a loss function; :func:`load_target` loads a user's ``MODULE:FUNCTION`` returning

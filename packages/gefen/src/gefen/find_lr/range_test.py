@@ -35,7 +35,7 @@ WINDOW_RATIO = 3.0
 
 @dataclass(frozen=True, slots=True)
 class RangeTestOptions:
-    """The ramp and the stopping rule (defaults of spec/core.md section 18)."""
+    """The ramp and the stopping rule (the reference implementation's defaults)."""
 
     start_lr: float = 1e-6
     end_lr: float = 1e-1
