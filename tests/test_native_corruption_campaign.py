@@ -122,33 +122,26 @@ def test_every_flipped_bit_of_a_portable_document_is_refused_or_harmless() -> No
     assert counts["trials"] == TRIALS
 
 
-def _without_hyperparameters(state_dict: dict[str, object]) -> dict[str, object]:
-    """``state_dict`` with each group reduced to its ids and its record mirror (the digest's
-    coverage; a hybrid's children are compared the same way)."""
-    out: dict[str, object] = {}
-    for key, value in state_dict.items():
-        if key == "param_groups" and isinstance(value, list):
-            out[key] = [
-                {k: v for k, v in group.items() if k in ("params", "_gefen_checkpoint_metadata")} for group in value
-            ]
-        elif isinstance(value, dict) and "param_groups" in value:
-            out[key] = _without_hyperparameters(value)
-        else:
-            out[key] = value
-    return out
+_COVERED_GROUP_KEYS = ("params", "_gefen_checkpoint_metadata")
 
 
-def _hyperparameters(state_dict: dict[str, object]) -> list[object]:
-    found: list[object] = []
+def _split_hyperparameters(state_dict: dict[str, object]) -> tuple[dict[str, object], list[object]]:
+    """``state_dict`` with each group reduced to what the digest covers (its ids and record
+    mirror; a hybrid's children likewise), and the group hyperparameters it left out."""
+    covered: dict[str, object] = {}
+    hyperparameters: list[object] = []
     for key, value in state_dict.items():
         if key == "param_groups" and isinstance(value, list):
-            found.extend(
-                sorted((k, repr(v)) for k, v in g.items() if k not in ("params", "_gefen_checkpoint_metadata"))
-                for g in value
+            covered[key] = [{k: v for k, v in g.items() if k in _COVERED_GROUP_KEYS} for g in value]
+            hyperparameters.extend(
+                sorted((k, repr(v)) for k, v in g.items() if k not in _COVERED_GROUP_KEYS) for g in value
             )
         elif isinstance(value, dict) and "param_groups" in value:
-            found.extend(_hyperparameters(value))
-    return found
+            covered[key], inner = _split_hyperparameters(value)
+            hyperparameters.extend(inner)
+        else:
+            covered[key] = value
+    return covered, hyperparameters
 
 
 def _trained(factory: Factory) -> torch.optim.Optimizer:
@@ -192,10 +185,10 @@ def test_every_flipped_bit_is_refused_or_harmless(name: str) -> None:
             counts["unchanged"] += 1
             outcomes.append("refused")
             continue
-        restored = target.state_dict()
-        where = f"trial {trial} (bit at byte {position})"
-        assert_trees_equal(_without_hyperparameters(restored), _without_hyperparameters(saved), where)
-        outcome = "exact" if _hyperparameters(restored) == _hyperparameters(saved) else "hyperparameter"
+        restored, restored_hyperparameters = _split_hyperparameters(target.state_dict())
+        expected, saved_hyperparameters = _split_hyperparameters(saved)
+        assert_trees_equal(restored, expected, f"trial {trial} (bit at byte {position})")
+        outcome = "exact" if restored_hyperparameters == saved_hyperparameters else "hyperparameter"
         counts[outcome] += 1
         outcomes.append(outcome)
         target = factory(make_kit_model(0))  # a fresh target for the next trial

@@ -388,6 +388,13 @@ def test_bench_portable_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     _ratios_hold(document)
 
 
+def test_bench_quality_bad_options_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "quality", "--tasks", "char-tiny", "--sweep-seeds", "0"])
+    assert exit_info.value.code == 2
+    assert "sweep_seeds must be a positive int, got 0" in capsys.readouterr().err
+
+
 def test_bench_quality_refuses_an_unknown_device() -> None:
     from gefen.bench.quality import QualityOptions
 

@@ -248,15 +248,12 @@ class LadderAdamW(torch.optim.Optimizer):
         blocks = g.reshape(-1, state["period"])
         unit = denom.reshape(blocks.shape) if self.approx.quantize != "momentum" else None
         decoded = dequantize(self.codebook, state["codes"], state["scale"])
+        unit_then = unit
         if self.approx.quantize == "preconditioned-adam":
             # Decode with the denominator the codes were stored with (Adam's order).
-            assert unit is not None
-            stored_unit: torch.Tensor = state.get("stored_unit", unit)
-            decoded = decoded * stored_unit
+            unit_then = state.get("stored_unit", unit)
             state["stored_unit"] = unit
-            u = decoded * beta1 + blocks * (1 - beta1)
-        else:
-            u = (decoded if unit is None else decoded * unit) * beta1 + blocks * (1 - beta1)
+        u = (decoded if unit_then is None else decoded * unit_then) * beta1 + blocks * (1 - beta1)
         exact = u
         if unit is not None:
             u = u / unit

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ..bench.output import add_output_options
 from .bench_memory import _names
+from .errors import UsageError
 
 __all__ = ["register"]
 
@@ -82,32 +82,29 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
     from ..bench.optimizers import unavailable_reason
     from ..bench.output import emit
     from ..bench.quality import QualityOptions, quality_panels, run_quality
+    from .progress import progress_bar
 
     pool = {"workers": args.workers} if args.workers is not None else {}
-    options = QualityOptions(
-        tasks=args.tasks,
-        optimizers=args.optimizers,
-        lr_grid=args.lr_grid,
-        seeds=args.seeds,
-        sweep_seeds=args.sweep_seeds,
-        steps=args.steps,
-        threads=args.threads,
-        device=args.device,
-        **pool,
-    )
+    try:
+        options = QualityOptions(
+            tasks=args.tasks,
+            optimizers=args.optimizers,
+            lr_grid=args.lr_grid,
+            seeds=args.seeds,
+            sweep_seeds=args.sweep_seeds,
+            steps=args.steps,
+            threads=args.threads,
+            device=args.device,
+            **pool,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     runnable = [name for name in options.optimizers if unavailable_reason(name) is None]
     total = sum(len(runnable) * options.runs_per_optimizer(task) for task in options.tasks)
-    with tqdm(total=total, desc="quality", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
-
-        def advance(label: str) -> None:
-            bar.set_postfix_str(label)
-            bar.update(1)
-
+    with progress_bar(total, "quality", "run") as advance:
         report, _ = run_quality(options, progress=advance)
     emit(
         report,
