@@ -34,6 +34,10 @@ def raise_on(rank: int, world_size: int, bad_rank: int) -> int:
     return rank
 
 
+def unpicklable_on(rank: int, world_size: int, bad_rank: int) -> object:
+    return (lambda: rank) if rank == bad_rank else rank
+
+
 def sleep_forever(rank: int, world_size: int) -> None:
     time.sleep(3600)
 

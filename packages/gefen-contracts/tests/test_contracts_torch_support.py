@@ -79,6 +79,10 @@ def test_launcher_reuses_one_world_for_many_cases(world: GlooWorld) -> None:
     with pytest.raises(RankFailure, match="boom on 1"):
         world.run("contracts_gloo_ranks:raise_on", 1)
     assert world.run("contracts_gloo_ranks:echo", 1) == [(0, 2, 10), (1, 2, 10)]
+    # a result that cannot travel back is reported as that rank's failure, not lost to a timeout
+    bad, good = world.run_outcomes("contracts_gloo_ranks:unpicklable_on", 0)
+    assert not bad.ok and "pickle" in bad.message and good.ok and good.value == 1
+    assert world.pids() == pids
 
 
 @pytest.mark.distributed

@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from .target import import_attribute
@@ -70,7 +70,7 @@ def _worker(
     gloo_timeout_s: float,
     env: dict[str, str],
     tasks: Any,
-    results: Any,
+    results: Connection,
 ) -> None:
     os.environ.update(env)
     import torch
@@ -84,7 +84,7 @@ def _worker(
         world_size=world_size,
         timeout=timedelta(seconds=gloo_timeout_s),
     )
-    results.put((0, RankOutcome(rank, True, "ready")))
+    results.send((0, RankOutcome(rank, True, "ready")))
     try:
         while True:
             task = tasks.get()
@@ -92,14 +92,20 @@ def _worker(
                 break
             case_id, spec, args, kwargs = task
             try:
-                value = resolve_callable(spec)(rank, world_size, *args, **kwargs)
-                results.put((case_id, RankOutcome(rank, True, value)))
+                outcome = RankOutcome(rank, True, resolve_callable(spec)(rank, world_size, *args, **kwargs))
             except BaseException as exc:
-                outcome = RankOutcome(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc(limit=12))
-                results.put((case_id, outcome))
+                outcome = _failure(rank, exc)
+            try:
+                results.send((case_id, outcome))
+            except Exception as exc:  # the value did not pickle: report that instead of going silent
+                results.send((case_id, _failure(rank, exc)))
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _failure(rank: int, exc: BaseException) -> RankOutcome:
+    return RankOutcome(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc(limit=12))
 
 
 def _free_port() -> int:
@@ -129,7 +135,9 @@ class GlooWorld:
         self.env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
-        self._results: Any = None
+        # one pipe per rank, written synchronously: a rank that dies can hold no lock another rank's
+        # result waits on (a shared mp.Queue's writer lock can be left held by an os._exit)
+        self._results: list[Connection] = []
         self._case = 0
 
     def __enter__(self) -> GlooWorld:
@@ -149,18 +157,20 @@ class GlooWorld:
         self.close()
         ctx = mp.get_context("spawn")
         port = _free_port()
-        self._results = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
+        self._results = [reader for reader, _ in pipes]
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, self.gloo_timeout_s, self.env, self._tasks[rank], self._results),
+                args=(rank, self.world_size, port, self.gloo_timeout_s, self.env, self._tasks[rank], writer),
                 daemon=True,
             )
-            for rank in range(self.world_size)
+            for rank, (_, writer) in enumerate(pipes)
         ]
-        for proc in self._procs:
+        for proc, (_, writer) in zip(self._procs, pipes, strict=True):
             proc.start()
+            writer.close()  # the rank holds the only writer, so its death reads as end-of-file here
         ready = self._collect(0, self.startup_timeout_s, "start up")
         failed = [o for o in ready if not o.ok]
         if failed:
@@ -189,17 +199,18 @@ class GlooWorld:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 self.close()
                 raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout_s:.0f} s")
-            try:
-                got_case, outcome = self._results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
-                if dead:
-                    for rank in dead:
-                        code = self._procs[rank].exitcode
-                        outcomes[rank] = RankOutcome(rank, False, None, "ProcessDied", f"exit code {code}")
-                continue
-            if got_case == case_id:
-                outcomes[outcome.rank] = outcome
+            pending = [r for r in range(self.world_size) if r not in outcomes]
+            ready = wait([self._results[r] for r in pending], timeout=remaining)
+            for rank in [r for r in pending if self._results[r] in ready]:
+                try:
+                    got: tuple[int, RankOutcome] = self._results[rank].recv()
+                except (EOFError, OSError):  # end of file, possibly mid-message: the rank died
+                    self._procs[rank].join(timeout=5.0)
+                    code = self._procs[rank].exitcode
+                    outcomes[rank] = RankOutcome(rank, False, None, "ProcessDied", f"exit code {code}")
+                    continue
+                if got[0] == case_id:
+                    outcomes[rank] = got[1]
         if any(o.error_type == "ProcessDied" for o in outcomes.values()):
             self.close()
         return [outcomes[r] for r in range(self.world_size)]
@@ -222,6 +233,8 @@ class GlooWorld:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5.0)
+        for reader in self._results:
+            reader.close()
         self._procs = []
         self._tasks = []
-        self._results = None
+        self._results = []
