@@ -18,7 +18,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "native_state_v5.pt"
+GOLDEN = Path(__file__).parent / "golden" / "native_state_v6.pt"
 
 
 class _Net(torch.nn.Module):
@@ -362,7 +362,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 5
+    assert golden["gefen_format_version"] == 6
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.native_state"
     assert_trees_equal(produced, golden, "golden native state dict")
     model = _net()

@@ -58,6 +58,11 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> li
         ({"capturable": True, "codebook_refresh_every": 5}, GefenOptionError, "incompatible"),
         ({"fused": "yes"}, GefenOptionTypeError, "fused"),
         ({"period_one_substrings": "norm"}, GefenOptionTypeError, "period_one_substrings"),
+        ({"clip_threshold": 0.0}, GefenOptionError, "clip_threshold value: 0.0 .must be > 0, or None"),
+        ({"clip_threshold": -1.0}, GefenOptionError, "clip_threshold"),
+        ({"clip_threshold": math.nan}, GefenOptionError, "clip_threshold"),
+        ({"clip_threshold": "1"}, GefenOptionTypeError, "clip_threshold"),
+        ({"clip_threshold": True}, GefenOptionTypeError, "clip_threshold"),
     ],
 )
 def test_constructor_rejects_bad_options(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

@@ -81,6 +81,7 @@ def test_factored_equations_match_a_float64_reference() -> None:
     r = torch.zeros(rows, dtype=torch.float64)
     c = torch.zeros(cols, dtype=torch.float64)
     prev_m = torch.zeros(rows, cols, dtype=torch.float64)
+    clipped = False
     for t in range(1, 5):
         grad = torch.randn(rows, cols) * torch.linspace(0.5, 2.0, cols)
         prev = p.detach().double().clone()
@@ -95,13 +96,17 @@ def test_factored_equations_match_a_float64_reference() -> None:
         estimate = torch.outer(r, c) / c.mean()
         denominator = (estimate / (1 - beta2**t)).sqrt() + eps
         m = _decode(opt, p).view(rows, cols)
-        unquantized = beta1 * prev_m + (1 - beta1) * grad.double() / denominator  # preconditioned EMA
+        preconditioned = grad.double() / denominator
+        kappa = max(1.0, float(preconditioned.square().mean().sqrt()))  # update clipping at clip_threshold=1
+        unquantized = beta1 * prev_m + (1 - beta1) * preconditioned / kappa  # preconditioned EMA
+        clipped = clipped or kappa > 1.0
         period = state["automatic_period"]
         torch.testing.assert_close(
             m.view(-1, period).abs().amax(dim=1), unquantized.view(-1, period).abs().amax(dim=1), rtol=1e-6, atol=0
         )
         torch.testing.assert_close(p.detach().double(), prev - lr * m / (1 - beta1**t), rtol=0, atol=2e-6)
         prev_m = m
+    assert clipped  # the clipping branch of the equations was exercised
 
 
 def test_maximize_equals_minimizing_the_negated_gradient() -> None:

@@ -29,7 +29,7 @@ import torch
 from gefen_contracts.torch_support import is_dtensor, local_tensor
 
 __all__ = [
-    "all_reduce_column_sums",
+    "all_reduce_sums",
     "check_parameter_layout",
     "counted_once_per_mesh",
     "is_dtensor",
@@ -89,10 +89,11 @@ def topology_record(param: torch.Tensor) -> dict[str, object] | None:
     }
 
 
-def all_reduce_column_sums(entries: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Sum float64 column sums over each parameter's mesh, in place.
+def all_reduce_sums(entries: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Sum float64 vectors over each parameter's mesh, in place (column sums of ``g^2``, the
+    clipping statistic of :func:`gefen_core.second_moment.preconditioned_sumsq`).
 
-    ``entries`` are ``(row-sharded parameter, col_sums)`` pairs in the step's parameter
+    ``entries`` are ``(row-sharded parameter, sums)`` pairs in the step's parameter
     order; parameters sharing a mesh travel in one packet (one ``all_reduce`` per mesh).
     """
     import torch.distributed as dist

@@ -17,7 +17,7 @@ from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identit
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
-from .distributed import all_reduce_column_sums, counted_once_per_mesh, learning_mesh, sum_over_mesh
+from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
@@ -65,6 +65,10 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         fused: ``None`` uses a registered kernel provider when it supports the tensors,
             ``True`` requires one, ``False`` always runs the PyTorch reference.
         factored_v_2d: factored (row x column) second moment for 2-D parameters.
+        clip_threshold: Adafactor's update clipping for factored parameters: when the RMS of a
+            matrix's preconditioned gradient ``g / (sqrt(V) + eps)`` exceeds the threshold, the
+            whole matrix's preconditioned gradient is scaled down to it before it enters the
+            momentum (:mod:`gefen_core.second_moment`). ``None`` turns it off (what Gefen did before native format v6).
         force_1d_period_one, force_2d_period_one, period_one_substrings: per-element blocks
             (9 bytes/element: AdamW's exact moments) for 1-D parameters, 2-D parameters, or
             names containing a substring (needs named parameters). A bound flattened element
@@ -102,6 +106,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         foreach: bool | None = None,
         fused: bool | None = None,
         factored_v_2d: bool = True,
+        clip_threshold: float | None = 1.0,
         force_1d_period_one: bool = False,
         force_2d_period_one: bool = False,
         period_one_substrings: Iterable[str] = (),
@@ -151,6 +156,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
                 "weight_decay": weight_decay,
                 "maximize": maximize,
                 "factored_v_2d": factored_v_2d,
+                "clip_threshold": clip_threshold,
                 "force_1d_period_one": force_1d_period_one,
                 "force_2d_period_one": force_2d_period_one,
                 "period_one_substrings": substrings,
@@ -447,7 +453,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             stats[work.slot] = self._local_stats(work)
             sharded.append((work.param, stats[work.slot][1]))
         if sharded:
-            all_reduce_column_sums(sharded)
+            all_reduce_sums(sharded)
         return stats
 
     def _local_stats(self, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:

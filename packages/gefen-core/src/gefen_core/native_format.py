@@ -1,4 +1,4 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v5).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v6).
 
 ::
 
@@ -9,10 +9,10 @@
                  | {..., "v_row": fp32[R], "v_col": fp32[K], "factored_step": int}   # factored
              },
       "param_groups": [{"params": [pid, ...], "lr", "betas", "eps", "weight_decay", "maximize",
-                        "factored_v_2d", "force_1d_period_one", "force_2d_period_one",
+                        "factored_v_2d", "clip_threshold", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 5,
+      "gefen_format_version": 6,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -25,7 +25,7 @@ of the parameter's ``shape``, ``S = [rows, row_length / P]`` scales for a parame
 more dimensions, ``[numel / P]`` otherwise) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 5, "global_step",
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 6, "global_step",
 "codebook", "codebook_learned", "deterministic", "state_digest"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
@@ -37,7 +37,9 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(``gefen.block_step/2``, ``gefen.factored_step/3``). Version 4 had no ``state_digest`` (a
+(``gefen.block_step/2``, ``gefen.factored_step/3``). Version 5 had no ``clip_threshold`` group
+option (its factored matrices stepped unclipped; refused naming both versions, as a group
+without the option cannot say which update it was trained with). Version 4 had no ``state_digest`` (a
 flipped bit loaded silently; refused naming both versions). Version 3 had the same shapes but held the
 EMA of ``g`` itself (a different quantity: refused, not converted); version 2 held blocked
 ``[B, P]`` tensors and a per-rank topology record.
@@ -62,7 +64,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 5
+VERSION = 6
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"

@@ -36,6 +36,7 @@ GROUP_OPTIONS = (
     "weight_decay",
     "maximize",
     "factored_v_2d",
+    "clip_threshold",
     "force_1d_period_one",
     "force_2d_period_one",
     "period_one_substrings",
@@ -112,6 +113,17 @@ def _substrings(value: object, group: int | None) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _clip_threshold(value: object, group: int | None) -> float | None:
+    if value is None:
+        return None
+    threshold = real_option(value, "clip_threshold", group)
+    if threshold <= 0:
+        raise GefenOptionError(
+            f"{where_prefix(group)}Invalid clip_threshold value: {threshold} (must be > 0, or None to turn clipping off)"
+        )
+    return threshold
+
+
 def normalize_group_options(
     options: Mapping[str, Any], group: int | None = None, *, read_tensor_lr: bool = True
 ) -> dict[str, Any]:
@@ -136,6 +148,8 @@ def normalize_group_options(
         if decay < 0:
             raise GefenOptionError(f"{where_prefix(group)}Invalid weight_decay value: {decay} (must be >= 0)")
         out["weight_decay"] = decay
+    if "clip_threshold" in options:
+        out["clip_threshold"] = _clip_threshold(options["clip_threshold"], group)
     for flag in ("maximize", "factored_v_2d", "force_1d_period_one", "force_2d_period_one"):
         if flag in options:
             out[flag] = flag_option(options[flag], flag, group)

@@ -27,7 +27,8 @@ from .param_state import (
     state_variant,
     switch_second_moment,
 )
-from .second_moment import update_factored_moments
+from .distributed import all_reduce_sums
+from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
 from .step_plan import ParamWork
 
 __all__ = ["decay_only", "kernel_key", "kernel_queries", "placeholder_codebook", "step_calls", "update_parameter"]
@@ -227,6 +228,12 @@ def update_parameter(
         row_factor = update_factored_moments(state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars)
     elif work.variant == FACTORED:
         row_factor = _run(work, dispatch, _moments_call(work, state, grad, scalars, deterministic))
+    threshold = group["clip_threshold"]
+    if work.variant == FACTORED and threshold is not None:
+        sumsq = preconditioned_sumsq(grad, row_factor, state[V_COL], scalars)
+        if work.row_sharded:
+            all_reduce_sums([(work.param, sumsq)])
+        row_factor = clip_row_factor(row_factor, sumsq, work.global_rows * grad.shape[1], threshold)
     calls = step_calls(
         work,
         group,

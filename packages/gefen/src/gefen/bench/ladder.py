@@ -14,11 +14,11 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 
 * ``v_2d`` / ``v_1d``: the second moment of 2-D / 1-D parameters: ``"exact"`` (Adam's
   per-element EMA), ``"factored"`` (2-D only: EMAs of row and column means of ``g^2``,
-  ``V = v_row v_col / mean(v_col)``), ``"block"`` (one EMA of the block mean of ``g^2``) or
-  ``"column-shaped"`` (2-D only: one EMA ``w`` of the mean of ``g^2`` per block of
-  ``v_block`` elements of a row, shaped within the block by the column EMA ``v_col``:
-  ``V_ij = w_ib v_col_j / mean_{k in b} v_col_k``; with ``v_block`` = the row length it
-  is exactly ``"factored"``).
+  ``V = v_row v_col / mean(v_col)``) or ``"block"`` (one EMA of the block mean of ``g^2``).
+* ``clip_threshold``: Adafactor's update clipping of 2-D parameters (``0``: off): the
+  preconditioned gradient ``g / (sqrt(V) + eps)`` of a matrix is scaled down to RMS
+  ``clip_threshold`` over the whole matrix before it enters the first moment (Gefen's
+  ``clip_threshold``, on its factored matrices).
 * ``momentum``: ``"exact"`` (fp32) or ``"quantized"``: ``u = b1 m + (1 - b1) g`` stored as
   a uint8 code into a 256-entry codebook times one fp32 scale ``max |u|`` per block.
 * ``quantize_1d``: whether 1-D parameters' momentum is quantised too.
@@ -62,7 +62,7 @@ from gefen_core.reference_ops import histogram_reference
 
 __all__ = ["GEFEN_APPROXIMATIONS", "LADDER_RUNGS", "Approximations", "LadderAdamW"]
 
-SecondMoment = Literal["exact", "factored", "block", "column-shaped"]
+SecondMoment = Literal["exact", "factored", "block"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,21 +74,21 @@ class Approximations:
     momentum: Literal["exact", "quantized"] = "exact"
     quantize_1d: bool = True
     block_cap: int = 0
-    v_block: int = 0
     codebook: Literal["learned", "uniform", "relearned"] = "learned"
     refresh_every: int = 0
     rounding: Literal["nearest", "stochastic"] = "nearest"
     error_feedback: bool = False
     apply: Literal["stored", "exact"] = "stored"
     quantize: Literal["momentum", "preconditioned", "preconditioned-adam"] = "momentum"
+    clip_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.v_1d == "factored":
             raise ValueError("a 1-D parameter has no factored second moment")
         if self.codebook == "relearned" and self.refresh_every <= 0:
             raise ValueError("codebook='relearned' needs refresh_every > 0")
-        if self.block_cap < 0 or self.v_block < 0:
-            raise ValueError(f"block_cap and v_block must be >= 0, got {self.block_cap}, {self.v_block}")
+        if self.block_cap < 0 or self.clip_threshold < 0:
+            raise ValueError(f"block_cap and clip_threshold must be >= 0, got {self.block_cap}, {self.clip_threshold}")
 
     def but(self, **changes: Any) -> Approximations:
         """A copy with ``changes`` applied."""
@@ -96,7 +96,9 @@ class Approximations:
 
 
 #: Every switch where ``gefen_core.Gefen``'s defaults put it.
-GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned")
+GEFEN_APPROXIMATIONS = Approximations(
+    v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned", clip_threshold=1.0
+)
 
 _EXACT = Approximations()
 #: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): the climb from
@@ -111,15 +113,14 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "m-quantized": _EXACT.but(momentum="quantized", quantize_1d=False),
     "gefen-v1d-exact": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
     "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
-    "gefen-v2d-column-shaped-32": GEFEN_APPROXIMATIONS.but(v_2d="column-shaped", v_block=32),
-    # One fp32 per 128 elements: +0.031 B/param, what the 1.05 B/param budget leaves room for.
-    "gefen-v2d-column-shaped-128": GEFEN_APPROXIMATIONS.but(v_2d="column-shaped", v_block=128),
+    "gefen-unclipped": GEFEN_APPROXIMATIONS.but(clip_threshold=0.0),
     "gefen-cap128": GEFEN_APPROXIMATIONS.but(block_cap=128),
     "gefen-uniform": GEFEN_APPROXIMATIONS.but(codebook="uniform"),
     "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),
     "gefen-stochastic": GEFEN_APPROXIMATIONS.but(rounding="stochastic"),
     "gefen-feedback": GEFEN_APPROXIMATIONS.but(error_feedback=True),
     "v2d-factored-laprop": _EXACT.but(v_2d="factored", quantize="preconditioned"),
+    "v2d-factored-laprop-clipped": _EXACT.but(v_2d="factored", quantize="preconditioned", clip_threshold=1.0),
     "gefen-apply-exact": GEFEN_APPROXIMATIONS.but(apply="exact"),
     "gefen-momentum-codes": GEFEN_APPROXIMATIONS.but(quantize="momentum"),
     "gefen-adam-order": GEFEN_APPROXIMATIONS.but(quantize="preconditioned-adam"),
@@ -164,10 +165,6 @@ class LadderAdamW(torch.optim.Optimizer):
         state["period"] = period
         if kind == "factored":
             state["v_row"] = torch.zeros(p.shape[0])
-            state["v_col"] = torch.zeros(p.shape[1])
-        elif kind == "column-shaped":
-            width = largest_divisor_at_most(p.shape[1], self.approx.v_block or p.shape[1])
-            state["v_blocks"] = torch.zeros(p.shape[0], p.shape[1] // width, 1)
             state["v_col"] = torch.zeros(p.shape[1])
         elif kind == "block":
             state["vmean"] = torch.zeros(p.numel() // period, 1)
@@ -217,16 +214,6 @@ class LadderAdamW(torch.optim.Optimizer):
             norm = state["v_col"].mean().clamp(min=torch.finfo(torch.float32).tiny)
             factored: torch.Tensor = torch.outer(state["v_row"], state["v_col"]) / norm / bc2
             return factored
-        if "v_blocks" in state:
-            w, c = state["v_blocks"], state["v_col"]
-            g2 = g.square()
-            c.mul_(beta2).add_(g2.mean(dim=0), alpha=1 - beta2)
-            tiles = g2.view(g.shape[0], w.shape[1], -1)
-            w.mul_(beta2).add_(tiles.mean(dim=2, keepdim=True), alpha=1 - beta2)
-            shape = c.view(w.shape[1], -1)
-            shape = shape / shape.mean(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-            shaped: torch.Tensor = (w * shape.unsqueeze(0)).reshape(g.shape) / bc2
-            return shaped
         if "vmean" in state:
             blocks = g.reshape(-1, state["period"])
             state["vmean"].mul_(beta2).add_(blocks.square().mean(dim=1, keepdim=True), alpha=1 - beta2)
@@ -312,6 +299,10 @@ class LadderAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 g = p.grad.float()
+                if self.approx.clip_threshold and p.ndim == 2:
+                    preconditioned = g / denoms[p]
+                    rms = preconditioned.square().mean().sqrt()
+                    g = preconditioned / (rms / self.approx.clip_threshold).clamp(min=1.0) * denoms[p]
                 m = self._momentum(state, g, beta1, denoms[p])
                 update = m / denoms[p] / (1 - beta1 ** state["step"])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
