@@ -13,6 +13,7 @@ import torch
 from gefen_contracts import KernelRegistry
 
 from . import step_scalars
+from .distributed import all_reduce_sums
 from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, KernelDispatch
 from .param_state import (
     AGE_KEYS,
@@ -27,7 +28,6 @@ from .param_state import (
     state_variant,
     switch_second_moment,
 )
-from .distributed import all_reduce_sums
 from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
 from .step_plan import ParamWork
 
