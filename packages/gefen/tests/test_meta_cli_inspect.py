@@ -16,6 +16,7 @@ from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
 from gefen_contracts.testing import hostile_object
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
+from gefen_core.native_format import VERSION as NATIVE_VERSION
 from gefen_dcp import GefenFileSystemWriter, save_portable_dcp
 from gefen_portable import export_portable_state
 from meta_portable_sgd import IMPLEMENTATION, factory
@@ -83,7 +84,7 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
     assert description.ok, description.format_text()
     assert (description.format, description.format_version, description.implementation) == (
         "gefen.native_state",
-        5,
+        NATIVE_VERSION,
         "gefen.Gefen",
     )
     facts = dict(description.facts)
@@ -140,7 +141,7 @@ def test_portable_document_and_dcp_folder_are_verified(checkpoints: dict[str, Pa
 def test_cli_prints_a_report_and_json(checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(checkpoints["gefen"])]) == 0
     text = capsys.readouterr().out
-    assert "gefen.native_state v5" in text and "OK: no problem found" in text and "factored" in text
+    assert f"gefen.native_state v{NATIVE_VERSION}" in text and "OK: no problem found" in text and "factored" in text
     assert main(["inspect", str(checkpoints["dcp"]), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["ok"] is True and document["children"][0]["format"] == "gefen.portable_dcp"

@@ -203,6 +203,12 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _always_available,
         ),
         OptimizerEntry(
+            "gefen-unclipped",
+            "gefen_core.Gefen(clip_threshold=None): factored matrices without update clipping (Gefen before format v6)",
+            _gefen_builder(clip_threshold=None),
+            _always_available,
+        ),
+        OptimizerEntry(
             "gefen-block",
             "gefen_core.Gefen(factored_v_2d=False): block-shared v everywhere",
             _gefen_builder(factored_v_2d=False),
