@@ -81,21 +81,22 @@ def _fsdp_model(mesh: Any) -> torch.nn.Module:
     return model
 
 
-def fsdp_parity(rank: int, world: int) -> dict[str, Any]:
+def fsdp_parity(rank: int, world: int, clip_threshold: float = 1.0) -> dict[str, Any]:
     """FSDP2 with the default constructor versus a single-process run on the same data.
 
     After one step (identical gradients) the sharded factored statistics must equal the
-    single-process ones; after ``STEPS`` the parameters must stay close.
+    single-process ones; after ``STEPS`` the parameters must stay close. A small
+    ``clip_threshold`` clips every factored update (its statistic summed over the row shards).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     model = _fsdp_model(mesh)
-    opt = Gefen(model.named_parameters(), lr=LR)
+    opt = Gefen(model.named_parameters(), lr=LR, clip_threshold=clip_threshold)
     initial = [p.detach().clone() for p in make_model().parameters()]
     reference = make_model()
     # under FSDP2 a sharded 1-D parameter keeps per-element state (periods.shape_period)
-    ref_opt = Gefen(reference.named_parameters(), lr=LR, force_1d_period_one=True)
+    ref_opt = Gefen(reference.named_parameters(), lr=LR, force_1d_period_one=True, clip_threshold=clip_threshold)
     train(model, opt, 0, 1)
     train(reference, ref_opt, 0, 1)
     col_gaps: dict[str, float] = {}

@@ -30,12 +30,14 @@ def test_ddp_replicas_stay_bit_identical(world: GlooWorld) -> None:
     assert rank0["gap"] < 0.1  # DDP's averaged gradient differs from one process only by rounding
 
 
-def test_fsdp2_default_constructor_trains_like_one_process(world: GlooWorld) -> None:
+@pytest.mark.parametrize("clip_threshold", [1.0, 0.05], ids=["default", "always-clipping"])
+def test_fsdp2_default_constructor_trains_like_one_process(world: GlooWorld, clip_threshold: float) -> None:
     """Same batches on every rank: the averaged gradient is the one-process gradient, the
     mesh's codebook is learned from the whole histogram and blocks never cross a row, so
     FSDP2 is bit-identical to one process whose 1-D parameters keep per-element state
-    (what a sharded 1-D parameter keeps, README "Distributed training")."""
-    results = world.run(cases.fsdp_parity)
+    (what a sharded 1-D parameter keeps, README "Distributed training"). Update clipping's
+    statistic is summed over the row shards, so it clips exactly as one process does."""
+    results = world.run(cases.fsdp_parity, clip_threshold)
     for rank, result in enumerate(results):
         for name, gap in result["gaps"].items():
             assert gap == 0.0, f"rank {rank}: {name} moved {gap:.3e} (relative) away from one process"
