@@ -30,8 +30,8 @@ def test_ddp_replicas_stay_bit_identical(world: GlooWorld) -> None:
     assert rank0["gap"] < 0.1  # DDP's averaged gradient differs from one process only by rounding
 
 
-@pytest.mark.parametrize("clip_threshold", [1.0, 0.05], ids=["default", "always-clipping"])
-def test_fsdp2_default_constructor_trains_like_one_process(world: GlooWorld, clip_threshold: float) -> None:
+@pytest.mark.parametrize("clip_threshold", [None, 1.0, 0.05], ids=["default", "clipping", "always-clipping"])
+def test_fsdp2_default_constructor_trains_like_one_process(world: GlooWorld, clip_threshold: float | None) -> None:
     """Same batches on every rank: the averaged gradient is the one-process gradient, the
     mesh's codebook is learned from the whole histogram and blocks never cross a row, so
     FSDP2 is bit-identical to one process whose 1-D parameters keep per-element state

@@ -77,7 +77,7 @@ def test_factored_equations_match_a_float64_reference() -> None:
     rows, cols = 12, 20
     p = torch.nn.Parameter(torch.randn(rows, cols))
     beta1, beta2, lr, eps = 0.9, 0.99, 1e-2, 1e-8
-    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0, fused=False)
+    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0, fused=False, clip_threshold=1.0)
     r = torch.zeros(rows, dtype=torch.float64)
     c = torch.zeros(cols, dtype=torch.float64)
     prev_m = torch.zeros(rows, cols, dtype=torch.float64)

@@ -60,7 +60,7 @@ def test_below_the_threshold_nothing_changes_bit_for_bit() -> None:
 
 def test_the_kernel_and_the_reference_clip_alike() -> None:
     grad = _spiky_gradient()
-    assert torch.equal(_first_update(grad, False), _first_update(grad, None))
+    assert torch.equal(_first_update(grad, False, clip_threshold=1.0), _first_update(grad, None, clip_threshold=1.0))
 
 
 def test_the_statistic_follows_its_formula() -> None:
@@ -81,12 +81,12 @@ def test_the_statistic_follows_its_formula() -> None:
 
 def test_group_option_and_checkpoint_round_trip() -> None:
     param = torch.nn.Parameter(torch.zeros(4, 8))
-    optimizer = Gefen([{"params": [param], "clip_threshold": None}], lr=LR)
-    assert optimizer.param_groups[0]["clip_threshold"] is None
-    assert optimizer.defaults["clip_threshold"] == 1.0
+    optimizer = Gefen([{"params": [param], "clip_threshold": 2.0}], lr=LR)
+    assert optimizer.param_groups[0]["clip_threshold"] == 2.0
+    assert optimizer.defaults["clip_threshold"] is None
     param.grad = torch.randn(4, 8)
     optimizer.step()
     state = optimizer.state_dict()
     other = Gefen([param], lr=LR)
     other.load_state_dict(state)
-    assert other.param_groups[0]["clip_threshold"] is None
+    assert other.param_groups[0]["clip_threshold"] == 2.0

@@ -18,7 +18,7 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 * ``clip_threshold``: Adafactor's update clipping of 2-D parameters (``0``: off): the
   preconditioned gradient ``g / (sqrt(V) + eps)`` of a matrix is scaled down to RMS
   ``clip_threshold`` over the whole matrix before it enters the first moment (Gefen's
-  ``clip_threshold``, on its factored matrices).
+  ``clip_threshold``, on its factored matrices; off in Gefen's defaults).
 * ``momentum``: ``"exact"`` (fp32) or ``"quantized"``: ``u = b1 m + (1 - b1) g`` stored as
   a uint8 code into a 256-entry codebook times one fp32 scale ``max |u|`` per block.
 * ``quantize_1d``: whether 1-D parameters' momentum is quantised too.
@@ -96,9 +96,7 @@ class Approximations:
 
 
 #: Every switch where ``gefen_core.Gefen``'s defaults put it.
-GEFEN_APPROXIMATIONS = Approximations(
-    v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned", clip_threshold=1.0
-)
+GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned")
 
 _EXACT = Approximations()
 #: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): the climb from
@@ -113,7 +111,7 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "m-quantized": _EXACT.but(momentum="quantized", quantize_1d=False),
     "gefen-v1d-exact": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
     "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
-    "gefen-unclipped": GEFEN_APPROXIMATIONS.but(clip_threshold=0.0),
+    "gefen-clipped": GEFEN_APPROXIMATIONS.but(clip_threshold=1.0),
     "gefen-cap128": GEFEN_APPROXIMATIONS.but(block_cap=128),
     "gefen-uniform": GEFEN_APPROXIMATIONS.but(codebook="uniform"),
     "gefen-relearned": GEFEN_APPROXIMATIONS.but(codebook="relearned", refresh_every=50),

@@ -203,9 +203,9 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _always_available,
         ),
         OptimizerEntry(
-            "gefen-unclipped",
-            "gefen_core.Gefen(clip_threshold=None): factored matrices without update clipping (Gefen before format v6)",
-            _gefen_builder(clip_threshold=None),
+            "gefen-clipped",
+            "gefen_core.Gefen(clip_threshold=1.0): Adafactor's update clipping of factored matrices",
+            _gefen_builder(clip_threshold=1.0),
             _always_available,
         ),
         OptimizerEntry(
