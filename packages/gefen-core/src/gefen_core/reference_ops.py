@@ -71,6 +71,7 @@ import torch
 
 from . import step_scalars as S
 from .momentum_codec import dequantize, nearest_codeword, normalize_blocks, splitmix_uniform, stochastic_codeword
+from .second_moment import fp32_sqrt as _sqrt
 from .second_moment import update_factored_moments
 
 __all__ = [
@@ -93,13 +94,6 @@ HISTOGRAM_BINS = 4096
 def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
     """Correctly rounded float64 division by an integer (never a reciprocal multiply)."""
     return total / torch.full((1,), float(count), dtype=torch.float64, device=total.device)
-
-
-def _sqrt(values: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded fp32 square root: through float64, which is exact enough that the one
-    rounding back to fp32 is the correct one (torch's vectorised fp32 ``sqrt`` on CPU is
-    sometimes one ulp off, e.g. for 0.010247663)."""
-    return values.double().sqrt().float()
 
 
 def _chunk_rows(period: int) -> int:

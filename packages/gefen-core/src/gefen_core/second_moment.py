@@ -47,7 +47,7 @@ from . import step_scalars as S
 #: Elements per chunk of :func:`preconditioned_sumsq` (bounds its temporaries).
 _CHUNK_ELEMENTS = 1 << 20
 
-__all__ = ["FLT_MIN", "clip_row_factor", "column_scale", "preconditioned_sumsq", "update_factored_moments"]
+__all__ = ["FLT_MIN", "clip_row_factor", "column_scale", "fp32_sqrt", "preconditioned_sumsq", "update_factored_moments"]
 
 #: Smallest normal fp32 number; the floor of the factored normaliser.
 FLT_MIN = float(torch.finfo(torch.float32).tiny)
@@ -95,8 +95,10 @@ def update_factored_moments(
     return torch.div(v_row, column_scale(v_col)).mul_(scalars[S.BC2])
 
 
-def _root(values: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded fp32 square root (through float64, as the kernels' ``sqrtf``)."""
+def fp32_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root, as the kernels' ``sqrtf``: through float64, which is
+    exact enough that the one rounding back to fp32 is the correct one (torch's vectorised fp32
+    ``sqrt`` on CPU is sometimes one ulp off, e.g. for 0.010247663)."""
     return values.double().sqrt().float()
 
 
@@ -106,7 +108,7 @@ def preconditioned_sumsq(
     """``sum_ij float64(fl(g_ij / h_ij))^2`` over the local rows of ``grad`` (float64 ``[1]``),
     with the factored step's denominators (module docstring); chunked by rows."""
     rows, cols = grad.shape
-    row_roots, col_roots = _root(row_factor), _root(v_col)
+    row_roots, col_roots = fp32_sqrt(row_factor), fp32_sqrt(v_col)
     eps = scalars[S.EPS]
     total = torch.zeros(1, dtype=torch.float64, device=grad.device)
     per_chunk = max(1, _CHUNK_ELEMENTS // max(1, cols))
@@ -127,6 +129,6 @@ def _threshold(value: float, device: torch.device) -> torch.Tensor:
 def clip_row_factor(row_factor: torch.Tensor, sumsq: torch.Tensor, elements: int, threshold: float) -> torch.Tensor:
     """``row_factor'`` of the module docstring: ``sumsq`` is :func:`preconditioned_sumsq` summed
     over every row of the matrix (``elements = R K``). No host synchronisation."""
-    rms = _root(_divide(sumsq, elements).to(torch.float32))
+    rms = fp32_sqrt(_divide(sumsq, elements).to(torch.float32))
     kappa = torch.div(rms, _threshold(threshold, rms.device)).clamp_(min=1.0)
     return row_factor * kappa.mul_(kappa)
