@@ -300,7 +300,7 @@ def native_entry(
     encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """The native state entry of a target piece for the live ``param`` (tensors on its device,
-    shaped and placed like it, :mod:`gefen_core.state_placement`; no period, the scales say it).
+    shaped and placed like it, :mod:`gefen_core.state_placement`).
 
     ``factors`` are the target's ``(v_row, v_col)`` when it keeps a factored second moment
     (:func:`complete_factors`, or a row shard's rows with every shard's columns); ``None``
@@ -317,7 +317,6 @@ def native_entry(
         v_row, v_col = factors
         entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: piece.age})
     entry.update(export_tensors(param, entry, BLOCK if factors is None else FACTORED))
-    del entry[PERIOD]  # a native entry holds no period: its scales' shape says it
     return entry
 
 

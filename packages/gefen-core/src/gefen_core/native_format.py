@@ -3,7 +3,7 @@
 ::
 
     {
-      "state": {pid: {"step": int,
+      "state": {pid: {"automatic_period": int, "step": int,
                       "m_codebook": uint8[*shape], "m_magnitude": fp32[S],
                       "vmean": fp32[S], "vmean_step": int}                          # block
                  | {..., "v_row": fp32[R], "v_col": fp32[K], "factored_step": int}   # factored
@@ -22,8 +22,7 @@
 
 The state tensors are shaped like their parameter (:mod:`gefen_core.state_placement`: codes
 of the parameter's ``shape``, ``S = [rows, row_length / P]`` scales for a parameter of two or
-more dimensions, ``[numel / P]`` otherwise; the block period ``P`` is not stored, the scales'
-shape says it: ``state_placement.period_of_scales``) and, for a DTensor (FSDP2) parameter, are
+more dimensions, ``[numel / P]`` otherwise) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
 ``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 6, "global_step",
@@ -39,9 +38,8 @@ counters are always ints (also under ``capturable``), no ``device_anchor``, stat
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
 (``gefen.block_step/2``, ``gefen.factored_step/3``). Version 5 had no ``clip_threshold`` group
-option and stored each parameter's ``automatic_period`` (one more item per parameter in every
-DCP checkpoint, about 1.3 KB each under torch's ``FileSystemWriter``); refused naming both
-versions. Version 4 had no ``state_digest`` (a
+option (its factored matrices stepped unclipped; refused naming both versions, as a group
+without the option cannot say which update it was trained with). Version 4 had no ``state_digest`` (a
 flipped bit loaded silently; refused naming both versions). Version 3 had the same shapes but held the
 EMA of ``g`` itself (a different quantity: refused, not converted); version 2 held blocked
 ``[B, P]`` tensors and a per-rank topology record.

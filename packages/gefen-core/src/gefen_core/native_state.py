@@ -43,14 +43,10 @@ from .param_state import (
     make_counter,
     state_variant,
 )
-from .state_placement import expected_shapes, export_tensors, import_tensor, period_of_scales
+from .state_placement import expected_shapes, export_tensors, import_tensor
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]
 
-#: The keys a saved entry holds per variant: the live state's, less the period, which the
-#: scales' shape gives (``state_placement.period_of_scales``). An entry converted from a
-#: canonical document may still state it; it must then agree.
-_SAVED_KEYS = {name: keys - {PERIOD} for name, keys in VARIANT_KEYS.items()}
 _DECLARED_PARAM_KEYS = frozenset().union(*VARIANT_KEYS.values())
 
 
@@ -80,7 +76,7 @@ def export_state_dict(
         for param in group["params"]:
             live = state.get(param)
             if live:
-                entries[pid] = {key: counter_value(live[key]) for key in COUNTER_KEYS if key in live}
+                entries[pid] = {key: counter_value(live[key]) for key in (PERIOD, *COUNTER_KEYS) if key in live}
                 entries[pid].update(export_tensors(param, live, str(state_variant(dict(live)))))
             pid += 1
     record = {"global_step": global_step, "codebook": codebook, "deterministic": deterministic}
@@ -97,20 +93,18 @@ def _stage_entry(
     for key in entry:
         if key not in _DECLARED_PARAM_KEYS:
             raise fail(f"{where} has undeclared key {key!r}")
-    keys = frozenset(entry) - {PERIOD}
-    variant = next((name for name, wanted in _SAVED_KEYS.items() if keys == wanted), None)
+    keys = frozenset(entry)
+    variant = next((name for name, wanted in VARIANT_KEYS.items() if keys == wanted), None)
     if variant is None:
-        closest = min(_SAVED_KEYS, key=lambda name: len(_SAVED_KEYS[name] ^ keys))
-        missing = sorted(_SAVED_KEYS[closest] - keys)
-        extra = sorted(keys - _SAVED_KEYS[closest])
+        closest = min(VARIANT_KEYS, key=lambda name: len(VARIANT_KEYS[name] ^ keys))
+        missing = sorted(VARIANT_KEYS[closest] - keys)
+        extra = sorted(keys - VARIANT_KEYS[closest])
         raise fail(
             f"{where} matches no state variant (closest {closest!r}): missing authoritative fields {missing}, "
             f"unexpected fields {extra}"
         )
     local = local_tensor(param)
-    period = _saved_period(entry[MAGNITUDE], param, where)
-    if PERIOD in entry and exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1) != period:
-        raise fail(f"{where}[{PERIOD!r}] is {entry[PERIOD]}, but its {MAGNITUDE!r} says period {period}")
+    period = exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)
     if local.numel() % period:
         hint = ""
         if param.dim() == 1 and local is not param:
@@ -118,10 +112,7 @@ def _stage_entry(
                 " (a sharded 1-D parameter keeps one block per element; a single-process state loads onto FSDP2 "
                 "shards when it was trained with force_1d_period_one=True, FSDP2's rule, or through portable state)"
             )
-        raise fail(
-            f"{where}: the period {period} its {MAGNITUDE!r} says does not divide the parameter's "
-            f"{local.numel()} local elements{hint}"
-        )
+        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the parameter's {local.numel()} local elements{hint}")
     if variant == FACTORED and param.dim() != 2:
         raise fail(f"{where} holds a factored second moment but the parameter is {param.dim()}-D")
     step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
@@ -151,19 +142,6 @@ def _stage_entry(
         staged[key] = tensor.detach().to(device=device, copy=True).reshape(blocked.get(key, shape))
     staged[age_key] = make_counter(age, device, capturable)
     return staged
-
-
-def _saved_period(scales: object, param: torch.Tensor, where: str) -> int:
-    """The period a saved entry's scales say (their global shape against the parameter's)."""
-    if not isinstance(scales, torch.Tensor):
-        raise fail(f"{where}[{MAGNITUDE!r}] must be a tensor, got {type(scales).__name__}")
-    period = period_of_scales(param.shape, scales.shape)
-    if period is None:
-        raise fail(
-            f"{where}[{MAGNITUDE!r}] has shape {list(scales.shape)}, which is one scale per block of no period "
-            f"of a {list(param.shape)} parameter"
-        )
-    return period
 
 
 def _stage_group(saved: object, live: Mapping[str, Any], index: int) -> tuple[dict[str, Any], list[object]]:

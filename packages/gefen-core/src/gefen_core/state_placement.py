@@ -34,7 +34,7 @@ from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
 from .param_state import FACTORED, INDICES, MAGNITUDE, V_COL, V_ROW, VMEAN
 
-__all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_of_scales", "scale_shape"]
+__all__ = ["export_tensors", "expected_shapes", "import_tensor", "scale_shape"]
 
 
 def scale_shape(shape: Sequence[int], period: int) -> tuple[int, ...]:
@@ -45,25 +45,6 @@ def scale_shape(shape: Sequence[int], period: int) -> tuple[int, ...]:
         if period and row % period == 0:
             return (dims[0], row // period)
     return (math.prod(dims) // period,)
-
-
-def period_of_scales(shape: Sequence[int], scales: Sequence[int]) -> int | None:
-    """The period ``P`` whose :func:`scale_shape` for a tensor of ``shape`` is ``scales`` (a native
-    state dict holds no period: its scales' shape says it), or ``None`` when no period gives
-    ``scales``. A tensor without elements whose scales cannot tell has period 1."""
-    dims = tuple(int(d) for d in shape)
-    want = tuple(int(d) for d in scales)
-    numel = math.prod(dims)
-    if len(want) == 2 and len(dims) >= 2 and want[0] == dims[0] and want[1] > 0:
-        row = math.prod(dims[1:])
-        period = row // want[1] if row % want[1] == 0 else 0
-    elif len(want) == 1 and want[0] > 0 and numel % want[0] == 0:
-        period = numel // want[0]
-    elif want == (0,) and numel == 0:
-        return 1
-    else:
-        return None
-    return period if period >= 1 and scale_shape(dims, period) == want else None
 
 
 def expected_shapes(shape: Sequence[int], period: int, variant: str) -> dict[str, tuple[int, ...]]:

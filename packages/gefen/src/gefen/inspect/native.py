@@ -3,7 +3,7 @@
 "Verifying" a native state dict means checking everything the format promises that can be
 checked without the model, then (Gefen's and GefenMuon's formats) its ``gefen_state_digest``: exact key sets and types, the shapes that
 tie a parameter's entries together (Gefen's tensors shaped like the parameter that
-``m_codebook`` has, at the period the scales' shape says, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codebook [B, P]``
+``m_codebook`` has, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codebook [B, P]``
 with ``P = automatic_period`` and ``m_magnitude [B, 1]``, ...), dtypes,
 finite and non-negative statistics, whole-number counters, a valid codebook whenever
 momentum indices exist, the per-group mirror of the optimizer-wide record agreeing with
@@ -20,7 +20,7 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
-from gefen_core.state_placement import expected_shapes, period_of_scales
+from gefen_core.state_placement import expected_shapes
 from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
 from gefen_hybrid import ROLES, children_of_state_dict
 
@@ -112,18 +112,18 @@ def _gefen_entry(
     check: _Checker, entry: Mapping[str, Any], where: str, muon: bool
 ) -> tuple[str, tuple[int, ...] | None]:
     """Check one Gefen/GefenMuon parameter entry; return its variant and shape when known."""
+    period = entry.get("automatic_period")
     if "m_codebook" not in entry and "m_magnitude" not in entry:
         extra = sorted(set(entry) - {"automatic_period"})
         if extra:
             check.fail(where, f"has {extra} but no momentum (m_codebook, m_magnitude)")
         return "uninitialized", None
+    if not _is_count(period, 1):
+        check.fail(f"{where}.automatic_period", f"must be a positive int, got {period!r}")
     if not _is_count(entry.get("step"), 1):
         check.fail(f"{where}.step", f"must be an int >= 1 once momentum exists, got {entry.get('step')!r}")
     if not muon:
-        return _shaped_entry(check, entry, where)
-    period = entry.get("automatic_period")
-    if not _is_count(period, 1):
-        check.fail(f"{where}.automatic_period", f"must be a positive int, got {period!r}")
+        return _shaped_entry(check, entry, where, period)
     indices = check.tensor(entry, "m_codebook", where, torch.uint8, 2)
     magnitude = check.tensor(entry, "m_magnitude", where, torch.float32, 2)
     blocks = numel = None
@@ -149,19 +149,11 @@ def _gefen_entry(
     return "muon", None
 
 
-def saved_period(entry: Mapping[str, Any]) -> int | None:
-    """A Gefen entry's block period: what its scales' shape says against its codes' (the
-    parameter's) shape, or ``None`` when they say none."""
-    indices, scales = entry.get("m_codebook"), entry.get("m_magnitude")
-    if not isinstance(indices, torch.Tensor) or not isinstance(scales, torch.Tensor):
-        return None
-    return period_of_scales(indices.shape, scales.shape)
-
-
-def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
-    """A Gefen entry (``gefen.native_state`` v6): tensors shaped like the parameter, whose
-    shape the codes give, at the period the scales' shape says
-    (:func:`gefen_core.state_placement.expected_shapes`, ``period_of_scales``)."""
+def _shaped_entry(
+    check: _Checker, entry: Mapping[str, Any], where: str, period: object
+) -> tuple[str, tuple[int, ...] | None]:
+    """A Gefen entry (``gefen.native_state`` v4): tensors shaped like the parameter, whose
+    shape the codes give (:func:`gefen_core.state_placement.expected_shapes`)."""
     indices = entry.get("m_codebook")
     if not isinstance(indices, torch.Tensor) or indices.dtype is not torch.uint8:
         check.fail(
@@ -169,11 +161,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
         )
         return "broken", None
     shape = tuple(int(d) for d in indices.shape)
-    period = saved_period(entry)
-    if period is None:
-        scales = entry.get("m_magnitude")
-        got = list(scales.shape) if isinstance(scales, torch.Tensor) else repr(scales)[:60]
-        check.fail(f"{where}.m_magnitude", f"must be one fp32 scale per block of a {list(shape)} parameter, got {got}")
+    if not _is_count(period, 1) or indices.numel() % int(period):  # type: ignore[call-overload]
         return "broken", shape
     variant = "factored" if "v_row" in entry or "v_col" in entry else "block"
     if variant == "factored" and len(shape) != 2:
@@ -182,7 +170,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
     if variant == "block" and "vmean" not in entry:
         check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
         return "broken", shape
-    for key, want in expected_shapes(shape, period, variant).items():
+    for key, want in expected_shapes(shape, int(period), variant).items():  # type: ignore[call-overload]
         if key == "m_codebook":
             continue
         value = check.tensor(entry, key, where, torch.float32, len(want))
@@ -329,7 +317,7 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
             continue
         if fmt in _RECORD_KEYS:
             variant, shape = _gefen_entry(check, entry, where, fmt == _MUON)
-            period = entry.get("automatic_period") if fmt == _MUON else saved_period(entry)
+            period = entry.get("automatic_period")
             indices = entry.get("m_codebook")
             detail = f"period {period}" if type(period) is int else ""
             if shape is None and isinstance(indices, torch.Tensor):
