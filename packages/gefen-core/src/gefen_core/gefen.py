@@ -65,12 +65,8 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         fused: ``None`` uses a registered kernel provider when it supports the tensors,
             ``True`` requires one, ``False`` always runs the PyTorch reference.
         factored_v_2d: factored (row x column) second moment for 2-D parameters.
-        clip_threshold: Adafactor's update clipping for factored parameters (``None``, the
-            default: off): when the RMS of a matrix's preconditioned gradient
-            ``g / (sqrt(V) + eps)`` exceeds the threshold (Adafactor uses 1.0), the whole
-            matrix's preconditioned gradient is scaled down to it before it enters the momentum
-            (:mod:`gefen_core.second_moment`). Off by default: measured, it trades one task
-            against another (README, "Update clipping").
+        clip_threshold: Adafactor's update clipping of factored matrices (``None``: off; it
+            trades one task against another, README "Update clipping"; :mod:`.second_moment`).
         force_1d_period_one, force_2d_period_one, period_one_substrings: per-element blocks
             (9 bytes/element: AdamW's exact moments) for 1-D parameters, 2-D parameters, or
             names containing a substring (needs named parameters). A bound flattened element

@@ -54,11 +54,11 @@ FLT_MIN = float(torch.finfo(torch.float32).tiny)
 
 
 @functools.lru_cache(maxsize=512)
-def _divisor(count: int, device: torch.device) -> torch.Tensor:
-    """``count`` as a float64 ``[1]`` tensor (a tensor, not a Python number: some backends turn
-    a division by a scalar into a multiplication by its reciprocal). Cached: a step divides by
-    the same few sizes every time, and a fresh tensor costs more than the division."""
-    return torch.full((1,), float(count), dtype=torch.float64, device=device)
+def _divisor(value: float, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``value`` as a ``[1]`` tensor to divide by (a tensor, not a Python number: some backends
+    turn a division by a scalar into a multiplication by its reciprocal). Cached: a step divides
+    by the same few values every time, and a fresh tensor costs more than the division."""
+    return torch.full((1,), float(value), dtype=dtype, device=device)
 
 
 def _divide(total: torch.Tensor, count: int) -> torch.Tensor:
@@ -120,15 +120,9 @@ def preconditioned_sumsq(
     return total
 
 
-@functools.lru_cache(maxsize=64)
-def _threshold(value: float, device: torch.device) -> torch.Tensor:
-    """``D`` as a fp32 ``[1]`` tensor (divided by as a tensor, as :func:`_divisor`)."""
-    return torch.full((1,), value, dtype=torch.float32, device=device)
-
-
 def clip_row_factor(row_factor: torch.Tensor, sumsq: torch.Tensor, elements: int, threshold: float) -> torch.Tensor:
     """``row_factor'`` of the module docstring: ``sumsq`` is :func:`preconditioned_sumsq` summed
     over every row of the matrix (``elements = R K``). No host synchronisation."""
     rms = fp32_sqrt(_divide(sumsq, elements).to(torch.float32))
-    kappa = torch.div(rms, _threshold(threshold, rms.device)).clamp_(min=1.0)
+    kappa = torch.div(rms, _divisor(threshold, rms.device, torch.float32)).clamp_(min=1.0)
     return row_factor * kappa.mul_(kappa)
