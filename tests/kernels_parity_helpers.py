@@ -287,7 +287,7 @@ def compare_muon_momentum(
     sr_seed: torch.Tensor | None,
     exact: bool = False,
 ) -> None:
-    """``gefen.muon_momentum/1`` against the reference, two steps from the reference's state
+    """``gefen::muon_momentum.v1`` against the reference, two steps from the reference's state
     (``exact``: bit for bit)."""
     from gefen_core.reference_ops import muon_momentum_reference
 
@@ -314,7 +314,7 @@ def compare_muon_momentum(
 
 
 def compare_factored_moments(op: StepOp, grad: torch.Tensor, *, steps: int) -> None:
-    """``gefen.factored_moments/1`` against the reference, one step at a time from equal moments:
+    """``gefen::factored_moments.v1`` against the reference, one step at a time from equal moments:
     ``v_row``/``v_col`` bit for bit; ``row_factor`` within 1 ulp (the float64 mean of ``v_col``
     may be summed in another order), and bit for bit wherever that mean agrees."""
     rows, cols = grad.shape

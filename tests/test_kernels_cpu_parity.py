@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from gefen_contracts import load_kernel_plugins
 from gefen_core.momentum_codec import splitmix_uniform
-from gefen_kernels import cpu_kernel_status, cpu_ops, provider
+from gefen_kernels import KernelArgumentError, cpu_kernel_status, cpu_ops
 from kernels_parity_helpers import (
     DTYPES,
     compare_block_step,
@@ -155,24 +156,26 @@ def test_the_kernel_reads_whatever_codebook_it_is_given() -> None:
         )
 
 
-def test_provider_supports_cpu_tensors_and_explains_refusals() -> None:
-    kernels = provider()
+def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None:
+    load_kernel_plugins()
     param = torch.zeros(12)
     indices = torch.zeros(3, 4, dtype=torch.uint8)
     block = torch.zeros(3, 1)
     codebook = torch.linspace(-1, 1, 256)
     scalars = torch.zeros(9)
     flags = {"apply_decay": False, "maximize": False, "deterministic": False}
-    args = (param, param.clone(), indices, block, block.clone(), codebook, scalars, None)
-    assert kernels.supports("gefen.block_step/2", *args, **flags)
-    assert kernels.explain("gefen.block_step/2", *args, **flags) is None
-    wrong = (param, param.clone(), indices.float(), *args[3:])
-    assert "indices must be torch.uint8" in (kernels.explain("gefen.block_step/2", *wrong, **flags) or "")
-    strided = torch.zeros(24)[::2]
-    assert "contiguous" in (kernels.explain("gefen.block_step/2", strided, *args[1:], **flags) or "")
-    assert not kernels.supports("gefen.block_step/2", *args[:-1], **flags)
-    with pytest.raises(ValueError, match="indices"):
-        cpu_ops.block_step(*wrong, **flags)
+    block_step = torch.ops.gefen.block_step.v2
+    block_step(param, param.clone(), indices, block, block.clone(), codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match=r"indices must be torch\.uint8"):
+        block_step(param, param.clone(), indices.float(), block, block.clone(), codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match="contiguous"):
+        block_step(torch.zeros(24)[::2], param, indices, block, block.clone(), codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match="2-D"):
+        cpu_ops.factored_stats(torch.ones(2, 3, 4), deterministic=False)
+    with pytest.raises(KernelArgumentError, match="bool"):
+        cpu_ops.factored_stats(torch.ones(2, 3), deterministic=1)  # type: ignore[arg-type]
+    with pytest.raises(KernelArgumentError, match="CPU tensors"):
+        cpu_ops.factored_stats(torch.ones(2, 3, device="meta"), deterministic=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

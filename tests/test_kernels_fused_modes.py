@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import KernelRegistry, KernelUnavailableError, default_kernel_registry
+from gefen_contracts import KernelUnavailableError, load_kernel_plugins
+from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen
-from gefen_kernels import CpuKernelUnavailableWarning, GefenKernelProvider, cpu_kernel_status, provider
+from gefen_kernels import CpuKernelUnavailableWarning, cpu_kernel_status, cpu_ops, registered_devices
 from gefen_kernels.cpu_build import reset_cpu_library
+from gefen_kernels.signatures import GEFEN_OPS
 from kernels_parity_helpers import assert_params_close
 
 STEPS = 3
@@ -27,31 +31,44 @@ def compiled_kernel() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-class CountingProvider:
-    """Delegates to gefen-kernels and counts the ops it ran."""
+@contextmanager
+def counting_kernels() -> Iterator[Counter[str]]:
+    """gefen-kernels' CPU kernels, registered again through ``torch.library`` wrapped in a call
+    counter (the latest registration wins; withdrawing it restores gefen-kernels' own)."""
+    load_kernel_plugins()
+    calls: Counter[str] = Counter()
+    library = torch.library.Library("gefen", "IMPL")
 
-    def __init__(self, inner: GefenKernelProvider) -> None:
-        self.inner = inner
-        self.calls: Counter[str] = Counter()
+    def counted(op: str) -> Callable[..., Any]:
+        run = getattr(cpu_ops, op.split("::")[1].split(".", maxsplit=1)[0])
 
-    @property
-    def name(self) -> str:
-        return "counting"
-
-    def op_ids(self) -> frozenset[str]:
-        return self.inner.op_ids()
-
-    def supports(self, op_id: str, *args: Any, **kwargs: Any) -> bool:
-        return self.inner.supports(op_id, *args, **kwargs)
-
-    def implementation(self, op_id: str) -> Callable[..., Any]:
-        run = self.inner.implementation(op_id)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[op_id] += 1
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[op] += 1
             return run(*args, **kwargs)
 
-        return counted
+        return call
+
+    for op in GEFEN_OPS:
+        library.impl(op.split("::")[1], counted(op), "CPU")
+    try:
+        yield calls
+    finally:
+        library._destroy()
+
+
+@contextmanager
+def without_a_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """gefen-kernels loaded again where no C compiler exists (and no cached or prebuilt library)."""
+    monkeypatch.setenv("GEFEN_KERNELS_CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("GEFEN_KERNELS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("GEFEN_KERNELS_PREBUILT", "0")  # an installed platform wheel needs no compiler
+    reset_cpu_library()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        reset_cpu_library()
+        load_kernel_plugins(reload=True)
 
 
 def _params() -> list[tuple[str, torch.nn.Parameter]]:
@@ -66,10 +83,10 @@ def _params() -> list[tuple[str, torch.nn.Parameter]]:
     ]
 
 
-def _train(fused: bool | None, registry: KernelRegistry | None, **options: Any) -> tuple[list[torch.Tensor], Gefen]:
+def _train(fused: bool | None, **options: Any) -> tuple[list[torch.Tensor], Gefen]:
     params = _params()
     assert not params[2][1].is_contiguous()
-    optimizer = Gefen(params, lr=3e-3, weight_decay=0.05, fused=fused, kernel_registry=registry, **options)
+    optimizer = Gefen(params, lr=3e-3, weight_decay=0.05, fused=fused, **options)
     generator = torch.Generator().manual_seed(5)
     for _ in range(STEPS):
         for _, param in params:
@@ -90,82 +107,63 @@ def _assert_same_training(expected: tuple[list[torch.Tensor], Gefen], got: tuple
                 assert torch.equal(value, mine_state[key]), key
 
 
-def test_the_entry_point_registers_gefen_kernels() -> None:
-    assert any(isinstance(p, GefenKernelProvider) for p in default_kernel_registry().providers)
+def test_the_entry_point_registers_gefen_kernels_for_cpu() -> None:
+    load_kernel_plugins()
+    assert "cpu" in registered_devices()
+    for op in GEFEN_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"), op
 
 
 @pytest.mark.parametrize("stochastic_round", [False, True])
 def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round: bool) -> None:
-    counting = CountingProvider(provider())
-    fused = _train(None, KernelRegistry([counting]), stochastic_round=stochastic_round)
-    assert set(counting.calls) == {
-        "gefen.block_step/2",
-        "gefen.factored_moments/1",  # unsharded factored parameters: statistics and update in one call
-        "gefen.factored_step/3",
-        "gefen.histogram/1",
+    with counting_kernels() as calls:
+        fused = _train(None, stochastic_round=stochastic_round)
+    assert set(calls) == {
+        "gefen::block_step.v2",
+        "gefen::factored_moments.v1",  # unsharded factored parameters: statistics and update in one call
+        "gefen::factored_step.v3",
+        "gefen::histogram.v1",
     }
-    assert counting.calls["gefen.factored_step/3"] == 3 * STEPS  # matrix, transposed, bf16
-    assert counting.calls["gefen.factored_moments/1"] == 3 * STEPS
-    assert counting.calls["gefen.block_step/2"] == 2 * STEPS  # norm, conv
-    _assert_same_training(_train(False, None, stochastic_round=stochastic_round), fused)
+    assert calls["gefen::factored_step.v3"] == 3 * STEPS  # matrix, transposed, bf16
+    assert calls["gefen::factored_moments.v1"] == 3 * STEPS
+    assert calls["gefen::block_step.v2"] == 2 * STEPS  # norm, conv
+    _assert_same_training(_train(False, stochastic_round=stochastic_round), fused)
 
 
-def test_fused_true_requires_and_uses_the_kernels() -> None:
-    counting = CountingProvider(provider())
-    fused = _train(True, KernelRegistry([counting]), factored_v_2d=False)
-    assert counting.calls["gefen.block_step/2"] == 5 * STEPS
-    _assert_same_training(_train(False, None, factored_v_2d=False), fused)
-    with pytest.raises(KernelUnavailableError, match=r"gefen\.block_step/2"):
-        Gefen(_params(), fused=True, kernel_registry=KernelRegistry())
-
-
-def test_fused_false_never_calls_a_provider() -> None:
-    counting = CountingProvider(provider())
-    _train(False, KernelRegistry([counting]))
-    assert not counting.calls
+def test_fused_true_uses_the_kernels_and_false_never_does() -> None:
+    with counting_kernels() as calls:
+        fused = _train(True, factored_v_2d=False)
+        assert calls["gefen::block_step.v2"] == 5 * STEPS
+        calls.clear()
+        reference = _train(False, factored_v_2d=False)
+        assert not calls
+    _assert_same_training(reference, fused)
 
 
 def test_without_a_compiler_cpu_steps_fall_back_with_one_clear_warning(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("GEFEN_KERNELS_CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("GEFEN_KERNELS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("GEFEN_KERNELS_PREBUILT", "0")  # an installed platform wheel needs no compiler
-    reset_cpu_library()
-    try:
-        fresh = GefenKernelProvider()
-        registry = KernelRegistry([fresh])
+    strict = Gefen(_params(), fused=True)  # built while the kernels are registered
+    with without_a_compiler(monkeypatch, tmp_path):
         with pytest.warns(CpuKernelUnavailableWarning, match="no C compiler found") as caught:
-            fallback = _train(None, registry)
+            reports = load_kernel_plugins(reload=True)
         assert len([w for w in caught if issubclass(w.category, CpuKernelUnavailableWarning)]) == 1
+        assert "C compiler" in (reports[0].reason("cpu") or "") and "cpu" not in registered_devices()
         status = cpu_kernel_status()
         assert not status.available and "no-such-compiler" in status.reason
         assert not list((tmp_path / "cache").glob("*.so"))
-        param = torch.zeros(4)
-        block = torch.zeros(1, 1)
-        args = (
-            param,
-            param,
-            torch.zeros(1, 4, dtype=torch.uint8),
-            block,
-            block,
-            torch.zeros(256),
-            torch.zeros(9),
-            None,
-        )
-        flags = {"apply_decay": False, "maximize": False, "deterministic": False}
-        assert "C compiler" in (fresh.explain("gefen.block_step/2", *args, **flags) or "")
-        reference = _train(False, None)
+        fallback = _train(None)
+        reference = _train(False)
         for expected, got in zip(reference[0], fallback[0]):
             assert torch.equal(expected, got)  # the reference path ran
-        strict = Gefen(_params(), fused=True, kernel_registry=registry)
+        # fused=True names the real cause, at construction and at a step, and changes nothing
+        with pytest.raises(KernelUnavailableError, match=r"gefen::block_step\.v2.*C compiler"):
+            Gefen(_params(), fused=True)
         for group in strict.param_groups:
             for p in group["params"]:
                 p.grad = torch.ones_like(p)
-        # the error names the real cause, not only that the provider declined
-        with pytest.raises(KernelUnavailableError, match=r"do not support these tensors \(gefen-kernels: .*C compiler"):
+        before = deep_snapshot(strict, *strict.param_groups[0]["params"])
+        with pytest.raises(KernelUnavailableError, match="C compiler"):
             strict.step()
-    finally:
-        monkeypatch.undo()
-        reset_cpu_library()
-    assert cpu_kernel_status().available
+        assert not snapshot_diff(before, strict, *strict.param_groups[0]["params"])
+    assert cpu_kernel_status().available and "cpu" in registered_devices()

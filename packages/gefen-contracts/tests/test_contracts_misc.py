@@ -1,18 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 from gefen_contracts import (
     ContractError,
     ContractTypeError,
-    KernelRegistry,
-    KernelUnavailableError,
     PortableStateLimits,
     StagedTransaction,
     StaleTransactionError,
-    parse_op_id,
+    run_kernel_plugins,
 )
 
 
@@ -53,37 +48,24 @@ def test_staged_transaction_is_single_use_owned_and_fresh() -> None:
         StagedTransaction(1, kind="x", token=0, payload=None)
 
 
-class FakeProvider:
-    def __init__(self, name: str, ops: set[str], accept: bool) -> None:
-        self._name, self._ops, self._accept = name, frozenset(ops), accept
+def test_kernel_plugins_report_what_they_could_not_serve_and_never_raise() -> None:
+    def serves_all() -> object:
+        return {}
 
-    @property
-    def name(self) -> str:
-        return self._name
+    def no_cuda() -> object:
+        return {"cuda": "CUDA is not available"}
 
-    def op_ids(self) -> frozenset[str]:
-        return self._ops
+    def broken() -> object:
+        raise ImportError("missing library")
 
-    def supports(self, op_id: str, *args: Any, **kwargs: Any) -> bool:
-        return self._accept and bool(args) and args[0] == "cpu"
+    def wrong_type() -> object:
+        return ["cpu"]
 
-    def implementation(self, op_id: str) -> Callable[..., Any]:
-        return lambda *a: (self._name, op_id, a)
-
-
-def test_kernel_registry_lookup_require_and_op_ids() -> None:
-    assert parse_op_id("gefen.block_step/1") == ("gefen.block_step", 1)
-    for bad in ("block_step/1", "gefen.block_step", "gefen.block_step/0", "Gefen.x/1"):
-        with pytest.raises(ContractError):
-            parse_op_id(bad)
-    registry = KernelRegistry([FakeProvider("slow", {"gefen.op/1"}, False), FakeProvider("fast", {"gefen.op/1"}, True)])
-    impl = registry.lookup("gefen.op/1", "cpu")
-    assert impl is not None and impl("cpu")[0] == "fast"
-    assert registry.lookup("gefen.op/1", "cuda") is None
-    assert registry.lookup("gefen.other/1", "cpu") is None
-    with pytest.raises(KernelUnavailableError, match="do not support"):
-        registry.require("gefen.op/1", "cuda")
-    with pytest.raises(KernelUnavailableError, match="no registered provider"):
-        registry.require("gefen.other/1", "cpu")
-    with pytest.raises(ContractTypeError):
-        registry.register(object())  # type: ignore[arg-type]
+    reports = run_kernel_plugins(
+        [("all", serves_all), ("cpu-only", no_cuda), ("broken", broken), ("wrong", wrong_type)]
+    )
+    assert [r.entry_point for r in reports] == ["all", "cpu-only", "broken", "wrong"]
+    assert reports[0].reason("cuda") is None and reports[0].error is None
+    assert reports[1].reason("cuda") == "CUDA is not available" and reports[1].reason("cpu") is None
+    assert reports[2].reason("cpu") == "ImportError: missing library"
+    assert reports[3].error is not None and "mapping" in reports[3].error

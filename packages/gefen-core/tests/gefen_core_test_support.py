@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import PortableSlotState
+from gefen_contracts import PortableSlotState, load_kernel_plugins
 from gefen_contracts.torch_support import as_imported
+from gefen_core.ops import OPS
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,3 +39,26 @@ def dense_momentum(slot: PortableSlotState, codebook: torch.Tensor) -> torch.Ten
     scale = as_imported(slot, tuple(codes.shape)).element_fields["momentum_scale"]
     assert isinstance(scale, torch.Tensor)
     return codebook[codes.long()] * scale
+
+
+@contextmanager
+def counting_kernels(ops: tuple[str, ...] = tuple(OPS)) -> Iterator[dict[str, int]]:
+    """CPU kernels for ``ops`` that count their calls and run the reference (registered
+    through ``torch.library`` over whatever is there; withdrawn on exit, which restores it)."""
+    load_kernel_plugins()  # first, so the counting kernels are the latest registration
+    calls: dict[str, int] = {}
+    library = torch.library.Library("gefen", "IMPL")
+
+    def counting(op: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls[op] = calls.get(op, 0) + 1
+            return OPS[op].reference(*args, **kwargs)
+
+        return run
+
+    for op in ops:
+        library.impl(op.split("::")[1], counting(op), "CPU")
+    try:
+        yield calls
+    finally:
+        library._destroy()

@@ -10,15 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import KernelRegistry, KernelUnavailableError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import GefenMuon, GefenOptionError, GefenOptionTypeError, GradientError, ParameterError
 from gefen_core.momentum_codec import dequantize
 from gefen_core.muon_options import lr_ratio
 from gefen_core.newton_schulz import NS_SCHEDULES, newton_schulz, resolve_schedule
 from gefen_core.normuon import cautious_mask, normuon_rescale
-from gefen_core.ops import MUON_MOMENTUM, OPS
-from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+from gefen_core.ops import MUON_MOMENTUM
+from gefen_core_test_support import counting_kernels, single_threaded_torch  # noqa: F401  (autouse fixture)
 
 #: Stated bound: after 10 steps GefenMuon's parameter movement differs from torch.optim.Muon's
 #: by at most this fraction (relative L2; measured 0.8% to 1.2%); the gap is the momentum codec.
@@ -265,53 +264,16 @@ def test_stochastic_rounding_is_reproducible_and_differs_from_nearest() -> None:
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
 
-class _CountingProvider:
-    def __init__(self, supported: bool = True) -> None:
-        self.calls: dict[str, int] = {}
-        self.supported = supported
-
-    @property
-    def name(self) -> str:
-        return "counting"
-
-    def op_ids(self) -> frozenset[str]:
-        return frozenset(OPS)
-
-    def supports(self, op_id: str, *args: Any, **kwargs: Any) -> bool:
-        return self.supported
-
-    def implementation(self, op_id: str) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            self.calls[op_id] = self.calls.get(op_id, 0) + 1
-            return OPS[op_id].reference(*args, **kwargs)
-
-        return run
-
-
 def test_fused_dispatch() -> None:
     results = {}
     for fused in (None, False, True):
-        provider = _CountingProvider()
         params = _matrices((16, 32), (32, 16))
-        _train(
-            GefenMuon(params, fused=fused, stochastic_round=True, kernel_registry=KernelRegistry([provider])), params, 3
-        )
-        results[fused] = (params, provider.calls)
-    assert results[None][1] == {MUON_MOMENTUM: 6, "gefen.histogram/1": 2} and results[False][1] == {}
+        with counting_kernels() as calls:
+            _train(GefenMuon(params, fused=fused, stochastic_round=True), params, 3)
+        results[fused] = (params, calls)
+    assert results[None][1] == {MUON_MOMENTUM: 6, "gefen::histogram.v1": 2} and results[False][1] == {}
     assert results[True][1] == results[None][1]
     assert all(torch.equal(a, b) for a, b in zip(results[None][0], results[False][0]))
-    with pytest.raises(KernelUnavailableError, match="fused=True"):
-        GefenMuon(_matrices((4, 4)), fused=True, kernel_registry=KernelRegistry())
-    declining = _CountingProvider()
-    params = _matrices((8, 8))
-    opt = GefenMuon(params, fused=True, kernel_registry=KernelRegistry([declining]))
-    _train(opt, params, 1)
-    declining.supported = False
-    params[0].grad = torch.randn(8, 8)
-    before = deep_snapshot(opt, *params)
-    with pytest.raises(KernelUnavailableError, match="do not support"):
-        opt.step()
-    assert not [d for d in snapshot_diff(before, opt, *params) if "_providers" not in d]
 
 
 def test_fp8_on_cpu_warns_once_and_runs_bf16() -> None:

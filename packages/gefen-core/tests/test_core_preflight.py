@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import KernelRegistry, KernelUnavailableError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen, GradientError
-from gefen_core.ops import DISPATCHED_OPS, OPS
-from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+from gefen_core.ops import DISPATCHED_OPS
+from gefen_core_test_support import counting_kernels, single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
 def _setup(initialised: bool) -> tuple[list[torch.nn.Parameter], Gefen]:
@@ -105,37 +103,10 @@ def test_preflight_passes_on_good_gradients_and_changes_nothing() -> None:
         assert not snapshot_diff(before, opt, *params)
 
 
-class _CountingProvider:
-    """A provider that runs the reference implementations and counts calls."""
-
-    def __init__(self, supported: bool = True) -> None:
-        self.calls: dict[str, int] = {}
-        self.supported = supported
-
-    @property
-    def name(self) -> str:
-        return "counting"
-
-    def op_ids(self) -> frozenset[str]:
-        return frozenset(OPS)
-
-    def supports(self, op_id: str, *args: Any, **kwargs: Any) -> bool:
-        return self.supported
-
-    def implementation(self, op_id: str) -> Callable[..., Any]:
-        reference = OPS[op_id].reference
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            self.calls[op_id] = self.calls.get(op_id, 0) + 1
-            return reference(*args, **kwargs)
-
-        return run
-
-
-def _run(fused: bool | None, registry: KernelRegistry | None) -> list[torch.Tensor]:
+def _run(fused: bool | None) -> list[torch.Tensor]:
     torch.manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
-    opt = Gefen(params, lr=1e-2, fused=fused, kernel_registry=registry, stochastic_round=True)
+    opt = Gefen(params, lr=1e-2, fused=fused, stochastic_round=True)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -143,60 +114,30 @@ def _run(fused: bool | None, registry: KernelRegistry | None) -> list[torch.Tens
     return params
 
 
-def test_fused_none_uses_a_provider_that_supports_the_tensors() -> None:
-    provider = _CountingProvider()
-    with_provider = _run(None, KernelRegistry([provider]))
-    reference = _run(False, KernelRegistry([provider]))
-    assert all(torch.equal(a, b) for a, b in zip(with_provider, reference))
-    assert provider.calls == {
-        "gefen.block_step/2": 3,
-        "gefen.factored_moments/1": 3,
-        "gefen.factored_step/3": 3,
-        "gefen.histogram/1": 2,
+def test_fused_none_runs_the_kernels_registered_for_the_device() -> None:
+    with counting_kernels() as calls:
+        with_kernels = _run(None)
+        reference = _run(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_kernels, reference))
+    assert calls == {
+        "gefen::block_step.v2": 3,
+        "gefen::factored_moments.v1": 3,
+        "gefen::factored_step.v3": 3,
+        "gefen::histogram.v1": 2,
     }
 
 
-def test_fused_none_falls_back_to_the_reference_when_the_provider_declines() -> None:
-    provider = _CountingProvider(supported=False)
-    _run(None, KernelRegistry([provider]))
-    assert provider.calls == {}
-
-
-def test_fused_true_requires_a_provider() -> None:
-    with pytest.raises(KernelUnavailableError, match="fused=True"):
-        Gefen([torch.nn.Parameter(torch.ones(4))], fused=True, kernel_registry=KernelRegistry())
-    provider = _CountingProvider()
-    _run(True, KernelRegistry([provider]))
-    assert provider.calls["gefen.block_step/2"] == 3
-
-    class StepOpsOnly(_CountingProvider):
-        def op_ids(self) -> frozenset[str]:
-            return frozenset(DISPATCHED_OPS)  # no gefen.stochastic_uniform/1: never dispatched
-
-    _run(True, KernelRegistry([StepOpsOnly()]))
-    declining = _CountingProvider()
-    params = [torch.nn.Parameter(torch.randn(8, 16))]
-    opt = Gefen(params, fused=True, kernel_registry=KernelRegistry([declining]))
-    params[0].grad = torch.randn(8, 16)
-    opt.step()
-    declining.supported = False
-    params[0].grad = torch.randn(8, 16)
-    before = deep_snapshot(opt, *params)
-    with pytest.raises(KernelUnavailableError, match="do not support"):
-        opt.step()
-    assert not snapshot_diff(before, opt, *params)
-
-
-def test_fused_true_rolls_back_a_first_step_whose_new_state_no_kernel_supports() -> None:
-    class FirstStepOnly(_CountingProvider):
-        def supports(self, op_id: str, *args: Any, **kwargs: Any) -> bool:
-            return op_id in ("gefen.histogram/1", "gefen.factored_stats/1")
-
-    params = [torch.nn.Parameter(torch.randn(8, 16))]
-    opt = Gefen(params, fused=True, kernel_registry=KernelRegistry([FirstStepOnly()]))
-    params[0].grad = torch.randn(8, 16)
-    before = deep_snapshot(opt, *params)
-    with pytest.raises(KernelUnavailableError):
-        opt.step()
-    assert not [d for d in snapshot_diff(before, opt, *params) if "_providers" not in d]
-    assert opt.codebook is None and not opt.state.get(params[0])
+def test_fused_false_never_calls_a_registered_kernel_and_true_calls_only_them() -> None:
+    with counting_kernels() as calls:
+        _run(False)
+        assert calls == {}
+        _run(True)
+        assert calls["gefen::block_step.v2"] == 3 and calls["gefen::factored_step.v3"] == 3
+    with counting_kernels(DISPATCHED_OPS) as calls:  # no stochastic_uniform: never dispatched
+        _run(True)
+        assert set(calls) == {
+            "gefen::block_step.v2",
+            "gefen::factored_moments.v1",
+            "gefen::factored_step.v3",
+            "gefen::histogram.v1",
+        }

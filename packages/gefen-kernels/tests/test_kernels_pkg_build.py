@@ -1,4 +1,4 @@
-"""Building the CPU kernel: cache reuse, a missing or failing compiler, and the provider's refusals."""
+"""Building the CPU kernel: cache reuse, a missing or failing compiler, and what registration says."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from gefen_kernels import CpuKernelCacheWarning, CpuKernelUnavailableWarning, GefenKernelProvider, cpu_kernel_status
+from gefen_kernels import (
+    CpuKernelCacheWarning,
+    CpuKernelUnavailableWarning,
+    cpu_kernel_status,
+    register,
+    registered_devices,
+)
 from gefen_kernels.cpu_build import load_cpu_library, reset_cpu_library
 
 
@@ -21,6 +27,8 @@ def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Pat
     yield tmp_path
     monkeypatch.undo()
     reset_cpu_library()
+    if "cpu" not in registered_devices():
+        register()  # a test withdrew the CPU kernels: register the real ones again
 
 
 def test_a_cached_library_is_reused_without_compiling(fresh_build: Path) -> None:
@@ -42,8 +50,9 @@ def test_a_missing_compiler_warns_once_and_declines_cpu_tensors(
         warnings.simplefilter("error")
         assert load_cpu_library() is None  # no second warning
     assert "absent-cc" in cpu_kernel_status().reason
-    reason = GefenKernelProvider().explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=False)
-    assert reason is not None and "CPU kernel is unavailable" in reason
+    unavailable = register()
+    assert "CPU kernel is unavailable" in unavailable["cpu"] and "cpu" not in registered_devices()
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("gefen::factored_stats.v1", "CPU")
 
 
 def test_a_compiler_that_fails_is_reported_with_its_error(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,20 +101,6 @@ def test_the_switch_disables_the_cpu_kernel(fresh_build: Path, monkeypatch: pyte
     monkeypatch.setenv("GEFEN_KERNELS_CPU", "0")
     with pytest.warns(CpuKernelUnavailableWarning, match="GEFEN_KERNELS_CPU=0"):
         assert not cpu_kernel_status().available
-
-
-def test_the_provider_explains_what_it_cannot_run() -> None:
-    kernels = GefenKernelProvider()
-    assert "does not implement" in (kernels.explain("gefen.unknown/1") or "")
-    meta = torch.empty(2, 3, device="meta")
-    assert "no gefen-kernels backend for meta" in (
-        kernels.explain("gefen.factored_stats/1", meta, deterministic=False) or ""
-    )
-    assert "3-D" not in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=False) or "")
-    assert "2-D" in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3, 4), deterministic=False) or "")
-    assert "bool" in (kernels.explain("gefen.factored_stats/1", torch.ones(2, 3), deterministic=1) or "")
-    with pytest.raises(KeyError):
-        kernels.implementation("gefen.unknown/1")
 
 
 def _prebuilt_dir(monkeypatch: pytest.MonkeyPatch, directory: Path) -> Path:

@@ -1,5 +1,5 @@
-"""gefen-contracts: the optimizer convention (vocabulary, Protocols, codec, digest, kernels
-registry). Importing this package loads only the standard library; torch-bound pieces live
+"""gefen-contracts: the optimizer convention (vocabulary, Protocols, codec, digest, kernel
+plugins). Importing this package loads only the standard library; torch-bound pieces live
 in :mod:`gefen_contracts.torch_support` (extra ``[torch]``) and the conformance kit in
 :mod:`gefen_contracts.testing`.
 """
@@ -68,7 +68,13 @@ from .identity import (
     ShardIdentity,
     ShardPlacement,
 )
-from .kernels import KERNEL_ENTRY_POINT_GROUP, KernelProvider, KernelRegistry, default_kernel_registry, parse_op_id
+from .kernels import (
+    KERNEL_ENTRY_POINT_GROUP,
+    KernelPluginReport,
+    kernel_unavailable_reasons,
+    load_kernel_plugins,
+    run_kernel_plugins,
+)
 from .limits import PortableStateLimits
 from .manifest import ShardingManifest
 from .naming import fqn_problem, param_group_naming_blockers
@@ -123,8 +129,7 @@ __all__ = [
     "FeatureStatus",
     "FrozenMap",
     "IdentityBindable",
-    "KernelProvider",
-    "KernelRegistry",
+    "KernelPluginReport",
     "KernelUnavailableError",
     "LayoutTamperedError",
     "LoadAtomicity",
@@ -171,13 +176,14 @@ __all__ = [
     "TrainingSupport",
     "__version__",
     "canonical_digest",
-    "default_kernel_registry",
     "descriptor_digest",
     "from_primitive",
     "fqn_problem",
     "match_variants",
     "param_group_naming_blockers",
-    "parse_op_id",
+    "kernel_unavailable_reasons",
+    "load_kernel_plugins",
+    "run_kernel_plugins",
     "require_transaction",
     "revalidate",
     "schema_compatible",

@@ -29,7 +29,7 @@ def gradient_histogram(
 ) -> torch.Tensor:
     """Sum of the block-normalised histograms of ``(gradient, period)`` items (int64 CPU ``[4096]``).
 
-    ``run_op(op_id, *args, **kwargs)`` dispatches the ``gefen.histogram/1`` op.
+    ``run_op(op, *args, **kwargs)`` runs the ``gefen::histogram.v1`` op.
     """
     per_device: dict[torch.device, torch.Tensor] = {}
     for gradient, period in items:

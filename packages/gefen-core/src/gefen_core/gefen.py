@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import KernelRegistry, OptimizerContract, StagedTransaction
+from gefen_contracts import OptimizerContract, StagedTransaction
 from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
 
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
@@ -23,7 +23,7 @@ from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
-from .ops import DISPATCHED_OPS, FACTORED_STATS, KernelDispatch
+from .ops import DISPATCHED_OPS, FACTORED_STATS, Kernels
 from .optimizer_support import (
     OwnAttributesPickling,
     codebook_on,
@@ -34,16 +34,13 @@ from .optimizer_support import (
 )
 from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
-from .parameter_update import decay_only, kernel_key, kernel_queries, placeholder_codebook, update_parameter
+from .parameter_update import decay_only, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
 from .portable_adapter import GefenPortableState
 from .scoped_step import scoped_step
-from .step_plan import KernelMemo, ParamWork, StepDecision, StepPlan, capturing, plan_step
+from .step_plan import ParamWork, StepDecision, StepPlan, capturing, plan_step
 
 __all__ = ["Gefen"]
-
-#: The attribute holding the step's :class:`~gefen_core.step_plan.KernelMemo`.
-_KERNEL_MEMO = "_kernels_resolved"
 
 _NATIVE_LOAD = "gefen.native_load"
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -62,8 +59,9 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             block-shared or factored ``v`` has no per-element maximum to keep.
         foreach: accepted for AdamW's signature; a performance hint that changes nothing here
             (``fused`` chooses between the kernels and the reference).
-        fused: ``None`` uses a registered kernel provider when it supports the tensors,
-            ``True`` requires one, ``False`` always runs the PyTorch reference.
+        fused: ``None`` runs the kernels registered for the parameters' device (gefen-kernels:
+            C on CPU, Triton on CUDA) and the PyTorch reference elsewhere, ``True`` requires
+            them, ``False`` always runs the reference (:mod:`gefen_core.ops`).
         factored_v_2d: factored (row x column) second moment for 2-D parameters.
         clip_threshold: Adafactor's update clipping of factored matrices (``None``: off; it
             trades one task against another, README "Update clipping"; :mod:`.second_moment`).
@@ -76,7 +74,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         deterministic: ask kernels for fixed reduction orders; recorded in checkpoints.
         capturable: keep counters and scalars on device so a step can be captured in a CUDA
             graph (run one eager step first).
-        kernel_registry: the kernel registry to use (default: the process-wide one).
 
     The options ``lr`` to ``period_one_substrings`` may differ per parameter group; the rest
     are optimizer-wide.
@@ -112,7 +109,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         stochastic_round: bool = False,
         deterministic: bool = False,
         capturable: bool = False,
-        kernel_registry: KernelRegistry | None = None,
     ) -> None:
         for name, flag in (("deterministic", deterministic), ("stochastic_round", stochastic_round)):
             if type(flag) is not bool:
@@ -141,8 +137,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             raise GefenOptionError(
                 "codebook_refresh_every > 0 is incompatible with capturable=True (refresh is host-driven)"
             )
-        if kernel_registry is not None and not isinstance(kernel_registry, KernelRegistry):
-            raise GefenOptionTypeError("kernel_registry must be a gefen_contracts.KernelRegistry or None")
         substrings = (
             tuple(period_one_substrings) if not isinstance(period_one_substrings, str) else period_one_substrings
         )
@@ -161,7 +155,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             }
         )
         self._fused = fused
-        self._dispatch = KernelDispatch(fused, kernel_registry)
+        self._dispatch = Kernels(fused)
         self._refresh_every = codebook_refresh_every
         self._stochastic_round = stochastic_round
         self._deterministic = deterministic
@@ -174,7 +168,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         self._identity = None
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
-            self._check_kernel_provider()
+            self._require_kernels()
 
     # -- construction -------------------------------------------------------------------
 
@@ -205,16 +199,12 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         super().add_param_group(merged)
         self._version += 1
 
-    def _check_kernel_provider(self) -> None:
-        missing = [op for op in DISPATCHED_OPS if not self._dispatch.available(op)]
-        if missing:
-            from gefen_contracts import KernelUnavailableError
-
-            failures = "; ".join(f"{f.entry_point}: {f.error}" for f in self._dispatch.registry.failures)
-            raise KernelUnavailableError(
-                f"fused=True needs kernels for {missing}: no registered provider implements them"
-                + (f"; providers that failed to load: {failures}" if failures else "")
-            )
+    def _require_kernels(self) -> None:
+        """``fused=True``: kernels for every op, on every device the parameters live on."""
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        for device in sorted(devices, key=str):
+            for op in DISPATCHED_OPS:
+                self._dispatch.require(op, device)
 
     # -- small queries ------------------------------------------------------------------
 
@@ -286,31 +276,9 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             self.param_groups,
             self.state,
             dispatch=self._dispatch,
-            fused=self._fused,
             capturable=self._capturable,
             codebook_ready=self._codebook is not None,
             refresh_due=self._refresh_due(),
-            resolve_args=self._kernel_queries,
-            memo=self.__dict__.get(_KERNEL_MEMO),
-            kernel_key=self._kernel_key,
-        )
-
-    def _remember_kernels(self, plan: StepPlan) -> None:
-        """Keep a published step's kernel resolutions for the next steps (created here, not at
-        construction: the memo is a cache, dropped by pickling and rebuilt on the next step)."""
-        if plan.resolved:
-            memo = self.__dict__.get(_KERNEL_MEMO)
-            if memo is None:
-                memo = self.__dict__[_KERNEL_MEMO] = KernelMemo()
-            memo.remember(plan.resolved)
-
-    def _kernel_key(self, work: ParamWork) -> tuple[Any, ...]:
-        return kernel_key(
-            work,
-            self.param_groups[work.group_index],
-            stochastic_round=self._stochastic_round,
-            deterministic=self._deterministic,
-            registry=self._dispatch.registry,
         )
 
     def preflight_step(self) -> None:
@@ -390,22 +358,12 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         codebook: torch.Tensor | None,
         refreshed: list[tuple[dict[str, Any], torch.Tensor]],
     ) -> StepDecision:
-        """New zero states for ``starting`` (not inserted) and, with ``fused=True``, the kernel
-        checks of their first step."""
+        """New zero states for ``starting`` (not inserted)."""
         states = {w.slot: new_state(w.local, periods[w.slot], w.variant, self._capturable) for w in starting}
-        if self._fused is True:
-            for work in starting:
-                work.state = states[work.slot]
-                try:
-                    for op_id, args, kwargs in self._kernel_queries(work):
-                        self._dispatch.resolve(op_id, *args, **kwargs)
-                finally:
-                    work.state = None
         return StepDecision(starting, states, idle, codebook, refreshed)
 
     def _publish(self, plan: StepPlan, decision: StepDecision, stats: Stats) -> None:
         """Publish a staged decision, then update every parameter (no failure path but the kernels')."""
-        self._remember_kernels(plan)
         for work in decision.starting:
             state = decision.states[work.slot]
             self.state[work.param] = state
@@ -441,7 +399,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
         all-reduced (every rank's update needs them first). The other
         factored parameters' sums are taken just before their own update, while the gradient is
-        still in cache, by ``gefen.factored_moments/1`` (the statistics and the ``v_row``/``v_col``
+        still in cache, by ``gefen::factored_moments.v1`` (the statistics and the ``v_row``/``v_col``
         update in one call)."""
         stats: Stats = {}
         sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -456,10 +414,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
 
     def _local_stats(self, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
         grad = work.grad.contiguous()
-        resolved = work.kernels.get(FACTORED_STATS)
-        if resolved is None:
-            return self._dispatch(FACTORED_STATS, grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
-        return resolved(grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
+        return self._dispatch(FACTORED_STATS, grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
 
     def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
         return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad
@@ -524,16 +479,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             seed=self._seed(work),
             deterministic=self._deterministic,
             capturable=self._capturable,
-        )
-
-    def _kernel_queries(self, work: ParamWork) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
-        device = work.local.device
-        return kernel_queries(
-            work,
-            self.param_groups[work.group_index],
-            self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
-            stochastic_round=self._stochastic_round,
-            deterministic=self._deterministic,
         )
 
     # -- checkpoints --------------------------------------------------------------------

@@ -44,7 +44,7 @@ from .state_placement import export_tensors
 from .step_plan import ParamWork, StepDecision, StepPlan
 
 if TYPE_CHECKING:
-    from .ops import KernelDispatch
+    from .ops import Kernels
 
 __all__ = ["GEFEN_BINDABLE_LAYOUTS", "GefenBindingMethods"]
 
@@ -80,7 +80,7 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
     _stochastic_round: bool
     _deterministic: bool
     _capturable: bool
-    _dispatch: KernelDispatch
+    _dispatch: Kernels
 
     if TYPE_CHECKING:  # provided by Gefen
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import FeatureStatus, KernelRegistry, KernelUnavailableError, OptimizerContract, StagedTransaction
+from gefen_contracts import FeatureStatus, OptimizerContract, StagedTransaction
 from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
 
 from .amp import has_fp16_gradients, unscale_gradients
@@ -34,7 +34,7 @@ from .muon_plan import MuonPlan, check_entry, check_matrix, plan_muon_step
 from .muon_portable import GefenMuonPortableState
 from .native_records import GROUP_MIRROR
 from .newton_schulz import DEFAULT_COEFFICIENTS
-from .ops import MUON_DISPATCHED_OPS, KernelDispatch
+from .ops import MUON_DISPATCHED_OPS, Kernels
 from .optimizer_support import (
     OwnAttributesPickling,
     export_with_hooks,
@@ -72,7 +72,7 @@ class GefenMuon(
         ns_schedule: ``None``/``"standard"``, ``"tuned3"``, ``"tuned4"`` or a list of triples.
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or
             ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``).
-        fused: ``None`` uses a registered kernel provider when it supports the tensors,
+        fused: ``None`` runs the kernels registered for the parameters' device (else the reference),
             ``True`` requires one, ``False`` always runs the PyTorch reference.
         sharded_mode: ``"exact"``, ``"approx"`` or ``"distributed"`` for FSDP2 ``Shard(0)``
             DTensors (see :mod:`gefen_core.muon_distributed`).
@@ -87,7 +87,6 @@ class GefenMuon(
         cautious: keep only update entries whose sign agrees with the gradient (experimental).
         capturable: must be ``False`` (CUDA-graph capture is not implemented for GefenMuon).
         verbose: log the step's choices (codebook learning, fp8 fallback, batched chunks).
-        kernel_registry: the kernel registry to use (default: the process-wide one).
 
     Every option from ``lr`` to ``cautious`` except ``fused``, ``stochastic_round`` and
     ``deterministic`` may differ per parameter group.
@@ -129,7 +128,6 @@ class GefenMuon(
         cautious: bool = False,
         capturable: bool = False,
         verbose: bool = False,
-        kernel_registry: KernelRegistry | None = None,
     ) -> None:
         for name, flag in (
             ("stochastic_round", stochastic_round),
@@ -146,8 +144,6 @@ class GefenMuon(
                 "capturable=True is not implemented for GefenMuon (its step synchronises with the host); "
                 "use capturable=False"
             )
-        if kernel_registry is not None and not isinstance(kernel_registry, KernelRegistry):
-            raise GefenOptionTypeError("kernel_registry must be a gefen_contracts.KernelRegistry or None")
         defaults = normalize_muon_options(
             {
                 "lr": lr,
@@ -171,7 +167,7 @@ class GefenMuon(
             }
         )
         self._fused = fused
-        self._dispatch = KernelDispatch(fused, kernel_registry)
+        self._dispatch = Kernels(fused)
         self._stochastic_round = stochastic_round
         self._deterministic = deterministic
         self._capturable = capturable
@@ -184,11 +180,9 @@ class GefenMuon(
         self._identity = None
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
-            missing = [op for op in MUON_DISPATCHED_OPS if not self._dispatch.available(op)]
-            if missing:
-                raise KernelUnavailableError(
-                    f"fused=True needs kernels for {missing}: no registered provider implements them"
-                )
+            for device in sorted({p.device for group in self.param_groups for p in group["params"]}, key=str):
+                for op in MUON_DISPATCHED_OPS:
+                    self._dispatch.require(op, device)
         self._warn_fp8_at_construction()
 
     # -- construction -------------------------------------------------------------------
@@ -314,9 +308,7 @@ class GefenMuon(
             self.param_groups,
             self.state,
             dispatch=self._dispatch,
-            fused=self._fused,
             codebook_ready=self._codebook is not None,
-            kernel_queries=self._kernel_queries,
         )
 
     def preflight_step(self) -> None:

@@ -41,7 +41,7 @@ from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
 
 if TYPE_CHECKING:
-    from .ops import KernelDispatch
+    from .ops import Kernels
 
 __all__ = ["MUON_BINDABLE_LAYOUTS", "MuonBindingMethods"]
 
@@ -68,7 +68,7 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
     _global_step: int
     _stochastic_round: bool
     _deterministic: bool
-    _dispatch: KernelDispatch
+    _dispatch: Kernels
 
     if TYPE_CHECKING:  # provided by GefenMuon
 

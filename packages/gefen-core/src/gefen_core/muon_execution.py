@@ -17,14 +17,14 @@ import torch
 from .batched_newton_schulz import newton_schulz_batched
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
-from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, shard_rows, vote
+from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, shard_rows, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
 from .muon_plan import MuonItem, MuonPlan, batched_chunks
 from .muon_state import new_muon_state
-from .muon_update import apply_update, finish_update, momentum_call, momentum_input, orthogonalize
-from .ops import KernelDispatch
+from .muon_update import apply_update, finish_update, momentum_input, orthogonalize
+from .ops import Kernels
 from .optimizer_support import codebook_on
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
@@ -35,7 +35,7 @@ __all__ = ["MuonExecution"]
 class _Host(Protocol):
     param_groups: Any
     state: Any
-    _dispatch: KernelDispatch
+    _dispatch: Kernels
     _stochastic_round: bool
     _deterministic: bool
     _codebook: torch.Tensor | None
@@ -288,27 +288,3 @@ class MuonExecution:
     def _local_pieces(members: list[MuonItem]) -> list[torch.Tensor]:
         """This rank's rows of each bucket member's gradient, as the gather sends them."""
         return [item.local_grad.contiguous() for item in members]
-
-    # -- kernels ----------------------------------------------------------------------------
-
-    def _kernel_queries(self: _Host, item: MuonItem) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
-        """The momentum call ``item``'s next step dispatches, with stand-in tensors (no mutation)."""
-        assert item.state is not None
-        local = item.mode in (APPROX, LOCAL)
-        grad = (
-            item.local_grad.contiguous()
-            if local
-            else torch.empty(item.shape, dtype=item.param.dtype, device=item.local.device)
-        )
-        out = torch.empty(grad.shape, dtype=torch.bfloat16, device=grad.device)
-        seed = torch.zeros(1, dtype=torch.int64, device=grad.device) if self._stochastic_round else None
-        call = momentum_call(
-            grad,
-            item.state,
-            self.param_groups[item.group_index],
-            codebook=self._codebook_for(grad.device),
-            seed=seed,
-            out=out,
-            deterministic=self._deterministic,
-        )
-        return [call]

@@ -33,7 +33,7 @@ from .codebook import codebook_from_counts, gradient_histogram
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets
 from .muon_plan import MuonItem
-from .ops import KernelDispatch
+from .ops import Kernels
 from .periods import shape_period
 from .reference_ops import HISTOGRAM_BINS
 
@@ -56,7 +56,7 @@ def is_nonzero(gradient: torch.Tensor) -> bool:
 
 
 def _contribute(
-    gradient: torch.Tensor, shape: tuple[int, int], dispatch: KernelDispatch, deterministic: bool, counts: torch.Tensor
+    gradient: torch.Tensor, shape: tuple[int, int], dispatch: Kernels, deterministic: bool, counts: torch.Tensor
 ) -> int:
     period = shape_period(shape, gradient.numel())
     counts += gradient_histogram([(gradient, period)], dispatch, deterministic=deterministic)
@@ -64,7 +64,7 @@ def _contribute(
 
 
 def learn_codebook(
-    active: Sequence[MuonItem], scope: MuonScope | None, dispatch: KernelDispatch, *, deterministic: bool
+    active: Sequence[MuonItem], scope: MuonScope | None, dispatch: Kernels, *, deterministic: bool
 ) -> LearningResult:
     """Learn from this step's gradients (module docstring); collective over ``scope``."""
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)

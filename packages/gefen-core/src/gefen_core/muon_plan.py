@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gefen_contracts import KernelUnavailableError
 from gefen_contracts.torch_support import check_tensor_lr
 
 from .batched_newton_schulz import chunk_capacity, plan_chunks, shape_eligible
@@ -23,7 +22,7 @@ from .errors import CaptureError, GradientError, ParameterError
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, build_scope, execution_mode
 from .muon_options import check_muon_group, group_schedule
 from .muon_state import check_muon_state
-from .ops import HISTOGRAM, MUON_MOMENTUM, KernelDispatch
+from .ops import HISTOGRAM, MUON_MOMENTUM, Kernels
 from .param_groups import SUPPORTED_DTYPES
 from .step_plan import capturing, check_gradient
 
@@ -145,10 +144,8 @@ def plan_muon_step(
     param_groups: Sequence[dict[str, Any]],
     state: Any,
     *,
-    dispatch: KernelDispatch,
-    fused: bool | None,
+    dispatch: Kernels,
     codebook_ready: bool,
-    kernel_queries: Callable[[MuonItem], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
 ) -> MuonPlan:
     """Validate everything a step needs and describe its work (see the module docstring)."""
     items = check_entry(param_groups)
@@ -178,32 +175,18 @@ def plan_muon_step(
                 )
     _assign_owners(items, scope)
     plan = MuonPlan(items, scope)
-    if fused is True:
-        _check_kernels(plan, dispatch, codebook_ready, kernel_queries)
+    if dispatch.fused is True:
+        _check_kernels(plan, dispatch, codebook_ready)
     return plan
 
 
-def _check_kernels(
-    plan: MuonPlan,
-    dispatch: KernelDispatch,
-    codebook_ready: bool,
-    kernel_queries: Callable[[MuonItem], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
-) -> None:
-    active = plan.active
-    needed = {MUON_MOMENTUM} if active else set()
-    if active and not codebook_ready:
-        needed.add(HISTOGRAM)
-    for op_id in sorted(needed):
-        if not dispatch.available(op_id):
-            failures = "; ".join(f"{f.entry_point}: {f.error}" for f in dispatch.registry.failures)
-            raise KernelUnavailableError(
-                f"fused=True needs a kernel for {op_id}: no registered provider implements it"
-                + (f"; providers that failed to load: {failures}" if failures else "")
-            )
-    for item in active:
-        if item.state is not None:
-            for op_id, args, kwargs in kernel_queries(item):
-                dispatch.resolve(op_id, *args, **kwargs)
+def _check_kernels(plan: MuonPlan, dispatch: Kernels, codebook_ready: bool) -> None:
+    """``fused=True``: the momentum op (and the histogram while the codebook is unlearned) must
+    have a kernel for every active parameter's device."""
+    ops = (MUON_MOMENTUM,) if codebook_ready else (HISTOGRAM, MUON_MOMENTUM)
+    for device in sorted({item.param.device for item in plan.active}, key=str):
+        for op in ops:
+            dispatch.require(op, device)
 
 
 def batched_chunks(

@@ -3,7 +3,7 @@
 The same functions serve every path (plain tensors, ``"exact"``, ``"approx"``, the
 ``"distributed"`` owner and batched Newton-Schulz)::
 
-    X = momentum_input(G)            # gefen.muon_momentum/1: EMA on the codes, Nesterov, bf16 NS input
+    X = momentum_input(G)            # gefen::muon_momentum.v1: EMA on the codes, Nesterov, bf16 NS input
     O = orthogonalize(X)             # bf16 Newton-Schulz (fp8 where eligible)
     O = finish_update(O, G)          # NorMuon, then cautious, when the group enables them
     apply_update(p, O)               # p <- p * (1 - lr * wd) ; p <- p - lr * rho * O
@@ -23,7 +23,7 @@ import torch
 from .fp8_newton_schulz import newton_schulz_fp8
 from .newton_schulz import Schedule, newton_schulz
 from .normuon import cautious_mask, normuon_rescale
-from .ops import MUON_MOMENTUM, KernelDispatch
+from .ops import MUON_MOMENTUM, Kernels
 from .param_state import INDICES, MAGNITUDE, STEP
 from .step_scalars import muon_scalars
 
@@ -42,7 +42,7 @@ def momentum_call(
     out: torch.Tensor,
     deterministic: bool,
 ) -> Call:
-    """The ``gefen.muon_momentum/1`` call for a contiguous 2-D gradient (also used for kernel queries)."""
+    """The ``gefen::muon_momentum.v1`` call for a contiguous 2-D gradient."""
     scalars = muon_scalars(grad.device, group["momentum"])
     args = (grad, state[INDICES], state[MAGNITUDE], codebook, scalars, seed, out)
     return MUON_MOMENTUM, args, {"nesterov": bool(group["nesterov"]), "deterministic": deterministic}
@@ -53,7 +53,7 @@ def momentum_input(
     state: dict[str, Any],
     group: Mapping[str, Any],
     *,
-    dispatch: KernelDispatch,
+    dispatch: Kernels,
     codebook: torch.Tensor,
     seed: torch.Tensor | None,
     deterministic: bool,
@@ -61,10 +61,10 @@ def momentum_input(
     """Advance the quantized momentum in ``state`` and return the bf16 Newton-Schulz input."""
     contiguous = grad.contiguous()
     out = torch.empty(contiguous.shape, dtype=torch.bfloat16, device=contiguous.device)
-    op_id, args, kwargs = momentum_call(
+    op, args, kwargs = momentum_call(
         contiguous, state, group, codebook=codebook, seed=seed, out=out, deterministic=deterministic
     )
-    dispatch(op_id, *args, **kwargs)
+    dispatch(op, *args, **kwargs)
     state[STEP] = int(state[STEP]) + 1
     return out
 

@@ -37,7 +37,7 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(``gefen.block_step/2``, ``gefen.factored_step/3``). Version 5 had no ``clip_threshold`` group
+(``gefen::block_step.v2``, ``gefen::factored_step.v3``). Version 5 had no ``clip_threshold`` group
 option (its factored matrices stepped unclipped; refused naming both versions, as a group
 without the option cannot say which update it was trained with). Version 4 had no ``state_digest`` (a
 flipped bit loaded silently; refused naming both versions). Version 3 had the same shapes but held the

@@ -1,37 +1,39 @@
-"""Gefen's named kernel ops, their signatures, and dispatch between kernels and reference.
+"""Gefen's kernel ops: torch custom ops in the ``gefen`` namespace, and the ``fused`` choice.
 
-gefen-core owns these op ids; a kernel provider (for example gefen-kernels) implements some
-of them and registers through the ``gefen.kernels`` entry points of
-:mod:`gefen_contracts.kernels`. Signatures are versioned by the ``/N`` suffix and never
-change under a given id. All tensors are passed explicitly, scalars arrive packed in an fp32
-device tensor (:mod:`gefen_core.step_scalars`), and the numerics every implementation must
-reproduce are stated in :mod:`gefen_core.reference_ops`.
+gefen-core declares each op once with ``torch.library``: its schema, its reference
+implementation (:mod:`gefen_core.reference_ops`, registered for
+``CompositeExplicitAutograd`` so every device has one) and a fake implementation, so
+``torch.compile`` traces the op as one opaque node. A kernel package (gefen-kernels)
+registers ``CPU`` and ``CUDA`` implementations of the same ops through ``torch.library``
+and is found through the ``gefen.kernels`` entry points (:mod:`gefen_contracts.kernels`);
+torch's dispatcher prefers them to the reference. The op's overload name is its signature
+version: a changed signature or changed numerics is a new overload, never an edit.
 
-=============================  ==============================================================
-op id                          signature (``*`` starts keyword-only arguments)
-=============================  ==============================================================
-``gefen.block_step/2``         ``(param, grad, indices, magnitude, vmean, codebook, scalars,
-                               sr_seed, *, apply_decay, maximize, deterministic) -> None``
-``gefen.factored_stats/1``     ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
-``gefen.factored_moments/1``   ``(grad, v_row, v_col, scalars, *, deterministic) -> row_factor fp32[R]``
-                               (the statistics and the ``v_row``/``v_col`` update in one call)
-``gefen.factored_step/3``      ``(param, grad, indices, magnitude, row_factor, v_col, codebook,
-                               scalars, sr_seed, *, apply_decay, maximize, deterministic) -> None``
-``gefen.histogram/1``          ``(grad, period, counts, *, deterministic) -> None`` (adds to int64 counts)
-``gefen.stochastic_uniform/1`` ``(seed int64[1], index int64[...]) -> fp32[...]``
-``gefen.muon_momentum/1``      ``(grad, indices, magnitude, codebook, scalars, sr_seed, out, *,
-                               nesterov, deterministic) -> None`` (GefenMuon; writes ``out``)
-=============================  ==============================================================
+=================================  ==========================================================
+op                                 schema (after the name; ``*`` starts keyword-only arguments)
+=================================  ==========================================================
+``gefen::block_step.v2``           ``(param!, grad, indices!, magnitude!, vmean!, codebook,
+                                   scalars, sr_seed?, *, apply_decay, maximize, deterministic)``
+``gefen::factored_stats.v1``       ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
+``gefen::factored_moments.v1``     ``(grad, v_row!, v_col!, scalars, *, deterministic) -> row_factor fp32[R]``
+                                   (the statistics and the ``v_row``/``v_col`` update in one call)
+``gefen::factored_step.v3``        ``(param!, grad, indices!, magnitude!, row_factor, v_col, codebook,
+                                   scalars, sr_seed?, *, apply_decay, maximize, deterministic)``
+``gefen::histogram.v1``            ``(grad, period, counts!, *, deterministic)`` (adds to int64 counts)
+``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
+``gefen::muon_momentum.v1``        ``(grad, indices!, magnitude!, codebook, scalars, sr_seed?, out!, *,
+                                   nesterov, deterministic)`` (GefenMuon; writes ``out``)
+=================================  ==========================================================
 
-``param`` and ``grad`` are contiguous and of equal shape and dtype (fp32, bf16, fp16 or
-fp64); for ``gefen.muon_momentum/1`` ``grad`` is a contiguous 2-D matrix, ``out`` a contiguous
-bf16 (or fp32) tensor of its shape and ``scalars`` the Muon packet of
-:func:`gefen_core.step_scalars.muon_scalars`; a provider's ``supports(op_id, *args, **kwargs)`` decides from the real arguments
-and must not touch them. ``deterministic=True`` asks for a fixed reduction order.
+``!`` marks an argument the op writes in place. ``param`` and ``grad`` are contiguous and
+of equal shape and dtype (fp32, bf16, fp16 or fp64); the step scalars arrive packed in an
+fp32 device tensor (:mod:`gefen_core.step_scalars`), so a learning-rate schedule changes
+values, never the call. ``deterministic=True`` asks for a fixed reduction order.
 
-Dispatch (``fused``): ``None`` uses a registered provider that supports the call, else the
-reference; ``True`` requires one (:class:`~gefen_contracts.KernelUnavailableError` naming
-the reason); ``False`` always runs the reference.
+``fused`` (:class:`Kernels`): ``None`` calls the op, so the dispatcher runs a registered
+kernel for the tensors' device and the reference elsewhere; ``True`` first requires a
+registered kernel (:class:`~gefen_contracts.KernelUnavailableError` naming why there is
+none); ``False`` calls the reference directly.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gefen_contracts import KernelRegistry, default_kernel_registry
+import torch
+from gefen_contracts import KernelUnavailableError, kernel_unavailable_reasons, load_kernel_plugins
 
 from .reference_ops import (
     block_step_reference,
@@ -61,44 +64,114 @@ __all__ = [
     "HISTOGRAM",
     "MUON_DISPATCHED_OPS",
     "MUON_MOMENTUM",
+    "NAMESPACE",
     "OPS",
     "STOCHASTIC_UNIFORM",
-    "KernelDispatch",
+    "Kernels",
     "OpSpec",
+    "kernel_registered",
 ]
 
-BLOCK_STEP = "gefen.block_step/2"
-FACTORED_STATS = "gefen.factored_stats/1"
-FACTORED_MOMENTS = "gefen.factored_moments/1"
-FACTORED_STEP = "gefen.factored_step/3"
-HISTOGRAM = "gefen.histogram/1"
-STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
-MUON_MOMENTUM = "gefen.muon_momentum/1"
+NAMESPACE = "gefen"
+BLOCK_STEP = "gefen::block_step.v2"
+FACTORED_STATS = "gefen::factored_stats.v1"
+FACTORED_MOMENTS = "gefen::factored_moments.v1"
+FACTORED_STEP = "gefen::factored_step.v3"
+HISTOGRAM = "gefen::histogram.v1"
+STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
+MUON_MOMENTUM = "gefen::muon_momentum.v1"
+
+_STEP_FLAGS = "bool apply_decay, bool maximize, bool deterministic"
+
+
+def _none(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _stats_fake(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return grad.new_empty(grad.shape[0], dtype=torch.float64), grad.new_empty(grad.shape[1], dtype=torch.float64)
+
+
+def _moments_fake(
+    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
+) -> torch.Tensor:
+    return grad.new_empty(grad.shape[0], dtype=torch.float32)
+
+
+def _uniform_fake(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return index.new_empty(index.shape, dtype=torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
 class OpSpec:
-    """One op: its id, a one-line promise, and its reference implementation."""
+    """One op: its qualified name, schema (after the name), a one-line promise, and its
+    reference and fake implementations."""
 
-    op_id: str
+    name: str
+    schema: str
     summary: str
     reference: Callable[..., Any]
+    fake: Callable[..., Any]
 
 
-#: Every op gefen-core names, by id.
+#: Every op gefen-core declares, by qualified name.
 OPS: dict[str, OpSpec] = {
-    spec.op_id: spec
+    spec.name: spec
     for spec in (
-        OpSpec(BLOCK_STEP, "block-path second moment, momentum requantisation and write", block_step_reference),
-        OpSpec(FACTORED_STATS, "float64 row and column sums of g^2", factored_stats_reference),
-        OpSpec(FACTORED_MOMENTS, "factored statistics and v_row/v_col update in one call", factored_moments_reference),
-        OpSpec(FACTORED_STEP, "factored-path momentum requantisation and write", factored_step_reference),
-        OpSpec(HISTOGRAM, "block-normalised gradient histogram, 4096 bins", histogram_reference),
-        OpSpec(STOCHASTIC_UNIFORM, "SplitMix64 counter-based uniforms", stochastic_uniform_reference),
-        OpSpec(MUON_MOMENTUM, "GefenMuon momentum requantisation and Newton-Schulz input", muon_momentum_reference),
+        OpSpec(
+            BLOCK_STEP,
+            "(Tensor(a!) param, Tensor grad, Tensor(b!) indices, Tensor(c!) magnitude, Tensor(d!) vmean, "
+            f"Tensor codebook, Tensor scalars, Tensor? sr_seed, *, {_STEP_FLAGS}) -> ()",
+            "block-path second moment, momentum requantisation and write",
+            block_step_reference,
+            _none,
+        ),
+        OpSpec(
+            FACTORED_STATS,
+            "(Tensor grad, *, bool deterministic) -> (Tensor, Tensor)",
+            "float64 row and column sums of g^2",
+            factored_stats_reference,
+            _stats_fake,
+        ),
+        OpSpec(
+            FACTORED_MOMENTS,
+            "(Tensor grad, Tensor(a!) v_row, Tensor(b!) v_col, Tensor scalars, *, bool deterministic) -> Tensor",
+            "factored statistics and v_row/v_col update in one call",
+            factored_moments_reference,
+            _moments_fake,
+        ),
+        OpSpec(
+            FACTORED_STEP,
+            "(Tensor(a!) param, Tensor grad, Tensor(b!) indices, Tensor(c!) magnitude, Tensor row_factor, "
+            f"Tensor v_col, Tensor codebook, Tensor scalars, Tensor? sr_seed, *, {_STEP_FLAGS}) -> ()",
+            "factored-path momentum requantisation and write",
+            factored_step_reference,
+            _none,
+        ),
+        OpSpec(
+            HISTOGRAM,
+            "(Tensor grad, int period, Tensor(a!) counts, *, bool deterministic) -> ()",
+            "block-normalised gradient histogram, 4096 bins",
+            histogram_reference,
+            _none,
+        ),
+        OpSpec(
+            STOCHASTIC_UNIFORM,
+            "(Tensor seed, Tensor index) -> Tensor",
+            "SplitMix64 counter-based uniforms",
+            stochastic_uniform_reference,
+            _uniform_fake,
+        ),
+        OpSpec(
+            MUON_MOMENTUM,
+            "(Tensor grad, Tensor(a!) indices, Tensor(b!) magnitude, Tensor codebook, Tensor scalars, "
+            "Tensor? sr_seed, Tensor(c!) out, *, bool nesterov, bool deterministic) -> ()",
+            "GefenMuon momentum requantisation and Newton-Schulz input",
+            muon_momentum_reference,
+            _none,
+        ),
     )
 }
-
 
 #: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
 DISPATCHED_OPS = (BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
@@ -107,38 +180,70 @@ DISPATCHED_OPS = (BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, H
 MUON_DISPATCHED_OPS = (HISTOGRAM, MUON_MOMENTUM)
 
 
-class KernelDispatch:
-    """Chooses, per call, a provider's implementation or the reference (see module docs)."""
+def _declare() -> torch.library.Library:
+    library = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-call]
+    for spec in OPS.values():
+        local = spec.name.split("::")[1]
+        library.define(local + spec.schema)  # type: ignore[no-untyped-call]
+        library.impl(local, spec.reference, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        torch.library.register_fake(spec.name, spec.fake, lib=library)
+    return library
 
-    __slots__ = ("_fused", "_registry")
 
-    def __init__(self, fused: bool | None, registry: KernelRegistry | None = None) -> None:
+#: Kept alive for the process: dropping a ``Library`` unregisters its ops.
+_LIBRARY = _declare()
+
+
+def _overload(name: str) -> Any:
+    base, version = name.split("::")[1].split(".")
+    return getattr(getattr(getattr(torch.ops, NAMESPACE), base), version)
+
+
+#: The ``torch.ops`` overload of each op (what the dispatcher runs).
+_OVERLOADS: dict[str, Any] = {name: _overload(name) for name in OPS}
+_PLUGINS: list[bool] = []
+
+
+def _load_plugins() -> None:
+    if not _PLUGINS:
+        load_kernel_plugins()
+        _PLUGINS.append(True)
+
+
+def _dispatch_key(device: torch.device) -> str:
+    return {"cpu": "CPU", "cuda": "CUDA"}.get(device.type, device.type.upper())
+
+
+def kernel_registered(op: str, device: torch.device) -> bool:
+    """Whether a kernel package registered ``op`` for ``device``'s type (plugins load first)."""
+    _load_plugins()
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, _dispatch_key(device)))
+
+
+class Kernels:
+    """Runs Gefen's ops the way ``fused`` says (see the module docs)."""
+
+    __slots__ = ("_fused",)
+
+    def __init__(self, fused: bool | None) -> None:
         self._fused = fused
-        self._registry = registry
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> KernelDispatch:
-        return KernelDispatch(self._fused, self._registry)  # a registry is a shared service, not state
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (KernelDispatch, (self._fused,))  # unpickled in another process: its default registry
 
     @property
-    def registry(self) -> KernelRegistry:
-        return self._registry if self._registry is not None else default_kernel_registry()
+    def fused(self) -> bool | None:
+        return self._fused
 
-    def available(self, op_id: str) -> bool:
-        """Whether any registered provider offers ``op_id`` at all (no tensors needed)."""
-        return any(op_id in provider.op_ids() for provider in self.registry.providers)
+    def require(self, op: str, device: torch.device) -> None:
+        """Raise :class:`~gefen_contracts.KernelUnavailableError` unless a kernel for ``op`` is
+        registered for ``device`` (what ``fused=True`` needs), saying why there is none."""
+        if kernel_registered(op, device):
+            return
+        reasons = "; ".join(kernel_unavailable_reasons(device.type))
+        raise KernelUnavailableError(
+            f"fused=True needs a {device.type} kernel for {op}, and none is registered: {reasons}"
+        )
 
-    def resolve(self, op_id: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        """The implementation to run for these arguments (raises only when ``fused=True``)."""
-        reference = OPS[op_id].reference
+    def __call__(self, op: str, *args: Any, **kwargs: Any) -> Any:
         if self._fused is False:
-            return reference
-        if self._fused is True:
-            return self.registry.require(op_id, *args, **kwargs)
-        found = self.registry.lookup(op_id, *args, **kwargs)
-        return found if found is not None else reference
-
-    def __call__(self, op_id: str, *args: Any, **kwargs: Any) -> Any:
-        return self.resolve(op_id, *args, **kwargs)(*args, **kwargs)
+            return OPS[op].reference(*args, **kwargs)
+        _load_plugins()
+        return _OVERLOADS[op](*args, **kwargs)

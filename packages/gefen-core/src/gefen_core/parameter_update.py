@@ -1,8 +1,4 @@
-"""One parameter's update: counters, step scalars, the kernel calls and the write-back.
-
-:func:`step_calls` is the single description of what a parameter's step dispatches; the
-update runs it and the ``fused=True`` checks query kernels with the same arguments.
-"""
+"""One parameter's update: counters, step scalars, the kernel calls and the write-back."""
 
 from __future__ import annotations
 
@@ -10,17 +6,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import KernelRegistry
 
 from . import step_scalars
 from .distributed import all_reduce_sums
-from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, KernelDispatch
+from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, Kernels
 from .param_state import (
     AGE_KEYS,
     FACTORED,
     INDICES,
     MAGNITUDE,
-    PERIOD,
     STEP,
     V_COL,
     V_ROW,
@@ -31,7 +25,7 @@ from .param_state import (
 from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
 from .step_plan import ParamWork
 
-__all__ = ["decay_only", "kernel_key", "kernel_queries", "placeholder_codebook", "step_calls", "update_parameter"]
+__all__ = ["decay_only", "placeholder_codebook", "step_calls", "update_parameter"]
 
 Call = tuple[str, tuple[Any, ...], dict[str, Any]]
 
@@ -117,95 +111,12 @@ def _moments_call(
     return (FACTORED_MOMENTS, (grad, state[V_ROW], state[V_COL], scalars), {"deterministic": deterministic})
 
 
-def kernel_key(
-    work: ParamWork,
-    group: Mapping[str, Any],
-    *,
-    stochastic_round: bool,
-    deterministic: bool,
-    registry: KernelRegistry,
-) -> tuple[Any, ...]:
-    """Everything the support answers for :func:`kernel_queries`' calls depend on: the tensors'
-    dtypes, shapes, devices and layout (the state's shapes follow from the parameter's, its
-    period and its variant, which the preflight has checked; the codebook is always a fp32
-    ``[256]`` copy on the parameter's device), the flags, and the providers."""
-    local, state = work.local, work.state
-    assert state
-    return (
-        id(registry),
-        len(registry.providers),
-        local.dtype,
-        tuple(local.shape),
-        local.device,
-        local.is_contiguous(),
-        work.grad.dtype,
-        work.variant,
-        work.row_sharded,
-        state_variant(state),
-        int(state[PERIOD]),
-        state[INDICES].device,
-        group["weight_decay"] != 0,
-        bool(group["maximize"]),
-        stochastic_round,
-        deterministic,
-    )
-
-
-def kernel_queries(
-    work: ParamWork,
-    group: Mapping[str, Any],
-    codebook: torch.Tensor,
-    *,
-    stochastic_round: bool,
-    deterministic: bool,
-) -> list[Call]:
-    """The calls a step of ``work`` will dispatch, with stand-in scalars, for support checks.
-
-    A second moment about to switch representation is stood in for by zeros of the new
-    kind (same dtype and device); nothing is mutated.
-    """
-    state = dict(work.state or {})
-    device = work.local.device
-    if state_variant(state) != work.variant:
-        if work.variant == FACTORED:
-            rows, cols = work.local.shape
-            state[V_ROW] = torch.zeros(rows, dtype=torch.float32, device=device)
-            state[V_COL] = torch.zeros(cols, dtype=torch.float32, device=device)
-        else:
-            state[VMEAN] = torch.zeros_like(state[MAGNITUDE])
-    grad = work.grad.contiguous()
-    stand_in = torch.zeros(step_scalars.NUM_SCALARS, dtype=torch.float32, device=device)
-    calls = [_moments_call(work, state, grad, stand_in, deterministic)] if work.variant == FACTORED else []
-    calls += step_calls(
-        work,
-        group,
-        state,
-        target=work.local if work.local.is_contiguous() else work.local.contiguous(),
-        grad=grad,
-        codebook=codebook,
-        scalars=stand_in,
-        seed=torch.zeros(1, dtype=torch.int64, device=device) if stochastic_round else None,
-        row_factor=state.get(V_ROW, stand_in),
-        deterministic=deterministic,
-    )
-    return calls
-
-
-def _run(work: ParamWork, dispatch: KernelDispatch, call: Call) -> Any:
-    """One op call, through the implementation the preflight resolved (or the memo kept) if any."""
-    op_id, args, kwargs = call
-    resolved = work.kernels.get(op_id)
-    if resolved is None:
-        return dispatch(op_id, *args, **kwargs)
-    return resolved(*args, **kwargs)
-
-
 def update_parameter(
     work: ParamWork,
     group: Mapping[str, Any],
     stats: tuple[torch.Tensor, torch.Tensor] | None,
     *,
-    dispatch: KernelDispatch,
+    dispatch: Kernels,
     codebook: torch.Tensor,
     seed: torch.Tensor | None,
     deterministic: bool,
@@ -227,7 +138,8 @@ def update_parameter(
         row_sums, col_sums = stats
         row_factor = update_factored_moments(state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars)
     elif work.variant == FACTORED:
-        row_factor = _run(work, dispatch, _moments_call(work, state, grad, scalars, deterministic))
+        op, args, kwargs = _moments_call(work, state, grad, scalars, deterministic)
+        row_factor = dispatch(op, *args, **kwargs)
     threshold = group["clip_threshold"]
     if work.variant == FACTORED and threshold is not None:
         sumsq = preconditioned_sumsq(grad, row_factor, state[V_COL], scalars)
@@ -246,7 +158,7 @@ def update_parameter(
         row_factor=row_factor,
         deterministic=deterministic,
     )
-    for call in calls:
-        _run(work, dispatch, call)
+    for op, args, kwargs in calls:
+        dispatch(op, *args, **kwargs)
     if target is not work.local:
         work.local.copy_(target)

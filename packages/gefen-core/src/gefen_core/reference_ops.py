@@ -26,8 +26,8 @@ where ``r c`` would.)
 Momentum and write (both paths; ``C`` the codebook, ``q``/``M`` the stored indices and
 block scale, ``g`` negated first when maximizing). The codes hold the EMA of the
 *preconditioned* gradient ``g / h`` (LaProp's order of momentum and preconditioning), so every
-element is rounded at the resolution of its own update; ``gefen.block_step/1`` and
-``gefen.factored_step/2`` stored the EMA of ``g`` and divided after decoding::
+element is rounded at the resolution of its own update; ``gefen::block_step.v1`` and
+``gefen::factored_step.v2`` stored the EMA of ``g`` and divided after decoding::
 
     n_i  = fl(g_i / h_i)
     m_i  = fl(C[q_i] * M_b)
@@ -44,7 +44,7 @@ stochastic rounding (:mod:`gefen_core.momentum_codec`). A kernel matching this c
 matches the reference bit for bit except where a float64 sum of squares rounds to fp32
 differently because of summation order (at most one ulp in ``v``, very rarely).
 
-GefenMuon's momentum (``gefen.muon_momentum/1``), per block ``b`` of the matrix's
+GefenMuon's momentum (``gefen::muon_momentum.v1``), per block ``b`` of the matrix's
 row-major flattening (``B`` and ``OMB`` the ``MUON_BETA`` / ``MUON_ONE_MINUS_BETA`` scalars of
 :func:`gefen_core.step_scalars.muon_scalars`)::
 
@@ -179,7 +179,7 @@ def block_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.block_step/2``: one full block-path update of one parameter, in place.
+    """``gefen::block_step.v2``: one full block-path update of one parameter, in place.
 
     ``param``/``grad``: contiguous, same shape and dtype; ``indices``: uint8 ``[B, P]``;
     ``magnitude``/``vmean``: fp32 ``[B, 1]``; ``codebook``: fp32 ``[256]``; ``scalars``:
@@ -212,7 +212,7 @@ def block_step_reference(
 
 
 def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gefen.factored_stats/1``: float64 row and column sums of ``g^2`` of an ``R x K`` gradient."""
+    """``gefen::factored_stats.v1``: float64 row and column sums of ``g^2`` of an ``R x K`` gradient."""
     del deterministic
     rows_total, cols = grad.shape
     row_sums = torch.empty(rows_total, dtype=torch.float64, device=grad.device)
@@ -229,7 +229,7 @@ def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tupl
 def factored_moments_reference(
     grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
 ) -> torch.Tensor:
-    """``gefen.factored_moments/1``: :func:`factored_stats_reference` of a whole (not row-sharded)
+    """``gefen::factored_moments.v1``: :func:`factored_stats_reference` of a whole (not row-sharded)
     ``R x K`` gradient, then :func:`gefen_core.second_moment.update_factored_moments` with
     ``R`` global rows: advances ``v_row``/``v_col`` in place and returns the fp32 ``row_factor``.
     One call where a kernel can do both (a row-sharded parameter takes the two steps apart,
@@ -253,7 +253,7 @@ def factored_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/3``: the factored-path update of one ``R x K`` parameter, in place.
+    """``gefen::factored_step.v3``: the factored-path update of one ``R x K`` parameter, in place.
 
     ``param``/``grad``: contiguous ``R x K``; ``indices``/``magnitude``: the momentum in
     blocks of the parameter's period (flattened row-major); ``row_factor``: fp32 ``[R]``
@@ -289,7 +289,7 @@ def factored_step_reference(
 
 
 def histogram_reference(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
-    """``gefen.histogram/1``: add the block-normalised gradient's bin counts to ``counts``.
+    """``gefen::histogram.v1``: add the block-normalised gradient's bin counts to ``counts``.
 
     ``counts`` is int64 ``[4096]``. Per block of ``period`` elements (flattened row-major):
     ``a = max |g|``, ``z = fl(g / a)`` (0 when ``a == 0``), bin
@@ -308,7 +308,7 @@ def histogram_reference(grad: torch.Tensor, period: int, counts: torch.Tensor, *
 
 
 def stochastic_uniform_reference(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``gefen.stochastic_uniform/1``: the SplitMix64 uniforms for int64 ``index`` (fp32)."""
+    """``gefen::stochastic_uniform.v1``: the SplitMix64 uniforms for int64 ``index`` (fp32)."""
     return splitmix_uniform(seed, index)
 
 
@@ -324,7 +324,7 @@ def muon_momentum_reference(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.muon_momentum/1``: advance one matrix's quantized momentum and write the NS input.
+    """``gefen::muon_momentum.v1``: advance one matrix's quantized momentum and write the NS input.
 
     ``grad``: contiguous ``[R, C]`` (fp32, bf16, fp16 or fp64); ``indices``: uint8 ``[B, P]``
     and ``magnitude``: fp32 ``[B, 1]`` with ``B * P == R * C`` (blocks of the row-major

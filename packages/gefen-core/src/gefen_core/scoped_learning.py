@@ -42,7 +42,7 @@ from .codebook_scope import (
     reduce_with_failure,
 )
 from .errors import ShardAgreementError
-from .ops import KernelDispatch
+from .ops import Kernels
 
 __all__ = ["LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
 
@@ -155,7 +155,7 @@ def learn_over_scope(
     decide_starts: bool,
     learn_codebook: bool,
     refresh: bool,
-    dispatch: KernelDispatch,
+    dispatch: Kernels,
     deterministic: bool,
     failure: Failure | None = None,
     who: str,

@@ -60,7 +60,7 @@ from .codebook_scope import (
 from .distributed import local_tensor
 from .errors import CaptureError, GradientError
 from .identity import IdentityRecord
-from .ops import KernelDispatch
+from .ops import Kernels
 from .scoped_learning import LearningOutcome, LearnItem, learn_over_scope, periods_digest
 from .step_plan import capturing
 
@@ -85,7 +85,7 @@ class ScopedHost(Protocol):
     _identity: IdentityRecord | None
     _codebook: torch.Tensor | None
     _global_step: int
-    _dispatch: KernelDispatch
+    _dispatch: Kernels
     _deterministic: bool
     _scope_who: str
 

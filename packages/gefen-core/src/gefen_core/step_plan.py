@@ -8,17 +8,16 @@ optimizer's ``preflight_step()`` is this function with the plan discarded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gefen_contracts import KernelUnavailableError
 from gefen_contracts.torch_support import check_tensor_lr, finite_bounds
 
 from .distributed import is_dtensor, is_row_sharded, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
-from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, KernelDispatch
+from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, Kernels
 from .param_groups import check_group_options
 from .param_state import (
     BLOCK,
@@ -32,7 +31,7 @@ from .param_state import (
     state_variant,
 )
 
-__all__ = ["KernelMemo", "ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
+__all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
 
 
 @dataclass(slots=True)
@@ -50,9 +49,6 @@ class ParamWork:
     state: dict[str, Any] | None
     local_nonzero: bool | None
     state_device_differs: bool = False
-    #: Implementations the ``fused=True`` preflight already resolved for this step's calls
-    #: (op id -> callable), so the update does not check the same arguments again.
-    kernels: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     @property
     def needs_state(self) -> bool:
@@ -67,9 +63,6 @@ class ParamWork:
 class StepPlan:
     works: list[ParamWork] = field(default_factory=list)
     refresh_due: bool = False
-    #: Kernel resolutions made by this plan, ``(slot, key, kernels)``: the step keeps them in its
-    #: :class:`KernelMemo` when it publishes (a preflight or a skipped step changes nothing).
-    resolved: list[tuple[int, Hashable, dict[str, Callable[..., Any]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -134,46 +127,17 @@ def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor
     return bool(indices.device != local.device)
 
 
-class KernelMemo:
-    """Kernel resolutions kept per parameter slot between steps.
-
-    Resolving asks every provider whether it supports a call, from tensor metadata; the answer
-    is kept under a key of everything that metadata depends on (:func:`gefen_core.parameter_update.kernel_key`),
-    so a step whose parameters, state layout, options and providers did not change resolves
-    nothing. The implementations still check their arguments before they touch memory.
-    """
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[Hashable, dict[str, Callable[..., Any]]]] = {}
-
-    def lookup(self, slot: int, key: Hashable) -> dict[str, Callable[..., Any]] | None:
-        entry = self._entries.get(slot)
-        return entry[1] if entry is not None and entry[0] == key else None
-
-    def remember(self, resolved: list[tuple[int, Hashable, dict[str, Callable[..., Any]]]]) -> None:
-        for slot, key, kernels in resolved:
-            self._entries[slot] = (key, dict(kernels))
-
-
 def plan_step(
     param_groups: Sequence[dict[str, Any]],
     state: Any,
     *,
-    dispatch: KernelDispatch,
-    fused: bool | None,
+    dispatch: Kernels,
     capturable: bool,
     codebook_ready: bool,
     refresh_due: bool,
-    resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
-    memo: KernelMemo | None = None,
-    kernel_key: Callable[[ParamWork], Hashable] | None = None,
 ) -> StepPlan:
     """Validate everything a step needs and describe its work (see the module docstring).
-
-    Unless ``fused`` is False, each stateful parameter's kernels are resolved here (``fused=True``
-    raises when one is missing), through ``memo`` when given."""
+    With ``fused=True`` every op the step runs must have a kernel registered for its device."""
     in_capture = capturing()
     if in_capture and not capturable:
         raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
@@ -215,42 +179,20 @@ def plan_step(
             plan.works.append(work)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
-    if fused is not False:
-        _resolve_kernels(plan, dispatch, resolve_args, memo, kernel_key)
-    if fused is True:
+    if dispatch.fused is True:
         _check_kernels(plan, dispatch, learns=not codebook_ready or refresh_due)
     return plan
 
 
-def _resolve_kernels(
-    plan: StepPlan,
-    dispatch: KernelDispatch,
-    resolve_args: Callable[[ParamWork], list[tuple[str, tuple[Any, ...], dict[str, Any]]]],
-    memo: KernelMemo | None,
-    kernel_key: Callable[[ParamWork], Hashable] | None,
-) -> None:
+def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
+    """``fused=True``: every op this step runs must have a kernel for its parameter's device."""
+    needed: set[tuple[str, torch.device]] = set()
     for work in plan.works:
-        if not work.state:
-            continue
-        key = kernel_key(work) if kernel_key is not None else None
-        found = memo.lookup(work.slot, key) if key is not None and memo is not None else None
-        if found is None:
-            found = {op_id: dispatch.resolve(op_id, *args, **kwargs) for op_id, args, kwargs in resolve_args(work)}
-            if key is not None:
-                plan.resolved.append((work.slot, key, found))
-        work.kernels.update(found)
-
-
-def _check_kernels(plan: StepPlan, dispatch: KernelDispatch, *, learns: bool) -> None:
-    needed = {HISTOGRAM} if learns and plan.works else set()
-    for work in plan.works:
-        needed.add(FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP)
+        device = work.local.device
+        if learns:
+            needed.add((HISTOGRAM, device))
+        needed.add((FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP, device))
         if work.variant == FACTORED:
-            needed.add(FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS)
-    for op_id in sorted(needed):
-        if not dispatch.available(op_id):
-            failures = "; ".join(f"{f.entry_point}: {f.error}" for f in dispatch.registry.failures)
-            raise KernelUnavailableError(
-                f"fused=True needs a kernel for {op_id}: no registered provider implements it"
-                + (f"; providers that failed to load: {failures}" if failures else "")
-            )
+            needed.add((FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS, device))
+    for op, device in sorted(needed, key=str):
+        dispatch.require(op, device)

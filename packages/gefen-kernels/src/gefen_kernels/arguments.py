@@ -114,7 +114,7 @@ def _momentum(
 def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     """``(param, grad, indices, magnitude, vmean, codebook, scalars, sr_seed, *, apply_decay, maximize, deterministic)``."""
     if len(args) != 8:
-        return f"gefen.block_step/2 takes 8 positional arguments, got {len(args)}"
+        return f"gefen::block_step.v2 takes 8 positional arguments, got {len(args)}"
     param, grad, indices, magnitude, vmean, codebook, scalars, sr_seed = args
     reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
     if reason:
@@ -133,7 +133,7 @@ def check_block_step(*args: Any, **kwargs: Any) -> str | None:
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     """``(param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed, *, flags)``."""
     if len(args) != 9:
-        return f"gefen.factored_step/3 takes 9 positional arguments, got {len(args)}"
+        return f"gefen::factored_step.v3 takes 9 positional arguments, got {len(args)}"
     param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed = args
     reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
     if reason:
@@ -157,7 +157,7 @@ def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
 def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
     """``(grad, *, deterministic)``: a contiguous 2-D gradient."""
     if len(args) != 1:
-        return f"gefen.factored_stats/1 takes 1 positional argument, got {len(args)}"
+        return f"gefen::factored_stats.v1 takes 1 positional argument, got {len(args)}"
     (grad,) = args
     reason = _flags(kwargs, ("deterministic",))
     if reason:
@@ -175,7 +175,7 @@ def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
     """``(grad, v_row, v_col, scalars, *, deterministic)``: a contiguous ``R x K`` gradient and
     contiguous fp32 ``[R]``/``[K]`` moments and step scalars on its device."""
     if len(args) != 4:
-        return f"gefen.factored_moments/1 takes 4 positional arguments, got {len(args)}"
+        return f"gefen::factored_moments.v1 takes 4 positional arguments, got {len(args)}"
     grad, v_row, v_col, scalars = args
     reason = check_factored_stats(grad, **kwargs)
     if reason:
@@ -197,7 +197,7 @@ def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
 def check_histogram(*args: Any, **kwargs: Any) -> str | None:
     """``(grad, period, counts, *, deterministic)``: int64 ``[4096]`` counts on grad's device."""
     if len(args) != 3:
-        return f"gefen.histogram/1 takes 3 positional arguments, got {len(args)}"
+        return f"gefen::histogram.v1 takes 3 positional arguments, got {len(args)}"
     grad, period, counts = args
     reason = _flags(kwargs, ("deterministic",))
     if reason:
@@ -217,7 +217,7 @@ def check_histogram(*args: Any, **kwargs: Any) -> str | None:
 def check_stochastic_uniform(*args: Any, **kwargs: Any) -> str | None:
     """``(seed int64[1], index int64[...])``."""
     if len(args) != 2 or kwargs:
-        return "gefen.stochastic_uniform/1 takes (seed, index) and no keywords"
+        return "gefen::stochastic_uniform.v1 takes (seed, index) and no keywords"
     seed, index = args
     if not isinstance(index, torch.Tensor) or index.dtype is not torch.int64:
         return "index must be an int64 tensor"
@@ -232,7 +232,7 @@ def check_stochastic_uniform(*args: Any, **kwargs: Any) -> str | None:
 def check_muon_momentum(*args: Any, **kwargs: Any) -> str | None:
     """``(grad, indices, magnitude, codebook, scalars, sr_seed, out, *, nesterov, deterministic)``."""
     if len(args) != 7:
-        return f"gefen.muon_momentum/1 takes 7 positional arguments, got {len(args)}"
+        return f"gefen::muon_momentum.v1 takes 7 positional arguments, got {len(args)}"
     grad, indices, magnitude, codebook, scalars, sr_seed, out = args
     reason = _flags(kwargs, ("nesterov", "deterministic"))
     if reason:

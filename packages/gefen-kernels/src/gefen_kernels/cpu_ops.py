@@ -126,7 +126,7 @@ def block_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.block_step/2`` on CPU (deterministic always: each block is summed by one thread)."""
+    """``gefen::block_step.v2`` on CPU (deterministic always: each block is summed by one thread)."""
     _check(
         arguments.check_block_step(
             param,
@@ -182,7 +182,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/3`` on CPU."""
+    """``gefen::factored_step.v3`` on CPU."""
     _check(
         arguments.check_factored_step(
             param,
@@ -227,7 +227,7 @@ def factored_step(
 
 
 def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gefen.factored_stats/1`` on CPU: float64 row and column sums of ``g^2``.
+    """``gefen::factored_stats.v1`` on CPU: float64 row and column sums of ``g^2``.
 
     Rows are summed in 16 fixed chunks whose column partials are added in order, so the
     result does not depend on the thread count (always deterministic).
@@ -259,7 +259,7 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
 def factored_moments(
     grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
 ) -> torch.Tensor:
-    """``gefen.factored_moments/1`` on CPU: the statistics of :func:`factored_stats` and the
+    """``gefen::factored_moments.v1`` on CPU: the statistics of :func:`factored_stats` and the
     ``v_row``/``v_col`` update in one call; returns ``row_factor`` (always deterministic)."""
     _check(arguments.check_factored_moments(grad, v_row, v_col, scalars, deterministic=deterministic))
     _on_cpu(grad)
@@ -286,7 +286,7 @@ def factored_moments(
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
-    """``gefen.histogram/1`` on CPU: adds the block-normalised bin counts to ``counts``."""
+    """``gefen::histogram.v1`` on CPU: adds the block-normalised bin counts to ``counts``."""
     _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic))
     _on_cpu(grad)
     if grad.numel() == 0:
@@ -304,7 +304,7 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
 
 
 def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``gefen.stochastic_uniform/1`` on CPU."""
+    """``gefen::stochastic_uniform.v1`` on CPU."""
     _check(arguments.check_stochastic_uniform(seed, index))
     _on_cpu(index)
     flat = index.contiguous()
@@ -333,7 +333,7 @@ def muon_momentum(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.muon_momentum/1`` on CPU: requantised momentum EMA, Newton-Schulz input in ``out``."""
+    """``gefen::muon_momentum.v1`` on CPU: requantised momentum EMA, Newton-Schulz input in ``out``."""
     _check(
         arguments.check_muon_momentum(
             grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic

@@ -1,4 +1,4 @@
-"""The op ids this package implements and the argument conventions they share.
+"""The ops (``torch.library`` qualified names) this package implements and the argument conventions they share.
 
 gefen-core owns these ids, their signatures and their numerics (``gefen_core.ops`` and
 ``gefen_core.reference_ops``); gefen-kernels never imports gefen-core, so the ids and the
@@ -25,13 +25,13 @@ __all__ = [
     "STOCHASTIC_UNIFORM",
 ]
 
-BLOCK_STEP = "gefen.block_step/2"
-FACTORED_STATS = "gefen.factored_stats/1"
-FACTORED_MOMENTS = "gefen.factored_moments/1"
-FACTORED_STEP = "gefen.factored_step/3"
-HISTOGRAM = "gefen.histogram/1"
-STOCHASTIC_UNIFORM = "gefen.stochastic_uniform/1"
-MUON_MOMENTUM = "gefen.muon_momentum/1"
+BLOCK_STEP = "gefen::block_step.v2"
+FACTORED_STATS = "gefen::factored_stats.v1"
+FACTORED_MOMENTS = "gefen::factored_moments.v1"
+FACTORED_STEP = "gefen::factored_step.v3"
+HISTOGRAM = "gefen::histogram.v1"
+STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
+MUON_MOMENTUM = "gefen::muon_momentum.v1"
 
 #: Every op this package implements.
 GEFEN_OPS = frozenset(
@@ -54,6 +54,6 @@ SCALAR_INDEX = {
     "EPS": 8,
 }
 NUM_SCALARS = 9
-#: ``gefen.muon_momentum/1``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
+#: ``gefen::muon_momentum.v1``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
 MUON_SCALAR_INDEX = {"MUON_BETA": 0, "MUON_ONE_MINUS_BETA": 1}
 MUON_NUM_SCALARS = 2

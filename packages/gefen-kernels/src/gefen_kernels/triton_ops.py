@@ -70,7 +70,7 @@ def block_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.block_step/2`` with Triton (deterministic always: one program sums each block)."""
+    """``gefen::block_step.v2`` with Triton (deterministic always: one program sums each block)."""
     _check(
         arguments.check_block_step(
             param,
@@ -130,7 +130,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.factored_step/3`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
+    """``gefen::factored_step.v3`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
     _check(
         arguments.check_factored_step(
             param,
@@ -179,7 +179,7 @@ def factored_step(
 
 
 def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gefen.factored_stats/1`` with Triton (phase 1): float64 row and column sums of ``g^2``.
+    """``gefen::factored_stats.v1`` with Triton (phase 1): float64 row and column sums of ``g^2``.
 
     Partial sums per (row group, column tile) are added in a fixed order: deterministic.
     """
@@ -205,7 +205,7 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
 def factored_moments(
     grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
 ) -> torch.Tensor:
-    """``gefen.factored_moments/1`` with Triton: :func:`factored_stats`, then one program updates
+    """``gefen::factored_moments.v1`` with Triton: :func:`factored_stats`, then one program updates
     ``v_row``/``v_col`` and writes ``row_factor`` (fixed order: deterministic)."""
     _check(arguments.check_factored_moments(grad, v_row, v_col, scalars, deterministic=deterministic), grad)
     rows, cols = grad.shape
@@ -231,7 +231,7 @@ def factored_moments(
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
-    """``gefen.histogram/1`` with Triton (integer atomics: the counts are exact in any order)."""
+    """``gefen::histogram.v1`` with Triton (integer atomics: the counts are exact in any order)."""
     _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic), grad)
     if grad.numel() == 0:
         return
@@ -244,7 +244,7 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
 
 
 def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``gefen.stochastic_uniform/1`` with Triton."""
+    """``gefen::stochastic_uniform.v1`` with Triton."""
     _check(arguments.check_stochastic_uniform(seed, index), index)
     flat = index.contiguous()
     out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
@@ -266,7 +266,7 @@ def muon_momentum(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen.muon_momentum/1`` with Triton: one pass requantises and writes the Newton-Schulz input."""
+    """``gefen::muon_momentum.v1`` with Triton: one pass requantises and writes the Newton-Schulz input."""
     _check(
         arguments.check_muon_momentum(
             grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic

@@ -3,7 +3,7 @@
 Both optimizers run Newton-Schulz in bf16 on the same matrices (by default twelve
 1024x1024 and three 1024x4096 fp32 parameters) with the same gradients and thread count.
 GefenMuon runs each schedule (``standard`` = NS5, ``tuned3``, ``tuned4``) on the reference
-path (``fused=False``) and, when a kernel provider registers ``gefen.muon_momentum/1``, with
+path (``fused=False``) and, when a kernel package registers ``gefen::muon_momentum.v1``, with
 kernels (``fused=None``). Steps are timed round-robin across the optimizers after one
 warm-up round (GefenMuon's first step also learns the codebook); medians are reported.
 Also measured: Newton-Schulz alone per schedule against torch's NS5, state bytes per
@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import default_kernel_registry
 from gefen_core import GefenMuon
 from gefen_core.fp8_newton_schulz import (
     ScaledMatmul,
@@ -48,7 +47,7 @@ from gefen_core.newton_schulz import (
     orthogonality_error,
     resolve_schedule,
 )
-from gefen_core.ops import MUON_MOMENTUM
+from gefen_core.ops import MUON_MOMENTUM, kernel_registered
 
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
@@ -105,7 +104,7 @@ def _matrices(shapes: tuple[tuple[int, int], ...], seed: int) -> list[torch.Tens
 
 
 def _kernels_available() -> bool:
-    return any(MUON_MOMENTUM in provider.op_ids() for provider in default_kernel_registry().providers)
+    return kernel_registered(MUON_MOMENTUM, torch.device("cpu"))
 
 
 def _torch_ns5(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ moves at least (14 B/param for fp32: read parameter, gradient, indices, write pa
 indices; the bandwidth bound), Gefen on its reference path and with kernels (factored and
 block v), GefenMuon's quantised-momentum update alone on the 2-D matrices (the op its step
 dispatches), and torchao's and bitsandbytes' 8-bit/4-bit AdamW when installed. An arm that
-cannot run here (no kernel provider, a peer that fails on this device) becomes a note.
+cannot run here (no registered kernel, a peer that fails on this device) becomes a note.
 """
 
 from __future__ import annotations
@@ -140,17 +140,18 @@ def _copy_bound(numel: int, device: str) -> StepFactory:
 
 
 def _muon_momentum(named: NamedParameters) -> Callable[[], object]:
-    """GefenMuon's quantised-momentum op alone (``gefen.muon_momentum/1``) on the 2-D matrices."""
-    from gefen_contracts import KernelUnavailableError, default_kernel_registry
-    from gefen_core.ops import MUON_MOMENTUM
+    """GefenMuon's quantised-momentum op alone (``gefen::muon_momentum.v1``) on the 2-D matrices,
+    through a registered kernel (:class:`~gefen_contracts.KernelUnavailableError` without one)."""
+    from functools import partial
+
+    from gefen_core.ops import MUON_MOMENTUM, Kernels
     from gefen_core.step_scalars import muon_scalars
 
-    providers = [p for p in default_kernel_registry().providers if MUON_MOMENTUM in p.op_ids()]
-    if not providers:
-        raise KernelUnavailableError(f"no kernel provider registers {MUON_MOMENTUM}")
-    run = providers[0].implementation(MUON_MOMENTUM)
-    work = []
     device = named[0][1].device
+    kernels = Kernels(True)
+    kernels.require(MUON_MOMENTUM, device)
+    run = partial(kernels, MUON_MOMENTUM)
+    work = []
     codebook = torch.linspace(-1.0, 1.0, 256, device=device)
     for _, parameter in named:
         if parameter.dim() != 2:
