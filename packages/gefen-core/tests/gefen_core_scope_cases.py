@@ -30,6 +30,7 @@ from gefen_contracts import (
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CodebookProcessGroupBinding, CollectiveCounter
 from gefen_core import Gefen
+from gefen_core.param_state import period_of
 
 LR = 1e-2
 AXIS = "dp"
@@ -283,11 +284,11 @@ def scoped_training_matches_one_process(
     codebooks: list[Any] = [None] * world
     dist.all_gather_object(codebooks, save(bound.optimizer.codebook))
     periods = {
-        bound.shards[name].fqn: int(bound.optimizer.state[p]["automatic_period"])
+        bound.shards[name].fqn: period_of(bound.optimizer.state[p])
         for name, p in bound.pieces.items()
         if p is not None and bound.optimizer.state.get(p)
     }
-    oracle_periods = {name: int(oracle.state[p]["automatic_period"]) for name, p in oracle_model.named_parameters()}
+    oracle_periods = {name: period_of(oracle.state[p]) for name, p in oracle_model.named_parameters()}
     return {
         "exact": exact,
         "codebook_equal_oracle": torch.equal(bound.optimizer.codebook, oracle.codebook),

@@ -23,6 +23,7 @@ from gefen_contracts import (
     ShardPlacement,
 )
 from gefen_core import Gefen, GefenMuon
+from gefen_core.param_state import period_of
 from gefen_core_scope_cases import (
     AXIS,
     LR,
@@ -219,8 +220,8 @@ def fsdp2_scoped_matches_one_process(rank: int, world: int, steps: int = 4) -> d
             for (_, parameter), reference in zip(named, oracle_model.parameters()):
                 reference.grad = parameter.grad.full_tensor()  # type: ignore[union-attr]
         oracle.step()
-    periods = {name: int(optimizer.state[flats[name]]["automatic_period"]) for name in flats}
-    oracle_periods = {name: int(oracle.state[p]["automatic_period"]) for name, p in oracle_model.named_parameters()}
+    periods = {name: period_of(optimizer.state[flats[name]]) for name in flats}
+    oracle_periods = {name: period_of(oracle.state[p]) for name, p in oracle_model.named_parameters()}
     exact = all(
         torch.equal(p.full_tensor(), q)  # type: ignore[attr-defined]
         for (_, p), q in zip(named, oracle_model.parameters())

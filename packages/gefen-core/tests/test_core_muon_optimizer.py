@@ -17,6 +17,7 @@ from gefen_core.muon_options import lr_ratio
 from gefen_core.newton_schulz import NS_SCHEDULES, newton_schulz, resolve_schedule
 from gefen_core.normuon import cautious_mask, normuon_rescale
 from gefen_core.ops import MUON_MOMENTUM
+from gefen_core.param_state import period_of
 from gefen_core_test_support import counting_kernels, single_threaded_torch  # noqa: F401  (autouse fixture)
 
 #: Stated bound: after 10 steps GefenMuon's parameter movement differs from torch.optim.Muon's
@@ -198,7 +199,7 @@ def test_quantized_momentum_tracks_the_exact_ema() -> None:
     state = opt.state[p]
     decoded = dequantize(opt.codebook, state["m_codebook"], state["m_magnitude"]).view(64, 96)  # type: ignore[arg-type]
     assert float((decoded - exact).norm() / exact.norm()) < 0.02
-    assert state["m_codebook"].dtype is torch.uint8 and state["automatic_period"] == 96  # one block per row
+    assert state["m_codebook"].dtype is torch.uint8 and period_of(state) == 96  # one block per row
 
 
 def test_state_is_about_one_byte_per_parameter() -> None:

@@ -10,6 +10,7 @@ import torch
 from gefen_contracts import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
+from gefen_core.param_state import period_of
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
@@ -105,7 +106,7 @@ def test_named_parameters_and_per_group_options() -> None:
     assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[1]["lr"] == 0.01
     assert opt.param_groups[0]["betas"] == (0.8, 0.99)
     _train(model, opt, 2)
-    assert opt.state[model[0].bias]["automatic_period"] == 1  # the name override
+    assert period_of(opt.state[model[0].bias]) == 1  # the name override
     assert "v_row" in opt.state[model[0].weight] and "vmean" in opt.state[model[2].weight]
 
 

@@ -25,6 +25,7 @@ from gefen_contracts import (
 )
 from gefen_core import Gefen, GefenMuon, reblocking
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks
+from gefen_core.param_state import period_of
 from gefen_core.reblocking import (
     ENCODE_CHUNK_ELEMENTS,
     TRIAL_FIRST_CHUNK_ELEMENTS,
@@ -264,7 +265,7 @@ def test_re_encoding_at_other_blocks_stays_within_the_stated_error() -> None:
         optimizer.zero_grad()
         (layer(torch.randn(16, 128)) ** 2).mean().backward()
         optimizer.step()
-    source = int(optimizer.state[layer.weight]["automatic_period"])
+    source = period_of(optimizer.state[layer.weight])
     (slot,) = [s for s in optimizer.portable_export().slots if s.layout.fqn == "weight"]
     codebook = optimizer._codebook
     assert codebook is not None

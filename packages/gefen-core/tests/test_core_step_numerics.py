@@ -7,6 +7,7 @@ import pytest
 import torch
 from gefen_core import Gefen
 from gefen_core.exact_dp import histogram_points, solve_pinned_codebook
+from gefen_core.param_state import period_of
 from gefen_core.step_scalars import device_scalars, host_scalars
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
@@ -32,7 +33,7 @@ def test_first_block_step_matches_the_hand_computation() -> None:
     lr, eps = 0.01, 1e-8
     opt = Gefen([p], lr=lr, eps=eps, weight_decay=0.0, fused=False)
     _step(opt, [p], [grad])
-    assert opt.state[p]["automatic_period"] == 64  # one block: the fallback keeps small vectors whole
+    assert period_of(opt.state[p]) == 64  # one block: the fallback keeps small vectors whole
     g = grad.double()
     z = (g / g.abs().max()).numpy()
     bins = np.clip(np.floor((z.astype(np.float32) + np.float32(1.0)) * np.float32(2048.0)), 0, 4095).astype(np.int64)
@@ -59,7 +60,7 @@ def test_block_path_tracks_a_float64_reference() -> None:
         prev = p.detach().double().clone()
         prev_m = _decode(opt, p).reshape(-1) if t > 1 else torch.zeros(320, dtype=torch.float64)
         _step(opt, [p], [grad])
-        period = opt.state[p]["automatic_period"]
+        period = period_of(opt.state[p])
         g = grad.double().reshape(-1, period)
         block_mean = g.square().mean(dim=1, keepdim=True)
         vmean = (1 - beta2) * block_mean if vmean is None else beta2 * vmean + (1 - beta2) * block_mean
@@ -100,7 +101,7 @@ def test_factored_equations_match_a_float64_reference() -> None:
         kappa = max(1.0, float(preconditioned.square().mean().sqrt()))  # update clipping at clip_threshold=1
         unquantized = beta1 * prev_m + (1 - beta1) * preconditioned / kappa  # preconditioned EMA
         clipped = clipped or kappa > 1.0
-        period = state["automatic_period"]
+        period = period_of(state)
         torch.testing.assert_close(
             m.view(-1, period).abs().amax(dim=1), unquantized.view(-1, period).abs().amax(dim=1), rtol=1e-6, atol=0
         )

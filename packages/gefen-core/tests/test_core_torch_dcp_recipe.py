@@ -14,6 +14,7 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_contracts.testing.model import kit_loss, make_kit_model
 from gefen_core import Gefen, GefenMuon
+from gefen_core.param_state import period_of
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 from torch import nn
 
@@ -55,7 +56,7 @@ def test_an_older_native_format_is_refused_naming_both_versions() -> None:
     _step(model, optimizer, 4)
     sd = optimizer.state_dict()
     sd["gefen_format_version"] = 3  # version 3 held the EMA of g, not of the preconditioned gradient
-    with pytest.raises(StateValidationError, match=r"version 3.*reads version 6"):
+    with pytest.raises(StateValidationError, match=r"version 3.*reads version 7"):
         optimizer.load_state_dict(sd)
 
 
@@ -67,14 +68,15 @@ def test_state_tensors_are_shaped_like_their_parameter_and_blocked_ones_are_refu
     for pid, param in enumerate(model.parameters()):
         entry = sd["state"][pid]
         assert entry["m_codebook"].shape == param.shape
-        period = entry["automatic_period"]
+        period = period_of(optimizer.state[param])
         if param.dim() == 2:
             assert entry["m_magnitude"].shape == (param.shape[0], param.shape[1] // period)
         else:
             assert entry["m_magnitude"].shape == (param.numel() // period,)
-    pid = next(i for i, p in enumerate(model.parameters()) if p.dim() == 1 and sd["state"][i]["automatic_period"] > 1)
+    params = list(model.parameters())
+    pid = next(i for i, p in enumerate(params) if p.dim() == 1 and period_of(optimizer.state[p]) > 1)
     entry = sd["state"][pid]
-    entry["m_codebook"] = entry["m_codebook"].reshape(-1, entry["automatic_period"])  # version 2's blocked shape
+    entry["m_codebook"] = entry["m_codebook"].reshape(-1, period_of(optimizer.state[params[pid]]))  # v2's blocks
     before = optimizer.state_dict()["state"][pid]["m_codebook"].clone()
     with pytest.raises(StateValidationError, match=rf"state\[{pid}\] .*\['m_codebook'\] must have shape"):
         optimizer.load_state_dict(sd)

@@ -4,9 +4,10 @@ The envelope is gefen-contracts' (``build_bound_state`` / ``parse_bound_state``,
 version 1, committed golden vectors in the tests). :class:`CanonicalStateMethods` (a base
 class of both optimizers) supplies:
 
-* ``policy``: the optimizer-wide options that change what the state means:
+* ``policy``: what the state means and the options that change it: ``state_format`` (the
+  native format version whose entries the document carries), ``momentum`` and
   ``codebook_refresh_every`` (Gefen), ``stochastic_round`` and ``deterministic``; equal on
-  import;
+  import (a difference is named with both values);
 * ``common``: ``global_step`` (int), ``codebook`` (fp32 ``[256]`` or ``None``) and
   ``codebook_scope`` (the scope's rank-neutral record, or ``None``; equal to the live one);
 * per parameter, keyed by exact FQN: its compatibility name, its shard, its group options

@@ -33,7 +33,7 @@ from .optimizer_support import (
     run_eagerly,
 )
 from .param_groups import check_parameters, normalize_group_options
-from .param_state import FACTORED, INDICES, PERIOD, new_state, storage_bytes
+from .param_state import FACTORED, INDICES, new_state, period_of, storage_bytes
 from .parameter_update import decay_only, placeholder_codebook, update_parameter
 from .periods import PeriodPolicy
 from .portable_adapter import GefenPortableState
@@ -331,20 +331,20 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             for w in starting
         }
 
-        def period_of(work: ParamWork) -> int:
-            return periods[work.slot] if work.slot in periods else int(work.state[PERIOD])  # type: ignore[index]
+        def work_period(work: ParamWork) -> int:
+            return periods[work.slot] if work.slot in periods else period_of(work.state)  # type: ignore[arg-type]
 
         learners = [w for w in works if w.state or w.slot in periods]
         mesh = learning_mesh(w.param for w in works)
         old_codebook = self._codebook
         new_codebook = old_codebook
         if old_codebook is None:
-            contributing = [(w, period_of(w)) for w in learners if self._locally_nonzero(w)]
+            contributing = [(w, work_period(w)) for w in learners if self._locally_nonzero(w)]
             if contributing or mesh is not None:
                 new_codebook = self._learn(contributing, mesh)
         refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
         if plan.refresh_due and old_codebook is not None:
-            relearned = self._learn([(w, period_of(w)) for w in learners], mesh)
+            relearned = self._learn([(w, work_period(w)) for w in learners], mesh)
             if relearned is not None:
                 refreshed = self._requantize_all(old_codebook, relearned)
                 new_codebook = relearned

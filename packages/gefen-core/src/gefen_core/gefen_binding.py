@@ -35,8 +35,9 @@ from .canonical_state import CanonicalStateMethods
 from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
 from .identity import IdentityMethods
+from .native_format import VERSION as NATIVE_VERSION
 from .native_records import codebook_record
-from .param_state import BLOCK, COUNTER_KEYS, INDICES, MOMENTUM_MEANING, PERIOD, state_variant
+from .param_state import BLOCK, COUNTER_KEYS, INDICES, MOMENTUM_MEANING, period_of, state_variant
 from .periods import PeriodPolicy
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
@@ -189,7 +190,7 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
                         shard=shard,
                         grad=grad,
                         has_state=bool(entry),
-                        period=int(entry[PERIOD]) if entry else None,
+                        period=period_of(entry) if entry else None,
                         signed=bool(group["maximize"]),
                         local_period=_period_search(policy, name, local_shape),
                         logical_period=_period_search(policy, name, logical_shape),
@@ -243,6 +244,7 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
     def _canonical_policy(self) -> dict[str, Any]:
         return {
             "momentum": MOMENTUM_MEANING,
+            "state_format": NATIVE_VERSION,
             "codebook_refresh_every": self._refresh_every,
             "stochastic_round": self._stochastic_round,
             "deterministic": self._deterministic,

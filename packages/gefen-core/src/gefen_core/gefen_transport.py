@@ -43,13 +43,13 @@ from .param_state import (
     FACTORED_STEP,
     INDICES,
     MAGNITUDE,
-    PERIOD,
     STEP,
     V_COL,
     V_ROW,
     VMEAN,
     VMEAN_STEP,
     counter_value,
+    period_of,
     state_variant,
 )
 from .parameter_update import placeholder_codebook
@@ -92,7 +92,7 @@ def live_piece(
     table = codebook if codebook is not None else placeholder_codebook(indices.device)
     age_key = AGE_KEYS[variant]
     counters = {STEP: counter_value(state[STEP]), age_key: counter_value(state[age_key])}
-    common = (shape, int(state[PERIOD]), indices, state[MAGNITUDE], table)
+    common = (shape, period_of(state), indices, state[MAGNITUDE], table)
     if variant == FACTORED:
         return variant, counters, CompactPiece(*common, v_row=state[V_ROW], v_col=state[V_COL])
     return variant, counters, CompactPiece(*common, vmean=state[VMEAN])
@@ -309,7 +309,7 @@ def native_entry(
     """
     device = local_tensor(param).device
     indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
-    entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
+    entry: dict[str, Any] = {STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
     if factors is None:
         entry[VMEAN] = block_means(piece.second_moment(), period, device)
         entry[VMEAN_STEP] = piece.age

@@ -32,10 +32,11 @@ from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .identity import IdentityMethods
 from .muon_learning import LearningResult, is_nonzero
 from .muon_native_state import FORMAT
+from .muon_native_state import FORMAT as MUON_FORMAT
 from .muon_plan import MuonItem, MuonPlan
 from .muon_state import NORMUON_STEP
 from .native_records import DIGEST_FIELD, codebook_record
-from .param_state import INDICES, PERIOD, STEP
+from .param_state import INDICES, STEP, period_of
 from .periods import shape_period
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
@@ -172,7 +173,7 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
             shard=shard,
             grad=grad,
             has_state=bool(state),
-            period=int(state[PERIOD]) if state else None,
+            period=period_of(state) if state else None,
             signed=False,
             local_period=period,
             logical_period=period,
@@ -217,7 +218,11 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
     # -- canonical local state --------------------------------------------------------------------
 
     def _canonical_policy(self) -> dict[str, Any]:
-        return {"stochastic_round": self._stochastic_round, "deterministic": self._deterministic}
+        return {
+            "state_format": MUON_FORMAT.version,
+            "stochastic_round": self._stochastic_round,
+            "deterministic": self._deterministic,
+        }
 
     def _canonical_common(self) -> dict[str, Any]:
         identity = self._identity

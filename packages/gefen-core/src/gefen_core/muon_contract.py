@@ -58,7 +58,7 @@ from .muon_state import MUON_KEYS, NORMUON_KEYS, NORMUON_STEP, NORMUON_V
 from .native_records import GROUP_MIRROR
 from .newton_schulz import SCHEDULE_NAMES
 from .ops import MUON_DISPATCHED_OPS
-from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .param_state import INDICES, MAGNITUDE, STEP
 from .reference_ops import HISTOGRAM_BINS
 
 __all__ = [
@@ -115,7 +115,6 @@ _FIELDS = (
         optional=True,
         description="param-group copy of the optimizer-common record (survives torch DCP state-dict helpers)",
     ),
-    _param(PERIOD, StateGeometry.SCALAR, "block period P (int)"),
     _param(STEP, StateGeometry.SCALAR, "the matrix's update count"),
     _param(INDICES, StateGeometry.PARAMETER, "uint8 [B, P] codeword indices of the momentum"),
     _param(MAGNITUDE, StateGeometry.BLOCK, "fp32 [B, 1] per-block momentum scale"),

@@ -28,7 +28,7 @@ import torch
 
 from .muon_distributed import MuonScope, shard_rows
 from .muon_state import NORMUON_STEP, NORMUON_V
-from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .param_state import INDICES, MAGNITUDE, STEP, period_of
 
 __all__ = ["BucketItem", "consolidate_states", "gather_to_owners", "owner_buckets", "scatter_from_owners"]
 
@@ -143,7 +143,7 @@ def consolidate_states(
         if owner == scope.rank and state:
             normuon = NORMUON_V in state
             meta[index] = torch.tensor(
-                [1, state[PERIOD], int(state[STEP]), int(normuon), int(state[NORMUON_STEP]) if normuon else 0]
+                [1, period_of(state), int(state[STEP]), int(normuon), int(state[NORMUON_STEP]) if normuon else 0]
             )
     dist.all_reduce(meta, op=dist.ReduceOp.SUM, group=scope.group)
     table = meta.tolist()
@@ -169,7 +169,7 @@ def consolidate_states(
             offset = 0
             for index, fields in layout:
                 row = table[index]
-                received: dict[str, Any] = {PERIOD: row[1], STEP: row[2]}
+                received: dict[str, Any] = {STEP: row[2]}
                 for key, dtype, shape in fields:
                     nbytes = _nbytes(dtype, shape)
                     received[key] = buffer[offset : offset + nbytes].clone().view(dtype).view(shape)

@@ -1,14 +1,14 @@
-"""GefenMuon's native state dict (``gefen.muon_native_state`` v3): export and staged loading.
+"""GefenMuon's native state dict (``gefen.muon_native_state`` v4): export and staged loading.
 
 ::
 
     {
-      "state": {pid: {"automatic_period": int, "step": int,
+      "state": {pid: {"step": int,
                       "m_codebook": uint8[B, P], "m_magnitude": fp32[B, 1],
                       ["normuon_v": fp32[R, 1], "normuon_step": int]}},
       "param_groups": [{"params": [pid, ...], <the GefenMuon options>, ["param_names"],
                         "_gefen_checkpoint_metadata": <mirror of the record>}],
-      "gefen_format_version": 3,
+      "gefen_format_version": 4,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -19,7 +19,8 @@
       "gefen_state_digest": {"layout": str, "content": str | None},  # v2 had none
     }
 
-Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). Which state a
+Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). The block
+period ``P`` is the codes' width (version 3 also stored it as ``automatic_period``; refused). Which state a
 slot holds, and what it depends on:
 
 * local and ``"exact"`` slots hold whole-matrix state, identical on every rank, so their
@@ -66,7 +67,7 @@ from .native_records import (
     reconcile_record,
     stage_group,
 )
-from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .param_state import INDICES, MAGNITUDE, STEP
 
 __all__ = [
     "FORMAT",
@@ -81,7 +82,7 @@ __all__ = [
 
 FORMAT = NativeFormat(
     "gefen.muon_native_state",
-    3,
+    4,
     (
         ("global_step", "gefen_global_step"),
         ("codebook", "gefen_codebook"),
@@ -140,6 +141,12 @@ def slot_layouts(param_groups: Sequence[Mapping[str, Any]]) -> tuple[list[SlotLa
 def _topology(layouts: Sequence[SlotLayout]) -> list[dict[str, object] | None] | None:
     records = [topology_record(layout.param) if layout.mode == APPROX else None for layout in layouts]
     return records if any(r is not None for r in records) else None
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _entry(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -274,9 +281,12 @@ def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int
         missing = sorted((_ALL_KEYS if keys & frozenset(NORMUON_KEYS) else frozenset(MUON_KEYS)) - keys)
         raise fail(f"{where} matches no state variant: missing authoritative fields {missing}")
     numel = layout.numel
-    period = exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)
+    codes = entry[INDICES]
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[1] < 1:
+        raise fail(f"{where}[{INDICES!r}] must be a uint8 [blocks, period] tensor, got {_described(codes)}")
+    period = int(codes.shape[1])
     if numel % period:
-        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the {numel} elements its state describes")
+        raise fail(f"{where}[{INDICES!r}]: blocks of {period} do not divide the {numel} elements its state describes")
     step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
     if step > global_step:
         raise fail(f"{where}[{STEP!r}] {step} exceeds the global step {global_step}")
@@ -290,7 +300,7 @@ def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int
             entry[MAGNITUDE], f"{where}[{MAGNITUDE!r}]", torch.float32, (blocks, 1), finite_nonnegative=True
         ),
     }
-    staged: dict[str, Any] = {PERIOD: period, STEP: step}
+    staged: dict[str, Any] = {STEP: step}
     if NORMUON_V in keys:
         tensors[NORMUON_V] = check_state_tensor(
             entry[NORMUON_V], f"{where}[{NORMUON_V!r}]", torch.float32, (layout.rows, 1), finite_nonnegative=True

@@ -3,8 +3,8 @@
 A matrix has no state until its first gradient (zero or not). Then it holds the quantized momentum
 (the same codec as Gefen's first moment) and, while its group uses NorMuon, the row statistics:
 
-* ``automatic_period`` (int ``P``), ``step`` (int, updates so far);
-* ``m_codebook``: uint8 ``[B, P]`` codeword indices and ``m_magnitude``: fp32 ``[B, 1]`` block
+* ``step`` (int, updates so far);
+* ``m_codebook``: uint8 ``[B, P]`` codeword indices (their width is the block period ``P``) and ``m_magnitude``: fp32 ``[B, 1]`` block
   scales, ``B * P`` the number of elements the state describes;
 * ``normuon_v``: fp32 ``[R, 1]`` EMA of the squared row norms over the column count, and
   ``normuon_step`` (int), both or neither.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .errors import ParameterError
-from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .param_state import INDICES, MAGNITUDE, STEP, period_of
 
 __all__ = [
     "MUON_KEYS",
@@ -36,7 +36,7 @@ __all__ = [
 NORMUON_V = "normuon_v"
 NORMUON_STEP = "normuon_step"
 
-MUON_KEYS = (PERIOD, STEP, INDICES, MAGNITUDE)
+MUON_KEYS = (STEP, INDICES, MAGNITUDE)
 NORMUON_KEYS = (NORMUON_V, NORMUON_STEP)
 
 
@@ -46,7 +46,6 @@ def new_muon_state(numel: int, period: int, device: torch.device) -> dict[str, A
         raise ValueError(f"period {period} does not divide {numel} elements")
     blocks = numel // period
     return {
-        PERIOD: period,
         STEP: 0,
         INDICES: torch.zeros(blocks, period, dtype=torch.uint8, device=device),
         MAGNITUDE: torch.zeros(blocks, 1, dtype=torch.float32, device=device),
@@ -55,7 +54,7 @@ def new_muon_state(numel: int, period: int, device: torch.device) -> dict[str, A
 
 def check_muon_state(state: dict[str, Any], numel: int, where: str) -> None:
     """A live state must still describe ``numel`` elements (``ParameterError`` otherwise)."""
-    period = state[PERIOD]
+    period = period_of(state)
     indices = state[INDICES]
     if period < 1 or numel % period or tuple(indices.shape) != (numel // period, period):
         raise ParameterError(

@@ -29,7 +29,7 @@ from gefen_contracts.torch_support import finite_bounds
 from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, NORMUON_V_FIELD, CompactPiece, incoming_momentum
 from .gefen_transport import momentum_codes
 from .muon_state import NORMUON_STEP, NORMUON_V
-from .param_state import INDICES, MAGNITUDE, PERIOD, STEP
+from .param_state import INDICES, MAGNITUDE, STEP, period_of
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 from .reblocking import PeriodChoice, choose_period
@@ -67,7 +67,7 @@ def live_muon_piece(
     indices = state[INDICES]
     table = codebook if codebook is not None else placeholder_codebook(indices.device)
     counters = {STEP: int(state[STEP])}
-    common = (shape, int(state[PERIOD]), indices, state[MAGNITUDE], table)
+    common = (shape, period_of(state), indices, state[MAGNITUDE], table)
     if NORMUON_V in state:
         counters[NORMUON_STEP] = int(state[NORMUON_STEP])
         return NORMUON, counters, CompactPiece(*common, normuon_v=state[NORMUON_V])
@@ -191,7 +191,7 @@ def muon_entry(
     """The native state entry of a target matrix (tensors on ``device``; ``encoding``: the
     momentum's codes at ``period`` when the period choice already made them)."""
     indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
-    entry: dict[str, Any] = {PERIOD: period, STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
+    entry: dict[str, Any] = {STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
     if piece.normuon_v is not None:
         entry[NORMUON_V] = piece.normuon_v.to(device=device, copy=True)
         entry[NORMUON_STEP] = piece.normuon_step

@@ -35,7 +35,6 @@ from .param_state import (
     FACTORED,
     INDICES,
     MAGNITUDE,
-    PERIOD,
     STEP,
     VARIANT_KEYS,
     VMEAN,
@@ -43,7 +42,7 @@ from .param_state import (
     make_counter,
     state_variant,
 )
-from .state_placement import expected_shapes, export_tensors, import_tensor
+from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]
 
@@ -76,7 +75,7 @@ def export_state_dict(
         for param in group["params"]:
             live = state.get(param)
             if live:
-                entries[pid] = {key: counter_value(live[key]) for key in (PERIOD, *COUNTER_KEYS) if key in live}
+                entries[pid] = {key: counter_value(live[key]) for key in COUNTER_KEYS if key in live}
                 entries[pid].update(export_tensors(param, live, str(state_variant(dict(live)))))
             pid += 1
     record = {"global_step": global_step, "codebook": codebook, "deterministic": deterministic}
@@ -104,7 +103,15 @@ def _stage_entry(
             f"unexpected fields {extra}"
         )
     local = local_tensor(param)
-    period = exact_int(entry[PERIOD], f"{where}[{PERIOD!r}]", 1)
+    scales = entry[MAGNITUDE]
+    if not isinstance(scales, torch.Tensor):
+        raise fail(f"{where}[{MAGNITUDE!r}] must be a tensor, got {type(scales).__name__}")
+    period = period_from_scales(param.shape, scales.shape)
+    if period is None:
+        raise fail(
+            f"{where}[{MAGNITUDE!r}] has shape {tuple(scales.shape)}, one scale per block of no period of a "
+            f"parameter of shape {tuple(param.shape)}"
+        )
     if local.numel() % period:
         hint = ""
         if param.dim() == 1 and local is not param:
@@ -112,7 +119,7 @@ def _stage_entry(
                 " (a sharded 1-D parameter keeps one block per element; a single-process state loads onto FSDP2 "
                 "shards when it was trained with force_1d_period_one=True, FSDP2's rule, or through portable state)"
             )
-        raise fail(f"{where}[{PERIOD!r}] {period} does not divide the parameter's {local.numel()} local elements{hint}")
+        raise fail(f"{where}: blocks of {period} do not divide the parameter's {local.numel()} local elements{hint}")
     if variant == FACTORED and param.dim() != 2:
         raise fail(f"{where} holds a factored second moment but the parameter is {param.dim()}-D")
     step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
@@ -123,7 +130,7 @@ def _stage_entry(
     if age > step:
         raise fail(f"{where}[{age_key!r}] {age} exceeds step {step}")
     device = local.device
-    staged: dict[str, Any] = {PERIOD: period, STEP: make_counter(step, device, capturable)}
+    staged: dict[str, Any] = {STEP: make_counter(step, device, capturable)}
     global_shapes = expected_shapes(param.shape, period, variant)
     local_shapes = expected_shapes(local.shape, period, variant)
     blocked = {INDICES: (local.numel() // period, period), MAGNITUDE: (local.numel() // period, 1)}

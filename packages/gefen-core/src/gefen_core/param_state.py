@@ -3,10 +3,12 @@
 A parameter has no state until its first step with a non-zero gradient. Then its state is
 exactly one of two variants (the keys a checkpoint holds):
 
-* ``block``: ``automatic_period``, ``step``, ``m_codebook``, ``m_magnitude``, ``vmean``,
-  ``vmean_step``;
-* ``factored`` (2-D parameters with ``factored_v_2d``): ``automatic_period``, ``step``,
-  ``m_codebook``, ``m_magnitude``, ``v_row``, ``v_col``, ``factored_step``.
+* ``block``: ``step``, ``m_codebook``, ``m_magnitude``, ``vmean``, ``vmean_step``;
+* ``factored`` (2-D parameters with ``factored_v_2d``): ``step``, ``m_codebook``,
+  ``m_magnitude``, ``v_row``, ``v_col``, ``factored_step``.
+
+The block period ``P`` is the width of the live codes (:func:`period_of`); it is stored
+nowhere else (a checkpoint's scales' shape gives it, :mod:`gefen_core.state_placement`).
 
 ``m_codebook`` and ``m_magnitude`` (codes into the learned codebook and one scale per block)
 hold the momentum: since native format v4 the EMA of the *preconditioned* gradient
@@ -29,7 +31,7 @@ no collective for row-sharded parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,7 +46,6 @@ __all__ = [
     "INDICES",
     "MAGNITUDE",
     "MOMENTUM_MEANING",
-    "PERIOD",
     "STEP",
     "V_COL",
     "V_ROW",
@@ -55,13 +56,13 @@ __all__ = [
     "counter_value",
     "make_counter",
     "new_state",
+    "period_of",
     "state_nbytes",
     "storage_bytes",
     "state_variant",
     "switch_second_moment",
 ]
 
-PERIOD = "automatic_period"
 STEP = "step"
 INDICES = "m_codebook"
 MAGNITUDE = "m_magnitude"
@@ -78,7 +79,7 @@ FACTORED = "factored"
 #: meaning is refused): the EMA of ``g / (sqrt(V) + eps)``.
 MOMENTUM_MEANING = "preconditioned"
 
-_COMMON = (PERIOD, STEP, INDICES, MAGNITUDE)
+_COMMON = (STEP, INDICES, MAGNITUDE)
 BLOCK_KEYS = (*_COMMON, VMEAN, VMEAN_STEP)
 FACTORED_KEYS = (*_COMMON, V_ROW, V_COL, FACTORED_STEP)
 VARIANT_KEYS = {BLOCK: frozenset(BLOCK_KEYS), FACTORED: frozenset(FACTORED_KEYS)}
@@ -98,6 +99,11 @@ def counter_value(counter: int | torch.Tensor) -> int:
     if isinstance(counter, torch.Tensor):
         return int(counter.item())
     return counter
+
+
+def period_of(state: Mapping[str, Any]) -> int:
+    """The block period of a live state: the width of its codes ``uint8[B, P]``."""
+    return int(state[INDICES].shape[1])
 
 
 def state_variant(state: dict[str, Any]) -> str | None:
@@ -131,7 +137,6 @@ def new_state(local: torch.Tensor, period: int, variant: str, capturable: bool) 
     blocks = numel // period
     device = local.device
     state: dict[str, Any] = {
-        PERIOD: period,
         STEP: make_counter(0, device, capturable),
         INDICES: torch.zeros(blocks, period, dtype=torch.uint8, device=device),
         MAGNITUDE: torch.zeros(blocks, 1, dtype=torch.float32, device=device),

@@ -17,7 +17,8 @@ entry              shape (global)                      DTensor placement
 
 The shapes depend on the parameter's shape and the period only, and the period on the
 shape (and whether the parameter is row-sharded, :func:`gefen_core.periods.shape_period`),
-so the zero-gradient template step of ``torch.distributed.checkpoint.state_dict`` makes
+so the period is not stored: the scales' shape gives it back (:func:`period_from_scales`).
+The zero-gradient template step of ``torch.distributed.checkpoint.state_dict`` makes
 tensors of the saved shapes. The optimizer-wide codebook is a plain tensor, equal on every
 rank of a mesh (DCP saves it once).
 """
@@ -32,9 +33,9 @@ import torch
 
 from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
-from .param_state import FACTORED, INDICES, MAGNITUDE, V_COL, V_ROW, VMEAN
+from .param_state import FACTORED, INDICES, MAGNITUDE, V_COL, V_ROW, VMEAN, period_of
 
-__all__ = ["export_tensors", "expected_shapes", "import_tensor", "scale_shape"]
+__all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_scales", "scale_shape"]
 
 
 def scale_shape(shape: Sequence[int], period: int) -> tuple[int, ...]:
@@ -45,6 +46,21 @@ def scale_shape(shape: Sequence[int], period: int) -> tuple[int, ...]:
         if period and row % period == 0:
             return (dims[0], row // period)
     return (math.prod(dims) // period,)
+
+
+def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | None:
+    """The period whose :func:`scale_shape` for a tensor of ``shape`` is ``scales`` (``None``
+    when there is none; 1 for a tensor without elements, where every period is the same)."""
+    dims = tuple(int(d) for d in shape)
+    numel = math.prod(dims)
+    if numel == 0:
+        return 1 if math.prod(scales) == 0 else None
+    count = math.prod(dims[1:]) if len(scales) == 2 else numel
+    blocks = int(scales[-1]) if scales else 0
+    if blocks < 1 or count % blocks:
+        return None
+    period = count // blocks
+    return period if scale_shape(dims, period) == tuple(int(d) for d in scales) else None
 
 
 def expected_shapes(shape: Sequence[int], period: int, variant: str) -> dict[str, tuple[int, ...]]:
@@ -69,7 +85,7 @@ def _placements(param: torch.Tensor, key: str) -> Any:
 def export_tensors(param: torch.Tensor, state: Mapping[str, Any], variant: str) -> dict[str, torch.Tensor]:
     """The state's tensors viewed like the parameter (views of the live storage), as DTensors
     on the parameter's mesh when it is one."""
-    period = int(state["automatic_period"])
+    period = period_of(state)
     local_shapes = expected_shapes(local_tensor(param).shape, period, variant)
     out = {key: state[key].reshape(shape) for key, shape in local_shapes.items()}
     if not is_dtensor(param):

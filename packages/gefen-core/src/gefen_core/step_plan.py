@@ -24,10 +24,10 @@ from .param_state import (
     FACTORED,
     INDICES,
     MAGNITUDE,
-    PERIOD,
     V_COL,
     V_ROW,
     VMEAN,
+    period_of,
     state_variant,
 )
 
@@ -112,7 +112,7 @@ def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optim
 def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: str) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
-    period = state[PERIOD]
+    period = period_of(state)
     indices = state[INDICES]
     if period < 1 or numel % period or indices.numel() != numel or tuple(indices.shape) != (numel // period, period):
         raise ParameterError(

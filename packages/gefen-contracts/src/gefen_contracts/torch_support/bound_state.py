@@ -179,9 +179,12 @@ def parse_bound_state(
         f"implementation {document['implementation']!r} does not match {implementation!r}",
     )
     saved_policy = _clone_value(document["policy"], "policy", tensors=False)
+    _require(type(saved_policy) is dict, "policy must be a dict")
+    differing = sorted(str(key) for key in set(saved_policy) | set(policy) if saved_policy.get(key) != policy.get(key))
     _require(
-        type(saved_policy) is dict and saved_policy == dict(policy),
-        "the document's policy differs from the optimizer's",
+        not differing,
+        "the document's policy differs from the optimizer's: "
+        + "; ".join(f"{key}: document {saved_policy.get(key)!r}, optimizer {policy.get(key)!r}" for key in differing),
     )
     try:
         saved_manifest = from_primitive(document["manifest"], ShardingManifest)

@@ -62,7 +62,7 @@ from gefen_core.reference_ops import histogram_reference
 
 __all__ = ["GEFEN_APPROXIMATIONS", "LADDER_RUNGS", "Approximations", "LadderAdamW"]
 
-SecondMoment = Literal["exact", "factored", "cover", "block"]
+SecondMoment = Literal["exact", "factored", "block"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ class Approximations:
     clip_threshold: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.v_1d in ("factored", "cover"):
+        if self.v_1d == "factored":
             raise ValueError("a 1-D parameter has no factored second moment")
         if self.codebook == "relearned" and self.refresh_every <= 0:
             raise ValueError("codebook='relearned' needs refresh_every > 0")
@@ -122,8 +122,6 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "gefen-apply-exact": GEFEN_APPROXIMATIONS.but(apply="exact"),
     "gefen-momentum-codes": GEFEN_APPROXIMATIONS.but(quantize="momentum"),
     "gefen-adam-order": GEFEN_APPROXIMATIONS.but(quantize="preconditioned-adam"),
-    "v2d-cover": _EXACT.but(v_2d="cover"),
-    "gefen-cover": GEFEN_APPROXIMATIONS.but(v_2d="cover"),
 }
 
 
@@ -157,16 +155,13 @@ class LadderAdamW(torch.optim.Optimizer):
     def _second_moment_kind(self, p: torch.Tensor) -> SecondMoment:
         return self.approx.v_2d if p.ndim == 2 else self.approx.v_1d if p.ndim == 1 else "exact"
 
-    def _second_moment_kind_of(self, state: dict[str, Any]) -> SecondMoment:
-        return self.approx.v_2d
-
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state: dict[str, Any] = {"step": 0}
         kind = self._second_moment_kind(p)
         needs_blocks = kind == "block" or self._quantizes(p)
         period = _period(self.approx, p.shape) if needs_blocks else 1
         state["period"] = period
-        if kind in ("factored", "cover"):
+        if kind == "factored":
             state["v_row"] = torch.zeros(p.shape[0])
             state["v_col"] = torch.zeros(p.shape[1])
         elif kind == "block":
@@ -210,14 +205,6 @@ class LadderAdamW(torch.optim.Optimizer):
 
     def _second_moment(self, state: dict[str, Any], g: torch.Tensor, beta2: float, bc2: float) -> torch.Tensor:
         """Advance the second moment; return the bias-corrected per-element estimate (p's shape)."""
-        if "v_row" in state and self._second_moment_kind_of(state) == "cover":
-            # SM3's cover: each element's EMA starts from the smaller of its row's and column's
-            # maxima, an upper bound on Adam's v; the row and column keep the new maxima.
-            nu = torch.minimum(state["v_row"][:, None], state["v_col"][None, :]).mul_(beta2)
-            nu.addcmul_(g, g, value=1 - beta2)
-            state["v_row"] = nu.amax(dim=1)
-            state["v_col"] = nu.amax(dim=0)
-            return nu / bc2
         if "v_row" in state:
             g2 = g.square()
             state["v_row"].mul_(beta2).add_(g2.mean(dim=1), alpha=1 - beta2)

@@ -4,7 +4,8 @@
 checked without the model, then (Gefen's and GefenMuon's formats) its ``gefen_state_digest``: exact key sets and types, the shapes that
 tie a parameter's entries together (Gefen's tensors shaped like the parameter that
 ``m_codebook`` has, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codebook [B, P]``
-with ``P = automatic_period`` and ``m_magnitude [B, 1]``, ...), dtypes,
+whose width is the block period ``P`` and ``m_magnitude [B, 1]``; Gefen's period is the one its
+scales' shape gives, :func:`gefen_core.state_placement.period_from_scales`, ...), dtypes,
 finite and non-negative statistics, whole-number counters, a valid codebook whenever
 momentum indices exist, the per-group mirror of the optimizer-wide record agreeing with
 the top-level keys, and every state entry belonging to a parameter of the groups. Each
@@ -20,7 +21,7 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
-from gefen_core.state_placement import expected_shapes
+from gefen_core.state_placement import expected_shapes, period_from_scales
 from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
 from gefen_hybrid import ROLES, children_of_state_dict
 
@@ -74,7 +75,7 @@ class _Checker:
         key: str,
         where: str,
         dtype: torch.dtype,
-        rank: int,
+        rank: int | None,
         *,
         non_negative: bool = True,
     ) -> torch.Tensor | None:
@@ -82,8 +83,9 @@ class _Checker:
         if not isinstance(value, torch.Tensor):
             self.fail(f"{where}.{key}", f"must be a tensor, got {type(value).__name__}")
             return None
-        if value.dtype is not dtype or value.dim() != rank:
-            self.fail(f"{where}.{key}", f"must be a {rank}-D {dtype} tensor, got {value.dim()}-D {value.dtype}")
+        if value.dtype is not dtype or (rank is not None and value.dim() != rank):
+            wanted = f"a {rank}-D {dtype}" if rank is not None else f"a {dtype}"
+            self.fail(f"{where}.{key}", f"must be {wanted} tensor, got {value.dim()}-D {value.dtype}")
             return None
         if value.is_floating_point():
             data = value.detach().cpu()
@@ -112,26 +114,22 @@ def _gefen_entry(
     check: _Checker, entry: Mapping[str, Any], where: str, muon: bool
 ) -> tuple[str, tuple[int, ...] | None]:
     """Check one Gefen/GefenMuon parameter entry; return its variant and shape when known."""
-    period = entry.get("automatic_period")
     if "m_codebook" not in entry and "m_magnitude" not in entry:
-        extra = sorted(set(entry) - {"automatic_period"})
-        if extra:
-            check.fail(where, f"has {extra} but no momentum (m_codebook, m_magnitude)")
+        if entry:
+            check.fail(where, f"has {sorted(entry)} but no momentum (m_codebook, m_magnitude)")
         return "uninitialized", None
-    if not _is_count(period, 1):
-        check.fail(f"{where}.automatic_period", f"must be a positive int, got {period!r}")
     if not _is_count(entry.get("step"), 1):
         check.fail(f"{where}.step", f"must be an int >= 1 once momentum exists, got {entry.get('step')!r}")
     if not muon:
-        return _shaped_entry(check, entry, where, period)
+        return _shaped_entry(check, entry, where)
     indices = check.tensor(entry, "m_codebook", where, torch.uint8, 2)
     magnitude = check.tensor(entry, "m_magnitude", where, torch.float32, 2)
     blocks = numel = None
     if indices is not None:
         blocks, width = indices.shape
         numel = blocks * width
-        if _is_count(period, 1) and width != period:
-            check.fail(f"{where}.m_codebook", f"has blocks of {width}, but automatic_period is {period}")
+        if width < 1:
+            check.fail(f"{where}.m_codebook", f"must have blocks of at least one element, got {list(indices.shape)}")
     if indices is not None and magnitude is not None and tuple(magnitude.shape) != (blocks, 1):
         check.fail(f"{where}.m_magnitude", f"must be [{blocks}, 1] (one scale per block), got {list(magnitude.shape)}")
     if muon:
@@ -149,11 +147,10 @@ def _gefen_entry(
     return "muon", None
 
 
-def _shaped_entry(
-    check: _Checker, entry: Mapping[str, Any], where: str, period: object
-) -> tuple[str, tuple[int, ...] | None]:
-    """A Gefen entry (``gefen.native_state`` v4): tensors shaped like the parameter, whose
-    shape the codes give (:func:`gefen_core.state_placement.expected_shapes`)."""
+def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
+    """A Gefen entry (``gefen.native_state`` v7): tensors shaped like the parameter, whose
+    shape the codes give and whose period the scales' shape gives
+    (:func:`gefen_core.state_placement.expected_shapes`, :func:`~gefen_core.state_placement.period_from_scales`)."""
     indices = entry.get("m_codebook")
     if not isinstance(indices, torch.Tensor) or indices.dtype is not torch.uint8:
         check.fail(
@@ -161,7 +158,15 @@ def _shaped_entry(
         )
         return "broken", None
     shape = tuple(int(d) for d in indices.shape)
-    if not _is_count(period, 1) or indices.numel() % int(period):  # type: ignore[call-overload]
+    scales = check.tensor(entry, "m_magnitude", where, torch.float32, None)
+    if scales is None:
+        return "broken", shape
+    period = period_from_scales(shape, scales.shape)
+    if period is None:
+        check.fail(
+            f"{where}.m_magnitude",
+            f"has shape {list(scales.shape)}: one scale per block of no period of a {list(shape)} parameter",
+        )
         return "broken", shape
     variant = "factored" if "v_row" in entry or "v_col" in entry else "block"
     if variant == "factored" and len(shape) != 2:
@@ -170,8 +175,8 @@ def _shaped_entry(
     if variant == "block" and "vmean" not in entry:
         check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
         return "broken", shape
-    for key, want in expected_shapes(shape, int(period), variant).items():  # type: ignore[call-overload]
-        if key == "m_codebook":
+    for key, want in expected_shapes(shape, period, variant).items():
+        if key in ("m_codebook", "m_magnitude"):  # the codes set the shape, the scales the period
             continue
         value = check.tensor(entry, key, where, torch.float32, len(want))
         if value is not None and tuple(value.shape) != want:
@@ -317,9 +322,11 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
             continue
         if fmt in _RECORD_KEYS:
             variant, shape = _gefen_entry(check, entry, where, fmt == _MUON)
-            period = entry.get("automatic_period")
-            indices = entry.get("m_codebook")
-            detail = f"period {period}" if type(period) is int else ""
+            indices, scales = entry.get("m_codebook"), entry.get("m_magnitude")
+            period = None
+            if isinstance(indices, torch.Tensor) and isinstance(scales, torch.Tensor):
+                period = indices.shape[-1] if fmt == _MUON else period_from_scales(indices.shape, scales.shape)
+            detail = f"period {period}" if period else ""
             if shape is None and isinstance(indices, torch.Tensor):
                 detail += f", {indices.numel():,} elements"
         else:
