@@ -199,9 +199,12 @@ def test_bench_step_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     names = {row.name for row in report.rows}
     assert {"adamw-fused", "adamw-default", "copy-14B", "gefen-reference", "gefen-fused"} <= names
     assert "gefenmuon-momentum-fused" in names and "gefen-block-fused" in names
+    units = {"ops_per_step": "calls", "host_time_per_tensor": "us"}
     for row in report.rows:
-        assert row.unit == "ms"
-        assert row.metric in ("step_time", "first_step_time", "codebook_solve_time", "kernel_library_load_time")
+        assert row.unit == units.get(row.metric, "ms")
+        assert row.metric in (
+            "step_time", "first_step_time", "codebook_solve_time", "kernel_library_load_time", *units
+        )  # fmt: skip
         assert row.value > 0
         if row.metric == "step_time":
             assert row.baseline == (None if row.name == "adamw-fused" else "adamw-fused")
@@ -218,6 +221,16 @@ def test_bench_step_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert f"{report.config['parameters']:,} float32 parameters in 11 tensors" in table
     assert "ns/param" in table and "vs adamw-fused" in table
     assert "first step (codebook solve alone:" in table and "x steady w/o solve" in table
+    # dispatch figures: fused AdamW is one multi-tensor op (plus its step-count update); Gefen's fused
+    # step calls one or two of its ops per tensor; the host time is measured for whole optimizers only
+    assert report.row("adamw-fused", "ops_per_step").detail["gefen_ops"] == 0
+    fused_ops = report.row("gefen-fused", "ops_per_step")
+    assert 11 <= fused_ops.detail["gefen_ops"] <= 22 and fused_ops.value >= fused_ops.detail["gefen_ops"]  # type: ignore[operator]
+    assert report.row("gefen-reference", "ops_per_step").detail["gefen_ops"] == 0  # the reference is plain torch
+    assert {row.name for row in report.rows if row.metric == "host_time_per_tensor"} == {
+        "adamw-fused", "adamw-default", "gefen-reference", "gefen-fused", "gefen-block-fused"
+    }  # fmt: skip
+    assert "ops/step" in table and "host us/tensor" in table
 
 
 def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:

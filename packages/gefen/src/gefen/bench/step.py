@@ -8,6 +8,13 @@ learns its codebook and periods) the median of ``repeats`` timed rounds is repor
 the minimum in the detail. Ratios are against ``torch.optim.AdamW(fused=True)`` measured in
 the same run.
 
+Two more figures per arm: the operator calls one step dispatches (``ops_per_step``: every
+call that reaches torch's dispatcher, counted by a ``TorchDispatchMode`` on one extra step;
+``gefen_ops`` of them Gefen's own kernels), and the host time per tensor
+(``host_time_per_tensor``: the step's median on :data:`HOST_SHAPES`, 64 tensors so small
+that the arithmetic is negligible, divided by 64: what a step costs per tensor in Python and
+dispatch).
+
 The first step is reported too (``first_step_time``, with its multiple of the arm's steady
 median in the detail): Gefen's creates its state, chooses its periods and solves its
 codebook there. Loading gefen-kernels' CPU library happens once per process before the
@@ -30,12 +37,14 @@ import os
 import statistics
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from gefen_contracts.testing import import_attribute
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
@@ -46,6 +55,10 @@ BASELINE = "adamw-fused"
 #: Bytes per parameter the cheapest Gefen step must move (fp32 parameter and gradient read,
 #: uint8 index read, parameter and index written), the copy arm's size.
 MOVED_BYTES_PER_PARAM = 14
+#: The host-time model: 32 matrices and 32 vectors of 128 and 16 elements.
+HOST_SHAPES: tuple[tuple[str, Shape], ...] = tuple(
+    (f"{kind}{index}", shape) for index in range(32) for kind, shape in (("w", (8, 16)), ("b", (16,)))
+)
 
 Shape = tuple[int, ...]
 NamedParameters = list[tuple[str, torch.nn.Parameter]]
@@ -181,6 +194,10 @@ def _peer(module: str, attribute: str) -> StepFactory:
     return build
 
 
+#: Arms that are whole optimizers (their host time per tensor is measured).
+_HOST_ARMS = frozenset({BASELINE, "adamw-default", "gefen-reference", "gefen-fused", "gefen-block-fused"})
+
+
 def _arms(numel: int, device: str) -> tuple[dict[str, StepFactory], list[str]]:
     arms: dict[str, StepFactory] = {
         BASELINE: _adamw(True),
@@ -234,6 +251,42 @@ def _codebook_solve_seconds(named: NamedParameters) -> float:
     started = time.perf_counter()
     codebook_from_counts(counts)
     return time.perf_counter() - started
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the operator calls that reach the dispatcher (nested calls excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls[func.namespace] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(step: Callable[[], object]) -> Counter[str]:
+    counter = _OpCounter()
+    with warnings.catch_warnings(), counter:
+        warnings.simplefilter("ignore")
+        step()
+    return counter.calls
+
+
+def _host_seconds_per_tensor(factory: StepFactory, options: StepOptions) -> float:
+    """The median step on :data:`HOST_SHAPES` over its tensor count."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = factory(_parameters(list(HOST_SHAPES), options.device, options.seed))
+        timings = []
+        for round_index in range(options.warmup + options.repeats):
+            _sync(options.device)
+            started = time.perf_counter()
+            step()
+            _sync(options.device)
+            if round_index >= options.warmup:
+                timings.append(time.perf_counter() - started)
+    return statistics.median(timings) / len(HOST_SHAPES)
 
 
 def _sync(device: str) -> None:
@@ -331,6 +384,12 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
             if name.startswith("gefen-"):
                 detail["x_steady_without_codebook_solve"] = (first[name] - solve) / steady
             builder.add(name, "first_step_time", first[name] * 1e3, "ms", detail=detail)
+        for name in sorted(measured, key=lambda n: n != BASELINE):
+            calls = _count_ops(steps[name])
+            builder.add(name, "ops_per_step", float(sum(calls.values())), "calls", detail={"gefen_ops": calls["gefen"]})
+            if name in _HOST_ARMS:
+                host = _host_seconds_per_tensor(factories[name], options)
+                builder.add(name, "host_time_per_tensor", host * 1e6, "us", detail={"tensors": len(HOST_SHAPES)})
         for note in notes:
             builder.note(note)
         builder.note(
@@ -375,6 +434,15 @@ def step_table(report: BenchmarkReport) -> str:
             rest = row.detail.get("x_steady_without_codebook_solve")
             rest_text = f"{rest:.2f}x" if isinstance(rest, float) else ""
             lines.append(f"{row.name:28s} {row.value:10.3f} {row.detail['x_steady']:9.2f}x {rest_text:>19s}")
+    counts = {row.name: row for row in report.rows if row.metric == "ops_per_step"}
+    hosts = {row.name: row.value for row in report.rows if row.metric == "host_time_per_tensor"}
+    if counts:
+        lines.append(f"dispatch ({len(HOST_SHAPES)} small tensors for the host time)")
+        lines.append(f"{'name':28s} {'ops/step':>10s} {'gefen ops':>10s} {'host us/tensor':>15s}")
+        for name, row in counts.items():
+            gefen_ops = row.detail.get("gefen_ops")
+            host = f"{hosts[name]:.1f}" if name in hosts else ""
+            lines.append(f"{name:28s} {row.value:10.0f} {gefen_ops!s:>10s} {host:>15s}")
     lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)
 
