@@ -125,7 +125,7 @@ def update_parameter(
     """Advance counters and second moment, then requantise the momentum and write ``work``'s
     parameter (through a contiguous copy when the parameter is strided)."""
     state = work.state
-    assert state
+    assert state is not None
     if state_variant(state) != work.variant:
         switch_second_moment(state, work.variant, work.local, capturable)
     _bump(state, STEP)
