@@ -138,7 +138,7 @@ def test_contract_rules() -> None:
         simple_contract(capabilities=object())
     with pytest.raises(ContractError, match="schema_version"):
         simple_contract(schema_version="1.0")
-    assert schema_compatible("2.7") and not schema_compatible("1.0") and not schema_compatible("2")
+    assert schema_compatible("3.7") and not schema_compatible("2.0") and not schema_compatible("3")
     with pytest.raises(NotSupportedError, match="not declared"):
         contract.require(FEATURE_PORTABLE_STATE)
     contract.require(FEATURE_STAGED_NATIVE_LOAD)

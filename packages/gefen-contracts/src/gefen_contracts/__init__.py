@@ -94,7 +94,14 @@ from .protocols import (
 )
 from .rebinding import LogicalSlotBinding, ParameterRebinding
 from .revalidate import revalidate
-from .state_layout import OptimizerStateLayout, StateField, StateVariant, match_variants
+from .state_layout import (
+    OptimizerStateLayout,
+    StateField,
+    StateVariant,
+    follows_parameter_placement,
+    match_variants,
+    parameter_state_shape,
+)
 from .transactions import StagedTransaction, require_transaction
 
 __all__ = [
@@ -179,7 +186,9 @@ __all__ = [
     "descriptor_digest",
     "from_primitive",
     "fqn_problem",
+    "follows_parameter_placement",
     "match_variants",
+    "parameter_state_shape",
     "param_group_naming_blockers",
     "kernel_unavailable_reasons",
     "load_kernel_plugins",

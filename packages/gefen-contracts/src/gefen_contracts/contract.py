@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 #: ``"MAJOR.MINOR"``: readers accept any minor of their major (unknown extensions are ignored).
-CONTRACT_SCHEMA_VERSION = "2.0"
+CONTRACT_SCHEMA_VERSION = "3.0"
 _SCHEMA_RE = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)$")
 _EXTENSION_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
 

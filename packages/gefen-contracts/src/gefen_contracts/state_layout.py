@@ -4,7 +4,8 @@ combinations of per-parameter keys (variants) are legal.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import math
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .enums import ParameterLayout, ParameterStateRole, StateExtent, StateGeometry, StateKeyMatch, StateRole, StateScope
@@ -20,7 +21,19 @@ from .validation import (
     str_tuple,
 )
 
-__all__ = ["OptimizerStateLayout", "StateField", "StateVariant", "match_variants"]
+__all__ = [
+    "STATE_DTYPES",
+    "OptimizerStateLayout",
+    "StateField",
+    "StateVariant",
+    "follows_parameter_placement",
+    "match_variants",
+    "parameter_state_shape",
+]
+
+#: The dtype names a :class:`StateField` may declare (``""``: not declared; ``"int"``: a Python
+#: int counter in checkpoints).
+STATE_DTYPES = frozenset({"", "uint8", "int8", "bfloat16", "float16", "float32", "float64", "int", "bool"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +41,10 @@ class StateField:
     """One declared state key.
 
     ``scope`` says where the key lives, ``role`` what it means (authoritative state, a
-    rebuildable cache, a checkpoint transport carrier, or an inert legacy key). Only keys of
-    native state dicts are declared; Python attributes of the optimizer object never are.
+    rebuildable cache, a checkpoint transport carrier, or an inert legacy key), ``geometry``
+    how a per-parameter tensor's shape follows its parameter's (:func:`parameter_state_shape`)
+    and ``dtype`` what it holds (one of :data:`STATE_DTYPES`). Only keys of native state dicts
+    are declared; Python attributes of the optimizer object never are.
     """
 
     name: str
@@ -40,9 +55,14 @@ class StateField:
     optional: bool = False
     mode_tags: frozenset[str] = field(default_factory=frozenset)
     description: str = ""
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         identity_name(self.name, "StateField.name")
+        if self.dtype not in STATE_DTYPES:
+            raise ContractError(
+                f"StateField {self.name!r} dtype must be one of {sorted(STATE_DTYPES)}, got {self.dtype!r}"
+            )
         exact_enum(self.scope, StateScope, "StateField.scope")
         exact_enum(self.role, StateRole, "StateField.role")
         exact_enum(self.geometry, StateGeometry, "StateField.geometry")
@@ -236,3 +256,43 @@ def match_variants(
         if set(v.fields) == present
         and v.accepts(layout=parameter_layout, parameter_rank=parameter_rank, role=role, mode_tags=mode_tags)
     )
+
+
+def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period: int = 1) -> tuple[int, ...] | None:
+    """The shape of a per-parameter state tensor of ``geometry`` for a parameter (global or local)
+    of ``shape``, with blocks of ``period`` elements; ``None`` for geometries that are not a
+    tensor shaped by its parameter (scalars, tables, opaque values).
+
+    * ``PARAMETER``: the parameter's shape;
+    * ``ROW`` / ``COLUMN``: ``[rows]`` / ``[columns]`` (two-dimensional parameters);
+    * ``BLOCK``: one value per block of ``period`` elements along the last dimensions:
+      ``[rows, row_length / period]`` when the blocks tile every row (so they shard with the rows),
+      ``[numel / period]`` otherwise (one-dimensional parameters, and blocks that cross rows).
+    """
+    dims = tuple(int(d) for d in shape)
+    if geometry is StateGeometry.PARAMETER:
+        return dims
+    if geometry is StateGeometry.ROW:
+        return (dims[0],)
+    if geometry is StateGeometry.COLUMN:
+        if len(dims) != 2:
+            raise ContractError(f"a COLUMN state needs a two-dimensional parameter, got shape {dims}")
+        return (dims[1],)
+    if geometry is StateGeometry.BLOCK:
+        if period < 1:
+            raise ContractError(f"a BLOCK state needs a period >= 1, got {period}")
+        numel = math.prod(dims)
+        if len(dims) >= 2:
+            row = math.prod(dims[1:])
+            if row % period == 0:
+                return (dims[0], row // period)
+        if numel % period:
+            raise ContractError(f"blocks of {period} do not tile a parameter of shape {dims}")
+        return (numel // period,)
+    return None
+
+
+def follows_parameter_placement(geometry: StateGeometry) -> bool:
+    """Whether a state tensor of ``geometry`` is sharded like its parameter (row-sharded with it).
+    ``COLUMN`` statistics span every row, so a row-sharded parameter keeps them replicated."""
+    return geometry in (StateGeometry.PARAMETER, StateGeometry.ROW, StateGeometry.BLOCK)

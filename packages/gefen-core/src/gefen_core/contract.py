@@ -46,14 +46,7 @@ from .param_state import (
     BLOCK_KEYS,
     FACTORED,
     FACTORED_KEYS,
-    FACTORED_STEP,
-    INDICES,
-    MAGNITUDE,
-    STEP,
-    V_COL,
-    V_ROW,
-    VMEAN,
-    VMEAN_STEP,
+    PARAMETER_FIELDS,
 )
 from .periods import FALLBACK_PERIOD_CAP
 from .reference_ops import HISTOGRAM_BINS
@@ -77,10 +70,6 @@ _FLAT = ParameterLayout.FLATTENED_ELEMENT_SHARD
 _DTENSOR = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
 #: Layouts whose state a canonical local document covers.
 CANONICAL_LAYOUTS = frozenset({_REPL, _FLAT})
-
-
-def _param(name: str, geometry: StateGeometry, description: str) -> StateField:
-    return StateField(name, StateScope.PARAMETER, StateRole.AUTHORITATIVE, geometry, description=description)
 
 
 def _common(name: str, geometry: StateGeometry, description: str, optional: bool = False) -> StateField:
@@ -109,14 +98,7 @@ STATE_LAYOUT = OptimizerStateLayout(
             optional=True,
             description="param-group copy of the optimizer-common record (survives torch DCP state-dict helpers)",
         ),
-        _param(STEP, StateGeometry.SCALAR, "the parameter's update count"),
-        _param(INDICES, StateGeometry.PARAMETER, "uint8 codeword indices of the preconditioned momentum"),
-        _param(MAGNITUDE, StateGeometry.BLOCK, "fp32 per-block scale of the preconditioned momentum"),
-        _param(VMEAN, StateGeometry.BLOCK, "fp32 per-block EMA of the block mean of g^2"),
-        _param(VMEAN_STEP, StateGeometry.SCALAR, "age of vmean"),
-        _param(V_ROW, StateGeometry.ROW, "fp32 [rows] EMA of row means of g^2 (local rows when row-sharded)"),
-        _param(V_COL, StateGeometry.COLUMN, "fp32 [cols] EMA of column means of g^2 (replicated)"),
-        _param(FACTORED_STEP, StateGeometry.SCALAR, "age of v_row and v_col"),
+        *PARAMETER_FIELDS.values(),
     ),
     parameter_variants=(
         StateVariant(

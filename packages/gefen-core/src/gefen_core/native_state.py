@@ -42,7 +42,7 @@ from .param_state import (
     make_counter,
     state_variant,
 )
-from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales
+from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales, state_dtype
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]
 
@@ -141,10 +141,10 @@ def _stage_entry(
             param,
             key,
             f"{where}[{key!r}]",
-            torch.uint8 if key == INDICES else torch.float32,
+            state_dtype(key),
             global_shapes[key],
             shape,
-            finite_nonnegative=key != INDICES,
+            finite_nonnegative=state_dtype(key).is_floating_point,
         )
         staged[key] = tensor.detach().to(device=device, copy=True).reshape(blocked.get(key, shape))
     staged[age_key] = make_counter(age, device, capturable)

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from gefen_contracts import StateField, StateGeometry, StateRole, StateScope
 
 __all__ = [
     "AGE_KEYS",
@@ -46,6 +47,7 @@ __all__ = [
     "INDICES",
     "MAGNITUDE",
     "MOMENTUM_MEANING",
+    "PARAMETER_FIELDS",
     "STEP",
     "V_COL",
     "V_ROW",
@@ -78,6 +80,31 @@ FACTORED = "factored"
 #: What the momentum holds, recorded in canonical documents' policy (a document of another
 #: meaning is refused): the EMA of ``g / (sqrt(V) + eps)``.
 MOMENTUM_MEANING = "preconditioned"
+
+
+def _field(name: str, geometry: StateGeometry, dtype: str, description: str) -> StateField:
+    return StateField(
+        name, StateScope.PARAMETER, StateRole.AUTHORITATIVE, geometry, dtype=dtype, description=description
+    )
+
+
+#: Gefen's per-parameter state, declared once: each entry's name, how its shape follows the
+#: parameter's (``gefen_contracts.parameter_state_shape``) and its dtype. The contract's state
+#: layout, the checkpoint shapes, dtypes and DTensor placements (:mod:`gefen_core.state_placement`)
+#: and ``gefen inspect`` derive from it.
+PARAMETER_FIELDS: dict[str, StateField] = {
+    field.name: field
+    for field in (
+        _field(STEP, StateGeometry.SCALAR, "int", "the parameter's update count"),
+        _field(INDICES, StateGeometry.PARAMETER, "uint8", "codeword indices of the preconditioned momentum"),
+        _field(MAGNITUDE, StateGeometry.BLOCK, "float32", "per-block scale of the preconditioned momentum"),
+        _field(VMEAN, StateGeometry.BLOCK, "float32", "per-block EMA of the block mean of g^2"),
+        _field(VMEAN_STEP, StateGeometry.SCALAR, "int", "age of vmean"),
+        _field(V_ROW, StateGeometry.ROW, "float32", "EMA of row means of g^2 (local rows when row-sharded)"),
+        _field(V_COL, StateGeometry.COLUMN, "float32", "EMA of column means of g^2 (replicated)"),
+        _field(FACTORED_STEP, StateGeometry.SCALAR, "int", "age of v_row and v_col"),
+    )
+}
 
 _COMMON = (STEP, INDICES, MAGNITUDE)
 BLOCK_KEYS = (*_COMMON, VMEAN, VMEAN_STEP)

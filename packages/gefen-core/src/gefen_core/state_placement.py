@@ -15,7 +15,10 @@ entry              shape (global)                      DTensor placement
 ``v_col``          ``[columns]``                       ``Replicate()`` (it is all-reduced)
 =================  ==================================  ===================================
 
-The shapes depend on the parameter's shape and the period only, and the period on the
+The table is what the declared geometry of each entry gives
+(:data:`gefen_core.param_state.PARAMETER_FIELDS`, ``gefen_contracts.parameter_state_shape`` and
+``follows_parameter_placement``); nothing here restates it. The shapes depend on the
+parameter's shape and the period only, and the period on the
 shape (and whether the parameter is row-sharded, :func:`gefen_core.periods.shape_period`),
 so the period is not stored: the scales' shape gives it back (:func:`period_from_scales`).
 The zero-gradient template step of ``torch.distributed.checkpoint.state_dict`` makes
@@ -30,27 +33,25 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from gefen_contracts import StateGeometry, follows_parameter_placement, parameter_state_shape
 
 from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
-from .param_state import FACTORED, INDICES, MAGNITUDE, V_COL, V_ROW, VMEAN, period_of
+from .param_state import BLOCK_KEYS, FACTORED, FACTORED_KEYS, PARAMETER_FIELDS, period_of
 
-__all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_scales", "scale_shape"]
+__all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_scales", "state_dtype"]
 
 
-def scale_shape(shape: Sequence[int], period: int) -> tuple[int, ...]:
-    """The shape of one scale per block of ``period`` elements of a tensor of ``shape``."""
-    dims = tuple(int(d) for d in shape)
-    if len(dims) >= 2:
-        row = math.prod(dims[1:])
-        if period and row % period == 0:
-            return (dims[0], row // period)
-    return (math.prod(dims) // period,)
+def _scales(shape: Sequence[int], period: int) -> tuple[int, ...]:
+    shaped = parameter_state_shape(StateGeometry.BLOCK, shape, period)
+    assert shaped is not None
+    return shaped
 
 
 def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | None:
-    """The period whose :func:`scale_shape` for a tensor of ``shape`` is ``scales`` (``None``
-    when there is none; 1 for a tensor without elements, where every period is the same)."""
+    """The period whose block geometry (``gefen_contracts.parameter_state_shape``) for a tensor of
+    ``shape`` is ``scales`` (``None`` when there is none; 1 for a tensor without elements,
+    where every period is the same)."""
     dims = tuple(int(d) for d in shape)
     numel = math.prod(dims)
     if numel == 0:
@@ -60,26 +61,28 @@ def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | Non
     if blocks < 1 or count % blocks:
         return None
     period = count // blocks
-    return period if scale_shape(dims, period) == tuple(int(d) for d in scales) else None
+    return period if _scales(dims, period) == tuple(int(d) for d in scales) else None
 
 
 def expected_shapes(shape: Sequence[int], period: int, variant: str) -> dict[str, tuple[int, ...]]:
-    """Every state tensor's shape for a tensor of ``shape`` (global or local) and ``period``."""
-    dims = tuple(int(d) for d in shape)
-    blocks = scale_shape(dims, period)
-    shapes = {INDICES: dims, MAGNITUDE: blocks}
-    if variant == FACTORED:
-        shapes[V_ROW] = (dims[0],)
-        shapes[V_COL] = (dims[1],)
-    else:
-        shapes[VMEAN] = blocks
-    return shapes
+    """Every state tensor's shape for a tensor of ``shape`` (global or local) and ``period``, from
+    the declared geometry of each of the variant's entries (:data:`gefen_core.param_state.PARAMETER_FIELDS`)."""
+    keys = FACTORED_KEYS if variant == FACTORED else BLOCK_KEYS
+    shapes = {key: parameter_state_shape(PARAMETER_FIELDS[key].geometry, shape, period) for key in keys}
+    return {key: shaped for key, shaped in shapes.items() if shaped is not None}
+
+
+def state_dtype(key: str) -> torch.dtype:
+    """The declared dtype of the state tensor ``key``."""
+    return getattr(torch, PARAMETER_FIELDS[key].dtype)  # type: ignore[no-any-return]
 
 
 def _placements(param: torch.Tensor, key: str) -> Any:
     from torch.distributed.tensor import Replicate
 
-    return (Replicate(),) if key == V_COL else param.placements  # type: ignore[attr-defined]
+    if follows_parameter_placement(PARAMETER_FIELDS[key].geometry):
+        return param.placements  # type: ignore[attr-defined]
+    return (Replicate(),)
 
 
 def export_tensors(param: torch.Tensor, state: Mapping[str, Any], variant: str) -> dict[str, torch.Tensor]:

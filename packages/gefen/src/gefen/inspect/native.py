@@ -21,7 +21,7 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
-from gefen_core.state_placement import expected_shapes, period_from_scales
+from gefen_core.state_placement import expected_shapes, period_from_scales, state_dtype
 from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
 from gefen_hybrid import ROLES, children_of_state_dict
 
@@ -178,7 +178,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
     for key, want in expected_shapes(shape, period, variant).items():
         if key in ("m_codebook", "m_magnitude"):  # the codes set the shape, the scales the period
             continue
-        value = check.tensor(entry, key, where, torch.float32, len(want))
+        value = check.tensor(entry, key, where, state_dtype(key), len(want))
         if value is not None and tuple(value.shape) != want:
             check.fail(
                 f"{where}.{key}",
