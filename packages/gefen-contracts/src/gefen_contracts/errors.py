@@ -73,4 +73,4 @@ class CollectiveFailureError(RuntimeError):
 
 
 class KernelUnavailableError(RuntimeError):
-    """``fused=True`` was requested but no registered kernel provider supports the tensors."""
+    """``fused=True`` was requested but no kernel is registered for an op on the tensors' device."""

@@ -239,7 +239,9 @@ def run_muon(options: MuonOptions, *, progress: Callable[[str], None] | None = N
             "lifts, so every schedule scores about 1 there; rectangular shapes tell the schedules apart"
         )
         if not kernels:
-            builder.note(f"no kernel provider registers {MUON_MOMENTUM}: only the reference path (fused=False) ran")
+            builder.note(
+                f"no kernel is registered for {MUON_MOMENTUM} on CPU: only the reference path (fused=False) ran"
+            )
         return builder.build()
     finally:
         torch.set_num_threads(previous_threads)
