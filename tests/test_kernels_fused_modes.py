@@ -13,6 +13,7 @@ import torch
 from gefen_contracts import KernelUnavailableError, load_kernel_plugins
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen
+from gefen_core.ops import PartialKernelsWarning, warn_on_partial_kernels
 from gefen_kernels import CpuKernelUnavailableWarning, cpu_kernel_status, cpu_ops, registered_devices
 from gefen_kernels.cpu_build import reset_cpu_library
 from gefen_kernels.signatures import GEFEN_OPS
@@ -167,3 +168,20 @@ def test_without_a_compiler_cpu_steps_fall_back_with_one_clear_warning(
             strict.step()
         assert not snapshot_diff(before, strict, *strict.param_groups[0]["params"])
     assert cpu_kernel_status().available and "cpu" in registered_devices()
+
+
+def test_kernels_for_some_ops_only_are_named_in_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A kernel package built for other op versions registers some of gefen-core's ops but not
+    others; the missing ones would silently run the reference, so loading says which."""
+    with without_a_compiler(monkeypatch, tmp_path):
+        with pytest.warns(CpuKernelUnavailableWarning):
+            load_kernel_plugins(reload=True)  # no CPU kernels at all: nothing partial to report
+        assert warn_on_partial_kernels() == []
+        library = torch.library.Library("gefen", "IMPL")
+        library.impl("histogram.v1", cpu_ops.histogram, "CPU")  # as a skewed kernel package would
+        try:
+            with pytest.warns(PartialKernelsWarning, match=r"not for \[.*gefen::block_step\.v2"):
+                missing = warn_on_partial_kernels()
+            assert "CPU: gefen::block_step.v2" in missing and "CPU: gefen::histogram.v1" not in missing
+        finally:
+            library._destroy()

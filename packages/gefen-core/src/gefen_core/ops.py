@@ -38,6 +38,7 @@ none); ``False`` calls the reference directly.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +70,9 @@ __all__ = [
     "STOCHASTIC_UNIFORM",
     "Kernels",
     "OpSpec",
+    "PartialKernelsWarning",
     "kernel_registered",
+    "warn_on_partial_kernels",
 ]
 
 NAMESPACE = "gefen"
@@ -208,6 +211,31 @@ def _load_plugins() -> None:
     if not _PLUGINS:
         load_kernel_plugins()
         _PLUGINS.append(True)
+        warn_on_partial_kernels()
+
+
+class PartialKernelsWarning(UserWarning):
+    """A device has kernels for some of Gefen's ops but not all: the others run the reference."""
+
+
+def warn_on_partial_kernels() -> list[str]:
+    """Warn when a device type has kernels for some ops but not for others (a kernel package
+    built for other op versions than this gefen-core's: the missing ops would run the
+    reference, many times slower, without a word). Returns the ops missing per device."""
+    missing_all = []
+    for key in ("CPU", "CUDA"):
+        present = [op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+        missing = [op for op in OPS if op not in present]
+        if present and missing:
+            missing_all += [f"{key}: {op}" for op in missing]
+            warnings.warn(
+                f"kernels are registered for {len(present)} of gefen-core's ops on {key} but not for {missing}: "
+                "those run the PyTorch reference (many times slower); the installed kernel package was built "
+                "for other op versions than this gefen-core's, so install matching releases",
+                PartialKernelsWarning,
+                stacklevel=3,
+            )
+    return missing_all
 
 
 def _dispatch_key(device: torch.device) -> str:
