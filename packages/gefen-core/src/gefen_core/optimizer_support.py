@@ -25,9 +25,9 @@ def run_eagerly(method: _F) -> _F:
     """Exclude an optimizer's ``step`` from TorchDynamo tracing: ``torch.compile`` then calls it
     eagerly. Traced, GefenMuon's step applied one matrix's update to another (the work items'
     guards omit the parameter's identity). Gefen's step traces correctly since its kernels are
-    torch custom ops (bit for bit with eager, no graph break in a steady step), but a compiled
-    step was up to 7x slower than eager on the 23.6M decoder (inductor; its Python-int counters
-    are guarded by value), so it stays eager until counters and scalars are tensors."""
+    torch custom ops (bit for bit with eager, no graph break in a steady step), but compiled it
+    runs no faster than eager, and one run on a loaded machine was 7x slower (unexplained), so
+    it stays eager until counters and scalars are tensors."""
     return cast(_F, torch.compiler.disable(method, reason=f"{method.__qualname__} runs eagerly"))  # type: ignore[no-untyped-call]
 
 
