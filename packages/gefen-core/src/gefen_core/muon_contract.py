@@ -90,8 +90,10 @@ def _common(name: str, geometry: StateGeometry, description: str) -> StateField:
     return StateField(name, StateScope.OPTIMIZER_COMMON, StateRole.AUTHORITATIVE, geometry, description=description)
 
 
-def _param(name: str, geometry: StateGeometry, description: str) -> StateField:
-    return StateField(name, StateScope.PARAMETER, StateRole.AUTHORITATIVE, geometry, description=description)
+def _param(name: str, geometry: StateGeometry, dtype: str, description: str) -> StateField:
+    return StateField(
+        name, StateScope.PARAMETER, StateRole.AUTHORITATIVE, geometry, dtype=dtype, description=description
+    )
 
 
 _FIELDS = (
@@ -115,11 +117,11 @@ _FIELDS = (
         optional=True,
         description="param-group copy of the optimizer-common record (survives torch DCP state-dict helpers)",
     ),
-    _param(STEP, StateGeometry.SCALAR, "the matrix's update count"),
-    _param(INDICES, StateGeometry.PARAMETER, "uint8 [B, P] codeword indices of the momentum"),
-    _param(MAGNITUDE, StateGeometry.BLOCK, "fp32 [B, 1] per-block momentum scale"),
-    _param(NORMUON_V, StateGeometry.ROW, "fp32 [rows, 1] EMA of squared row norms / cols (NorMuon)"),
-    _param(NORMUON_STEP, StateGeometry.SCALAR, "age of normuon_v"),
+    _param(STEP, StateGeometry.SCALAR, "int", "the matrix's update count"),
+    _param(INDICES, StateGeometry.PARAMETER, "uint8", "[B, P] codeword indices of the momentum"),
+    _param(MAGNITUDE, StateGeometry.BLOCK, "float32", "[B, 1] per-block momentum scale"),
+    _param(NORMUON_V, StateGeometry.ROW, "float32", "[rows, 1] EMA of squared row norms / cols (NorMuon)"),
+    _param(NORMUON_STEP, StateGeometry.SCALAR, "int", "age of normuon_v"),
 )
 
 
