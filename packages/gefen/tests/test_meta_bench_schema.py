@@ -153,3 +153,15 @@ def test_without_matplotlib_a_report_is_written_without_a_plot(tmp_path: Path, m
     assert files.plot is None and not (tmp_path / "memory.png").exists()
     assert files.json.exists() and files.table.exists()
     assert "pip install 'gefen[plots]'" in stream.getvalue()
+
+
+def test_machine_info_records_the_cpu_vector_features() -> None:
+    """Two VMs with one CPU model name ran the kernels at different speeds: the features say why."""
+    from gefen.bench.machine import VECTOR_FLAGS, machine_info
+
+    flags = machine_info()["cpu_vector_flags"]
+    assert isinstance(flags, list) and set(flags) <= set(VECTOR_FLAGS)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        line = next((x for x in cpuinfo.read_text().splitlines() if x.startswith(("flags", "Features"))), "")
+        assert flags == [flag for flag in VECTOR_FLAGS if flag in line.split(":", 1)[-1].split()]

@@ -7,7 +7,7 @@ import platform
 from importlib import metadata
 from typing import Any
 
-__all__ = ["DEFAULT_LIBRARIES", "library_versions", "machine_info"]
+__all__ = ["DEFAULT_LIBRARIES", "VECTOR_FLAGS", "library_versions", "machine_info"]
 
 #: Distributions whose versions every report records (``None`` when not installed).
 DEFAULT_LIBRARIES = (
@@ -43,12 +43,30 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The CPU features that decide the kernels' speed (two CPUs of one model name may differ).
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "asimd", "sve")
+
+
+def _cpu_vector_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith(("flags", "Features")):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in VECTOR_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU, memory, OS, Python and (when torch is importable) thread count and accelerator."""
+    """CPU (model and vector features), memory, OS, Python and (when torch is importable)
+    thread count and accelerator."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": _cpu_model(),
+        "cpu_vector_flags": _cpu_vector_flags(),
         "cpu_count": os.cpu_count(),
         "memory_bytes": _total_memory_bytes(),
     }
