@@ -9,7 +9,7 @@ import torch
 
 from . import step_scalars
 from .distributed import all_reduce_sums
-from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, Kernels
+from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
 from .param_state import (
     AGE_KEYS,
     FACTORED,
@@ -25,9 +25,7 @@ from .param_state import (
 from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
 from .step_plan import ParamWork
 
-__all__ = ["decay_only", "placeholder_codebook", "step_calls", "update_parameter"]
-
-Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+__all__ = ["decay_only", "placeholder_codebook", "update_parameter"]
 
 
 def placeholder_codebook(device: torch.device) -> torch.Tensor:
@@ -75,42 +73,6 @@ def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], c
     return step_scalars.host_scalars(work.local.device, lr=lr, step=step, age=age, **common)
 
 
-def step_calls(
-    work: ParamWork,
-    group: Mapping[str, Any],
-    state: dict[str, Any],
-    *,
-    target: torch.Tensor,
-    grad: torch.Tensor,
-    codebook: torch.Tensor,
-    scalars: torch.Tensor,
-    seed: torch.Tensor | None,
-    row_factor: torch.Tensor,
-    deterministic: bool,
-) -> list[Call]:
-    """The kernel call that steps ``work`` (``target``/``grad``: contiguous local tensors)."""
-    flags = {
-        "apply_decay": group["weight_decay"] != 0,
-        "maximize": bool(group["maximize"]),
-        "deterministic": deterministic,
-    }
-    if work.variant == FACTORED:
-        factored = (target, grad, state[INDICES], state[MAGNITUDE], row_factor, state[V_COL], codebook, scalars, seed)
-        return [(FACTORED_STEP, factored, flags)]
-    block = (target.view(-1), grad.view(-1), state[INDICES], state[MAGNITUDE], state[VMEAN], codebook, scalars, seed)
-    return [(BLOCK_STEP, block, flags)]
-
-
-def _moments_call(
-    work: ParamWork, state: dict[str, Any], grad: torch.Tensor, scalars: torch.Tensor, deterministic: bool
-) -> Call:
-    """The second-moment call of a factored parameter: the statistics alone when its rows are
-    sharded (the column sums are all-reduced before the update), else statistics and update."""
-    if work.row_sharded:
-        return (FACTORED_STATS, (grad,), {"deterministic": deterministic})
-    return (FACTORED_MOMENTS, (grad, state[V_ROW], state[V_COL], scalars), {"deterministic": deterministic})
-
-
 def update_parameter(
     work: ParamWork,
     group: Mapping[str, Any],
@@ -134,31 +96,26 @@ def update_parameter(
     target = work.local if work.local.is_contiguous() else work.local.contiguous()
     grad = work.grad.contiguous()
     row_factor = scalars
-    if work.variant == FACTORED and stats is not None:
+    if work.variant == FACTORED and stats is not None:  # row-sharded: the column sums were all-reduced
         row_sums, col_sums = stats
         row_factor = update_factored_moments(state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars)
     elif work.variant == FACTORED:
-        op, args, kwargs = _moments_call(work, state, grad, scalars, deterministic)
-        row_factor = dispatch(op, *args, **kwargs)
+        row_factor = dispatch(FACTORED_MOMENTS, grad, state[V_ROW], state[V_COL], scalars, deterministic=deterministic)
     threshold = group["clip_threshold"]
     if work.variant == FACTORED and threshold is not None:
         sumsq = preconditioned_sumsq(grad, row_factor, state[V_COL], scalars)
         if work.row_sharded:
             all_reduce_sums([(work.param, sumsq)])
         row_factor = clip_row_factor(row_factor, sumsq, work.global_rows * grad.shape[1], threshold)
-    calls = step_calls(
-        work,
-        group,
-        state,
-        target=target,
-        grad=grad,
-        codebook=codebook,
-        scalars=scalars,
-        seed=seed,
-        row_factor=row_factor,
-        deterministic=deterministic,
-    )
-    for op, args, kwargs in calls:
-        dispatch(op, *args, **kwargs)
+    flags = {
+        "apply_decay": group["weight_decay"] != 0,
+        "maximize": bool(group["maximize"]),
+        "deterministic": deterministic,
+    }
+    momentum = (state[INDICES], state[MAGNITUDE])
+    if work.variant == FACTORED:
+        dispatch(FACTORED_STEP, target, grad, *momentum, row_factor, state[V_COL], codebook, scalars, seed, **flags)
+    else:
+        dispatch(BLOCK_STEP, target.view(-1), grad.view(-1), *momentum, state[VMEAN], codebook, scalars, seed, **flags)
     if target is not work.local:
         work.local.copy_(target)
