@@ -27,25 +27,7 @@ from .ops import MUON_MOMENTUM, Kernels
 from .param_state import INDICES, MAGNITUDE, STEP
 from .step_scalars import muon_scalars
 
-__all__ = ["apply_update", "finish_update", "momentum_call", "momentum_input", "orthogonalize"]
-
-Call = tuple[str, tuple[Any, ...], dict[str, Any]]
-
-
-def momentum_call(
-    grad: torch.Tensor,
-    state: Mapping[str, Any],
-    group: Mapping[str, Any],
-    *,
-    codebook: torch.Tensor,
-    seed: torch.Tensor | None,
-    out: torch.Tensor,
-    deterministic: bool,
-) -> Call:
-    """The ``gefen::muon_momentum.v1`` call for a contiguous 2-D gradient."""
-    scalars = muon_scalars(grad.device, group["momentum"])
-    args = (grad, state[INDICES], state[MAGNITUDE], codebook, scalars, seed, out)
-    return MUON_MOMENTUM, args, {"nesterov": bool(group["nesterov"]), "deterministic": deterministic}
+__all__ = ["apply_update", "finish_update", "momentum_input", "orthogonalize"]
 
 
 def momentum_input(
@@ -61,10 +43,13 @@ def momentum_input(
     """Advance the quantized momentum in ``state`` and return the bf16 Newton-Schulz input."""
     contiguous = grad.contiguous()
     out = torch.empty(contiguous.shape, dtype=torch.bfloat16, device=contiguous.device)
-    op, args, kwargs = momentum_call(
-        contiguous, state, group, codebook=codebook, seed=seed, out=out, deterministic=deterministic
+    scalars = muon_scalars(contiguous.device, group["momentum"])
+    dispatch(
+        MUON_MOMENTUM,
+        *(contiguous, state[INDICES], state[MAGNITUDE], codebook, scalars, seed, out),
+        nesterov=bool(group["nesterov"]),
+        deterministic=deterministic,
     )
-    dispatch(op, *args, **kwargs)
     state[STEP] = int(state[STEP]) + 1
     return out
 
