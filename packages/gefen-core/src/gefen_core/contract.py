@@ -308,7 +308,7 @@ def gefen_contract(
         "gefen.period_fallback_cap": FALLBACK_PERIOD_CAP,
         "gefen.native_format": F.FORMAT_NAME,
         "gefen.native_format_version": F.VERSION,
-        "gefen.op_ids": sorted(OPS),
+        "gefen.ops": sorted(OPS),
         "gefen.fused": "auto" if fused is None else ("required" if fused else "reference"),
         "gefen.deterministic": deterministic,
         "gefen.stochastic_round": stochastic_round,

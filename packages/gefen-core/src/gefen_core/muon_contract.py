@@ -404,7 +404,7 @@ def _assemble(
         "gefen.histogram_bins": HISTOGRAM_BINS,
         "gefen.native_format": FORMAT.name,
         "gefen.native_format_version": FORMAT.version,
-        "gefen.op_ids": sorted(MUON_DISPATCHED_OPS),
+        "gefen.ops": sorted(MUON_DISPATCHED_OPS),
         "gefen.fused": "auto" if fused is None else ("required" if fused else "reference"),
         "gefen.deterministic": deterministic,
         "gefen.stochastic_round": stochastic_round,
