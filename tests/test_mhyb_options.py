@@ -87,7 +87,7 @@ def test_per_half_rates_decay_groups_and_child_keywords_reach_their_child() -> N
     assert all("norm" in name for name in exempt["param_names"]) and exempt["weight_decay"] == 0.0
     assert decayed["lr"] == exempt["lr"] == 1e-3 and decayed["betas"] == (0.8, 0.99)
     assert decayed["factored_v_2d"] is True
-    assert muon._fused is False and backup._fused is False  # type: ignore[attr-defined]
+    assert muon._dispatch.fused is False and backup._dispatch.fused is False  # type: ignore[attr-defined]
 
 
 def test_adamw_backup_takes_torchs_own_flags_through_backup_kwargs() -> None:

@@ -154,7 +154,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
                 "period_one_substrings": substrings,
             }
         )
-        self._fused = fused
         self._dispatch = Kernels(fused)
         self._refresh_every = codebook_refresh_every
         self._stochastic_round = stochastic_round
@@ -259,7 +258,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             stochastic_round=self._stochastic_round,
             capturable=self._capturable,
             codebook_refresh_every=self._refresh_every,
-            fused=self._fused,
+            fused=self._dispatch.fused,
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
             portable=self._portable_status(),
             portable_sealed=self._bound_layout() is not None,
@@ -534,7 +533,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         load_with_hooks(self, state_dict, lambda sd: self.commit_staged_state_dict(self.stage_state_dict(sd)))
 
     _OWN_ATTRIBUTES = (
-        "_fused",
         "_dispatch",
         "_refresh_every",
         "_stochastic_round",

@@ -166,7 +166,6 @@ class GefenMuon(
                 "cautious": cautious,
             }
         )
-        self._fused = fused
         self._dispatch = Kernels(fused)
         self._stochastic_round = stochastic_round
         self._deterministic = deterministic
@@ -270,7 +269,7 @@ class GefenMuon(
             normuon=tuple(sorted({bool(group["normuon"]) for group in self.param_groups})),
             deterministic=self._deterministic,
             stochastic_round=self._stochastic_round,
-            fused=self._fused,
+            fused=self._dispatch.fused,
             portable=self._portable_status(),
             parameter_shaped=self._parameter_shaped_status(),
             portable_sealed=self._bound_layout() is not None,
@@ -426,7 +425,6 @@ class GefenMuon(
         load_with_hooks(self, state_dict, lambda sd: self.commit_staged_state_dict(self.stage_state_dict(sd)))
 
     _OWN_ATTRIBUTES = (
-        "_fused",
         "_dispatch",
         "_stochastic_round",
         "_deterministic",

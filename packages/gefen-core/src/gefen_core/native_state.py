@@ -136,15 +136,16 @@ def _stage_entry(
     blocked = {INDICES: (local.numel() // period, period), MAGNITUDE: (local.numel() // period, 1)}
     blocked[VMEAN] = blocked[MAGNITUDE]
     for key, shape in local_shapes.items():
+        dtype = state_dtype(key)
         tensor = import_tensor(
             entry[key],
             param,
             key,
             f"{where}[{key!r}]",
-            state_dtype(key),
+            dtype,
             global_shapes[key],
             shape,
-            finite_nonnegative=state_dtype(key).is_floating_point,
+            finite_nonnegative=dtype.is_floating_point,
         )
         staged[key] = tensor.detach().to(device=device, copy=True).reshape(blocked.get(key, shape))
     staged[age_key] = make_counter(age, device, capturable)

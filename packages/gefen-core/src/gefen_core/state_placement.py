@@ -42,12 +42,6 @@ from .param_state import BLOCK_KEYS, FACTORED, FACTORED_KEYS, PARAMETER_FIELDS, 
 __all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_scales", "state_dtype"]
 
 
-def _scales(shape: Sequence[int], period: int) -> tuple[int, ...]:
-    shaped = parameter_state_shape(StateGeometry.BLOCK, shape, period)
-    assert shaped is not None
-    return shaped
-
-
 def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | None:
     """The period whose block geometry (``gefen_contracts.parameter_state_shape``) for a tensor of
     ``shape`` is ``scales`` (``None`` when there is none; 1 for a tensor without elements,
@@ -61,7 +55,7 @@ def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | Non
     if blocks < 1 or count % blocks:
         return None
     period = count // blocks
-    return period if _scales(dims, period) == tuple(int(d) for d in scales) else None
+    return period if parameter_state_shape(StateGeometry.BLOCK, dims, period) == tuple(map(int, scales)) else None
 
 
 def expected_shapes(shape: Sequence[int], period: int, variant: str) -> dict[str, tuple[int, ...]]:

@@ -9,33 +9,26 @@ both packages agree.
 from __future__ import annotations
 
 __all__ = [
-    "BLOCK_STEP",
-    "FACTORED_MOMENTS",
-    "FACTORED_STATS",
-    "FACTORED_STEP",
     "GEFEN_OPS",
-    "HISTOGRAM",
     "HISTOGRAM_BINS",
-    "MUON_MOMENTUM",
     "MUON_NUM_SCALARS",
     "MUON_SCALAR_INDEX",
     "CODEBOOK_SIZE",
     "NUM_SCALARS",
     "SCALAR_INDEX",
-    "STOCHASTIC_UNIFORM",
 ]
-
-BLOCK_STEP = "gefen::block_step.v2"
-FACTORED_STATS = "gefen::factored_stats.v1"
-FACTORED_MOMENTS = "gefen::factored_moments.v1"
-FACTORED_STEP = "gefen::factored_step.v3"
-HISTOGRAM = "gefen::histogram.v1"
-STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
-MUON_MOMENTUM = "gefen::muon_momentum.v1"
 
 #: Every op this package implements.
 GEFEN_OPS = frozenset(
-    {BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, STOCHASTIC_UNIFORM, MUON_MOMENTUM}
+    {
+        "gefen::block_step.v2",
+        "gefen::factored_stats.v1",
+        "gefen::factored_moments.v1",
+        "gefen::factored_step.v3",
+        "gefen::histogram.v1",
+        "gefen::stochastic_uniform.v1",
+        "gefen::muon_momentum.v1",
+    }
 )
 
 CODEBOOK_SIZE = 256

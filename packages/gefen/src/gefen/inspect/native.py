@@ -128,8 +128,6 @@ def _gefen_entry(
     if indices is not None:
         blocks, width = indices.shape
         numel = blocks * width
-        if width < 1:
-            check.fail(f"{where}.m_codebook", f"must have blocks of at least one element, got {list(indices.shape)}")
     if indices is not None and magnitude is not None and tuple(magnitude.shape) != (blocks, 1):
         check.fail(f"{where}.m_magnitude", f"must be [{blocks}, 1] (one scale per block), got {list(magnitude.shape)}")
     if muon:
