@@ -179,20 +179,9 @@ def compare_block_step(
         sc = scalars(str(grad.device), step=step, weight_decay=weight_decay, factored=False)
         mine = ref.clone()
         before = ref.param.clone()
-        block_step_reference(
-            ref.param.view(-1), grad.view(-1), ref.indices, ref.magnitude, ref.second[0], codebook, sc, sr_seed, **flags
-        )
-        op(
-            mine.param.view(-1),
-            grad.view(-1),
-            mine.indices,
-            mine.magnitude,
-            mine.second[0],
-            codebook,
-            sc,
-            sr_seed,
-            **flags,
-        )
+        common = (codebook, sc, sr_seed)
+        block_step_reference([ref.param], [grad], [ref.indices], [ref.magnitude], ref.second[:1], *common, **flags)
+        op([mine.param], [grad], [mine.indices], [mine.magnitude], mine.second[:1], *common, **flags)
         _assert_states(before, ref, mine)
         if exact:
             _assert_exact_block_states(ref, mine)
@@ -229,9 +218,9 @@ def compare_factored_step(
         row_factor = update_factored_moments(ref.second[0], ref.second[1], rows_ref, cols_ref, grad.shape[0], sc)
         mine = ref.clone()
         before = ref.param.clone()
-        common = (row_factor, ref.second[1], codebook, sc, sr_seed)
-        factored_step_reference(ref.param, grad, ref.indices, ref.magnitude, *common, **flags)
-        step_op(mine.param, grad, mine.indices, mine.magnitude, *common, **flags)
+        common = ([row_factor], [ref.second[1]], codebook, sc, sr_seed)
+        factored_step_reference([ref.param], [grad], [ref.indices], [ref.magnitude], *common, **flags)
+        step_op([mine.param], [grad], [mine.indices], [mine.magnitude], *common, **flags)
         _assert_states(before, ref, mine)
         if exact:
             _assert_exact(ref, mine)
@@ -314,7 +303,7 @@ def compare_muon_momentum(
 
 
 def compare_factored_moments(op: StepOp, grad: torch.Tensor, *, steps: int) -> None:
-    """``gefen::factored_moments.v1`` against the reference, one step at a time from equal moments:
+    """``gefen::factored_moments.v2`` against the reference, one step at a time from equal moments:
     ``v_row``/``v_col`` bit for bit; ``row_factor`` within 1 ulp (the float64 mean of ``v_col``
     may be summed in another order), and bit for bit wherever that mean agrees."""
     rows, cols = grad.shape
@@ -323,10 +312,80 @@ def compare_factored_moments(op: StepOp, grad: torch.Tensor, *, steps: int) -> N
     for step in range(1, steps + 1):
         sc = scalars(str(grad.device), step=step, weight_decay=0.0, factored=True)
         mine_row, mine_col = ref_row.clone(), ref_col.clone()
-        expected = factored_moments_reference(grad, ref_row, ref_col, sc, deterministic=False)
-        got = op(grad, mine_row, mine_col, sc, deterministic=False)
+        (expected,) = factored_moments_reference([grad], [ref_row], [ref_col], sc, deterministic=False)
+        (got,) = op([grad], [mine_row], [mine_col], sc, deterministic=False)
         assert got.dtype is torch.float32 and tuple(got.shape) == (rows,)
         assert _same_bits(ref_row, mine_row), "v_row differs"
         assert _same_bits(ref_col, mine_col), "v_col differs"
         assert ulp_distance(expected, got) <= 1, "row_factor differs by more than 1 ulp"
         grad = grad.roll(1, dims=1)
+
+
+#: Entries of one list call: small ones (spread over threads) and large ones (each split over
+#: threads), mixed dtypes, an empty one: (shape, period, dtype).
+LIST_ENTRIES = [
+    ((8, 16), 16, torch.float32),
+    ((0, 4), 4, torch.float32),
+    ((33, 64), 64, torch.bfloat16),
+    ((256, 160), 160, torch.float32),
+    ((5, 7), 35, torch.float64),
+    ((64, 1024), 512, torch.float16),
+]
+
+
+def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, device: str, *, stochastic: bool) -> None:
+    """One call of each list op over :data:`LIST_ENTRIES`, with per-entry scalars (counters that
+    differ) and seeds, against the reference list ops: every entry as the reference's, bit for
+    bit where the single-entry tests demand it."""
+    codebook = shared_codebook().to(device)
+    states = [random_state(shape, period, dtype, device, factored=True) for shape, period, dtype in LIST_ENTRIES]
+    blocks = [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in LIST_ENTRIES]
+    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in LIST_ENTRIES]
+    rows = [scalars(device, step=index + 1, weight_decay=0.1, factored=True) for index in range(len(grads))]
+    sc = torch.stack(rows)
+    seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32) if stochastic else None
+    flags = _flags(0.1, False)
+    mine_moments = [s.clone() for s in states]
+    expected = factored_moments_reference(
+        grads, [s.second[0] for s in states], [s.second[1] for s in states], sc, deterministic=False
+    )
+    got = moments_op(
+        grads, [s.second[0] for s in mine_moments], [s.second[1] for s in mine_moments], sc, deterministic=False
+    )
+    for ref, mine, want, have in zip(states, mine_moments, expected, got, strict=True):
+        assert _same_bits(ref.second[0], mine.second[0]) and _same_bits(ref.second[1], mine.second[1])
+        assert ulp_distance(want, have) <= 1
+    mine_states = [s.clone() for s in states]
+    befores = [s.param.clone() for s in states]
+    common = (expected, [s.second[1] for s in states], codebook, sc, seeds)
+    factored_step_reference(
+        [s.param for s in states], grads, [s.indices for s in states], [s.magnitude for s in states], *common, **flags
+    )
+    mine_args = (
+        [s.param for s in mine_states],
+        grads,
+        [s.indices for s in mine_states],
+        [s.magnitude for s in mine_states],
+    )
+    step_op(*mine_args, *common, **flags)
+    for before, ref, mine in zip(befores, states, mine_states, strict=True):
+        _assert_exact(ref, mine)
+        _assert_states(before, ref, mine)
+    mine_blocks = [s.clone() for s in blocks]
+    befores = [s.param.clone() for s in blocks]
+    shared = scalars(device, step=3, weight_decay=0.1, factored=False)
+    for states_, op in ((blocks, block_step_reference), (mine_blocks, block_op)):
+        op(
+            [s.param for s in states_],
+            grads,
+            [s.indices for s in states_],
+            [s.magnitude for s in states_],
+            [s.second[0] for s in states_],
+            codebook,
+            shared,
+            seeds,
+            **flags,
+        )
+    for before, ref, mine in zip(befores, blocks, mine_blocks, strict=True):
+        _assert_exact_block_states(ref, mine)
+        _assert_states(before, ref, mine)

@@ -15,6 +15,7 @@ from kernels_parity_helpers import (
     compare_factored_moments,
     compare_factored_step,
     compare_histogram,
+    compare_list_steps,
     compare_muon_momentum,
     random_state,
     scalars,
@@ -110,8 +111,18 @@ def test_factored_moments_keep_an_all_zero_column_mean_at_the_floor() -> None:
     grad = torch.zeros(4, 6)
     v_row, v_col = torch.zeros(4), torch.zeros(6)
     sc = scalars("cpu", step=1, weight_decay=0.0, factored=True)
-    row_factor = cpu_ops.factored_moments(grad, v_row, v_col, sc, deterministic=True)
+    (row_factor,) = cpu_ops.factored_moments([grad], [v_row], [v_col], sc, deterministic=True)
     assert torch.equal(row_factor, torch.zeros(4)) and torch.equal(v_col, torch.zeros(6))
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_one_call_steps_many_tensors_as_the_reference_steps_each(stochastic: bool) -> None:
+    """The list ops: small entries run one per thread, large ones split over threads, mixed
+    dtypes, per-entry scalar rows and seeds; each entry as the reference's."""
+    torch.manual_seed(11)
+    compare_list_steps(
+        cpu_ops.block_step, cpu_ops.factored_moments, cpu_ops.factored_step, "cpu", stochastic=stochastic
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -164,12 +175,26 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
     codebook = torch.linspace(-1, 1, 256)
     scalars = torch.zeros(9)
     flags = {"apply_decay": False, "maximize": False, "deterministic": False}
-    block_step = torch.ops.gefen.block_step.v2
-    block_step(param, param.clone(), indices, block, block.clone(), codebook, scalars, None, **flags)
-    with pytest.raises(KernelArgumentError, match=r"indices must be torch\.uint8"):
-        block_step(param, param.clone(), indices.float(), block, block.clone(), codebook, scalars, None, **flags)
-    with pytest.raises(KernelArgumentError, match="contiguous"):
-        block_step(torch.zeros(24)[::2], param, indices, block, block.clone(), codebook, scalars, None, **flags)
+    block_step = torch.ops.gefen.block_step.v3
+    block_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match=r"entry 0: indices must be torch\.uint8"):
+        block_step(
+            [param], [param.clone()], [indices.float()], [block], [block.clone()], codebook, scalars, None, **flags
+        )
+    with pytest.raises(KernelArgumentError, match="entry 1: param and grad must be contiguous"):
+        strided = torch.zeros(24)[::2]
+        block_step(
+            [param, strided], [param, param], [indices] * 2, [block] * 2, [block] * 2, codebook, scalars, None, **flags
+        )
+    with pytest.raises(KernelArgumentError, match="lists differ in length"):
+        block_step([param], [param, param], [indices], [block], [block], codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match="sr_seeds must hold one seed per entry"):
+        seeds = torch.zeros(2, dtype=torch.int64)
+        block_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, seeds, **flags)
+    with pytest.raises(KernelArgumentError, match=r"scalars must have shape \(9,\) or \(1, 9\)"):
+        block_step(
+            [param], [param.clone()], [indices], [block], [block.clone()], codebook, torch.zeros(2, 9), None, **flags
+        )
     with pytest.raises(KernelArgumentError, match="2-D"):
         cpu_ops.factored_stats(torch.ones(2, 3, 4), deterministic=False)
     with pytest.raises(KernelArgumentError, match="bool"):

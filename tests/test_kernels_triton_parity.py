@@ -43,6 +43,7 @@ from kernels_parity_helpers import (  # noqa: E402
     compare_factored_moments,
     compare_factored_step,
     compare_histogram,
+    compare_list_steps,
     compare_muon_momentum,
     random_state,
     shared_codebook,
@@ -108,6 +109,11 @@ def test_triton_factored_moments_match_the_reference(dtype: torch.dtype, shape: 
     torch.manual_seed(6)
     rows, cols, _ = shape
     compare_factored_moments(T.factored_moments, torch.randn(rows, cols, dtype=dtype, device=DEVICE), steps=2)
+
+
+def test_triton_list_ops_step_each_entry_as_the_reference() -> None:
+    torch.manual_seed(12)
+    compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

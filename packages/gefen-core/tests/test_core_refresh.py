@@ -37,10 +37,11 @@ def test_refresh_relearns_at_multiples_and_preserves_decoded_momentum() -> None:
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     original = gefen_module.Gefen._update
 
-    def spy(self: Gefen, work: object, stats: object) -> None:
-        state = self.state[work.param]  # type: ignore[attr-defined]
-        recorded[id(work.param)] = (state["m_codebook"].clone(), state["m_magnitude"].clone())  # type: ignore[attr-defined]
-        original(self, work, stats)  # type: ignore[arg-type]
+    def spy(self: Gefen, works: list, group: dict, device: torch.device, stats: object) -> None:
+        for work in works:
+            state = self.state[work.param]
+            recorded[id(work.param)] = (state["m_codebook"].clone(), state["m_magnitude"].clone())
+        original(self, works, group, device, stats)  # type: ignore[arg-type]
 
     _feed(params, 2)
     with pytest.MonkeyPatch.context() as patch:

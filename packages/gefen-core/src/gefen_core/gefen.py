@@ -34,7 +34,7 @@ from .optimizer_support import (
 )
 from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, new_state, period_of, storage_bytes
-from .parameter_update import decay_only, placeholder_codebook, update_parameter
+from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import PeriodPolicy
 from .portable_adapter import GefenPortableState
 from .scoped_step import scoped_step
@@ -374,10 +374,13 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             state[INDICES].copy_(indices)
         for work in decision.idle:
             decay_only(work.local, self.param_groups[work.group_index])
+        buckets: dict[tuple[int, str, torch.device], list[ParamWork]] = {}
         for work in plan.works:
             if work.state:
-                self._update(work, stats)
-        self._advance_global_step({w.local.device for w in plan.works})
+                buckets.setdefault((work.group_index, work.variant, work.local.device), []).append(work)
+        for (group_index, _, device), works in buckets.items():
+            self._update(works, self.param_groups[group_index], device, stats)
+        self._advance_global_step(plan.works)
 
     def _locally_nonzero(self, work: ParamWork) -> bool:
         if work.local_nonzero is None:
@@ -442,13 +445,15 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
                 staged.append((state, requantize(state[INDICES], old_on, new_on)))
         return staged
 
-    def _seed(self, work: ParamWork) -> torch.Tensor | None:
+    def _seeds(self, works: list[ParamWork], device: torch.device) -> torch.Tensor | None:
+        """One stochastic-rounding seed per work (its slot at this global step), or ``None``."""
         if not self._stochastic_round:
             return None
-        device = work.local.device
-        if self._capturable:
-            return (self._device_step(device) * (1 << 32) + work.slot).reshape(1)
-        return torch.tensor([stochastic_seed(self._global_step, work.slot)], dtype=torch.int64, device=device)
+        if self._capturable:  # device arithmetic only: no host-to-device copy in a captured graph
+            counter = self._device_step(device) * (1 << 32)
+            return torch.stack([counter + work.slot for work in works])
+        seeds = [stochastic_seed(self._global_step, work.slot) for work in works]
+        return torch.tensor(seeds, dtype=torch.int64, device=device)
 
     def _device_step(self, device: torch.device) -> torch.Tensor:
         counter = self._device_global_steps.get(device)
@@ -457,25 +462,23 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             self._device_global_steps[device] = counter
         return counter
 
-    def _advance_global_step(self, devices: set[torch.device]) -> None:
+    def _advance_global_step(self, works: list[ParamWork]) -> None:
         if self._capturable:
-            for device in devices:
+            for device in {w.local.device for w in works}:
                 self._device_step(device)  # created from the host count before it advances
             for counter in self._device_global_steps.values():
                 counter.add_(1)
         self._global_step += 1
         self._version += 1
 
-    def _update(self, work: ParamWork, stats: Stats) -> None:
-        device = work.local.device
-        sums = stats.get(work.slot)  # None for an unsharded factored parameter: one moments call
-        update_parameter(
-            work,
-            self.param_groups[work.group_index],
-            sums,
+    def _update(self, works: list[ParamWork], group: dict[str, Any], device: torch.device, stats: Stats) -> None:
+        update_parameters(
+            works,
+            group,
+            stats,
             dispatch=self._dispatch,
             codebook=self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
-            seed=self._seed(work),
+            seeds=self._seeds(works, device),
             deterministic=self._deterministic,
             capturable=self._capturable,
         )

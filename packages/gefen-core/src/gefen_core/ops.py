@@ -12,23 +12,31 @@ version: a changed signature or changed numerics is a new overload, never an edi
 =================================  ==========================================================
 op                                 schema (after the name; ``*`` starts keyword-only arguments)
 =================================  ==========================================================
-``gefen::block_step.v2``           ``(param!, grad, indices!, magnitude!, vmean!, codebook,
-                                   scalars, sr_seed?, *, apply_decay, maximize, deterministic)``
+``gefen::block_step.v3``           ``(params![], grads[], indices![], magnitudes![], vmeans![],
+                                   codebook, scalars, sr_seeds?, *, apply_decay, maximize,
+                                   deterministic)``
 ``gefen::factored_stats.v1``       ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
-``gefen::factored_moments.v1``     ``(grad, v_row!, v_col!, scalars, *, deterministic) -> row_factor fp32[R]``
-                                   (the statistics and the ``v_row``/``v_col`` update in one call)
-``gefen::factored_step.v3``        ``(param!, grad, indices!, magnitude!, row_factor, v_col, codebook,
-                                   scalars, sr_seed?, *, apply_decay, maximize, deterministic)``
+``gefen::factored_moments.v2``     ``(grads[], v_rows![], v_cols![], scalars, *, deterministic)
+                                   -> row_factors fp32[R][]`` (the statistics and the
+                                   ``v_row``/``v_col`` update in one call)
+``gefen::factored_step.v4``        ``(params![], grads[], indices![], magnitudes![], row_factors[],
+                                   v_cols[], codebook, scalars, sr_seeds?, *, apply_decay,
+                                   maximize, deterministic)``
 ``gefen::histogram.v1``            ``(grad, period, counts!, *, deterministic)`` (adds to int64 counts)
 ``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
 ``gefen::muon_momentum.v1``        ``(grad, indices!, magnitude!, codebook, scalars, sr_seed?, out!, *,
                                    nesterov, deterministic)`` (GefenMuon; writes ``out``)
 =================================  ==========================================================
 
-``!`` marks an argument the op writes in place. ``param`` and ``grad`` are contiguous and
-of equal shape and dtype (fp32, bf16, fp16 or fp64); the step scalars arrive packed in an
-fp32 device tensor (:mod:`gefen_core.step_scalars`), so a learning-rate schedule changes
-values, never the call. ``deterministic=True`` asks for a fixed reduction order.
+``!`` marks an argument the op writes in place, ``[]`` a list of tensors. The three step ops
+take one list entry per parameter, so a step makes one call per parameter group and
+second-moment variant (as ``torch._fused_adamw_`` does), not one per tensor; each
+parameter and its gradient are contiguous and of equal shape and dtype (fp32, bf16, fp16
+or fp64; the dtype may differ between entries). The step scalars arrive packed in an fp32
+device tensor (:mod:`gefen_core.step_scalars`), ``[NUM_SCALARS]`` shared by every entry or
+``[N, NUM_SCALARS]`` one row per entry, so a learning-rate schedule changes values, never
+the call; ``sr_seeds`` holds one int64 stochastic-rounding seed per entry.
+``deterministic=True`` asks for a fixed reduction order.
 
 ``fused`` (:class:`Kernels`): ``None`` calls the op, so the dispatcher runs a registered
 kernel for the tensors' device and the reference elsewhere; ``True`` first requires a
@@ -76,10 +84,10 @@ __all__ = [
 ]
 
 NAMESPACE = "gefen"
-BLOCK_STEP = "gefen::block_step.v2"
+BLOCK_STEP = "gefen::block_step.v3"
 FACTORED_STATS = "gefen::factored_stats.v1"
-FACTORED_MOMENTS = "gefen::factored_moments.v1"
-FACTORED_STEP = "gefen::factored_step.v3"
+FACTORED_MOMENTS = "gefen::factored_moments.v2"
+FACTORED_STEP = "gefen::factored_step.v4"
 HISTOGRAM = "gefen::histogram.v1"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
 MUON_MOMENTUM = "gefen::muon_momentum.v1"
@@ -96,9 +104,14 @@ def _stats_fake(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tenso
 
 
 def _moments_fake(
-    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
-) -> torch.Tensor:
-    return grad.new_empty(grad.shape[0], dtype=torch.float32)
+    grads: list[torch.Tensor],
+    v_rows: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
+    scalars: torch.Tensor,
+    *,
+    deterministic: bool,
+) -> list[torch.Tensor]:
+    return [grad.new_empty(grad.shape[0], dtype=torch.float32) for grad in grads]
 
 
 def _uniform_fake(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -123,9 +136,9 @@ OPS: dict[str, OpSpec] = {
     for spec in (
         OpSpec(
             BLOCK_STEP,
-            "(Tensor(a!) param, Tensor grad, Tensor(b!) indices, Tensor(c!) magnitude, Tensor(d!) vmean, "
-            f"Tensor codebook, Tensor scalars, Tensor? sr_seed, *, {_STEP_FLAGS}) -> ()",
-            "block-path second moment, momentum requantisation and write",
+            "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] indices, Tensor(c!)[] magnitudes, "
+            f"Tensor(d!)[] vmeans, Tensor codebook, Tensor scalars, Tensor? sr_seeds, *, {_STEP_FLAGS}) -> ()",
+            "block-path second moment, momentum requantisation and write, per parameter of the lists",
             block_step_reference,
             _none,
         ),
@@ -138,16 +151,18 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec(
             FACTORED_MOMENTS,
-            "(Tensor grad, Tensor(a!) v_row, Tensor(b!) v_col, Tensor scalars, *, bool deterministic) -> Tensor",
-            "factored statistics and v_row/v_col update in one call",
+            "(Tensor[] grads, Tensor(a!)[] v_rows, Tensor(b!)[] v_cols, Tensor scalars, *, bool deterministic) "
+            "-> Tensor[]",
+            "factored statistics and v_row/v_col update in one call, per gradient of the list",
             factored_moments_reference,
             _moments_fake,
         ),
         OpSpec(
             FACTORED_STEP,
-            "(Tensor(a!) param, Tensor grad, Tensor(b!) indices, Tensor(c!) magnitude, Tensor row_factor, "
-            f"Tensor v_col, Tensor codebook, Tensor scalars, Tensor? sr_seed, *, {_STEP_FLAGS}) -> ()",
-            "factored-path momentum requantisation and write",
+            "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] indices, Tensor(c!)[] magnitudes, "
+            "Tensor[] row_factors, Tensor[] v_cols, Tensor codebook, Tensor scalars, Tensor? sr_seeds, *, "
+            f"{_STEP_FLAGS}) -> ()",
+            "factored-path momentum requantisation and write, per parameter of the lists",
             factored_step_reference,
             _none,
         ),

@@ -1,8 +1,9 @@
-"""One parameter's update: counters, step scalars, the kernel calls and the write-back."""
+"""A step's updates: counters, step scalars, one kernel call per phase for a whole bucket of
+parameters (one group's parameters of one second-moment variant on one device), the write-back."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,10 +23,13 @@ from .param_state import (
     state_variant,
     switch_second_moment,
 )
+from .reference_ops import scalars_of
 from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
 from .step_plan import ParamWork
 
-__all__ = ["decay_only", "placeholder_codebook", "update_parameter"]
+__all__ = ["decay_only", "placeholder_codebook", "update_parameters"]
+
+Stats = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def placeholder_codebook(device: torch.device) -> torch.Tensor:
@@ -46,76 +50,129 @@ def decay_only(local: torch.Tensor, group: Mapping[str, Any]) -> None:
     local.mul_(torch.tensor(decay, dtype=torch.float32).to(local.device))
 
 
-def _bump(state: dict[str, Any], key: str) -> None:
-    value = state[key]
-    if isinstance(value, torch.Tensor):
-        value.add_(1)
-    else:
-        state[key] = value + 1
-
-
-def _scalars(work: ParamWork, group: Mapping[str, Any], state: dict[str, Any], capturable: bool) -> torch.Tensor:
+def _scalars(
+    states: Sequence[dict[str, Any]], group: Mapping[str, Any], variant: str, device: torch.device, capturable: bool
+) -> torch.Tensor:
+    """The bucket's step scalars: one shared packet when every parameter's counters agree (the
+    usual case), else one row per parameter (``[N, NUM_SCALARS]``)."""
     beta1, beta2 = group["betas"]
-    step, age = state[STEP], state[AGE_KEYS[work.variant]]
+    age_key = AGE_KEYS[variant]
     common = {
         "beta1": beta1,
         "beta2": beta2,
         "eps": group["eps"],
         "weight_decay": group["weight_decay"],
-        "factored": work.variant == FACTORED,
+        "factored": variant == FACTORED,
     }
     if capturable:
-        return step_scalars.device_scalars(lr=group["lr"], step=step, age=age, **common)
+        rows = [step_scalars.device_scalars(lr=group["lr"], step=s[STEP], age=s[age_key], **common) for s in states]
+        return torch.stack(rows)
     lr = _lr_value(group["lr"])
-    if type(step) is int and type(age) is int:  # one shared tensor per step (hashable values only)
+    step, age = states[0][STEP], states[0][age_key]
+    if type(step) is int and type(age) is int and all(s[STEP] == step and s[age_key] == age for s in states):
+        # one cached tensor per distinct set of values (hashable plain values only)
         plain = {key: value if isinstance(value, bool) else float(value) for key, value in common.items()}
-        return step_scalars.shared_host_scalars(work.local.device, lr=lr, step=step, age=age, **plain)
-    return step_scalars.host_scalars(work.local.device, lr=lr, step=step, age=age, **common)
+        return step_scalars.shared_host_scalars(device, lr=lr, step=step, age=age, **plain)
+    rows = [step_scalars.host_scalars(device, lr=lr, step=s[STEP], age=s[age_key], **common) for s in states]
+    return torch.stack(rows)
 
 
-def update_parameter(
-    work: ParamWork,
+def _row_factors(
+    works: Sequence[ParamWork],
+    grads: list[torch.Tensor],
+    stats: Stats,
+    scalars: torch.Tensor,
+    *,
+    dispatch: Kernels,
+    deterministic: bool,
+) -> list[torch.Tensor]:
+    """Advance ``v_row``/``v_col`` and return each ``row_factor``: one ``factored_moments`` call
+    for the whole parameters, the small update from all-reduced sums for the row-sharded ones."""
+    states = [work.state for work in works]
+    if not stats:
+        v_rows = [s[V_ROW] for s in states]  # type: ignore[index]
+        v_cols = [s[V_COL] for s in states]  # type: ignore[index]
+        return dispatch(FACTORED_MOMENTS, grads, v_rows, v_cols, scalars, deterministic=deterministic)  # type: ignore[no-any-return]
+    factors: list[torch.Tensor] = []
+    for index, (work, state) in enumerate(zip(works, states, strict=True)):
+        assert state is not None
+        sums = stats.get(work.slot)
+        packet = scalars_of(scalars, index)
+        if sums is None:
+            args = ([grads[index]], [state[V_ROW]], [state[V_COL]], packet)
+            factors += dispatch(FACTORED_MOMENTS, *args, deterministic=deterministic)
+        else:
+            factors.append(update_factored_moments(state[V_ROW], state[V_COL], *sums, work.global_rows, packet))
+    return factors
+
+
+def _clip(
+    works: Sequence[ParamWork],
+    grads: list[torch.Tensor],
+    factors: list[torch.Tensor],
+    scalars: torch.Tensor,
+    threshold: float,
+) -> list[torch.Tensor]:
+    """Each ``row_factor`` raised so the preconditioned update's RMS is at most ``threshold``
+    (summed over the shards of a row-sharded parameter)."""
+    clipped = []
+    for index, work in enumerate(works):
+        assert work.state is not None
+        sumsq = preconditioned_sumsq(grads[index], factors[index], work.state[V_COL], scalars_of(scalars, index))
+        if work.row_sharded:
+            all_reduce_sums([(work.param, sumsq)])
+        elements = work.global_rows * grads[index].shape[1]
+        clipped.append(clip_row_factor(factors[index], sumsq, elements, threshold))
+    return clipped
+
+
+def update_parameters(
+    works: Sequence[ParamWork],
     group: Mapping[str, Any],
-    stats: tuple[torch.Tensor, torch.Tensor] | None,
+    stats: Stats,
     *,
     dispatch: Kernels,
     codebook: torch.Tensor,
-    seed: torch.Tensor | None,
+    seeds: torch.Tensor | None,
     deterministic: bool,
     capturable: bool,
 ) -> None:
-    """Advance counters and second moment, then requantise the momentum and write ``work``'s
-    parameter (through a contiguous copy when the parameter is strided)."""
-    state = work.state
-    assert state is not None
-    if state_variant(state) != work.variant:
-        switch_second_moment(state, work.variant, work.local, capturable)
-    _bump(state, STEP)
-    _bump(state, AGE_KEYS[work.variant])
-    scalars = _scalars(work, group, state, capturable)
-    target = work.local if work.local.is_contiguous() else work.local.contiguous()
-    grad = work.grad.contiguous()
-    row_factor = scalars
-    if work.variant == FACTORED and stats is not None:  # row-sharded: the column sums were all-reduced
-        row_sums, col_sums = stats
-        row_factor = update_factored_moments(state[V_ROW], state[V_COL], row_sums, col_sums, work.global_rows, scalars)
-    elif work.variant == FACTORED:
-        row_factor = dispatch(FACTORED_MOMENTS, grad, state[V_ROW], state[V_COL], scalars, deterministic=deterministic)
-    threshold = group["clip_threshold"]
-    if work.variant == FACTORED and threshold is not None:
-        sumsq = preconditioned_sumsq(grad, row_factor, state[V_COL], scalars)
-        if work.row_sharded:
-            all_reduce_sums([(work.param, sumsq)])
-        row_factor = clip_row_factor(row_factor, sumsq, work.global_rows * grad.shape[1], threshold)
+    """Advance the counters and second moments of ``works`` (one bucket, every work with state),
+    then requantise their momentum and write their parameters: one call of each op for the
+    bucket. Strided parameters step through contiguous copies, written back after.
+    ``stats``: the all-reduced row/column sums of row-sharded factored parameters, by slot."""
+    variant = works[0].variant
+    age_key = AGE_KEYS[variant]
+    states: list[dict[str, Any]] = []
+    for work in works:
+        state = work.state
+        assert state is not None
+        if state_variant(state) != variant:
+            switch_second_moment(state, variant, work.local, capturable)
+        state[STEP] += 1  # an int, or (capturable) a device tensor advanced in place
+        state[age_key] += 1
+        states.append(state)
+    device = works[0].local.device
+    scalars = _scalars(states, group, variant, device, capturable)
+    targets = [w.local if w.local.is_contiguous() else w.local.contiguous() for w in works]
+    grads = [w.grad.contiguous() for w in works]
     flags = {
         "apply_decay": group["weight_decay"] != 0,
         "maximize": bool(group["maximize"]),
         "deterministic": deterministic,
     }
-    momentum = (state[INDICES], state[MAGNITUDE])
-    if work.variant == FACTORED:
-        dispatch(FACTORED_STEP, target, grad, *momentum, row_factor, state[V_COL], codebook, scalars, seed, **flags)
+    indices = [s[INDICES] for s in states]
+    magnitudes = [s[MAGNITUDE] for s in states]
+    if variant == FACTORED:
+        factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
+        threshold = group["clip_threshold"]
+        if threshold is not None:
+            factors = _clip(works, grads, factors, scalars, threshold)
+        v_cols = [s[V_COL] for s in states]
+        dispatch(FACTORED_STEP, targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
     else:
-        dispatch(BLOCK_STEP, target.view(-1), grad.view(-1), *momentum, state[VMEAN], codebook, scalars, seed, **flags)
-    if target is not work.local:
-        work.local.copy_(target)
+        vmeans = [s[VMEAN] for s in states]
+        dispatch(BLOCK_STEP, targets, grads, indices, magnitudes, vmeans, codebook, scalars, seeds, **flags)
+    for work, target in zip(works, targets, strict=True):
+        if target is not work.local:
+            work.local.copy_(target)

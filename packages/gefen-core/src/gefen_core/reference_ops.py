@@ -78,12 +78,16 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "HISTOGRAM_BINS",
     "block_step_reference",
+    "block_step_tensor",
     "factored_moments_reference",
+    "factored_moments_tensor",
     "factored_stats_reference",
     "factored_step_reference",
+    "factored_step_tensor",
     "histogram_reference",
     "muon_momentum_reference",
     "requantized_momentum",
+    "scalars_of",
     "stochastic_uniform_reference",
 ]
 
@@ -165,7 +169,7 @@ def _gradient_rows(grad: torch.Tensor, maximize: bool) -> torch.Tensor:
     return rows.neg() if maximize else rows
 
 
-def block_step_reference(
+def block_step_tensor(
     param: torch.Tensor,
     grad: torch.Tensor,
     indices: torch.Tensor,
@@ -179,7 +183,7 @@ def block_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::block_step.v2``: one full block-path update of one parameter, in place.
+    """One full block-path update of one parameter, in place (one tensor of ``gefen::block_step.v3``).
 
     ``param``/``grad``: contiguous, same shape and dtype; ``indices``: uint8 ``[B, P]``;
     ``magnitude``/``vmean``: fp32 ``[B, 1]``; ``codebook``: fp32 ``[256]``; ``scalars``:
@@ -226,10 +230,10 @@ def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tupl
     return row_sums, col_sums
 
 
-def factored_moments_reference(
+def factored_moments_tensor(
     grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
 ) -> torch.Tensor:
-    """``gefen::factored_moments.v1``: :func:`factored_stats_reference` of a whole (not row-sharded)
+    """One tensor of ``gefen::factored_moments.v2``: :func:`factored_stats_reference` of a whole (not row-sharded)
     ``R x K`` gradient, then :func:`gefen_core.second_moment.update_factored_moments` with
     ``R`` global rows: advances ``v_row``/``v_col`` in place and returns the fp32 ``row_factor``.
     One call where a kernel can do both (a row-sharded parameter takes the two steps apart,
@@ -238,7 +242,7 @@ def factored_moments_reference(
     return update_factored_moments(v_row, v_col, row_sums, col_sums, grad.shape[0], scalars)
 
 
-def factored_step_reference(
+def factored_step_tensor(
     param: torch.Tensor,
     grad: torch.Tensor,
     indices: torch.Tensor,
@@ -253,7 +257,7 @@ def factored_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::factored_step.v3``: the factored-path update of one ``R x K`` parameter, in place.
+    """The factored-path update of one ``R x K`` parameter, in place (one tensor of ``gefen::factored_step.v4``).
 
     ``param``/``grad``: contiguous ``R x K``; ``indices``/``magnitude``: the momentum in
     blocks of the parameter's period (flattened row-major); ``row_factor``: fp32 ``[R]``
@@ -285,6 +289,103 @@ def factored_step_reference(
             sr_seed,
             start,
             apply_decay,
+        )
+
+
+def scalars_of(scalars: torch.Tensor, index: int) -> torch.Tensor:
+    """Tensor ``index``'s step scalars in a list op: the shared ``[NUM_SCALARS]`` packet, or row
+    ``index`` of an ``[N, NUM_SCALARS]`` one (parameters whose counters differ)."""
+    return scalars[index] if scalars.dim() == 2 else scalars
+
+
+def _seed_of(sr_seeds: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    return None if sr_seeds is None else sr_seeds[index : index + 1]
+
+
+def block_step_reference(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    vmeans: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen::block_step.v3``: :func:`block_step_tensor` of each parameter of the lists.
+
+    ``scalars`` is shared (``[NUM_SCALARS]``) or per tensor (``[N, NUM_SCALARS]``);
+    ``sr_seeds`` is int64 ``[N]`` (one stochastic-rounding seed per tensor) or ``None``.
+    """
+    for index, param in enumerate(params):
+        block_step_tensor(
+            param.view(-1),
+            grads[index].view(-1),
+            indices[index],
+            magnitudes[index],
+            vmeans[index],
+            codebook,
+            scalars_of(scalars, index),
+            _seed_of(sr_seeds, index),
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
+        )
+
+
+def factored_moments_reference(
+    grads: list[torch.Tensor],
+    v_rows: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
+    scalars: torch.Tensor,
+    *,
+    deterministic: bool,
+) -> list[torch.Tensor]:
+    """``gefen::factored_moments.v2``: :func:`factored_moments_tensor` of each gradient; returns
+    the ``row_factor`` of each (``scalars`` as in :func:`block_step_reference`)."""
+    return [
+        factored_moments_tensor(
+            grad, v_rows[index], v_cols[index], scalars_of(scalars, index), deterministic=deterministic
+        )
+        for index, grad in enumerate(grads)
+    ]
+
+
+def factored_step_reference(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    row_factors: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen::factored_step.v4``: :func:`factored_step_tensor` of each parameter of the lists
+    (``scalars`` and ``sr_seeds`` as in :func:`block_step_reference`)."""
+    for index, param in enumerate(params):
+        factored_step_tensor(
+            param,
+            grads[index],
+            indices[index],
+            magnitudes[index],
+            row_factors[index],
+            v_cols[index],
+            codebook,
+            scalars_of(scalars, index),
+            _seed_of(sr_seeds, index),
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
         )
 
 

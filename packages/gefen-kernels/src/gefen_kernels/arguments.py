@@ -72,54 +72,66 @@ def _param_grad(param: Any, grad: Any) -> str | None:
     return None
 
 
-def _momentum(
-    param: torch.Tensor,
-    indices: Any,
-    magnitude: Any,
-    codebook: Any,
-    scalars: Any,
-    sr_seed: Any,
-    num_scalars: int = NUM_SCALARS,
-) -> str | None:
+def _momentum(param: torch.Tensor, indices: Any, magnitude: Any) -> str | None:
+    """The quantised momentum of ``param``: uint8 codes ``[blocks, period]`` and one fp32 scale per block."""
     device = param.device
     reason = _tensor(indices, "indices", torch.uint8, device)
     if reason:
         return reason
     if indices.dim() != 2 or indices.numel() != param.numel():
         return f"indices must be [blocks, period] with {param.numel()} elements, got {tuple(indices.shape)}"
-    blocks = indices.shape[0]
-    reason = _tensor(magnitude, "magnitude", torch.float32, device) or _tensor(
-        codebook, "codebook", torch.float32, device
-    )
+    reason = _tensor(magnitude, "magnitude", torch.float32, device)
     if reason:
         return reason
-    if magnitude.numel() != blocks:
-        return f"magnitude must hold one value per block ({blocks}), got {magnitude.numel()}"
-    if tuple(codebook.shape) != (CODEBOOK_SIZE,):
-        return f"codebook must have shape ({CODEBOOK_SIZE},), got {tuple(codebook.shape)}"
-    reason = _tensor(scalars, "scalars", torch.float32, device)
-    if reason:
-        return reason
-    if scalars.numel() < num_scalars:
-        return f"scalars must hold {num_scalars} values, got {scalars.numel()}"
-    if sr_seed is not None:
-        reason = _tensor(sr_seed, "sr_seed", torch.int64, device)
-        if reason:
-            return reason
-        if sr_seed.numel() < 1:
-            return "sr_seed must hold one value"
+    if magnitude.numel() != indices.shape[0]:
+        return f"magnitude must hold one value per block ({indices.shape[0]}), got {magnitude.numel()}"
     return None
 
 
-def check_block_step(*args: Any, **kwargs: Any) -> str | None:
-    """``(param, grad, indices, magnitude, vmean, codebook, scalars, sr_seed, *, apply_decay, maximize, deterministic)``."""
-    if len(args) != 8:
-        return f"gefen::block_step.v2 takes 8 positional arguments, got {len(args)}"
-    param, grad, indices, magnitude, vmean, codebook, scalars, sr_seed = args
-    reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
+def _shared(
+    device: torch.device, codebook: Any, scalars: Any, sr_seeds: Any, rows: int, num_scalars: int = NUM_SCALARS
+) -> str | None:
+    """The arguments every entry shares: the codebook, the scalar packet (``[num_scalars]``, or
+    ``[rows, num_scalars]`` one row per entry) and one int64 seed per entry (or ``None``)."""
+    reason = _tensor(codebook, "codebook", torch.float32, device) or _tensor(scalars, "scalars", torch.float32, device)
     if reason:
         return reason
-    reason = _momentum(param, indices, magnitude, codebook, scalars, sr_seed)
+    if tuple(codebook.shape) != (CODEBOOK_SIZE,):
+        return f"codebook must have shape ({CODEBOOK_SIZE},), got {tuple(codebook.shape)}"
+    if tuple(scalars.shape) not in ((num_scalars,), (rows, num_scalars)):
+        return f"scalars must have shape ({num_scalars},) or ({rows}, {num_scalars}), got {tuple(scalars.shape)}"
+    if sr_seeds is not None:
+        reason = _tensor(sr_seeds, "sr_seeds", torch.int64, device)
+        if reason:
+            return reason
+        if sr_seeds.numel() != rows:
+            return f"sr_seeds must hold one seed per entry ({rows}), got {sr_seeds.numel()}"
+    return None
+
+
+def _lists(op: str, lists: dict[str, Any]) -> str | None:
+    """Each argument a list (or tuple) of tensors, all of one length."""
+    lengths = set()
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)) or not all(isinstance(item, torch.Tensor) for item in value):
+            return f"{op}: {name} must be a list of tensors"
+        lengths.add(len(value))
+    if len(lengths) > 1:
+        return f"{op}: the tensor lists differ in length ({', '.join(f'{n}={len(v)}' for n, v in lists.items())})"
+    return None
+
+
+def _entries(lists: dict[str, Any], check: Any) -> str | None:
+    """``check(*entry)`` of every entry of the lists; the first reason, naming the entry."""
+    for index, entry in enumerate(zip(*lists.values(), strict=True)):
+        reason = check(*entry)
+        if reason:
+            return f"entry {index}: {reason}"
+    return None
+
+
+def _block_entry(param: Any, grad: Any, indices: Any, magnitude: Any, vmean: Any) -> str | None:
+    reason = _param_grad(param, grad) or _momentum(param, indices, magnitude)
     if reason:
         return reason
     reason = _tensor(vmean, "vmean", torch.float32, param.device)
@@ -130,17 +142,13 @@ def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
-def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
-    """``(param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed, *, flags)``."""
-    if len(args) != 9:
-        return f"gefen::factored_step.v3 takes 9 positional arguments, got {len(args)}"
-    param, grad, indices, magnitude, row_factor, v_col, codebook, scalars, sr_seed = args
-    reason = _flags(kwargs, _FLAGS) or _param_grad(param, grad)
+def _factored_entry(param: Any, grad: Any, indices: Any, magnitude: Any, row_factor: Any, v_col: Any) -> str | None:
+    reason = _param_grad(param, grad)
     if reason:
         return reason
     if param.dim() != 2:
         return f"param must be 2-D for the factored step, got {param.dim()}-D"
-    reason = _momentum(param, indices, magnitude, codebook, scalars, sr_seed)
+    reason = _momentum(param, indices, magnitude)
     if reason:
         return reason
     rows, cols = param.shape
@@ -152,6 +160,32 @@ def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     if row_factor.numel() != rows or v_col.numel() != cols:
         return f"row_factor/v_col must hold {rows}/{cols} values, got {row_factor.numel()}/{v_col.numel()}"
     return None
+
+
+def _step_lists(
+    op: str, expected: int, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], check: Any
+) -> str | None:
+    if len(args) != expected:
+        return f"{op} takes {expected} positional arguments, got {len(args)}"
+    lists = dict(zip(names, args[: len(names)], strict=False))
+    codebook, scalars, sr_seeds = args[len(names) :]
+    reason = _flags(kwargs, _FLAGS) or _lists(op, lists)
+    if reason or not args[0]:
+        return reason
+    return _shared(args[0][0].device, codebook, scalars, sr_seeds, len(args[0])) or _entries(lists, check)
+
+
+def check_block_step(*args: Any, **kwargs: Any) -> str | None:
+    """``(params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds, *, apply_decay,
+    maximize, deterministic)``: lists of equal length, every entry on one device."""
+    names = ("params", "grads", "indices", "magnitudes", "vmeans")
+    return _step_lists("gefen::block_step.v3", 8, args, kwargs, names, _block_entry)
+
+
+def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
+    """``(params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds, *, flags)``."""
+    names = ("params", "grads", "indices", "magnitudes", "row_factors", "v_cols")
+    return _step_lists("gefen::factored_step.v4", 9, args, kwargs, names, _factored_entry)
 
 
 def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
@@ -171,27 +205,39 @@ def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
-def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
-    """``(grad, v_row, v_col, scalars, *, deterministic)``: a contiguous ``R x K`` gradient and
-    contiguous fp32 ``[R]``/``[K]`` moments and step scalars on its device."""
-    if len(args) != 4:
-        return f"gefen::factored_moments.v1 takes 4 positional arguments, got {len(args)}"
-    grad, v_row, v_col, scalars = args
-    reason = check_factored_stats(grad, **kwargs)
+def _moments_entry(grad: Any, v_row: Any, v_col: Any) -> str | None:
+    reason = check_factored_stats(grad, deterministic=False)
     if reason:
         return reason
     rows, cols = grad.shape
-    for value, name in ((v_row, "v_row"), (v_col, "v_col"), (scalars, "scalars")):
+    for value, name in ((v_row, "v_row"), (v_col, "v_col")):
         reason = _tensor(value, name, torch.float32, grad.device)
         if reason:
             return reason
     if v_row.numel() != rows or v_col.numel() != cols:
         return f"v_row/v_col must hold {rows}/{cols} values, got {v_row.numel()}/{v_col.numel()}"
-    if scalars.numel() < NUM_SCALARS:
-        return f"scalars must hold {NUM_SCALARS} values, got {scalars.numel()}"
     if v_row.data_ptr() == v_col.data_ptr() and rows and cols:
         return "v_row and v_col must not share memory"
     return None
+
+
+def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
+    """``(grads, v_rows, v_cols, scalars, *, deterministic)``: contiguous ``R x K`` gradients and
+    contiguous fp32 ``[R]``/``[K]`` moments, the step scalars on their device."""
+    op = "gefen::factored_moments.v2"
+    if len(args) != 4:
+        return f"{op} takes 4 positional arguments, got {len(args)}"
+    grads, v_rows, v_cols, scalars = args
+    lists = {"grads": grads, "v_rows": v_rows, "v_cols": v_cols}
+    reason = _flags(kwargs, ("deterministic",)) or _lists(op, lists)
+    if reason or not grads:
+        return reason
+    reason = _tensor(scalars, "scalars", torch.float32, grads[0].device)
+    if reason:
+        return reason
+    if tuple(scalars.shape) not in ((NUM_SCALARS,), (len(grads), NUM_SCALARS)):
+        return f"scalars must have shape ({NUM_SCALARS},) or ({len(grads)}, {NUM_SCALARS}), got {tuple(scalars.shape)}"
+    return _entries(lists, _moments_entry)
 
 
 def check_histogram(*args: Any, **kwargs: Any) -> str | None:
@@ -241,7 +287,9 @@ def check_muon_momentum(*args: Any, **kwargs: Any) -> str | None:
         return "grad must be a contiguous floating-point tensor"
     if grad.dim() != 2:
         return f"grad must be a 2-D matrix, got {grad.dim()}-D"
-    reason = _momentum(grad, indices, magnitude, codebook, scalars, sr_seed, MUON_NUM_SCALARS)
+    reason = _momentum(grad, indices, magnitude) or _shared(
+        grad.device, codebook, scalars, sr_seed, 1, MUON_NUM_SCALARS
+    )
     if reason:
         return reason
     if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bfloat16, torch.float32):

@@ -38,10 +38,10 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
-    "gefen_block_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT, _P],
-    "gefen_factored_step": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT, _P],
+    "gefen_block_step": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _INT, _P],
+    "gefen_factored_step": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _INT, _P],
     "gefen_factored_stats": [_INT, _P, _I64, _I64, _P, _P, _P, _I64, _INT],
-    "gefen_factored_moments": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _P, _I64, _INT],
+    "gefen_factored_moments": [_I64, _P, _P, _I64, _I64, _INT],
     "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
     "gefen_muon_momentum": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _INT, _P],
     "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
@@ -107,123 +107,145 @@ def _seed_pointer(sr_seed: torch.Tensor | None) -> int | None:
     return None if sr_seed is None else sr_seed.data_ptr()
 
 
-def _bump(*tensors: torch.Tensor) -> None:
-    for tensor in tensors:
-        increment_version(tensor)
+def _entries(rows: list[int]) -> Any:
+    """The int64 entry table of a list op (see ``run_entries`` in the C source)."""
+    return (_I64 * len(rows))(*rows)
+
+
+def _list_scalars(scalars: torch.Tensor) -> tuple[int, int]:
+    """The packet's pointer and its stride between entries (0: one packet shared by all)."""
+    return scalars.data_ptr(), (scalars.shape[1] if scalars.dim() == 2 else 0)
 
 
 def block_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    magnitude: torch.Tensor,
-    vmean: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    vmeans: list[torch.Tensor],
     codebook: torch.Tensor,
     scalars: torch.Tensor,
-    sr_seed: torch.Tensor | None,
+    sr_seeds: torch.Tensor | None,
     *,
     apply_decay: bool,
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::block_step.v2`` on CPU (deterministic always: each block is summed by one thread)."""
+    """``gefen::block_step.v3`` on CPU: one C call for every entry (deterministic always: each
+    block is summed by one thread)."""
     _check(
         arguments.check_block_step(
-            param,
-            grad,
+            params,
+            grads,
             indices,
-            magnitude,
-            vmean,
+            magnitudes,
+            vmeans,
             codebook,
             scalars,
-            sr_seed,
+            sr_seeds,
             apply_decay=apply_decay,
             maximize=maximize,
             deterministic=deterministic,
         )
     )
-    _on_cpu(param)
-    if param.numel() == 0:
+    if not params:
         return
-    blocks, period = indices.shape
+    _on_cpu(params[0])
+    rows: list[int] = []
+    for param, grad, codes, magnitude, vmean in zip(params, grads, indices, magnitudes, vmeans, strict=True):
+        blocks, period = codes.shape
+        rows += (
+            _DTYPE_CODES[param.dtype],
+            param.numel(),
+            param.data_ptr(),
+            grad.data_ptr(),
+            codes.data_ptr(),
+            magnitude.data_ptr(),
+            vmean.data_ptr(),
+            blocks,
+            period,
+        )
     _call(
         "gefen_block_step",
-        _DTYPE_CODES[param.dtype],
-        param.data_ptr(),
-        grad.data_ptr(),
-        indices.data_ptr(),
-        magnitude.data_ptr(),
-        vmean.data_ptr(),
+        len(params),
+        _entries(rows),
         codebook.data_ptr(),
-        scalars.data_ptr(),
-        _seed_pointer(sr_seed),
-        blocks,
-        period,
+        *_list_scalars(scalars),
+        _seed_pointer(sr_seeds),
         int(apply_decay),
         int(maximize),
         torch.get_num_threads(),
         _codebook_table(),
     )
-    _bump(param, indices, magnitude, vmean)
+    increment_version([*params, *indices, *magnitudes, *vmeans])
 
 
 def factored_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    magnitude: torch.Tensor,
-    row_factor: torch.Tensor,
-    v_col: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    row_factors: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
     codebook: torch.Tensor,
     scalars: torch.Tensor,
-    sr_seed: torch.Tensor | None,
+    sr_seeds: torch.Tensor | None,
     *,
     apply_decay: bool,
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::factored_step.v3`` on CPU."""
+    """``gefen::factored_step.v4`` on CPU: one C call for every entry."""
     _check(
         arguments.check_factored_step(
-            param,
-            grad,
+            params,
+            grads,
             indices,
-            magnitude,
-            row_factor,
-            v_col,
+            magnitudes,
+            row_factors,
+            v_cols,
             codebook,
             scalars,
-            sr_seed,
+            sr_seeds,
             apply_decay=apply_decay,
             maximize=maximize,
             deterministic=deterministic,
         )
     )
-    _on_cpu(param)
-    if param.numel() == 0:
+    if not params:
         return
-    blocks, period = indices.shape
+    _on_cpu(params[0])
+    rows: list[int] = []
+    for param, grad, codes, magnitude, row_factor, v_col in zip(
+        params, grads, indices, magnitudes, row_factors, v_cols, strict=True
+    ):
+        blocks, period = codes.shape
+        rows += (
+            _DTYPE_CODES[param.dtype],
+            param.numel(),
+            param.data_ptr(),
+            grad.data_ptr(),
+            codes.data_ptr(),
+            magnitude.data_ptr(),
+            row_factor.data_ptr(),
+            v_col.data_ptr(),
+            blocks,
+            period,
+            param.shape[1],
+        )
     _call(
         "gefen_factored_step",
-        _DTYPE_CODES[param.dtype],
-        param.data_ptr(),
-        grad.data_ptr(),
-        indices.data_ptr(),
-        magnitude.data_ptr(),
-        row_factor.data_ptr(),
-        v_col.data_ptr(),
+        len(params),
+        _entries(rows),
         codebook.data_ptr(),
-        scalars.data_ptr(),
-        _seed_pointer(sr_seed),
-        blocks,
-        period,
-        param.shape[1],
+        *_list_scalars(scalars),
+        _seed_pointer(sr_seeds),
         int(apply_decay),
         int(maximize),
         torch.get_num_threads(),
         _codebook_table(),
     )
-    _bump(param, indices, magnitude)
+    increment_version([*params, *indices, *magnitudes])
 
 
 def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,32 +279,45 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
 
 
 def factored_moments(
-    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
-) -> torch.Tensor:
-    """``gefen::factored_moments.v1`` on CPU: the statistics of :func:`factored_stats` and the
-    ``v_row``/``v_col`` update in one call; returns ``row_factor`` (always deterministic)."""
-    _check(arguments.check_factored_moments(grad, v_row, v_col, scalars, deterministic=deterministic))
-    _on_cpu(grad)
-    rows, cols = grad.shape
-    chunks = max(1, min(_STATS_CHUNKS, rows))
-    scratch = torch.empty(chunks * cols + rows + cols, dtype=torch.float64)
-    row_factor = torch.empty(rows, dtype=torch.float32)
+    grads: list[torch.Tensor],
+    v_rows: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
+    scalars: torch.Tensor,
+    *,
+    deterministic: bool,
+) -> list[torch.Tensor]:
+    """``gefen::factored_moments.v2`` on CPU: the statistics of :func:`factored_stats` and the
+    ``v_row``/``v_col`` update of every entry in one C call; returns each ``row_factor``
+    (views of one buffer; always deterministic)."""
+    _check(arguments.check_factored_moments(grads, v_rows, v_cols, scalars, deterministic=deterministic))
+    if not grads:
+        return []
+    _on_cpu(grads[0])
+    heights = [grad.shape[0] for grad in grads]
+    row_factors = list(torch.split(torch.empty(sum(heights), dtype=torch.float32), heights))
+    rows: list[int] = []
+    for grad, v_row, v_col, row_factor in zip(grads, v_rows, v_cols, row_factors, strict=True):
+        height, width = grad.shape
+        rows += (
+            _DTYPE_CODES[grad.dtype],
+            grad.numel(),
+            grad.data_ptr(),
+            height,
+            width,
+            v_row.data_ptr(),
+            v_col.data_ptr(),
+            row_factor.data_ptr(),
+        )
     _call(
         "gefen_factored_moments",
-        _DTYPE_CODES[grad.dtype],
-        grad.data_ptr(),
-        rows,
-        cols,
-        v_row.data_ptr(),
-        v_col.data_ptr(),
-        scalars.data_ptr(),
-        row_factor.data_ptr(),
-        scratch.data_ptr(),
-        chunks,
+        len(grads),
+        _entries(rows),
+        *_list_scalars(scalars),
+        _STATS_CHUNKS,
         torch.get_num_threads(),
     )
-    _bump(v_row, v_col)
-    return row_factor
+    increment_version([*v_rows, *v_cols])
+    return row_factors
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
@@ -300,7 +335,7 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
         counts.data_ptr(),
         torch.get_num_threads(),
     )
-    _bump(counts)
+    increment_version(counts)
 
 
 def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -360,7 +395,7 @@ def muon_momentum(
         torch.get_num_threads(),
         _codebook_table(),
     )
-    _bump(indices, magnitude, out)
+    increment_version([indices, magnitude, out])
 
 
 def nearest_rounding_path(codebook: torch.Tensor) -> str:

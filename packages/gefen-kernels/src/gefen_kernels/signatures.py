@@ -21,10 +21,10 @@ __all__ = [
 #: Every op this package implements.
 GEFEN_OPS = frozenset(
     {
-        "gefen::block_step.v2",
+        "gefen::block_step.v3",
         "gefen::factored_stats.v1",
-        "gefen::factored_moments.v1",
-        "gefen::factored_step.v3",
+        "gefen::factored_moments.v2",
+        "gefen::factored_step.v4",
         "gefen::histogram.v1",
         "gefen::stochastic_uniform.v1",
         "gefen::muon_momentum.v1",

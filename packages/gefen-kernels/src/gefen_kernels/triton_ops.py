@@ -56,126 +56,136 @@ def _check(reason: str | None, *tensors: torch.Tensor) -> None:
             )
 
 
+def _scalars_of(scalars: torch.Tensor, index: int) -> torch.Tensor:
+    return scalars[index] if scalars.dim() == 2 else scalars
+
+
+def _seed_of(sr_seeds: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    return None if sr_seeds is None else sr_seeds[index : index + 1]
+
+
 def block_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    magnitude: torch.Tensor,
-    vmean: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    vmeans: list[torch.Tensor],
     codebook: torch.Tensor,
     scalars: torch.Tensor,
-    sr_seed: torch.Tensor | None,
+    sr_seeds: torch.Tensor | None,
     *,
     apply_decay: bool,
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::block_step.v2`` with Triton (deterministic always: one program sums each block)."""
+    """``gefen::block_step.v3`` with Triton: one launch per non-empty entry (deterministic
+    always: one program sums each block)."""
     _check(
         arguments.check_block_step(
-            param,
-            grad,
+            params,
+            grads,
             indices,
-            magnitude,
-            vmean,
+            magnitudes,
+            vmeans,
             codebook,
             scalars,
-            sr_seed,
+            sr_seeds,
             apply_decay=apply_decay,
             maximize=maximize,
             deterministic=deterministic,
         ),
-        param,
+        *params[:1],
     )
-    if param.numel() == 0:
-        return
-    blocks, period = indices.shape
-    rows, cols = _tile(blocks, period)
-    grid = (triton_cdiv(blocks, rows),)
-    K.block_step_kernel[grid](
-        param,
-        grad,
-        indices,
-        magnitude,
-        vmean,
-        codebook,
-        scalars,
-        sr_seed,
-        blocks,
-        period,
-        -1.0 if maximize else 1.0,
-        ROWS=rows,
-        COLS=cols,
-        STOCHASTIC=sr_seed is not None,
-        APPLY_DECAY=apply_decay,
-        F64=param.dtype is torch.float64,
-        enable_fp_fusion=False,
-    )
-    for tensor in (param, indices, magnitude, vmean):
-        increment_version(tensor)
+    for index, param in enumerate(params):
+        if param.numel() == 0:
+            continue
+        blocks, period = indices[index].shape
+        rows, cols = _tile(blocks, period)
+        seed = _seed_of(sr_seeds, index)
+        K.block_step_kernel[(triton_cdiv(blocks, rows),)](
+            param,
+            grads[index],
+            indices[index],
+            magnitudes[index],
+            vmeans[index],
+            codebook,
+            _scalars_of(scalars, index),
+            seed,
+            blocks,
+            period,
+            -1.0 if maximize else 1.0,
+            ROWS=rows,
+            COLS=cols,
+            STOCHASTIC=seed is not None,
+            APPLY_DECAY=apply_decay,
+            F64=param.dtype is torch.float64,
+            enable_fp_fusion=False,
+        )
+    increment_version([*params, *indices, *magnitudes, *vmeans])
 
 
 def factored_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    magnitude: torch.Tensor,
-    row_factor: torch.Tensor,
-    v_col: torch.Tensor,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    row_factors: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
     codebook: torch.Tensor,
     scalars: torch.Tensor,
-    sr_seed: torch.Tensor | None,
+    sr_seeds: torch.Tensor | None,
     *,
     apply_decay: bool,
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::factored_step.v3`` with Triton (phase 2 of the factored update; per-element stepsizes in registers)."""
+    """``gefen::factored_step.v4`` with Triton (phase 2 of the factored update; per-element
+    stepsizes in registers): one launch per non-empty entry."""
     _check(
         arguments.check_factored_step(
-            param,
-            grad,
+            params,
+            grads,
             indices,
-            magnitude,
-            row_factor,
-            v_col,
+            magnitudes,
+            row_factors,
+            v_cols,
             codebook,
             scalars,
-            sr_seed,
+            sr_seeds,
             apply_decay=apply_decay,
             maximize=maximize,
             deterministic=deterministic,
         ),
-        param,
+        *params[:1],
     )
-    if param.numel() == 0:
-        return
-    blocks, period = indices.shape
-    rows, cols = _tile(blocks, period)
-    grid = (triton_cdiv(blocks, rows),)
-    K.factored_step_kernel[grid](
-        param,
-        grad,
-        indices,
-        magnitude,
-        row_factor,
-        v_col,
-        codebook,
-        scalars,
-        sr_seed,
-        blocks,
-        period,
-        param.shape[1],
-        -1.0 if maximize else 1.0,
-        ROWS=rows,
-        COLS=cols,
-        STOCHASTIC=sr_seed is not None,
-        APPLY_DECAY=apply_decay,
-        F64=param.dtype is torch.float64,
-        enable_fp_fusion=False,
-    )
-    for tensor in (param, indices, magnitude):
-        increment_version(tensor)
+    for index, param in enumerate(params):
+        if param.numel() == 0:
+            continue
+        blocks, period = indices[index].shape
+        rows, cols = _tile(blocks, period)
+        seed = _seed_of(sr_seeds, index)
+        K.factored_step_kernel[(triton_cdiv(blocks, rows),)](
+            param,
+            grads[index],
+            indices[index],
+            magnitudes[index],
+            row_factors[index],
+            v_cols[index],
+            codebook,
+            _scalars_of(scalars, index),
+            seed,
+            blocks,
+            period,
+            param.shape[1],
+            -1.0 if maximize else 1.0,
+            ROWS=rows,
+            COLS=cols,
+            STOCHASTIC=seed is not None,
+            APPLY_DECAY=apply_decay,
+            F64=param.dtype is torch.float64,
+            enable_fp_fusion=False,
+        )
+    increment_version([*params, *indices, *magnitudes])
 
 
 def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +194,10 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
     Partial sums per (row group, column tile) are added in a fixed order: deterministic.
     """
     _check(arguments.check_factored_stats(grad, deterministic=deterministic), grad)
+    return _stats(grad)
+
+
+def _stats(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = grad.shape
     if grad.numel() == 0:
         return (
@@ -203,31 +217,39 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
 
 
 def factored_moments(
-    grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
-) -> torch.Tensor:
-    """``gefen::factored_moments.v1`` with Triton: :func:`factored_stats`, then one program updates
-    ``v_row``/``v_col`` and writes ``row_factor`` (fixed order: deterministic)."""
-    _check(arguments.check_factored_moments(grad, v_row, v_col, scalars, deterministic=deterministic), grad)
-    rows, cols = grad.shape
-    row_sums, col_sums = factored_stats(grad, deterministic=deterministic)
-    row_factor = torch.empty(rows, dtype=torch.float32, device=grad.device)
-    divisors = torch.tensor([max(rows, 1), max(cols, 1)], dtype=torch.float64, device=grad.device)
-    K.factored_moments_kernel[(1,)](
-        row_sums,
-        col_sums,
-        v_row,
-        v_col,
-        scalars,
-        row_factor,
-        divisors,
-        rows,
-        cols,
-        BLOCK=_MOMENTS_BLOCK,
-        enable_fp_fusion=False,
-    )
-    increment_version(v_row)
-    increment_version(v_col)
-    return row_factor
+    grads: list[torch.Tensor],
+    v_rows: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
+    scalars: torch.Tensor,
+    *,
+    deterministic: bool,
+) -> list[torch.Tensor]:
+    """``gefen::factored_moments.v2`` with Triton: per entry, the statistics of
+    :func:`factored_stats`, then one program updates ``v_row``/``v_col`` and writes
+    ``row_factor`` (fixed order: deterministic)."""
+    _check(arguments.check_factored_moments(grads, v_rows, v_cols, scalars, deterministic=deterministic), *grads[:1])
+    row_factors = []
+    for index, grad in enumerate(grads):
+        rows, cols = grad.shape
+        row_sums, col_sums = _stats(grad)
+        row_factor = torch.empty(rows, dtype=torch.float32, device=grad.device)
+        divisors = torch.tensor([max(rows, 1), max(cols, 1)], dtype=torch.float64, device=grad.device)
+        K.factored_moments_kernel[(1,)](
+            row_sums,
+            col_sums,
+            v_rows[index],
+            v_cols[index],
+            _scalars_of(scalars, index),
+            row_factor,
+            divisors,
+            rows,
+            cols,
+            BLOCK=_MOMENTS_BLOCK,
+            enable_fp_fusion=False,
+        )
+        row_factors.append(row_factor)
+    increment_version([*v_rows, *v_cols])
+    return row_factors
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:

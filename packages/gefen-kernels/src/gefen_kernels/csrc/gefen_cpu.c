@@ -11,7 +11,9 @@
  * as two separate in-place torch ops would. The order of the double sums differs from
  * torch's, which can move an fp32 mean by one ulp, very rarely.
  *
- * Structure: work is split over blocks (OpenMP, static schedule); one thread handles a
+ * Structure: the step ops take lists of tensors (see run_entries: small tensors are spread
+ * over the threads, large ones split); within a tensor, work is split over blocks (OpenMP,
+ * static schedule); one thread handles a
  * block in passes over its P elements (the block path's sum of squares; the momentum of the
  * preconditioned gradient and its max; requantise and write), in tiles of TILE elements so
  * the later passes read from cache. Each tile is converted from
@@ -34,7 +36,7 @@
 #define GEFEN_AVX512 1
 #endif
 
-#define GEFEN_ABI_VERSION 2
+#define GEFEN_ABI_VERSION 3
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -1085,40 +1087,99 @@ DEFINE_DTYPE(f16, uint16_t, float, f16_to_f32, f16_to_f32, f32_to_f16)
 DEFINE_DTYPE(f64, double, double, TO_FLOAT, ID, ID)
 
 /* ---- exported entry points ----------------------------------------------------------- */
-/* Each returns 0 on success, -1 for an unknown dtype (the Python side checks first). */
+/* Each returns 0 on success, -1 for an unknown dtype (the Python side checks first), -2 when
+ * a buffer cannot be allocated. */
+
+/* The step ops take lists (one call per parameter group): each tensor is one row of
+ * `fields` int64 values in `entries`, built by gefen_kernels.cpu_ops, starting with its
+ * dtype code and element count (the layouts below). Rows of fewer than PARALLEL_MIN
+ * elements run one per thread, spread over the threads; larger rows run one after another,
+ * each split over all threads. A row's result does not depend on the thread that runs it.
+ * `scalars` + i * scalar_stride is row i's packet (stride 0: one shared packet); `seeds`
+ * holds one stochastic-rounding seed per row, or is NULL for nearest rounding. */
+typedef struct {
+    const int64_t* entries;
+    int64_t fields;
+    const float* codebook;
+    const CodebookTable* table;
+    const float* scalars;
+    int64_t scalar_stride;
+    const int64_t* seeds;
+    int apply_decay, maximize;
+    int64_t chunks; /* factored statistics: fixed row chunks (see gefen_factored_stats) */
+} ListCall;
+
+typedef int (*EntryFn)(const ListCall* call, int64_t i, int threads);
+
+static int run_entries(const ListCall* call, int64_t n, EntryFn fn, int threads) {
+    int64_t small = 0, i;
+    int status = 0;
+    for (i = 0; i < n; i++) {
+        int64_t dtype = call->entries[i * call->fields];
+        if (dtype < DT_F32 || dtype > DT_F64) return -1;
+        if (call->entries[i * call->fields + 1] < PARALLEL_MIN) small += call->entries[i * call->fields + 1];
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : status) if(small >= PARALLEL_MIN && threads > 1)
+    for (i = 0; i < n; i++)
+        if (call->entries[i * call->fields + 1] < PARALLEL_MIN) status |= fn(call, i, 1);
+    for (i = 0; i < n; i++)
+        if (call->entries[i * call->fields + 1] >= PARALLEL_MIN) status |= fn(call, i, threads);
+    return status;
+}
+
+static void entry_context(StepContext* ctx, const ListCall* call, int64_t i) {
+    read_context(ctx, call->scalars + i * call->scalar_stride, call->codebook, call->table,
+                 call->seeds != NULL ? call->seeds + i : NULL, call->apply_decay, call->maximize);
+}
+
+#define PTR(e, k) ((void*)(intptr_t)(e)[k])
+
+/* block step rows: dtype, numel, param, grad, indices, magnitude, vmean, blocks, period */
+enum { BS_PARAM = 2, BS_GRAD, BS_INDICES, BS_MAGNITUDE, BS_VMEAN, BS_BLOCKS, BS_PERIOD, BS_FIELDS };
+
+static int block_step_entry(const ListCall* call, int64_t i, int threads) {
+    const int64_t* e = call->entries + i * BS_FIELDS;
+    StepContext ctx;
+    entry_context(&ctx, call, i);
+#define BLOCK_ARGS PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE), PTR(e, BS_VMEAN), \
+                   e[BS_BLOCKS], e[BS_PERIOD], threads
+    switch (e[0]) {
+        case DT_F32: block_step_f32(&ctx, BLOCK_ARGS); break;
+        case DT_BF16: block_step_bf16(&ctx, BLOCK_ARGS); break;
+        case DT_F16: block_step_f16(&ctx, BLOCK_ARGS); break;
+        default: block_step_f64(&ctx, BLOCK_ARGS); break;
+    }
+#undef BLOCK_ARGS
+    return 0;
+}
 
 /* table: a caller-owned CodebookTable (gefen_table_bytes() bytes, zeroed once), reused across
  * calls and rebuilt only when the codebook changes; one per calling thread. */
-int gefen_block_step(int dtype, void* param, const void* grad, uint8_t* indices, float* magnitude, float* vmean,
-                     const float* codebook, const float* scalars, const int64_t* seed, int64_t blocks, int64_t period,
-                     int apply_decay, int maximize, int threads, void* table) {
-    StepContext ctx;
+int gefen_block_step(int64_t n, const int64_t* entries, const float* codebook, const float* scalars,
+                     int64_t scalar_stride, const int64_t* seeds, int apply_decay, int maximize, int threads,
+                     void* table) {
     prepare_table((CodebookTable*)table, codebook);
-    read_context(&ctx, scalars, codebook, (const CodebookTable*)table, seed, apply_decay, maximize);
-#define BLOCK_ARGS param, grad, indices, magnitude, vmean, blocks, period, threads
-    switch (dtype) {
-        case DT_F32: block_step_f32(&ctx, BLOCK_ARGS); return 0;
-        case DT_BF16: block_step_bf16(&ctx, BLOCK_ARGS); return 0;
-        case DT_F16: block_step_f16(&ctx, BLOCK_ARGS); return 0;
-        case DT_F64: block_step_f64(&ctx, BLOCK_ARGS); return 0;
-        default: return -1;
-    }
-#undef BLOCK_ARGS
+    ListCall call = {entries, BS_FIELDS, codebook, (const CodebookTable*)table, scalars, scalar_stride, seeds,
+                     apply_decay, maximize, 0};
+    return run_entries(&call, n, block_step_entry, threads);
 }
 
-int gefen_factored_step(int dtype, void* param, const void* grad, uint8_t* indices, float* magnitude,
-                        const float* row_factor, const float* v_col, const float* codebook, const float* scalars,
-                        const int64_t* seed, int64_t blocks, int64_t period, int64_t cols, int apply_decay,
-                        int maximize, int threads, void* table) {
-    if (dtype < DT_F32 || dtype > DT_F64) return -1;
+/* factored step rows: dtype, numel, param, grad, indices, magnitude, row_factor, v_col, blocks, period, cols */
+enum { FS_PARAM = 2, FS_GRAD, FS_INDICES, FS_MAGNITUDE, FS_ROW_FACTOR, FS_V_COL, FS_BLOCKS, FS_PERIOD, FS_COLS,
+       FS_FIELDS };
+
+static int factored_step_entry(const ListCall* call, int64_t i, int threads) {
+    const int64_t* e = call->entries + i * FS_FIELDS;
+    int64_t cols = e[FS_COLS];
+    const float* v_col = (const float*)PTR(e, FS_V_COL);
     float* col_root = (float*)malloc((size_t)(cols > 0 ? cols : 1) * sizeof(float));
     if (!col_root) return -2;
     for (int64_t j = 0; j < cols; j++) col_root[j] = sqrtf(v_col[j]);
     StepContext ctx;
-    prepare_table((CodebookTable*)table, codebook);
-    read_context(&ctx, scalars, codebook, (const CodebookTable*)table, seed, apply_decay, maximize);
-#define FACTORED_ARGS param, grad, indices, magnitude, row_factor, col_root, blocks, period, cols, threads
-    switch (dtype) {
+    entry_context(&ctx, call, i);
+#define FACTORED_ARGS PTR(e, FS_PARAM), PTR(e, FS_GRAD), PTR(e, FS_INDICES), PTR(e, FS_MAGNITUDE), \
+                      (const float*)PTR(e, FS_ROW_FACTOR), col_root, e[FS_BLOCKS], e[FS_PERIOD], cols, threads
+    switch (e[0]) {
         case DT_F32: factored_step_f32(&ctx, FACTORED_ARGS); break;
         case DT_BF16: factored_step_bf16(&ctx, FACTORED_ARGS); break;
         case DT_F16: factored_step_f16(&ctx, FACTORED_ARGS); break;
@@ -1127,6 +1188,15 @@ int gefen_factored_step(int dtype, void* param, const void* grad, uint8_t* indic
 #undef FACTORED_ARGS
     free(col_root);
     return 0;
+}
+
+int gefen_factored_step(int64_t n, const int64_t* entries, const float* codebook, const float* scalars,
+                        int64_t scalar_stride, const int64_t* seeds, int apply_decay, int maximize, int threads,
+                        void* table) {
+    prepare_table((CodebookTable*)table, codebook);
+    ListCall call = {entries, FS_FIELDS, codebook, (const CodebookTable*)table, scalars, scalar_stride, seeds,
+                     apply_decay, maximize, 0};
+    return run_entries(&call, n, factored_step_entry, threads);
 }
 
 /* scratch: chunks * cols doubles; chunks is fixed by the caller, so the summation order does
@@ -1174,15 +1244,31 @@ static void factored_moments_update(const double* row_sums, const double* col_su
     }
 }
 
-/* scratch: chunks * cols + rows + cols doubles (the statistics' partials and sums). */
-int gefen_factored_moments(int dtype, const void* grad, int64_t rows, int64_t cols, float* v_row, float* v_col,
-                           const float* scalars, float* row_factor, double* scratch, int64_t chunks, int threads) {
+/* factored moments rows: dtype, numel, grad, rows, cols, v_row, v_col, row_factor. Each row
+ * sums its statistics in min(chunks, rows) fixed row chunks (as gefen_factored_stats). */
+enum { FM_GRAD = 2, FM_ROWS, FM_COLS, FM_V_ROW, FM_V_COL, FM_ROW_FACTOR, FM_FIELDS };
+
+static int factored_moments_entry(const ListCall* call, int64_t i, int threads) {
+    const int64_t* e = call->entries + i * FM_FIELDS;
+    int64_t rows = e[FM_ROWS], cols = e[FM_COLS];
+    int64_t chunks = rows < call->chunks ? (rows > 0 ? rows : 1) : call->chunks;
+    double* scratch = (double*)malloc((size_t)(chunks * cols + rows + cols + 1) * sizeof(double));
+    if (!scratch) return -2;
     double* row_sums = scratch + chunks * cols;
     double* col_sums = row_sums + rows;
-    int status = gefen_factored_stats(dtype, grad, rows, cols, row_sums, col_sums, scratch, chunks, threads);
-    if (status != 0) return status;
-    factored_moments_update(row_sums, col_sums, rows, cols, v_row, v_col, scalars, row_factor);
-    return 0;
+    int status = gefen_factored_stats((int)e[0], PTR(e, FM_GRAD), rows, cols, row_sums, col_sums, scratch, chunks,
+                                      threads);
+    if (status == 0)
+        factored_moments_update(row_sums, col_sums, rows, cols, (float*)PTR(e, FM_V_ROW), (float*)PTR(e, FM_V_COL),
+                                call->scalars + i * call->scalar_stride, (float*)PTR(e, FM_ROW_FACTOR));
+    free(scratch);
+    return status;
+}
+
+int gefen_factored_moments(int64_t n, const int64_t* entries, const float* scalars, int64_t scalar_stride,
+                           int64_t chunks, int threads) {
+    ListCall call = {entries, FM_FIELDS, NULL, NULL, scalars, scalar_stride, NULL, 0, 0, chunks > 0 ? chunks : 1};
+    return run_entries(&call, n, factored_moments_entry, threads);
 }
 
 /* scalars: [beta, 1 - beta] (gefen_core.step_scalars.muon_scalars); out: bf16 or fp32. */
