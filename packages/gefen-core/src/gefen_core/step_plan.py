@@ -8,9 +8,9 @@ optimizer's ``preflight_step()`` is this function with the plan discarded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from gefen_contracts.torch_support import check_tensor_lr, finite_bounds
@@ -27,11 +27,12 @@ from .param_state import (
     V_COL,
     V_ROW,
     VMEAN,
-    period_of,
-    state_variant,
 )
 
 __all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
+
+#: Parameter types that are neither DTensors nor other tensor subclasses.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 @dataclass(slots=True)
@@ -109,22 +110,35 @@ def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optim
         )
 
 
-def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: str) -> bool:
+def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: Callable[[], str]) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
-    period = period_of(state)
     indices = state[INDICES]
-    if period < 1 or numel % period or indices.numel() != numel or tuple(indices.shape) != (numel // period, period):
+    if indices.dim() != 2 or indices.numel() != numel or indices.shape[1] < 1:
+        period = indices.shape[-1] if indices.dim() else 0
         raise ParameterError(
-            f"{where}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
+            f"{where()}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
             f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
         )
-    if state_variant(state) == FACTORED:
+    if V_ROW in state:
         if param.dim() != 2 or state[V_ROW].numel() != local.shape[0] or state[V_COL].numel() != local.shape[1]:
-            raise ParameterError(f"{where}: the factored second moment does not fit the parameter's shape")
+            raise ParameterError(f"{where()}: the factored second moment does not fit the parameter's shape")
     elif state[VMEAN].shape != state[MAGNITUDE].shape:
-        raise ParameterError(f"{where}: vmean does not match the block count")
+        raise ParameterError(f"{where()}: vmean does not match the block count")
     return bool(indices.device != local.device)
+
+
+class _Where(NamedTuple):
+    """Where a parameter sits, formatted only when an error names it."""
+
+    group_index: int
+    position: int
+    name: str | None
+
+    def __call__(self) -> str:
+        return f"param_groups[{self.group_index}]['params'][{self.position}]" + (
+            f" ({self.name!r})" if self.name else ""
+        )
 
 
 def plan_step(
@@ -142,41 +156,51 @@ def plan_step(
     if in_capture and not capturable:
         raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
     plan = StepPlan(refresh_due=refresh_due)
+    works = plan.works
     slot = -1
     for group_index, group in enumerate(param_groups):
         check_group_options(group, group_index)
         check_tensor_lr(group["lr"], group["params"], f"param_groups[{group_index}]")
         names = group.get("param_names")
+        factored_2d = group["factored_v_2d"]
         for position, param in enumerate(group["params"]):
             slot += 1
             grad = param.grad
             if grad is None:
                 continue
             name = names[position] if names is not None else None
-            where = f"param_groups[{group_index}]['params'][{position}]" + (f" ({name!r})" if name else "")
-            check_gradient(param, grad, where)
-            local = local_tensor(param)
-            row_sharded = is_row_sharded(param)
-            variant = FACTORED if group["factored_v_2d"] and param.dim() == 2 else BLOCK
+            where = _Where(group_index, position, name)
+            if (
+                type(param) in _PLAIN  # neither a DTensor nor another subclass: the common case, checked inline
+                and type(grad) is torch.Tensor
+                and grad.layout is torch.strided
+                and grad.dtype is param.dtype  # never complex: complex parameters are refused when added
+                and grad.shape == param.shape
+                and grad.device == param.device
+            ):
+                local, local_grad, row_sharded = param, grad, False
+            else:
+                check_gradient(param, grad, where())
+                local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
+            variant = FACTORED if factored_2d and param.dim() == 2 else BLOCK
             live = state.get(param)
-            local_grad = local_tensor(grad)
             work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
             if live:
                 work.state_device_differs = _check_state(live, local, param, where)
                 if work.state_device_differs and capturable:
-                    raise CaptureError(f"{where}: state lives on another device; capturable steps cannot move it")
+                    raise CaptureError(f"{where()}: state lives on another device; capturable steps cannot move it")
             else:
                 if in_capture:
-                    raise CaptureError(f"{where}: has no state yet; run one eager step before capturing")
+                    raise CaptureError(f"{where()}: has no state yet; run one eager step before capturing")
                 if local_grad.numel():
                     bounds = finite_bounds(local_grad)
                     if bounds is None:
                         raise GradientError(
-                            f"{where}: the first gradient is not finite; periods and the codebook cannot be learned "
+                            f"{where()}: the first gradient is not finite; periods and the codebook cannot be learned "
                             "from it"
                         )
                     work.local_nonzero = bounds != (0.0, 0.0)
-            plan.works.append(work)
+            works.append(work)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
     if dispatch.fused is True:

@@ -110,10 +110,10 @@ def _shared(
 
 
 def _lists(op: str, lists: dict[str, Any]) -> str | None:
-    """Each argument a list (or tuple) of tensors, all of one length."""
+    """Each argument a list (or tuple), all of one length (their items are checked per entry)."""
     lengths = set()
     for name, value in lists.items():
-        if not isinstance(value, (list, tuple)) or not all(isinstance(item, torch.Tensor) for item in value):
+        if not isinstance(value, (list, tuple)):
             return f"{op}: {name} must be a list of tensors"
         lengths.add(len(value))
     if len(lengths) > 1:
@@ -121,13 +121,97 @@ def _lists(op: str, lists: dict[str, Any]) -> str | None:
     return None
 
 
-def _entries(lists: dict[str, Any], check: Any) -> str | None:
-    """``check(*entry)`` of every entry of the lists; the first reason, naming the entry."""
+def _entries(lists: dict[str, Any], device: torch.device, fast: Any, check: Any) -> str | None:
+    """Check every entry of the lists (one tensor of each). ``fast(*entry, device)`` is one
+    boolean expression that holds only for a well-formed entry (the step's per-tensor cost);
+    where it does not hold (or cannot be evaluated: not a tensor), ``check(*entry)`` finds the
+    reason, and the first one is returned naming its entry."""
     for index, entry in enumerate(zip(*lists.values(), strict=True)):
-        reason = check(*entry)
-        if reason:
-            return f"entry {index}: {reason}"
+        try:
+            if fast(*entry, device):
+                continue
+        except (AttributeError, TypeError):
+            pass
+        reason = check(*entry) or "the entry is not well formed"
+        return f"entry {index}: {reason}"
     return None
+
+
+_U8, _F32, _F64, _I64 = torch.uint8, torch.float32, torch.float64, torch.int64
+_PARAM_DTYPE_SET = frozenset(PARAM_DTYPES)
+
+
+def _block_fast(p: Any, g: Any, q: Any, m: Any, v: Any, device: torch.device) -> bool:
+    return bool(
+        p.dtype in _PARAM_DTYPE_SET
+        and g.dtype is p.dtype
+        and q.dtype is _U8
+        and m.dtype is _F32
+        and v.dtype is _F32
+        and g.shape == p.shape
+        and q.dim() == 2
+        and q.numel() == p.numel()
+        and m.numel() == q.shape[0]
+        and v.numel() == q.shape[0]
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and q.is_contiguous()
+        and m.is_contiguous()
+        and v.is_contiguous()
+        and p.device == device
+        and g.device == device
+        and q.device == device
+        and m.device == device
+        and v.device == device
+    )
+
+
+def _factored_fast(p: Any, g: Any, q: Any, m: Any, r: Any, c: Any, device: torch.device) -> bool:
+    return bool(
+        p.dtype in _PARAM_DTYPE_SET
+        and g.dtype is p.dtype
+        and q.dtype is _U8
+        and m.dtype is _F32
+        and r.dtype is _F32
+        and c.dtype is _F32
+        and g.shape == p.shape
+        and p.dim() == 2
+        and q.dim() == 2
+        and q.numel() == p.numel()
+        and m.numel() == q.shape[0]
+        and r.numel() == p.shape[0]
+        and c.numel() == p.shape[1]
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and q.is_contiguous()
+        and m.is_contiguous()
+        and r.is_contiguous()
+        and c.is_contiguous()
+        and p.device == device
+        and g.device == device
+        and q.device == device
+        and m.device == device
+        and r.device == device
+        and c.device == device
+    )
+
+
+def _moments_fast(g: Any, r: Any, c: Any, device: torch.device) -> bool:
+    return bool(
+        g.dtype in _PARAM_DTYPE_SET
+        and r.dtype is _F32
+        and c.dtype is _F32
+        and g.dim() == 2
+        and r.numel() == g.shape[0]
+        and c.numel() == g.shape[1]
+        and g.is_contiguous()
+        and r.is_contiguous()
+        and c.is_contiguous()
+        and g.device == device
+        and r.device == device
+        and c.device == device
+        and (r.data_ptr() != c.data_ptr() or not r.numel() or not c.numel())
+    )
 
 
 def _block_entry(param: Any, grad: Any, indices: Any, magnitude: Any, vmean: Any) -> str | None:
@@ -163,8 +247,9 @@ def _factored_entry(param: Any, grad: Any, indices: Any, magnitude: Any, row_fac
 
 
 def _step_lists(
-    op: str, expected: int, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], check: Any
+    op: str, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], fast: Any, check: Any
 ) -> str | None:
+    expected = len(names) + 3
     if len(args) != expected:
         return f"{op} takes {expected} positional arguments, got {len(args)}"
     lists = dict(zip(names, args[: len(names)], strict=False))
@@ -172,20 +257,24 @@ def _step_lists(
     reason = _flags(kwargs, _FLAGS) or _lists(op, lists)
     if reason or not args[0]:
         return reason
-    return _shared(args[0][0].device, codebook, scalars, sr_seeds, len(args[0])) or _entries(lists, check)
+    first = args[0][0]
+    if not isinstance(first, torch.Tensor):
+        return f"entry 0: param must be a tensor, got {type(first).__name__}"
+    device = first.device
+    return _shared(device, codebook, scalars, sr_seeds, len(args[0])) or _entries(lists, device, fast, check)
 
 
 def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds, *, apply_decay,
     maximize, deterministic)``: lists of equal length, every entry on one device."""
     names = ("params", "grads", "indices", "magnitudes", "vmeans")
-    return _step_lists("gefen::block_step.v3", 8, args, kwargs, names, _block_entry)
+    return _step_lists("gefen::block_step.v3", args, kwargs, names, _block_fast, _block_entry)
 
 
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds, *, flags)``."""
     names = ("params", "grads", "indices", "magnitudes", "row_factors", "v_cols")
-    return _step_lists("gefen::factored_step.v4", 9, args, kwargs, names, _factored_entry)
+    return _step_lists("gefen::factored_step.v4", args, kwargs, names, _factored_fast, _factored_entry)
 
 
 def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
@@ -232,12 +321,15 @@ def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
     reason = _flags(kwargs, ("deterministic",)) or _lists(op, lists)
     if reason or not grads:
         return reason
-    reason = _tensor(scalars, "scalars", torch.float32, grads[0].device)
+    if not isinstance(grads[0], torch.Tensor):
+        return f"entry 0: grad must be a tensor, got {type(grads[0]).__name__}"
+    device = grads[0].device
+    reason = _tensor(scalars, "scalars", torch.float32, device)
     if reason:
         return reason
     if tuple(scalars.shape) not in ((NUM_SCALARS,), (len(grads), NUM_SCALARS)):
         return f"scalars must have shape ({NUM_SCALARS},) or ({len(grads)}, {NUM_SCALARS}), got {tuple(scalars.shape)}"
-    return _entries(lists, _moments_entry)
+    return _entries(lists, device, _moments_fast, _moments_entry)
 
 
 def check_histogram(*args: Any, **kwargs: Any) -> str | None:

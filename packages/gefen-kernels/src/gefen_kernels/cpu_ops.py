@@ -8,6 +8,7 @@ reference would. The kernels use ``torch.get_num_threads()`` threads.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import threading
 from collections.abc import Callable
@@ -107,9 +108,10 @@ def _seed_pointer(sr_seed: torch.Tensor | None) -> int | None:
     return None if sr_seed is None else sr_seed.data_ptr()
 
 
-def _entries(rows: list[int]) -> Any:
-    """The int64 entry table of a list op (see ``run_entries`` in the C source)."""
-    return (_I64 * len(rows))(*rows)
+def _entries(rows: list[int]) -> array.array[int]:
+    """The int64 entry table of a list op (see ``run_entries`` in the C source); pass
+    ``entries.buffer_info()[0]`` and keep ``entries`` alive over the call."""
+    return array.array("q", rows)
 
 
 def _list_scalars(scalars: torch.Tensor) -> tuple[int, int]:
@@ -165,10 +167,11 @@ def block_step(
             blocks,
             period,
         )
+    entries = _entries(rows)
     _call(
         "gefen_block_step",
         len(params),
-        _entries(rows),
+        entries.buffer_info()[0],
         codebook.data_ptr(),
         *_list_scalars(scalars),
         _seed_pointer(sr_seeds),
@@ -233,10 +236,11 @@ def factored_step(
             period,
             param.shape[1],
         )
+    entries = _entries(rows)
     _call(
         "gefen_factored_step",
         len(params),
-        _entries(rows),
+        entries.buffer_info()[0],
         codebook.data_ptr(),
         *_list_scalars(scalars),
         _seed_pointer(sr_seeds),
@@ -308,10 +312,11 @@ def factored_moments(
             v_col.data_ptr(),
             row_factor.data_ptr(),
         )
+    entries = _entries(rows)
     _call(
         "gefen_factored_moments",
         len(grads),
-        _entries(rows),
+        entries.buffer_info()[0],
         *_list_scalars(scalars),
         _STATS_CHUNKS,
         torch.get_num_threads(),

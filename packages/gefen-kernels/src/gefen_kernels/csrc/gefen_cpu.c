@@ -47,6 +47,10 @@
 #define UBUF 4096
 /* Below this many elements a call runs on one thread (a fork/join costs more). */
 #define PARALLEL_MIN 32768
+/* Whether n elements are split over threads. Tested before an OpenMP region is entered at
+ * all: a region serialised by its if() clause still costs about 0.3 us in libgomp, more than
+ * a small tensor's whole update. */
+#define PARALLEL(n, threads) ((n) >= PARALLEL_MIN && (threads) > 1)
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_F64 = 3 };
 /* Layout of the scalars tensor (gefen_core.step_scalars). */
@@ -680,6 +684,13 @@ static inline void prefetch_write(const void* p, int64_t bytes) {
 /* Statistics prefetch distance: rows about 64 KiB ahead of the rows being summed (the
  * hardware prefetcher alone left the pass at half the bandwidth of a plain read); 0 (no
  * software prefetch) for rows longer than that, long sequential runs it follows well. */
+/* Column j's statistic: its chunk partials added in chunk order. */
+static inline double column_total(const double* scratch, int64_t chunks, int64_t cols, int64_t j) {
+    double total = 0.0;
+    for (int64_t k = 0; k < chunks; k++) total += scratch[k * cols + j];
+    return total;
+}
+
 static inline int64_t stats_rows_ahead(int64_t cols, int64_t element_bytes) {
     int64_t row_bytes = cols * element_bytes;
     if (row_bytes <= 0 || row_bytes > 65536) return 0;
@@ -868,7 +879,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         float m_old = magnitude[b];                                                              \
         float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, ubuf, den, off, param + off); \
         magnitude[b] = m_new;                                                                    \
-        for (int k = 0; k < TILE; k++) sbuf[k] = ctx->inv_bc1;                                   \
+        for (int64_t k = 0; k < (period < TILE ? period : TILE); k++) sbuf[k] = ctx->inv_bc1;                                   \
         for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                          \
             int64_t len = period - t0 < TILE ? period - t0 : TILE;                               \
             const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len, ubuf, \
@@ -882,31 +893,46 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         }                                                                                        \
     }                                                                                            \
                                                                                                  \
+    static void block_step_block_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
+                                       float* magnitude, float* vmean, int64_t b, int64_t blocks, int64_t period) { \
+        double sumsq = block_sumsq_##SUF(grad + b * period, period); \
+        float mean = (float)(sumsq / (double)period); \
+        float v = vmean[b] * ctx->beta2; \
+        float w = mean * ctx->omb2; \
+        v = v + w; \
+        vmean[b] = v; \
+        float h = sqrtf(v) * ctx->bc2; \
+        h = h + ctx->eps; \
+        const Denominator den = {h, NULL, NULL, 0, 0.0f}; \
+        precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+    } \
+ \
     static void block_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
                                  float* magnitude, float* vmean, int64_t blocks, int64_t period, int threads) { \
-        int64_t b;                                                                               \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
-        for (b = 0; b < blocks; b++) {                                                           \
-            double sumsq = block_sumsq_##SUF(grad + b * period, period);                         \
-            float mean = (float)(sumsq / (double)period);                                        \
-            float v = vmean[b] * ctx->beta2;                                                     \
-            float w = mean * ctx->omb2;                                                          \
-            v = v + w;                                                                           \
-            vmean[b] = v;                                                                        \
-            float h = sqrtf(v) * ctx->bc2;                                                       \
-            h = h + ctx->eps;                                                                    \
-            const Denominator den = {h, NULL, NULL, 0, 0.0f};                                    \
-            precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
+        int64_t b; \
+        if (PARALLEL(blocks * period, threads)) { \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+            for (b = 0; b < blocks; b++) \
+                block_step_block_##SUF(ctx, param, grad, indices, magnitude, vmean, b, blocks, period); \
+        } else { \
+            for (b = 0; b < blocks; b++) \
+                block_step_block_##SUF(ctx, param, grad, indices, magnitude, vmean, b, blocks, period); \
+        } \
+    } \
+ \
     static void factored_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
                                     float* magnitude, const float* row_factor, const float* col_root, \
                                     int64_t blocks, int64_t period, int64_t cols, int threads) { \
         const Denominator den = {0.0f, row_factor, col_root, cols, ctx->eps};                    \
-        int64_t b;                                                                               \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
-        for (b = 0; b < blocks; b++) precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+        int64_t b; \
+        if (PARALLEL(blocks * period, threads)) { \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+            for (b = 0; b < blocks; b++) \
+                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+        } else { \
+            for (b = 0; b < blocks; b++) \
+                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+        } \
     }                                                                                            \
     /* GefenMuon: requantise the momentum EMA u = fl(fl(C[q] M) beta) + fl(g (1 - beta)) and write   \
      * the Newton-Schulz input C[q'] M' (Nesterov: fl(fl(C[q'] M' beta) + fl(g (1 - beta)))). */           \
@@ -922,7 +948,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, ubuf, NULL, off,    \
                                             (const PT*)NULL);                                                  \
             magnitude[b] = m_new;                                                                              \
-            for (int k = 0; k < TILE; k++) ones[k] = 1.0f;                                                     \
+            for (int64_t k = 0; k < (period < TILE ? period : TILE); k++) ones[k] = 1.0f;                                                     \
             for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
@@ -969,13 +995,8 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         }                                                                                                      \
     }                                                                                                          \
                                                                                                                \
-    static void factored_stats_##SUF(const PT* grad, int64_t rows, int64_t cols, double* row_sums,             \
-                                     double* col_sums, double* scratch, int64_t chunks, int threads) {         \
-        int64_t per_chunk = (rows + chunks - 1) / chunks;                                                      \
-        const int64_t ahead = stats_rows_ahead(cols, (int64_t)sizeof(PT));                                     \
-        int64_t c;                                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows * cols >= PARALLEL_MIN && threads > 1)") \
-        for (c = 0; c < chunks; c++) {                                                                         \
+    static void stats_chunk_##SUF(const PT* grad, int64_t rows, int64_t cols, double* row_sums, double* scratch, \
+                                  int64_t per_chunk, int64_t ahead, int64_t c) { \
             double* partial = scratch + c * cols;                                                              \
             for (int64_t j = 0; j < cols; j++) partial[j] = 0.0;                                               \
             int64_t r1 = (c + 1) * per_chunk < rows ? (c + 1) * per_chunk : rows;                              \
@@ -1034,14 +1055,25 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                 for (int k = 0; k < 16; k++) total += a0[k];                                                   \
                 row_sums[r] = total;                                                                           \
             }                                                                                                  \
-        }                                                                                                      \
-        int64_t j;                                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(chunks * cols >= PARALLEL_MIN && threads > 1)") \
-        for (j = 0; j < cols; j++) {                                                                           \
-            double total = 0.0;                                                                                \
-            for (int64_t k = 0; k < chunks; k++) total += scratch[k * cols + j];                               \
-            col_sums[j] = total;                                                                               \
-        }                                                                                                      \
+    } \
+ \
+    static void factored_stats_##SUF(const PT* grad, int64_t rows, int64_t cols, double* row_sums, \
+                                     double* col_sums, double* scratch, int64_t chunks, int threads) { \
+        int64_t per_chunk = (rows + chunks - 1) / chunks; \
+        const int64_t ahead = stats_rows_ahead(cols, (int64_t)sizeof(PT)); \
+        int64_t c, j; \
+        if (PARALLEL(rows * cols, threads)) { \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+            for (c = 0; c < chunks; c++) stats_chunk_##SUF(grad, rows, cols, row_sums, scratch, per_chunk, ahead, c); \
+        } else { \
+            for (c = 0; c < chunks; c++) stats_chunk_##SUF(grad, rows, cols, row_sums, scratch, per_chunk, ahead, c); \
+        } \
+        if (PARALLEL(chunks * cols, threads)) { \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+            for (j = 0; j < cols; j++) col_sums[j] = column_total(scratch, chunks, cols, j); \
+        } else { \
+            for (j = 0; j < cols; j++) col_sums[j] = column_total(scratch, chunks, cols, j); \
+        } \
     }
 
 static float tile_absmax(const float* restrict g, int64_t n, float start) {
