@@ -8,7 +8,7 @@ optimizer's ``preflight_step()`` is this function with the plan discarded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -110,7 +110,20 @@ def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optim
         )
 
 
-def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: Callable[[], str]) -> bool:
+class _Where(NamedTuple):
+    """Where a parameter sits, formatted only when an error names it."""
+
+    group_index: int
+    position: int
+    name: str | None
+
+    def __call__(self) -> str:
+        return f"param_groups[{self.group_index}]['params'][{self.position}]" + (
+            f" ({self.name!r})" if self.name else ""
+        )
+
+
+def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: _Where) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
     indices = state[INDICES]
@@ -126,19 +139,6 @@ def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor
     elif state[VMEAN].shape != state[MAGNITUDE].shape:
         raise ParameterError(f"{where()}: vmean does not match the block count")
     return bool(indices.device != local.device)
-
-
-class _Where(NamedTuple):
-    """Where a parameter sits, formatted only when an error names it."""
-
-    group_index: int
-    position: int
-    name: str | None
-
-    def __call__(self) -> str:
-        return f"param_groups[{self.group_index}]['params'][{self.position}]" + (
-            f" ({self.name!r})" if self.name else ""
-        )
 
 
 def plan_step(
