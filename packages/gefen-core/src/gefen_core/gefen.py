@@ -401,8 +401,8 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
         all-reduced (every rank's update needs them first). The other
         factored parameters' sums are taken just before their own update, while the gradient is
-        still in cache, by ``gefen::factored_moments.v1`` (the statistics and the ``v_row``/``v_col``
-        update in one call)."""
+        still in cache, by ``gefen::factored_moments.v2`` (the statistics and the ``v_row``/``v_col``
+        update in one call for the bucket)."""
         stats: Stats = {}
         sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
         for work in works:

@@ -38,7 +38,7 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(``gefen::block_step.v2``, ``gefen::factored_step.v3``). Version 6 also stored each entry's period
+(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 6 also stored each entry's period
 as ``automatic_period``, which the scales' shape already gave (one pickled item per parameter in
 torch's DCP recipe; refused naming both versions). Version 5 had no ``clip_threshold`` group
 option (its factored matrices stepped unclipped; refused naming both versions, as a group

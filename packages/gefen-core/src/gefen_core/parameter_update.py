@@ -20,7 +20,6 @@ from .param_state import (
     V_COL,
     V_ROW,
     VMEAN,
-    state_variant,
     switch_second_moment,
 )
 from .reference_ops import scalars_of
@@ -142,20 +141,23 @@ def update_parameters(
     bucket. Strided parameters step through contiguous copies, written back after.
     ``stats``: the all-reduced row/column sums of row-sharded factored parameters, by slot."""
     variant = works[0].variant
+    factored = variant == FACTORED
     age_key = AGE_KEYS[variant]
     states: list[dict[str, Any]] = []
+    targets: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
     for work in works:
         state = work.state
         assert state is not None
-        if state_variant(state) != variant:
+        if (V_ROW in state) is not factored:
             switch_second_moment(state, variant, work.local, capturable)
         state[STEP] += 1  # an int, or (capturable) a device tensor advanced in place
         state[age_key] += 1
         states.append(state)
-    device = works[0].local.device
-    scalars = _scalars(states, group, variant, device, capturable)
-    targets = [w.local if w.local.is_contiguous() else w.local.contiguous() for w in works]
-    grads = [w.grad.contiguous() for w in works]
+        local = work.local
+        targets.append(local if local.is_contiguous() else local.contiguous())
+        grads.append(work.grad.contiguous())
+    scalars = _scalars(states, group, variant, works[0].local.device, capturable)
     flags = {
         "apply_decay": group["weight_decay"] != 0,
         "maximize": bool(group["maximize"]),
@@ -163,7 +165,7 @@ def update_parameters(
     }
     indices = [s[INDICES] for s in states]
     magnitudes = [s[MAGNITUDE] for s in states]
-    if variant == FACTORED:
+    if factored:
         factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
         threshold = group["clip_threshold"]
         if threshold is not None:

@@ -123,18 +123,19 @@ class _Where(NamedTuple):
         )
 
 
-def _check_state(state: dict[str, Any], local: torch.Tensor, param: torch.Tensor, where: _Where) -> bool:
+def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
     indices = state[INDICES]
-    if indices.dim() != 2 or indices.numel() != numel or indices.shape[1] < 1:
+    if indices.numel() != numel or indices.dim() != 2 or (not numel and indices.shape[1] < 1):
         period = indices.shape[-1] if indices.dim() else 0
         raise ParameterError(
             f"{where()}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
             f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
         )
     if V_ROW in state:
-        if param.dim() != 2 or state[V_ROW].numel() != local.shape[0] or state[V_COL].numel() != local.shape[1]:
+        shape = local.shape
+        if len(shape) != 2 or state[V_ROW].numel() != shape[0] or state[V_COL].numel() != shape[1]:
             raise ParameterError(f"{where()}: the factored second moment does not fit the parameter's shape")
     elif state[VMEAN].shape != state[MAGNITUDE].shape:
         raise ParameterError(f"{where()}: vmean does not match the block count")
@@ -186,7 +187,7 @@ def plan_step(
             live = state.get(param)
             work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
             if live:
-                work.state_device_differs = _check_state(live, local, param, where)
+                work.state_device_differs = _check_state(live, local, where)
                 if work.state_device_differs and capturable:
                     raise CaptureError(f"{where()}: state lives on another device; capturable steps cannot move it")
             else:

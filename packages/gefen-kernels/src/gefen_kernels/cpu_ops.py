@@ -158,7 +158,7 @@ def block_step(
         blocks, period = codes.shape
         rows += (
             _DTYPE_CODES[param.dtype],
-            param.numel(),
+            blocks * period,
             param.data_ptr(),
             grad.data_ptr(),
             codes.data_ptr(),
@@ -225,7 +225,7 @@ def factored_step(
         blocks, period = codes.shape
         rows += (
             _DTYPE_CODES[param.dtype],
-            param.numel(),
+            blocks * period,
             param.data_ptr(),
             grad.data_ptr(),
             codes.data_ptr(),
@@ -304,7 +304,7 @@ def factored_moments(
         height, width = grad.shape
         rows += (
             _DTYPE_CODES[grad.dtype],
-            grad.numel(),
+            height * width,
             grad.data_ptr(),
             height,
             width,
