@@ -7,6 +7,11 @@ OpenMP, and ships them under ``gefen_kernels/prebuilt/``; the wheel is then tagg
 platform. Without a C compiler the wheel stays pure (the kernel is compiled just in time on
 first use, as before) unless ``GEFEN_KERNELS_REQUIRE_PREBUILT=1``, which makes it an error.
 ``GEFEN_KERNELS_CC`` / ``CC`` choose the compiler.
+
+A wheel for another platform ships libraries the release tool compiled for it
+(``tools/release.py``: zig cross builds for ``manylinux_2_17_aarch64``):
+``GEFEN_KERNELS_PREBUILT_FROM`` names their folder and ``GEFEN_KERNELS_PLATFORM_TAG`` the
+wheel's platform tag; nothing is compiled then.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class CustomBuildHook(BuildHookInterface):
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if self.target_name != "wheel" or version == "editable":
             return
+        shipped = os.environ.get("GEFEN_KERNELS_PREBUILT_FROM")
+        if shipped:
+            self._ship(Path(shipped), build_data)
+            return
         prebuilt = _module("prebuilt")
         compiler = prebuilt.find_compiler()
         required = os.environ.get("GEFEN_KERNELS_REQUIRE_PREBUILT") == "1"
@@ -88,3 +97,19 @@ class CustomBuildHook(BuildHookInterface):
         # A ctypes library, not a CPython extension: any Python 3 on this platform.
         build_data["tag"] = "py3-none-" + sysconfig.get_platform().replace("-", "_").replace(".", "_")
         self.app.display_info(f"gefen-kernels: prebuilt {', '.join(p.name for p in built)}")
+
+    def _ship(self, folder: Path, build_data: dict[str, Any]) -> None:
+        """Ship the libraries in ``folder`` for the platform ``GEFEN_KERNELS_PLATFORM_TAG`` names."""
+        tag = os.environ.get("GEFEN_KERNELS_PLATFORM_TAG", "")
+        if not tag:
+            raise RuntimeError(
+                "GEFEN_KERNELS_PREBUILT_FROM needs GEFEN_KERNELS_PLATFORM_TAG (e.g. manylinux_2_17_aarch64)"
+            )
+        built = sorted(folder.glob(f"gefen_cpu-{_abi()}-*.so"))
+        if not built:
+            raise RuntimeError(f"GEFEN_KERNELS_PREBUILT_FROM={folder} holds no gefen_cpu-{_abi()}-*.so library")
+        for path in built:
+            build_data["force_include"][str(path)] = f"gefen_kernels/prebuilt/{path.name}"
+        build_data["pure_python"] = False
+        build_data["tag"] = f"py3-none-{tag}"
+        self.app.display_info(f"gefen-kernels: shipping {', '.join(p.name for p in built)} for {tag}")

@@ -50,6 +50,8 @@ class Variant:
     machine: str
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
+    #: The same level in zig's (clang's) spelling, for the release tool's cross builds.
+    zig_flags: tuple[str, ...]
 
 
 #: Best first, per architecture (``platform.machine()``).
@@ -59,11 +61,24 @@ VARIANTS = (
         "x86_64",
         ("-march=x86-64-v4",),
         frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"}),
+        ("-march=x86_64_v4",),
     ),
-    Variant("x86-64-v3", "x86_64", ("-march=x86-64-v3",), frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})),
-    Variant("x86-64", "x86_64", ("-march=x86-64",), frozenset()),
-    Variant("armv8.2-a", "aarch64", ("-march=armv8.2-a",), frozenset({"asimd", "fphp", "asimdhp"})),
-    Variant("armv8-a", "aarch64", ("-march=armv8-a",), frozenset()),
+    Variant(
+        "x86-64-v3",
+        "x86_64",
+        ("-march=x86-64-v3",),
+        frozenset({"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}),
+        ("-march=x86_64_v3",),
+    ),
+    Variant("x86-64", "x86_64", ("-march=x86-64",), frozenset(), ("-march=x86_64",)),
+    Variant(
+        "armv8.2-a",
+        "aarch64",
+        ("-march=armv8.2-a",),
+        frozenset({"asimd", "fphp", "asimdhp"}),
+        ("-mcpu=generic+v8_2a+fullfp16",),
+    ),
+    Variant("armv8-a", "aarch64", ("-march=armv8-a",), frozenset(), ("-mcpu=generic",)),
 )
 
 
