@@ -187,3 +187,39 @@ def test_kernels_for_some_ops_only_are_named_in_a_warning(monkeypatch: pytest.Mo
             assert "CPU: gefen::block_step.v3" in missing and "CPU: gefen::histogram.v1" not in missing
         finally:
             library._destroy()
+
+
+def test_the_fused_step_reaches_the_c_kernels_within_five_python_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: from ``Gefen.step`` to the Python frame that calls into C, at most five frames
+    (``step`` and that frame included; torch's dispatcher adds none)."""
+    import sys
+
+    load_kernel_plugins()
+    real = cpu_ops._function
+    depths: dict[str, int] = {}
+
+    def spy(name: str) -> Callable[..., int]:
+        function = real(name)
+
+        def call(*args: Any) -> int:
+            frame, depth = sys._getframe(1), 1  # the frame that calls the C function
+            while frame is not None and not (
+                frame.f_code.co_name == "step" and frame.f_code.co_filename.endswith("gefen.py")
+            ):
+                frame, depth = frame.f_back, depth + 1
+            assert frame is not None, "not called from Gefen.step"
+            depths[name] = depth
+            return function(*args)
+
+        return call
+
+    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+    optimizer = Gefen(params, lr=1e-2, fused=True)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        if step == 1:
+            monkeypatch.setattr(cpu_ops, "_function", spy)
+        optimizer.step()
+    assert set(depths) == {"gefen_block_step", "gefen_factored_moments", "gefen_factored_step"}, depths
+    assert max(depths.values()) <= 5, depths

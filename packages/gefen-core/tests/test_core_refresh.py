@@ -35,17 +35,17 @@ def test_refresh_relearns_at_multiples_and_preserves_decoded_momentum() -> None:
     indices = {id(p): opt.state[p]["m_codebook"].clone() for p in params}
     magnitudes = {id(p): opt.state[p]["m_magnitude"].clone() for p in params}
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    original = gefen_module.Gefen._update
+    original = gefen_module.update_parameters
 
-    def spy(self: Gefen, works: list, group: dict, device: torch.device, stats: object) -> None:
+    def spy(works: list, group: dict, stats: object, **options: object) -> None:
         for work in works:
-            state = self.state[work.param]
+            state = opt.state[work.param]
             recorded[id(work.param)] = (state["m_codebook"].clone(), state["m_magnitude"].clone())
-        original(self, works, group, device, stats)  # type: ignore[arg-type]
+        original(works, group, stats, **options)  # type: ignore[arg-type]
 
     _feed(params, 2)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gefen_module.Gefen, "_update", spy)
+        patch.setattr(gefen_module, "update_parameters", spy)
         opt.step()  # global step 2: refresh before the update
     refreshed = opt.codebook
     assert refreshed is not None and not torch.equal(refreshed, learned)

@@ -307,16 +307,12 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             return loss
         plan = self._plan()
         unscale_gradients(self, [w.param.grad for w in plan.works if w.param.grad is not None])
-        self._execute(plan)
-        return loss
-
-    def _execute(self, plan: StepPlan) -> None:
-        works = plan.works
-        for work in works:
+        for work in plan.works:
             if work.state_device_differs:
                 self._move_state(work)
-        stats = self._factored_stats(works)
+        stats = self._factored_stats(plan.works)
         self._publish(plan, self._decide(plan), stats)
+        return loss
 
     def _decide(self, plan: StepPlan) -> StepDecision:
         """Learn what this step needs from local gradients (periods of starting parameters, the
@@ -379,7 +375,16 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             if work.state:
                 buckets.setdefault((work.group_index, work.variant, work.local.device), []).append(work)
         for (group_index, _, device), works in buckets.items():
-            self._update(works, self.param_groups[group_index], device, stats)
+            update_parameters(
+                works,
+                self.param_groups[group_index],
+                stats,
+                dispatch=self._dispatch,
+                codebook=self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
+                seeds=self._seeds(works, device),
+                deterministic=self._deterministic,
+                capturable=self._capturable,
+            )
         self._advance_global_step(plan.works)
 
     def _locally_nonzero(self, work: ParamWork) -> bool:
@@ -470,18 +475,6 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
                 counter.add_(1)
         self._global_step += 1
         self._version += 1
-
-    def _update(self, works: list[ParamWork], group: dict[str, Any], device: torch.device, stats: Stats) -> None:
-        update_parameters(
-            works,
-            group,
-            stats,
-            dispatch=self._dispatch,
-            codebook=self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
-            seeds=self._seeds(works, device),
-            deterministic=self._deterministic,
-            capturable=self._capturable,
-        )
 
     # -- checkpoints --------------------------------------------------------------------
 

@@ -85,13 +85,9 @@ def _row_factors(
     dispatch: Kernels,
     deterministic: bool,
 ) -> list[torch.Tensor]:
-    """Advance ``v_row``/``v_col`` and return each ``row_factor``: one ``factored_moments`` call
-    for the whole parameters, the small update from all-reduced sums for the row-sharded ones."""
+    """Advance ``v_row``/``v_col`` and return each ``row_factor`` of a bucket that holds row-sharded
+    parameters: their small update from all-reduced sums, ``factored_moments`` for the others."""
     states = [work.state for work in works]
-    if not stats:
-        v_rows = [s[V_ROW] for s in states]  # type: ignore[index]
-        v_cols = [s[V_COL] for s in states]  # type: ignore[index]
-        return dispatch(FACTORED_MOMENTS, grads, v_rows, v_cols, scalars, deterministic=deterministic)  # type: ignore[no-any-return]
     factors: list[torch.Tensor] = []
     for index, (work, state) in enumerate(zip(works, states, strict=True)):
         assert state is not None
@@ -165,16 +161,22 @@ def update_parameters(
     }
     indices = [s[INDICES] for s in states]
     magnitudes = [s[MAGNITUDE] for s in states]
+    # the ops are called here, not through helpers: the fused path stays five frames deep
     if factored:
-        factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
+        v_cols = [s[V_COL] for s in states]
+        if stats:
+            factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
+        else:
+            v_rows = [s[V_ROW] for s in states]
+            factors = dispatch.op(FACTORED_MOMENTS)(grads, v_rows, v_cols, scalars, deterministic=deterministic)
         threshold = group["clip_threshold"]
         if threshold is not None:
             factors = _clip(works, grads, factors, scalars, threshold)
-        v_cols = [s[V_COL] for s in states]
-        dispatch(FACTORED_STEP, targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
+        step = dispatch.op(FACTORED_STEP)
+        step(targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
     else:
         vmeans = [s[VMEAN] for s in states]
-        dispatch(BLOCK_STEP, targets, grads, indices, magnitudes, vmeans, codebook, scalars, seeds, **flags)
+        dispatch.op(BLOCK_STEP)(targets, grads, indices, magnitudes, vmeans, codebook, scalars, seeds, **flags)
     for work, target in zip(works, targets, strict=True):
         if target is not work.local:
             work.local.copy_(target)

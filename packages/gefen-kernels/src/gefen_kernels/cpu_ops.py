@@ -98,8 +98,9 @@ def _on_cpu(*tensors: torch.Tensor) -> None:
             raise arguments.KernelArgumentError(f"the CPU kernels need CPU tensors, got one on {tensor.device}")
 
 
-def _call(name: str, *args: Any) -> None:
-    status = _function(name)(*args)
+def _checked(name: str, status: int) -> None:
+    """Raise for a C entry point's nonzero status (called after the C function returned, so
+    the path from an op to its arithmetic holds no extra frame)."""
     if status != 0:
         raise RuntimeError(f"gefen-kernels: {name} failed with status {status}")
 
@@ -168,8 +169,7 @@ def block_step(
             period,
         )
     entries = _entries(rows)
-    _call(
-        "gefen_block_step",
+    status = _function("gefen_block_step")(
         len(params),
         entries.buffer_info()[0],
         codebook.data_ptr(),
@@ -180,6 +180,7 @@ def block_step(
         torch.get_num_threads(),
         _codebook_table(),
     )
+    _checked("gefen_block_step", status)
     increment_version([*params, *indices, *magnitudes, *vmeans])
 
 
@@ -237,8 +238,7 @@ def factored_step(
             param.shape[1],
         )
     entries = _entries(rows)
-    _call(
-        "gefen_factored_step",
+    status = _function("gefen_factored_step")(
         len(params),
         entries.buffer_info()[0],
         codebook.data_ptr(),
@@ -249,6 +249,7 @@ def factored_step(
         torch.get_num_threads(),
         _codebook_table(),
     )
+    _checked("gefen_factored_step", status)
     increment_version([*params, *indices, *magnitudes])
 
 
@@ -267,8 +268,7 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
         return row_sums, col_sums
     chunks = min(_STATS_CHUNKS, rows)
     scratch = torch.empty(chunks * cols, dtype=torch.float64)
-    _call(
-        "gefen_factored_stats",
+    status = _function("gefen_factored_stats")(
         _DTYPE_CODES[grad.dtype],
         grad.data_ptr(),
         rows,
@@ -279,6 +279,7 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
         chunks,
         torch.get_num_threads(),
     )
+    _checked("gefen_factored_stats", status)
     return row_sums, col_sums
 
 
@@ -313,14 +314,14 @@ def factored_moments(
             row_factor.data_ptr(),
         )
     entries = _entries(rows)
-    _call(
-        "gefen_factored_moments",
+    status = _function("gefen_factored_moments")(
         len(grads),
         entries.buffer_info()[0],
         *_list_scalars(scalars),
         _STATS_CHUNKS,
         torch.get_num_threads(),
     )
+    _checked("gefen_factored_moments", status)
     increment_version([*v_rows, *v_cols])
     return row_factors
 
@@ -331,8 +332,7 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
     _on_cpu(grad)
     if grad.numel() == 0:
         return
-    _call(
-        "gefen_histogram",
+    status = _function("gefen_histogram")(
         _DTYPE_CODES[grad.dtype],
         grad.data_ptr(),
         grad.numel() // period,
@@ -340,6 +340,7 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
         counts.data_ptr(),
         torch.get_num_threads(),
     )
+    _checked("gefen_histogram", status)
     increment_version(counts)
 
 
@@ -350,14 +351,14 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     flat = index.contiguous()
     out = torch.empty(flat.shape, dtype=torch.float32)
     if flat.numel():
-        _call(
-            "gefen_stochastic_uniform",
+        status = _function("gefen_stochastic_uniform")(
             seed.data_ptr(),
             flat.data_ptr(),
             out.data_ptr(),
             flat.numel(),
             torch.get_num_threads(),
         )
+        _checked("gefen_stochastic_uniform", status)
     return out
 
 
@@ -383,8 +384,7 @@ def muon_momentum(
     if grad.numel() == 0:
         return
     blocks, period = indices.shape
-    _call(
-        "gefen_muon_momentum",
+    status = _function("gefen_muon_momentum")(
         _DTYPE_CODES[grad.dtype],
         grad.data_ptr(),
         indices.data_ptr(),
@@ -400,6 +400,7 @@ def muon_momentum(
         torch.get_num_threads(),
         _codebook_table(),
     )
+    _checked("gefen_muon_momentum", status)
     increment_version([indices, magnitude, out])
 
 
