@@ -23,11 +23,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def run_eagerly(method: _F) -> _F:
     """Exclude an optimizer's ``step`` from TorchDynamo tracing: ``torch.compile`` then calls it
-    eagerly. Traced, GefenMuon's step applied one matrix's update to another (the work items'
-    guards omit the parameter's identity). Gefen's step traces correctly since its kernels are
-    torch custom ops (bit for bit with eager, no graph break in a steady step), but compiled it
-    runs no faster than eager, and one run on a loaded machine was 7x slower (unexplained), so
-    it stays eager until counters and scalars are tensors."""
+    eagerly (one named graph break, at the step). Traced, GefenMuon's step applied one matrix's
+    update to another (the work items' guards omit the parameter's identity). Gefen's step
+    traces correctly since its kernels are torch custom ops (bit for bit with eager), but it
+    recompiles at every step: its counters are Python ints and the learning rate a Python
+    float, and Dynamo guards on their values (``param_groups[0]['lr'] == 0.0033...`` under a
+    schedule; torch 2.15). So it stays eager until the counters and the learning rate reach
+    the step as tensors."""
     return cast(_F, torch.compiler.disable(method, reason=f"{method.__qualname__} runs eagerly"))  # type: ignore[no-untyped-call]
 
 
