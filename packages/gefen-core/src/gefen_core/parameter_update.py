@@ -164,7 +164,7 @@ def update_parameters(
     # the ops are called here, not through helpers: the fused path stays five frames deep
     if factored:
         v_cols = [s[V_COL] for s in states]
-        if stats:
+        if stats and any(work.slot in stats for work in works):
             factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
         else:
             v_rows = [s[V_ROW] for s in states]
