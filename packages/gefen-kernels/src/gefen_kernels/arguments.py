@@ -2,8 +2,10 @@
 
 Each ``check_*`` function looks only at tensor metadata (never at data, never syncing a
 device) and returns ``None`` when the call is well formed, else a short reason naming the
-argument. The provider answers ``supports`` with these, and each implementation runs the
-same check before it hands raw pointers to a kernel (:class:`KernelArgumentError`).
+argument (and, for the list ops, the entry). Each implementation runs its op's check before
+it hands raw pointers to a kernel (:class:`KernelArgumentError`). A list op's entries pass one
+boolean expression each (the per-tensor cost of a step); the detailed checks run only where
+it fails, to say why.
 """
 
 from __future__ import annotations
@@ -125,14 +127,15 @@ def _entries(lists: dict[str, Any], device: torch.device, fast: Any, check: Any)
     """Check every entry of the lists (one tensor of each). ``fast(*entry, device)`` is one
     boolean expression that holds only for a well-formed entry (the step's per-tensor cost);
     where it does not hold (or cannot be evaluated: not a tensor), ``check(*entry)`` finds the
-    reason, and the first one is returned naming its entry."""
+    reason, and the first one is returned naming its entry. ``check`` looks at one entry, so
+    what only ``fast`` sees is an entry on another device than the list's first."""
     for index, entry in enumerate(zip(*lists.values(), strict=True)):
         try:
             if fast(*entry, device):
                 continue
         except (AttributeError, TypeError):
             pass
-        reason = check(*entry) or "the entry is not well formed"
+        reason = check(*entry) or f"its tensors are not all on {device}, the device of the list's first entry"
         return f"entry {index}: {reason}"
     return None
 
