@@ -276,7 +276,7 @@ def compare_muon_momentum(
     sr_seed: torch.Tensor | None,
     exact: bool = False,
 ) -> None:
-    """``gefen::muon_momentum.v1`` against the reference, two steps from the reference's state
+    """``gefen::muon_momentum.v2`` (one entry) against the reference, two steps from the reference's state
     (``exact``: bit for bit)."""
     from gefen_core.reference_ops import muon_momentum_reference
 
@@ -290,8 +290,8 @@ def compare_muon_momentum(
         got = torch.empty(grad.shape, dtype=out_dtype, device=device)
         mine_indices, mine_magnitude = indices.clone(), magnitude.clone()
         flags = {"nesterov": nesterov, "deterministic": False}
-        muon_momentum_reference(grad, indices, magnitude, codebook, packet, sr_seed, expected, **flags)
-        op(grad, mine_indices, mine_magnitude, codebook, packet, sr_seed, got, **flags)
+        muon_momentum_reference([grad], [indices], [magnitude], codebook, packet, sr_seed, [expected], **flags)
+        op([grad], [mine_indices], [mine_magnitude], codebook, packet, sr_seed, [got], **flags)
         assert_indices_close(indices, mine_indices)
         assert ulp_distance(magnitude, mine_magnitude) <= 1
         assert ulp_distance(expected, got) <= 1
@@ -389,3 +389,36 @@ def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, de
     for before, ref, mine in zip(befores, blocks, mine_blocks, strict=True):
         _assert_exact_block_states(ref, mine)
         _assert_states(before, ref, mine)
+
+
+def compare_muon_list(op: StepOp, device: str) -> None:
+    """One ``gefen::muon_momentum.v2`` call over matrices of mixed dtypes and sizes (an empty one,
+    small ones spread over threads, a large one split), per-entry momentum rows and seeds, bf16
+    and fp32 outputs: every entry bit for bit as the reference's."""
+    from gefen_core.reference_ops import muon_momentum_reference
+
+    shapes = [((8, 16), 16, torch.float32), ((0, 4), 4, torch.float32), ((33, 64), 64, torch.bfloat16)]
+    shapes += [((256, 160), 160, torch.float16), ((5, 7), 35, torch.float64)]
+    codebook = shared_codebook().to(device)
+    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in shapes]
+    codes = [
+        torch.randint(0, 256, (g.numel() // p if p else 0, p), dtype=torch.uint8, device=device)
+        for g, (_, p, _) in zip(grads, shapes)
+    ]
+    scales = [torch.rand(c.shape[0], 1, device=device) * 0.1 for c in codes]
+    packet = torch.stack(
+        [step_scalars.muon_scalars(torch.device(device), beta) for beta in (0.9, 0.95, 0.8, 0.99, 0.5)]
+    )
+    seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (11 << 32)
+    out_dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    for nesterov, sr in ((True, None), (False, seeds)):
+        expected = [torch.empty(g.shape, dtype=d, device=device) for g, d in zip(grads, out_dtypes)]
+        got = [torch.empty(g.shape, dtype=d, device=device) for g, d in zip(grads, out_dtypes)]
+        mine_codes, mine_scales = [c.clone() for c in codes], [m.clone() for m in scales]
+        flags = {"nesterov": nesterov, "deterministic": False}
+        muon_momentum_reference(grads, codes, scales, codebook, packet, sr, expected, **flags)
+        op(grads, mine_codes, mine_scales, codebook, packet, sr, got, **flags)
+        for index in range(len(grads)):
+            assert torch.equal(codes[index], mine_codes[index]), f"entry {index}: indices differ"
+            assert _same_bits(scales[index], mine_scales[index]), f"entry {index}: block scales differ"
+            assert _same_bits(expected[index], got[index]), f"entry {index}: outputs differ"

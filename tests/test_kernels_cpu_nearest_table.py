@@ -69,7 +69,9 @@ def _kernel_codes(codebook: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     magnitude = torch.zeros(z.numel(), 1)
     out = torch.empty_like(grad)
     packet = step_scalars.muon_scalars(torch.device("cpu"), 0.0)
-    cpu_ops.muon_momentum(grad, indices, magnitude, codebook, packet, None, out, nesterov=False, deterministic=True)
+    cpu_ops.muon_momentum(
+        [grad], [indices], [magnitude], codebook, packet, None, [out], nesterov=False, deterministic=True
+    )
     assert torch.equal(magnitude, torch.ones_like(magnitude))
     return indices[:, 1]
 

@@ -16,6 +16,7 @@ from kernels_parity_helpers import (
     compare_factored_step,
     compare_histogram,
     compare_list_steps,
+    compare_muon_list,
     compare_muon_momentum,
     random_state,
     scalars,
@@ -229,3 +230,8 @@ def test_muon_momentum_matches_the_reference(dtype: torch.dtype, shape: tuple[in
         sr_seed=_seed(stochastic),
         exact=True,
     )
+
+
+def test_one_muon_momentum_call_steps_many_matrices_as_the_reference_does() -> None:
+    torch.manual_seed(13)
+    compare_muon_list(cpu_ops.muon_momentum, "cpu")

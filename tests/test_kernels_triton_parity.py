@@ -44,6 +44,7 @@ from kernels_parity_helpers import (  # noqa: E402
     compare_factored_step,
     compare_histogram,
     compare_list_steps,
+    compare_muon_list,
     compare_muon_momentum,
     random_state,
     shared_codebook,
@@ -114,6 +115,7 @@ def test_triton_factored_moments_match_the_reference(dtype: torch.dtype, shape: 
 def test_triton_list_ops_step_each_entry_as_the_reference() -> None:
     torch.manual_seed(12)
     compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True)
+    compare_muon_list(T.muon_momentum, DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

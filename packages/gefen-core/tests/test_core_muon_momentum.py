@@ -1,4 +1,4 @@
-"""``gefen::muon_momentum.v1``: the reference op against its documented arithmetic."""
+"""``gefen::muon_momentum.v2``: the reference op against its documented arithmetic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from gefen_core import reference_ops
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks
 from gefen_core.ops import MUON_MOMENTUM, OPS
-from gefen_core.reference_ops import muon_momentum_reference
+from gefen_core.reference_ops import muon_momentum_reference, muon_momentum_tensor
 from gefen_core.step_scalars import MUON_BETA, MUON_ONE_MINUS_BETA, muon_scalars
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
@@ -56,7 +56,7 @@ def test_reference_matches_the_documented_arithmetic(nesterov: bool, dtype: torc
     indices, magnitude = _state(rows, cols, period, 2)
     expected_q, expected_m, expected_n = _by_hand(grad, indices, magnitude, codebook, 0.9, nesterov)
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    muon_momentum_reference(
+    muon_momentum_tensor(
         grad, indices, magnitude, codebook, muon_scalars(torch.device("cpu"), 0.9), None, out,
         nesterov=nesterov, deterministic=False,
     )  # fmt: skip
@@ -72,7 +72,7 @@ def test_nesterov_changes_only_the_output_and_fp32_out_is_unrounded() -> None:
     for nesterov in (False, True):
         indices, magnitude = _state(6, 16, 16, 4)
         out = torch.empty(6, 16)
-        muon_momentum_reference(
+        muon_momentum_tensor(
             grad, indices, magnitude, codebook, muon_scalars(torch.device("cpu"), 0.95), None, out,
             nesterov=nesterov, deterministic=False,
         )  # fmt: skip
@@ -92,7 +92,7 @@ def test_chunking_does_not_change_any_bit(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(reference_ops, "CHUNK_ELEMENTS", chunk)
         indices, magnitude = _state(32, 24, 24, 6)
         out = torch.empty(32, 24, dtype=torch.bfloat16)
-        muon_momentum_reference(
+        muon_momentum_tensor(
             grad, indices, magnitude, codebook, muon_scalars(torch.device("cpu"), 0.9), seed, out,
             nesterov=True, deterministic=False,
         )  # fmt: skip
@@ -110,7 +110,7 @@ def test_stochastic_rounding_is_reproducible_and_unbiased() -> None:
         magnitude = torch.zeros(64, 1)
         seed = torch.tensor([draw], dtype=torch.int64)
         out = torch.empty(64, 64)
-        muon_momentum_reference(
+        muon_momentum_tensor(
             grad, indices, magnitude, codebook, muon_scalars(torch.device("cpu"), 0.0), seed, out,
             nesterov=False, deterministic=False,
         )  # fmt: skip
@@ -118,7 +118,7 @@ def test_stochastic_rounding_is_reproducible_and_unbiased() -> None:
         if draw == 0:
             again_q = torch.zeros(64, 64, dtype=torch.uint8)
             again_m = torch.zeros(64, 1)
-            muon_momentum_reference(
+            muon_momentum_tensor(
                 grad, again_q, again_m, codebook, muon_scalars(torch.device("cpu"), 0.0), seed, torch.empty(64, 64),
                 nesterov=False, deterministic=False,
             )  # fmt: skip
@@ -130,4 +130,4 @@ def test_stochastic_rounding_is_reproducible_and_unbiased() -> None:
 
 def test_the_op_is_named_and_signed() -> None:
     spec = OPS[MUON_MOMENTUM]
-    assert MUON_MOMENTUM == "gefen::muon_momentum.v1" and spec.reference is muon_momentum_reference
+    assert MUON_MOMENTUM == "gefen::muon_momentum.v2" and spec.reference is muon_momentum_reference

@@ -23,7 +23,7 @@ from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
 from .muon_plan import MuonItem, MuonPlan, batched_chunks
 from .muon_state import new_muon_state
-from .muon_update import apply_update, finish_update, momentum_input, orthogonalize
+from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on
 from .parameter_update import placeholder_codebook
@@ -52,11 +52,13 @@ class _Host(Protocol):
 
     def _state_for(self, item: MuonItem, grad: torch.Tensor, periods: Mapping[int, int]) -> dict[str, Any] | None: ...
 
-    def _seed(self, item: MuonItem) -> torch.Tensor | None: ...
+    def _seeds(self, items: list[MuonItem]) -> torch.Tensor | None: ...
 
     def _codebook_for(self, device: torch.device) -> torch.Tensor: ...
 
-    def _momentum(self, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor: ...
+    def _momenta(
+        self, items: list[MuonItem], grads: list[torch.Tensor], states: list[dict[str, Any]]
+    ) -> list[torch.Tensor]: ...
 
     def _fp8_for(self, group: Mapping[str, Any], matrix: torch.Tensor) -> bool: ...
 
@@ -146,29 +148,35 @@ class MuonExecution:
         item.state = state
         return state
 
-    def _seed(self: _Host, item: MuonItem) -> torch.Tensor | None:
+    def _seeds(self: _Host, items: list[MuonItem]) -> torch.Tensor | None:
+        """One stochastic-rounding seed per item (its slot and first element at this step)."""
         if not self._stochastic_round:
             return None
-        first = 0
-        if item.mode == APPROX:
-            mesh = item.param.device_mesh  # type: ignore[attr-defined]
-            first = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))[0] * item.shape[1]
-        seed = stochastic_seed(self._global_step, item.slot, first)
-        return torch.tensor([seed], dtype=torch.int64, device=item.local.device)
+        seeds = []
+        for item in items:
+            first = 0
+            if item.mode == APPROX:
+                mesh = item.param.device_mesh  # type: ignore[attr-defined]
+                first = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))[0] * item.shape[1]
+            seeds.append(stochastic_seed(self._global_step, item.slot, first))
+        return torch.tensor(seeds, dtype=torch.int64, device=items[0].local.device)
 
     def _codebook_for(self: _Host, device: torch.device) -> torch.Tensor:
         if self._codebook is None:
             return placeholder_codebook(device)  # every block scale is still 0
         return codebook_on(self._codebook, self._codebook_copies, device)
 
-    def _momentum(self: _Host, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        return momentum_input(
-            grad,
-            state,
-            self.param_groups[item.group_index],
+    def _momenta(
+        self: _Host, items: list[MuonItem], grads: list[torch.Tensor], states: list[dict[str, Any]]
+    ) -> list[torch.Tensor]:
+        """The Newton-Schulz inputs of one group's matrices on one device: one momentum call."""
+        return momentum_inputs(
+            grads,
+            states,
+            self.param_groups[items[0].group_index],
             dispatch=self._dispatch,
-            codebook=self._codebook_for(grad.device),
-            seed=self._seed(item),
+            codebook=self._codebook_for(grads[0].device),
+            seeds=self._seeds(items),
             deterministic=self._deterministic,
         )
 
@@ -184,7 +192,7 @@ class MuonExecution:
 
     def _update(self: _Host, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         group = self.param_groups[item.group_index]
-        matrix = self._momentum(item, grad, state)
+        (matrix,) = self._momenta([item], [grad], [state])
         update = orthogonalize(
             matrix,
             group_schedule(group),
@@ -224,14 +232,22 @@ class MuonExecution:
     # -- batched Newton-Schulz ----------------------------------------------------------
 
     def _step_batched(self: _Host, chunk: list[MuonItem], periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
-        ready: list[tuple[MuonItem, torch.Tensor, dict[str, Any], torch.Tensor]] = []
+        started: list[tuple[MuonItem, torch.Tensor, dict[str, Any]]] = []
         for item in chunk:
             grad = item.local_grad
             state = self._state_for(item, grad, periods)
             if state is None:
                 self._apply(item, None, lrs)
             else:
-                ready.append((item, grad, state, self._momentum(item, grad, state)))
+                started.append((item, grad, state))
+        by_group: dict[int, list[tuple[MuonItem, torch.Tensor, dict[str, Any]]]] = {}
+        for entry in started:
+            by_group.setdefault(entry[0].group_index, []).append(entry)
+        matrices: dict[int, torch.Tensor] = {}  # by slot
+        for members in by_group.values():  # one momentum call per group (momentum, Nesterov)
+            items, grads, states = (list(column) for column in zip(*members, strict=True))
+            matrices.update(zip((i.slot for i in items), self._momenta(items, grads, states), strict=True))
+        ready = [(item, grad, state, matrices[item.slot]) for item, grad, state in started]
         if not ready:
             return
         group = self.param_groups[ready[0][0].group_index]

@@ -1,9 +1,9 @@
 """One matrix's GefenMuon update: quantized momentum, Newton-Schulz, levers, and the write.
 
 The same functions serve every path (plain tensors, ``"exact"``, ``"approx"``, the
-``"distributed"`` owner and batched Newton-Schulz)::
+``"distributed"`` owner and batched Newton-Schulz, whose inputs take one momentum call)::
 
-    X = momentum_input(G)            # gefen::muon_momentum.v1: EMA on the codes, Nesterov, bf16 NS input
+    X = momentum_inputs([G])[0]      # gefen::muon_momentum.v2: EMA on the codes, Nesterov, bf16 NS input
     O = orthogonalize(X)             # bf16 Newton-Schulz (fp8 where eligible)
     O = finish_update(O, G)          # NorMuon, then cautious, when the group enables them
     apply_update(p, O)               # p <- p * (1 - lr * wd) ; p <- p - lr * rho * O
@@ -27,31 +27,38 @@ from .ops import MUON_MOMENTUM, Kernels
 from .param_state import INDICES, MAGNITUDE, STEP
 from .step_scalars import muon_scalars
 
-__all__ = ["apply_update", "finish_update", "momentum_input", "orthogonalize"]
+__all__ = ["apply_update", "finish_update", "momentum_inputs", "orthogonalize"]
 
 
-def momentum_input(
-    grad: torch.Tensor,
-    state: dict[str, Any],
+def momentum_inputs(
+    grads: list[torch.Tensor],
+    states: list[dict[str, Any]],
     group: Mapping[str, Any],
     *,
     dispatch: Kernels,
     codebook: torch.Tensor,
-    seed: torch.Tensor | None,
+    seeds: torch.Tensor | None,
     deterministic: bool,
-) -> torch.Tensor:
-    """Advance the quantized momentum in ``state`` and return the bf16 Newton-Schulz input."""
-    contiguous = grad.contiguous()
-    out = torch.empty(contiguous.shape, dtype=torch.bfloat16, device=contiguous.device)
-    scalars = muon_scalars(contiguous.device, group["momentum"])
-    dispatch(
-        MUON_MOMENTUM,
-        *(contiguous, state[INDICES], state[MAGNITUDE], codebook, scalars, seed, out),
+) -> list[torch.Tensor]:
+    """Advance the quantized momentum in each of ``states`` (one group's matrices on one device)
+    with one op call, and return their bf16 Newton-Schulz inputs."""
+    contiguous = [grad.contiguous() for grad in grads]
+    outs = [torch.empty(g.shape, dtype=torch.bfloat16, device=g.device) for g in contiguous]
+    scalars = muon_scalars(contiguous[0].device, group["momentum"])
+    dispatch.op(MUON_MOMENTUM)(
+        contiguous,
+        [state[INDICES] for state in states],
+        [state[MAGNITUDE] for state in states],
+        codebook,
+        scalars,
+        seeds,
+        outs,
         nesterov=bool(group["nesterov"]),
         deterministic=deterministic,
     )
-    state[STEP] = int(state[STEP]) + 1
-    return out
+    for state in states:
+        state[STEP] = int(state[STEP]) + 1
+    return outs
 
 
 def orthogonalize(

@@ -24,13 +24,14 @@ op                                 schema (after the name; ``*`` starts keyword-
                                    maximize, deterministic)``
 ``gefen::histogram.v1``            ``(grad, period, counts!, *, deterministic)`` (adds to int64 counts)
 ``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
-``gefen::muon_momentum.v1``        ``(grad, indices!, magnitude!, codebook, scalars, sr_seed?, out!, *,
-                                   nesterov, deterministic)`` (GefenMuon; writes ``out``)
+``gefen::muon_momentum.v2``        ``(grads[], indices![], magnitudes![], codebook, scalars, sr_seeds?,
+                                   outs![], *, nesterov, deterministic)`` (GefenMuon; writes ``outs``)
 =================================  ==========================================================
 
-``!`` marks an argument the op writes in place, ``[]`` a list of tensors. The three step ops
-take one list entry per parameter, so a step makes one call per parameter group and
-second-moment variant (as ``torch._fused_adamw_`` does), not one per tensor; each
+``!`` marks an argument the op writes in place, ``[]`` a list of tensors. The step ops
+(Gefen's three and GefenMuon's momentum) take one list entry per parameter, so a step makes
+one call per parameter group and second-moment variant (as ``torch._fused_adamw_`` does;
+GefenMuon: per batch of Newton-Schulz inputs), not one per tensor; each
 parameter and its gradient are contiguous and of equal shape and dtype (fp32, bf16, fp16
 or fp64; the dtype may differ between entries). The step scalars arrive packed in an fp32
 device tensor (:mod:`gefen_core.step_scalars`), ``[NUM_SCALARS]`` shared by every entry or
@@ -90,7 +91,7 @@ FACTORED_MOMENTS = "gefen::factored_moments.v2"
 FACTORED_STEP = "gefen::factored_step.v4"
 HISTOGRAM = "gefen::histogram.v1"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
-MUON_MOMENTUM = "gefen::muon_momentum.v1"
+MUON_MOMENTUM = "gefen::muon_momentum.v2"
 
 _STEP_FLAGS = "bool apply_decay, bool maximize, bool deterministic"
 
@@ -182,9 +183,9 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec(
             MUON_MOMENTUM,
-            "(Tensor grad, Tensor(a!) indices, Tensor(b!) magnitude, Tensor codebook, Tensor scalars, "
-            "Tensor? sr_seed, Tensor(c!) out, *, bool nesterov, bool deterministic) -> ()",
-            "GefenMuon momentum requantisation and Newton-Schulz input",
+            "(Tensor[] grads, Tensor(a!)[] indices, Tensor(b!)[] magnitudes, Tensor codebook, Tensor scalars, "
+            "Tensor? sr_seeds, Tensor(c!)[] outs, *, bool nesterov, bool deterministic) -> ()",
+            "GefenMuon momentum requantisation and Newton-Schulz input, per matrix of the lists",
             muon_momentum_reference,
             _none,
         ),

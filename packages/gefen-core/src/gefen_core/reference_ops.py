@@ -44,7 +44,7 @@ stochastic rounding (:mod:`gefen_core.momentum_codec`). A kernel matching this c
 matches the reference bit for bit except where a float64 sum of squares rounds to fp32
 differently because of summation order (at most one ulp in ``v``, very rarely).
 
-GefenMuon's momentum (``gefen::muon_momentum.v1``), per block ``b`` of the matrix's
+GefenMuon's momentum (``gefen::muon_momentum.v2``, a list of matrices), per block ``b`` of the matrix's
 row-major flattening (``B`` and ``OMB`` the ``MUON_BETA`` / ``MUON_ONE_MINUS_BETA`` scalars of
 :func:`gefen_core.step_scalars.muon_scalars`)::
 
@@ -86,6 +86,7 @@ __all__ = [
     "factored_step_tensor",
     "histogram_reference",
     "muon_momentum_reference",
+    "muon_momentum_tensor",
     "requantized_momentum",
     "scalars_of",
     "stochastic_uniform_reference",
@@ -413,7 +414,7 @@ def stochastic_uniform_reference(seed: torch.Tensor, index: torch.Tensor) -> tor
     return splitmix_uniform(seed, index)
 
 
-def muon_momentum_reference(
+def muon_momentum_tensor(
     grad: torch.Tensor,
     indices: torch.Tensor,
     magnitude: torch.Tensor,
@@ -425,7 +426,8 @@ def muon_momentum_reference(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::muon_momentum.v1``: advance one matrix's quantized momentum and write the NS input.
+    """Advance one matrix's quantized momentum and write the NS input (one entry of
+    ``gefen::muon_momentum.v2``).
 
     ``grad``: contiguous ``[R, C]`` (fp32, bf16, fp16 or fp64); ``indices``: uint8 ``[B, P]``
     and ``magnitude``: fp32 ``[B, 1]`` with ``B * P == R * C`` (blocks of the row-major
@@ -450,3 +452,31 @@ def muon_momentum_reference(
         if nesterov:
             momentum = momentum * beta + g * one_minus_beta
         o2[first:last] = momentum
+
+
+def muon_momentum_reference(
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    outs: list[torch.Tensor],
+    *,
+    nesterov: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen::muon_momentum.v2``: :func:`muon_momentum_tensor` of each matrix of the lists
+    (``scalars``: ``[MUON_NUM_SCALARS]`` shared or one row per entry; one seed per entry)."""
+    for index, grad in enumerate(grads):
+        muon_momentum_tensor(
+            grad,
+            indices[index],
+            magnitudes[index],
+            codebook,
+            scalars_of(scalars, index),
+            _seed_of(sr_seeds, index),
+            outs[index],
+            nesterov=nesterov,
+            deterministic=deterministic,
+        )

@@ -370,25 +370,58 @@ def check_stochastic_uniform(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
-def check_muon_momentum(*args: Any, **kwargs: Any) -> str | None:
-    """``(grad, indices, magnitude, codebook, scalars, sr_seed, out, *, nesterov, deterministic)``."""
-    if len(args) != 7:
-        return f"gefen::muon_momentum.v1 takes 7 positional arguments, got {len(args)}"
-    grad, indices, magnitude, codebook, scalars, sr_seed, out = args
-    reason = _flags(kwargs, ("nesterov", "deterministic"))
-    if reason:
-        return reason
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _muon_entry(grad: Any, indices: Any, magnitude: Any, out: Any) -> str | None:
     if not isinstance(grad, torch.Tensor) or grad.dtype not in PARAM_DTYPES or not grad.is_contiguous():
         return "grad must be a contiguous floating-point tensor"
     if grad.dim() != 2:
         return f"grad must be a 2-D matrix, got {grad.dim()}-D"
-    reason = _momentum(grad, indices, magnitude) or _shared(
-        grad.device, codebook, scalars, sr_seed, 1, MUON_NUM_SCALARS
-    )
+    reason = _momentum(grad, indices, magnitude)
     if reason:
         return reason
-    if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bfloat16, torch.float32):
+    if not isinstance(out, torch.Tensor) or out.dtype not in _OUT_DTYPES:
         return "out must be a bf16 or fp32 tensor"
     if out.device != grad.device or out.shape != grad.shape or not out.is_contiguous():
         return f"out must be contiguous, of shape {tuple(grad.shape)}, on {grad.device}"
     return None
+
+
+def _muon_fast(g: Any, q: Any, m: Any, o: Any, device: torch.device) -> bool:
+    return bool(
+        g.dtype in _PARAM_DTYPE_SET
+        and q.dtype is _U8
+        and m.dtype is _F32
+        and o.dtype in _OUT_DTYPES
+        and g.dim() == 2
+        and o.shape == g.shape
+        and q.dim() == 2
+        and q.numel() == g.numel()
+        and m.numel() == q.shape[0]
+        and g.is_contiguous()
+        and q.is_contiguous()
+        and m.is_contiguous()
+        and o.is_contiguous()
+        and g.device == device
+        and q.device == device
+        and m.device == device
+        and o.device == device
+    )
+
+
+def check_muon_momentum(*args: Any, **kwargs: Any) -> str | None:
+    """``(grads, indices, magnitudes, codebook, scalars, sr_seeds, outs, *, nesterov, deterministic)``."""
+    op = "gefen::muon_momentum.v2"
+    if len(args) != 7:
+        return f"{op} takes 7 positional arguments, got {len(args)}"
+    grads, indices, magnitudes, codebook, scalars, sr_seeds, outs = args
+    lists = {"grads": grads, "indices": indices, "magnitudes": magnitudes, "outs": outs}
+    reason = _flags(kwargs, ("nesterov", "deterministic")) or _lists(op, lists)
+    if reason or not grads:
+        return reason
+    if not isinstance(grads[0], torch.Tensor):
+        return f"entry 0: grad must be a tensor, got {type(grads[0]).__name__}"
+    device = grads[0].device
+    reason = _shared(device, codebook, scalars, sr_seeds, len(grads), MUON_NUM_SCALARS)
+    return reason or _entries(lists, device, _muon_fast, _muon_entry)

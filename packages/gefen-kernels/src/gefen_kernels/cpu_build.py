@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: Must equal ``GEFEN_ABI_VERSION`` in the C source.
-ABI_VERSION = 3
+ABI_VERSION = 4
 _SOURCE = Path(__file__).with_name("csrc") / "gefen_cpu.c"
 #: Tried in order; the first set that compiles is used: native code with real vector gathers
 #: (:data:`gefen_kernels.prebuilt.GATHER_FLAGS`: GCC's generic tuning emulates them with

@@ -44,7 +44,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "gefen_factored_stats": [_INT, _P, _I64, _I64, _P, _P, _P, _I64, _INT],
     "gefen_factored_moments": [_I64, _P, _P, _I64, _I64, _INT],
     "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
-    "gefen_muon_momentum": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _INT, _INT, _P],
+    "gefen_muon_momentum": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _P],
     "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
     "gefen_uses_threshold_table": [_P, _P],
 }
@@ -363,45 +363,62 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def muon_momentum(
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    magnitude: torch.Tensor,
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
     codebook: torch.Tensor,
     scalars: torch.Tensor,
-    sr_seed: torch.Tensor | None,
-    out: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    outs: list[torch.Tensor],
     *,
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::muon_momentum.v1`` on CPU: requantised momentum EMA, Newton-Schulz input in ``out``."""
+    """``gefen::muon_momentum.v2`` on CPU: requantised momentum EMA of every entry, Newton-Schulz
+    input in its ``out``; one C call for the list."""
     _check(
         arguments.check_muon_momentum(
-            grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic
+            grads,
+            indices,
+            magnitudes,
+            codebook,
+            scalars,
+            sr_seeds,
+            outs,
+            nesterov=nesterov,
+            deterministic=deterministic,
         )
     )
-    _on_cpu(grad)
-    if grad.numel() == 0:
+    if not grads:
         return
-    blocks, period = indices.shape
+    _on_cpu(grads[0])
+    rows: list[int] = []
+    for grad, codes, magnitude, out in zip(grads, indices, magnitudes, outs, strict=True):
+        blocks, period = codes.shape
+        rows += (
+            _DTYPE_CODES[grad.dtype],
+            blocks * period,
+            grad.data_ptr(),
+            codes.data_ptr(),
+            magnitude.data_ptr(),
+            out.data_ptr(),
+            int(out.dtype is torch.bfloat16),
+            blocks,
+            period,
+        )
+    entries = _entries(rows)
     status = _function("gefen_muon_momentum")(
-        _DTYPE_CODES[grad.dtype],
-        grad.data_ptr(),
-        indices.data_ptr(),
-        magnitude.data_ptr(),
+        len(grads),
+        entries.buffer_info()[0],
         codebook.data_ptr(),
-        scalars.data_ptr(),
-        _seed_pointer(sr_seed),
-        out.data_ptr(),
-        int(out.dtype is torch.bfloat16),
-        blocks,
-        period,
+        *_list_scalars(scalars),
+        _seed_pointer(sr_seeds),
         int(nesterov),
         torch.get_num_threads(),
         _codebook_table(),
     )
     _checked("gefen_muon_momentum", status)
-    increment_version([indices, magnitude, out])
+    increment_version([*indices, *magnitudes, *outs])
 
 
 def nearest_rounding_path(codebook: torch.Tensor) -> str:

@@ -27,7 +27,7 @@ GEFEN_OPS = frozenset(
         "gefen::factored_step.v4",
         "gefen::histogram.v1",
         "gefen::stochastic_uniform.v1",
-        "gefen::muon_momentum.v1",
+        "gefen::muon_momentum.v2",
     }
 )
 
@@ -47,6 +47,6 @@ SCALAR_INDEX = {
     "EPS": 8,
 }
 NUM_SCALARS = 9
-#: ``gefen::muon_momentum.v1``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
+#: ``gefen::muon_momentum.v2``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
 MUON_SCALAR_INDEX = {"MUON_BETA": 0, "MUON_ONE_MINUS_BETA": 1}
 MUON_NUM_SCALARS = 2

@@ -277,47 +277,57 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def muon_momentum(
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    magnitude: torch.Tensor,
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
     codebook: torch.Tensor,
     scalars: torch.Tensor,
-    sr_seed: torch.Tensor | None,
-    out: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    outs: list[torch.Tensor],
     *,
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::muon_momentum.v1`` with Triton: one pass requantises and writes the Newton-Schulz input."""
+    """``gefen::muon_momentum.v2`` with Triton: per entry, one pass requantises and writes the
+    Newton-Schulz input (one launch per non-empty entry)."""
     _check(
         arguments.check_muon_momentum(
-            grad, indices, magnitude, codebook, scalars, sr_seed, out, nesterov=nesterov, deterministic=deterministic
+            grads,
+            indices,
+            magnitudes,
+            codebook,
+            scalars,
+            sr_seeds,
+            outs,
+            nesterov=nesterov,
+            deterministic=deterministic,
         ),
-        grad,
+        *grads[:1],
     )
-    if grad.numel() == 0:
-        return
-    blocks, period = indices.shape
-    rows, cols = _tile(blocks, period)
-    K.muon_momentum_kernel[(triton_cdiv(blocks, rows),)](
-        grad,
-        indices,
-        magnitude,
-        codebook,
-        scalars,
-        sr_seed,
-        out,
-        blocks,
-        period,
-        ROWS=rows,
-        COLS=cols,
-        STOCHASTIC=sr_seed is not None,
-        NESTEROV=nesterov,
-        OUT_BF16=out.dtype is torch.bfloat16,
-        enable_fp_fusion=False,
-    )
-    for tensor in (indices, magnitude, out):
-        increment_version(tensor)
+    for index, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        blocks, period = indices[index].shape
+        rows, cols = _tile(blocks, period)
+        seed = _seed_of(sr_seeds, index)
+        K.muon_momentum_kernel[(triton_cdiv(blocks, rows),)](
+            grad,
+            indices[index],
+            magnitudes[index],
+            codebook,
+            _scalars_of(scalars, index),
+            seed,
+            outs[index],
+            blocks,
+            period,
+            ROWS=rows,
+            COLS=cols,
+            STOCHASTIC=seed is not None,
+            NESTEROV=nesterov,
+            OUT_BF16=outs[index].dtype is torch.bfloat16,
+            enable_fp_fusion=False,
+        )
+    increment_version([*indices, *magnitudes, *outs])
 
 
 def triton_cdiv(a: int, b: int) -> int:

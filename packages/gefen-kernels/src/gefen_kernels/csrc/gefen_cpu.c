@@ -36,7 +36,7 @@
 #define GEFEN_AVX512 1
 #endif
 
-#define GEFEN_ABI_VERSION 3
+#define GEFEN_ABI_VERSION 4
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -936,12 +936,8 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     }                                                                                            \
     /* GefenMuon: requantise the momentum EMA u = fl(fl(C[q] M) beta) + fl(g (1 - beta)) and write   \
      * the Newton-Schulz input C[q'] M' (Nesterov: fl(fl(C[q'] M' beta) + fl(g (1 - beta)))). */           \
-    static void muon_momentum_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
-                                    void* out, int out_bf16, int64_t blocks, int64_t period, int nesterov,     \
-                                    int threads) {                                                             \
-        int64_t b;                                                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)") \
-        for (b = 0; b < blocks; b++) {                                                                         \
+    static void muon_block_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
+                                 void* out, int out_bf16, int64_t b, int64_t blocks, int64_t period, int nesterov) { \
             float ubuf[UBUF], ones[TILE], vbuf[TILE], gbuf[TILE], scratch[TILE];                               \
             int64_t off = b * period;                                                                          \
             float m_old = magnitude[b];                                                                        \
@@ -964,9 +960,22 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                 }                                                                                              \
                 store_tile(out, off + t0, vbuf, len, out_bf16);                                                \
             }                                                                                                  \
-        }                                                                                                      \
-    }                                                                                                          \
-                                                                                                               \
+    } \
+ \
+    static void muon_momentum_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
+                                    void* out, int out_bf16, int64_t blocks, int64_t period, int nesterov, \
+                                    int threads) { \
+        int64_t b; \
+        if (PARALLEL(blocks * period, threads)) { \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+            for (b = 0; b < blocks; b++) \
+                muon_block_##SUF(ctx, grad, indices, magnitude, out, out_bf16, b, blocks, period, nesterov); \
+        } else { \
+            for (b = 0; b < blocks; b++) \
+                muon_block_##SUF(ctx, grad, indices, magnitude, out, out_bf16, b, blocks, period, nesterov); \
+        } \
+    } \
+ \
     static void histogram_##SUF(const PT* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) { \
         _Pragma("omp parallel num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)")       \
         {                                                                                                      \
@@ -1139,6 +1148,7 @@ typedef struct {
     const int64_t* seeds;
     int apply_decay, maximize;
     int64_t chunks; /* factored statistics: fixed row chunks (see gefen_factored_stats) */
+    int nesterov;   /* GefenMuon's momentum */
 } ListCall;
 
 typedef int (*EntryFn)(const ListCall* call, int64_t i, int threads);
@@ -1303,23 +1313,34 @@ int gefen_factored_moments(int64_t n, const int64_t* entries, const float* scala
     return run_entries(&call, n, factored_moments_entry, threads);
 }
 
-/* scalars: [beta, 1 - beta] (gefen_core.step_scalars.muon_scalars); out: bf16 or fp32. */
-int gefen_muon_momentum(int dtype, const void* grad, uint8_t* indices, float* magnitude, const float* codebook,
-                        const float* scalars, const int64_t* seed, void* out, int out_bf16, int64_t blocks,
-                        int64_t period, int nesterov, int threads, void* table) {
+/* muon momentum rows: dtype, numel, grad, indices, magnitude, out, out_bf16, blocks, period. The
+ * packet (gefen_core.step_scalars.muon_scalars) is [beta, 1 - beta]; out is bf16 or fp32. */
+enum { MM_GRAD = 2, MM_INDICES, MM_MAGNITUDE, MM_OUT, MM_OUT_BF16, MM_BLOCKS, MM_PERIOD, MM_FIELDS };
+
+static int muon_momentum_entry(const ListCall* call, int64_t i, int threads) {
+    const int64_t* e = call->entries + i * MM_FIELDS;
+    const float* scalars = call->scalars + i * call->scalar_stride;
     float packet[9] = {1.0f, 1.0f, 1.0f, 1.0f, scalars[0], scalars[1], 0.0f, 0.0f, 0.0f};
     StepContext ctx;
-    prepare_table((CodebookTable*)table, codebook);
-    read_context(&ctx, packet, codebook, (const CodebookTable*)table, seed, 0, 0);
-#define MUON_ARGS grad, indices, magnitude, out, out_bf16, blocks, period, nesterov, threads
-    switch (dtype) {
-        case DT_F32: muon_momentum_f32(&ctx, MUON_ARGS); return 0;
-        case DT_BF16: muon_momentum_bf16(&ctx, MUON_ARGS); return 0;
-        case DT_F16: muon_momentum_f16(&ctx, MUON_ARGS); return 0;
-        case DT_F64: muon_momentum_f64(&ctx, MUON_ARGS); return 0;
-        default: return -1;
+    read_context(&ctx, packet, call->codebook, call->table, call->seeds != NULL ? call->seeds + i : NULL, 0, 0);
+#define MUON_ARGS PTR(e, MM_GRAD), PTR(e, MM_INDICES), PTR(e, MM_MAGNITUDE), PTR(e, MM_OUT), (int)e[MM_OUT_BF16], \
+                  e[MM_BLOCKS], e[MM_PERIOD], call->nesterov, threads
+    switch (e[0]) {
+        case DT_F32: muon_momentum_f32(&ctx, MUON_ARGS); break;
+        case DT_BF16: muon_momentum_bf16(&ctx, MUON_ARGS); break;
+        case DT_F16: muon_momentum_f16(&ctx, MUON_ARGS); break;
+        default: muon_momentum_f64(&ctx, MUON_ARGS); break;
     }
 #undef MUON_ARGS
+    return 0;
+}
+
+int gefen_muon_momentum(int64_t n, const int64_t* entries, const float* codebook, const float* scalars,
+                        int64_t scalar_stride, const int64_t* seeds, int nesterov, int threads, void* table) {
+    prepare_table((CodebookTable*)table, codebook);
+    ListCall call = {entries, MM_FIELDS, codebook, (const CodebookTable*)table, scalars, scalar_stride, seeds,
+                     0, 0, 0, nesterov};
+    return run_entries(&call, n, muon_momentum_entry, threads);
 }
 
 int gefen_histogram(int dtype, const void* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) {

@@ -153,18 +153,17 @@ def _copy_bound(numel: int, device: str) -> StepFactory:
 
 
 def _muon_momentum(named: NamedParameters) -> Callable[[], object]:
-    """GefenMuon's quantised-momentum op alone (``gefen::muon_momentum.v1``) on the 2-D matrices,
-    through a registered kernel (:class:`~gefen_contracts.KernelUnavailableError` without one)."""
-    from functools import partial
-
+    """GefenMuon's quantised-momentum op alone (``gefen::muon_momentum.v2``) on the 2-D matrices,
+    one call for all of them, through a registered kernel
+    (:class:`~gefen_contracts.KernelUnavailableError` without one)."""
     from gefen_core.ops import MUON_MOMENTUM, Kernels
     from gefen_core.step_scalars import muon_scalars
 
     device = named[0][1].device
     kernels = Kernels(True)
     kernels.require(MUON_MOMENTUM, device)
-    run = partial(kernels, MUON_MOMENTUM)
-    work = []
+    run = kernels.op(MUON_MOMENTUM)
+    grads, codes, scales, outs = [], [], [], []
     codebook = torch.linspace(-1.0, 1.0, 256, device=device)
     for _, parameter in named:
         if parameter.dim() != 2:
@@ -173,14 +172,14 @@ def _muon_momentum(named: NamedParameters) -> Callable[[], object]:
         assert grad is not None
         period = parameter.shape[1]
         blocks = parameter.numel() // period
-        indices = torch.zeros(blocks, period, dtype=torch.uint8, device=device)
-        magnitude = torch.zeros(blocks, 1, device=device)
-        out = torch.empty(parameter.shape, dtype=torch.bfloat16, device=device)
-        work.append((grad, indices, magnitude, codebook, muon_scalars(device, 0.95), None, out))
+        grads.append(grad)
+        codes.append(torch.zeros(blocks, period, dtype=torch.uint8, device=device))
+        scales.append(torch.zeros(blocks, 1, device=device))
+        outs.append(torch.empty(parameter.shape, dtype=torch.bfloat16, device=device))
+    scalars = muon_scalars(device, 0.95)
 
     def step() -> None:
-        for arguments in work:
-            run(*arguments, nesterov=True, deterministic=False)
+        run(grads, codes, scales, codebook, scalars, None, outs, nesterov=True, deterministic=False)
 
     return step
 
