@@ -246,6 +246,21 @@ def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> N
     assert "unknown arm(s) ['no-such']" in capsys.readouterr().err
 
 
+def test_bench_step_steps_the_demo_model_when_asked() -> None:
+    """``--model demo``: the parameters of ``gefen demo``'s model, shape for shape (issue 17's
+    demo figure comes from ``gefen bench step``)."""
+    from gefen.bench.step import StepOptions, model_shapes
+    from gefen.demo.data import load_tinylang
+    from gefen.demo.model import TinyDecoder, preset
+
+    model = TinyDecoder(preset("small").with_vocab(load_tinylang().tokenizer.vocab_size))
+    expected = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert model_shapes(StepOptions(model="demo")) == expected
+    assert len(expected) == 53 and sum(math.prod(shape) for _, shape in expected) == 812_288
+    with pytest.raises(ValueError, match="StepOptions.model must be"):
+        StepOptions(model="gpt2")
+
+
 def test_bench_step_runs_only_the_chosen_arms_and_the_baseline(tmp_path: Path) -> None:
     code = main(
         ["bench", "step", "--d-model", "32", "--layers", "1", "--vocab", "64", "--warmup", "1", "--repeats", "1",

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
 
-__all__ = ["BASELINE", "StepOptions", "decoder_shapes", "run_step", "step_panels", "step_table"]
+__all__ = ["BASELINE", "StepOptions", "decoder_shapes", "model_shapes", "run_step", "step_panels", "step_table"]
 
 BASELINE = "adamw-fused"
 #: Bytes per parameter the cheapest Gefen step must move (fp32 parameter and gradient read,
@@ -79,6 +79,9 @@ class StepOptions:
     seed: int = 0
     #: arm names to run (the fused AdamW baseline always runs); empty: every arm
     arms: tuple[str, ...] = ()
+    #: ``"demo"``: the parameters of ``gefen demo``'s model (its shapes; d_model, layers and vocab
+    #: are then unused); empty: the decoder of d_model, layers and vocab
+    model: str = ""
 
     def __post_init__(self) -> None:
         for name in ("d_model", "layers", "vocab", "threads", "repeats"):
@@ -93,6 +96,23 @@ class StepOptions:
             raise ValueError(f"StepOptions.device must be 'cpu' or 'cuda', got {self.device!r}")
         if type(self.arms) is not tuple or any(type(a) is not str or not a for a in self.arms):
             raise ValueError(f"StepOptions.arms must be a tuple of non-empty arm names, got {self.arms!r}")
+        if self.model not in ("", "demo"):
+            raise ValueError(
+                f"StepOptions.model must be '' (the decoder of d_model/layers/vocab) or 'demo', got {self.model!r}"
+            )
+
+
+def model_shapes(options: StepOptions) -> list[tuple[str, Shape]]:
+    """The stepped parameters' ``(name, shape)``: ``gefen demo``'s model (its default size, on the
+    demo's character vocabulary) for ``model="demo"``, else :func:`decoder_shapes`."""
+    if options.model == "demo":
+        from ..demo.data import load_tinylang
+        from ..demo.model import TinyDecoder, preset
+        from ..demo.run import DemoOptions
+
+        config = preset(DemoOptions().model_size).with_vocab(load_tinylang().tokenizer.vocab_size)
+        return [(name, tuple(p.shape)) for name, p in TinyDecoder(config).named_parameters()]
+    return decoder_shapes(options.d_model, options.layers, options.vocab)
 
 
 def decoder_shapes(d_model: int, layers: int, vocab: int) -> list[tuple[str, Shape]]:
@@ -308,7 +328,7 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
     try:
-        shapes = decoder_shapes(options.d_model, options.layers, options.vocab)
+        shapes = model_shapes(options)
         numel = sum(int(torch.Size(shape).numel()) for _, shape in shapes)
         factories, notes = _arms(numel, options.device)
         if options.arms:

@@ -27,6 +27,12 @@ def register(sub: Any) -> None:
             "GefenMuon's quantised-momentum op, and torchao/bitsandbytes 8-bit and 4-bit AdamW when installed."
         ),
     )
+    parser.add_argument(
+        "--model",
+        choices=("decoder", "demo"),
+        default="decoder",
+        help="decoder: the shapes of --d-model/--layers/--vocab (default); demo: gefen demo's model (0.81M parameters)",
+    )
     parser.add_argument("--d-model", type=int, default=defaults.d_model, help="model width (default %(default)s)")
     parser.add_argument("--layers", type=int, default=defaults.layers, help="decoder layers (default %(default)s)")
     parser.add_argument("--vocab", type=int, default=defaults.vocab, help="embedding rows (default %(default)s)")
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             device=args.device,
             arms=tuple(name.strip() for name in args.arms.split(",") if name.strip()),
+            model="" if args.model == "decoder" else args.model,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
