@@ -257,7 +257,7 @@ def test_bench_step_steps_the_demo_model_when_asked() -> None:
     expected = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     assert model_shapes(StepOptions(model="demo")) == expected
     assert len(expected) == 53 and sum(math.prod(shape) for _, shape in expected) == 812_288
-    with pytest.raises(ValueError, match="StepOptions.model must be"):
+    with pytest.raises(ValueError, match=r"StepOptions\.model must be"):
         StepOptions(model="gpt2")
 
 
