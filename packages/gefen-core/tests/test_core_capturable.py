@@ -98,3 +98,30 @@ def test_cuda_graph_replay_matches_eager_capturable() -> None:
     for p, q in zip(graph_params, eager_params):
         assert torch.equal(p, q)
     assert graphed.global_step == 6
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_parameters_whose_counters_differ_share_one_call_bit_identically(fused: bool | None) -> None:
+    """A parameter that started later has other counters than its bucket's others: the bucket's
+    scalars become one row per parameter (host rows eagerly; one vectorised device computation
+    and one counter op under ``capturable``), on the reference and on the kernels alike."""
+    shapes = [(8, 12), (12, 8), (6, 10), (12,), (10,)]
+    late = {1, 3}  # no gradient for the first two steps
+
+    def run(capturable: bool) -> tuple[list[torch.Tensor], Gefen]:
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+        optimizer = Gefen(params, lr=3e-3, fused=fused, capturable=capturable, weight_decay=0.1)
+        for step in range(6):
+            generator = torch.Generator().manual_seed(200 + step)
+            for index, param in enumerate(params):
+                grad = torch.randn(param.shape, generator=generator)
+                param.grad = None if step < 2 and index in late else grad
+            optimizer.step()
+        return [p.detach().clone() for p in params], optimizer
+
+    (eager, eager_opt), (captured, captured_opt) = run(False), run(True)
+    for expected, got in zip(eager, captured):
+        assert torch.equal(expected, got)
+    steps = [int(captured_opt.state[p]["step"]) for p in captured_opt.param_groups[0]["params"]]
+    assert steps == [6, 4, 6, 4, 6] == [eager_opt.state[p]["step"] for p in eager_opt.param_groups[0]["params"]]

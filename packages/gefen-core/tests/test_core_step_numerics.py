@@ -254,6 +254,25 @@ def test_device_scalars_equal_host_scalars_bitwise() -> None:
                     **options,
                 )
                 assert torch.equal(host, device), (factored, beta1, beta2, step)
+        # one row per counter pair, computed at once: each row as the host computes it
+        steps, ages = [1, 2, 10, 99991], [1, 1, 9, 5]
+        rows = device_scalars(
+            lr=torch.tensor(3e-4, dtype=torch.float64),
+            step=torch.tensor(steps, dtype=torch.float64),
+            age=torch.tensor(ages, dtype=torch.float64),
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            factored=factored,
+        )
+        assert rows.shape == (4, 9)
+        for row, step, age in zip(rows, steps, ages):
+            host = host_scalars(
+                torch.device("cpu"), lr=3e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                step=step, age=age, factored=factored,
+            )  # fmt: skip
+            assert torch.equal(row, host), (factored, step, age)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

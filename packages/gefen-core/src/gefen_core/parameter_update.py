@@ -63,9 +63,10 @@ def _scalars(
         "weight_decay": group["weight_decay"],
         "factored": variant == FACTORED,
     }
-    if capturable:
-        rows = [step_scalars.device_scalars(lr=group["lr"], step=s[STEP], age=s[age_key], **common) for s in states]
-        return torch.stack(rows)
+    if capturable:  # every counter pair at once: a fixed number of device ops per bucket
+        steps = torch.stack([s[STEP] for s in states])
+        ages = torch.stack([s[age_key] for s in states])
+        return step_scalars.device_scalars(lr=group["lr"], step=steps, age=ages, **common)
     lr = _lr_value(group["lr"])
     step, age = states[0][STEP], states[0][age_key]
     if type(step) is int and type(age) is int and all(s[STEP] == step and s[age_key] == age for s in states):
@@ -147,12 +148,15 @@ def update_parameters(
         assert state is not None
         if (V_ROW in state) is not factored:
             switch_second_moment(state, variant, work.local, capturable)
-        state[STEP] += 1  # an int, or (capturable) a device tensor advanced in place
-        state[age_key] += 1
+        if not capturable:  # ints here; capturable counters are device tensors, advanced below
+            state[STEP] += 1
+            state[age_key] += 1
         states.append(state)
         local = work.local
         targets.append(local if local.is_contiguous() else local.contiguous())
         grads.append(work.grad.contiguous())
+    if capturable:  # device counters, advanced in place by one op for the bucket
+        torch._foreach_add_([s[STEP] for s in states] + [s[age_key] for s in states], 1)
     scalars = _scalars(states, group, variant, works[0].local.device, capturable)
     flags = {
         "apply_decay": group["weight_decay"] != 0,

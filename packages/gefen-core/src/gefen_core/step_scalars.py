@@ -108,14 +108,16 @@ def device_scalars(
     age: torch.Tensor,
     factored: bool,
 ) -> torch.Tensor:
-    """The same scalars from device counters (0-dim float64 ``step`` and ``age``).
+    """The same scalars from device counters: float64 ``step`` and ``age``, 0-dim (one packet,
+    ``[NUM_SCALARS]``) or ``[N]`` (one row per counter pair, ``[N, NUM_SCALARS]``, in a fixed
+    number of device ops whatever ``N``: what a captured graph replays).
 
     ``lr`` may be a tensor (read on device, so a captured graph sees in-place updates).
     """
     device = step.device
     f64 = torch.float64
-    one = torch.ones((), dtype=f64, device=device)
-    lr64 = lr.detach().to(device=device, dtype=f64).reshape(()) if isinstance(lr, torch.Tensor) else one * lr
+    one = torch.ones(step.shape, dtype=f64, device=device)
+    lr64 = lr.detach().to(device=device, dtype=f64).reshape(()) * one if isinstance(lr, torch.Tensor) else one * lr
     inv_bc1 = one / (one - torch.pow(beta1, step))
     bc2 = one - torch.pow(beta2, age)
     bc2_term = one / bc2 if factored else one / torch.sqrt(bc2)
@@ -130,7 +132,7 @@ def device_scalars(
         one * (1.0 - beta2),
         one * eps,
     ]
-    return torch.stack(values).to(torch.float32)
+    return torch.stack(values, dim=-1).to(torch.float32)
 
 
 def muon_scalars(device: torch.device, momentum: float) -> torch.Tensor:
