@@ -16,7 +16,6 @@ import torch
 
 from .exact_dp import histogram_points, solve_pinned_codebook
 from .momentum_codec import CODEBOOK_SIZE, bucket_occupancy_ok, nearest_codeword
-from .ops import HISTOGRAM
 from .reference_ops import CHUNK_ELEMENTS, HISTOGRAM_BINS
 
 __all__ = ["codebook_from_counts", "gradient_histogram", "requantize", "validate_codebook"]
@@ -25,11 +24,11 @@ OpRunner = Callable[..., Any]
 
 
 def gradient_histogram(
-    items: Iterable[tuple[torch.Tensor, int]], run_op: OpRunner, *, deterministic: bool
+    items: Iterable[tuple[torch.Tensor, int]], histogram: OpRunner, *, deterministic: bool
 ) -> torch.Tensor:
     """Sum of the block-normalised histograms of ``(gradient, period)`` items (int64 CPU ``[4096]``).
 
-    ``run_op(op, *args, **kwargs)`` runs the ``gefen::histogram.v1`` op.
+    ``histogram`` runs the ``gefen::histogram.v1`` op (``Kernels.op(HISTOGRAM)``).
     """
     per_device: dict[torch.device, torch.Tensor] = {}
     for gradient, period in items:
@@ -39,7 +38,7 @@ def gradient_histogram(
         if counts is None:
             counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=gradient.device)
             per_device[gradient.device] = counts
-        run_op(HISTOGRAM, gradient.contiguous(), period, counts, deterministic=deterministic)
+        histogram(gradient.contiguous(), period, counts, deterministic=deterministic)
     total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
     for counts in per_device.values():
         total += counts.cpu()

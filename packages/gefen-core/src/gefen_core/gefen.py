@@ -23,7 +23,7 @@ from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
-from .ops import DISPATCHED_OPS, FACTORED_STATS, Kernels
+from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM, Kernels
 from .optimizer_support import (
     OwnAttributesPickling,
     codebook_on,
@@ -421,7 +421,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
 
     def _local_stats(self, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
         grad = work.grad.contiguous()
-        return self._dispatch(FACTORED_STATS, grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
+        return self._dispatch.op(FACTORED_STATS)(grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
 
     def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
         return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad
@@ -434,7 +434,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             items = [(w, p) for w, p in items if counted_once_per_mesh(w.param)]
         counts = gradient_histogram(
             ((self._signed_gradient(w), period) for w, period in items),
-            self._dispatch,
+            self._dispatch.op(HISTOGRAM),
             deterministic=self._deterministic,
         )
         if mesh is not None:

@@ -33,7 +33,7 @@ from .codebook import codebook_from_counts, gradient_histogram
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, vote
 from .muon_exchange import BucketItem, gather_to_owners, owner_buckets
 from .muon_plan import MuonItem
-from .ops import Kernels
+from .ops import HISTOGRAM, Kernels
 from .periods import shape_period
 from .reference_ops import HISTOGRAM_BINS
 
@@ -59,7 +59,7 @@ def _contribute(
     gradient: torch.Tensor, shape: tuple[int, int], dispatch: Kernels, deterministic: bool, counts: torch.Tensor
 ) -> int:
     period = shape_period(shape, gradient.numel())
-    counts += gradient_histogram([(gradient, period)], dispatch, deterministic=deterministic)
+    counts += gradient_histogram([(gradient, period)], dispatch.op(HISTOGRAM), deterministic=deterministic)
     return period
 
 

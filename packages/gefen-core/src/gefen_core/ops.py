@@ -288,12 +288,8 @@ class Kernels:
 
     def op(self, name: str) -> Callable[..., Any]:
         """The callable that runs op ``name`` the way ``fused`` says: the torch op (the
-        dispatcher picks a registered kernel or the reference), or the reference itself. A hot
-        path calls it directly, one frame shorter than through :meth:`__call__`."""
+        dispatcher picks a registered kernel or the reference), or the reference itself."""
         if self._fused is False:
             return OPS[name].reference
         _load_plugins()
         return _OVERLOADS[name]  # type: ignore[no-any-return]
-
-    def __call__(self, op: str, *args: Any, **kwargs: Any) -> Any:
-        return self.op(op)(*args, **kwargs)

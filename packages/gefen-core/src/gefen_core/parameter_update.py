@@ -96,7 +96,7 @@ def _row_factors(
         packet = scalars_of(scalars, index)
         if sums is None:
             args = ([grads[index]], [state[V_ROW]], [state[V_COL]], packet)
-            factors += dispatch(FACTORED_MOMENTS, *args, deterministic=deterministic)
+            factors += dispatch.op(FACTORED_MOMENTS)(*args, deterministic=deterministic)
         else:
             factors.append(update_factored_moments(state[V_ROW], state[V_COL], *sums, work.global_rows, packet))
     return factors

@@ -42,7 +42,7 @@ from .codebook_scope import (
     reduce_with_failure,
 )
 from .errors import ShardAgreementError
-from .ops import Kernels
+from .ops import HISTOGRAM, Kernels
 
 __all__ = ["LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
 
@@ -212,7 +212,7 @@ def learn_over_scope(
                     continue
                 period = outcome.periods[item.fqn] if item.period is None else item.period
                 contributions.append((item.grad.neg() if item.signed else item.grad, period))
-            counts = gradient_histogram(contributions, dispatch, deterministic=deterministic)
+            counts = gradient_histogram(contributions, dispatch.op(HISTOGRAM), deterministic=deterministic)
             fault_point(HISTOGRAM_PHASE)
         except Exception as exc:
             failure = Failure(HISTOGRAM_PHASE, exc)
