@@ -4,7 +4,8 @@
 # 1. the Triton parity tests, compiled on CUDA (the same tests run under TRITON_INTERPRET=1 on CPU);
 # 2. the fused modes through Gefen and the CPU parity (sanity on that machine);
 # 3. the step benchmark on the GPU (`gefen bench step --device cuda`: table, JSON, plot) on the
-#    default 23.6M decoder and on a 554M one (bandwidth-bound), and GefenMuon's fp8
+#    default 23.6M decoder, on the demo's model (issue 17's demo figure) and on a 554M one
+#    (bandwidth-bound), and GefenMuon's fp8
 #    Newton-Schulz check (`gefen bench muon --device-check`).
 # Results go to OUT_DIR (default: $OUT/device-check or ./device-check), and into one
 # OUT_DIR.tar.gz beside it (or $GEFEN_DEVICE_CHECK_ARCHIVE; rewritten after every stage, so a run cut short keeps what
@@ -58,6 +59,10 @@ stage -m pytest -q -p no:randomly tests/test_kernels_triton_parity.py tests/test
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 pack
 stage -m gefen bench step --device cuda --threads 2 --out "$out/bench_step_cuda" 2>&1 | tee "$out/bench_step_cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+pack
+stage -m gefen bench step --device cuda --threads 2 --model demo --out "$out/bench_step_cuda_demo" 2>&1 \
+    | tee "$out/bench_step_cuda_demo.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 pack
 stage -m gefen bench step --device cuda --threads 2 --d-model 2048 --layers 8 --vocab 32768 --repeats 11 \
