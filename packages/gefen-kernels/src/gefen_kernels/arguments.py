@@ -140,7 +140,7 @@ def _entries(lists: dict[str, Any], device: torch.device, fast: Any, check: Any)
     return None
 
 
-_U8, _F32, _F64, _I64 = torch.uint8, torch.float32, torch.float64, torch.int64
+_U8, _F32 = torch.uint8, torch.float32
 _PARAM_DTYPE_SET = frozenset(PARAM_DTYPES)
 
 
