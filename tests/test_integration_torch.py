@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -205,6 +206,46 @@ def test_a_compiled_gefen_step_matches_the_eager_step_bit_for_bit(fused: bool | 
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(next(eager_model.parameters()), next(_gefen_model().parameters()))
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused-auto", "reference"])
+def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: bool | None) -> None:
+    """``capturable=True`` with a tensor learning rate: TorchDynamo traces the steady step whole
+    (the ops are custom ops with fake implementations), a schedule's in-place updates of the rate
+    recompile nothing, and every step equals eager bit for bit. Float rates keep the step eager."""
+    assert not Gefen(_gefen_model().parameters(), lr=1e-2, capturable=True).traceable()
+    assert not Gefen(_gefen_model().parameters(), lr=torch.tensor(1e-2)).traceable()
+    torch._dynamo.reset()
+    eager_model = _gefen_model()
+    compiled_model = copy.deepcopy(eager_model)
+
+    def build(model: nn.Module) -> Gefen:
+        return Gefen(model.named_parameters(), lr=torch.tensor(1e-2), weight_decay=0.01, capturable=True, fused=fused)
+
+    eager, compiled = build(eager_model), build(compiled_model)
+    assert compiled.traceable()
+
+    def run(step: int, model: nn.Module, optimizer_step: Any) -> None:
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        model.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer_step()
+
+    for step in range(2):  # the first step learns the codebook (host code), then one steady step
+        run(step, eager_model, eager.step)
+        run(step, compiled_model, compiled.step)
+    compiled_step = torch.compile(compiled.step, backend="eager")
+    torch._dynamo.utils.counters.clear()
+    for step in range(2, 7):
+        for optimizer in (eager, compiled):
+            optimizer.param_groups[0]["lr"].fill_(1e-2 / step)  # what a scheduler does to a tensor rate
+        run(step, eager_model, eager.step)
+        run(step, compiled_model, compiled_step)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1 and counters["frames"]["total"] == 1, dict(counters["frames"])
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", ["gefen", "hybrid"])

@@ -286,13 +286,32 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
 
     # -- step -----------------------------------------------------------------------------
 
-    @run_eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW-like update of every parameter with a gradient; returns ``closure()``'s loss.
 
         With a codebook scope every member must call it (see :mod:`gefen_core.scoped_step`).
+        Under ``torch.compile`` the step is traced only when :meth:`traceable` says so, and
+        runs eagerly otherwise (one graph break, at this call).
         """
+        if torch.compiler.is_compiling() and not self.traceable():
+            return self._eager_step(closure)
+        return self._step(closure)
+
+    def traceable(self) -> bool:
+        """Whether TorchDynamo traces ``step()``: with ``capturable=True`` and every group's
+        learning rate a tensor, nothing it would specialise on changes between steps (counters
+        and step scalars live on the device; a schedule updates the rate in place), so a compiled
+        steady step has no graph break and does not recompile. With Python-float rates or int
+        counters it would recompile at every change of their values, so it runs eagerly."""
+        return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
+
+    @run_eagerly
+    @torch.no_grad()
+    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         identity = self._identity
         if identity is not None and identity.scope is not None:
             return scoped_step(self, closure)

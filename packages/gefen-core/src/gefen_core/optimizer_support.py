@@ -22,14 +22,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def run_eagerly(method: _F) -> _F:
-    """Exclude an optimizer's ``step`` from TorchDynamo tracing: ``torch.compile`` then calls it
-    eagerly (one named graph break, at the step). Traced, GefenMuon's step applied one matrix's
-    update to another (the work items' guards omit the parameter's identity). Gefen's step
-    traces correctly since its kernels are torch custom ops (bit for bit with eager), but it
-    recompiles at every step: its counters are Python ints and the learning rate a Python
-    float, and Dynamo guards on their values (``param_groups[0]['lr'] == 0.0033...`` under a
-    schedule; torch 2.15). So it stays eager until the counters and the learning rate reach
-    the step as tensors."""
+    """Exclude a method from TorchDynamo tracing: ``torch.compile`` then calls it eagerly (one
+    named graph break, at the call). Traced, GefenMuon's step applied one matrix's update to
+    another (the work items' guards omit the parameter's identity), so its step is excluded.
+    Gefen's step traces correctly (its kernels are torch custom ops, bit for bit with eager),
+    but with Python-float learning rates and int counters Dynamo guards on their values and
+    recompiles at every change (``param_groups[0]['lr'] == 0.0033...`` under a schedule; torch
+    2.15): ``Gefen.step`` runs this eager path unless ``Gefen.traceable()`` (``capturable=True``
+    and tensor learning rates)."""
     return cast(_F, torch.compiler.disable(method, reason=f"{method.__qualname__} runs eagerly"))  # type: ignore[no-untyped-call]
 
 
