@@ -303,7 +303,7 @@ def compare_muon_momentum(
 
 
 def compare_factored_moments(op: StepOp, grad: torch.Tensor, *, steps: int) -> None:
-    """``gefen::factored_moments.v2`` against the reference, one step at a time from equal moments:
+    """``gefen::factored_moments.v3`` against the reference, one step at a time from equal moments:
     ``v_row``/``v_col`` bit for bit; ``row_factor`` within 1 ulp (the float64 mean of ``v_col``
     may be summed in another order), and bit for bit wherever that mean agrees."""
     rows, cols = grad.shape
@@ -312,8 +312,8 @@ def compare_factored_moments(op: StepOp, grad: torch.Tensor, *, steps: int) -> N
     for step in range(1, steps + 1):
         sc = scalars(str(grad.device), step=step, weight_decay=0.0, factored=True)
         mine_row, mine_col = ref_row.clone(), ref_col.clone()
-        (expected,) = factored_moments_reference([grad], [ref_row], [ref_col], sc, deterministic=False)
-        (got,) = op([grad], [mine_row], [mine_col], sc, deterministic=False)
+        expected = factored_moments_reference([grad], [ref_row], [ref_col], sc, deterministic=False)
+        got = op([grad], [mine_row], [mine_col], sc, deterministic=False)
         assert got.dtype is torch.float32 and tuple(got.shape) == (rows,)
         assert _same_bits(ref_row, mine_row), "v_row differs"
         assert _same_bits(ref_col, mine_col), "v_col differs"
@@ -346,12 +346,14 @@ def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, de
     seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32) if stochastic else None
     flags = _flags(0.1, False)
     mine_moments = [s.clone() for s in states]
+    heights = [grad.shape[0] for grad in grads]
     expected = factored_moments_reference(
         grads, [s.second[0] for s in states], [s.second[1] for s in states], sc, deterministic=False
-    )
+    ).split(heights)
+    expected = list(expected)
     got = moments_op(
         grads, [s.second[0] for s in mine_moments], [s.second[1] for s in mine_moments], sc, deterministic=False
-    )
+    ).split(heights)
     for ref, mine, want, have in zip(states, mine_moments, expected, got, strict=True):
         assert _same_bits(ref.second[0], mine.second[0]) and _same_bits(ref.second[1], mine.second[1])
         assert ulp_distance(want, have) <= 1

@@ -248,6 +248,41 @@ def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: boo
         assert torch.equal(a, b)
 
 
+def test_a_traceable_gefen_step_inside_a_compiled_training_step_is_functionalised() -> None:
+    """The traceable configuration under AOT autograd (``aot_eager``, which functionalises the
+    custom ops as inductor does): forward, backward and a traced step in one compiled callable,
+    factored and block second moments, equal to eager (``gefen::factored_moments.v2`` returned a
+    ``Tensor[]``, which functionalisation refuses)."""
+    torch._dynamo.reset()
+    eager_model = _gefen_model()
+    compiled_model = copy.deepcopy(eager_model)
+
+    def build(model: nn.Module) -> Gefen:
+        return Gefen(model.named_parameters(), lr=torch.tensor(1e-2), capturable=True)
+
+    eager, compiled = build(eager_model), build(compiled_model)
+
+    def train_step(model: nn.Module, optimizer: Gefen, inputs: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(inputs).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    for step in range(2):  # the codebook is learned eagerly
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        train_step(eager_model, eager, inputs)
+        train_step(compiled_model, compiled, inputs)
+    compiled_train_step = torch.compile(train_step, backend="aot_eager")
+    for step in range(2, 5):
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        expected = train_step(eager_model, eager, inputs)
+        got = compiled_train_step(compiled_model, compiled, inputs)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["gefen", "hybrid"])
 def test_a_compiled_training_step_with_the_optimizer_inside_trains_like_eager(name: str) -> None:
     """One compiled callable holding forward, backward and ``optimizer.step()`` (aot_eager)."""

@@ -112,7 +112,7 @@ def test_factored_moments_keep_an_all_zero_column_mean_at_the_floor() -> None:
     grad = torch.zeros(4, 6)
     v_row, v_col = torch.zeros(4), torch.zeros(6)
     sc = scalars("cpu", step=1, weight_decay=0.0, factored=True)
-    (row_factor,) = cpu_ops.factored_moments([grad], [v_row], [v_col], sc, deterministic=True)
+    row_factor = cpu_ops.factored_moments([grad], [v_row], [v_col], sc, deterministic=True)
     assert torch.equal(row_factor, torch.zeros(4)) and torch.equal(v_col, torch.zeros(6))
 
 

@@ -121,14 +121,14 @@ def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round:
         fused = _train(None, stochastic_round=stochastic_round)
     assert set(calls) == {
         "gefen::block_step.v3",
-        "gefen::factored_moments.v2",  # unsharded factored parameters: statistics and update in one call
+        "gefen::factored_moments.v3",  # unsharded factored parameters: statistics and update in one call
         "gefen::factored_step.v4",
         "gefen::histogram.v1",
     }
     # one call per phase for the group's matrices (matrix, transposed, bf16) and one for its
     # block-path tensors (norm, conv), whatever their number
     assert calls["gefen::factored_step.v4"] == STEPS
-    assert calls["gefen::factored_moments.v2"] == STEPS
+    assert calls["gefen::factored_moments.v3"] == STEPS
     assert calls["gefen::block_step.v3"] == STEPS
     _assert_same_training(_train(False, stochastic_round=stochastic_round), fused)
 

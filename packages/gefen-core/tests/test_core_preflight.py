@@ -121,7 +121,7 @@ def test_fused_none_runs_the_kernels_registered_for_the_device() -> None:
     assert all(torch.equal(a, b) for a, b in zip(with_kernels, reference))
     assert calls == {
         "gefen::block_step.v3": 3,
-        "gefen::factored_moments.v2": 3,
+        "gefen::factored_moments.v3": 3,
         "gefen::factored_step.v4": 3,
         "gefen::histogram.v1": 2,
     }
@@ -137,7 +137,7 @@ def test_fused_false_never_calls_a_registered_kernel_and_true_calls_only_them() 
         _run(True)
         assert set(calls) == {
             "gefen::block_step.v3",
-            "gefen::factored_moments.v2",
+            "gefen::factored_moments.v3",
             "gefen::factored_step.v4",
             "gefen::histogram.v1",
         }

@@ -295,23 +295,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         runs eagerly otherwise (one graph break, at this call).
         """
         if torch.compiler.is_compiling() and not self.traceable():
-            return self._eager_step(closure)
-        return self._step(closure)
-
-    def traceable(self) -> bool:
-        """Whether TorchDynamo traces ``step()``: with ``capturable=True`` and every group's
-        learning rate a tensor, nothing it would specialise on changes between steps (counters
-        and step scalars live on the device; a schedule updates the rate in place), so a compiled
-        steady step has no graph break and does not recompile. With Python-float rates or int
-        counters it would recompile at every change of their values, so it runs eagerly."""
-        return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
-
-    @run_eagerly
-    @torch.no_grad()
-    def _eager_step(self, closure: Callable[[], Any] | None) -> Any:
-        return self._step(closure)
-
-    def _step(self, closure: Callable[[], Any] | None) -> Any:
+            return _step_eagerly(self, closure)
         identity = self._identity
         if identity is not None and identity.scope is not None:
             return scoped_step(self, closure)
@@ -332,6 +316,14 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         stats = self._factored_stats(plan.works)
         self._publish(plan, self._decide(plan), stats)
         return loss
+
+    def traceable(self) -> bool:
+        """Whether TorchDynamo traces ``step()``: with ``capturable=True`` and every group's
+        learning rate a tensor, nothing it would specialise on changes between steps (counters
+        and step scalars live on the device; a schedule updates the rate in place), so a compiled
+        steady step has no graph break and does not recompile. With Python-float rates or int
+        counters it would recompile at every change of their values, so it runs eagerly."""
+        return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
 
     def _decide(self, plan: StepPlan) -> StepDecision:
         """Learn what this step needs from local gradients (periods of starting parameters, the
@@ -425,7 +417,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
         all-reduced (every rank's update needs them first). The other
         factored parameters' sums are taken just before their own update, while the gradient is
-        still in cache, by ``gefen::factored_moments.v2`` (the statistics and the ``v_row``/``v_col``
+        still in cache, by ``gefen::factored_moments.v3`` (the statistics and the ``v_row``/``v_col``
         update in one call for the bucket)."""
         stats: Stats = {}
         sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -559,3 +551,15 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         "_device_global_steps",
         "_version",
     )
+
+
+#: ``Gefen.step``'s body under no decorator (what :func:`_step_eagerly` runs).
+_STEP_BODY = Gefen.step.__wrapped__  # type: ignore[attr-defined]
+
+
+@run_eagerly
+@torch.no_grad()
+def _step_eagerly(optimizer: Gefen, closure: Callable[[], Any] | None) -> Any:
+    """``Gefen.step`` outside TorchDynamo (one graph break) when it is not :meth:`Gefen.traceable`;
+    a function of its own so that the traced path keeps no extra frame."""
+    return _STEP_BODY(optimizer, closure)

@@ -16,9 +16,10 @@ op                                 schema (after the name; ``*`` starts keyword-
                                    codebook, scalars, sr_seeds?, *, apply_decay, maximize,
                                    deterministic)``
 ``gefen::factored_stats.v1``       ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
-``gefen::factored_moments.v2``     ``(grads[], v_rows![], v_cols![], scalars, *, deterministic)
-                                   -> row_factors fp32[R][]`` (the statistics and the
-                                   ``v_row``/``v_col`` update in one call)
+``gefen::factored_moments.v3``     ``(grads[], v_rows![], v_cols![], scalars, *, deterministic)
+                                   -> row_factors fp32[sum R]`` (the statistics and the
+                                   ``v_row``/``v_col`` update in one call; the row factors
+                                   of every entry, concatenated)
 ``gefen::factored_step.v4``        ``(params![], grads[], indices![], magnitudes![], row_factors[],
                                    v_cols[], codebook, scalars, sr_seeds?, *, apply_decay,
                                    maximize, deterministic)``
@@ -87,7 +88,7 @@ __all__ = [
 NAMESPACE = "gefen"
 BLOCK_STEP = "gefen::block_step.v3"
 FACTORED_STATS = "gefen::factored_stats.v1"
-FACTORED_MOMENTS = "gefen::factored_moments.v2"
+FACTORED_MOMENTS = "gefen::factored_moments.v3"
 FACTORED_STEP = "gefen::factored_step.v4"
 HISTOGRAM = "gefen::histogram.v1"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
@@ -111,8 +112,9 @@ def _moments_fake(
     scalars: torch.Tensor,
     *,
     deterministic: bool,
-) -> list[torch.Tensor]:
-    return [grad.new_empty(grad.shape[0], dtype=torch.float32) for grad in grads]
+) -> torch.Tensor:
+    rows = sum(grad.shape[0] for grad in grads)
+    return grads[0].new_empty(rows, dtype=torch.float32) if grads else torch.empty(0, dtype=torch.float32)
 
 
 def _uniform_fake(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -153,7 +155,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             FACTORED_MOMENTS,
             "(Tensor[] grads, Tensor(a!)[] v_rows, Tensor(b!)[] v_cols, Tensor scalars, *, bool deterministic) "
-            "-> Tensor[]",
+            "-> Tensor",
             "factored statistics and v_row/v_col update in one call, per gradient of the list",
             factored_moments_reference,
             _moments_fake,

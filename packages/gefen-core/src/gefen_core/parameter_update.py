@@ -96,7 +96,7 @@ def _row_factors(
         packet = scalars_of(scalars, index)
         if sums is None:
             args = ([grads[index]], [state[V_ROW]], [state[V_COL]], packet)
-            factors += dispatch.op(FACTORED_MOMENTS)(*args, deterministic=deterministic)
+            factors.append(dispatch.op(FACTORED_MOMENTS)(*args, deterministic=deterministic))
         else:
             factors.append(update_factored_moments(state[V_ROW], state[V_COL], *sums, work.global_rows, packet))
     return factors
@@ -172,7 +172,8 @@ def update_parameters(
             factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
         else:
             v_rows = [s[V_ROW] for s in states]
-            factors = dispatch.op(FACTORED_MOMENTS)(grads, v_rows, v_cols, scalars, deterministic=deterministic)
+            flat = dispatch.op(FACTORED_MOMENTS)(grads, v_rows, v_cols, scalars, deterministic=deterministic)
+            factors = list(flat.split([grad.shape[0] for grad in grads]))
         threshold = group["clip_threshold"]
         if threshold is not None:
             factors = _clip(works, grads, factors, scalars, threshold)

@@ -234,7 +234,7 @@ def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tupl
 def factored_moments_tensor(
     grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
 ) -> torch.Tensor:
-    """One tensor of ``gefen::factored_moments.v2``: :func:`factored_stats_reference` of a whole (not row-sharded)
+    """One tensor of ``gefen::factored_moments.v3``: :func:`factored_stats_reference` of a whole (not row-sharded)
     ``R x K`` gradient, then :func:`gefen_core.second_moment.update_factored_moments` with
     ``R`` global rows: advances ``v_row``/``v_col`` in place and returns the fp32 ``row_factor``.
     One call where a kernel can do both (a row-sharded parameter takes the two steps apart,
@@ -345,15 +345,17 @@ def factored_moments_reference(
     scalars: torch.Tensor,
     *,
     deterministic: bool,
-) -> list[torch.Tensor]:
-    """``gefen::factored_moments.v2``: :func:`factored_moments_tensor` of each gradient; returns
-    the ``row_factor`` of each (``scalars`` as in :func:`block_step_reference`)."""
-    return [
+) -> torch.Tensor:
+    """``gefen::factored_moments.v3``: :func:`factored_moments_tensor` of each gradient; returns
+    their ``row_factor`` concatenated (``scalars`` as in :func:`block_step_reference`). One
+    fresh tensor, not a list: AOT autograd cannot functionalise a ``Tensor[]`` result."""
+    factors = [
         factored_moments_tensor(
             grad, v_rows[index], v_cols[index], scalars_of(scalars, index), deterministic=deterministic
         )
         for index, grad in enumerate(grads)
     ]
+    return torch.cat(factors) if factors else torch.empty(0, dtype=torch.float32)
 
 
 def factored_step_reference(

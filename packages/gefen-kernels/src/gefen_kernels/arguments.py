@@ -316,7 +316,7 @@ def _moments_entry(grad: Any, v_row: Any, v_col: Any) -> str | None:
 def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
     """``(grads, v_rows, v_cols, scalars, *, deterministic)``: contiguous ``R x K`` gradients and
     contiguous fp32 ``[R]``/``[K]`` moments, the step scalars on their device."""
-    op = "gefen::factored_moments.v2"
+    op = "gefen::factored_moments.v3"
     if len(args) != 4:
         return f"{op} takes 4 positional arguments, got {len(args)}"
     grads, v_rows, v_cols, scalars = args

@@ -290,18 +290,19 @@ def factored_moments(
     scalars: torch.Tensor,
     *,
     deterministic: bool,
-) -> list[torch.Tensor]:
-    """``gefen::factored_moments.v2`` on CPU: the statistics of :func:`factored_stats` and the
-    ``v_row``/``v_col`` update of every entry in one C call; returns each ``row_factor``
-    (views of one buffer; always deterministic)."""
+) -> torch.Tensor:
+    """``gefen::factored_moments.v3`` on CPU: the statistics of :func:`factored_stats` and the
+    ``v_row``/``v_col`` update of every entry in one C call; returns the entries' ``row_factor``
+    concatenated (always deterministic)."""
     _check(arguments.check_factored_moments(grads, v_rows, v_cols, scalars, deterministic=deterministic))
     if not grads:
-        return []
+        return torch.empty(0, dtype=torch.float32)
     _on_cpu(grads[0])
     heights = [grad.shape[0] for grad in grads]
-    row_factors = list(torch.split(torch.empty(sum(heights), dtype=torch.float32), heights))
+    flat = torch.empty(sum(heights), dtype=torch.float32)
     rows: list[int] = []
-    for grad, v_row, v_col, row_factor in zip(grads, v_rows, v_cols, row_factors, strict=True):
+    offset = flat.data_ptr()
+    for grad, v_row, v_col in zip(grads, v_rows, v_cols, strict=True):
         height, width = grad.shape
         rows += (
             _DTYPE_CODES[grad.dtype],
@@ -311,8 +312,9 @@ def factored_moments(
             width,
             v_row.data_ptr(),
             v_col.data_ptr(),
-            row_factor.data_ptr(),
+            offset,
         )
+        offset += 4 * height  # fp32 row factors, one run per entry
     entries = _entries(rows)
     status = _function("gefen_factored_moments")(
         len(grads),
@@ -323,7 +325,7 @@ def factored_moments(
     )
     _checked("gefen_factored_moments", status)
     increment_version([*v_rows, *v_cols])
-    return row_factors
+    return flat
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:

@@ -223,16 +223,20 @@ def factored_moments(
     scalars: torch.Tensor,
     *,
     deterministic: bool,
-) -> list[torch.Tensor]:
-    """``gefen::factored_moments.v2`` with Triton: per entry, the statistics of
-    :func:`factored_stats`, then one program updates ``v_row``/``v_col`` and writes
-    ``row_factor`` (fixed order: deterministic)."""
+) -> torch.Tensor:
+    """``gefen::factored_moments.v3`` with Triton: per entry, the statistics of
+    :func:`factored_stats`, then one program updates ``v_row``/``v_col`` and writes its
+    ``row_factor`` into the concatenated result (fixed order: deterministic)."""
     _check(arguments.check_factored_moments(grads, v_rows, v_cols, scalars, deterministic=deterministic), *grads[:1])
-    row_factors = []
+    if not grads:
+        return torch.empty(0, dtype=torch.float32)
+    flat = torch.empty(sum(grad.shape[0] for grad in grads), dtype=torch.float32, device=grads[0].device)
+    start = 0
     for index, grad in enumerate(grads):
         rows, cols = grad.shape
         row_sums, col_sums = _stats(grad)
-        row_factor = torch.empty(rows, dtype=torch.float32, device=grad.device)
+        row_factor = flat[start : start + rows]
+        start += rows
         divisors = torch.tensor([max(rows, 1), max(cols, 1)], dtype=torch.float64, device=grad.device)
         K.factored_moments_kernel[(1,)](
             row_sums,
@@ -247,9 +251,8 @@ def factored_moments(
             BLOCK=_MOMENTS_BLOCK,
             enable_fp_fusion=False,
         )
-        row_factors.append(row_factor)
     increment_version([*v_rows, *v_cols])
-    return row_factors
+    return flat
 
 
 def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
