@@ -161,13 +161,6 @@ def _prebuilt_module() -> Any:
     return module
 
 
-def _abi() -> int:
-    for line in (_KERNELS / "src" / "gefen_kernels" / "csrc" / "gefen_cpu.c").read_text().splitlines():
-        if line.startswith("#define GEFEN_ABI_VERSION"):
-            return int(line.split()[2])
-    raise RuntimeError("GEFEN_ABI_VERSION is not defined in gefen_cpu.c")
-
-
 def _repair(wheel: Path, out: Path) -> Path:
     """``auditwheel repair``: vendor ``libgomp``, take the oldest manylinux tag the libraries allow."""
     with tempfile.TemporaryDirectory(prefix="repair-") as tmp:
@@ -182,14 +175,14 @@ def _repair(wheel: Path, out: Path) -> Path:
 def _cross_wheel(machine: str, tag: str, out: Path, root: Path) -> Path:
     """gefen-kernels' wheel for ``machine``: its single-threaded variants compiled by zig."""
     prebuilt = _prebuilt_module()
-    source = _KERNELS / "src" / "gefen_kernels" / "csrc" / "gefen_cpu.c"
+    source = prebuilt.SOURCE
     with tempfile.TemporaryDirectory(prefix=f"cross-{machine}-") as tmp:
         libraries = Path(tmp) / "libraries"
         libraries.mkdir()
         for variant in prebuilt.VARIANTS:
             if variant.machine != machine:
                 continue
-            target = libraries / prebuilt.variant_file(_abi(), variant, False)
+            target = libraries / prebuilt.variant_file(prebuilt.source_abi(), variant, False)
             command = [_uv(), "tool", "run", *_UVX_ZIG, "-target", f"{machine}-linux-gnu.{_ZIG_GLIBC}"]
             _run([*command, *prebuilt.BASE_FLAGS, *variant.zig_flags, "-o", str(target), str(source)], timeout=900)
         environment = {

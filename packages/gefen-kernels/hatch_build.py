@@ -43,10 +43,7 @@ def _module(name: str) -> Any:
 
 
 def _abi() -> int:
-    for line in (_PACKAGE / "csrc" / "gefen_cpu.c").read_text().splitlines():
-        if line.startswith("#define GEFEN_ABI_VERSION"):
-            return int(line.split()[2])
-    raise RuntimeError("GEFEN_ABI_VERSION is not defined in csrc/gefen_cpu.c")
+    return int(_module("prebuilt").source_abi())
 
 
 class CustomBuildHook(BuildHookInterface):

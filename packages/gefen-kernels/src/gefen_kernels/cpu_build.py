@@ -45,7 +45,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .prebuilt import BASE_FLAGS, GATHER_FLAGS, find_compiler, prebuilt_candidates
+from .prebuilt import BASE_FLAGS, GATHER_FLAGS, SOURCE, find_compiler, prebuilt_candidates, source_abi
 
 __all__ = [
     "ABI_VERSION",
@@ -57,9 +57,9 @@ __all__ = [
     "reset_cpu_library",
 ]
 
-#: Must equal ``GEFEN_ABI_VERSION`` in the C source.
-ABI_VERSION = 4
-_SOURCE = Path(__file__).with_name("csrc") / "gefen_cpu.c"
+#: ``GEFEN_ABI_VERSION`` of the C source (a loaded library must report the same).
+ABI_VERSION = source_abi()
+_SOURCE = SOURCE
 #: Tried in order; the first set that compiles is used: native code with real vector gathers
 #: (:data:`gefen_kernels.prebuilt.GATHER_FLAGS`: GCC's generic tuning emulates them with
 #: scalar loads, which made the step 6x slower here), then portable code.

@@ -25,10 +25,12 @@ __all__ = [
     "BASE_FLAGS",
     "GATHER_FLAGS",
     "PREBUILT_DIR",
+    "SOURCE",
     "VARIANTS",
     "Variant",
     "find_compiler",
     "prebuilt_candidates",
+    "source_abi",
     "variant_file",
 ]
 
@@ -40,6 +42,17 @@ BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-
 GATHER_FLAGS = (("-mgather",), ("-mtune-ctrl=use_gather",), ())
 #: Where a platform wheel keeps its prebuilt libraries (inside the package).
 PREBUILT_DIR = Path(__file__).with_name("prebuilt")
+#: The C source every build compiles.
+SOURCE = Path(__file__).with_name("csrc") / "gefen_cpu.c"
+
+
+def source_abi() -> int:
+    """``GEFEN_ABI_VERSION`` of :data:`SOURCE` (what the build hook and the release tool name
+    their libraries by)."""
+    for line in SOURCE.read_text().splitlines():
+        if line.startswith("#define GEFEN_ABI_VERSION"):
+            return int(line.split()[2])
+    raise RuntimeError(f"GEFEN_ABI_VERSION is not defined in {SOURCE}")
 
 
 @dataclass(frozen=True, slots=True)
