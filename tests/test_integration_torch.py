@@ -6,6 +6,7 @@ step left eager."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -310,3 +311,71 @@ def test_a_compiled_training_step_with_the_optimizer_inside_trains_like_eager(na
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+
+
+def _equal_matrices() -> nn.Module:
+    """Three matrices of one shape: the case TorchDynamo mis-traced (see the canary below)."""
+    torch.manual_seed(5)
+    return nn.Sequential(*(nn.Linear(24, 24, bias=False) for _ in range(3)), nn.Linear(24, 8, bias=False))
+
+
+@pytest.mark.parametrize("name", ["gefen-muon", "hybrid"])
+def test_a_compiled_muon_step_matches_the_eager_step_bit_for_bit(name: str) -> None:
+    """``torch.compile(optimizer.step)`` for GefenMuon and the hybrid: the step runs eagerly inside
+    the compiled callable (``run_eagerly``), so every matrix gets its own update, bit for bit."""
+    torch._dynamo.reset()
+    eager_model = _equal_matrices()
+    compiled_model = copy.deepcopy(eager_model)
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        if name == "hybrid":
+            return GefenMuonHybrid(model, lr=2e-2, backup_lr=1e-3)
+        return GefenMuon(model.parameters(), lr=2e-2, batched_ns=False)
+
+    eager, compiled = build(eager_model), build(compiled_model)
+    compiled_step = torch.compile(compiled.step, backend="eager")
+    for step in range(3):
+        inputs = torch.randn(6, 24, generator=torch.Generator().manual_seed(step))
+        for model, run in ((eager_model, eager.step), (compiled_model, compiled_step)):
+            model.zero_grad()
+            model(inputs).square().mean().backward()
+            run()
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(eager_model.parameters()), next(_equal_matrices().parameters()))
+
+
+@dataclasses.dataclass
+class _WorkItem:
+    param: torch.Tensor
+
+
+class _AppliesItems(torch.optim.Optimizer):
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, {"lr": 1.0})
+
+    @torch.no_grad()
+    def apply(self, item: _WorkItem, update: torch.Tensor) -> None:
+        group = self.param_groups[0]  # read first: Dynamo names each parameter by this path
+        item.param.add_(update, alpha=-group["lr"])  # the same tensor reached again: no guard on it
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TorchDynamo (torch 2.15) reuses a frame compiled for one parameter for the next one; "
+    "an XPASS means torch fixed it: GefenMuon.step may then be traced (drop its run_eagerly)",
+)
+def test_dynamo_guards_a_parameter_reached_through_a_work_item() -> None:
+    """Canary for the root cause of GefenMuon's exclusion from tracing. A compiled frame reads
+    ``optimizer.param_groups[0]`` and then a parameter through a work item passed in: TorchDynamo
+    installs the parameter under its ``param_groups[0]['params'][0]`` path and guards that path,
+    but not ``item.param``. So the frame compiled for the first item runs for the second and
+    third, and all three updates land on the first parameter. GefenMuon's step breaks the graph
+    (the finite-gradient check, codebook learning, votes) and its resumed frames take work items
+    as inputs, which is this pattern."""
+    torch._dynamo.reset()
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    apply = torch.compile(_AppliesItems(params).apply, backend="eager")
+    for k, param in enumerate(params):
+        apply(_WorkItem(param), torch.full_like(param, float(k + 1)))
+    assert [p.tolist() for p in params] == [[-1.0, -1.0], [-2.0, -2.0], [-3.0, -3.0]]

@@ -326,10 +326,15 @@ class GefenMuon(
         so must every member of a codebook scope (see :mod:`gefen_core.scoped_step`).
 
         ``torch.compile`` does not trace this method: it always runs eagerly. Traced by
-        TorchDynamo (torch 2.15, any backend, ``"eager"`` included), the update of a later
-        matrix was applied to the first parameter of the group, because the guards of the
-        per-parameter work item omit the identity of the parameter reached through it; the
-        step is dominated by the kernels and Newton-Schulz GEMMs, which tracing does not speed up.
+        TorchDynamo (torch 2.15, any backend, ``"eager"`` included), every update of a group's
+        equally shaped matrices landed on its first matrix. Root cause, in TorchDynamo: a frame
+        that reads ``self.param_groups[i]`` and then a parameter through a work item passed in
+        names the parameter by its ``param_groups`` path and guards that path only, so the frame
+        compiled for one item is replayed for the next. The step breaks the graph (the finite
+        gradient check, codebook learning, votes), and the frames resumed after each break take
+        work items as inputs. A strict-xfail canary in ``tests/test_integration_torch.py`` turns
+        red when torch fixes it. The step is dominated by the kernels and Newton-Schulz GEMMs,
+        which tracing does not speed up.
         """
         blocker = self._whole_owner_blocker()
         if blocker is not None:

@@ -24,7 +24,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def run_eagerly(method: _F) -> _F:
     """Exclude a method from TorchDynamo tracing: ``torch.compile`` then calls it eagerly (one
     named graph break, at the call). Traced, GefenMuon's step applied one matrix's update to
-    another (the work items' guards omit the parameter's identity), so its step is excluded.
+    another: TorchDynamo (torch 2.15) names a parameter by the ``param_groups`` path it read
+    first and guards only that path, not the work item it reached the parameter through, so a
+    frame resumed after a graph break and compiled for one item runs for the next
+    (``test_dynamo_guards_a_parameter_reached_through_a_work_item`` is the canary), so its step
+    is excluded.
     Gefen's step traces correctly (its kernels are torch custom ops, bit for bit with eager),
     but with Python-float learning rates and int counters Dynamo guards on their values and
     recompiles at every change (``param_groups[0]['lr'] == 0.0033...`` under a schedule; torch
