@@ -104,7 +104,7 @@ def random_state(shape: tuple[int, ...], period: int, dtype: torch.dtype, device
     numel = 1
     for size in shape:
         numel *= size
-    blocks = numel // period if period else 0
+    blocks = -(-numel // period) if period else 0  # the block path's last block may be ragged
     param = torch.randn(shape, dtype=dtype, device=device)
     indices = torch.randint(0, 256, (blocks, period), dtype=torch.uint8, device=device)
     magnitude = torch.rand(blocks, 1, device=device) * 0.1
@@ -244,9 +244,16 @@ def _assert_exact_block_states(ref: MomentumState, mine: MomentumState) -> None:
     assert _same_bits(ref.magnitude, mine.magnitude), "block scales differ"
     blocks, period = ref.indices.shape
     same_v = (ref.second[0] == mine.second[0]).view(blocks)
-    expected = ref.param.view(blocks, period)[same_v]
-    got = mine.param.view(blocks, period)[same_v]
+    expected = _blocked(ref.param, blocks, period)[same_v]
+    got = _blocked(mine.param, blocks, period)[same_v]
     assert _same_bits(expected, got), "params differ"
+
+
+def _blocked(tensor: torch.Tensor, blocks: int, period: int) -> torch.Tensor:
+    """``tensor`` as ``[blocks, period]`` rows, a ragged last row padded with zeros."""
+    flat = tensor.reshape(-1)
+    padding = blocks * period - flat.numel()
+    return torch.cat([flat, flat.new_zeros(padding)]).view(blocks, period)
 
 
 def _assert_states(before: torch.Tensor, ref: MomentumState, mine: MomentumState) -> None:
@@ -331,10 +338,18 @@ LIST_ENTRIES = [
     ((5, 7), 35, torch.float64),
     ((64, 1024), 512, torch.float16),
 ]
+#: Block-path entries whose last block is ragged: (shape, period, dtype).
+RAGGED_ENTRIES = [
+    ((2 * 2048 + 37,), 2048, torch.float32),
+    ((3,), 2048, torch.bfloat16),
+    ((5, 1001), 2048, torch.float64),
+    ((40_000,), 2048, torch.float16),
+]
 
 
 def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, device: str, *, stochastic: bool) -> None:
-    """One call of each list op over :data:`LIST_ENTRIES`, with per-entry scalars (counters that
+    """One call of each list op over :data:`LIST_ENTRIES` (the block op also over
+    :data:`RAGGED_ENTRIES`), with per-entry scalars (counters that
     differ) and seeds, against the reference list ops: every entry as the reference's, bit for
     bit where the single-entry tests demand it."""
     codebook = shared_codebook().to(device)
@@ -373,6 +388,10 @@ def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, de
     for before, ref, mine in zip(befores, states, mine_states, strict=True):
         _assert_exact(ref, mine)
         _assert_states(before, ref, mine)
+    blocks += [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in RAGGED_ENTRIES]
+    grads += [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in RAGGED_ENTRIES]
+    if seeds is not None:
+        seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32)
     mine_blocks = [s.clone() for s in blocks]
     befores = [s.param.clone() for s in blocks]
     shared = scalars(device, step=3, weight_decay=0.1, factored=False)

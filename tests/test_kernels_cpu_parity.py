@@ -235,3 +235,25 @@ def test_muon_momentum_matches_the_reference(dtype: torch.dtype, shape: tuple[in
 def test_one_muon_momentum_call_steps_many_matrices_as_the_reference_does() -> None:
     torch.manual_seed(13)
     compare_muon_list(cpu_ops.muon_momentum, "cpu")
+
+
+@pytest.mark.parametrize(("numel", "dtype"), [(2 * 2048 + 37, torch.float32), (3, torch.bfloat16), (40_000, torch.float16)])
+def test_a_ragged_last_block_steps_and_counts_as_the_reference(numel: int, dtype: torch.dtype) -> None:
+    """Blocks of 2048 over a size 2048 does not divide: the last block is shorter (its codes'
+    row padded), bit for bit as the reference, with stochastic rounding and decay."""
+    torch.manual_seed(numel)
+    grad = torch.randn(numel, dtype=dtype)
+    state = random_state((numel,), 2048, dtype, "cpu", factored=False)
+    compare_block_step(
+        cpu_ops.block_step,
+        state,
+        grad,
+        shared_codebook(),
+        steps=2,
+        weight_decay=0.1,
+        maximize=True,
+        sr_seed=_seed(True),
+        exact=True,
+    )
+    grad[-min(numel, 5) :] = 0  # an all-zero ragged block when it is short
+    compare_histogram(cpu_ops.histogram, grad, 2048)

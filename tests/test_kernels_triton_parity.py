@@ -126,6 +126,27 @@ def test_triton_histogram_counts_equal_the_reference(dtype: torch.dtype) -> None
     compare_histogram(T.histogram, grad, 13)
 
 
+@pytest.mark.parametrize("numel", [2 * 2048 + 37, 3])
+def test_triton_ragged_last_block_steps_and_counts_as_the_reference(numel: int) -> None:
+    """Blocks of 2048 over a size 2048 does not divide: the last block is a block of its own length."""
+    torch.manual_seed(numel)
+    grad = torch.randn(numel, device=DEVICE)
+    state = random_state((numel,), 2048, torch.float32, DEVICE, factored=False)
+    compare_block_step(
+        T.block_step,
+        state,
+        grad,
+        shared_codebook().to(DEVICE),
+        steps=2,
+        weight_decay=0.1,
+        maximize=True,
+        sr_seed=_seed(True),
+        exact=True,
+    )
+    grad[-min(numel, 5) :] = 0
+    compare_histogram(T.histogram, grad, 2048)
+
+
 def test_triton_uniforms_equal_the_pinned_hash() -> None:
     index = torch.tensor([0, 1, 2, 1000, 2**31 + 5], dtype=torch.int64, device=DEVICE)
     got = T.stochastic_uniform(torch.tensor([0], dtype=torch.int64, device=DEVICE), index)

@@ -267,7 +267,9 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
     * ``ROW`` / ``COLUMN``: ``[rows]`` / ``[columns]`` (two-dimensional parameters);
     * ``BLOCK``: one value per block of ``period`` elements along the last dimensions:
       ``[rows, row_length / period]`` when the blocks tile every row (so they shard with the rows),
-      ``[numel / period]`` otherwise (one-dimensional parameters, and blocks that cross rows).
+      ``[ceil(numel / period)]`` otherwise (one-dimensional parameters, and blocks that cross
+      rows; the last block is shorter when ``period`` does not divide ``numel``, as in a
+      portable block field).
     """
     dims = tuple(int(d) for d in shape)
     if geometry is StateGeometry.PARAMETER:
@@ -286,9 +288,7 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
             row = math.prod(dims[1:])
             if row % period == 0:
                 return (dims[0], row // period)
-        if numel % period:
-            raise ContractError(f"blocks of {period} do not tile a parameter of shape {dims}")
-        return (numel // period,)
+        return (-(-numel // period),)
     return None
 
 

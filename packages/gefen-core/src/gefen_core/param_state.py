@@ -15,8 +15,10 @@ hold the momentum: since native format v4 the EMA of the *preconditioned* gradie
 ``g / (sqrt(V) + eps)`` (:data:`MOMENTUM_MEANING`; :mod:`gefen_core.reference_ops`), so the
 update is the decoded momentum over the bias correction.
 
-Shapes, for a local tensor of ``n`` elements, period ``P``, ``B = n / P`` blocks and (for a
-2-D parameter) ``R_local x K``: ``m_codebook`` uint8 ``[B, P]``; ``m_magnitude`` and
+Shapes, for a local tensor of ``n`` elements, period ``P``, ``B = ceil(n / P)`` blocks and (for a
+2-D parameter) ``R_local x K``: ``m_codebook`` uint8 ``[B, P]`` (with ragged blocks,
+:data:`gefen_core.periods.RAGGED_PERIOD`, its last ``B * P - n`` codes are padding, always 0:
+no kernel reads or writes them and no checkpoint holds them); ``m_magnitude`` and
 ``vmean`` fp32 ``[B, 1]``; ``v_row`` fp32 ``[R_local]``; ``v_col`` fp32 ``[K]``. Counters are
 Python ints, or 0-dim float64 tensors on the parameter's device under ``capturable=True``
 (checkpoints always hold ints). No scratch buffers or caches live in the state.
@@ -36,6 +38,8 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateField, StateGeometry, StateRole, StateScope
+
+from .periods import RAGGED_PERIOD, block_count
 
 __all__ = [
     "AGE_KEYS",
@@ -63,6 +67,7 @@ __all__ = [
     "storage_bytes",
     "state_variant",
     "switch_second_moment",
+    "zero_padding",
 ]
 
 STEP = "step"
@@ -159,9 +164,9 @@ def _second_moment(
 def new_state(local: torch.Tensor, period: int, variant: str, capturable: bool) -> dict[str, Any]:
     """Zero state for a local tensor (indices 0 decode to ``C[0] * 0 = 0``)."""
     numel = local.numel()
-    if period < 1 or numel % period:
+    if period < 1 or (numel % period and period != RAGGED_PERIOD):
         raise ValueError(f"period {period} does not divide {numel} elements")
-    blocks = numel // period
+    blocks = block_count(numel, period)
     device = local.device
     state: dict[str, Any] = {
         STEP: make_counter(0, device, capturable),
@@ -170,6 +175,13 @@ def new_state(local: torch.Tensor, period: int, variant: str, capturable: bool) 
     }
     state.update(_second_moment(variant, local, blocks, device, capturable))
     return state
+
+
+def zero_padding(codes: torch.Tensor, numel: int) -> None:
+    """Reset the padding of blocked codes ``[B, P]`` of a tensor of ``numel`` elements to 0 (a
+    ragged last block's unused codes; nothing when the blocks tile)."""
+    if codes.numel() > numel:
+        codes.view(-1)[numel:].zero_()
 
 
 def switch_second_moment(state: dict[str, Any], variant: str, local: torch.Tensor, capturable: bool) -> None:

@@ -1,7 +1,7 @@
 """Block periods: how many contiguous elements share one second moment and one momentum scale.
 
-A parameter of ``n`` elements (flattened row-major) is cut into ``n / P`` equal blocks of
-``P`` elements, ``P`` being its *period*. Since 0.2 the period follows from the parameter's
+A parameter of ``n`` elements (flattened row-major) is cut into ``ceil(n / P)`` blocks of
+``P`` elements, ``P`` being its *period*; only :data:`RAGGED_PERIOD` leaves a shorter last block. Since 0.2 the period follows from the parameter's
 shape alone (:func:`shape_period`), never from its data, so the state a first step makes
 has the same shapes whatever the gradient was: a zero-gradient step (the template step of
 ``torch.distributed.checkpoint.state_dict``) makes the state a checkpoint loads into, and
@@ -16,7 +16,11 @@ The rule
   ``Shard(0)``) holds whole blocks and its state shards with the rows;
 * a 1-D tensor, or a piece whose size is not a multiple of that (a flattened element
   shard), takes the memory-safe fallback on its own size: the largest divisor not above
-  2048, or 1 when that is below :data:`MIN_BLOCK_PERIOD`;
+  2048 when that is at least :data:`MIN_ROW_PERIOD` (or the whole piece, up to 2048
+  elements), else **ragged blocks** of :data:`RAGGED_PERIOD` (2048) elements, the last one
+  shorter (a near-even third of a flattened matrix is often ``2 x prime``: without them its
+  state would be per element, 9 bytes a parameter); a piece of fewer than
+  :data:`MIN_BLOCK_PERIOD` elements has period 1;
 * a row-sharded (FSDP2 ``Shard(0)``) DTensor takes the rule on its *global* shape, so every
   rank, whatever its share of the rows (none included), chooses the same blocks; a 1-D one
   has period 1 (its elements, not blocks, are what the mesh splits, so its state shards
@@ -40,9 +44,12 @@ __all__ = [
     "FALLBACK_PERIOD_CAP",
     "MIN_BLOCK_PERIOD",
     "MIN_ROW_PERIOD",
+    "RAGGED_PERIOD",
     "PeriodPolicy",
+    "block_count",
     "largest_divisor_at_most",
     "memory_safe_fallback",
+    "period_from_blocks",
     "shape_period",
 ]
 
@@ -50,8 +57,12 @@ __all__ = [
 FALLBACK_PERIOD_CAP = 2048
 #: A fallback block below this means "per-element state" (period 1).
 MIN_BLOCK_PERIOD = 8
-#: A row whose largest divisor up to the cap is shorter than this is one block.
+#: A row whose largest divisor up to the cap is shorter than this is one block; a flat piece
+#: whose largest divisor up to the cap is shorter than this takes ragged blocks.
 MIN_ROW_PERIOD = 256
+#: The period of ragged blocks: the only period that may leave a shorter last block, so a
+#: checkpoint's block count gives the period back (:func:`period_from_blocks`).
+RAGGED_PERIOD = FALLBACK_PERIOD_CAP
 
 
 def largest_divisor_at_most(n: int, cap: int) -> int:
@@ -75,7 +86,8 @@ def memory_safe_fallback(numel: int, shape: Sequence[int] | None) -> int:
 
     ``numel < 8`` gives 1; otherwise the larger of ``shape[-1]`` (when ``shape`` has at least
     two dimensions, ``shape[-1] >= 8`` and it divides ``numel``) and the largest divisor of
-    ``numel`` not above :data:`FALLBACK_PERIOD_CAP` (when that is at least 8); 1 if neither.
+    ``numel`` not above :data:`FALLBACK_PERIOD_CAP` (when that is ``numel`` itself or at least
+    :data:`MIN_ROW_PERIOD`); :data:`RAGGED_PERIOD` (ragged blocks) if neither.
     """
     if numel < MIN_BLOCK_PERIOD:
         return 1
@@ -83,9 +95,27 @@ def memory_safe_fallback(numel: int, shape: Sequence[int] | None) -> int:
     if shape is not None and len(shape) >= 2 and shape[-1] >= MIN_BLOCK_PERIOD and numel % shape[-1] == 0:
         candidates.append(int(shape[-1]))
     capped = largest_divisor_at_most(numel, FALLBACK_PERIOD_CAP)
-    if capped >= MIN_BLOCK_PERIOD:
+    if capped == numel or capped >= MIN_ROW_PERIOD:
         candidates.append(capped)
-    return max(candidates) if candidates else 1
+    return max(candidates) if candidates else RAGGED_PERIOD
+
+
+def block_count(numel: int, period: int) -> int:
+    """Blocks of ``period`` elements covering ``numel`` (the last one shorter when ragged)."""
+    return -(-numel // period)
+
+
+def period_from_blocks(numel: int, blocks: int) -> int | None:
+    """The period that cuts ``numel`` elements into ``blocks`` blocks: ``numel / blocks`` when
+    that tiles, else :data:`RAGGED_PERIOD` when its ragged blocks number ``blocks``; ``None``
+    when neither. Unique, because ragged blocks are chosen only for a piece with no divisor in
+    ``[MIN_ROW_PERIOD, RAGGED_PERIOD]``, and a tiling ``numel / blocks`` with
+    ``blocks = ceil(numel / RAGGED_PERIOD) >= 2`` would be such a divisor."""
+    if blocks < 1:
+        return None
+    if numel % blocks == 0:
+        return numel // blocks
+    return RAGGED_PERIOD if block_count(numel, RAGGED_PERIOD) == blocks else None
 
 
 def shape_period(shape: Sequence[int], local_numel: int) -> int:

@@ -186,34 +186,87 @@ def block_step_tensor(
 ) -> None:
     """One full block-path update of one parameter, in place (one tensor of ``gefen::block_step.v3``).
 
-    ``param``/``grad``: contiguous, same shape and dtype; ``indices``: uint8 ``[B, P]``;
+    ``param``/``grad``: contiguous, same shape and dtype (``n`` elements); ``indices``: uint8
+    ``[B, P]`` with ``B = ceil(n / P)`` (a ragged last block holds ``n - (B - 1) P`` elements:
+    it is a block of that length, and its row's remaining codes are padding, never touched);
     ``magnitude``/``vmean``: fp32 ``[B, 1]``; ``codebook``: fp32 ``[256]``; ``scalars``:
     fp32 ``[NUM_SCALARS]``; ``sr_seed``: int64 ``[1]`` for stochastic rounding or ``None``.
     Updates ``param``, ``indices``, ``magnitude`` and ``vmean``.
     """
     del deterministic  # the reference is deterministic on every device
     blocks, period = indices.shape
-    p2 = param.view(blocks, period)
-    g2 = grad.view(blocks, period)
+    numel = param.numel()
+    whole = min(blocks, numel // period)
+    p_flat, g_flat = param.view(-1), grad.view(-1)
     rows = _chunk_rows(period)
-    for first in range(0, blocks, rows):
-        last = min(blocks, first + rows)
-        g = _gradient_rows(g2[first:last], maximize)
-        mean = _divide(g.to(torch.float64).square().sum(dim=1, keepdim=True), period).to(torch.float32)
-        v = vmean[first:last] * scalars[S.BETA2] + mean * scalars[S.ONE_MINUS_BETA2]
-        vmean[first:last] = v
-        _momentum_write(
-            p2[first:last],
-            g,
+    for first in range(0, whole, rows):
+        last = min(whole, first + rows)
+        span = slice(first * period, last * period)
+        _block_rows(
+            p_flat[span].view(-1, period),
+            g_flat[span].view(-1, period),
+            slice(first, last),
             indices[first:last],
-            magnitude[first:last],
+            magnitude,
+            vmean,
             codebook,
-            _sqrt(v) * scalars[S.BC2] + scalars[S.EPS],
             scalars,
             sr_seed,
             first * period,
+            maximize,
             apply_decay,
         )
+    if whole < blocks:  # the ragged last block: a block of its own length
+        tail = numel - whole * period
+        span = slice(whole * period, numel)
+        _block_rows(
+            p_flat[span].view(1, tail),
+            g_flat[span].view(1, tail),
+            slice(whole, blocks),
+            indices[whole:, :tail],
+            magnitude,
+            vmean,
+            codebook,
+            scalars,
+            sr_seed,
+            whole * period,
+            maximize,
+            apply_decay,
+        )
+
+
+def _block_rows(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    blocks: slice,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    vmean: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    first_element: int,
+    maximize: bool,
+    apply_decay: bool,
+) -> None:
+    """The block step of the ``blocks`` rows ``[rows, L]`` of one parameter (``L`` elements a
+    block), the first of them at flat element ``first_element``."""
+    g = _gradient_rows(grad, maximize)
+    mean = _divide(g.to(torch.float64).square().sum(dim=1, keepdim=True), g.shape[1]).to(torch.float32)
+    v = vmean[blocks] * scalars[S.BETA2] + mean * scalars[S.ONE_MINUS_BETA2]
+    vmean[blocks] = v
+    _momentum_write(
+        param,
+        g,
+        indices,
+        magnitude[blocks],
+        codebook,
+        _sqrt(v) * scalars[S.BC2] + scalars[S.EPS],
+        scalars,
+        sr_seed,
+        first_element,
+        apply_decay,
+    )
 
 
 def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,20 +448,23 @@ def factored_step_reference(
 def histogram_reference(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
     """``gefen::histogram.v1``: add the block-normalised gradient's bin counts to ``counts``.
 
-    ``counts`` is int64 ``[4096]``. Per block of ``period`` elements (flattened row-major):
+    ``counts`` is int64 ``[4096]``. Per block of ``period`` elements (flattened row-major; the
+    last block is shorter when ``period`` does not divide the size):
     ``a = max |g|``, ``z = fl(g / a)`` (0 when ``a == 0``), bin
     ``clamp(floor(fl(z + 1) * 2048), 0, 4095)``.
     """
     del deterministic
     flat = grad.detach().reshape(-1)
-    blocks = flat.numel() // period
+    numel = flat.numel()
     rows = _chunk_rows(period)
-    for first in range(0, blocks, rows):
-        last = min(blocks, first + rows)
-        g = flat[first * period : last * period].to(torch.float32).view(-1, period)
-        _, z = normalize_blocks(g)
-        bins = ((z + 1.0) * float(HISTOGRAM_BINS // 2)).floor_().clamp_(0, HISTOGRAM_BINS - 1)
-        counts += torch.bincount(bins.to(torch.int64).view(-1), minlength=HISTOGRAM_BINS)
+    for first in range(0, numel, rows * period):
+        g = flat[first : first + rows * period].to(torch.float32)
+        whole = g.numel() // period * period
+        for part in (g[:whole].view(-1, period), g[whole:].view(1, -1)):  # a ragged last block: its own length
+            if part.numel():
+                _, z = normalize_blocks(part)
+                bins = ((z + 1.0) * float(HISTOGRAM_BINS // 2)).floor_().clamp_(0, HISTOGRAM_BINS - 1)
+                counts += torch.bincount(bins.to(torch.int64).view(-1), minlength=HISTOGRAM_BINS)
 
 
 def stochastic_uniform_reference(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

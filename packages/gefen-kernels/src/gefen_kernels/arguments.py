@@ -74,13 +74,24 @@ def _param_grad(param: Any, grad: Any) -> str | None:
     return None
 
 
-def _momentum(param: torch.Tensor, indices: Any, magnitude: Any) -> str | None:
-    """The quantised momentum of ``param``: uint8 codes ``[blocks, period]`` and one fp32 scale per block."""
+def _covers(codes_numel: int, period: int, numel: int) -> bool:
+    """Whether blocked codes of ``codes_numel`` elements in rows of ``period`` hold ``numel``
+    elements: every row full but the last, which may be partly padding (ragged blocks)."""
+    return codes_numel - period < numel <= codes_numel
+
+
+def _momentum(param: torch.Tensor, indices: Any, magnitude: Any, *, ragged: bool = False) -> str | None:
+    """The quantised momentum of ``param``: uint8 codes ``[blocks, period]`` and one fp32 scale per
+    block; with ``ragged`` the last block may be shorter (its row padded)."""
     device = param.device
     reason = _tensor(indices, "indices", torch.uint8, device)
     if reason:
         return reason
-    if indices.dim() != 2 or indices.numel() != param.numel():
+    if indices.dim() != 2:
+        return f"indices must be [blocks, period], got {tuple(indices.shape)}"
+    if ragged and not _covers(indices.numel(), indices.shape[1], param.numel()):
+        return f"indices {tuple(indices.shape)} must be the ceil(n / period) blocks of {param.numel()} elements"
+    if not ragged and indices.numel() != param.numel():
         return f"indices must be [blocks, period] with {param.numel()} elements, got {tuple(indices.shape)}"
     reason = _tensor(magnitude, "magnitude", torch.float32, device)
     if reason:
@@ -153,7 +164,7 @@ def _block_fast(p: Any, g: Any, q: Any, m: Any, v: Any, device: torch.device) ->
         and v.dtype is _F32
         and g.shape == p.shape
         and q.dim() == 2
-        and q.numel() == p.numel()
+        and q.numel() - q.shape[1] < p.numel() <= q.numel()
         and m.numel() == q.shape[0]
         and v.numel() == q.shape[0]
         and p.is_contiguous()
@@ -218,7 +229,7 @@ def _moments_fast(g: Any, r: Any, c: Any, device: torch.device) -> bool:
 
 
 def _block_entry(param: Any, grad: Any, indices: Any, magnitude: Any, vmean: Any) -> str | None:
-    reason = _param_grad(param, grad) or _momentum(param, indices, magnitude)
+    reason = _param_grad(param, grad) or _momentum(param, indices, magnitude, ragged=True)
     if reason:
         return reason
     reason = _tensor(vmean, "vmean", torch.float32, param.device)
@@ -345,8 +356,8 @@ def check_histogram(*args: Any, **kwargs: Any) -> str | None:
         return reason
     if not isinstance(grad, torch.Tensor) or grad.dtype not in PARAM_DTYPES or not grad.is_contiguous():
         return "grad must be a contiguous floating-point tensor"
-    if type(period) is not int or period < 1 or grad.numel() % period:
-        return f"period must be a positive int dividing {grad.numel()}, got {period!r}"
+    if type(period) is not int or period < 1:
+        return f"period must be a positive int, got {period!r}"
     reason = _tensor(counts, "counts", torch.int64, grad.device)
     if reason:
         return reason

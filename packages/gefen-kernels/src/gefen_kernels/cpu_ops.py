@@ -159,7 +159,7 @@ def block_step(
         blocks, period = codes.shape
         rows += (
             _DTYPE_CODES[param.dtype],
-            blocks * period,
+            param.numel(),  # the last block may be ragged: the C code cuts it from this
             param.data_ptr(),
             grad.data_ptr(),
             codes.data_ptr(),
@@ -337,7 +337,7 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
     status = _function("gefen_histogram")(
         _DTYPE_CODES[grad.dtype],
         grad.data_ptr(),
-        grad.numel() // period,
+        grad.numel(),
         period,
         counts.data_ptr(),
         torch.get_num_threads(),

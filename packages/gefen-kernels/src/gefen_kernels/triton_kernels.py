@@ -136,13 +136,14 @@ def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl
 
 
 @triton.jit
-def _block_sumsq(g_ptr, rows, row_ok, period, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The float64 sum of fl(g)^2 of each of ROWS blocks (the block path's statistic)."""
+def _block_sumsq(g_ptr, rows, row_ok, period, numel, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The float64 sum of fl(g)^2 of each of ROWS blocks (the block path's statistic; blocks end
+    at ``numel``, so a ragged last block is shorter)."""
     sumsq = tl.zeros((ROWS,), dtype=tl.float64)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
         g64 = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.float64)
         sumsq += tl.sum(g64 * g64, axis=1)
     return sumsq
@@ -160,6 +161,7 @@ def _block_stats(
     beta1,
     omb1,
     period,
+    numel,
     h_rows,
     rf_ptr,
     vc_ptr,
@@ -174,8 +176,8 @@ def _block_stats(
     nan = tl.zeros((ROWS,), dtype=tl.int32)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
         _, u = _momentum(
             g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
         )
@@ -202,6 +204,7 @@ def _precondition_write(
     decay,
     seed,
     period,
+    numel,
     h_rows,
     rf_ptr,
     vc_ptr,
@@ -228,6 +231,7 @@ def _precondition_write(
         beta1,
         omb1,
         period,
+        numel,
         h_rows,
         rf_ptr,
         vc_ptr,
@@ -241,8 +245,8 @@ def _precondition_write(
     safe = tl.where(m_new > 0.0, m_new, 1.0)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
         _, u = _momentum(
             g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
         )
@@ -264,6 +268,7 @@ def block_step_kernel(
     seed_ptr,
     blocks,
     period,
+    numel,
     sign,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
@@ -286,7 +291,9 @@ def block_step_kernel(
         seed = tl.load(seed_ptr).to(tl.uint64)
     else:
         seed = 0
-    mean = (_block_sumsq(g_ptr, rows, row_ok, period, ROWS, COLS) / period).to(tl.float32)
+    count = tl.minimum(numel - rows.to(tl.int64) * period, period)  # a ragged last block is shorter
+    count = tl.where(row_ok, count, 1).to(tl.float64)
+    mean = (_block_sumsq(g_ptr, rows, row_ok, period, numel, ROWS, COLS) / count).to(tl.float32)
     v = tl.load(v_ptr + rows, mask=row_ok, other=0.0)
     v = v * beta2 + mean * omb2
     h = tl.math.sqrt_rn(v) * bc2 + eps
@@ -307,6 +314,7 @@ def block_step_kernel(
         decay,
         seed,
         period,
+        numel,
         h[:, None],
         v_ptr,
         v_ptr,
@@ -344,6 +352,7 @@ def factored_step_kernel(
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
+    numel = blocks.to(tl.int64) * period  # factored blocks tile the rows
     lr = tl.load(sc_ptr + 0)
     inv_bc1 = tl.load(sc_ptr + 1)
     decay = tl.load(sc_ptr + 3)
@@ -370,6 +379,7 @@ def factored_step_kernel(
         decay,
         seed,
         period,
+        numel,
         1.0,
         rf_ptr,
         vc_ptr,
@@ -404,6 +414,7 @@ def muon_momentum_kernel(
     """GefenMuon: requantise the momentum EMA and write the Newton-Schulz input (bf16 or fp32)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
+    numel = blocks.to(tl.int64) * period  # GefenMuon's blocks tile the matrix
     beta = tl.load(sc_ptr + 0)
     omb = tl.load(sc_ptr + 1)
     if STOCHASTIC:
@@ -422,6 +433,7 @@ def muon_momentum_kernel(
         beta,
         omb,
         period,
+        numel,
         1.0,
         sc_ptr,
         sc_ptr,
@@ -435,8 +447,8 @@ def muon_momentum_kernel(
     safe = tl.where(m_new > 0.0, m_new, 1.0)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
         g, u = _momentum(
             g_ptr,
             q_ptr,
@@ -525,22 +537,23 @@ def factored_moments_kernel(
 
 
 @triton.jit
-def histogram_kernel(g_ptr, counts_ptr, blocks, period, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Adds each element's bin clamp(floor(fl(fl(g / max_block |g|) + 1) * 2048), 0, 4095)."""
+def histogram_kernel(g_ptr, counts_ptr, blocks, period, numel, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Adds each element's bin clamp(floor(fl(fl(g / max_block |g|) + 1) * 2048), 0, 4095)
+    (blocks end at ``numel``: a ragged last block is shorter)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     amax = tl.zeros((ROWS,), dtype=tl.float32)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
     safe = tl.where(amax > 0.0, amax, 1.0)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
-        mask = row_ok[:, None] & (cols < period)[None, :]
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
+        mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         z = tl.math.div_rn(g, safe[:, None])
         t = tl.floor((z + 1.0) * 2048.0)

@@ -113,6 +113,7 @@ def block_step(
             seed,
             blocks,
             period,
+            param.numel(),
             -1.0 if maximize else 1.0,
             ROWS=rows,
             COLS=cols,
@@ -260,10 +261,10 @@ def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, determin
     _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic), grad)
     if grad.numel() == 0:
         return
-    blocks = grad.numel() // period
+    blocks = triton_cdiv(grad.numel(), period)  # the last block may be ragged
     rows, cols = _tile(blocks, period)
     K.histogram_kernel[(triton_cdiv(blocks, rows),)](
-        grad, counts, blocks, period, ROWS=rows, COLS=cols, enable_fp_fusion=False
+        grad, counts, blocks, period, grad.numel(), ROWS=rows, COLS=cols, enable_fp_fusion=False
     )
     increment_version(counts)
 

@@ -36,7 +36,7 @@
 #define GEFEN_AVX512 1
 #endif
 
-#define GEFEN_ABI_VERSION 4
+#define GEFEN_ABI_VERSION 5
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -870,19 +870,20 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     }                                                                                            \
                                                                                                  \
     /* Block b's momentum of the preconditioned gradient (den), requantised, and its write       \
-     * d = fl(fl(fl(C[q'] * M') * INV_BC1) * LR) (both paths after their second moment). */      \
+     * d = fl(fl(fl(C[q'] * M') * INV_BC1) * LR) (both paths after their second moment). The     \
+     * block starts at b * period and holds n elements (n < period only for a ragged last block). */ \
     static void precondition_write_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
                                          float* magnitude, int64_t b, int64_t blocks, int64_t period, \
-                                         const Denominator* den) {                               \
+                                         int64_t n, const Denominator* den) {                    \
         float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                 \
         int64_t off = b * period;                                                                \
         float m_old = magnitude[b];                                                              \
-        float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, ubuf, den, off, param + off); \
+        float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, n, ubuf, den, off, param + off); \
         magnitude[b] = m_new;                                                                    \
-        for (int64_t k = 0; k < (period < TILE ? period : TILE); k++) sbuf[k] = ctx->inv_bc1;                                   \
-        for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                          \
-            int64_t len = period - t0 < TILE ? period - t0 : TILE;                               \
-            const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len, ubuf, \
+        for (int64_t k = 0; k < (n < TILE ? n : TILE); k++) sbuf[k] = ctx->inv_bc1;              \
+        for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                               \
+            int64_t len = n - t0 < TILE ? n - t0 : TILE;                                         \
+            const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, n, t0, len, ubuf, \
                                                  scratch, den, off);                             \
             if (b + 1 < blocks) {                                                                \
                 prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));              \
@@ -894,9 +895,11 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     }                                                                                            \
                                                                                                  \
     static void block_step_block_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
-                                       float* magnitude, float* vmean, int64_t b, int64_t blocks, int64_t period) { \
-        double sumsq = block_sumsq_##SUF(grad + b * period, period); \
-        float mean = (float)(sumsq / (double)period); \
+                                       float* magnitude, float* vmean, int64_t b, int64_t blocks, int64_t period, \
+                                       int64_t numel) { \
+        int64_t n = numel - b * period < period ? numel - b * period : period; /* ragged last block */ \
+        double sumsq = block_sumsq_##SUF(grad + b * period, n); \
+        float mean = (float)(sumsq / (double)n); \
         float v = vmean[b] * ctx->beta2; \
         float w = mean * ctx->omb2; \
         v = v + w; \
@@ -904,19 +907,20 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         float h = sqrtf(v) * ctx->bc2; \
         h = h + ctx->eps; \
         const Denominator den = {h, NULL, NULL, 0, 0.0f}; \
-        precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+        precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, n, &den); \
     } \
  \
     static void block_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
-                                 float* magnitude, float* vmean, int64_t blocks, int64_t period, int threads) { \
+                                 float* magnitude, float* vmean, int64_t blocks, int64_t period, int64_t numel, \
+                                 int threads) { \
         int64_t b; \
-        if (PARALLEL(blocks * period, threads)) { \
+        if (PARALLEL(numel, threads)) { \
             _Pragma("omp parallel for schedule(static) num_threads(threads)") \
             for (b = 0; b < blocks; b++) \
-                block_step_block_##SUF(ctx, param, grad, indices, magnitude, vmean, b, blocks, period); \
+                block_step_block_##SUF(ctx, param, grad, indices, magnitude, vmean, b, blocks, period, numel); \
         } else { \
             for (b = 0; b < blocks; b++) \
-                block_step_block_##SUF(ctx, param, grad, indices, magnitude, vmean, b, blocks, period); \
+                block_step_block_##SUF(ctx, param, grad, indices, magnitude, vmean, b, blocks, period, numel); \
         } \
     } \
  \
@@ -928,10 +932,10 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         if (PARALLEL(blocks * period, threads)) { \
             _Pragma("omp parallel for schedule(static) num_threads(threads)") \
             for (b = 0; b < blocks; b++) \
-                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, period, &den); \
         } else { \
             for (b = 0; b < blocks; b++) \
-                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, &den); \
+                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, period, &den); \
         } \
     }                                                                                            \
     /* GefenMuon: requantise the momentum EMA u = fl(fl(C[q] M) beta) + fl(g (1 - beta)) and write   \
@@ -976,8 +980,10 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         } \
     } \
  \
-    static void histogram_##SUF(const PT* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) { \
-        _Pragma("omp parallel num_threads(threads) if(blocks * period >= PARALLEL_MIN && threads > 1)")       \
+    /* Blocks of period elements over numel (the last one shorter when ragged). */                       \
+    static void histogram_##SUF(const PT* grad, int64_t numel, int64_t period, int64_t* counts, int threads) { \
+        const int64_t blocks = (numel + period - 1) / period;                                                  \
+        _Pragma("omp parallel num_threads(threads) if(numel >= PARALLEL_MIN && threads > 1)")                 \
         {                                                                                                      \
             int64_t* local = (int64_t*)calloc(BUCKETS, sizeof(int64_t));                                       \
             float gbuf[TILE];                                                                                  \
@@ -985,15 +991,16 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             _Pragma("omp for schedule(static)")                                                                \
             for (b = 0; b < blocks; b++) {                                                                     \
                 const PT* g = grad + b * period;                                                               \
+                const int64_t n = numel - b * period < period ? numel - b * period : period;                   \
                 float amax = 0.0f;                                                                             \
-                for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                \
-                    int64_t len = period - t0 < TILE ? period - t0 : TILE;                                     \
+                for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                     \
+                    int64_t len = n - t0 < TILE ? n - t0 : TILE;                                               \
                     load_tile_##SUF(g + t0, gbuf, 1.0f, len);                                                  \
                     amax = tile_absmax(gbuf, len, amax);                                                       \
                 }                                                                                              \
                 float safe = amax > 0.0f ? amax : 1.0f;                                                        \
-                for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                \
-                    int64_t len = period - t0 < TILE ? period - t0 : TILE;                                     \
+                for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                                     \
+                    int64_t len = n - t0 < TILE ? n - t0 : TILE;                                               \
                     load_tile_##SUF(g + t0, gbuf, 1.0f, len);                                                  \
                     count_tile(gbuf, len, safe, local);                                                        \
                 }                                                                                              \
@@ -1176,7 +1183,8 @@ static void entry_context(StepContext* ctx, const ListCall* call, int64_t i) {
 
 #define PTR(e, k) ((void*)(intptr_t)(e)[k])
 
-/* block step rows: dtype, numel, param, grad, indices, magnitude, vmean, blocks, period */
+/* block step rows: dtype, numel, param, grad, indices, magnitude, vmean, blocks, period; the last
+ * block holds numel - (blocks - 1) * period elements (ragged when that is below period). */
 enum { BS_PARAM = 2, BS_GRAD, BS_INDICES, BS_MAGNITUDE, BS_VMEAN, BS_BLOCKS, BS_PERIOD, BS_FIELDS };
 
 static int block_step_entry(const ListCall* call, int64_t i, int threads) {
@@ -1184,7 +1192,7 @@ static int block_step_entry(const ListCall* call, int64_t i, int threads) {
     StepContext ctx;
     entry_context(&ctx, call, i);
 #define BLOCK_ARGS PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE), PTR(e, BS_VMEAN), \
-                   e[BS_BLOCKS], e[BS_PERIOD], threads
+                   e[BS_BLOCKS], e[BS_PERIOD], e[1], threads
     switch (e[0]) {
         case DT_F32: block_step_f32(&ctx, BLOCK_ARGS); break;
         case DT_BF16: block_step_bf16(&ctx, BLOCK_ARGS); break;
@@ -1343,12 +1351,12 @@ int gefen_muon_momentum(int64_t n, const int64_t* entries, const float* codebook
     return run_entries(&call, n, muon_momentum_entry, threads);
 }
 
-int gefen_histogram(int dtype, const void* grad, int64_t blocks, int64_t period, int64_t* counts, int threads) {
+int gefen_histogram(int dtype, const void* grad, int64_t numel, int64_t period, int64_t* counts, int threads) {
     switch (dtype) {
-        case DT_F32: histogram_f32(grad, blocks, period, counts, threads); return 0;
-        case DT_BF16: histogram_bf16(grad, blocks, period, counts, threads); return 0;
-        case DT_F16: histogram_f16(grad, blocks, period, counts, threads); return 0;
-        case DT_F64: histogram_f64(grad, blocks, period, counts, threads); return 0;
+        case DT_F32: histogram_f32(grad, numel, period, counts, threads); return 0;
+        case DT_BF16: histogram_bf16(grad, numel, period, counts, threads); return 0;
+        case DT_F16: histogram_f16(grad, numel, period, counts, threads); return 0;
+        case DT_F64: histogram_f64(grad, numel, period, counts, threads); return 0;
         default: return -1;
     }
 }
