@@ -36,8 +36,10 @@ _PREFIX = "tests.bound"
 
 
 class Net(torch.nn.Module):
-    """Gefen's model: an embedding and a bias (replicated), two 4096-element matrices (flattened).
-    Cuts at 2048 fall on block boundaries for every period; near-even cuts in three do not."""
+    """Gefen's model: an embedding and a bias (replicated), two 4096-element matrices and a
+    4 x 3104 one (flattened). Cuts at 2048 and halves of the wide matrix fall on block
+    boundaries for every period; near-even cuts in three do not, and thirds of the wide matrix
+    (4139 and 4138 = 2 x 2069 elements) take ragged blocks of 2048."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,10 +47,13 @@ class Net(torch.nn.Module):
         self.up = torch.nn.Parameter(torch.randn(128, 32) * 0.1)
         self.down = torch.nn.Parameter(torch.randn(128, 32) * 0.1)
         self.bias = torch.nn.Parameter(torch.zeros(32))
+        self.wide = torch.nn.Parameter(torch.randn(4, 3104) * 0.1)
+        self.register_buffer("mix", torch.randn(3104, 32) * 0.01, persistent=False)  # seeded alike everywhere
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.embed[tokens].mean(dim=1)
-        return torch.tanh(hidden @ self.up.T) @ self.down + self.bias
+        wide = torch.tanh(self.wide).sum(dim=0) @ self.mix
+        return torch.tanh(hidden @ self.up.T) @ self.down + self.bias + wide
 
     @staticmethod
     def loss(model: torch.nn.Module, step: int) -> torch.Tensor:
@@ -100,7 +105,14 @@ def driver(kind: str) -> torch.nn.Module:
 
 def gefen_layout(members: int) -> Spec:
     cuts = even_cuts(4096, members)
-    return {"embed": ("repl", None), "up": ("flat", cuts), "down": ("flat", cuts), "bias": ("repl", None)}
+    wide = even_cuts(4 * 3104, members)
+    return {
+        "embed": ("repl", None),
+        "up": ("flat", cuts),
+        "down": ("flat", cuts),
+        "bias": ("repl", None),
+        "wide": ("flat", wide),
+    }
 
 
 MUON_LAYOUTS: dict[str, Spec] = {
@@ -161,7 +173,7 @@ def reshard(rank: int, world: int, kind: str, source: tuple[int, str], target: t
             limits=LIMITS,
         )  # fmt: skip
     document = None
-    if tgt_size == 1 and src is not None and src_size > 1:
+    if tgt_size < src_size and src is not None:  # fewer targets: whole documents (no fragment is left behind)
         document = state.materialize(checkpoint_binding(rank, src_size), limits=LIMITS)
     catalog = share(state.catalog_record() if rank == 0 else None)
     if state is None:
@@ -176,7 +188,7 @@ def reshard(rank: int, world: int, kind: str, source: tuple[int, str], target: t
         outcome["twin_bit_exact"] = twin.bits() == src.bits()
     if in_target:
         resumed = member(kind, _at(kind, checkpoint), rank, tgt_size, spec(tgt_size, tgt_name))
-        _import(resumed, document if tgt_size == 1 and document is not None else state, rank, tgt_size, "reshard")
+        _import(resumed, document if document is not None else state, rank, tgt_size, "reshard")
         outcome["resumed"] = resumed.train(BEFORE, AFTER)
         dropped = member(kind, _at(kind, checkpoint), rank, tgt_size, spec(tgt_size, tgt_name))
         outcome["dropped"] = dropped.train(BEFORE, AFTER)

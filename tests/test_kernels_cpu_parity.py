@@ -237,7 +237,9 @@ def test_one_muon_momentum_call_steps_many_matrices_as_the_reference_does() -> N
     compare_muon_list(cpu_ops.muon_momentum, "cpu")
 
 
-@pytest.mark.parametrize(("numel", "dtype"), [(2 * 2048 + 37, torch.float32), (3, torch.bfloat16), (40_000, torch.float16)])
+@pytest.mark.parametrize(
+    ("numel", "dtype"), [(2 * 2048 + 37, torch.float32), (3, torch.bfloat16), (40_000, torch.float16)]
+)
 def test_a_ragged_last_block_steps_and_counts_as_the_reference(numel: int, dtype: torch.dtype) -> None:
     """Blocks of 2048 over a size 2048 does not divide: the last block is shorter (its codes'
     row padded), bit for bit as the reference, with stochastic rounding and decay."""

@@ -16,7 +16,8 @@ def test_memory_safe_fallback_pinned_examples() -> None:
     assert memory_safe_fallback(4, (4,)) == 1
     assert memory_safe_fallback(6400, (100, 64)) == 1600
     assert memory_safe_fallback(6144, (3, 2048)) == 2048
-    assert memory_safe_fallback(104729, None) == 1  # prime above the cap
+    assert memory_safe_fallback(104729, None) == 2048  # prime above the cap: ragged blocks, not one per element
+    assert memory_safe_fallback(16 * 5471, None) == 2048  # ragged, not blocks of 16 (5471 is prime)
     assert memory_safe_fallback(2**20, None) == 2048
     assert memory_safe_fallback(96, (32, 3)) == 96  # small tensors become one block
     assert largest_divisor_at_most(6400, 2048) == 1600

@@ -17,7 +17,7 @@ from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identit
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
-from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, sum_over_mesh
+from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
 from .momentum_codec import stochastic_seed
@@ -33,7 +33,7 @@ from .optimizer_support import (
     run_eagerly,
 )
 from .param_groups import check_parameters, normalize_group_options
-from .param_state import FACTORED, INDICES, new_state, period_of, storage_bytes
+from .param_state import FACTORED, INDICES, new_state, period_of, storage_bytes, zero_padding
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import PeriodPolicy
 from .portable_adapter import GefenPortableState
@@ -454,11 +454,13 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
 
     def _requantize_all(self, old: torch.Tensor, new: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
         staged = []
-        for state in self.state.values():
+        for param, state in self.state.items():
             if state and state[INDICES].numel():
                 device = state[INDICES].device
                 old_on, new_on = old.to(device), new.to(device)
-                staged.append((state, requantize(state[INDICES], old_on, new_on)))
+                codes = requantize(state[INDICES], old_on, new_on)
+                zero_padding(codes, local_tensor(param).numel())  # a ragged block's padding stays 0
+                staged.append((state, codes))
         return staged
 
     def _seeds(self, works: list[ParamWork], device: torch.device) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ counter carries over whichever representation the target takes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +50,12 @@ from .param_state import (
     VMEAN,
     VMEAN_STEP,
     counter_value,
+    element_codes,
     period_of,
     state_variant,
 )
 from .parameter_update import placeholder_codebook
-from .periods import PeriodPolicy
+from .periods import PeriodPolicy, aligned_period
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
 from .state_placement import export_tensors
 from .transport_slots import plain_options
@@ -88,7 +90,7 @@ def live_piece(
         return PRISTINE, {}, None
     variant = state_variant(dict(state))
     assert variant is not None
-    indices = state[INDICES]
+    indices = element_codes(state[INDICES], math.prod(shape))  # without a ragged block's padding
     table = codebook if codebook is not None else placeholder_codebook(indices.device)
     age_key = AGE_KEYS[variant]
     counters = {STEP: counter_value(state[STEP]), age_key: counter_value(state[age_key])}
@@ -244,12 +246,18 @@ def plan_piece(
 ) -> PeriodChoice:
     """The target period of ``piece`` (:func:`gefen_core.reblocking.choose_period`).
 
-    Re-inference runs the group's :class:`~gefen_core.periods.PeriodPolicy` (the period a
-    first step would choose for the piece).
+    Re-inference runs the group's :class:`~gefen_core.periods.PeriodPolicy` as a first step
+    would choose for the piece: the parameter's own period when the piece starts and ends on
+    its blocks (:func:`gefen_core.periods.aligned_period`), else the rule on the piece.
     """
 
     def reinfer() -> int:
-        return policy.resolve(name, search_shape, piece.momentum.numel())
+        numel = piece.momentum.numel()
+        local = policy.resolve(name, search_shape, numel)
+        if tuple(search_shape) == tuple(piece.global_shape):
+            return local
+        logical = policy.resolve(name, piece.global_shape, math.prod(piece.global_shape))
+        return aligned_period(logical, piece.flat_offset, numel, local)
 
     return choose_period(
         piece.momentum,

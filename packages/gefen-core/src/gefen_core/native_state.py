@@ -38,10 +38,12 @@ from .param_state import (
     STEP,
     VARIANT_KEYS,
     VMEAN,
+    blocked_codes,
     counter_value,
     make_counter,
     state_variant,
 )
+from .periods import block_count
 from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales, state_dtype
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]
@@ -112,7 +114,7 @@ def _stage_entry(
             f"{where}[{MAGNITUDE!r}] has shape {tuple(scales.shape)}, one scale per block of no period of a "
             f"parameter of shape {tuple(param.shape)}"
         )
-    if local.numel() % period:
+    if local is not param and local.numel() % period:  # a whole tensor may end in a ragged block, a shard not
         hint = ""
         if param.dim() == 1 and local is not param:
             hint = (
@@ -133,7 +135,7 @@ def _stage_entry(
     staged: dict[str, Any] = {STEP: make_counter(step, device, capturable)}
     global_shapes = expected_shapes(param.shape, period, variant)
     local_shapes = expected_shapes(local.shape, period, variant)
-    blocked = {INDICES: (local.numel() // period, period), MAGNITUDE: (local.numel() // period, 1)}
+    blocked = {MAGNITUDE: (block_count(local.numel(), period), 1)}
     blocked[VMEAN] = blocked[MAGNITUDE]
     for key, shape in local_shapes.items():
         dtype = state_dtype(key)
@@ -147,7 +149,8 @@ def _stage_entry(
             shape,
             finite_nonnegative=dtype.is_floating_point,
         )
-        staged[key] = tensor.detach().to(device=device, copy=True).reshape(blocked.get(key, shape))
+        copied = tensor.detach().to(device=device, copy=True)
+        staged[key] = blocked_codes(copied, period) if key == INDICES else copied.reshape(blocked.get(key, shape))
     staged[age_key] = make_counter(age, device, capturable)
     return staged
 

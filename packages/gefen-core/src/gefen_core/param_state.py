@@ -59,7 +59,9 @@ __all__ = [
     "VMEAN",
     "VMEAN_STEP",
     "FACTORED_STEP",
+    "blocked_codes",
     "counter_value",
+    "element_codes",
     "make_counter",
     "new_state",
     "period_of",
@@ -175,6 +177,22 @@ def new_state(local: torch.Tensor, period: int, variant: str, capturable: bool) 
     }
     state.update(_second_moment(variant, local, blocks, device, capturable))
     return state
+
+
+def blocked_codes(codes: torch.Tensor, period: int) -> torch.Tensor:
+    """Codes of ``n`` elements (any shape) as live rows ``[ceil(n / P), P]``: a view when the
+    blocks tile, else a copy whose ragged last row is padded with 0."""
+    flat = codes.reshape(-1)
+    blocks = block_count(flat.numel(), period)
+    padding = blocks * period - flat.numel()
+    if padding:
+        flat = torch.cat([flat, flat.new_zeros(padding)])
+    return flat.view(blocks, period)
+
+
+def element_codes(codes: torch.Tensor, numel: int) -> torch.Tensor:
+    """The ``numel`` codes of live blocked codes, flat: a view without the padding."""
+    return codes.view(-1)[:numel]
 
 
 def zero_padding(codes: torch.Tensor, numel: int) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "MIN_ROW_PERIOD",
     "RAGGED_PERIOD",
     "PeriodPolicy",
+    "aligned_period",
     "block_count",
     "largest_divisor_at_most",
     "memory_safe_fallback",
@@ -98,6 +99,13 @@ def memory_safe_fallback(numel: int, shape: Sequence[int] | None) -> int:
     if capped == numel or capped >= MIN_ROW_PERIOD:
         candidates.append(capped)
     return max(candidates) if candidates else RAGGED_PERIOD
+
+
+def aligned_period(logical: int, offset: int, numel: int, local: int) -> int:
+    """The period of a flattened element shard of ``numel`` elements at flat ``offset``: the
+    parameter's own (``logical``) period when the piece starts and ends on its block boundaries,
+    else the rule on the piece alone (``local``)."""
+    return logical if offset % logical == 0 and numel % logical == 0 else local
 
 
 def block_count(numel: int, period: int) -> int:

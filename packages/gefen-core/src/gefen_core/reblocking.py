@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .momentum_codec import dequantize, nearest_codeword, normalize_blocks
-from .periods import MIN_BLOCK_PERIOD, memory_safe_fallback
+from .periods import MIN_BLOCK_PERIOD, RAGGED_PERIOD, block_count, memory_safe_fallback
 
 __all__ = [
     "ENCODE_CHUNK_ELEMENTS",
@@ -108,11 +108,17 @@ def constant_run_gcd(values: torch.Tensor) -> int:
     A field that is constant on the blocks of some partition aligned at 0 changes only at
     multiples of its block length, so that length divides the result.
     """
+    numel = values.numel()
+    return max(numel, 1) if numel <= 1 else math.gcd(numel, change_gcd(values))
+
+
+def change_gcd(values: torch.Tensor) -> int:
+    """``gcd`` of every position ``i`` where a flat field changes (``values[i] != values[i - 1]``);
+    0 when it is constant. Blocks of ``P`` from 0 (the last one possibly ragged) lie inside its
+    constant runs exactly when ``P`` divides it."""
     flat = values.reshape(-1)
     numel = flat.numel()
-    if numel <= 1:
-        return max(numel, 1)
-    result = numel
+    result = 0
     step = ENCODE_CHUNK_ELEMENTS
     for lo in range(1, numel, step):
         hi = min(numel, lo + step)
@@ -125,10 +131,17 @@ def constant_run_gcd(values: torch.Tensor) -> int:
     return result
 
 
+def _tiles(numel: int, period: int) -> bool:
+    """Whether ``period`` is a valid period for ``numel`` elements: it tiles them, or it is the
+    ragged period (the last block shorter)."""
+    return numel % period == 0 or period == RAGGED_PERIOD
+
+
 def _block_chunks(numel: int, period: int, first_elements: int = ENCODE_CHUNK_ELEMENTS) -> Iterable[tuple[int, int]]:
-    """``(first_block, last_block)`` ranges of whole blocks (one at least): the first of at most
-    ``first_elements`` elements, the others of at most :data:`ENCODE_CHUNK_ELEMENTS`."""
-    blocks = numel // period
+    """``(first_block, last_block)`` ranges of blocks (one at least; the last block may be
+    ragged): the first of at most ``first_elements`` elements, the others of at most
+    :data:`ENCODE_CHUNK_ELEMENTS`."""
+    blocks = block_count(numel, period)
     first, size = 0, max(1, first_elements // period)
     while first < blocks:
         last = min(blocks, first + size)
@@ -136,22 +149,36 @@ def _block_chunks(numel: int, period: int, first_elements: int = ENCODE_CHUNK_EL
         first, size = last, max(1, ENCODE_CHUNK_ELEMENTS // period)
 
 
+def _rows(flat: torch.Tensor, first: int, last: int, period: int, *, edge: bool = False) -> tuple[torch.Tensor, int]:
+    """``(rows [last - first, period], valid)``: blocks ``first..last`` of ``flat`` and how many
+    of the rows' elements are real. A ragged last row is padded with 0, or with ``edge`` its last
+    real element (which changes neither a block's maximum nor its constancy)."""
+    part = flat[first * period : last * period]
+    padding = (last - first) * period - part.numel()
+    if padding:
+        fill = part[-1:].expand(padding) if edge else part.new_zeros(padding)
+        part = torch.cat([part, fill])
+    return part.view(-1, period), (last - first) * period - padding
+
+
 def _encode(
     flat: torch.Tensor, period: int, codebook: torch.Tensor, target: torch.device, *, exact: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Nearest-codeword codes of ``flat`` (its length a multiple of ``period``) on ``target``;
-    with ``exact``, ``None`` as soon as a chunk does not decode back to equal values (the first
-    chunk small, so a wrong period is rejected cheaply)."""
-    blocks = flat.numel() // period
+    """Nearest-codeword codes of ``flat`` at ``period`` on ``target`` (a ragged last block's
+    padding codes 0); with ``exact``, ``None`` as soon as a chunk does not decode back to equal
+    values (the first chunk small, so a wrong period is rejected cheaply)."""
+    blocks = block_count(flat.numel(), period)
     indices = torch.empty(blocks, period, dtype=torch.uint8, device=target)
     magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=target)
     table = codebook.to(device=target, dtype=torch.float32)
     head = TRIAL_FIRST_CHUNK_ELEMENTS if exact else ENCODE_CHUNK_ELEMENTS
     for first, last in _block_chunks(flat.numel(), period, head):
-        rows = flat[first * period : last * period].to(device=target, dtype=torch.float32).view(-1, period)
-        scale, z = normalize_blocks(rows)
+        rows, valid = _rows(flat, first, last, period)
+        rows = rows.to(device=target, dtype=torch.float32)
+        scale, z = normalize_blocks(rows)  # zero padding changes no block's maximum
         codes = nearest_codeword(table, z)
-        if exact and not torch.equal(dequantize(table, codes, scale), rows):
+        codes.view(-1)[valid:] = 0
+        if exact and not torch.equal(dequantize(table, codes, scale).view(-1)[:valid], rows.view(-1)[:valid]):
             return None
         indices[first:last] = codes
         magnitude[first:last] = scale
@@ -165,7 +192,7 @@ def exact_encoding(
     (as :func:`encode_momentum` makes them, on the momentum's device) when they decode back to
     equal values, else ``None``. Values are compared with ``==`` (so ``-0.0 == 0.0``)."""
     flat = momentum.reshape(-1)
-    if flat.numel() % period:
+    if not _tiles(flat.numel(), period):
         return None
     return _encode(flat, period, codebook, flat.device, exact=True)
 
@@ -183,22 +210,23 @@ def source_encoding(
     code). Checked chunk by chunk, the first chunk small, so a wrong period costs a prefix.
     """
     numel = codes.numel()
-    if numel % period or scale.numel() != numel:
+    if not _tiles(numel, period) or scale.numel() != numel:
         return None
-    blocks = numel // period
+    blocks = block_count(numel, period)
     table = codebook.to(device=codes.device, dtype=torch.float32).abs()
     indices = torch.empty(blocks, period, dtype=torch.uint8, device=codes.device)
     magnitude = torch.empty(blocks, 1, dtype=torch.float32, device=codes.device)
     for first, last in _block_chunks(numel, period, TRIAL_FIRST_CHUNK_ELEMENTS):
-        rows = scale[first * period : last * period].view(-1, period)
+        rows, valid = _rows(scale, first, last, period, edge=True)
         head = rows[:, :1]
         if not bool((rows == head).all()):
             return None
-        q = codes[first * period : last * period].view(-1, period)
+        q, _ = _rows(codes, first, last, period, edge=True)
         top = table.index_select(0, q.reshape(-1).to(torch.int32)).view(-1, period).amax(dim=1, keepdim=True)
         if not bool(((top == 1.0) | (head == 0.0)).all()):
             return None
         indices[first:last] = q
+        indices[first:last].view(-1)[valid:] = 0  # a ragged block's padding codes 0
         magnitude[first:last] = head
     return indices, magnitude
 
@@ -215,7 +243,7 @@ def encode_momentum(
     """``(indices uint8 [B, P], magnitude fp32 [B, 1])`` on ``device``: nearest-codeword encoding
     of a dense momentum at ``period`` (each block's scale is its max ``|m|``)."""
     flat = momentum.reshape(-1)
-    if flat.numel() % period:
+    if not _tiles(flat.numel(), period):
         raise ValueError(f"period {period} does not divide {flat.numel()} elements")
     encoded = _encode(flat, period, codebook, torch.device(device), exact=False)
     assert encoded is not None
@@ -227,13 +255,16 @@ def block_means(values: torch.Tensor, period: int, device: torch.device | str) -
     (exact for a block that is constant)."""
     flat = values.reshape(-1)
     numel = flat.numel()
-    if numel % period:
+    if not _tiles(numel, period):
         raise ValueError(f"period {period} does not divide {numel} elements")
-    blocks = numel // period
+    blocks = block_count(numel, period)
     out = torch.empty(blocks, 1, dtype=torch.float32, device=torch.device(device))
     for first, last in _block_chunks(numel, period):
-        rows = flat[first * period : last * period].to(torch.float64).view(-1, period)
-        out[first:last] = (rows.sum(dim=1, keepdim=True) / period).to(torch.float32)
+        rows, valid = _rows(flat, first, last, period)
+        rows = rows.to(torch.float64)
+        counts = torch.full((last - first, 1), float(period), dtype=torch.float64, device=rows.device)
+        counts[-1] = float(valid - (last - first - 1) * period)  # a ragged last block: its own length
+        out[first:last] = (rows.sum(dim=1, keepdim=True) / counts).to(torch.float32)
     return out
 
 
@@ -274,10 +305,15 @@ def choose_period(
     if forced_one or numel < MIN_BLOCK_PERIOD:
         return PeriodChoice(1, codebook is not None, True, "period_one")
     block_source = second_moment is not None
-    structure = constant_run_gcd(second_moment) if second_moment is not None else numel
+    changes = change_gcd(second_moment) if second_moment is not None else 0
+    structure = math.gcd(numel, changes)
     divisors = [d for d in period_divisors(structure) if d >= MIN_BLOCK_PERIOD]
     fallback = memory_safe_fallback(numel, tuple(shape))
     low = [d for d in divisors if d <= fallback]
+    # ragged blocks (a fallback that does not tile the piece) are the last candidate, after every
+    # divisor; their second moment is exact when the source's changes fall on their boundaries
+    ragged = [fallback] if numel % fallback else []
+    ragged_v_exact = bool(ragged) and changes % fallback == 0
     if codebook is not None:
         for period in low:
             encoded = exact(period)
@@ -290,10 +326,13 @@ def choose_period(
     searched = reinfer()
     high = [d for d in divisors if fallback < d <= searched]
     if codebook is not None:
-        for period in high:
+        for period in high + ragged:
             encoded = exact(period)
             if encoded is not None:
-                return PeriodChoice(period, True, block_source, "exact", encoded)
+                v_exact = block_source and (period in high or ragged_v_exact)
+                return PeriodChoice(period, True, v_exact, "exact", encoded)
     if block_source and (low or high):
         return PeriodChoice(max(low + high), False, True, "structure")
+    if block_source and ragged_v_exact:
+        return PeriodChoice(fallback, False, True, "structure")
     return PeriodChoice(searched, False, False, "reinferred")

@@ -43,6 +43,7 @@ from .codebook_scope import (
 )
 from .errors import ShardAgreementError
 from .ops import HISTOGRAM, Kernels
+from .periods import aligned_period
 
 __all__ = ["LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
 
@@ -183,8 +184,7 @@ def learn_over_scope(
                 if item.shard is not None and item.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
                     logical = item.logical_period(item.shard.parameter.numel)
                     offset, length = item.shard.extent.flat_offset, item.shard.local_numel  # type: ignore[union-attr]
-                    if offset % logical == 0 and length % logical == 0:
-                        period = logical
+                    period = aligned_period(logical, offset, length, period)
                     outcome.shared_periods[item.fqn] = logical
                 elif _shared(item):
                     outcome.shared_periods[item.fqn] = period

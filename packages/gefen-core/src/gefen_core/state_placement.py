@@ -37,7 +37,8 @@ from gefen_contracts import StateGeometry, follows_parameter_placement, paramete
 
 from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
-from .param_state import BLOCK_KEYS, FACTORED, FACTORED_KEYS, PARAMETER_FIELDS, period_of
+from .param_state import BLOCK_KEYS, FACTORED, FACTORED_KEYS, INDICES, PARAMETER_FIELDS, element_codes, period_of
+from .periods import period_from_blocks
 
 __all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_scales", "state_dtype"]
 
@@ -51,10 +52,9 @@ def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | Non
     if numel == 0:
         return 1 if math.prod(scales) == 0 else None
     count = math.prod(dims[1:]) if len(scales) == 2 else numel
-    blocks = int(scales[-1]) if scales else 0
-    if blocks < 1 or count % blocks:
+    period = period_from_blocks(count, int(scales[-1]) if scales else 0)
+    if period is None:
         return None
-    period = count // blocks
     return period if parameter_state_shape(StateGeometry.BLOCK, dims, period) == tuple(map(int, scales)) else None
 
 
@@ -83,8 +83,10 @@ def export_tensors(param: torch.Tensor, state: Mapping[str, Any], variant: str) 
     """The state's tensors viewed like the parameter (views of the live storage), as DTensors
     on the parameter's mesh when it is one."""
     period = period_of(state)
-    local_shapes = expected_shapes(local_tensor(param).shape, period, variant)
-    out = {key: state[key].reshape(shape) for key, shape in local_shapes.items()}
+    local = local_tensor(param)
+    local_shapes = expected_shapes(local.shape, period, variant)
+    out = {key: state[key].reshape(shape) for key, shape in local_shapes.items() if key != INDICES}
+    out[INDICES] = element_codes(state[INDICES], local.numel()).view(local_shapes[INDICES])  # no padding
     if not is_dtensor(param):
         return out
     from torch.distributed.tensor import DTensor

@@ -127,8 +127,10 @@ def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> b
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
     indices = state[INDICES]
-    if indices.numel() != numel or indices.dim() != 2 or (not numel and indices.shape[1] < 1):
-        period = indices.shape[-1] if indices.dim() else 0
+    period = indices.shape[-1] if indices.dim() else 0
+    # the codes cover the elements: exactly, or (block path) with a ragged last block's padding
+    fits = indices.dim() == 2 and period >= 1 and indices.numel() - period < numel <= indices.numel()
+    if not fits or (indices.numel() != numel and V_ROW in state):
         raise ParameterError(
             f"{where()}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
             f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
