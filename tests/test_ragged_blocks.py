@@ -147,3 +147,15 @@ def test_an_awkward_size_round_trips_through_the_portable_document(tmp_path: Pat
         assert torch.equal(twin.state[twin_param][key], optimizer.state[param][key]), key
     _steps([(param, optimizer), (twin_param, twin)], 2, 2)
     assert torch.equal(param, twin_param)
+
+
+@pytest.mark.parametrize("numel", [AWKWARD + 3000, AWKWARD - 3000])
+def test_a_ragged_state_refuses_a_resized_parameter(numel: int) -> None:
+    """A size that needs more or fewer blocks is a resize (refused before any change)."""
+    param = torch.nn.Parameter(torch.randn(AWKWARD))
+    optimizer = _gefen(param)
+    _steps([(param, optimizer)], 1, 1)
+    param.data = torch.randn(numel)
+    param.grad = torch.randn(numel)
+    with pytest.raises(ValueError, match="resized"):
+        optimizer.preflight_step()

@@ -28,6 +28,7 @@ from .param_state import (
     V_ROW,
     VMEAN,
 )
+from .periods import RAGGED_PERIOD
 
 __all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
 
@@ -128,9 +129,9 @@ def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> b
     numel = local.numel()
     indices = state[INDICES]
     period = indices.shape[-1] if indices.dim() else 0
-    # the codes cover the elements: exactly, or (block path) with a ragged last block's padding
-    fits = indices.dim() == 2 and period >= 1 and indices.numel() - period < numel <= indices.numel()
-    if not fits or (indices.numel() != numel and V_ROW in state):
+    # the codes cover the elements: exactly, or (block path) ragged blocks with their padding
+    ragged = period == RAGGED_PERIOD and V_ROW not in state and indices.numel() - period < numel < indices.numel()
+    if indices.dim() != 2 or period < 1 or not (indices.numel() == numel or ragged):
         raise ParameterError(
             f"{where()}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
             f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
