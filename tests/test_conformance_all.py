@@ -213,15 +213,15 @@ def _check_report(report: ConformanceReport, claims: frozenset[str]) -> None:
 #: or more per target, so this all-targets run skips them by name).
 MULTI_PROCESS_CHECKS: dict[str, str] = {
     "dcp.parameter_shaped_reshard": (
-        "executed on gloo ranks by tests/test_cstate_resharding.py (Gefen, GefenMuon), "
-        "tests/test_hstate_resharding.py (ContractedAdamW, the composite) and packages/gefen-dcp/tests/test_dcp_conformance.py"
+        "executed on gloo ranks by tests/test_gefen_dcp_state_resharding.py (Gefen, GefenMuon), "
+        "tests/test_adamw_composite_resharding.py (ContractedAdamW, the composite) and packages/gefen-dcp/tests/test_dcp_conformance.py"
     ),
     "scope.collective_protocol": (
         "executed on 2 gloo ranks by tests/test_core_conformance.py and tests/test_muon_conformance.py "
         "(the packaged factories)"
     ),
     "portable.reshard": (
-        "executed on 3 gloo ranks by tests/test_hstate_conformance.py (ContractedAdamW, the composite), "
+        "executed on 3 gloo ranks by tests/test_adamw_composite_conformance.py (ContractedAdamW, the composite), "
         "tests/test_muon_conformance.py (GefenMuon) and tests/test_conformance_portable_gloo.py (a third party)"
     ),
 }

@@ -46,9 +46,9 @@ def _bf16_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
 
 #: gefen-dcp's resharding check spawns two gloo worlds per target; every configuration runs the
 #: other contributed checks, and the claims this one executes are executed by
-#: tests/test_cstate_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
+#: tests/test_gefen_dcp_state_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
 RESHARD_WAIVER = {
-    "dcp.parameter_shaped_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
+    "dcp.parameter_shaped_reshard": "executed by tests/test_gefen_dcp_state_resharding.py; `gefen conformance` runs it in full"
 }
 _MULTI = {"dcp.parameter_shaped_reshard", "portable.reshard"}
 
@@ -69,7 +69,7 @@ def test_conformance(name: str) -> None:
         name=f"gefen[{name}]",
         spec="gefen_core.conformance:factory",
         # the 2-rank scope check runs on the packaged factory below; the gloo reshard check in
-        # tests/test_cstate_resharding.py
+        # tests/test_gefen_dcp_state_resharding.py
         waive={**WAIVERS, **CHECK_WAIVERS, **RESHARD_WAIVER},
         **({"model_builder": _bf16_model, "loss_fn": _bf16_loss} if name == "bf16" else {}),
     )

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
-from mhyb_models import TinyLlama, seeded, train
+from hybrid_models import TinyLlama, seeded, train
 from torch import nn
 from torch.optim import lr_scheduler
 

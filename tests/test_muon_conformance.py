@@ -44,9 +44,9 @@ def _bf16_model(seed: int) -> torch.nn.Module:
 
 #: gefen-dcp's resharding check spawns two gloo worlds per target; every configuration runs the
 #: other contributed checks, and the claims this one executes are executed by
-#: tests/test_cstate_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
+#: tests/test_gefen_dcp_state_resharding.py (FSDP2 on gloo, 20 steps within 5e-3).
 RESHARD_WAIVER = {
-    "dcp.parameter_shaped_reshard": "executed by tests/test_cstate_resharding.py; `gefen conformance` runs it in full"
+    "dcp.parameter_shaped_reshard": "executed by tests/test_gefen_dcp_state_resharding.py; `gefen conformance` runs it in full"
 }
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -68,7 +68,7 @@ def test_conformance(name: str) -> None:
         loss_fn=matrix_loss,
         spec="gefen_core.conformance:muon_factory",
         # the 2-rank scope check runs on the packaged factory; the gloo reshard check in
-        # tests/test_cstate_resharding.py
+        # tests/test_gefen_dcp_state_resharding.py
         waive={**MUON_WAIVERS, **CHECK_WAIVERS, **RESHARD_WAIVER},
     )
     report = run_conformance(target)

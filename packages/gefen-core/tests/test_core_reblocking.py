@@ -4,7 +4,7 @@ PortableAdapter: a round trip at the same blocks is bit-exact, a representation 
 errors hold.
 
 Cross-package runs (gefen-portable's driver, DCP with FSDP2 on gloo) live in the top-level
-``tests/test_cstate_*.py``.
+``tests/test_gefen_portable_state.py`` and ``tests/test_gefen_dcp_state_resharding.py``.
 """
 
 from __future__ import annotations

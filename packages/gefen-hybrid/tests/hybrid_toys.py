@@ -62,7 +62,7 @@ def single_threaded_torch() -> Iterator[None]:
 
 
 _CONTRIBUTED_WHY = (
-    "executed by the checks gefen-portable and gefen-dcp contribute (tests/test_hstate_conformance.py runs the "
+    "executed by the checks gefen-portable and gefen-dcp contribute (tests/test_adamw_composite_conformance.py runs the "
     "kit with them); gefen-hybrid's own tests run only the kit's built-in checks"
 )
 _SHAPED = ("replicated", "dtensor_1d_default_world")

@@ -4,7 +4,7 @@ Portable documents (``gefen_portable``):
 
 * ``policy``: ``{"schema_version": 2, "deterministic": bool}``. An import requires the
   target's ``deterministic`` to be the same, as native loads do (the reference adopted the
-  source's flag silently, spec portable-dcp.md section 12.9);
+  source's flag silently);
 * ``common``: ``{"global_step": int, "codebook": fp32[256] | None}``, identical on every
   member of the checkpoint group.
 

@@ -42,7 +42,7 @@ HYBRID_WAIVERS: dict[str, str] = {
     "checkpoint:canonical_global:transition:replicated->replicated:placement_reshard": (
         "each child's move from a post_sharding-bound layout onto one process is executed by "
         "tests/test_bound_resharding.py (Gefen and GefenMuon, 2 gloo members -> 1 process, bit-exact), and the "
-        "composite wrapper's import across member counts by tests/test_hstate_resharding.py"
+        "composite wrapper's import across member counts by tests/test_adamw_composite_resharding.py"
     ),
     "checkpoint:composite_native:dtensor_1d_default_world:atomic": (
         "the staged load is the same code for DTensor parameters (covered by the replicated atomic-load check); "

@@ -36,7 +36,7 @@ from gefen_portable import (
     import_portable_state,
     reseal_document,
 )
-from hstate_child import sign_child_factory
+from sign_momentum_child import sign_child_factory
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 

@@ -13,7 +13,7 @@ import torch
 from gefen import ContractedAdamW, Gefen, GefenMuon, GefenMuonHybrid
 from gefen_core.newton_schulz import DEFAULT_COEFFICIENTS
 from gefen_hybrid import CompositeOptimizer
-from mhyb_models import TinyLlama, seeded, train
+from hybrid_models import TinyLlama, seeded, train
 
 LR = 3e-3
 

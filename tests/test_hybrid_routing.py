@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, ParameterError
-from mhyb_models import SmallCNN, TiedHeadFirst, TinyLlama, seeded, train
+from hybrid_models import SmallCNN, TiedHeadFirst, TinyLlama, seeded, train
 from torch import nn
 
 LLAMA_MUON = {
@@ -162,7 +162,7 @@ def test_add_param_group_routes_new_parameters_into_the_right_child_with_its_opt
 def test_gefen_routing_prints_the_hybrids_routing_with_the_deciding_rule(capsys: pytest.CaptureFixture[str]) -> None:
     from gefen.cli.main import main
 
-    assert main(["routing", "mhyb_models:tiny_llama", "--json"]) == 0
+    assert main(["routing", "hybrid_models:tiny_llama", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     expected = dict(GefenMuonHybrid(seeded(TinyLlama), lr=1e-2).parameter_routing())
     assert {row["name"]: row["role"] for row in rows} == expected
@@ -171,10 +171,10 @@ def test_gefen_routing_prints_the_hybrids_routing_with_the_deciding_rule(capsys:
     assert reasons["model.embed_tokens.weight"] == "embedding or output-head module"
     assert reasons["model.norm.weight"] == "1-D, not a matrix"
     assert reasons["model.layers.0.mlp.up_proj.weight"] == "hidden 2-D matrix"
-    assert main(["routing", "mhyb_models:tiny_llama"]) == 0
+    assert main(["routing", "hybrid_models:tiny_llama"]) == 0
     table = capsys.readouterr().out
     assert "model.layers.1.self_attn.q_proj.weight" in table and "muon:" in table and "backup:" in table
     with pytest.raises(SystemExit) as raised:
-        main(["routing", "mhyb_models:no_such_function"])
+        main(["routing", "hybrid_models:no_such_function"])
     assert raised.value.code == 2
-    assert "cannot load mhyb_models:no_such_function" in capsys.readouterr().err
+    assert "cannot load hybrid_models:no_such_function" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import cstate_ranks as ranks
+import gefen_dcp_state_ranks as ranks
 import pytest
 from gefen_contracts.testing import GlooWorld
 from resume_bounds import assert_resumes

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_hstate_resharding.py (run inside GlooWorld ranks, and in-process
+"""Rank functions for tests/test_adamw_composite_resharding.py (run inside GlooWorld ranks, and in-process
 for one-rank loads).
 
 Portable cases run a replicated single-process *reference* (ContractedAdamW, or a composite of
@@ -41,7 +41,7 @@ from gefen_portable import (
     import_portable_composite_state,
     import_portable_state,
 )
-from hstate_child import sign_child_factory
+from sign_momentum_child import sign_child_factory
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_cstate_resharding.py: ``Gefen`` (its defaults, factored v
+"""Rank functions for tests/test_gefen_dcp_state_resharding.py: ``Gefen`` (its defaults, factored v
 included) and ``GefenMuon`` on FSDP2 ``fully_shard`` models, saved and loaded through
 ``GefenDCPState`` (run inside GlooWorld ranks, and in-process for one-rank loads).
 

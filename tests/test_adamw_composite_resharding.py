@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import hstate_ranks as ranks
+import adamw_composite_ranks as ranks
 import pytest
 from gefen_contracts.testing import GlooWorld
 from resume_bounds import BOUND, assert_resumes, relative

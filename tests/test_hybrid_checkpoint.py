@@ -15,7 +15,7 @@ from gefen_contracts import StateValidationError
 from gefen_contracts.testing import CORRUPTIONS, deep_snapshot, snapshot_diff
 from gefen_contracts.testing.corruption import corrupted_variants
 from gefen_hybrid import ROLES, children_of_state_dict
-from mhyb_models import TinyLlama, seeded, train
+from hybrid_models import TinyLlama, seeded, train
 
 BACKUPS = ["gefen", "adamw"]
 

@@ -25,10 +25,10 @@ from gefen_hybrid.conformance import adamw_factory, composite_factory
 from gefen_portable.conformance import PortableAtomicImportCheck, PortableRoundTripCheck
 
 #: gefen-dcp's multi-process check spawns two gloo worlds per target (about two minutes on the CI
-#: machine); the claims it executes are executed here by tests/test_hstate_resharding.py.
+#: machine); the claims it executes are executed here by tests/test_adamw_composite_resharding.py.
 RESHARD_WAIVER = {
     "dcp.parameter_shaped_reshard": (
-        "executed by tests/test_hstate_resharding.py (FSDP2 on gloo: 1 -> 2, 2 -> 1 and 2 -> 3 ranks within 5e-3); "
+        "executed by tests/test_adamw_composite_resharding.py (FSDP2 on gloo: 1 -> 2, 2 -> 1 and 2 -> 3 ranks within 5e-3); "
         "`gefen conformance` runs it in full"
     )
 }
