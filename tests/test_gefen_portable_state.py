@@ -121,3 +121,45 @@ def test_a_portable_export_holds_the_compact_state_about_one_byte_per_parameter(
     record = state.catalog.parameters["0.weight"]
     assert record.fields["momentum_codes"].dtype is torch.uint8 and record.fields["momentum_scale"].blocked
     assert numel <= state.local_bytes <= 1.05 * numel, state.local_bytes / numel
+
+
+def test_an_import_onto_the_exporting_layout_keeps_each_fragments_own_blocks(tmp_path: Path) -> None:
+    """The projection hands a piece that is exactly one fragment its block fields as exported,
+    and Gefen keeps the source's blocks, codes and scales as they are (no expansion, no
+    re-encoding): the same state, bit for bit, as importing the expanded record and re-blocking."""
+    import gefen_core.portable_adapter as adapter
+    from gefen_contracts.torch_support import as_imported
+
+    model, optimizer = _build("gefen")
+    _train(model, optimizer, 0, 3)
+    kept: list[bool] = []
+    original = adapter.own_blocks_entry
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        entry = original(*args, **kwargs)
+        kept.append(entry is not None)
+        return entry
+
+    twin_model, twin = _build("gefen")
+    twin_model.load_state_dict(model.state_dict())
+    state = export_portable_state(optimizer, checkpoint_process_group=_binding(), transaction_id="e", limits=LIMITS)
+    try:
+        adapter.own_blocks_entry = spy  # type: ignore[assignment]
+        import_portable_state(twin, state, checkpoint_process_group=_binding(), transaction_id="i", limits=LIMITS)
+    finally:
+        adapter.own_blocks_entry = original  # type: ignore[assignment]
+    assert kept and all(kept), kept
+    exported = optimizer.portable_export()
+    expanded = [
+        as_imported(slot, tuple(param.shape)) if slot.block_fields else slot
+        for slot, param in zip(exported.slots, model.parameters(), strict=True)
+    ]
+    _, other = _build("gefen")
+    staged = other.portable_prepare_import(
+        implementation=exported.implementation, policy=exported.policy, common=exported.common, slots=expanded
+    )
+    other.portable_commit_import(staged)
+    for param, twin_param, other_param in zip(optimizer.state, twin.state, other.state, strict=True):
+        for key, value in optimizer.state[param].items():
+            for loaded in (twin.state[twin_param][key], other.state[other_param][key]):
+                assert torch.equal(loaded, value) if isinstance(value, torch.Tensor) else loaded == value, key

@@ -108,14 +108,19 @@ class PortableSlotState:
     member's piece of the parameter (the full shape for replicated and owner pieces,
     ``(length,)`` for a flattened slice, the region's lengths for a DTensor piece); they
     are assembled and re-projected by shard identity, element by element.
-    ``block_fields`` (export only) are compact fields that are constant on runs of
+    ``block_fields`` are compact fields that are constant on runs of
     ``block_period`` consecutive elements of the piece's row-major order (the last run may
     be shorter): each is 1-D with one value per run, ``ceil(numel / block_period)`` values.
     A quantised optimizer exports its codes as an element field and its block scales as
-    block fields, so a document costs about one byte per element. **On import every block
-    field arrives expanded**: an element field shaped like the target piece holding, for
-    each element, the value of the source run it came from (the target's runs need not be
-    the source's). ``replica_fields`` are small tensors that are not shard-addressable
+    block fields, so a document costs about one byte per element. **On import a block field
+    arrives expanded** (an element field shaped like the target piece holding, for each
+    element, the value of the source run it came from; the target's runs need not be the
+    source's), **unless the target piece is exactly one exported fragment** (the same
+    elements in the same order, as on the layout that exported it): then the block fields
+    arrive as exported, with the fragment's ``block_period``, so the adapter can keep the
+    source's blocks without expanding and re-blocking them.
+    :func:`gefen_contracts.torch_support.as_imported` expands them for an adapter that wants
+    the element form. ``replica_fields`` are small tensors that are not shard-addressable
     (for example factored statistics) and must be bit-identical on every replica, or
     present only on a whole-parameter owner. ``counters`` are exact ints.
     """

@@ -213,7 +213,8 @@ class PortableAdapter(Protocol):
     collective and raises ``NotSupportedError`` if the optimizer is not ready.
     ``portable_prepare_import(*, implementation, policy, common, slots)`` receives the
     document's records already projected onto this member's slots (same order as
-    ``portable_layout().slots``), re-encodes them into native state for the local layout
+    ``portable_layout().slots``; block fields expanded per element, or as exported when a
+    slot's piece is exactly one exported fragment), re-encodes them into native state for the local layout
     (re-blocking or re-quantising as needed), validates everything and stages it on a
     shadow without mutation. ``portable_commit_import(staged)`` publishes it (module rules).
     """

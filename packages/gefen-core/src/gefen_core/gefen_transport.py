@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import StateValidationError
+from gefen_contracts import PortableSlotState, StateValidationError
 from gefen_contracts.torch_support import finite_bounds
 
 from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, SECOND_MOMENT, CompactPiece, incoming_momentum
@@ -49,13 +49,14 @@ from .param_state import (
     V_ROW,
     VMEAN,
     VMEAN_STEP,
+    blocked_codes,
     counter_value,
     element_codes,
     period_of,
     state_variant,
 )
 from .parameter_update import placeholder_codebook
-from .periods import PeriodPolicy, aligned_period
+from .periods import RAGGED_PERIOD, PeriodPolicy, aligned_period, block_count
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
 from .state_placement import export_tensors
 from .transport_slots import plain_options
@@ -70,6 +71,7 @@ __all__ = [
     "live_piece",
     "momentum_codes",
     "native_entry",
+    "own_blocks_entry",
     "plan_piece",
 ]
 
@@ -159,6 +161,78 @@ def _counter(counters: Mapping[str, int], key: str, where: str, maximum: int) ->
     return value
 
 
+def _checked_counters(variant: str, counters: Mapping[str, int], where: str, global_step: int) -> tuple[int, int]:
+    """``(step, age)`` of a record's counters (the variant's two, in range)."""
+    if variant not in _COUNTERS:
+        raise _fail(f"{where}: unknown variant {variant!r} (Gefen knows {[PRISTINE, BLOCK, FACTORED]})")
+    if set(counters) != _COUNTERS[variant]:
+        raise _fail(f"{where}: variant {variant!r} needs counters {sorted(_COUNTERS[variant])}, got {sorted(counters)}")
+    step = _counter(counters, STEP, where, global_step)
+    return step, _counter(counters, AGE_KEYS[variant], where, step)
+
+
+def own_blocks_entry(
+    record: PortableSlotState,
+    *,
+    param: torch.Tensor,
+    factored: bool,
+    forced_one: bool,
+    global_step: int,
+) -> dict[str, Any] | None:
+    """The native entry of a record whose block fields arrived as exported (the target piece is
+    the fragment that exported them: same elements, same order), keeping the source's blocks,
+    codes, scales and second moment as they are: no decode, no re-encoding, bit for bit.
+    ``None`` when the target keeps another second moment than the record, a forced period
+    one, or blocks the period cannot cut (the caller then expands the record and re-blocks).
+    The native load validates the entry's dtypes, shapes and values."""
+    where = f"parameter {record.layout.fqn!r}"
+    variant, period = record.variant, record.block_period
+    local = local_tensor(param)
+    numel = local.numel()
+    if variant != (FACTORED if factored else BLOCK) or (forced_one and period != 1):
+        return None
+    if numel % period and period != RAGGED_PERIOD:
+        return None
+    step, age = _checked_counters(variant, record.counters, where, global_step)
+    blocked = sorted((MOMENTUM_SCALE,) if factored else (MOMENTUM_SCALE, SECOND_MOMENT))
+    replicas = sorted((V_COL, V_ROW)) if factored else []
+    if sorted(record.element_fields) != [MOMENTUM_CODES] or sorted(record.block_fields) != blocked:
+        raise _fail(
+            f"{where}: a {variant!r} record passed through holds element field {[MOMENTUM_CODES]} and block fields "
+            f"{blocked}, got {sorted(record.element_fields)} and {sorted(record.block_fields)}"
+        )
+    if sorted(record.replica_fields) != replicas:
+        raise _fail(
+            f"{where}: variant {variant!r} needs replica fields {replicas}, got {sorted(record.replica_fields)}"
+        )
+    codes = record.element_fields[MOMENTUM_CODES]
+    if type(codes) is not torch.Tensor or codes.dtype is not torch.uint8 or codes.numel() != numel:
+        raise _fail(f"{where} field {MOMENTUM_CODES!r} must be a uint8 tensor of {numel} elements")
+    blocks = block_count(numel, period)
+    device = local.device
+    values: dict[str, torch.Tensor] = {}
+    for name in blocked:
+        value = record.block_fields[name]
+        assert isinstance(value, torch.Tensor)
+        if value.numel() != blocks:
+            raise _fail(f"{where} block field {name!r} must hold {blocks} values, got {value.numel()}")
+        values[name] = value.reshape(blocks, 1).to(device)
+    entry: dict[str, Any] = {
+        STEP: step,
+        INDICES: blocked_codes(codes.to(device), period),
+        MAGNITUDE: values[MOMENTUM_SCALE],
+    }
+    if factored:
+        rows, cols = local.shape
+        v_row = _field(record.replica_fields[V_ROW], (rows,), f"{where} replica field {V_ROW!r}", nonnegative=True)
+        v_col = _field(record.replica_fields[V_COL], (cols,), f"{where} replica field {V_COL!r}", nonnegative=True)
+        entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: age})
+    else:
+        entry.update({VMEAN: values[SECOND_MOMENT], VMEAN_STEP: age})
+    entry.update(export_tensors(param, entry, variant))
+    return entry
+
+
 def check_incoming(
     fqn: str,
     variant: str,
@@ -186,12 +260,7 @@ def check_incoming(
         if counters or element_fields or replica_fields:
             raise _fail(f"{where}: a {PRISTINE!r} record has no counters or fields")
         return None
-    if variant not in _COUNTERS:
-        raise _fail(f"{where}: unknown variant {variant!r} (Gefen knows {[PRISTINE, BLOCK, FACTORED]})")
-    if set(counters) != _COUNTERS[variant]:
-        raise _fail(f"{where}: variant {variant!r} needs counters {sorted(_COUNTERS[variant])}, got {sorted(counters)}")
-    step = _counter(counters, STEP, where, global_step)
-    age = _counter(counters, AGE_KEYS[variant], where, step)
+    step, age = _checked_counters(variant, counters, where, global_step)
     factors = None
     momentum_fields = sorted((MOMENTUM_CODES, MOMENTUM_SCALE))
     if variant == FACTORED and replica_fields:

@@ -29,7 +29,7 @@ from gefen_contracts import (
     StateValidationError,
     require_transaction,
 )
-from gefen_contracts.torch_support import SealedLayout
+from gefen_contracts.torch_support import SealedLayout, as_imported
 
 from .distributed import is_dtensor
 from .muon_native_state import export_muon_state_dict, slot_layouts
@@ -165,6 +165,8 @@ class GefenMuonPortableState(BoundLayoutHook):
             if slot.tensor is None:
                 continue
             rows, cols = (int(d) for d in slot.tensor.shape)
+            if record.block_fields:  # passed through unexpanded: GefenMuon re-blocks from the expanded form
+                record = as_imported(record, (rows, cols))
             piece = check_incoming_muon(
                 slot.fqn,
                 record.variant,

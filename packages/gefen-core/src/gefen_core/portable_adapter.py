@@ -47,7 +47,7 @@ from gefen_contracts import (
     StateValidationError,
     require_transaction,
 )
-from gefen_contracts.torch_support import SealedLayout
+from gefen_contracts.torch_support import SealedLayout, as_imported
 
 from . import native_format as F
 from .distributed import is_dtensor
@@ -57,6 +57,7 @@ from .gefen_transport import (
     complete_factors,
     live_piece,
     native_entry,
+    own_blocks_entry,
     period_policy,
     plan_piece,
     slot_options,
@@ -202,6 +203,18 @@ class GefenPortableState(BoundLayoutHook):
             if slot.tensor is None:
                 continue
             tensor = slot.tensor
+            factored = bool(options["factored_v_2d"]) and tensor.dim() == 2
+            assert slot.live_index is not None
+            if record.block_fields:  # the piece is the fragment that exported it: keep its own blocks
+                name = live_name(self.param_groups, slot)
+                forced = period_policy(options).forces_period_one(name, tensor.dim())
+                kept = own_blocks_entry(
+                    record, param=tensor, factored=factored, forced_one=forced, global_step=global_step
+                )
+                if kept is not None:
+                    entries[(slot.group_index, slot.live_index)] = kept
+                    continue
+                record = as_imported(record, tuple(tensor.shape))
             shard = record.layout.shard
             extent = shard.extent
             offset = extent.flat_offset if type(extent) is LogicalSlice else 0
@@ -227,9 +240,7 @@ class GefenPortableState(BoundLayoutHook):
                 ndim=tensor.dim(),
                 codebook=codebook,
             )
-            factored = bool(options["factored_v_2d"]) and tensor.dim() == 2
             factors = complete_factors(piece, *tensor.shape) if factored else None
-            assert slot.live_index is not None
             entries[(slot.group_index, slot.live_index)] = native_entry(
                 piece, choice.period, codebook, param=tensor, factors=factors, encoding=choice.encoding
             )

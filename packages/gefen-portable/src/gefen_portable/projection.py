@@ -9,7 +9,10 @@ counters and:
   overlaps the piece (by flat runs, so any source layout maps onto any target layout; a
   block field is expanded per element over the fragment first, so each target element
   holds the value of the source run it came from), and a fresh copy of every replica
-  field;
+  field. When the piece is exactly one fragment (the same elements in the same order: an
+  import onto the layout that exported), its block fields arrive as exported instead, with
+  the fragment's ``block_period``: nothing is expanded, and the adapter can keep the
+  source's blocks as they are (``gefen_contracts.torch_support.as_imported`` expands them);
 * an empty flattened slice or empty region: zero-element fields and a copy of every
   replica field;
 * a non-owner piece of a whole-parameter-owner layout: no fields.
@@ -29,7 +32,7 @@ from gefen_contracts.torch_support import expand_blocks
 
 from .catalog import Catalog
 from .errors import PortableLimitError, PortableStateError
-from .extents import Extent, carries_payload, copy_overlap, covers_parameter, overlaps, piece_shape
+from .extents import Extent, carries_payload, copy_overlap, covers_parameter, extent_runs, overlaps, piece_shape
 from .fragments import PortableFragment
 from .records import ParameterRecord
 from .tensors import DTYPE_CODES
@@ -68,6 +71,8 @@ class Projection:
         self._buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._extents: dict[str, Extent] = {}
         self._written: dict[str, int] = {}
+        #: pieces that are exactly one fragment: their block fields pass through unexpanded
+        self._blocks: dict[str, tuple[int, dict[str, torch.Tensor]] | None] = {}
         self.needed = needed_fragments(catalog, layout)
         planned = 0
         targets = []
@@ -88,8 +93,21 @@ class Projection:
                 "max_fragment_tensor_bytes", f"this member's target pieces need {planned} bytes of fields"
             )
         for fqn, shape, record in targets:
-            self._buffers[fqn] = _empty_fields(record, shape)
+            whole = any(spec.blocked for spec in record.fields.values()) and self._one_fragment(fqn)
+            self._buffers[fqn] = _empty_fields(record, shape, blocked=not whole)
             self._written[fqn] = 0
+            if whole:
+                self._blocks[fqn] = None  # filled by the one fragment
+
+    def _one_fragment(self, fqn: str) -> bool:
+        """Whether the target piece of ``fqn`` is exactly one needed fragment's elements, in order."""
+        shape = self.catalog.parameters[fqn].identity.global_shape
+        needed = [index for name, index in self.needed if name == fqn]
+        if len(needed) != 1:
+            return False
+        runs = extent_runs(self.catalog.fragments[fqn][needed[0]].extent, shape)
+        target = extent_runs(self._extents[fqn], shape)
+        return [run[:2] for run in runs] == [run[:2] for run in target]
 
     def accept(self, fragment: PortableFragment) -> None:
         """Copy a verified fragment's overlap into the target buffers that need it."""
@@ -105,6 +123,9 @@ class Projection:
                 source = expand_blocks(source, fragment.block_period, piece)
             copied = copy_overlap(source, fragment.extent, target, self._extents[fqn], record.identity.global_shape)
             self._written[fqn] += copied
+        if fqn in self._blocks:
+            blocked = {name: fragment.fields[name].clone() for name, spec in record.fields.items() if spec.blocked}
+            self._blocks[fqn] = (fragment.block_period, blocked)
 
     def slot_states(self) -> tuple[PortableSlotState, ...]:
         """The projected records, in slot order (raises if a buffer was not filled exactly)."""
@@ -114,14 +135,19 @@ class Projection:
             shard = slot.shard
             elements: dict[str, object] = {}
             replicas: dict[str, object] = {}
+            blocks: dict[str, object] = {}
+            period = 0
             if slot.fqn in self._buffers:
                 buffers = self._buffers[slot.fqn]
                 expected = sum(t.numel() for t in buffers.values())
-                if self._written[slot.fqn] != expected:
+                passed = self._blocks.get(slot.fqn, ())
+                if self._written[slot.fqn] != expected or passed is None:
                     raise PortableStateError(
                         f"the fragments delivered for {slot.fqn!r} filled {self._written[slot.fqn]} of {expected} elements"
                     )
                 elements = dict(buffers)
+                if passed:
+                    period, blocks = passed[0], dict(passed[1])
             elif piece_shape(shard) is not None:
                 shape = piece_shape(shard)
                 assert shape is not None
@@ -136,11 +162,15 @@ class Projection:
                     record.counters,
                     element_fields=elements,
                     replica_fields=replicas,
+                    block_fields=blocks,
+                    block_period=period,
                 )
             )
         return tuple(states)
 
 
-def _empty_fields(record: ParameterRecord, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """One uninitialised per-element buffer per field of ``record`` (block fields expanded)."""
-    return {name: torch.empty(shape, dtype=spec.dtype) for name, spec in record.fields.items()}
+def _empty_fields(record: ParameterRecord, shape: tuple[int, ...], *, blocked: bool = True) -> dict[str, torch.Tensor]:
+    """One uninitialised per-element buffer per field of ``record`` (block fields expanded;
+    without ``blocked``, none for the block fields)."""
+    fields = record.fields.items()
+    return {name: torch.empty(shape, dtype=spec.dtype) for name, spec in fields if blocked or not spec.blocked}

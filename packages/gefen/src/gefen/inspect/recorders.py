@@ -46,6 +46,7 @@ from gefen_contracts import (
     TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.torch_support import as_imported
 
 __all__ = ["LoadedParameter", "RecordingComposite", "RecordingNativeState", "RecordingPortableAdapter"]
 
@@ -84,6 +85,15 @@ def _contract(
             features=dict(features),
         ),
     )
+
+
+def _expanded(slot: PortableSlotState) -> PortableSlotState:
+    """``slot`` with block fields that passed through unexpanded (an import onto the exporting
+    layout) expanded per element like the piece's element fields."""
+    if not slot.block_fields or not slot.element_fields:
+        return slot
+    shape = next(iter(slot.element_fields.values())).shape  # type: ignore[attr-defined]
+    return as_imported(slot, tuple(shape))
 
 
 def _summary(fqn: str, variant: str, counters: Mapping[str, int], fields: Mapping[str, object]) -> LoadedParameter:
@@ -171,7 +181,7 @@ class RecordingPortableAdapter:
     ) -> StagedTransaction:
         summaries = {
             slot.fqn: _summary(slot.fqn, slot.variant, slot.counters, {**slot.element_fields, **slot.replica_fields})
-            for slot in slots
+            for slot in map(_expanded, slots)
         }
         return StagedTransaction(self, kind="inspect", token=0, payload=summaries)
 
