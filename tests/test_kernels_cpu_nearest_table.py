@@ -84,7 +84,7 @@ def test_learned_codebooks_take_the_threshold_table_and_match_the_reference(kind
     assert torch.equal(_kernel_codes(codebook, z), nearest_codeword(codebook, z))
 
 
-def test_a_uniform_codebook_takes_the_threshold_table() -> None:
+def test_a_uniform_codes_takes_the_threshold_table() -> None:
     codebook = torch.linspace(-1.0, 1.0, 256)
     assert cpu_ops.nearest_rounding_path(codebook) == "thresholds"
     z = _probe_values(codebook)

@@ -29,7 +29,7 @@ from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dc
 from kernels_parity_helpers import shared_codebook
 from torch.distributed.checkpoint import FileSystemReader
 
-INDICES, MAGNITUDE, VMEAN = "m_codebook", "m_magnitude", "vmean"
+INDICES, MAGNITUDE, VMEAN = "m_codes", "m_magnitude", "vmean"
 #: 2 x 43691 (a prime): no divisor between 2 and 43691, as a near-even third of a flattened matrix often is.
 AWKWARD = 87382
 

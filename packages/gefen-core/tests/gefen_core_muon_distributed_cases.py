@@ -117,7 +117,7 @@ def parity(rank: int, world: int, mode: str, case: str, normuon: bool, steps: in
         "moved": all(not torch.equal(a, s) for a, s in zip(ours, start)),
         "finite": all(bool(torch.isfinite(a).all()) for a in ours),
         "variants": _variants(opt, params),
-        "state_rows": [int(opt.state[p]["m_codebook"].numel()) if opt.state.get(p) else 0 for p in params],
+        "state_rows": [int(opt.state[p]["m_codes"].numel()) if opt.state.get(p) else 0 for p in params],
         "codebook": save(opt.codebook),
     }
 

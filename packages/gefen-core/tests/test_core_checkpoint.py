@@ -18,7 +18,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "native_state_v7.pt"
+GOLDEN = Path(__file__).parent / "golden" / "native_state_v8.pt"
 
 
 class _Net(torch.nn.Module):
@@ -123,8 +123,8 @@ def test_load_leaves_the_callers_dict_alone_and_can_repeat() -> None:
     twin.load_state_dict(saved)
     twin.load_state_dict(saved)
     assert_trees_equal(saved, reference)
-    live = twin.state[next(iter(twin.state))]["m_codebook"]
-    assert live.data_ptr() != saved["state"][0]["m_codebook"].data_ptr()
+    live = twin.state[next(iter(twin.state))]["m_codes"]
+    assert live.data_ptr() != saved["state"][0]["m_codes"].data_ptr()
 
 
 def test_torch_dcp_state_dict_helpers_round_trip() -> None:
@@ -242,7 +242,7 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "step_exceeds_global": (lambda sd: _first_state(sd).update(step=9, vmean_step=9), "exceeds the global step"),
     "scales_of_no_period": (_set(_first_state, "m_magnitude", torch.zeros(7)), "one scale per block of no period"),
     "stored_period": (_set(_first_state, "automatic_period", 4), "undeclared key 'automatic_period'"),
-    "float_indices": (_mutate_tensor("m_codebook", lambda t: t.float()), "torch.uint8"),
+    "float_indices": (_mutate_tensor("m_codes", lambda t: t.float()), "torch.uint8"),
     "negative_magnitude": (_mutate_tensor("m_magnitude", lambda t: t - 10.0), ">= 0"),
     "nan_vmean": (_mutate_tensor("vmean", lambda t: t.fill_(float("nan"))), "finite"),
     "missing_v_col": (lambda sd: _factored_state(sd).pop("v_col"), "missing authoritative fields"),
@@ -362,7 +362,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 7
+    assert golden["gefen_format_version"] == 8
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.native_state"
     assert_trees_equal(produced, golden, "golden native state dict")
     model = _net()

@@ -17,7 +17,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen, GefenMuon
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v4.pt"
+GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v5.pt"
 
 
 def _named(dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
@@ -121,7 +121,7 @@ def _no_codebook(sd: dict[str, Any]) -> None:
 
 
 BAD: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
-    "period_not_dividing": (_set(_state(0), "m_codebook", torch.zeros(1, 7, dtype=torch.uint8)), "do not divide"),
+    "period_not_dividing": (_set(_state(0), "m_codes", torch.zeros(1, 7, dtype=torch.uint8)), "do not divide"),
     "stored_period": (_set(_state(0), "automatic_period", 4), "undeclared keys"),
     "fractional_step": (_set(_state(0), "step", 1.5), "must be an int"),
     "step_beyond_global": (_set(_state(0), "step", 99), "exceeds the global step"),
@@ -218,7 +218,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 4 and golden["gefen_muon_owners"] is None
+    assert golden["gefen_format_version"] == 5 and golden["gefen_muon_owners"] is None
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.muon_native_state"
     assert_trees_equal(produced, golden, "golden muon native state dict")
     named = _named()

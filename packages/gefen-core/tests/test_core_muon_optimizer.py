@@ -157,7 +157,7 @@ def test_first_step_is_decay_then_scaled_newton_schulz_of_the_quantized_momentum
     state = opt.state[p]
     codebook = opt.codebook
     assert codebook is not None
-    decoded = dequantize(codebook, state["m_codebook"], state["m_magnitude"]).view(shape)
+    decoded = dequantize(codebook, state["m_codes"], state["m_magnitude"]).view(shape)
     scalars = torch.tensor([beta, 1 - beta], dtype=torch.float32)
     ns_input = decoded * scalars[0] + grad * scalars[1] if nesterov else decoded
     update = newton_schulz(ns_input.to(torch.bfloat16), resolve_schedule(), 1e-7)
@@ -197,9 +197,9 @@ def test_quantized_momentum_tracks_the_exact_ema() -> None:
         exact = beta * exact + (1 - beta) * p.grad  # type: ignore[operator]
         opt.step()
     state = opt.state[p]
-    decoded = dequantize(opt.codebook, state["m_codebook"], state["m_magnitude"]).view(64, 96)  # type: ignore[arg-type]
+    decoded = dequantize(opt.codebook, state["m_codes"], state["m_magnitude"]).view(64, 96)  # type: ignore[arg-type]
     assert float((decoded - exact).norm() / exact.norm()) < 0.02
-    assert state["m_codebook"].dtype is torch.uint8 and period_of(state) == 96  # one block per row
+    assert state["m_codes"].dtype is torch.uint8 and period_of(state) == 96  # one block per row
 
 
 def test_state_is_about_one_byte_per_parameter() -> None:
@@ -302,7 +302,7 @@ def test_batched_newton_schulz_stays_close_and_keeps_the_state_bit_identical() -
             else GefenMuon(params, ns_schedule="tuned3", fused=False)
         )
         _train(opt, params, 3)
-        runs.append(([p.detach() - s for p, s in zip(params, start)], [opt.state[p]["m_codebook"] for p in params]))
+        runs.append(([p.detach() - s for p, s in zip(params, start)], [opt.state[p]["m_codes"] for p in params]))
     (serial, serial_codes), (batched_moves, batched_codes) = runs
     for a, b in zip(serial, batched_moves):
         assert float((a - b).norm() / a.norm()) <= 2e-2

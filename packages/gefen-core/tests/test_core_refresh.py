@@ -32,7 +32,7 @@ def test_refresh_relearns_at_multiples_and_preserves_decoded_momentum() -> None:
     opt.step()
     learned = opt.codebook
     assert learned is not None
-    indices = {id(p): opt.state[p]["m_codebook"].clone() for p in params}
+    indices = {id(p): opt.state[p]["m_codes"].clone() for p in params}
     magnitudes = {id(p): opt.state[p]["m_magnitude"].clone() for p in params}
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     original = gefen_module.update_parameters
@@ -40,7 +40,7 @@ def test_refresh_relearns_at_multiples_and_preserves_decoded_momentum() -> None:
     def spy(works: list, group: dict, stats: object, **options: object) -> None:
         for work in works:
             state = opt.state[work.param]
-            recorded[id(work.param)] = (state["m_codebook"].clone(), state["m_magnitude"].clone())
+            recorded[id(work.param)] = (state["m_codes"].clone(), state["m_magnitude"].clone())
         original(works, group, stats, **options)  # type: ignore[arg-type]
 
     _feed(params, 2)
@@ -90,4 +90,4 @@ def test_refresh_keeps_training_on_cpu() -> None:
         opt.step()
     assert all(torch.isfinite(p).all() for p in params)
     assert opt.codebook is not None and opt.codebook.device.type == "cpu"
-    assert all(opt.state[p]["m_codebook"].device.type == "cpu" for p in params)
+    assert all(opt.state[p]["m_codes"].device.type == "cpu" for p in params)

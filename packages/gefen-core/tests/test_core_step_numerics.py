@@ -22,7 +22,7 @@ def _decode(opt: Gefen, p: torch.Tensor) -> torch.Tensor:
     state = opt.state[p]
     codebook = opt.codebook
     assert codebook is not None
-    return (codebook[state["m_codebook"].long()] * state["m_magnitude"]).double()
+    return (codebook[state["m_codes"].long()] * state["m_magnitude"]).double()
 
 
 def test_first_block_step_matches_the_hand_computation() -> None:
@@ -46,7 +46,7 @@ def test_first_block_step_matches_the_hand_computation() -> None:
     rms = g.square().mean().sqrt()
     expected = before - lr * codebook[nearest] * g.abs().max() / (rms + eps)
     torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=4e-7)  # fp32 rounding of p
-    assert torch.equal(opt.state[p]["m_codebook"].view(-1).long(), nearest)
+    assert torch.equal(opt.state[p]["m_codes"].view(-1).long(), nearest)
 
 
 def test_block_path_tracks_a_float64_reference() -> None:
@@ -137,7 +137,7 @@ def test_weight_decay_is_decoupled_and_applied_before_the_update() -> None:
     update = data.double() - without.detach().double()
     expected = data.double() * (1 - lr * wd) - update
     torch.testing.assert_close(with_decay.detach().double(), expected, rtol=0, atol=1e-6)
-    assert torch.equal(a.state[with_decay]["m_codebook"], b.state[without]["m_codebook"])
+    assert torch.equal(a.state[with_decay]["m_codes"], b.state[without]["m_codes"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -156,7 +156,7 @@ def test_low_and_high_precision_parameters_keep_fp32_state(dtype: torch.dtype) -
     assert weight.dtype is dtype and bias.dtype is dtype
     for p in (weight, bias):
         state = opt.state[p]
-        assert state["m_codebook"].dtype is torch.uint8 and state["m_magnitude"].dtype is torch.float32
+        assert state["m_codes"].dtype is torch.uint8 and state["m_magnitude"].dtype is torch.float32
         assert torch.isfinite(p.float()).all()
     tolerance = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float64: 1e-6}[dtype]
     torch.testing.assert_close(weight.detach().float(), reference_weight.detach(), rtol=0, atol=tolerance)
@@ -183,7 +183,7 @@ def test_zero_size_and_non_contiguous_parameters() -> None:
         _step(a, [empty, strided], [torch.zeros(0, 5), grad])
         _step(b, [dense], [grad])
     assert torch.equal(strided, dense) and not strided.is_contiguous()
-    assert a.state[empty]["m_codebook"].shape == (0, 1) and a.state[empty]["step"] == 3
+    assert a.state[empty]["m_codes"].shape == (0, 1) and a.state[empty]["step"] == 3
 
 
 def test_state_starts_at_the_first_gradient_zero_or_not() -> None:

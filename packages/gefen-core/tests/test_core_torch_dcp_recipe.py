@@ -56,7 +56,7 @@ def test_an_older_native_format_is_refused_naming_both_versions() -> None:
     _step(model, optimizer, 4)
     sd = optimizer.state_dict()
     sd["gefen_format_version"] = 3  # version 3 held the EMA of g, not of the preconditioned gradient
-    with pytest.raises(StateValidationError, match=r"version 3.*reads version 7"):
+    with pytest.raises(StateValidationError, match=r"version 3.*reads version 8"):
         optimizer.load_state_dict(sd)
 
 
@@ -67,7 +67,7 @@ def test_state_tensors_are_shaped_like_their_parameter_and_blocked_ones_are_refu
     sd = optimizer.state_dict()
     for pid, param in enumerate(model.parameters()):
         entry = sd["state"][pid]
-        assert entry["m_codebook"].shape == param.shape
+        assert entry["m_codes"].shape == param.shape
         period = period_of(optimizer.state[param])
         if param.dim() == 2:
             assert entry["m_magnitude"].shape == (param.shape[0], param.shape[1] // period)
@@ -76,8 +76,8 @@ def test_state_tensors_are_shaped_like_their_parameter_and_blocked_ones_are_refu
     params = list(model.parameters())
     pid = next(i for i, p in enumerate(params) if p.dim() == 1 and period_of(optimizer.state[p]) > 1)
     entry = sd["state"][pid]
-    entry["m_codebook"] = entry["m_codebook"].reshape(-1, period_of(optimizer.state[params[pid]]))  # v2's blocks
-    before = optimizer.state_dict()["state"][pid]["m_codebook"].clone()
-    with pytest.raises(StateValidationError, match=rf"state\[{pid}\] .*\['m_codebook'\] must have shape"):
+    entry["m_codes"] = entry["m_codes"].reshape(-1, period_of(optimizer.state[params[pid]]))  # v2's blocks
+    before = optimizer.state_dict()["state"][pid]["m_codes"].clone()
+    with pytest.raises(StateValidationError, match=rf"state\[{pid}\] .*\['m_codes'\] must have shape"):
         optimizer.load_state_dict(sd)
-    assert torch.equal(optimizer.state_dict()["state"][pid]["m_codebook"], before)
+    assert torch.equal(optimizer.state_dict()["state"][pid]["m_codes"], before)

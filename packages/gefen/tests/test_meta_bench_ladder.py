@@ -61,7 +61,7 @@ def test_the_gefen_rung_follows_gefen() -> None:
     assert gefen.codebook is not None and ladder.codebook is not None
     torch.testing.assert_close(ladder.codebook, gefen.codebook)
     for p_ref, p_ins in zip(reference.parameters(), instrument.parameters()):
-        assert gefen.state[p_ref]["m_codebook"].shape[1] == ladder.state[p_ins]["period"]
+        assert gefen.state[p_ref]["m_codes"].shape[1] == ladder.state[p_ins]["period"]
 
 
 @pytest.mark.parametrize("rung", sorted(LADDER_RUNGS))

@@ -29,7 +29,7 @@ def _report() -> dict[str, object]:
     builder = ReportBuilder("memory", config={"steps": 3})
     builder.add("m/adamw", "state_bytes_per_param", 8.0, "B/param")
     builder.add(
-        "m/gefen", "state_bytes_per_param", 1.016, "B/param", baseline="m/adamw", detail={"by_kind": {"m_codebook": 10}}
+        "m/gefen", "state_bytes_per_param", 1.016, "B/param", baseline="m/adamw", detail={"by_kind": {"m_codes": 10}}
     )
     builder.add("m/adamw", "step_peak_bytes_per_param", 0.5, "B/param")
     builder.note("a caveat")

@@ -4,7 +4,7 @@ A matrix has no state until its first gradient (zero or not). Then it holds the 
 (the same codec as Gefen's first moment) and, while its group uses NorMuon, the row statistics:
 
 * ``step`` (int, updates so far);
-* ``m_codebook``: uint8 ``[B, P]`` codeword indices (their width is the block period ``P``) and ``m_magnitude``: fp32 ``[B, 1]`` block
+* ``m_codes``: uint8 ``[B, P]`` codeword indices (their width is the block period ``P``) and ``m_magnitude``: fp32 ``[B, 1]`` block
   scales, ``B * P`` the number of elements the state describes;
 * ``normuon_v``: fp32 ``[R, 1]`` EMA of the squared row norms over the column count, and
   ``normuon_step`` (int), both or neither.

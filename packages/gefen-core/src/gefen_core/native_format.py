@@ -1,10 +1,10 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v7).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v8).
 
 ::
 
     {
       "state": {pid: {"step": int,
-                      "m_codebook": uint8[*shape], "m_magnitude": fp32[S],
+                      "m_codes": uint8[*shape], "m_magnitude": fp32[S],
                       "vmean": fp32[S], "vmean_step": int}                          # block
                  | {..., "v_row": fp32[R], "v_col": fp32[K], "factored_step": int}   # factored
              },
@@ -12,7 +12,7 @@
                         "factored_v_2d", "clip_threshold", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 7,
+      "gefen_format_version": 8,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -26,7 +26,7 @@ more dimensions, ``[numel / P]`` otherwise; the block period ``P`` is not stored
 shape gives it) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 7, "global_step",
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 8, "global_step",
 "codebook", "codebook_learned", "deterministic", "state_digest"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
@@ -38,7 +38,9 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 6 also stored each entry's period
+(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 7 named the codes
+``m_codebook`` (they are codes into the codebook, not a codebook; refused naming both
+versions). Version 6 also stored each entry's period
 as ``automatic_period``, which the scales' shape already gave (one pickled item per parameter in
 torch's DCP recipe; refused naming both versions). Version 5 had no ``clip_threshold`` group
 option (its factored matrices stepped unclipped; refused naming both versions, as a group
@@ -67,7 +69,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 7
+VERSION = 8
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"

@@ -3,20 +3,20 @@
 A parameter has no state until its first step with a non-zero gradient. Then its state is
 exactly one of two variants (the keys a checkpoint holds):
 
-* ``block``: ``step``, ``m_codebook``, ``m_magnitude``, ``vmean``, ``vmean_step``;
-* ``factored`` (2-D parameters with ``factored_v_2d``): ``step``, ``m_codebook``,
+* ``block``: ``step``, ``m_codes``, ``m_magnitude``, ``vmean``, ``vmean_step``;
+* ``factored`` (2-D parameters with ``factored_v_2d``): ``step``, ``m_codes``,
   ``m_magnitude``, ``v_row``, ``v_col``, ``factored_step``.
 
 The block period ``P`` is the width of the live codes (:func:`period_of`); it is stored
 nowhere else (a checkpoint's scales' shape gives it, :mod:`gefen_core.state_placement`).
 
-``m_codebook`` and ``m_magnitude`` (codes into the learned codebook and one scale per block)
+``m_codes`` and ``m_magnitude`` (codes into the learned codebook and one scale per block)
 hold the momentum: since native format v4 the EMA of the *preconditioned* gradient
 ``g / (sqrt(V) + eps)`` (:data:`MOMENTUM_MEANING`; :mod:`gefen_core.reference_ops`), so the
 update is the decoded momentum over the bias correction.
 
 Shapes, for a local tensor of ``n`` elements, period ``P``, ``B = ceil(n / P)`` blocks and (for a
-2-D parameter) ``R_local x K``: ``m_codebook`` uint8 ``[B, P]`` (with ragged blocks,
+2-D parameter) ``R_local x K``: ``m_codes`` uint8 ``[B, P]`` (with ragged blocks,
 :data:`gefen_core.periods.RAGGED_PERIOD`, its last ``B * P - n`` codes are padding, always 0:
 no kernel reads or writes them and no checkpoint holds them); ``m_magnitude`` and
 ``vmean`` fp32 ``[B, 1]``; ``v_row`` fp32 ``[R_local]``; ``v_col`` fp32 ``[K]``. Counters are
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 STEP = "step"
-INDICES = "m_codebook"
+INDICES = "m_codes"
 MAGNITUDE = "m_magnitude"
 VMEAN = "vmean"
 VMEAN_STEP = "vmean_step"

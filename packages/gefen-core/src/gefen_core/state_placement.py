@@ -7,7 +7,7 @@ is a DTensor that torch's DCP reshards N -> M by relabelling, bit for bit:
 =================  ==================================  ===================================
 entry              shape (global)                      DTensor placement
 =================  ==================================  ===================================
-``m_codebook``     the parameter's shape               the parameter's
+``m_codes``     the parameter's shape               the parameter's
 ``m_magnitude``,   ``[rows, row_length / P]`` for a    the parameter's (whole blocks lie
 ``vmean``          parameter of two or more dims,      in one row, so they shard with the
                    ``[numel / P]`` otherwise            rows)

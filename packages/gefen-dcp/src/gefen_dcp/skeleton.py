@@ -12,7 +12,7 @@ tagged, so the skeleton rebuilds the state dict exactly::
     dict (str or int keys)                {"dict": [[key, value], ...]}  (insertion order)
     tensor                                {"tensor": "<key>"}
 
-Each tensor's key is its path joined by ``/`` (``state/3/m_codebook``,
+Each tensor's key is its path joined by ``/`` (``state/3/m_codes``,
 ``param_groups/0/_gefen_checkpoint_metadata/codebook``); a tensor under ``state/<i>/``
 belongs to parameter ``i`` in torch's state-dict numbering.
 """

@@ -30,12 +30,9 @@ def optimizer_token(optimizer: Any) -> tuple[object, ...]:
     if isinstance(optimizer, CompositeOptimizer):
         children = optimizer.child_optimizers()
         return ("composite", id(optimizer), tuple((role, optimizer_token(child)) for role, child in children.items()))
-    return (
-        "optimizer",
-        id(optimizer),
-        type(optimizer).__qualname__,
-        state_version_token(optimizer.param_groups, optimizer.state),
-    )
+    # an adapter need not be a torch optimizer: without groups or state, its identity is the token
+    groups, state = getattr(optimizer, "param_groups", ()), getattr(optimizer, "state", {})
+    return ("optimizer", id(optimizer), type(optimizer).__qualname__, state_version_token(groups, state))
 
 
 def _collect(value: object, out: set[int], depth: int) -> None:

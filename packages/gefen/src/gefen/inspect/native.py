@@ -3,7 +3,7 @@
 "Verifying" a native state dict means checking everything the format promises that can be
 checked without the model, then (Gefen's and GefenMuon's formats) its ``gefen_state_digest``: exact key sets and types, the shapes that
 tie a parameter's entries together (Gefen's tensors shaped like the parameter that
-``m_codebook`` has, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codebook [B, P]``
+``m_codes`` has, :mod:`gefen_core.state_placement`; GefenMuon's ``m_codes [B, P]``
 whose width is the block period ``P`` and ``m_magnitude [B, 1]``; Gefen's period is the one its
 scales' shape gives, :func:`gefen_core.state_placement.period_from_scales`, ...), dtypes,
 finite and non-negative statistics, whole-number counters, a valid codebook whenever
@@ -114,15 +114,15 @@ def _gefen_entry(
     check: _Checker, entry: Mapping[str, Any], where: str, muon: bool
 ) -> tuple[str, tuple[int, ...] | None]:
     """Check one Gefen/GefenMuon parameter entry; return its variant and shape when known."""
-    if "m_codebook" not in entry and "m_magnitude" not in entry:
+    if "m_codes" not in entry and "m_magnitude" not in entry:
         if entry:
-            check.fail(where, f"has {sorted(entry)} but no momentum (m_codebook, m_magnitude)")
+            check.fail(where, f"has {sorted(entry)} but no momentum (m_codes, m_magnitude)")
         return "uninitialized", None
     if not _is_count(entry.get("step"), 1):
         check.fail(f"{where}.step", f"must be an int >= 1 once momentum exists, got {entry.get('step')!r}")
     if not muon:
         return _shaped_entry(check, entry, where)
-    indices = check.tensor(entry, "m_codebook", where, torch.uint8, 2)
+    indices = check.tensor(entry, "m_codes", where, torch.uint8, 2)
     magnitude = check.tensor(entry, "m_magnitude", where, torch.float32, 2)
     blocks = numel = None
     if indices is not None:
@@ -149,11 +149,9 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
     """A Gefen entry (``gefen.native_state`` v7): tensors shaped like the parameter, whose
     shape the codes give and whose period the scales' shape gives
     (:func:`gefen_core.state_placement.expected_shapes`, :func:`~gefen_core.state_placement.period_from_scales`)."""
-    indices = entry.get("m_codebook")
+    indices = entry.get("m_codes")
     if not isinstance(indices, torch.Tensor) or indices.dtype is not torch.uint8:
-        check.fail(
-            f"{where}.m_codebook", f"must be a torch.uint8 tensor shaped like the parameter, got {indices!r:.60}"
-        )
+        check.fail(f"{where}.m_codes", f"must be a torch.uint8 tensor shaped like the parameter, got {indices!r:.60}")
         return "broken", None
     shape = tuple(int(d) for d in indices.shape)
     scales = check.tensor(entry, "m_magnitude", where, torch.float32, None)
@@ -174,7 +172,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
         check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
         return "broken", shape
     for key, want in expected_shapes(shape, period, variant).items():
-        if key in ("m_codebook", "m_magnitude"):  # the codes set the shape, the scales the period
+        if key in ("m_codes", "m_magnitude"):  # the codes set the shape, the scales the period
             continue
         value = check.tensor(entry, key, where, state_dtype(key), len(want))
         if value is not None and tuple(value.shape) != want:
@@ -320,7 +318,7 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
             continue
         if fmt in _RECORD_KEYS:
             variant, shape = _gefen_entry(check, entry, where, fmt == _MUON)
-            indices, scales = entry.get("m_codebook"), entry.get("m_magnitude")
+            indices, scales = entry.get("m_codes"), entry.get("m_magnitude")
             period = None
             if isinstance(indices, torch.Tensor) and isinstance(scales, torch.Tensor):
                 period = indices.shape[-1] if fmt == _MUON else period_from_scales(indices.shape, scales.shape)
