@@ -22,7 +22,7 @@
 
 The state tensors are shaped like their parameter (:mod:`gefen_core.state_placement`: codes
 of the parameter's ``shape``, ``S = [rows, row_length / P]`` scales for a parameter of two or
-more dimensions, ``[numel / P]`` otherwise; the block period ``P`` is not stored, the scales'
+more dimensions, ``[ceil(numel / P)]`` otherwise (ragged blocks: only ``P = 2048``); the block period ``P`` is not stored, the scales'
 shape gives it) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 

@@ -22,7 +22,9 @@ The period rule (:func:`choose_period`), for a piece of ``L`` elements:
 3. **Re-inference**: otherwise the period a fresh optimizer would choose for the piece
    (:func:`gefen_core.periods.shape_period` through the group's
    :class:`~gefen_core.periods.PeriodPolicy`); candidates between ``F`` and that period are tried for
-   exactness first, and a block-shaped source keeps the largest candidate below
+   exactness first, then ragged blocks of ``F`` when ``F`` does not tile the piece
+   (:data:`gefen_core.periods.RAGGED_PERIOD`; ``v`` exact when every change of the source's ``v``
+   falls on their boundaries), and a block-shaped source keeps the largest candidate below
    ``max(F, P)`` so ``v`` stays exact.
 
 Capping candidates at ``F`` keeps a region that carries no information (an embedding's

@@ -7,10 +7,10 @@ is a DTensor that torch's DCP reshards N -> M by relabelling, bit for bit:
 =================  ==================================  ===================================
 entry              shape (global)                      DTensor placement
 =================  ==================================  ===================================
-``m_codes``     the parameter's shape               the parameter's
+``m_codes``        the parameter's shape               the parameter's
 ``m_magnitude``,   ``[rows, row_length / P]`` for a    the parameter's (whole blocks lie
 ``vmean``          parameter of two or more dims,      in one row, so they shard with the
-                   ``[numel / P]`` otherwise            rows)
+                   ``[ceil(numel / P)]`` otherwise     rows)
 ``v_row``          ``[rows]``                          the parameter's
 ``v_col``          ``[columns]``                       ``Replicate()`` (it is all-reduced)
 =================  ==================================  ===================================
