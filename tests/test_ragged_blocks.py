@@ -159,3 +159,20 @@ def test_a_ragged_state_refuses_a_resized_parameter(numel: int) -> None:
     param.grad = torch.randn(numel)
     with pytest.raises(ValueError, match="resized"):
         optimizer.preflight_step()
+
+
+def test_gefen_inspect_reads_a_ragged_checkpoint_and_catches_a_wrong_block_count(tmp_path: Path) -> None:
+    from gefen.inspect import inspect_checkpoint
+
+    param = torch.nn.Parameter(torch.randn(AWKWARD))
+    optimizer = _gefen(param)
+    _steps([(param, optimizer)], 1, 1)
+    path = tmp_path / "ragged.pt"
+    torch.save(optimizer.state_dict(), path)
+    description = inspect_checkpoint(path)
+    assert description.ok, description.format_text()
+    assert "period 2048" in description.format_text()
+    saved = optimizer.state_dict()
+    saved["state"][0][MAGNITUDE] = saved["state"][0][MAGNITUDE][:-1].clone()  # 42 blocks: no period gives them
+    torch.save(saved, path)
+    assert not inspect_checkpoint(path).ok
