@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
-from gefen_contracts.torch_support import CheckpointProcessGroupBinding
+from gefen_contracts.torch_support import CheckpointProcessGroupBinding, block_count
 from gefen_core import Gefen
-from gefen_core.periods import (
-    MIN_ROW_PERIOD,
-    RAGGED_PERIOD,
-    block_count,
-    memory_safe_fallback,
-    period_from_blocks,
-)
+from gefen_core.periods import MIN_ROW_PERIOD, RAGGED_PERIOD, memory_safe_fallback, period_from_blocks
 from gefen_core.reference_ops import block_step_tensor
 from gefen_core.step_scalars import host_scalars
 from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp

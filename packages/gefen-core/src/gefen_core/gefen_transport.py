@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import PortableSlotState, StateValidationError
-from gefen_contracts.torch_support import finite_bounds
+from gefen_contracts.torch_support import block_count, finite_bounds
 
 from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, SECOND_MOMENT, CompactPiece, incoming_momentum
 from .dense_view import factored_statistics, factored_values
@@ -56,7 +56,7 @@ from .param_state import (
     state_variant,
 )
 from .parameter_update import placeholder_codebook
-from .periods import RAGGED_PERIOD, PeriodPolicy, aligned_period, block_count
+from .periods import PeriodPolicy, aligned_period, cuts
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
 from .state_placement import export_tensors
 from .transport_slots import plain_options
@@ -191,7 +191,7 @@ def own_blocks_entry(
     numel = local.numel()
     if variant != (FACTORED if factored else BLOCK) or (forced_one and period != 1):
         return None
-    if numel % period and period != RAGGED_PERIOD:
+    if not cuts(numel, period):
         return None
     step, age = _checked_counters(variant, record.counters, where, global_step)
     blocked = sorted((MOMENTUM_SCALE,) if factored else (MOMENTUM_SCALE, SECOND_MOMENT))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gefen_contracts.torch_support import block_count
 
 from . import native_format as F
 from .distributed import local_tensor
@@ -43,7 +44,6 @@ from .param_state import (
     make_counter,
     state_variant,
 )
-from .periods import block_count
 from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales, state_dtype
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]

@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateField, StateGeometry, StateRole, StateScope
+from gefen_contracts.torch_support import block_count
 
-from .periods import RAGGED_PERIOD, block_count
+from .periods import cuts
 
 __all__ = [
     "AGE_KEYS",
@@ -166,7 +167,7 @@ def _second_moment(
 def new_state(local: torch.Tensor, period: int, variant: str, capturable: bool) -> dict[str, Any]:
     """Zero state for a local tensor (indices 0 decode to ``C[0] * 0 = 0``)."""
     numel = local.numel()
-    if period < 1 or (numel % period and period != RAGGED_PERIOD):
+    if not cuts(numel, period):
         raise ValueError(f"period {period} does not divide {numel} elements")
     blocks = block_count(numel, period)
     device = local.device

@@ -40,6 +40,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gefen_contracts.torch_support import block_count
+
 __all__ = [
     "FALLBACK_PERIOD_CAP",
     "MIN_BLOCK_PERIOD",
@@ -47,7 +49,7 @@ __all__ = [
     "RAGGED_PERIOD",
     "PeriodPolicy",
     "aligned_period",
-    "block_count",
+    "cuts",
     "largest_divisor_at_most",
     "memory_safe_fallback",
     "period_from_blocks",
@@ -108,9 +110,10 @@ def aligned_period(logical: int, offset: int, numel: int, local: int) -> int:
     return logical if offset % logical == 0 and numel % logical == 0 else local
 
 
-def block_count(numel: int, period: int) -> int:
-    """Blocks of ``period`` elements covering ``numel`` (the last one shorter when ragged)."""
-    return -(-numel // period)
+def cuts(numel: int, period: int) -> bool:
+    """Whether ``period`` cuts ``numel`` elements into blocks: it tiles them, or it is
+    :data:`RAGGED_PERIOD` (the last block shorter)."""
+    return period >= 1 and (numel % period == 0 or period == RAGGED_PERIOD)
 
 
 def period_from_blocks(numel: int, blocks: int) -> int | None:

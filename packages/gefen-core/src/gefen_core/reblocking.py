@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from gefen_contracts.torch_support import block_count
 
 from .momentum_codec import dequantize, nearest_codeword, normalize_blocks
-from .periods import MIN_BLOCK_PERIOD, RAGGED_PERIOD, block_count, memory_safe_fallback
+from .periods import MIN_BLOCK_PERIOD, cuts, memory_safe_fallback
 
 __all__ = [
     "ENCODE_CHUNK_ELEMENTS",
@@ -133,12 +134,6 @@ def change_gcd(values: torch.Tensor) -> int:
     return result
 
 
-def _tiles(numel: int, period: int) -> bool:
-    """Whether ``period`` is a valid period for ``numel`` elements: it tiles them, or it is the
-    ragged period (the last block shorter)."""
-    return numel % period == 0 or period == RAGGED_PERIOD
-
-
 def _block_chunks(numel: int, period: int, first_elements: int = ENCODE_CHUNK_ELEMENTS) -> Iterable[tuple[int, int]]:
     """``(first_block, last_block)`` ranges of blocks (one at least; the last block may be
     ragged): the first of at most ``first_elements`` elements, the others of at most
@@ -194,7 +189,7 @@ def exact_encoding(
     (as :func:`encode_momentum` makes them, on the momentum's device) when they decode back to
     equal values, else ``None``. Values are compared with ``==`` (so ``-0.0 == 0.0``)."""
     flat = momentum.reshape(-1)
-    if not _tiles(flat.numel(), period):
+    if not cuts(flat.numel(), period):
         return None
     return _encode(flat, period, codebook, flat.device, exact=True)
 
@@ -212,7 +207,7 @@ def source_encoding(
     code). Checked chunk by chunk, the first chunk small, so a wrong period costs a prefix.
     """
     numel = codes.numel()
-    if not _tiles(numel, period) or scale.numel() != numel:
+    if not cuts(numel, period) or scale.numel() != numel:
         return None
     blocks = block_count(numel, period)
     table = codebook.to(device=codes.device, dtype=torch.float32).abs()
@@ -245,7 +240,7 @@ def encode_momentum(
     """``(indices uint8 [B, P], magnitude fp32 [B, 1])`` on ``device``: nearest-codeword encoding
     of a dense momentum at ``period`` (each block's scale is its max ``|m|``)."""
     flat = momentum.reshape(-1)
-    if not _tiles(flat.numel(), period):
+    if not cuts(flat.numel(), period):
         raise ValueError(f"period {period} does not divide {flat.numel()} elements")
     encoded = _encode(flat, period, codebook, torch.device(device), exact=False)
     assert encoded is not None
@@ -257,7 +252,7 @@ def block_means(values: torch.Tensor, period: int, device: torch.device | str) -
     (exact for a block that is constant)."""
     flat = values.reshape(-1)
     numel = flat.numel()
-    if not _tiles(numel, period):
+    if not cuts(numel, period):
         raise ValueError(f"period {period} does not divide {numel} elements")
     blocks = block_count(numel, period)
     out = torch.empty(blocks, 1, dtype=torch.float32, device=torch.device(device))

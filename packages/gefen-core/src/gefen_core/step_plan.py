@@ -124,14 +124,19 @@ class _Where(NamedTuple):
         )
 
 
+def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) -> bool:
+    return period == RAGGED_PERIOD and V_ROW not in state and codes - period < numel < codes
+
+
 def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
     indices = state[INDICES]
     period = indices.shape[-1] if indices.dim() else 0
     # the codes cover the elements: exactly, or (block path) ragged blocks with their padding
-    ragged = period == RAGGED_PERIOD and V_ROW not in state and indices.numel() - period < numel < indices.numel()
-    if indices.dim() != 2 or period < 1 or not (indices.numel() == numel or ragged):
+    # (the ragged test only runs when the sizes differ: this check is on every step's path)
+    exact = indices.numel() == numel
+    if indices.dim() != 2 or period < 1 or not (exact or _ragged_cover(state, period, indices.numel(), numel)):
         raise ParameterError(
             f"{where()}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
             f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
