@@ -81,23 +81,25 @@ def _fsdp_model(mesh: Any) -> torch.nn.Module:
     return model
 
 
-def fsdp_parity(rank: int, world: int, clip_threshold: float | None = None) -> dict[str, Any]:
+def fsdp_parity(rank: int, world: int, clip_threshold: float | None = None, min_dim: int = 0) -> dict[str, Any]:
     """FSDP2 with the default constructor versus a single-process run on the same data.
 
     After one step (identical gradients) the sharded factored statistics must equal the
     single-process ones; after ``STEPS`` the parameters must stay close. With ``clip_threshold``
     factored updates are clipped (a small one clips every one), the statistic summed over the
-    row shards.
+    row shards. ``min_dim`` is ``min_dim_size_to_factor``: 0 factors every matrix, the default
+    (128) gives these narrow ones a per-element ``v`` instead.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     model = _fsdp_model(mesh)
-    opt = Gefen(model.named_parameters(), lr=LR, clip_threshold=clip_threshold)
+    options = {"clip_threshold": clip_threshold, "min_dim_size_to_factor": min_dim}
+    opt = Gefen(model.named_parameters(), lr=LR, **options)
     initial = [p.detach().clone() for p in make_model().parameters()]
     reference = make_model()
     # under FSDP2 a sharded 1-D parameter keeps per-element state (periods.shape_period)
-    ref_opt = Gefen(reference.named_parameters(), lr=LR, force_1d_period_one=True, clip_threshold=clip_threshold)
+    ref_opt = Gefen(reference.named_parameters(), lr=LR, force_1d_period_one=True, **options)
     train(model, opt, 0, 1)
     train(reference, ref_opt, 0, 1)
     col_gaps: dict[str, float] = {}
@@ -136,6 +138,7 @@ def fsdp_parity(rank: int, world: int, clip_threshold: float | None = None) -> d
         gaps[name] = ((full - q.detach()).norm() / moved).item()
     return {
         "two_d": sorted(name for name, p in reference.named_parameters() if p.dim() == 2),
+        "element": sorted(name for name, p in model.named_parameters() if "v" in opt.state[p]),
         "gaps": gaps,
         "col_gaps": col_gaps,
         "row_gaps": row_gaps,

@@ -18,7 +18,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "native_state_v8.pt"
+GOLDEN = Path(__file__).parent / "golden" / "native_state_v9.pt"
 
 
 class _Net(torch.nn.Module):
@@ -167,6 +167,10 @@ def _factored_state(sd: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in sd["state"].values() if "v_row" in s)
 
 
+def _element_state(sd: dict[str, Any]) -> dict[str, Any]:
+    return next(s for s in sd["state"].values() if "v" in s)
+
+
 def _set(path: Callable[[dict[str, Any]], dict[str, Any]], key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def apply(sd: dict[str, Any]) -> None:
         path(sd)[key] = value
@@ -246,6 +250,12 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "negative_magnitude": (_mutate_tensor("m_magnitude", lambda t: t - 10.0), ">= 0"),
     "nan_vmean": (_mutate_tensor("vmean", lambda t: t.fill_(float("nan"))), "finite"),
     "missing_v_col": (lambda sd: _factored_state(sd).pop("v_col"), "missing authoritative fields"),
+    "missing_v": (lambda sd: _element_state(sd).pop("v"), "missing authoritative fields"),
+    "element_v_shape": (lambda sd: _element_state(sd).__setitem__("v", _element_state(sd)["v"][:1]), "shape"),
+    "element_v_negative": (
+        lambda sd: _element_state(sd).__setitem__("v", -_element_state(sd)["v"] - 1),
+        "must be >= 0",
+    ),
     "factored_vector": (_factored_on_vector, "factored second moment but the parameter is 1-D"),
     "short_codebook": (_codebook(lambda c: c[:255]), "float32 tensor of 256 entries"),
     "unsorted_codebook": (_codebook(lambda c: c.flip(0)), "sorted"),
@@ -285,7 +295,7 @@ def trained() -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
         {"params": [("embed", model.embed), ("proj.weight", model.proj.weight), ("proj.bias", model.proj.bias)]},
         {"params": [(n, p) for n, p in model.named_parameters() if n.startswith(("norm", "head"))]},
     ]
-    opt = Gefen(groups, lr=1e-2)
+    opt = Gefen(groups, lr=1e-2, min_dim_size_to_factor=24)  # element, factored and block entries
     _train(model, opt, 0, 2)
     return _roundtrip(opt.state_dict()), groups
 
@@ -300,7 +310,7 @@ def test_corrupted_checkpoints_are_refused_without_mutation(
         {"params": [("embed", model.embed), ("proj.weight", model.proj.weight), ("proj.bias", model.proj.bias)]},
         {"params": [(n, p) for n, p in model.named_parameters() if n.startswith(("norm", "head"))]},
     ]
-    opt = Gefen(groups, lr=1e-2)
+    opt = Gefen(groups, lr=1e-2, min_dim_size_to_factor=24)
     _train(model, opt, 0, 1)
     post_calls: list[int] = []
     opt.register_load_state_dict_post_hook(lambda *_: post_calls.append(1))
@@ -317,7 +327,7 @@ def test_corrupted_checkpoints_are_refused_without_mutation(
 
 def test_a_checkpoint_of_the_other_second_moment_kind_migrates_on_the_next_step() -> None:
     model = _net()
-    opt = Gefen(model.parameters(), lr=1e-2, factored_v_2d=True)
+    opt = Gefen(model.parameters(), lr=1e-2, factored_v_2d=True, min_dim_size_to_factor=0)
     _train(model, opt, 0, 3)
     block = Gefen(model.parameters(), lr=1e-2, factored_v_2d=False)
     saved = _roundtrip(opt.state_dict())
@@ -328,6 +338,25 @@ def test_a_checkpoint_of_the_other_second_moment_kind_migrates_on_the_next_step(
     _train(model, block, 3, 2)
     state = block.state[model.embed]
     assert state["step"] == 5 and state["vmean_step"] == 2 and "v_row" not in state
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_narrow_matrix_switches_between_element_and_factored_v_with_min_dim_size_to_factor() -> None:
+    """``embed`` is 16 x 24: per-element ``v`` under the default, factored with the bound at 16;
+    a checkpoint of one kind loads into the other and re-warms the new kind from age 0."""
+    model = _net()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 0, 3)
+    assert opt.state[model.embed]["v"].shape == model.embed.shape and "v_row" not in opt.state[model.embed]
+    factored = Gefen(model.parameters(), lr=1e-2, min_dim_size_to_factor=16)
+    saved = _roundtrip(opt.state_dict())
+    for group in saved["param_groups"]:
+        group["min_dim_size_to_factor"] = 16
+    factored.load_state_dict(saved)
+    _train(model, factored, 3, 2)
+    state = factored.state[model.embed]
+    assert state["step"] == 5 and state["factored_step"] == 2 and "v" not in state
+    assert "v" in factored.state[model.head.weight]  # 8 x 32 stays narrow
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -345,7 +374,7 @@ def _golden_scenario() -> dict[str, Any]:
     gradients differently from an Intel host's, which once broke this test)."""
     shapes = [(name, tuple(p.shape)) for name, p in _net().named_parameters()]
     named = [(name, torch.nn.Parameter(_exact(shape, i))) for i, (name, shape) in enumerate(shapes)]
-    opt = Gefen(named, lr=1e-2, weight_decay=0.05)
+    opt = Gefen(named, lr=1e-2, weight_decay=0.05, min_dim_size_to_factor=24)  # all three variants
     for step in range(2):
         for i, (_, parameter) in enumerate(named):
             parameter.grad = _exact(tuple(parameter.shape), 100 * (step + 1) + i)
@@ -362,10 +391,10 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 8
+    assert golden["gefen_format_version"] == 9
     assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.native_state"
     assert_trees_equal(produced, golden, "golden native state dict")
     model = _net()
-    resumed = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05)
+    resumed = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05, min_dim_size_to_factor=24)
     resumed.load_state_dict(golden)
     assert resumed.global_step == 2

@@ -30,19 +30,30 @@ def test_ddp_replicas_stay_bit_identical(world: GlooWorld) -> None:
     assert rank0["gap"] < 0.1  # DDP's averaged gradient differs from one process only by rounding
 
 
-@pytest.mark.parametrize("clip_threshold", [None, 1.0, 0.05], ids=["default", "clipping", "always-clipping"])
-def test_fsdp2_default_constructor_trains_like_one_process(world: GlooWorld, clip_threshold: float | None) -> None:
+@pytest.mark.parametrize(
+    ("clip_threshold", "min_dim"),
+    [(None, 0), (1.0, 0), (0.05, 0), (None, 128)],
+    ids=["factored", "clipping", "always-clipping", "default-narrow"],
+)
+def test_fsdp2_default_constructor_trains_like_one_process(
+    world: GlooWorld, clip_threshold: float | None, min_dim: int
+) -> None:
     """Same batches on every rank: the averaged gradient is the one-process gradient, the
     mesh's codebook is learned from the whole histogram and blocks never cross a row, so
     FSDP2 is bit-identical to one process whose 1-D parameters keep per-element state
     (what a sharded 1-D parameter keeps, README "Distributed training"). Update clipping's
-    statistic is summed over the row shards, so it clips exactly as one process does."""
-    results = world.run(cases.fsdp_parity, clip_threshold)
+    statistic is summed over the row shards, so it clips exactly as one process does. With
+    the default ``min_dim_size_to_factor`` these narrow matrices keep a per-element ``v``,
+    row-sharded with the parameter and needing no collective."""
+    results = world.run(cases.fsdp_parity, clip_threshold, min_dim)
     for rank, result in enumerate(results):
         for name, gap in result["gaps"].items():
             assert gap == 0.0, f"rank {rank}: {name} moved {gap:.3e} (relative) away from one process"
-        assert result["replicated"] and all(result["replicated"].values()), "v_col must be identical on every rank"
         assert result["preflight_collectives"] == 0
+        if min_dim:
+            assert result["element"] == result["two_d"] and not result["replicated"]
+            continue
+        assert result["replicated"] and all(result["replicated"].values()), "v_col must be identical on every rank"
         assert sorted(result["col_gaps"]) == result["two_d"]  # every 2-D weight, the empty shard included
         for name, gap in {**result["col_gaps"], **result["row_gaps"]}.items():
             assert gap < 1e-6, f"{name}: sharded factored statistics differ from one process by {gap:.2e}"

@@ -101,6 +101,7 @@ def test_named_parameters_and_per_group_options() -> None:
         [{"params": named[:2], "lr": 0.1, "betas": (0.8, 0.99)}, {"params": named[2:], "factored_v_2d": False}],
         lr=0.01,
         period_one_substrings=("bias",),
+        min_dim_size_to_factor=8,
     )
     assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias"]
     assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[1]["lr"] == 0.01

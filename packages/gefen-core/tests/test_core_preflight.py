@@ -105,8 +105,10 @@ def test_preflight_passes_on_good_gradients_and_changes_nothing() -> None:
 
 def _run(fused: bool | None) -> list[torch.Tensor]:
     torch.manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
-    opt = Gefen(params, lr=1e-2, fused=fused, stochastic_round=True)
+    # factored (8 x 16), element (4 x 16: narrower than 8) and block (16) second moments
+    shapes = [(8, 16), (4, 16), (16,)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    opt = Gefen(params, lr=1e-2, fused=fused, stochastic_round=True, min_dim_size_to_factor=8)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -122,8 +124,8 @@ def test_fused_none_runs_the_kernels_registered_for_the_device() -> None:
     assert calls == {
         "gefen::block_step.v3": 3,
         "gefen::factored_moments.v3": 3,
-        "gefen::factored_step.v4": 3,
-        "gefen::histogram.v1": 2,
+        "gefen::factored_step.v4": 6,  # the factored and the element buckets
+        "gefen::histogram.v1": 3,  # one per parameter, on the first step
     }
 
 
@@ -132,7 +134,7 @@ def test_fused_false_never_calls_a_registered_kernel_and_true_calls_only_them() 
         _run(False)
         assert calls == {}
         _run(True)
-        assert calls["gefen::block_step.v3"] == 3 and calls["gefen::factored_step.v4"] == 3
+        assert calls["gefen::block_step.v3"] == 3 and calls["gefen::factored_step.v4"] == 6
     with counting_kernels(DISPATCHED_OPS) as calls:  # no stochastic_uniform: never dispatched
         _run(True)
         assert set(calls) == {

@@ -307,7 +307,7 @@ def test_factored_v_becomes_block_v_and_keeps_training_close() -> None:
     bit). The continuation uses block v from there on, so it differs from the uninterrupted
     factored run by the estimators' difference, far less than dropping the state."""
     model = _model("gefen")
-    optimizer = _optimizer("gefen", model)
+    optimizer = _optimizer("gefen", model, min_dim_size_to_factor=0)
     _train(model, optimizer, 0, BEFORE)
     export = optimizer.portable_export()
     assert {s.variant for s in export.slots} == {"factored", "block"}
@@ -326,6 +326,43 @@ def test_factored_v_becomes_block_v_and_keeps_training_close() -> None:
     print(f"factored -> block: kept {kept:.2e}, dropped {lost:.2e}")
     assert kept <= CONVERSION_BOUND, f"resumed run differs by {kept:.2e}"
     assert lost > 3 * kept, f"dropping the state differs by only {lost:.2e}"
+
+
+def test_per_element_v_travels_as_an_element_field_and_re_factors_where_the_target_factors() -> None:
+    """A narrow matrix's per-element ``v`` (the default for these 24-wide matrices) is an element
+    field of its portable record: imported as it was, state and training are bit for bit the
+    source's; imported where the target factors (``min_dim_size_to_factor=0``), ``v_row`` and
+    ``v_col`` are its row and column means and the momentum keeps its codes."""
+    model = _model("gefen")
+    optimizer = _optimizer("gefen", model)
+    _train(model, optimizer, 0, BEFORE)
+    export = optimizer.portable_export()
+    assert {s.variant for s in export.slots} == {"element", "block"}
+    element = next(s for s in export.slots if s.variant == "element")
+    assert element.element_fields["second_moment"].dtype == torch.float32
+    same_model, same = _twin("gefen", model)
+    _import(same, export)
+    for p, q in zip(model.parameters(), same_model.parameters(), strict=True):
+        for key, value in optimizer.state[p].items():
+            assert (
+                torch.equal(value, same.state[q][key])
+                if isinstance(value, torch.Tensor)
+                else value == same.state[q][key]
+            )
+    slots = [replace(s, options={**s.options, "min_dim_size_to_factor": 0}) for s in export.slots]
+    factored_model, factored = _twin("gefen", model, min_dim_size_to_factor=0)
+    _import(factored, export, slots)
+    assert {s.variant for s in factored.portable_export().slots} == {"factored", "block"}
+    v = optimizer.state[model.hidden.weight]["v"].double()
+    state = factored.state[factored_model.hidden.weight]
+    torch.testing.assert_close(state["v_row"].double(), v.mean(dim=1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(state["v_col"].double(), v.mean(dim=0), rtol=1e-6, atol=0)
+    momenta, factored_momenta = _momenta(optimizer), _momenta(factored)
+    for fqn, momentum in momenta.items():
+        assert torch.equal(factored_momenta[fqn], momentum), fqn
+    uninterrupted = _train(model, optimizer, BEFORE, AFTER)
+    assert _train(same_model, same, BEFORE, AFTER) == uninterrupted
+    assert _relative(_train(factored_model, factored, BEFORE, AFTER), uninterrupted) <= CONVERSION_BOUND
 
 
 def test_a_portable_import_refuses_a_foreign_document_unchanged() -> None:

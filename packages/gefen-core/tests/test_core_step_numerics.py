@@ -78,7 +78,16 @@ def test_factored_equations_match_a_float64_reference() -> None:
     rows, cols = 12, 20
     p = torch.nn.Parameter(torch.randn(rows, cols))
     beta1, beta2, lr, eps = 0.9, 0.99, 1e-2, 1e-8
-    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=0.0, fused=False, clip_threshold=1.0)
+    opt = Gefen(
+        [p],
+        lr=lr,
+        betas=(beta1, beta2),
+        eps=eps,
+        weight_decay=0.0,
+        fused=False,
+        clip_threshold=1.0,
+        min_dim_size_to_factor=0,
+    )
     r = torch.zeros(rows, dtype=torch.float64)
     c = torch.zeros(cols, dtype=torch.float64)
     prev_m = torch.zeros(rows, cols, dtype=torch.float64)
@@ -108,6 +117,36 @@ def test_factored_equations_match_a_float64_reference() -> None:
         torch.testing.assert_close(p.detach().double(), prev - lr * m / (1 - beta1**t), rtol=0, atol=2e-6)
         prev_m = m
     assert clipped  # the clipping branch of the equations was exercised
+
+
+@pytest.mark.parametrize("fused", [False, None], ids=["reference", "kernel"])
+def test_a_narrow_matrix_keeps_adams_per_element_v(fused: bool | None) -> None:
+    """A 12 x 20 matrix is narrower than ``min_dim_size_to_factor`` (128): its ``v`` is Adam's,
+    per element, and ``clip_threshold`` (a factored-matrix option) leaves it alone."""
+    torch.manual_seed(4)
+    rows, cols = 12, 20
+    p = torch.nn.Parameter(torch.randn(rows, cols))
+    beta1, beta2, lr, eps, wd = 0.9, 0.99, 1e-2, 1e-8, 0.05
+    opt = Gefen([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd, fused=fused, clip_threshold=1.0)
+    v = torch.zeros(rows, cols, dtype=torch.float64)
+    prev_m = torch.zeros(rows, cols, dtype=torch.float64)
+    for t in range(1, 5):
+        grad = torch.randn(rows, cols) * torch.linspace(0.5, 2.0, cols) * (10.0 if t == 2 else 1.0)
+        prev = p.detach().double().clone()
+        _step(opt, [p], [grad])
+        state = opt.state[p]
+        assert sorted(state) == ["m_codes", "m_magnitude", "step", "v", "v_step"] and state["v_step"] == t
+        v = beta2 * v + (1 - beta2) * grad.double().square()
+        torch.testing.assert_close(state["v"].double(), v, rtol=1e-6, atol=0)
+        m = _decode(opt, p).view(rows, cols)
+        unquantized = beta1 * prev_m + (1 - beta1) * grad.double() / ((v / (1 - beta2**t)).sqrt() + eps)
+        period = period_of(state)
+        torch.testing.assert_close(
+            m.view(-1, period).abs().amax(dim=1), unquantized.view(-1, period).abs().amax(dim=1), rtol=1e-6, atol=0
+        )
+        expected = prev * (1 - lr * wd) - lr * m / (1 - beta1**t)
+        torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=2e-6)
+        prev_m = m
 
 
 def test_maximize_equals_minimizing_the_negated_gradient() -> None:
@@ -230,7 +269,7 @@ def test_none_gradient_leaves_parameter_and_state_untouched() -> None:
 def test_switching_second_moment_representation_restarts_its_age() -> None:
     torch.manual_seed(9)
     p = torch.nn.Parameter(torch.randn(16, 32))
-    opt = Gefen([p], lr=1e-2, fused=False)
+    opt = Gefen([p], lr=1e-2, fused=False, min_dim_size_to_factor=0)
     for _ in range(3):
         _step(opt, [p], [torch.randn(16, 32)])
     assert opt.state[p]["factored_step"] == 3

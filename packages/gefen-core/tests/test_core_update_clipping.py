@@ -30,6 +30,7 @@ def _spiky_gradient() -> torch.Tensor:
 
 def _first_update(grad: torch.Tensor, fused: bool | None, **options: object) -> torch.Tensor:
     param = torch.nn.Parameter(torch.zeros_like(grad))
+    options = {"min_dim_size_to_factor": 0, **options}  # clipping is a factored-matrix option
     optimizer = Gefen([param], lr=LR, weight_decay=0.0, fused=fused, **options)  # type: ignore[arg-type]
     param.grad = grad.clone()
     optimizer.step()

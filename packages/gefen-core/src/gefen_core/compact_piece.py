@@ -52,8 +52,8 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 class CompactPiece:
     """Compact state of one piece of shape ``shape`` (see the module docstring).
 
-    ``vmean`` (block) or ``v_row``/``v_col`` (factored; ``v_row`` holds the piece's rows)
-    give the second moment; ``normuon_v`` (``[rows, 1]``) the NorMuon statistic.
+    ``vmean`` (block), ``v_row``/``v_col`` (factored; ``v_row`` holds the piece's rows) or ``v``
+    (element: an element field) give the second moment; ``normuon_v`` (``[rows, 1]``) the NorMuon statistic.
     """
 
     shape: tuple[int, ...]
@@ -64,6 +64,7 @@ class CompactPiece:
     vmean: torch.Tensor | None = None
     v_row: torch.Tensor | None = None
     v_col: torch.Tensor | None = None
+    v: torch.Tensor | None = None
     normuon_v: torch.Tensor | None = None
 
     def portable_slot(
@@ -74,6 +75,8 @@ class CompactPiece:
         blocks: dict[str, object] = {MOMENTUM_SCALE: _host(self.magnitude).reshape(-1).float()}
         if self.vmean is not None:
             blocks[SECOND_MOMENT] = _host(self.vmean).reshape(-1).float()
+        if self.v is not None:
+            elements[SECOND_MOMENT] = _host(self.v).reshape(self.shape)
         replicas: dict[str, object] = {}
         if self.v_row is not None and self.v_col is not None:
             replicas = {V_ROW: _host(self.v_row), V_COL: _host(self.v_col)}

@@ -44,6 +44,8 @@ from .ops import OPS
 from .param_state import (
     BLOCK,
     BLOCK_KEYS,
+    ELEMENT,
+    ELEMENT_KEYS,
     FACTORED,
     FACTORED_KEYS,
     PARAMETER_FIELDS,
@@ -123,6 +125,14 @@ STATE_LAYOUT = OptimizerStateLayout(
             StateExtent.LOCAL_STORAGE,
             parameter_ranks=(2,),
             description="factored second moment of a row-sharded 2-D DTensor: local v_row, replicated v_col",
+        ),
+        StateVariant(
+            ELEMENT,
+            ELEMENT_KEYS,
+            frozenset({_REPL, _DTENSOR}),
+            StateExtent.LOCAL_STORAGE,
+            parameter_ranks=(2,),
+            description="per-element second moment of a matrix narrower than min_dim_size_to_factor",
         ),
     ),
 )
@@ -316,7 +326,7 @@ def gefen_contract(
         "gefen.codebook_refresh_every": codebook_refresh_every,
         "gefen.factored_v_2d": list(factored_v_2d),
         "gefen.row_sharded_factored_v": "local v_row, replicated v_col, one all_reduce per mesh per step",
-        "gefen.transport_variants": ["pristine", "block", "factored"],
+        "gefen.transport_variants": ["pristine", "block", "factored", "element"],
         "gefen.reblocking": "exact_structure_then_reinfer_v1",
     }
     return OptimizerContract(IMPLEMENTATION, STATE_LAYOUT, capabilities, extensions=extensions)

@@ -62,7 +62,13 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         fused: ``None`` runs the kernels registered for the parameters' device (gefen-kernels:
             C on CPU, Triton on CUDA) and the PyTorch reference elsewhere, ``True`` requires
             them, ``False`` always runs the reference (:mod:`gefen_core.ops`).
-        factored_v_2d: factored (row x column) second moment for 2-D parameters.
+        factored_v_2d: factored (row x column) second moment for 2-D parameters (block-shared
+            when ``False``).
+        min_dim_size_to_factor: a 2-D parameter with a dimension below this keeps Adam's
+            per-element ``v`` (4 more bytes per parameter) instead of the factored one, as
+            Adafactor does (its default, 128; ``0`` factors every matrix). Only narrow
+            matrices pay: none of the 52.7M decoder's; on ``char-mini`` (d = 64) it is what
+            brings Gefen to AdamW's loss (:func:`gefen_core.param_state.second_moment_variant`).
         clip_threshold: Adafactor's update clipping of factored matrices (``None``: off; it
             trades one task against another, README "Update clipping"; :mod:`.second_moment`).
         force_1d_period_one, force_2d_period_one, period_one_substrings: per-element blocks
@@ -101,6 +107,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
         foreach: bool | None = None,
         fused: bool | None = None,
         factored_v_2d: bool = True,
+        min_dim_size_to_factor: int = 128,
         clip_threshold: float | None = None,
         force_1d_period_one: bool = False,
         force_2d_period_one: bool = False,
@@ -148,6 +155,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
                 "weight_decay": weight_decay,
                 "maximize": maximize,
                 "factored_v_2d": factored_v_2d,
+                "min_dim_size_to_factor": min_dim_size_to_factor,
                 "clip_threshold": clip_threshold,
                 "force_1d_period_one": force_1d_period_one,
                 "force_2d_period_one": force_2d_period_one,

@@ -2,23 +2,23 @@
 
 One piece of one parameter travels as
 
-* a **variant**: ``"pristine"`` (no state yet), ``"block"`` (block second moment) or
-  ``"factored"`` (factored second moment);
-* **counters**: ``step`` and the second moment's age (``vmean_step`` or ``factored_step``);
+* a **variant**: ``"pristine"`` (no state yet), ``"block"`` (block second moment),
+  ``"factored"`` (factored second moment) or ``"element"`` (a narrow matrix's per-element one);
+* **counters**: ``step`` and the second moment's age (``vmean_step``, ``factored_step`` or ``v_step``);
 * **fields** (:mod:`gefen_core.compact_piece`): the momentum as uint8 codes (an element
   field) and fp32 block scales (a block field, one per block of the piece's period), the
   block second moment as a block field, and a complete piece's factored second moment
   exactly as its two vectors, the *replica fields* ``v_row`` and ``v_col``: about one
-  byte per element in all.
+  byte per element in all (five for an ``element`` piece, whose ``v`` is an element field).
 
 Coming back, :func:`check_incoming` validates a record for one target piece and
 :func:`native_entry` re-encodes it into the native per-parameter state of the target
 (:mod:`gefen_core.param_state`), re-blocked by :mod:`gefen_core.reblocking`. The target's
-representation follows the target: factored for a 2-D tensor of a group with
-``factored_v_2d`` (its statistics copied from the replica fields, or re-factored from the
-dense field by row and column means), block otherwise (block means of the dense field,
-which a factored source provides through ``outer(v_row, v_col) / mean(v_col)``). The age
-counter carries over whichever representation the target takes.
+representation follows the target (:func:`gefen_core.param_state.second_moment_variant`):
+factored (its statistics copied from the replica fields, or re-factored from the dense field
+by row and column means), element (the dense field itself) or block (block means of the
+dense field, which a factored source provides through ``outer(v_row, v_col) / mean(v_col)``).
+The age counter carries over whichever representation the target takes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .param_groups import normalize_group_options
 from .param_state import (
     AGE_KEYS,
     BLOCK,
+    ELEMENT,
     FACTORED,
     FACTORED_STEP,
     INDICES,
@@ -47,8 +48,10 @@ from .param_state import (
     STEP,
     V_COL,
     V_ROW,
+    V_STEP,
     VMEAN,
     VMEAN_STEP,
+    V,
     blocked_codes,
     counter_value,
     element_codes,
@@ -77,7 +80,7 @@ __all__ = [
 
 #: The variant of a parameter without state.
 PRISTINE = "pristine"
-_COUNTERS = {BLOCK: frozenset({STEP, VMEAN_STEP}), FACTORED: frozenset({STEP, FACTORED_STEP})}
+_COUNTERS = {variant: frozenset({STEP, age}) for variant, age in AGE_KEYS.items()}
 
 
 def _fail(message: str) -> StateValidationError:
@@ -99,6 +102,8 @@ def live_piece(
     common = (shape, period_of(state), indices, state[MAGNITUDE], table)
     if variant == FACTORED:
         return variant, counters, CompactPiece(*common, v_row=state[V_ROW], v_col=state[V_COL])
+    if variant == ELEMENT:
+        return variant, counters, CompactPiece(*common, v=state[V])
     return variant, counters, CompactPiece(*common, vmean=state[VMEAN])
 
 
@@ -107,7 +112,7 @@ class IncomingPiece:
     """A validated incoming record for one non-empty-or-empty target piece.
 
     ``momentum`` is flat (the piece's row-major order). The second moment is one of:
-    ``block_v`` (dense, block-shaped), ``dense_v`` (dense, from a factored source) or
+    ``block_v`` (dense, block-shaped), ``dense_v`` (dense, from a factored or element source) or
     ``factors`` (the complete parameter's ``v_row`` and ``v_col``). ``flat_offset`` is the
     piece's first element within the parameter of ``global_shape``; ``source`` the flat codes
     and scales the momentum was decoded from.
@@ -164,7 +169,7 @@ def _counter(counters: Mapping[str, int], key: str, where: str, maximum: int) ->
 def _checked_counters(variant: str, counters: Mapping[str, int], where: str, global_step: int) -> tuple[int, int]:
     """``(step, age)`` of a record's counters (the variant's two, in range)."""
     if variant not in _COUNTERS:
-        raise _fail(f"{where}: unknown variant {variant!r} (Gefen knows {[PRISTINE, BLOCK, FACTORED]})")
+        raise _fail(f"{where}: unknown variant {variant!r} (Gefen knows {[PRISTINE, *_COUNTERS]})")
     if set(counters) != _COUNTERS[variant]:
         raise _fail(f"{where}: variant {variant!r} needs counters {sorted(_COUNTERS[variant])}, got {sorted(counters)}")
     step = _counter(counters, STEP, where, global_step)
@@ -175,7 +180,7 @@ def own_blocks_entry(
     record: PortableSlotState,
     *,
     param: torch.Tensor,
-    factored: bool,
+    target: str,
     forced_one: bool,
     global_step: int,
 ) -> dict[str, Any] | None:
@@ -189,16 +194,18 @@ def own_blocks_entry(
     variant, period = record.variant, record.block_period
     local = local_tensor(param)
     numel = local.numel()
-    if variant != (FACTORED if factored else BLOCK) or (forced_one and period != 1):
+    if variant != target or (forced_one and period != 1):
         return None
     if not cuts(numel, period):
         return None
     step, age = _checked_counters(variant, record.counters, where, global_step)
-    blocked = sorted((MOMENTUM_SCALE,) if factored else (MOMENTUM_SCALE, SECOND_MOMENT))
+    factored = variant == FACTORED
+    blocked = sorted((MOMENTUM_SCALE, SECOND_MOMENT) if variant == BLOCK else (MOMENTUM_SCALE,))
+    elements = sorted((MOMENTUM_CODES, SECOND_MOMENT) if variant == ELEMENT else (MOMENTUM_CODES,))
     replicas = sorted((V_COL, V_ROW)) if factored else []
-    if sorted(record.element_fields) != [MOMENTUM_CODES] or sorted(record.block_fields) != blocked:
+    if sorted(record.element_fields) != elements or sorted(record.block_fields) != blocked:
         raise _fail(
-            f"{where}: a {variant!r} record passed through holds element field {[MOMENTUM_CODES]} and block fields "
+            f"{where}: a {variant!r} record passed through holds element fields {elements} and block fields "
             f"{blocked}, got {sorted(record.element_fields)} and {sorted(record.block_fields)}"
         )
     if sorted(record.replica_fields) != replicas:
@@ -227,6 +234,10 @@ def own_blocks_entry(
         v_row = _field(record.replica_fields[V_ROW], (rows,), f"{where} replica field {V_ROW!r}", nonnegative=True)
         v_col = _field(record.replica_fields[V_COL], (cols,), f"{where} replica field {V_COL!r}", nonnegative=True)
         entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: age})
+    elif variant == ELEMENT:
+        shape = tuple(local.shape)
+        v = _field(record.element_fields[SECOND_MOMENT], shape, f"{where} field {SECOND_MOMENT!r}", nonnegative=True)
+        entry.update({V: v.view(shape).to(device), V_STEP: age})
     else:
         entry.update({VMEAN: values[SECOND_MOMENT], VMEAN_STEP: age})
     entry.update(export_tensors(param, entry, variant))
@@ -296,7 +307,7 @@ def check_incoming(
         age,
         momentum,
         dense if variant == BLOCK else None,
-        dense if variant == FACTORED else None,
+        dense if variant != BLOCK else None,
         factors,
         flat_offset,
         global_shape,
@@ -373,27 +384,31 @@ def native_entry(
     codebook: torch.Tensor | None,
     *,
     param: torch.Tensor,
-    factors: tuple[torch.Tensor, torch.Tensor] | None,
+    target: str,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
     encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """The native state entry of a target piece for the live ``param`` (tensors on its device,
-    shaped and placed like it, :mod:`gefen_core.state_placement`).
-
-    ``factors`` are the target's ``(v_row, v_col)`` when it keeps a factored second moment
-    (:func:`complete_factors`, or a row shard's rows with every shard's columns); ``None``
-    gives the block second moment (block means of the dense field at ``period``).
+    shaped and placed like it, :mod:`gefen_core.state_placement`), keeping the ``target``
+    second moment: block (block means of the dense field at ``period``), element (the dense
+    field) or factored, whose ``factors`` are the target's ``(v_row, v_col)``
+    (:func:`complete_factors`, or a row shard's rows with every shard's columns).
     ``encoding``: the momentum's codes at ``period`` when the period choice already made them.
     """
-    device = local_tensor(param).device
+    local = local_tensor(param)
+    device = local.device
     indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
     entry: dict[str, Any] = {STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
-    if factors is None:
-        entry[VMEAN] = block_means(piece.second_moment(), period, device)
-        entry[VMEAN_STEP] = piece.age
-    else:
+    if target == FACTORED:
+        assert factors is not None
         v_row, v_col = factors
         entry.update({V_ROW: v_row.to(device), V_COL: v_col.to(device), FACTORED_STEP: piece.age})
-    entry.update(export_tensors(param, entry, BLOCK if factors is None else FACTORED))
+    elif target == ELEMENT:
+        entry.update({V: piece.second_moment().view(local.shape).to(device), V_STEP: piece.age})
+    else:
+        entry[VMEAN] = block_means(piece.second_moment(), period, device)
+        entry[VMEAN_STEP] = piece.age
+    entry.update(export_tensors(param, entry, target))
     return entry
 
 
@@ -404,7 +419,13 @@ def slot_options(options: Mapping[str, Any], where: str) -> tuple[dict[str, Any]
         normalized = normalize_group_options(plain)
     except (GefenOptionError, GefenOptionTypeError) as exc:
         raise _fail(f"{where}: invalid recorded option: {exc}") from None
-    missing = {"factored_v_2d", "force_1d_period_one", "force_2d_period_one", "period_one_substrings"} - set(normalized)
+    missing = {
+        "factored_v_2d",
+        "min_dim_size_to_factor",
+        "force_1d_period_one",
+        "force_2d_period_one",
+        "period_one_substrings",
+    } - set(normalized)
     if missing:
         raise _fail(f"{where}: the recorded options lack {sorted(missing)}")
     return plain, normalized

@@ -1,4 +1,4 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v8).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v9).
 
 ::
 
@@ -9,10 +9,10 @@
                  | {..., "v_row": fp32[R], "v_col": fp32[K], "factored_step": int}   # factored
              },
       "param_groups": [{"params": [pid, ...], "lr", "betas", "eps", "weight_decay", "maximize",
-                        "factored_v_2d", "clip_threshold", "force_1d_period_one", "force_2d_period_one",
+                        "factored_v_2d", "min_dim_size_to_factor", "clip_threshold", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 8,
+      "gefen_format_version": 9,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -26,7 +26,7 @@ more dimensions, ``[ceil(numel / P)]`` otherwise (ragged blocks: only ``P = 2048
 shape gives it) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 8, "global_step",
+``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 9, "global_step",
 "codebook", "codebook_learned", "deterministic", "state_digest"}`` (the same values), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
 ``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
@@ -38,7 +38,10 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 7 named the codes
+(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 8 had no
+``min_dim_size_to_factor`` group option and no ``element`` variant (it factored every matrix;
+refused naming both versions, as a group without the option cannot say which second moment its
+narrow matrices keep). Version 7 named the codes
 ``m_codebook`` (they are codes into the codebook, not a codebook; refused naming both
 versions). Version 6 also stored each entry's period
 as ``automatic_period``, which the scales' shape already gave (one pickled item per parameter in
@@ -69,7 +72,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 8
+VERSION = 9
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"

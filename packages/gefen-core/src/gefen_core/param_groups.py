@@ -36,6 +36,7 @@ GROUP_OPTIONS = (
     "weight_decay",
     "maximize",
     "factored_v_2d",
+    "min_dim_size_to_factor",
     "clip_threshold",
     "force_1d_period_one",
     "force_2d_period_one",
@@ -124,6 +125,16 @@ def _clip_threshold(value: object, group: int | None) -> float | None:
     return threshold
 
 
+def _min_dim(value: object, group: int | None) -> int:
+    if type(value) is not int:
+        raise GefenOptionTypeError(
+            f"{where_prefix(group)}min_dim_size_to_factor must be an int, got {type(value).__name__}"
+        )
+    if value < 0:
+        raise GefenOptionError(f"{where_prefix(group)}Invalid min_dim_size_to_factor value: {value} (must be >= 0)")
+    return value
+
+
 def normalize_group_options(
     options: Mapping[str, Any], group: int | None = None, *, read_tensor_lr: bool = True
 ) -> dict[str, Any]:
@@ -148,6 +159,8 @@ def normalize_group_options(
         if decay < 0:
             raise GefenOptionError(f"{where_prefix(group)}Invalid weight_decay value: {decay} (must be >= 0)")
         out["weight_decay"] = decay
+    if "min_dim_size_to_factor" in options:
+        out["min_dim_size_to_factor"] = _min_dim(options["min_dim_size_to_factor"], group)
     if "clip_threshold" in options:
         out["clip_threshold"] = _clip_threshold(options["clip_threshold"], group)
     for flag in ("maximize", "factored_v_2d", "force_1d_period_one", "force_2d_period_one"):

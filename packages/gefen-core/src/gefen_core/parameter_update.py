@@ -13,6 +13,8 @@ from .distributed import all_reduce_sums
 from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
 from .param_state import (
     AGE_KEYS,
+    BLOCK,
+    ELEMENT,
     FACTORED,
     INDICES,
     MAGNITUDE,
@@ -20,10 +22,12 @@ from .param_state import (
     V_COL,
     V_ROW,
     VMEAN,
+    V,
+    state_variant,
     switch_second_moment,
 )
 from .reference_ops import scalars_of
-from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
+from .second_moment import clip_row_factor, preconditioned_sumsq, update_element_moment, update_factored_moments
 from .step_plan import ParamWork
 
 __all__ = ["decay_only", "placeholder_codebook", "update_parameters"]
@@ -61,7 +65,7 @@ def _scalars(
         "beta2": beta2,
         "eps": group["eps"],
         "weight_decay": group["weight_decay"],
-        "factored": variant == FACTORED,
+        "factored": variant != BLOCK,  # the factored and element paths share BC2 = 1 / (1 - beta2^tau)
     }
     if capturable:  # every counter pair at once: a fixed number of device ops per bucket
         steps = torch.stack([s[STEP] for s in states])
@@ -146,7 +150,7 @@ def update_parameters(
     for work in works:
         state = work.state
         assert state is not None
-        if (V_ROW in state) is not factored:
+        if state_variant(state) != variant:
             switch_second_moment(state, variant, work.local, capturable)
         if not capturable:  # ints here; capturable counters are device tensors, advanced below
             state[STEP] += 1
@@ -179,6 +183,25 @@ def update_parameters(
             factors = _clip(works, grads, factors, scalars, threshold)
         step = dispatch.op(FACTORED_STEP)
         step(targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
+    elif variant == ELEMENT:  # the factored step over each matrix seen as one column (second_moment)
+        factors = [
+            update_element_moment(s[V], g, scalars_of(scalars, i)) for i, (s, g) in enumerate(zip(states, grads))
+        ]
+        column = [torch.ones(1, dtype=torch.float32, device=works[0].local.device)] * len(works)
+        columns = [target.view(-1, 1) for target in targets]
+        step = dispatch.op(FACTORED_STEP)
+        step(
+            columns,
+            [g.view(-1, 1) for g in grads],
+            indices,
+            magnitudes,
+            factors,
+            column,
+            codebook,
+            scalars,
+            seeds,
+            **flags,
+        )
     else:
         vmeans = [s[VMEAN] for s in states]
         dispatch.op(BLOCK_STEP)(targets, grads, indices, magnitudes, vmeans, codebook, scalars, seeds, **flags)

@@ -63,6 +63,7 @@ from .gefen_transport import (
     slot_options,
 )
 from .native_records import native_state_dict
+from .param_state import FACTORED, second_moment_variant
 from .transport_records import checked_import_records, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
     BoundLayoutHook,
@@ -203,14 +204,12 @@ class GefenPortableState(BoundLayoutHook):
             if slot.tensor is None:
                 continue
             tensor = slot.tensor
-            factored = bool(options["factored_v_2d"]) and tensor.dim() == 2
+            target = second_moment_variant(tensor.shape, options)
             assert slot.live_index is not None
             if record.block_fields:  # the piece is the fragment that exported it: keep its own blocks
                 name = live_name(self.param_groups, slot)
                 forced = period_policy(options).forces_period_one(name, tensor.dim())
-                kept = own_blocks_entry(
-                    record, param=tensor, factored=factored, forced_one=forced, global_step=global_step
-                )
+                kept = own_blocks_entry(record, param=tensor, target=target, forced_one=forced, global_step=global_step)
                 if kept is not None:
                     entries[(slot.group_index, slot.live_index)] = kept
                     continue
@@ -240,9 +239,9 @@ class GefenPortableState(BoundLayoutHook):
                 ndim=tensor.dim(),
                 codebook=codebook,
             )
-            factors = complete_factors(piece, *tensor.shape) if factored else None
+            factors = complete_factors(piece, *tensor.shape) if target == FACTORED else None
             entries[(slot.group_index, slot.live_index)] = native_entry(
-                piece, choice.period, codebook, param=tensor, factors=factors, encoding=choice.encoding
+                piece, choice.period, codebook, param=tensor, target=target, factors=factors, encoding=choice.encoding
             )
         groups = adopted_groups(self.param_groups, records)
         state = positional_state(groups, entries)

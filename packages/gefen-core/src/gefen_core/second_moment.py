@@ -47,7 +47,15 @@ from . import step_scalars as S
 #: Elements per chunk of :func:`preconditioned_sumsq` (bounds its temporaries).
 _CHUNK_ELEMENTS = 1 << 20
 
-__all__ = ["FLT_MIN", "clip_row_factor", "column_scale", "fp32_sqrt", "preconditioned_sumsq", "update_factored_moments"]
+__all__ = [
+    "FLT_MIN",
+    "clip_row_factor",
+    "column_scale",
+    "fp32_sqrt",
+    "preconditioned_sumsq",
+    "update_element_moment",
+    "update_factored_moments",
+]
 
 #: Smallest normal fp32 number; the floor of the factored normaliser.
 FLT_MIN = float(torch.finfo(torch.float32).tiny)
@@ -93,6 +101,19 @@ def update_factored_moments(
     v_row.mul_(beta2).add_(row_mean.mul_(one_minus_beta2))
     v_col.mul_(beta2).add_(col_mean.mul_(one_minus_beta2))
     return torch.div(v_row, column_scale(v_col)).mul_(scalars[S.BC2])
+
+
+def update_element_moment(v: torch.Tensor, grad: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
+    """Advance a narrow matrix's per-element ``v`` in place; return its ``row_factor`` (flat).
+
+    ``v_i = fl( fl(v_i * BETA2) + fl( fl(g_i^2) * ONE_MINUS_BETA2 ) )`` and
+    ``row_factor_i = fl(v_i * BC2)`` (the factored path's ``BC2``). The factored step then runs
+    on the matrix seen as one column (``[numel, 1]``, ``v_col = [1.0]``), so its denominator is
+    ``h_i = fl( fl(sqrt(row_factor_i)) + EPS )``: Adam's, through the same kernels.
+    """
+    squares = grad.to(torch.float32).square().mul_(scalars[S.ONE_MINUS_BETA2])
+    v.mul_(scalars[S.BETA2]).add_(squares)
+    return (v * scalars[S.BC2]).view(-1)
 
 
 def fp32_sqrt(values: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ entry              shape (global)                      DTensor placement
                    ``[ceil(numel / P)]`` otherwise     rows)
 ``v_row``          ``[rows]``                          the parameter's
 ``v_col``          ``[columns]``                       ``Replicate()`` (it is all-reduced)
+``v``              the parameter's shape               the parameter's
 =================  ==================================  ===================================
 
 The table is what the declared geometry of each entry gives
@@ -37,7 +38,7 @@ from gefen_contracts import StateGeometry, follows_parameter_placement, paramete
 
 from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
-from .param_state import BLOCK_KEYS, FACTORED, FACTORED_KEYS, INDICES, PARAMETER_FIELDS, element_codes, period_of
+from .param_state import INDICES, PARAMETER_FIELDS, VARIANT_FIELDS, element_codes, period_of
 from .periods import period_from_blocks
 
 __all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_scales", "state_dtype"]
@@ -61,8 +62,8 @@ def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | Non
 def expected_shapes(shape: Sequence[int], period: int, variant: str) -> dict[str, tuple[int, ...]]:
     """Every state tensor's shape for a tensor of ``shape`` (global or local) and ``period``, from
     the declared geometry of each of the variant's entries (:data:`gefen_core.param_state.PARAMETER_FIELDS`)."""
-    keys = FACTORED_KEYS if variant == FACTORED else BLOCK_KEYS
-    shapes = {key: parameter_state_shape(PARAMETER_FIELDS[key].geometry, shape, period) for key in keys}
+    fields = VARIANT_FIELDS[variant]
+    shapes = {key: parameter_state_shape(PARAMETER_FIELDS[key].geometry, shape, period) for key in fields}
     return {key: shaped for key, shaped in shapes.items() if shaped is not None}
 
 

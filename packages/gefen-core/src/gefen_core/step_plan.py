@@ -27,6 +27,8 @@ from .param_state import (
     V_COL,
     V_ROW,
     VMEAN,
+    V,
+    second_moment_variant,
 )
 from .periods import RAGGED_PERIOD
 
@@ -125,7 +127,7 @@ class _Where(NamedTuple):
 
 
 def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) -> bool:
-    return period == RAGGED_PERIOD and V_ROW not in state and codes - period < numel < codes
+    return period == RAGGED_PERIOD and VMEAN in state and codes - period < numel < codes
 
 
 def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> bool:
@@ -145,6 +147,9 @@ def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> b
         shape = local.shape
         if len(shape) != 2 or state[V_ROW].numel() != shape[0] or state[V_COL].numel() != shape[1]:
             raise ParameterError(f"{where()}: the factored second moment does not fit the parameter's shape")
+    elif V in state:
+        if state[V].shape != local.shape:
+            raise ParameterError(f"{where()}: the per-element second moment does not fit the parameter's shape")
     elif state[VMEAN].shape != state[MAGNITUDE].shape:
         raise ParameterError(f"{where()}: vmean does not match the block count")
     return bool(indices.device != local.device)
@@ -171,7 +176,6 @@ def plan_step(
         check_group_options(group, group_index)
         check_tensor_lr(group["lr"], group["params"], f"param_groups[{group_index}]")
         names = group.get("param_names")
-        factored_2d = group["factored_v_2d"]
         for position, param in enumerate(group["params"]):
             slot += 1
             grad = param.grad
@@ -191,7 +195,7 @@ def plan_step(
             else:
                 check_gradient(param, grad, where())
                 local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
-            variant = FACTORED if factored_2d and param.dim() == 2 else BLOCK
+            variant = second_moment_variant(param.shape, group)
             live = state.get(param)
             work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
             if live:
@@ -224,7 +228,7 @@ def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
         device = work.local.device
         if learns:
             needed.add((HISTOGRAM, device))
-        needed.add((FACTORED_STEP if work.variant == FACTORED else BLOCK_STEP, device))
+        needed.add((BLOCK_STEP if work.variant == BLOCK else FACTORED_STEP, device))
         if work.variant == FACTORED:
             needed.add((FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS, device))
     for op, device in sorted(needed, key=str):

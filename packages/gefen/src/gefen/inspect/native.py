@@ -146,7 +146,7 @@ def _gefen_entry(
 
 
 def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
-    """A Gefen entry (``gefen.native_state`` v7): tensors shaped like the parameter, whose
+    """A Gefen entry (``gefen.native_state`` v9): tensors shaped like the parameter, whose
     shape the codes give and whose period the scales' shape gives
     (:func:`gefen_core.state_placement.expected_shapes`, :func:`~gefen_core.state_placement.period_from_scales`)."""
     indices = entry.get("m_codes")
@@ -164,12 +164,12 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
             f"has shape {list(scales.shape)}: one scale per block of no period of a {list(shape)} parameter",
         )
         return "broken", shape
-    variant = "factored" if "v_row" in entry or "v_col" in entry else "block"
-    if variant == "factored" and len(shape) != 2:
-        check.fail(where, f"holds a factored second moment but its parameter is {len(shape)}-D")
+    variant = "factored" if "v_row" in entry or "v_col" in entry else "element" if "v" in entry else "block"
+    if variant != "block" and len(shape) != 2:
+        check.fail(where, f"holds a {variant} second moment but its parameter is {len(shape)}-D")
         return "broken", shape
     if variant == "block" and "vmean" not in entry:
-        check.fail(where, "has momentum but no second moment (vmean, or v_row and v_col)")
+        check.fail(where, "has momentum but no second moment (vmean, v, or v_row and v_col)")
         return "broken", shape
     for key, want in expected_shapes(shape, period, variant).items():
         if key in ("m_codes", "m_magnitude"):  # the codes set the shape, the scales the period
@@ -180,7 +180,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
                 f"{where}.{key}",
                 f"must be {list(want)} for a {list(shape)} parameter at period {period}, got {list(value.shape)}",
             )
-    age = "factored_step" if variant == "factored" else "vmean_step"
+    age = {"factored": "factored_step", "element": "v_step"}.get(variant, "vmean_step")
     if not _is_count(entry.get(age), 1):
         check.fail(f"{where}.{age}", f"must be an int >= 1, got {entry.get(age)!r}")
     return variant, shape
