@@ -71,7 +71,8 @@ def test_demo_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = read_report(tmp_path / "demo.json")
     assert report.benchmark == "demo"
     gefen = report.row("gefen", "state_bytes_per_param")
-    assert gefen.baseline == "adamw" and gefen.ratio is not None and gefen.ratio < 0.25
+    # tiny's matrices (d = 32) keep Adam's per-element v (min_dim_size_to_factor): about 5 of AdamW's 8 bytes
+    assert gefen.baseline == "adamw" and gefen.ratio is not None and gefen.ratio < 0.65
     assert report.row("adamw", "peak_rss_over_start").value > 0
 
 
@@ -100,7 +101,7 @@ def test_bench_memory_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     adamw = report.row("tiny/adamw", "state_bytes_per_param")
     assert 8.0 <= adamw.value < 8.01
     gefen = report.row("tiny/gefen", "state_bytes_per_param")
-    assert gefen.baseline == "tiny/adamw" and gefen.value < 2.0
+    assert gefen.baseline == "tiny/adamw" and gefen.value < 5.2  # narrow matrices: per-element v
     assert {row.metric for row in report.rows} == {
         "state_bytes_per_param",
         "step_peak_bytes_per_param",
@@ -227,7 +228,8 @@ def test_bench_step_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     fused_ops = report.row("gefen-fused", "ops_per_step")
     # one group: one call per phase for its matrices (moments, step) and one for its vectors,
     # whatever the number of tensors (11 here)
-    assert fused_ops.detail["gefen_ops"] == 3 and fused_ops.value >= 3  # type: ignore[operator]
+    # d = 64: the matrices keep a per-element v, stepped by factored_step without factored_moments
+    assert fused_ops.detail["gefen_ops"] == 2 and fused_ops.value >= 2  # type: ignore[operator]
     assert report.row("gefen-reference", "ops_per_step").detail["gefen_ops"] == 0  # the reference is plain torch
     assert {row.name for row in report.rows if row.metric == "host_time_per_tensor"} == {
         "adamw-fused", "adamw-default", "gefen-reference", "gefen-fused", "gefen-block-fused"

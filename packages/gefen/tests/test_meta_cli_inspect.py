@@ -34,7 +34,8 @@ def _stepped(optimizer: torch.optim.Optimizer, steps: int = 2) -> torch.optim.Op
 
 def _parameters() -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(8, 16, generator=generator)), torch.nn.Parameter(torch.randn(16))]
+    shapes = [(8, 16), (4, 16), (16,)]  # factored, per-element (narrower than 8) and block v
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,8 @@ def _binding() -> CheckpointProcessGroupBinding:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, portable_optimizer: Any) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {name: root / f"{name}.pt" for name in ("gefen", "muon", "adamw", "portable")}
-    torch.save(_stepped(Gefen(_parameters(), lr=1e-2, fused=False)).state_dict(), paths["gefen"])
+    gefen = Gefen(_parameters(), lr=1e-2, fused=False, min_dim_size_to_factor=8)
+    torch.save(_stepped(gefen).state_dict(), paths["gefen"])
     muon_parameter = torch.nn.Parameter(torch.randn(16, 32, generator=torch.Generator().manual_seed(2)))
     torch.save(_stepped(GefenMuon([muon_parameter], lr=1e-2, fused=False)).state_dict(), paths["muon"])
     torch.save(_stepped(torch.optim.AdamW(_parameters()), 1).state_dict(), paths["adamw"])
@@ -89,8 +91,12 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
     )
     facts = dict(description.facts)
     assert facts["global step"] == "2" and facts["codebook"] == "256 entries"
-    assert [p.variant for p in description.parameters] == ["factored", "block"]
-    assert [p.shape for p in description.parameters] == [(8, 16), (16,)]  # the codes are shaped like the parameter
+    assert [p.variant for p in description.parameters] == ["factored", "element", "block"]
+    assert [p.shape for p in description.parameters] == [
+        (8, 16),
+        (4, 16),
+        (16,),
+    ]  # the codes are shaped like the parameter
     stored = torch.load(checkpoints["gefen"], weights_only=True)
     expected = sum(
         value.numel() * value.element_size()
@@ -103,7 +109,7 @@ def test_native_gefen_state_dict_is_described(checkpoints: dict[str, Path]) -> N
 
 def test_a_scale_not_shaped_by_the_parameter_is_a_problem(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     stored = torch.load(checkpoints["gefen"], weights_only=True)
-    entry = stored["state"][1]  # the 16-element bias: one block of 16
+    entry = stored["state"][2]  # the 16-element bias: one block of 16
     entry["m_magnitude"] = entry["m_magnitude"].reshape(-1, 1)  # version 2's [blocks, 1]
     path = tmp_path / "reshaped.pt"
     torch.save(stored, path)
@@ -120,7 +126,7 @@ def test_native_muon_and_torch_state_dicts_are_described(checkpoints: dict[str, 
     assert [p.variant for p in muon.parameters] == ["muon"]
     adamw = inspect_checkpoint(checkpoints["adamw"])
     assert adamw.ok and adamw.implementation is None
-    assert [p.shape for p in adamw.parameters] == [(8, 16), (16,)]
+    assert [p.shape for p in adamw.parameters] == [(8, 16), (4, 16), (16,)]
     assert adamw.parameters[0].variant == "exp_avg+exp_avg_sq+step"
 
 
@@ -151,7 +157,7 @@ def test_cli_prints_a_report_and_json(checkpoints: dict[str, Path], capsys: pyte
 
 def _corrupt_native(path: Path, target: Path) -> None:
     stored = torch.load(path, weights_only=True)
-    stored["state"][1]["vmean"] = torch.full_like(stored["state"][1]["vmean"], float("nan"))
+    stored["state"][2]["vmean"] = torch.full_like(stored["state"][2]["vmean"], float("nan"))
     stored["state"][0]["v_col"] = stored["state"][0]["v_col"][:-1].clone()
     torch.save(stored, target)
 

@@ -46,8 +46,29 @@ def test_loss_falls_far(data, optimizer: str) -> None:  # type: ignore[no-untype
     assert result.tokens_per_s > 0 and result.optimizer_step_s > 0
     if optimizer == "adamw":
         assert 8.0 <= result.state_bytes_per_param < 8.01
+    elif optimizer == "gefen":  # tiny's matrices (d = 32) are narrower than 128: Adam's v per element
+        assert 5.0 < result.state_bytes_per_param < 5.2 and result.state_bytes_by_kind["v"] > 0
     else:
         assert result.state_bytes_per_param < 1.6  # tiny tensors: blocks are short, scales weigh more
+
+
+def test_gefen_holds_about_one_byte_per_parameter_from_d_model_128() -> None:
+    """The demo's model (d = 128): only the 64 x 128 position embedding is narrower than
+    ``min_dim_size_to_factor`` and keeps a per-element v (0.035 B/param of this model); the
+    d = 128 matrices' factored statistics and 128-element blocks weigh about 0.07 more."""
+    from gefen.demo.model import TinyDecoder
+
+    torch.manual_seed(0)
+    model = TinyDecoder(preset("small").with_vocab(512))
+    optimizer = build_optimizer("gefen", list(model.named_parameters()), lr=1e-3, weight_decay=0.0)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    narrow = [p for p in model.parameters() if "v" in optimizer.state[p]]
+    assert [tuple(p.shape) for p in narrow] == [(64, 128)]
+    count = sum(p.numel() for p in model.parameters())
+    state = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    assert state / count < 1.11
 
 
 def test_same_seed_same_run_and_seeds_differ(data) -> None:  # type: ignore[no-untyped-def]
@@ -86,10 +107,10 @@ def test_registry_names_and_errors() -> None:
 
 
 def test_gefen_block_disables_the_factored_second_moment() -> None:
-    weight = torch.nn.Parameter(torch.randn(8, 16))
+    weight = torch.nn.Parameter(torch.randn(128, 160))
     for name, expected in (("gefen", True), ("gefen-block", False)):
         optimizer = build_optimizer(name, [("w", weight)], lr=1e-3, weight_decay=0.0)
-        weight.grad = torch.randn(8, 16)
+        weight.grad = torch.randn(128, 160)
         optimizer.step()
         keys = set(optimizer.state[weight])
         assert ("v_row" in keys) is expected and ("vmean" in keys) is not expected

@@ -15,7 +15,10 @@ Switches (per element ``i`` of a parameter, ``b`` its block):
 * ``v_2d`` / ``v_1d``: the second moment of 2-D / 1-D parameters: ``"exact"`` (Adam's
   per-element EMA), ``"factored"`` (2-D only: EMAs of row and column means of ``g^2``,
   ``V = v_row v_col / mean(v_col)``) or ``"block"`` (one EMA of the block mean of ``g^2``).
-* ``clip_threshold``: Adafactor's update clipping of 2-D parameters (``0``: off): the
+* ``min_dim_size_to_factor``: a ``"factored"`` ``v_2d`` applies to matrices whose two
+  dimensions are at least this; narrower ones keep the exact ``v`` (Gefen's option, 128 in
+  its defaults; ``0`` factors every matrix).
+* ``clip_threshold``: Adafactor's update clipping of factored 2-D parameters (``0``: off): the
   preconditioned gradient ``g / (sqrt(V) + eps)`` of a matrix is scaled down to RMS
   ``clip_threshold`` over the whole matrix before it enters the first moment (Gefen's
   ``clip_threshold``, on its factored matrices; off in Gefen's defaults).
@@ -81,14 +84,18 @@ class Approximations:
     apply: Literal["stored", "exact"] = "stored"
     quantize: Literal["momentum", "preconditioned", "preconditioned-adam"] = "momentum"
     clip_threshold: float = 0.0
+    min_dim_size_to_factor: int = 0
 
     def __post_init__(self) -> None:
         if self.v_1d == "factored":
             raise ValueError("a 1-D parameter has no factored second moment")
         if self.codebook == "relearned" and self.refresh_every <= 0:
             raise ValueError("codebook='relearned' needs refresh_every > 0")
-        if self.block_cap < 0 or self.clip_threshold < 0:
-            raise ValueError(f"block_cap and clip_threshold must be >= 0, got {self.block_cap}, {self.clip_threshold}")
+        if self.block_cap < 0 or self.clip_threshold < 0 or self.min_dim_size_to_factor < 0:
+            raise ValueError(
+                "block_cap, clip_threshold and min_dim_size_to_factor must be >= 0, got "
+                f"{self.block_cap}, {self.clip_threshold}, {self.min_dim_size_to_factor}"
+            )
 
     def but(self, **changes: Any) -> Approximations:
         """A copy with ``changes`` applied."""
@@ -96,7 +103,9 @@ class Approximations:
 
 
 #: Every switch where ``gefen_core.Gefen``'s defaults put it.
-GEFEN_APPROXIMATIONS = Approximations(v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned")
+GEFEN_APPROXIMATIONS = Approximations(
+    v_2d="factored", v_1d="block", momentum="quantized", quantize="preconditioned", min_dim_size_to_factor=128
+)
 
 _EXACT = Approximations()
 #: The ladder's rungs by name (registered as optimizers ``ladder-<name>``): the climb from
@@ -111,6 +120,7 @@ LADDER_RUNGS: dict[str, Approximations] = {
     "m-quantized": _EXACT.but(momentum="quantized", quantize_1d=False),
     "gefen-v1d-exact": GEFEN_APPROXIMATIONS.but(v_1d="exact", quantize_1d=False),
     "gefen-v2d-exact": GEFEN_APPROXIMATIONS.but(v_2d="exact"),
+    "gefen-factor-all": GEFEN_APPROXIMATIONS.but(min_dim_size_to_factor=0),
     "gefen-clipped": GEFEN_APPROXIMATIONS.but(clip_threshold=1.0),
     "gefen-cap128": GEFEN_APPROXIMATIONS.but(block_cap=128),
     "gefen-uniform": GEFEN_APPROXIMATIONS.but(codebook="uniform"),
@@ -153,7 +163,10 @@ class LadderAdamW(torch.optim.Optimizer):
         return self.approx.momentum == "quantized" and (p.ndim >= 2 or self.approx.quantize_1d)
 
     def _second_moment_kind(self, p: torch.Tensor) -> SecondMoment:
-        return self.approx.v_2d if p.ndim == 2 else self.approx.v_1d if p.ndim == 1 else "exact"
+        if p.ndim == 2:
+            narrow = min(p.shape) < self.approx.min_dim_size_to_factor
+            return "exact" if self.approx.v_2d == "factored" and narrow else self.approx.v_2d
+        return self.approx.v_1d if p.ndim == 1 else "exact"
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state: dict[str, Any] = {"step": 0}
@@ -297,7 +310,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 g = p.grad.float()
-                if self.approx.clip_threshold and p.ndim == 2:
+                if self.approx.clip_threshold and p.ndim == 2 and self._second_moment_kind(p) == "factored":
                     preconditioned = g / denoms[p]
                     rms = preconditioned.square().mean().sqrt()
                     g = preconditioned / (rms / self.approx.clip_threshold).clamp(min=1.0) * denoms[p]

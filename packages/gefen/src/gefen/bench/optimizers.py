@@ -198,7 +198,7 @@ _REGISTRY: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             "gefen",
-            "gefen_core.Gefen, defaults (factored v for 2-D tensors, block-shared state for 1-D ones)",
+            "gefen_core.Gefen, defaults (factored v for matrices at least 128 wide, Adam's v for narrower ones, block-shared state for 1-D tensors)",
             _gefen_builder(),
             _always_available,
         ),
