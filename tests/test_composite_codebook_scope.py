@@ -8,7 +8,9 @@ bit-exact with one process, and a one-rank failure raises on every rank.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -27,7 +29,6 @@ from gefen_contracts import (
 from gefen_contracts.testing import GlooWorld, deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CodebookProcessGroupBinding, CollectiveCounter
 from gefen_core import Gefen, GefenMuon
-from gefen_core.codebook_scope import injected_failures
 from gefen_hybrid import CompositeOptimizer
 from torch import nn
 
@@ -117,11 +118,11 @@ def rank_scoped_composite(rank: int, world: int) -> dict[str, Any]:
     _backward(model, 3)
     before = deep_snapshot(optimizer, model)
 
-    def fail() -> None:
-        raise RuntimeError("injected failure")
-
+    # rank 0's scoped child fails its gradient preflight (the plan it makes before the header)
+    scoped = next(child for role, child in optimizer.child_optimizers().items() if scopes[role] is not None)  # type: ignore[attr-defined]
+    failure = RuntimeError("injected failure")
     try:
-        with injected_failures({"gradient preflight": fail} if rank == 0 else {}):
+        with mock.patch.object(type(scoped), "_scope_plan", side_effect=failure) if rank == 0 else nullcontext():
             optimizer.step()
         raised = None
     except CollectiveFailureError as exc:

@@ -7,13 +7,15 @@ The shared plans, models and ``_outcome`` live in ``gefen_core_scope_cases``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-from gefen_core.codebook_scope import PHASES, injected_failures
+from gefen_core import scoped_learning, scoped_step
+from gefen_core.codebook_scope import CLOSURE_PHASE, PHASES
 from gefen_core_scope_cases import (
     Spec,
     _outcome,
@@ -32,17 +34,47 @@ class Injected(RuntimeError):
     """The failure a test hook raises."""
 
 
-def _raise() -> None:
-    raise Injected("injected failure")
+#: Phase -> what runs in it (patched to raise): a module function, or a method of the
+#: optimizer's class (patched on the class: the no-mutation snapshots read the instance).
+_PATCHED: dict[str, Callable[[Any], tuple[object, str]]] = {
+    "entry checks": lambda opt: (scoped_step, "_entry_checks"),
+    "refresh preamble": lambda opt: (scoped_step, "_entry_checks"),
+    "initialize preamble": lambda opt: (scoped_step, "_entry_checks"),
+    "gradient preflight": lambda opt: (type(opt), "_scope_plan"),
+    "AMP agreement": lambda opt: (scoped_step, "read_amp"),
+    "period selection": lambda opt: (type(opt), "_scope_items"),
+    "histogram and solve": lambda opt: (scoped_learning, "gradient_histogram"),
+    "re-quantisation": lambda opt: (type(opt), "_scope_requantize"),
+    "commit": lambda opt: (type(opt), "_scope_stage"),
+}
+assert set(_PATCHED) | {CLOSURE_PHASE} == set(PHASES)
+_closure_fails = [False]
+
+
+def closure() -> torch.Tensor:
+    """A closure that leaves the attached gradients alone, or raises inside :func:`failing_at`'s
+    ``closure`` phase."""
+    if _closure_fails[0]:
+        raise Injected("injected failure")
+    return torch.zeros(())
 
 
 @contextmanager
-def _hooks(active: bool, phase: str) -> Iterator[None]:
-    if active:
-        with injected_failures({phase: _raise}):
-            yield
-    else:
+def failing_at(active: bool, phase: str, optimizer: Any) -> Iterator[None]:
+    """While active, ``optimizer``'s scoped operations fail locally at ``phase``: the call that
+    phase makes raises :class:`Injected` (the closure phase: :func:`closure` raises)."""
+    if not active:
         yield
+    elif phase == CLOSURE_PHASE:
+        _closure_fails[0] = True
+        try:
+            yield
+        finally:
+            _closure_fails[0] = False
+    else:
+        target, name = _PATCHED[phase](optimizer)
+        with mock.patch.object(target, name, side_effect=Injected("injected failure")):
+            yield
 
 
 #: Phase -> the operation a failure at that phase is injected into.
@@ -77,9 +109,6 @@ def one_rank_failures(rank: int, world: int, failing: int, phases: Sequence[str]
         bound.feed(driver)
         opt = bound.optimizer
 
-        def closure() -> torch.Tensor:
-            return torch.zeros(())  # leaves the attached gradients alone (the snapshot includes them)
-
         def act(op: str = operation, opt: Any = opt) -> object:
             if op == "step_closure":
                 return opt.step(closure)
@@ -90,7 +119,7 @@ def one_rank_failures(rank: int, world: int, failing: int, phases: Sequence[str]
             return opt.step()
 
         roots = (opt, *[p for p in bound.pieces.values() if p is not None])
-        with _hooks(rank == failing, phase):
+        with failing_at(rank == failing, phase, opt):
             outcome = _outcome(act, roots)
         retried = _outcome(act, roots)
         codebooks: list[Any] = [None] * world

@@ -32,7 +32,7 @@ from gefen_core_scope_cases import (
     bind,
     binding,
 )
-from gefen_core_scope_failure_cases import _hooks
+from gefen_core_scope_failure_cases import closure, failing_at
 
 # -- GefenMuon whole-parameter owners -----------------------------------------------------------------
 
@@ -130,9 +130,9 @@ def muon_one_rank_failure(rank: int, world: int, phases: Sequence[str], failing:
         step = bound.optimizer.step
 
         def act(step: Callable[..., object] = step) -> object:
-            return step(lambda: torch.zeros(()))
+            return step(closure)
 
-        with _hooks(rank == failing, phase):
+        with failing_at(rank == failing, phase, bound.optimizer):
             results[phase] = _outcome(act, roots)
         results[phase]["retry"] = _outcome(act, roots)["raised"]
     return results

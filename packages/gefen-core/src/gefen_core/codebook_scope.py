@@ -39,8 +39,7 @@ Every collective after the header carries the accumulated failure flag of the se
 member that fails in a later phase (period selection, histogram and solve, re-quantisation,
 commit staging) joins the next collective with its flag set and every member raises there;
 nothing is published before the commit exchange. One-member scopes run no collective and
-re-raise local errors unchanged. Test hooks (:func:`injected_failures`) raise at a named
-phase on the ranks that install them; production code never installs any.
+re-raise local errors unchanged.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,9 +84,7 @@ __all__ = [
     "digest_words",
     "entry_vote",
     "exchange_header",
-    "fault_point",
     "gather_bytes",
-    "injected_failures",
     "read_amp",
     "reduce_with_failure",
 ]
@@ -135,34 +131,6 @@ _STATIC_AT = slice(8, 12)
 _PRESENCE_AT = slice(12, 14)
 _AMP_FLAGS_AT, _FOUND_INF_AT, _SCALE_AT, _NEEDS_AT = 14, 15, 16, 17
 HEADER_SIZE = 18
-
-# -- test hooks ---------------------------------------------------------------------------------
-
-_HOOKS: dict[str, Callable[[], None]] = {}
-
-
-@contextmanager
-def injected_failures(hooks: Mapping[str, Callable[[], None]]) -> Iterator[None]:
-    """Install test hooks: ``hooks[phase]()`` runs at that phase's fault point (it raises to
-    inject a local failure). For tests only; removed on exit."""
-    unknown = sorted(set(hooks) - set(PHASES))
-    if unknown:
-        raise ValueError(f"unknown scope phases {unknown}; known: {list(PHASES)}")
-    previous = dict(_HOOKS)
-    _HOOKS.update(hooks)
-    try:
-        yield
-    finally:
-        _HOOKS.clear()
-        _HOOKS.update(previous)
-
-
-def fault_point(phase: str) -> None:
-    """Run the test hook installed for ``phase``, if any (a no-op in production)."""
-    hook = _HOOKS.get(phase)
-    if hook is not None:
-        hook()
-
 
 # -- local records ------------------------------------------------------------------------------
 

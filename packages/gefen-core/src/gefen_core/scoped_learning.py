@@ -38,7 +38,6 @@ from .codebook_scope import (
     PERIOD_PHASE,
     Failure,
     digest_words,
-    fault_point,
     reduce_with_failure,
 )
 from .errors import ShardAgreementError
@@ -191,11 +190,6 @@ def learn_over_scope(
                 outcome.periods[item.fqn] = period
         except Exception as exc:
             failure = Failure(PERIOD_PHASE, exc)
-    if failure is None:
-        try:
-            fault_point(PERIOD_PHASE)
-        except Exception as exc:
-            failure = Failure(PERIOD_PHASE, exc)
     if not (learn_codebook or refresh):
         outcome.failure = failure
         return outcome
@@ -213,7 +207,6 @@ def learn_over_scope(
                 period = outcome.periods[item.fqn] if item.period is None else item.period
                 contributions.append((item.grad.neg() if item.signed else item.grad, period))
             counts = gradient_histogram(contributions, dispatch.op(HISTOGRAM), deterministic=deterministic)
-            fault_point(HISTOGRAM_PHASE)
         except Exception as exc:
             failure = Failure(HISTOGRAM_PHASE, exc)
     counts = reduce_with_failure(binding, counts, maximum=False, failure=failure, phase=HISTOGRAM_PHASE, who=who)

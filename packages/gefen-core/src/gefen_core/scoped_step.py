@@ -18,8 +18,9 @@ A scoped ``step(closure)``:
    stage everything (new states, re-quantised indices, kernel checks), exchange the commit,
    then publish by swaps that cannot raise, unscale the gradients and update.
 
-The host optimizer implements :class:`ScopedHost`. Every phase has a named fault point
-(:func:`gefen_core.codebook_scope.injected_failures`).
+The host optimizer implements :class:`ScopedHost`. Each phase runs inside ``_attempt(phase, ...)``,
+which records a local error with the phase's name for the next exchange (the tests inject one by
+making the phase's own call raise).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from .codebook_scope import (
     commit_exchange,
     entry_vote,
     exchange_header,
-    fault_point,
     read_amp,
 )
 from .distributed import local_tensor
@@ -162,17 +162,8 @@ def _learn(
     )
 
 
-def _commit_point() -> None:
-    fault_point(COMMIT_PHASE)
-
-
 def _requantize(host: ScopedHost, codebook: torch.Tensor) -> tuple[Any, Failure | None]:
-    def run() -> Any:
-        staged = host._scope_requantize(codebook)
-        fault_point(REQUANTIZE_PHASE)
-        return staged
-
-    return _attempt(REQUANTIZE_PHASE, run)
+    return _attempt(REQUANTIZE_PHASE, lambda: host._scope_requantize(codebook))
 
 
 def _agreed(outcome: LearningOutcome) -> list[int]:
@@ -189,18 +180,13 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
     binding = identity.scope
     who = f"{host._scope_who} step"
 
-    def entry() -> None:
-        fault_point(ENTRY_PHASE)
-        _entry_checks(host, identity, "step")
-
-    _, failure = _attempt(ENTRY_PHASE, entry)
+    _, failure = _attempt(ENTRY_PHASE, lambda: _entry_checks(host, identity, "step"))
     loss = None
     if closure is not None:
         entry_vote(binding, failure, who)
         try:
             with torch.enable_grad():
                 loss = closure()
-            fault_point(CLOSURE_PHASE)
         except Exception as exc:
             failure = Failure(CLOSURE_PHASE, exc)
     plan: ScopePlan | None = None
@@ -209,9 +195,7 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
         def preflight() -> ScopePlan:
             if host._identity is not identity:
                 raise LayoutTamperedError("step: the post_sharding identity (and its codebook scope) was replaced")
-            planned = host._scope_plan()
-            fault_point(PREFLIGHT_PHASE)
-            return planned
+            return host._scope_plan()
 
         planned, failure = _attempt(PREFLIGHT_PHASE, preflight)
         plan = planned if isinstance(planned, ScopePlan) else None
@@ -222,7 +206,6 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
             reading = read_amp(host)
             if not reading.overflow and plan is not None:
                 _check_finite(plan.grads)
-            fault_point(AMP_PHASE)
             return reading
 
         read, failure = _attempt(AMP_PHASE, scaler)
@@ -266,12 +249,7 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
     staged: Any = None
     if failure is None:
 
-        def stage() -> Any:
-            staging = host._scope_stage(plan, outcome)
-            fault_point(COMMIT_PHASE)
-            return staging
-
-        staged, failure = _attempt(COMMIT_PHASE, stage)
+        staged, failure = _attempt(COMMIT_PHASE, lambda: host._scope_stage(plan, outcome))
     commit_exchange(binding, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who)
     host._scope_publish(plan, staged, requantized, amp)
     return loss
@@ -281,7 +259,6 @@ def _preamble(host: ScopedHost, phase: str, where: str) -> tuple[ScopePlan | Non
     identity = host._identity
 
     def run() -> ScopePlan:
-        fault_point(phase)
         _entry_checks(host, identity, where)
         return host._scope_plan()
 
@@ -328,8 +305,6 @@ def scoped_initialize(host: ScopedHost) -> bool:
         who=who,
     )
     failure = outcome.failure
-    if failure is None:
-        _, failure = _attempt(COMMIT_PHASE, _commit_point)
     commit_exchange(
         None if identity is None else identity.scope, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who
     )
@@ -368,8 +343,6 @@ def scoped_refresh(host: ScopedHost) -> bool:
     if failure is None and changed:
         assert new is not None
         requantized, failure = _requantize(host, new)
-    if failure is None:
-        _, failure = _attempt(COMMIT_PHASE, _commit_point)
     commit_exchange(
         None if identity is None else identity.scope, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who
     )
