@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import ShardingPlan, deep_snapshot, flattened_plan, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_dcp import (

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from bound_members import BoundMember, Spec, even_cuts, process_group
 from bound_members import checkpoint_binding as _binding
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing.gloo_members import share
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon

@@ -5,14 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    FEATURE_STAGED_NATIVE_LOAD,
-    FeatureStatus,
-    OptimizerCapabilities,
-    OptimizerContract,
-    ShardIdentity,
-    StagedTransaction,
-)
+from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD, FeatureStatus, OptimizerCapabilities, OptimizerContract
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.transactions import StagedTransaction
 from gefen_example_sgd import CONTRACT, ContractedSGD
 from gefen_hybrid import ContractedAdamW
 

@@ -15,13 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    CheckpointTransport,
-    OptimizerContract,
-    ParameterLayout,
-    PortableSlotState,
-    StagedTransaction,
-)
+from gefen_contracts import OptimizerContract
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout
+from gefen_contracts.exchange import PortableSlotState
+from gefen_contracts.transactions import StagedTransaction
 from gefen_hybrid import ContractedAdamW
 
 _DTENSOR = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from bound_members import BoundMember, Spec, even_cuts, process_group
 from bound_members import checkpoint_binding as _binding
 from gefen import GefenMuonHybrid
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing.gloo_members import share
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp

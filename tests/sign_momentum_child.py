@@ -26,35 +26,32 @@ from gefen_contracts import (
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    LogicalSlice,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterIdentity,
-    ParameterLayout,
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    Precision,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateValidationError,
     StateVariant,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    TopologyChange,
+)
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.transactions import StagedTransaction
 
 IMPLEMENTATION = "gefen_tests.SignMomentumChild"
 _R, _F, _D = (

@@ -11,13 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import (
-    FEATURE_PORTABLE_STATE,
-    CheckpointTransport,
-    FeatureStatus,
-    OptimizerContract,
-    PortableAdapter,
-)
+from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, OptimizerContract
+from gefen_contracts.enums import CheckpointTransport
+from gefen_contracts.protocols import PortableAdapter
 from gefen_contracts.testing import CheckStatus, ConformanceTarget, assert_conformant, run_conformance
 from gefen_contracts.testing.checks.contract import ProtocolDeclarationCheck
 from gefen_hybrid import PORTABLE_SUPPORT, CompositeOptimizer, ContractedAdamW

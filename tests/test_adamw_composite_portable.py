@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from gefen_contracts import ContractError, ContractTypeError, PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts import ContractError, ContractTypeError
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest
 from gefen_dcp import (

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import PortableStateLimits, ProcessGroupIdentity, StateValidationError
+from gefen_contracts import StateValidationError
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon

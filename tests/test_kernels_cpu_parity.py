@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gefen_contracts import load_kernel_plugins
+from gefen_contracts.kernels import load_kernel_plugins
 from gefen_core.momentum_codec import splitmix_uniform
 from gefen_kernels import KernelArgumentError, cpu_kernel_status, cpu_ops
 from kernels_parity_helpers import (

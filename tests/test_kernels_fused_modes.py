@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import KernelUnavailableError, load_kernel_plugins
+from gefen_contracts import KernelUnavailableError
+from gefen_contracts.kernels import load_kernel_plugins
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen
 from gefen_core.ops import PartialKernelsWarning, warn_on_partial_kernels

@@ -4,7 +4,7 @@ may not import gefen-core): they must agree."""
 from __future__ import annotations
 
 import torch
-from gefen_contracts import load_kernel_plugins
+from gefen_contracts.kernels import load_kernel_plugins
 from gefen_core import ops, step_scalars
 from gefen_kernels import signatures
 

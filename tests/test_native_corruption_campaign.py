@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
-from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, hostile_object, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.model import kit_loss, make_kit_model

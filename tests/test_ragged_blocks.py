@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, block_count
 from gefen_core import Gefen
 from gefen_core.periods import MIN_ROW_PERIOD, RAGGED_PERIOD, memory_safe_fallback, period_from_blocks

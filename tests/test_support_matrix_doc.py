@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import CheckpointTransport, OptimizerCapabilities, ParameterLayout
+from gefen_contracts import OptimizerCapabilities
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout
 from gefen_contracts.testing import flattened_plan
 from gefen_core import Gefen, GefenMuon
 from gefen_example_sgd import ContractedSGD

@@ -5,28 +5,32 @@ from __future__ import annotations
 from gefen_contracts import (
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    LogicalSlice,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
-    Precision,
-    ProcessGroupIdentity,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardPlacement,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateVariant,
     TrainingSupport,
+)
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    PlacementKind,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+)
+from gefen_contracts.identity import (
+    LogicalSlice,
+    ParameterIdentity,
+    ProcessGroupIdentity,
+    ShardIdentity,
+    ShardPlacement,
 )
 
 GROUP = ProcessGroupIdentity("dp", ("rank:0", "rank:1"))

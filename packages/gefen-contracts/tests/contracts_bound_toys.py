@@ -17,22 +17,12 @@ from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_POST_SHARDING,
     CheckpointSupport,
-    CheckpointTransport,
     ContractError,
     FeatureStatus,
-    LoadAtomicity,
     NotSupportedError,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    ParameterRebinding,
-    Precision,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
@@ -41,6 +31,17 @@ from gefen_contracts import (
     StateVariant,
     TrainingSupport,
 )
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+)
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
     BoundParameter,
     SealedLayout,
@@ -49,6 +50,7 @@ from gefen_contracts.torch_support import (
     plan_rebinding,
     state_version_token,
 )
+from gefen_contracts.transactions import StagedTransaction
 
 REPL, FLAT = ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD
 IMPLEMENTATION = "gefen_tests.BoundSGD"

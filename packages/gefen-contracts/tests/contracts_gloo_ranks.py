@@ -7,7 +7,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from gefen_contracts import CollectiveFailureError, ContractError, ProcessGroupIdentity
+from gefen_contracts import CollectiveFailureError, ContractError
+from gefen_contracts.identity import ProcessGroupIdentity
 from gefen_contracts.torch_support import (
     CheckpointProcessGroupBinding,
     CodebookProcessGroupBinding,

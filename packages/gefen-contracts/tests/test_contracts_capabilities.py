@@ -5,30 +5,24 @@ import dataclasses
 import pytest
 from contract_builders import simple_capabilities, simple_contract, simple_layout
 from gefen_contracts import (
-    CONTRACT_SCHEMA_VERSION,
     FEATURE_CANONICAL_IDENTITY,
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     ContractError,
     ContractTypeError,
     FeatureStatus,
-    FrozenMap,
-    LoadAtomicity,
     NotSupportedError,
-    OptimizerChildContract,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    ProcessGroupScope,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
-    schema_compatible,
 )
+from gefen_contracts.capabilities import TopologyTransition
 from gefen_contracts.codec import from_primitive, to_primitive
+from gefen_contracts.contract import CONTRACT_SCHEMA_VERSION, OptimizerChildContract, schema_compatible
+from gefen_contracts.enums import CheckpointTransport, LoadAtomicity, ParameterLayout, ProcessGroupScope, TopologyChange
+from gefen_contracts.frozen import FrozenMap
 
 REPL = frozenset({ParameterLayout.REPLICATED})
 

@@ -13,22 +13,13 @@ from typing import Any
 
 import pytest
 from contract_builders import GROUP, flat_shard, simple_contract
-from gefen_contracts import (
-    CodecError,
-    LogicalRegion,
-    OptimizerContract,
-    ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
-    PortableStateLimits,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
-    canonical_digest,
-    descriptor_digest,
-    from_primitive,
-    to_primitive,
-)
+from gefen_contracts import CodecError, OptimizerContract
+from gefen_contracts.codec import from_primitive, to_primitive
+from gefen_contracts.digest import canonical_digest, descriptor_digest
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import LogicalRegion, ParameterIdentity, ShardIdentity, ShardPlacement
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.manifest import ShardingManifest
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("GEFEN_REGEN_GOLDEN") == "1"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from contract_builders import replicated
-from gefen_contracts import LogicalSlotBinding
+from gefen_contracts.rebinding import LogicalSlotBinding
 from gefen_contracts.torch_support import state_version_token
 
 

@@ -4,14 +4,12 @@ import dataclasses
 
 import pytest
 from contract_builders import GROUP, flat_shard, replicated
-from gefen_contracts import (
-    ContractError,
-    ContractTypeError,
+from gefen_contracts import ContractError, ContractTypeError
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import (
     LogicalRegion,
     LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
     ProcessGroupIdentity,
     ShardIdentity,
     ShardPlacement,

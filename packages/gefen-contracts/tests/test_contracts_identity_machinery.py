@@ -8,21 +8,17 @@ from typing import Any
 import pytest
 import torch
 from contract_builders import GROUP, flat_shard, replicated
-from gefen_contracts import (
-    ContractError,
-    ContractTypeError,
-    LayoutTamperedError,
+from gefen_contracts import ContractError, ContractTypeError, LayoutTamperedError, StateValidationError
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import (
     LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
     ProcessGroupIdentity,
     ShardIdentity,
-    ShardingManifest,
     ShardPlacement,
-    StateValidationError,
 )
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
     BoundParameter,
     CodebookProcessGroupBinding,

@@ -2,18 +2,17 @@ from __future__ import annotations
 
 import pytest
 from contract_builders import GROUP, flat_shard, replicated
-from gefen_contracts import (
-    ContractError,
+from gefen_contracts import ContractError
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import (
     LogicalRegion,
     LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
     ProcessGroupIdentity,
     ShardIdentity,
-    ShardingManifest,
     ShardPlacement,
 )
+from gefen_contracts.manifest import ShardingManifest
 
 THREE = ProcessGroupIdentity("dp3", ("m0", "m1", "m2"))
 

@@ -6,15 +6,11 @@ import dataclasses
 import math
 
 from contract_builders import flat_shard
-from gefen_contracts import (
-    CodecError,
-    ContractError,
-    ProcessGroupIdentity,
-    ShardingManifest,
-    descriptor_digest,
-    from_primitive,
-    to_primitive,
-)
+from gefen_contracts import CodecError, ContractError
+from gefen_contracts.codec import from_primitive, to_primitive
+from gefen_contracts.digest import descriptor_digest
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.manifest import ShardingManifest
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -1,14 +1,10 @@
 from __future__ import annotations
 
 import pytest
-from gefen_contracts import (
-    ContractError,
-    ContractTypeError,
-    PortableStateLimits,
-    StagedTransaction,
-    StaleTransactionError,
-    run_kernel_plugins,
-)
+from gefen_contracts import ContractError, ContractTypeError, StaleTransactionError
+from gefen_contracts.kernels import run_kernel_plugins
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.transactions import StagedTransaction
 
 
 class Owner:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from gefen_contracts import ContractError, ParameterIdentity, fqn_problem, param_group_naming_blockers
+from gefen_contracts import ContractError
+from gefen_contracts.identity import ParameterIdentity
+from gefen_contracts.naming import fqn_problem, param_group_naming_blockers
 
 
 @pytest.mark.parametrize("name", ["w", "layers.0.attn.q", "embed_tokens.weight"])

@@ -17,7 +17,9 @@ import sys
 import gefen_contracts
 import gefen_contracts.testing
 import gefen_contracts.testing.plugin
-from gefen_contracts import ShardingManifest, OptimizerContract, canonical_digest
+from gefen_contracts import OptimizerContract
+from gefen_contracts.digest import canonical_digest
+from gefen_contracts.manifest import ShardingManifest
 heavy = sorted(m for m in ("torch", "numpy", "torch.distributed", "deepspeed", "megatron") if m in sys.modules)
 print(",".join(heavy) or "clean")
 """
@@ -63,11 +65,11 @@ def test_wheel_installs_alone_in_a_clean_environment_without_torch(tmp_path: Pat
     probe = (
         "import importlib.util, gefen_contracts as g\n"
         "assert importlib.util.find_spec('torch') is None, 'torch leaked into the clean environment'\n"
-        "p = g.ParameterIdentity('a.b', (2, 3))\n"
-        "s = g.ShardIdentity(p, g.ParameterLayout.REPLICATED, g.LogicalSlice.full(p))\n"
-        "m = g.ShardingManifest((s,))\n"
-        "assert g.from_primitive(g.to_primitive(m)) == m\n"
-        "print(g.__version__, g.descriptor_digest(m))\n"
+        "p = g.identity.ParameterIdentity('a.b', (2, 3))\n"
+        "s = g.identity.ShardIdentity(p, g.enums.ParameterLayout.REPLICATED, g.identity.LogicalSlice.full(p))\n"
+        "m = g.manifest.ShardingManifest((s,))\n"
+        "assert g.codec.from_primitive(g.codec.to_primitive(m)) == m\n"
+        "print(g.__version__, g.digest.descriptor_digest(m))\n"
     )
     result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

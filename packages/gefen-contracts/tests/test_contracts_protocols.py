@@ -8,31 +8,29 @@ from typing import Any
 import pytest
 import torch
 from gefen_contracts import (
-    FEATURE_PROTOCOLS,
-    PROTOCOL_FEATURES,
     STANDARD_FEATURES,
-    CanonicalLocalState,
     CheckpointSupport,
-    CheckpointTransport,
-    CollectiveScoped,
-    CompositeOptimizer,
-    ContractProvider,
     FeatureStatus,
-    IdentityBindable,
-    LoadAtomicity,
-    ModeTaggedState,
     NotSupportedError,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
+    TrainingSupport,
+)
+from gefen_contracts.enums import CheckpointTransport, LoadAtomicity, ParameterLayout, Precision, ProcessGroupScope
+from gefen_contracts.protocols import (
+    FEATURE_PROTOCOLS,
+    PROTOCOL_FEATURES,
+    CanonicalLocalState,
+    CollectiveScoped,
+    CompositeOptimizer,
+    ContractProvider,
+    IdentityBindable,
+    ModeTaggedState,
     ParameterShapedState,
     PortableAdapter,
-    Precision,
-    ProcessGroupScope,
     StagedNativeLoad,
     StepPreflight,
-    TrainingSupport,
 )
 from gefen_contracts.testing import CheckStatus, ConformanceTarget, run_conformance
 

@@ -6,18 +6,15 @@ from gefen_contracts import (
     ContractError,
     ContractTypeError,
     OptimizerStateLayout,
-    ParameterLayout,
-    ParameterStateRole,
-    StateExtent,
     StateField,
     StateGeometry,
-    StateKeyMatch,
     StateRole,
     StateScope,
     StateValidationError,
     StateVariant,
-    match_variants,
 )
+from gefen_contracts.enums import ParameterLayout, ParameterStateRole, StateExtent, StateKeyMatch
+from gefen_contracts.state_layout import match_variants
 
 REPL = frozenset({ParameterLayout.REPLICATED})
 

@@ -4,7 +4,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from gefen_contracts import CodecError, ContractError, ContractTypeError, ProcessGroupIdentity, canonical_digest
+from gefen_contracts import CodecError, ContractError, ContractTypeError
+from gefen_contracts.digest import canonical_digest
+from gefen_contracts.identity import ProcessGroupIdentity
 from gefen_contracts.testing import GlooWorld, RankFailure
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding, tensor_digest
 

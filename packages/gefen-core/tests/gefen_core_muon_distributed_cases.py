@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gefen_contracts import ParameterLayout, StateValidationError, match_variants
+from gefen_contracts import StateValidationError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.state_layout import match_variants
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CollectiveCounter
 from gefen_core import GefenMuon

@@ -15,18 +15,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gefen_contracts import (
-    CollectiveFailureError,
+from gefen_contracts import CollectiveFailureError
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import (
     LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
     ProcessGroupIdentity,
     ShardIdentity,
-    ShardingManifest,
     ShardPlacement,
 )
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CodebookProcessGroupBinding, CollectiveCounter
 from gefen_core import Gefen

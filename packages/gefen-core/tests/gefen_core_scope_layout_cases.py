@@ -12,16 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gefen_contracts import (
-    LogicalSlice,
-    ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
-)
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity, ShardPlacement
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_core import Gefen, GefenMuon
 from gefen_core.param_state import period_of
 from gefen_core_scope_cases import (

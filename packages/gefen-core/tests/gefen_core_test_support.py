@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import PortableSlotState, load_kernel_plugins
+from gefen_contracts.exchange import PortableSlotState
+from gefen_contracts.kernels import load_kernel_plugins
 from gefen_contracts.torch_support import as_imported
 from gefen_core.ops import OPS
 

@@ -16,22 +16,18 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import (
-    FEATURE_PARAMETER_SHAPED_STATE,
-    FEATURE_PORTABLE_STATE,
-    CheckpointTransport,
+from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, FEATURE_PORTABLE_STATE, StateValidationError
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout, PlacementKind
+from gefen_contracts.exchange import PortableExport
+from gefen_contracts.identity import (
     LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
-    PortableExport,
     ProcessGroupIdentity,
     ShardIdentity,
-    ShardingManifest,
     ShardPlacement,
-    StateValidationError,
 )
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import (
     ShardingPlan,
     deep_snapshot,

@@ -19,21 +19,21 @@ from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_POST_SHARDING,
-    CheckpointTransport,
     ContractError,
     LayoutTamperedError,
-    LogicalSlice,
     NotSupportedError,
-    ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
-    ProcessGroupIdentity,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
     StaleTransactionError,
 )
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout, PlacementKind
+from gefen_contracts.identity import (
+    LogicalSlice,
+    ParameterIdentity,
+    ProcessGroupIdentity,
+    ShardIdentity,
+    ShardPlacement,
+)
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import deep_snapshot, install_parameters, replicated_copy_plan, snapshot_diff
 from gefen_contracts.torch_support import CodebookProcessGroupBinding
 from gefen_core import Gefen, GefenMuon

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import ContractProvider, StagedNativeLoad, StepPreflight
+from gefen_contracts.protocols import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
 from gefen_core.param_state import period_of

@@ -18,11 +18,11 @@ import torch
 from gefen_contracts import (
     FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
-    CheckpointTransport,
-    PortableExport,
     StaleTransactionError,
     StateValidationError,
 )
+from gefen_contracts.enums import CheckpointTransport
+from gefen_contracts.exchange import PortableExport
 from gefen_core import Gefen, GefenMuon, reblocking
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks
 from gefen_core.param_state import period_of

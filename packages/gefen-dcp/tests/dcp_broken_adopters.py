@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import StagedTransaction
+from gefen_contracts.transactions import StagedTransaction
 from gefen_dcp.testing import Int8MomentumSGD
 
 

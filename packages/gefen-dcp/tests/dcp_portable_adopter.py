@@ -17,34 +17,35 @@ from gefen_contracts import (
     FEATURE_COMPOSITE,
     FEATURE_PORTABLE_STATE,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    LogicalRegion,
-    LogicalSlice,
     OptimizerCapabilities,
-    OptimizerChildContract,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    Precision,
-    ProcessGroupIdentity,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
-    StagedTransaction,
     StateValidationError,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.contract import OptimizerChildContract
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    PlacementKind,
+    Precision,
+    ProcessGroupScope,
+    TopologyChange,
+)
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.identity import (
+    LogicalRegion,
+    LogicalSlice,
+    ParameterIdentity,
+    ProcessGroupIdentity,
+    ShardIdentity,
+    ShardPlacement,
+)
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.transactions import StagedTransaction
 
 IMPLEMENTATION = "gefen_dcp_test.PieceSGD"
 SPECS = {"embed.weight": (12, 4), "head.weight": (5, 4), "head.bias": (5,), "scale": ()}

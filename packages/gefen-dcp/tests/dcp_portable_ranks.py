@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dcp_portable_adopter import PieceSGD, cuts, group, manifest, reference_momentum
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_dcp import GefenFileSystemWriter, async_save_portable_dcp, load_portable_dcp, save_portable_dcp

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_dcp import DCP_STATE_FORMAT, DIGEST_TABLE_FORMAT, CheckpointLayoutError, EnvelopeFormatError
 from gefen_dcp.digest_table import ChunkRecord, DigestTable, chunk_digest, decode_digest_table, encode_digest_table

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from dcp_portable_adopter import PieceSGD, manifest, reference_momentum
-from gefen_contracts import ContractTypeError, PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts import ContractTypeError
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_dcp import (

@@ -30,17 +30,10 @@ from gefen_contracts import (
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    Precision,
-    ProcessGroupScope,
-    StagedTransaction,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
@@ -49,6 +42,15 @@ from gefen_contracts import (
     StateVariant,
     TrainingSupport,
 )
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+)
+from gefen_contracts.transactions import StagedTransaction
 from torch import nn
 
 

@@ -9,11 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import (
-    FEATURE_COLLECTIVE_SCOPE,
-    StaleTransactionError,
-    StateValidationError,
-)
+from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, StaleTransactionError, StateValidationError
 from gefen_contracts.testing import ConformanceTarget, assert_conformant, deep_snapshot, run_conformance, snapshot_diff
 from gefen_hybrid import ADAMW_IMPLEMENTATION, ContractedAdamW
 from gefen_hybrid.conformance import adamw_factory

@@ -12,14 +12,12 @@ import torch
 from gefen_contracts import (
     FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
-    CheckpointTransport,
     NotSupportedError,
-    ParameterLayout,
-    PortableExport,
-    PortableSlotState,
     StaleTransactionError,
     StateValidationError,
 )
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableSlotState
 from gefen_contracts.testing import deep_snapshot, flattened_plan, replicated_copy_plan, snapshot_diff
 from gefen_hybrid import PARAMETER_SHAPED_SUPPORT, PORTABLE_SUPPORT, ContractedAdamW
 from hybrid_toys import single_threaded_torch  # noqa: F401 (autouse fixture)

@@ -14,20 +14,15 @@ from gefen_contracts import (
     FEATURE_CANONICAL_IDENTITY,
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_POST_SHARDING,
-    CheckpointTransport,
     ContractError,
     LayoutTamperedError,
-    LogicalSlice,
     NotSupportedError,
-    ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
     StaleTransactionError,
 )
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout, PlacementKind
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity, ShardPlacement
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import (
     FLAT_GROUP,
     deep_snapshot,
@@ -244,7 +239,7 @@ def _owner_member(owner: ShardIdentity) -> ShardIdentity:
 
 
 def _scope() -> CodebookProcessGroupBinding:
-    from gefen_contracts import ProcessGroupIdentity
+    from gefen_contracts.identity import ProcessGroupIdentity
 
     return CodebookProcessGroupBinding(ProcessGroupIdentity("solo", ("rank:0",)), "rank:0", None, "cpu")
 

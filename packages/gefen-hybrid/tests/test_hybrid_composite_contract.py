@@ -11,21 +11,23 @@ from gefen_contracts import (
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_COMPOSITE,
     CheckpointSupport,
-    CheckpointTransport,
     ContractError,
     FeatureStatus,
-    LoadAtomicity,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    Precision,
-    ProcessGroupScope,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
+)
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
     TopologyChange,
-    TopologyTransition,
 )
 from gefen_contracts.testing import ConformanceTarget, assert_conformant, run_conformance
 from gefen_hybrid import (

@@ -12,15 +12,14 @@ from gefen_contracts import (
     FEATURE_CANONICAL_IDENTITY,
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_POST_SHARDING,
-    CheckpointTransport,
     ContractError,
     LayoutTamperedError,
     NotSupportedError,
-    ParameterLayout,
-    ParameterRebinding,
     StaleTransactionError,
     StateValidationError,
 )
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import (
     deep_snapshot,
     flattened_plan,

@@ -8,14 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import (
-    FEATURE_STAGED_NATIVE_LOAD,
-    CheckpointTransport,
-    LoadAtomicity,
-    NotSupportedError,
-    StaleTransactionError,
-    StateValidationError,
-)
+from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD, NotSupportedError, StaleTransactionError, StateValidationError
+from gefen_contracts.enums import CheckpointTransport, LoadAtomicity
 from gefen_contracts.testing import CORRUPTIONS, deep_snapshot, snapshot_diff
 from gefen_contracts.testing.corruption import corrupted_variants
 from gefen_hybrid import CompositeOptimizer, ContractedAdamW

@@ -4,13 +4,9 @@ both children keep parameter-shaped state) and portable state served through its
 from __future__ import annotations
 
 import torch
-from gefen_contracts import (
-    FEATURE_PARAMETER_SHAPED_STATE,
-    FEATURE_PORTABLE_STATE,
-    CheckpointTransport,
-    ParameterShapedState,
-    PortableAdapter,
-)
+from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, FEATURE_PORTABLE_STATE
+from gefen_contracts.enums import CheckpointTransport
+from gefen_contracts.protocols import ParameterShapedState, PortableAdapter
 from gefen_hybrid import PARAMETER_SHAPED_SUPPORT, PORTABLE_SUPPORT, CompositeOptimizer, ContractedAdamW, RoutingRules
 from hybrid_toys import sign_factory, single_threaded_torch  # noqa: F401 (autouse fixture)
 from torch import nn

@@ -204,7 +204,7 @@ def rank_adamw_dtensor_native_checkpoint(rank: int, world_size: int) -> dict[str
 
 def rank_scope_binding_fault_on_rank0(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
-    from gefen_contracts import ProcessGroupIdentity
+    from gefen_contracts.identity import ProcessGroupIdentity
     from gefen_contracts.torch_support import CodebookProcessGroupBinding
 
     members = tuple(f"member{r}" for r in range(world_size))
@@ -236,7 +236,7 @@ def rank_scope_binding_fault_on_rank0(rank: int, world_size: int) -> dict[str, A
 def rank_flattened_composite_across_ranks(rank: int, world_size: int) -> dict[str, Any]:
     """Each rank binds its own member's flattened slices; shards are gathered with real collectives."""
     import torch.distributed as dist
-    from gefen_contracts import ProcessGroupIdentity
+    from gefen_contracts.identity import ProcessGroupIdentity
     from gefen_contracts.testing import flattened_plan
 
     group = ProcessGroupIdentity("tests.dp", tuple(f"rank:{r}" for r in range(world_size)))

@@ -19,7 +19,8 @@ from unittest import mock
 import gefen_portable
 import torch
 import torch.distributed as dist
-from gefen_contracts import PortableStateLimits, ShardIdentity
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CollectiveCounter
 from gefen_portable import (

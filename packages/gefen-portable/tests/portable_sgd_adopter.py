@@ -27,40 +27,41 @@ from gefen_contracts import (
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    LogicalRegion,
-    LogicalSlice,
     OptimizerCapabilities,
-    OptimizerChildContract,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterIdentity,
-    ParameterLayout,
-    PlacementKind,
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    Precision,
-    ProcessGroupIdentity,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardingManifest,
-    ShardPlacement,
-    StagedTransaction,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateValidationError,
     StateVariant,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.contract import OptimizerChildContract
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    PlacementKind,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    TopologyChange,
+)
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.identity import (
+    LogicalRegion,
+    LogicalSlice,
+    ParameterIdentity,
+    ProcessGroupIdentity,
+    ShardIdentity,
+    ShardPlacement,
+)
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.transactions import StagedTransaction
 
 IMPLEMENTATION = "gefen_test.PortableSGD"
 COMPOSITE_IMPLEMENTATION = "gefen_test.PortableComposite"

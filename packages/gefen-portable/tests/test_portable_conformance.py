@@ -7,9 +7,9 @@ from typing import Any
 
 import portable_sgd_adopter as adopter
 import torch
-from gefen_contracts import StagedTransaction
 from gefen_contracts.testing import CheckStatus, ConformanceTarget, load_target, run_conformance
 from gefen_contracts.testing.runner import contributed_checks
+from gefen_contracts.transactions import StagedTransaction
 
 SPEC = "portable_sgd_adopter:conformance_factory"
 

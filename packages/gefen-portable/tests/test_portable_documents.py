@@ -18,16 +18,11 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import (
-    LogicalSlice,
-    ParameterIdentity,
-    ParameterLayout,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableStateLimits,
-    ProcessGroupIdentity,
-    ShardingManifest,
-)
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableLayout, PortableSlotLayout
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_portable import (
     Catalog,

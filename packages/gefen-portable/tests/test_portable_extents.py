@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from gefen_contracts import LogicalRegion, LogicalSlice, ParameterIdentity
+from gefen_contracts.identity import LogicalRegion, LogicalSlice, ParameterIdentity
 from gefen_portable import PortableStateError
 from gefen_portable.extents import Extent, copy_overlap, extent_runs, validate_tiling
 from hypothesis import given

@@ -12,16 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from gefen_contracts import (
-    ContractError,
-    ContractTypeError,
-    NotSupportedError,
-    PortableExport,
-    PortableSlotState,
-    PortableStateLimits,
-    ProcessGroupIdentity,
-    StaleTransactionError,
-)
+from gefen_contracts import ContractError, ContractTypeError, NotSupportedError, StaleTransactionError
+from gefen_contracts.exchange import PortableExport, PortableSlotState
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CollectiveCounter
 from gefen_portable import (

@@ -21,7 +21,8 @@ from unittest import mock
 
 import pytest
 import torch
-from gefen_contracts import ContractTypeError, PortableStateLimits
+from gefen_contracts import ContractTypeError
+from gefen_contracts.limits import PortableStateLimits
 from gefen_portable import (
     PortableIntegrityError,
     PortableLimitError,
@@ -457,7 +458,7 @@ def _small_document() -> dict[str, Any]:
     specs = {"w": (2, 3), "b": (3,)}
     optimizer = PortableSGD(replicated_manifest(specs, None), None, initial_values(specs), scaled=True)
     optimizer.train_steps(0, 2)
-    from gefen_contracts import ProcessGroupIdentity
+    from gefen_contracts.identity import ProcessGroupIdentity
     from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 
     binding = CheckpointProcessGroupBinding(ProcessGroupIdentity("solo", ("m",)), "m", None, "cpu")

@@ -1,6 +1,6 @@
 """A test adopter of the portable Protocol for the command line's tests (one process, replicated).
 
-``PortableMomentumSGD`` is torch's SGD with momentum plus :class:`gefen_contracts.PortableAdapter`
+``PortableMomentumSGD`` is torch's SGD with momentum plus :class:`gefen_contracts.protocols.PortableAdapter`
 over an ungrouped ``REPLICATED`` layout of its named parameters: enough to write portable
 documents and portable DCP checkpoints for ``gefen inspect`` and to run ``gefen bench
 portable`` on one rank, before Gefen or ContractedAdamW claim ``portable_state`` on this branch.
@@ -17,27 +17,18 @@ import torch
 from gefen_contracts import (
     FEATURE_PORTABLE_STATE,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    LogicalSlice,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterIdentity,
-    ParameterLayout,
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    Precision,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
     StateValidationError,
     TrainingSupport,
 )
+from gefen_contracts.enums import CheckpointTransport, LoadAtomicity, ParameterLayout, Precision, ProcessGroupScope
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.transactions import StagedTransaction
 
 IMPLEMENTATION = "tests.PortableMomentumSGD"
 _REPLICATED = frozenset({ParameterLayout.REPLICATED})

@@ -12,7 +12,8 @@ import pytest
 import torch
 from gefen.cli.main import main
 from gefen.inspect import inspect_checkpoint
-from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.testing import hostile_object
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon

@@ -1,11 +1,38 @@
-"""gefen-contracts: the optimizer convention (vocabulary, Protocols, codec, digest, kernel
-plugins). Importing this package loads only the standard library; torch-bound pieces live
-in :mod:`gefen_contracts.torch_support` (extra ``[torch]``) and the conformance kit in
-:mod:`gefen_contracts.testing`.
+"""gefen-contracts: the optimizer convention.
+
+The top level is the day-one tier: what an optimizer author needs to adopt the convention
+(the contract and its capabilities, the state schema, the errors). Everything else lives in
+documented submodules, by topic (the package README lists them): identity and sharding
+(:mod:`~gefen_contracts.identity`, :mod:`~gefen_contracts.manifest`, :mod:`~gefen_contracts.rebinding`),
+portable state (:mod:`~gefen_contracts.exchange`, :mod:`~gefen_contracts.limits`), the Protocols
+(:mod:`~gefen_contracts.protocols`), the vocabulary (:mod:`~gefen_contracts.enums`), the codec and
+digest, kernel plugins (:mod:`~gefen_contracts.kernels`) and staged transactions. Importing this
+package loads only the standard library; torch-bound pieces live in
+:mod:`gefen_contracts.torch_support` (extra ``[torch]``) and the conformance kit, the entry
+point for checking an optimizer, in :mod:`gefen_contracts.testing`.
 """
 
 from __future__ import annotations
 
+# the topic submodules, loaded so that ``gefen_contracts.<topic>.<Name>`` resolves
+from . import capabilities as capabilities
+from . import codec as codec
+from . import contract as contract
+from . import digest as digest
+from . import enums as enums
+from . import errors as errors
+from . import exchange as exchange
+from . import frozen as frozen
+from . import identity as identity
+from . import kernels as kernels
+from . import limits as limits
+from . import manifest as manifest
+from . import naming as naming
+from . import protocols as protocols
+from . import rebinding as rebinding
+from . import revalidate as revalidate
+from . import state_layout as state_layout
+from . import transactions as transactions
 from ._version import __version__
 from .capabilities import (
     FEATURE_CANONICAL_IDENTITY,
@@ -20,27 +47,10 @@ from .capabilities import (
     CheckpointSupport,
     FeatureStatus,
     OptimizerCapabilities,
-    TopologyTransition,
     TrainingSupport,
 )
-from .codec import RECORD_TYPES, from_primitive, to_primitive
-from .contract import CONTRACT_SCHEMA_VERSION, OptimizerChildContract, OptimizerContract, schema_compatible
-from .digest import DIGEST_DOMAIN, DigestLeaf, canonical_digest, descriptor_digest
-from .enums import (
-    CheckpointTransport,
-    LoadAtomicity,
-    ParameterLayout,
-    ParameterStateRole,
-    PlacementKind,
-    Precision,
-    ProcessGroupScope,
-    StateExtent,
-    StateGeometry,
-    StateKeyMatch,
-    StateRole,
-    StateScope,
-    TopologyChange,
-)
+from .contract import OptimizerContract
+from .enums import StateGeometry, StateRole, StateScope
 from .errors import (
     CodecError,
     CollectiveFailureError,
@@ -52,61 +62,9 @@ from .errors import (
     StaleTransactionError,
     StateValidationError,
 )
-from .exchange import (
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-)
-from .frozen import FrozenMap
-from .identity import (
-    IDENTITY_SCHEMA_VERSION,
-    LogicalRegion,
-    LogicalSlice,
-    ParameterIdentity,
-    ProcessGroupIdentity,
-    ShardIdentity,
-    ShardPlacement,
-)
-from .kernels import (
-    KERNEL_ENTRY_POINT_GROUP,
-    KernelPluginReport,
-    kernel_unavailable_reasons,
-    load_kernel_plugins,
-    run_kernel_plugins,
-)
-from .limits import PortableStateLimits
-from .manifest import ShardingManifest
-from .naming import fqn_problem, param_group_naming_blockers
-from .protocols import (
-    FEATURE_PROTOCOLS,
-    PROTOCOL_FEATURES,
-    CanonicalLocalState,
-    CollectiveScoped,
-    CompositeOptimizer,
-    ContractProvider,
-    IdentityBindable,
-    ModeTaggedState,
-    ParameterShapedState,
-    PortableAdapter,
-    StagedNativeLoad,
-    StepPreflight,
-)
-from .rebinding import LogicalSlotBinding, ParameterRebinding
-from .revalidate import revalidate
-from .state_layout import (
-    OptimizerStateLayout,
-    StateField,
-    StateVariant,
-    follows_parameter_placement,
-    match_variants,
-    parameter_state_shape,
-)
-from .transactions import StagedTransaction, require_transaction
+from .state_layout import OptimizerStateLayout, StateField, StateVariant
 
 __all__ = [
-    "CONTRACT_SCHEMA_VERSION",
-    "DIGEST_DOMAIN",
     "FEATURE_CANONICAL_IDENTITY",
     "FEATURE_CANONICAL_LOCAL_STATE",
     "FEATURE_COLLECTIVE_SCOPE",
@@ -114,87 +72,27 @@ __all__ = [
     "FEATURE_PARAMETER_SHAPED_STATE",
     "FEATURE_PORTABLE_STATE",
     "FEATURE_POST_SHARDING",
-    "FEATURE_PROTOCOLS",
     "FEATURE_STAGED_NATIVE_LOAD",
-    "IDENTITY_SCHEMA_VERSION",
-    "KERNEL_ENTRY_POINT_GROUP",
-    "PROTOCOL_FEATURES",
-    "RECORD_TYPES",
     "STANDARD_FEATURES",
-    "CanonicalLocalState",
+    "__version__",
     "CheckpointSupport",
-    "CheckpointTransport",
     "CodecError",
     "CollectiveFailureError",
-    "CollectiveScoped",
-    "CompositeOptimizer",
     "ContractError",
-    "ContractProvider",
     "ContractTypeError",
-    "ParameterShapedState",
-    "DigestLeaf",
     "FeatureStatus",
-    "FrozenMap",
-    "IdentityBindable",
-    "KernelPluginReport",
     "KernelUnavailableError",
     "LayoutTamperedError",
-    "LoadAtomicity",
-    "LogicalRegion",
-    "LogicalSlice",
-    "LogicalSlotBinding",
-    "ModeTaggedState",
     "NotSupportedError",
     "OptimizerCapabilities",
-    "OptimizerChildContract",
     "OptimizerContract",
     "OptimizerStateLayout",
-    "ParameterIdentity",
-    "ParameterLayout",
-    "ParameterRebinding",
-    "ParameterStateRole",
-    "PlacementKind",
-    "PortableAdapter",
-    "PortableExport",
-    "PortableLayout",
-    "PortableSlotLayout",
-    "PortableSlotState",
-    "PortableStateLimits",
-    "Precision",
-    "ProcessGroupIdentity",
-    "ProcessGroupScope",
-    "ShardIdentity",
-    "ShardPlacement",
-    "ShardingManifest",
     "StaleTransactionError",
-    "StagedNativeLoad",
-    "StagedTransaction",
-    "StepPreflight",
-    "StateExtent",
     "StateField",
     "StateGeometry",
-    "StateKeyMatch",
     "StateRole",
     "StateScope",
     "StateValidationError",
     "StateVariant",
-    "TopologyChange",
-    "TopologyTransition",
     "TrainingSupport",
-    "__version__",
-    "canonical_digest",
-    "descriptor_digest",
-    "from_primitive",
-    "fqn_problem",
-    "follows_parameter_placement",
-    "match_variants",
-    "parameter_state_shape",
-    "param_group_naming_blockers",
-    "kernel_unavailable_reasons",
-    "load_kernel_plugins",
-    "run_kernel_plugins",
-    "require_transaction",
-    "revalidate",
-    "schema_compatible",
-    "to_primitive",
 ]

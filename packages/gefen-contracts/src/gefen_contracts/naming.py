@@ -3,7 +3,7 @@
 An optimizer without a sealed layout keys its portable state by the names in
 ``param_groups[i]["param_names"]`` (what ``torch.optim.Optimizer`` stores when it is built
 from ``model.named_parameters()``). Those names must be valid FQNs (the rule of
-:attr:`ParameterIdentity.fqn <gefen_contracts.ParameterIdentity>`) and unique.
+:attr:`ParameterIdentity.fqn <gefen_contracts.identity.ParameterIdentity>`) and unique.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["fqn_problem", "param_group_naming_blockers"]
 
 def fqn_problem(name: object) -> str | None:
     """Why ``name`` is not a valid parameter FQN, or ``None`` (checked without building a
-    :class:`~gefen_contracts.ParameterIdentity`: cheap enough to run per query)."""
+    :class:`~gefen_contracts.identity.ParameterIdentity`: cheap enough to run per query)."""
     try:
         identity_name(name, "a parameter name")
     except (ContractError, ContractTypeError) as exc:

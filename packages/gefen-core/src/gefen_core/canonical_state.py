@@ -12,7 +12,7 @@ class of both optimizers) supplies:
   ``codebook_scope`` (the scope's rank-neutral record, or ``None``; equal to the live one);
 * per parameter, keyed by exact FQN: its compatibility name, its shard, its group options
   (every group key but ``params``, ``param_names`` and the native mirror; tuples become
-  lists), its declared state variant (``gefen_contracts.match_variants``; ``"uninitialized"``
+  lists), its declared state variant (``gefen_contracts.state_layout.match_variants``; ``"uninitialized"``
   before its first step) and its authoritative state with int counters.
 
 ``prepare_local_import`` validates the envelope, the scope, the local FQN set and every
@@ -45,14 +45,13 @@ from gefen_contracts import (
     FeatureStatus,
     NotSupportedError,
     OptimizerStateLayout,
-    ParameterLayout,
-    StagedTransaction,
     StateValidationError,
-    canonical_digest,
-    match_variants,
-    require_transaction,
 )
+from gefen_contracts.digest import canonical_digest
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.state_layout import match_variants
 from gefen_contracts.torch_support import BoundParameter, build_bound_state, parse_bound_state, state_version_token
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .identity import IdentityReadiness, IdentityRecord
 from .native_records import GROUP_MIRROR, NativeFormat, with_state_digest

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import PortableSlotLayout, PortableSlotState
+from gefen_contracts.exchange import PortableSlotLayout, PortableSlotState
 from gefen_contracts.torch_support import finite_bounds
 
 from .param_state import V_COL, V_ROW

@@ -15,24 +15,26 @@ from gefen_contracts import (
     FEATURE_PORTABLE_STATE,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    Precision,
-    ProcessGroupScope,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateVariant,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
+)
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    TopologyChange,
 )
 
 from . import native_format as F

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import OptimizerContract, StagedTransaction
+from gefen_contracts import OptimizerContract
 from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
+from gefen_contracts.transactions import StagedTransaction
 
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .codebook import codebook_from_counts, gradient_histogram, requantize

@@ -27,7 +27,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from gefen_contracts import ContractError, ParameterLayout, ShardIdentity
+from gefen_contracts import ContractError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ShardIdentity
 
 from . import native_format as F
 from .amp import unscale_gradients

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import PortableSlotState, StateValidationError
+from gefen_contracts import StateValidationError
+from gefen_contracts.exchange import PortableSlotState
 from gefen_contracts.torch_support import block_count, finite_bounds
 
 from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, SECOND_MOMENT, CompactPiece, incoming_momentum

@@ -37,13 +37,11 @@ from gefen_contracts import (
     FeatureStatus,
     LayoutTamperedError,
     NotSupportedError,
-    ParameterLayout,
-    ParameterRebinding,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
-    require_transaction,
 )
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
     IDENTITY_KEY,
     ProcessGroupBinding,
@@ -55,6 +53,7 @@ from gefen_contracts.torch_support import (
     state_version_token,
     tensor_digest,
 )
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .codebook_scope import STEADY_STEP_BUDGET, digest_words
 
@@ -109,7 +108,7 @@ def scope_fingerprint(
     implementation: str, scope: ProcessGroupBinding | None, manifest: ShardingManifest, policy: Mapping[str, object]
 ) -> tuple[int, ...]:
     """Four int64 of the canonical digest of what every member of a scope must share."""
-    from gefen_contracts import to_primitive
+    from gefen_contracts.codec import to_primitive
 
     record = {
         "implementation": implementation,

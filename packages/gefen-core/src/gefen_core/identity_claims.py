@@ -24,12 +24,9 @@ from gefen_contracts import (
     FEATURE_COLLECTIVE_SCOPE,
     FEATURE_POST_SHARDING,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    ParameterLayout,
-    ProcessGroupScope,
 )
+from gefen_contracts.enums import CheckpointTransport, LoadAtomicity, ParameterLayout, ProcessGroupScope
 
 from .identity import IdentityReadiness
 

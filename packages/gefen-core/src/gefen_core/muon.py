@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import FeatureStatus, OptimizerContract, StagedTransaction
+from gefen_contracts import FeatureStatus, OptimizerContract
 from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
+from gefen_contracts.transactions import StagedTransaction
 
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES

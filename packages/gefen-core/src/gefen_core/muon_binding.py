@@ -23,7 +23,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from gefen_contracts import ContractError, ParameterLayout, ShardIdentity
+from gefen_contracts import ContractError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ShardIdentity
 
 from .amp import unscale_gradients
 from .canonical_state import CanonicalStateMethods

@@ -27,25 +27,27 @@ from gefen_contracts import (
     FEATURE_PORTABLE_STATE,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    ParameterStateRole,
-    Precision,
-    ProcessGroupScope,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateVariant,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
+)
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    ParameterStateRole,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    TopologyChange,
 )
 
 from .codebook_scope import STEADY_STEP_BUDGET

@@ -1,4 +1,4 @@
-"""``GefenMuon``'s side of portable state: the :class:`gefen_contracts.PortableAdapter` Protocol.
+"""``GefenMuon``'s side of portable state: the :class:`gefen_contracts.protocols.PortableAdapter` Protocol.
 
 The same records as ``Gefen``'s (:mod:`gefen_core.transport_records`: policy
 ``{"schema_version", "deterministic"}``, common ``{"global_step", "codebook"}``), with
@@ -18,18 +18,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from gefen_contracts import (
-    FEATURE_PORTABLE_STATE,
-    FeatureStatus,
-    ParameterLayout,
-    PortableExport,
-    PortableLayout,
-    PortableSlotState,
-    StagedTransaction,
-    StateValidationError,
-    require_transaction,
-)
+from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, StateValidationError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
 from gefen_contracts.torch_support import SealedLayout, as_imported
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .distributed import is_dtensor
 from .muon_native_state import export_muon_state_dict, slot_layouts

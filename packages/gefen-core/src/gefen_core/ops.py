@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import KernelUnavailableError, kernel_unavailable_reasons, load_kernel_plugins
+from gefen_contracts import KernelUnavailableError
+from gefen_contracts.kernels import kernel_unavailable_reasons, load_kernel_plugins
 
 from .reference_ops import (
     block_step_reference,

@@ -111,7 +111,7 @@ def _field(name: str, geometry: StateGeometry, dtype: str, description: str) -> 
 
 
 #: Gefen's per-parameter state, declared once: each entry's name, how its shape follows the
-#: parameter's (``gefen_contracts.parameter_state_shape``) and its dtype. The contract's state
+#: parameter's (``gefen_contracts.state_layout.parameter_state_shape``) and its dtype. The contract's state
 #: layout, the checkpoint shapes, dtypes and DTensor placements (:mod:`gefen_core.state_placement`)
 #: and ``gefen inspect`` derive from it.
 PARAMETER_FIELDS: dict[str, StateField] = {

@@ -1,4 +1,4 @@
-"""``Gefen``'s side of portable state: the :class:`gefen_contracts.PortableAdapter` Protocol.
+"""``Gefen``'s side of portable state: the :class:`gefen_contracts.protocols.PortableAdapter` Protocol.
 
 An optimizer-agnostic driver (``gefen_portable``) runs the collectives, assembles and
 projects fields by shard identity and digests everything; Gefen describes its local layout
@@ -35,19 +35,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from gefen_contracts import (
-    FEATURE_PORTABLE_STATE,
-    FeatureStatus,
-    LogicalSlice,
-    ParameterLayout,
-    PortableExport,
-    PortableLayout,
-    PortableSlotState,
-    StagedTransaction,
-    StateValidationError,
-    require_transaction,
-)
+from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, StateValidationError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
+from gefen_contracts.identity import LogicalSlice
 from gefen_contracts.torch_support import SealedLayout, as_imported
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from . import native_format as F
 from .distributed import is_dtensor

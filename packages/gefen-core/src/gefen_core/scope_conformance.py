@@ -24,19 +24,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    FEATURE_COLLECTIVE_SCOPE,
-    CollectiveFailureError,
+from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, CollectiveFailureError
+from gefen_contracts.enums import ParameterLayout, PlacementKind
+from gefen_contracts.identity import (
     LogicalSlice,
     ParameterIdentity,
-    ParameterLayout,
-    ParameterRebinding,
-    PlacementKind,
     ProcessGroupIdentity,
     ShardIdentity,
-    ShardingManifest,
     ShardPlacement,
 )
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import (
     CheckContext,
     ConformanceCheck,

@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from gefen_contracts import ParameterLayout, ShardIdentity
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .codebook import codebook_from_counts, gradient_histogram

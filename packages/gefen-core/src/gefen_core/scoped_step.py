@@ -248,7 +248,6 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
         requantized, failure = _requantize(host, outcome.codebook)
     staged: Any = None
     if failure is None:
-
         staged, failure = _attempt(COMMIT_PHASE, lambda: host._scope_stage(plan, outcome))
     commit_exchange(binding, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who)
     host._scope_publish(plan, staged, requantized, amp)

@@ -17,7 +17,7 @@ entry              shape (global)                      DTensor placement
 =================  ==================================  ===================================
 
 The table is what the declared geometry of each entry gives
-(:data:`gefen_core.param_state.PARAMETER_FIELDS`, ``gefen_contracts.parameter_state_shape`` and
+(:data:`gefen_core.param_state.PARAMETER_FIELDS`, ``gefen_contracts.state_layout.parameter_state_shape`` and
 ``follows_parameter_placement``); nothing here restates it. The shapes depend on the
 parameter's shape and the period only, and the period on the
 shape (and whether the parameter is row-sharded, :func:`gefen_core.periods.shape_period`),
@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import StateGeometry, follows_parameter_placement, parameter_state_shape
+from gefen_contracts import StateGeometry
+from gefen_contracts.state_layout import follows_parameter_placement, parameter_state_shape
 
 from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
@@ -45,7 +46,7 @@ __all__ = ["export_tensors", "expected_shapes", "import_tensor", "period_from_sc
 
 
 def period_from_scales(shape: Sequence[int], scales: Sequence[int]) -> int | None:
-    """The period whose block geometry (``gefen_contracts.parameter_state_shape``) for a tensor of
+    """The period whose block geometry (``gefen_contracts.state_layout.parameter_state_shape``) for a tensor of
     ``shape`` is ``scales`` (``None`` when there is none; 1 for a tensor without elements,
     where every period is the same)."""
     dims = tuple(int(d) for d in shape)

@@ -26,14 +26,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    FEATURE_PORTABLE_STATE,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    ShardingManifest,
-    StateValidationError,
-)
+from gefen_contracts import FEATURE_PORTABLE_STATE, StateValidationError
+from gefen_contracts.exchange import PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import SealedLayout
 
 from .codebook import validate_codebook

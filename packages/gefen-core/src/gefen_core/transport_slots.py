@@ -24,16 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    FeatureStatus,
-    LogicalSlice,
-    NotSupportedError,
-    ParameterIdentity,
-    ParameterLayout,
-    ShardIdentity,
-    StateValidationError,
-    param_group_naming_blockers,
-)
+from gefen_contracts import FeatureStatus, NotSupportedError, StateValidationError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity
+from gefen_contracts.naming import param_group_naming_blockers
 from gefen_contracts.torch_support import SealedLayout
 
 __all__ = [

@@ -2,11 +2,11 @@
 convention.
 
 * :func:`save_portable_dcp` / :func:`load_portable_dcp` (and :func:`async_save_portable_dcp`)
-  persist any :class:`gefen_contracts.PortableAdapter` optimizer's portable state
+  persist any :class:`gefen_contracts.protocols.PortableAdapter` optimizer's portable state
   rank-sharded: each member writes its own fragments with chunk digests under one catalog
   root digest, and reads back only the fragments its target layout needs.
 
-* :class:`GefenDCPState` saves any :class:`gefen_contracts.ParameterShapedState` optimizer's
+* :class:`GefenDCPState` saves any :class:`gefen_contracts.protocols.ParameterShapedState` optimizer's
   own compact state beside its FSDP2 model in one ``dcp.save`` / ``dcp.load`` and reshards
   it N -> M bit for bit; :class:`GefenSavePlanner` digests every chunk it writes,
   :class:`GefenLoadPlanner` loads and verifies it into a fresh optimizer, and

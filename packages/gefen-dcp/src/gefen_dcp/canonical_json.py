@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 
 from .errors import EnvelopeFormatError
 

@@ -13,7 +13,8 @@ import os
 from typing import Any
 
 import torch
-from gefen_contracts import ContractError, ProcessGroupIdentity
+from gefen_contracts import ContractError
+from gefen_contracts.identity import ProcessGroupIdentity
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, agree_digest
 
 from .errors import CheckpointLayoutError

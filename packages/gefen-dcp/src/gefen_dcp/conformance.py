@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gefen_contracts import ParameterShapedState
+from gefen_contracts.protocols import ParameterShapedState
 from gefen_contracts.testing import CheckContext, ConformanceCheck, GlooWorld, deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.context import Unverifiable

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.validation import exact_int
 
 from .canonical_json import dump_canonical, load_canonical

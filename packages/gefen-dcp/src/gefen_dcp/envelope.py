@@ -9,7 +9,7 @@ stored as a 1-D ``uint8`` tensor of canonical JSON::
     {"format": "gefen.dcp_state", "format_version": 3,
      "save_id": "<32 hex>", "implementation": str, "skeleton": {...},
      "tensors": {key: {"dtype": str, "shape": [int...], "placement": str}},
-     "digest": "<sha256 of the rest, gefen_contracts.canonical_digest>"}
+     "digest": "<sha256 of the rest, gefen_contracts.digest.canonical_digest>"}
 
 Placement classes: ``like_parameter`` (a DTensor on its parameter's mesh with the
 parameter's placements, e.g. momentum codes or per-row scales under FSDP2),
@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import CodecError, PortableStateLimits, canonical_digest
+from gefen_contracts import CodecError
+from gefen_contracts.digest import canonical_digest
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import dtype_from_name, dtype_name
 from gefen_contracts.validation import exact_int, identity_name
 

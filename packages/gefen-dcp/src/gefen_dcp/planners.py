@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -151,7 +151,7 @@ class GefenLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` plus dynamic, verified loads of :class:`~gefen_dcp.GefenDCPState` entries.
 
     ``limits`` bound what the metadata may ask this rank to allocate (defaults:
-    :class:`gefen_contracts.PortableStateLimits`). Non-tensor entries load with
+    :class:`gefen_contracts.limits.PortableStateLimits`). Non-tensor entries load with
     ``torch.load(weights_only=True)`` (DCP's default planner unpickles them unrestricted);
     read ``.metadata`` with :class:`~gefen_dcp.GefenFileSystemReader` so that nothing in
     the checkpoint runs.

@@ -23,7 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gefen_contracts import PortableStateLimits, canonical_digest
+from gefen_contracts.digest import canonical_digest
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.validation import exact_int, identity_name
 
 from .canonical_json import dump_canonical, load_canonical

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding, failure_vote
 from gefen_portable import (
     Catalog,

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 
 from .digest_table import ChunkKey, ChunkRecord, DigestTable, chunk_digest, encode_digest_table
 from .envelope import DcpStateEnvelope, encode_envelope

@@ -16,7 +16,7 @@ group-voted all-or-nothing loads that never half-change the optimizer, loads int
 optimizer (no initialising step), crash-safe overwrites and async snapshots (with
 :class:`~gefen_dcp.GefenFileSystemWriter`).
 
-It works for any optimizer that implements :class:`gefen_contracts.StagedNativeLoad` and
+It works for any optimizer that implements :class:`gefen_contracts.protocols.StagedNativeLoad` and
 whose state tensors are placed like their parameters, replicated on their parameters'
 mesh, or plain tensors equal on every rank (the contract feature
 ``parameter_shaped_state``).
@@ -26,16 +26,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from gefen_contracts import (
-    FEATURE_PARAMETER_SHAPED_STATE,
-    ContractProvider,
-    PortableStateLimits,
-    StagedNativeLoad,
-    StagedTransaction,
-    StateGeometry,
-    StateScope,
-)
+from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, StateGeometry, StateScope
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.protocols import ContractProvider, StagedNativeLoad
 from gefen_contracts.torch_support import failure_vote
+from gefen_contracts.transactions import StagedTransaction
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .collective import agree_layout, checkpoint_binding, member_coordinate, shared_save_id
@@ -141,14 +136,14 @@ class GefenDCPState(Stateful):
     ) -> None:
         if not isinstance(optimizer, StagedNativeLoad) or not callable(getattr(optimizer, "state_dict", None)):
             raise TypeError(
-                f"GefenDCPState needs an optimizer implementing gefen_contracts.StagedNativeLoad, got "
+                f"GefenDCPState needs an optimizer implementing gefen_contracts.protocols.StagedNativeLoad, got "
                 f"{type(optimizer).__name__}"
             )
         self.optimizer = optimizer
         self.process_group = process_group
         self.limits = limits if limits is not None else PortableStateLimits()
         if type(self.limits) is not PortableStateLimits:
-            raise TypeError("GefenDCPState limits must be a gefen_contracts.PortableStateLimits")
+            raise TypeError("GefenDCPState limits must be a gefen_contracts.limits.PortableStateLimits")
 
     def _session(self, writer: int, save_id: str) -> SaveSession:
         optimizer = self.optimizer
@@ -196,7 +191,7 @@ class GefenDCPState(Stateful):
         try:
             staged = self.optimizer.stage_state_dict(native)
             if type(staged) is not StagedTransaction:
-                raise TypeError("stage_state_dict must return a gefen_contracts.StagedTransaction")
+                raise TypeError("stage_state_dict must return a gefen_contracts.transactions.StagedTransaction")
         except Exception as exc:
             error = exc
         failure_vote(binding, "gefen_dcp.load_state_dict.prepare", error)

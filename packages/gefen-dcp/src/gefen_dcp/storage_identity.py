@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gefen_contracts import ContractError, ContractTypeError, PortableStateLimits, canonical_digest, to_primitive
+from gefen_contracts import ContractError, ContractTypeError
+from gefen_contracts.codec import to_primitive
+from gefen_contracts.digest import canonical_digest
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding, agree_digest, failure_vote
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystemWriter as _StockWriter

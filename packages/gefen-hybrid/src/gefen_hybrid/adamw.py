@@ -23,14 +23,12 @@ from gefen_contracts import (
     LayoutTamperedError,
     NotSupportedError,
     OptimizerContract,
-    ParameterLayout,
-    ParameterRebinding,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
     StateValidationError,
-    require_transaction,
 )
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
     IDENTITY_KEY,
     SealedLayout,
@@ -41,6 +39,7 @@ from gefen_contracts.torch_support import (
     split_identity_guard,
     state_version_token,
 )
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
 from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract

@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import StateValidationError, match_variants
+from gefen_contracts import StateValidationError
+from gefen_contracts.state_layout import match_variants
 from gefen_contracts.torch_support import BoundParameter, SealedLayout, build_bound_state, parse_bound_state
 
 from .adamw_contract import ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT

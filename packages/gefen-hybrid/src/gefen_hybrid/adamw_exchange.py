@@ -16,17 +16,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from gefen_contracts import (
-    FEATURE_PORTABLE_STATE,
-    FeatureStatus,
-    NotSupportedError,
-    PortableExport,
-    PortableLayout,
-    PortableSlotState,
-    StagedTransaction,
-    require_transaction,
-)
+from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, NotSupportedError
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
 from gefen_contracts.torch_support import SealedLayout
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .adamw_contract import AdamWReadiness
 from .adamw_portable import native_state_from_portable, portable_export_of, portable_layout_of

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import ContractError, ParameterLayout, ShardIdentity
+from gefen_contracts import ContractError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.torch_support import RebindingPlan, SealedLayout, SlotRebinding
 
 __all__ = [

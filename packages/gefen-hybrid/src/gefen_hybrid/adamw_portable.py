@@ -28,18 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gefen_contracts import (
-    LogicalSlice,
-    ParameterIdentity,
-    ParameterLayout,
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    ShardIdentity,
-    ShardingManifest,
-    StateValidationError,
-)
+from gefen_contracts import StateValidationError
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import SealedLayout
 
 from .adamw_contract import ADAMW_IMPLEMENTATION

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import ShardIdentity, StateValidationError, param_group_naming_blockers
+from gefen_contracts import StateValidationError
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.naming import param_group_naming_blockers
 from gefen_contracts.torch_support import SealedLayout
 
 __all__ = ["NamedSlot", "find_slot", "named_slots", "naming_blockers"]

@@ -20,18 +20,19 @@ from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
-    FEATURE_PROTOCOLS,
     FEATURE_STAGED_NATIVE_LOAD,
-    ContractProvider,
-    ModeTaggedState,
     NotSupportedError,
     OptimizerContract,
+)
+from gefen_contracts.protocols import (
+    FEATURE_PROTOCOLS,
+    ContractProvider,
+    ModeTaggedState,
     PortableAdapter,
     StagedNativeLoad,
-    StagedTransaction,
     StepPreflight,
-    require_transaction,
 )
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
 from torch import nn
 

@@ -30,14 +30,13 @@ from gefen_contracts import (
     FEATURE_POST_SHARDING,
     LayoutTamperedError,
     OptimizerContract,
-    ParameterRebinding,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
     StaleTransactionError,
-    require_transaction,
 )
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import state_version_token
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .composite_bound_state import build_composite_document, children_of_document
 from .composite_identity import CompositeBindingRequest, CompositeIdentity, plan_composite_binding

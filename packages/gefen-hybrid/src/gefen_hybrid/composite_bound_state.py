@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from gefen_contracts import CodecError, ShardingManifest, StateValidationError, from_primitive, to_primitive
+from gefen_contracts import CodecError, StateValidationError
+from gefen_contracts.codec import from_primitive, to_primitive
+from gefen_contracts.manifest import ShardingManifest
 
 __all__ = [
     "COMPOSITE_DOCUMENT_COVERAGE",

@@ -37,29 +37,25 @@ from gefen_contracts import (
     FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     FEATURE_POST_SHARDING,
-    FEATURE_PROTOCOLS,
     FEATURE_STAGED_NATIVE_LOAD,
     STANDARD_FEATURES,
     CheckpointSupport,
-    CheckpointTransport,
     ContractError,
     FeatureStatus,
-    IdentityBindable,
-    LoadAtomicity,
     OptimizerCapabilities,
-    OptimizerChildContract,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    ProcessGroupScope,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateVariant,
-    TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.contract import OptimizerChildContract
+from gefen_contracts.enums import CheckpointTransport, LoadAtomicity, ParameterLayout, ProcessGroupScope
+from gefen_contracts.protocols import FEATURE_PROTOCOLS, IdentityBindable
 
 from .composite_format import TOP_LEVEL_KEYS
 from .roles import role_tag

@@ -19,15 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    FEATURE_COLLECTIVE_SCOPE,
-    ContractError,
-    FrozenMap,
-    NotSupportedError,
-    ParameterRebinding,
-    ShardIdentity,
-    ShardingManifest,
-)
+from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, ContractError, NotSupportedError
+from gefen_contracts.frozen import FrozenMap
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import plan_rebinding
 
 __all__ = ["CompositeBindingRequest", "CompositeIdentity", "plan_composite_binding"]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import CollectiveFailureError, CollectiveScoped
+from gefen_contracts import CollectiveFailureError
+from gefen_contracts.protocols import CollectiveScoped
 from gefen_contracts.torch_support import ProcessGroupBinding, failure_vote_on_group
 
 from .tensor_checks import is_dtensor

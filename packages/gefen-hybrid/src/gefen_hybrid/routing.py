@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
-from gefen_contracts import FrozenMap
+from gefen_contracts.frozen import FrozenMap
 from torch import nn
 
 from .roles import ROLE_BACKUP, ROLE_MUON, ROLES, check_role

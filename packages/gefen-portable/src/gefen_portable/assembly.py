@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gefen_contracts import ProcessGroupIdentity, to_primitive
+from gefen_contracts.codec import to_primitive
+from gefen_contracts.identity import ProcessGroupIdentity
 from gefen_contracts.torch_support import tensor_digest
 
 from .catalog import Catalog, FragmentRecord, parse_extent

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
-from gefen_contracts import LogicalRegion, LogicalSlice, PortableStateLimits, from_primitive, to_primitive
+from gefen_contracts.codec import from_primitive, to_primitive
+from gefen_contracts.identity import LogicalRegion, LogicalSlice
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import tensor_digest
 
 from .errors import PortableIntegrityError, PortableStateError

@@ -1,6 +1,6 @@
 """The composite wrapper, ``gefen.portable_composite_state`` v1, for any role set.
 
-A :class:`~gefen_contracts.CompositeOptimizer` whose children are portable adapters is
+A :class:`~gefen_contracts.protocols.CompositeOptimizer` whose children are portable adapters is
 exported child by child (each with the full export protocol, phases prefixed by role) and
 wrapped with its routing::
 
@@ -32,7 +32,9 @@ import hmac
 from collections.abc import Mapping
 from typing import Any
 
-from gefen_contracts import CompositeOptimizer, ContractProvider, ContractTypeError, PortableStateLimits
+from gefen_contracts import ContractTypeError
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.protocols import CompositeOptimizer, ContractProvider
 from gefen_contracts.torch_support import ProcessGroupBinding, tensor_digest
 
 from .errors import PortableIntegrityError, PortableStateError

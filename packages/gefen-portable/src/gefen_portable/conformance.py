@@ -40,13 +40,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from gefen_contracts import (
-    CompositeOptimizer,
-    ParameterLayout,
-    PortableAdapter,
-    ProcessGroupIdentity,
-    TopologyChange,
-)
+from gefen_contracts.enums import ParameterLayout, TopologyChange
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.testing import (
     CheckContext,
     ConformanceCheck,

@@ -17,17 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gefen_contracts import (
-    CheckpointTransport,
     CollectiveFailureError,
-    CompositeOptimizer,
     ContractError,
     ContractTypeError,
     NotSupportedError,
-    ParameterLayout,
-    PortableAdapter,
-    PortableStateLimits,
     StaleTransactionError,
 )
+from gefen_contracts.enums import CheckpointTransport, ParameterLayout
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
 from gefen_contracts.testing.gloo_members import GlooMember, init_member_groups, share
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest

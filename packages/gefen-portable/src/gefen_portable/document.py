@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import tensor_digest
 
 from .catalog import CATALOG_FORMAT, CATALOG_FORMAT_VERSION, Catalog, parse_catalog_record

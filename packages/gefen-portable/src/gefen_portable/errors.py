@@ -32,7 +32,7 @@ class PortableIntegrityError(PortableStateError):
 
 
 class PortableLimitError(PortableStateError):
-    """A :class:`~gefen_contracts.PortableStateLimits` bound was exceeded.
+    """A :class:`~gefen_contracts.limits.PortableStateLimits` bound was exceeded.
 
     ``limit`` is the name of the field that was exceeded; the check always runs before the
     memory it protects is allocated.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gefen_contracts import CompositeOptimizer, ContractTypeError, PortableAdapter, PortableStateLimits
+from gefen_contracts import ContractTypeError
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .assembly import assemble_catalog
@@ -31,7 +33,7 @@ def export_portable_state(
 
     Collective over ``checkpoint_process_group`` (every member calls it; a one-member
     binding runs no collective). The optimizer must implement
-    :class:`~gefen_contracts.PortableAdapter` and currently support ``portable_state``.
+    :class:`~gefen_contracts.protocols.PortableAdapter` and currently support ``portable_state``.
     Every member returns a state with the same catalog and its own share of the fragments
     (no dense data moves between members). Nothing is mutated. A failure on any member
     makes every member raise the same :class:`~gefen_portable.PortableCollectiveError`

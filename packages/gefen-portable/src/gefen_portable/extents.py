@@ -1,7 +1,7 @@
 """Where a member's piece sits inside a logical parameter, as runs of the row-major flat index.
 
-Every extent (a :class:`~gefen_contracts.LogicalSlice` of the flattened parameter or a
-:class:`~gefen_contracts.LogicalRegion` box) is reduced to sorted *runs*
+Every extent (a :class:`~gefen_contracts.identity.LogicalSlice` of the flattened parameter or a
+:class:`~gefen_contracts.identity.LogicalRegion` box) is reduced to sorted *runs*
 ``(global_start, length, local_start)``: contiguous ranges of the flat parameter and where
 they sit in the piece's own row-major tensor. Assembly and projection are then one
 operation, :func:`copy_overlap`, for every pair of layouts (slice to slice, slice to region,
@@ -27,7 +27,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
-from gefen_contracts import LogicalRegion, LogicalSlice, ParameterIdentity, ParameterLayout, ShardIdentity
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import LogicalRegion, LogicalSlice, ParameterIdentity, ShardIdentity
 
 from .errors import PortableStateError
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import FrozenMap, to_primitive
+from gefen_contracts.codec import to_primitive
+from gefen_contracts.frozen import FrozenMap
 from gefen_contracts.torch_support import tensor_digest
 
 from .catalog import Catalog

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import CompositeOptimizer
+from gefen_contracts.protocols import CompositeOptimizer
 from gefen_contracts.torch_support import state_version_token
 
 __all__ = ["live_storages", "optimizer_token"]

@@ -6,17 +6,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gefen_contracts import (
-    CompositeOptimizer,
-    ContractTypeError,
-    PortableAdapter,
-    PortableLayout,
-    PortableStateLimits,
-    StagedTransaction,
-    StaleTransactionError,
-    require_transaction,
-)
+from gefen_contracts import ContractTypeError, StaleTransactionError
+from gefen_contracts.exchange import PortableLayout
+from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
+from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .catalog import Catalog
 from .errors import PortableStateError

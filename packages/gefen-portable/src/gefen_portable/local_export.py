@@ -1,7 +1,7 @@
 """One member's side of an export: check what the adapter returned, digest it, describe it.
 
-The adapter's :class:`~gefen_contracts.PortableExport` is checked against its own
-:class:`~gefen_contracts.PortableLayout` and the checkpoint binding (implementation,
+The adapter's :class:`~gefen_contracts.exchange.PortableExport` is checked against its own
+:class:`~gefen_contracts.exchange.PortableLayout` and the checkpoint binding (implementation,
 manifest, slot order, shard membership, field shapes, dtypes and finiteness). Each *payload
 piece* (see :func:`~gefen_portable.extents.carries_payload`) becomes a candidate fragment
 with its digest. What travels to the other members is a small *contribution*: per slot the
@@ -19,14 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import (
-    PortableExport,
-    PortableLayout,
-    PortableSlotState,
-    ShardIdentity,
-    ShardingManifest,
-    to_primitive,
-)
+from gefen_contracts.codec import to_primitive
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import ProcessGroupBinding, block_count, tensor_digest
 
 from .errors import PortableStateError

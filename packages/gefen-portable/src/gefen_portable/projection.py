@@ -1,7 +1,7 @@
 """Projection: from catalog fragments to the records an adapter stages for its own slots.
 
 For every target slot (in ``portable_layout().slots`` order) the adapter receives a
-:class:`~gefen_contracts.PortableSlotState` with the document's options, variant and
+:class:`~gefen_contracts.exchange.PortableSlotState` with the document's options, variant and
 counters and:
 
 * a *payload piece* (see :func:`~gefen_portable.extents.carries_payload`): every field as
@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 
 import torch
-from gefen_contracts import LogicalSlice, PortableLayout, PortableSlotState, ShardIdentity
+from gefen_contracts.exchange import PortableLayout, PortableSlotState
+from gefen_contracts.identity import LogicalSlice, ShardIdentity
 from gefen_contracts.torch_support import expand_blocks
 
 from .catalog import Catalog

@@ -33,7 +33,9 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import ContractTypeError, PortableStateLimits, descriptor_digest
+from gefen_contracts import ContractTypeError
+from gefen_contracts.digest import descriptor_digest
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .errors import PortableCollectiveError, PortableLimitError

@@ -6,7 +6,7 @@ logical parameter except its fragments (identity, original slot position and nat
 options, variant, counters, the :class:`FieldSpec` of every fragment field, replica fields,
 projection hints). The catalog adds the list of fragments that hold the fields; the
 document adds their tensors. Parsing is strict: exact key sets, exact types, canonical identity records (through
-:func:`gefen_contracts.from_primitive`), and every error names the record and field.
+:func:`gefen_contracts.codec.from_primitive`), and every error names the record and field.
 """
 
 from __future__ import annotations
@@ -15,15 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import (
-    CodecError,
-    ContractError,
-    ParameterIdentity,
-    ParameterLayout,
-    ShardingManifest,
-    from_primitive,
-    to_primitive,
-)
+from gefen_contracts import CodecError, ContractError
+from gefen_contracts.codec import from_primitive, to_primitive
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.identity import ParameterIdentity
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import block_count, dtype_from_name, dtype_name
 
 from .errors import PortableStateError
@@ -51,7 +47,7 @@ __all__ = [
 
 PORTABLE_STATE_COVERAGE = "global_logical_optimizer"
 DIGEST_ALGORITHM = "sha256"
-#: the contracts' digest grammar (``gefen_contracts.canonical_digest`` with tensor leaves)
+#: the contracts' digest grammar (``gefen_contracts.digest.canonical_digest`` with tensor leaves)
 DIGEST_GRAMMAR = "gefen.digest.v1"
 #: fields are assembled from and projected onto pieces by shard identity; block fields are
 #: expanded per element on projection

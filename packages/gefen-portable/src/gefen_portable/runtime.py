@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gefen_contracts import (
-    FEATURE_PORTABLE_STATE,
-    CheckpointTransport,
-    CollectiveScoped,
-    ContractProvider,
-    ContractTypeError,
-    NotSupportedError,
-    PortableAdapter,
-    PortableLayout,
-    ShardingManifest,
-    descriptor_digest,
-)
+from gefen_contracts import FEATURE_PORTABLE_STATE, ContractTypeError, NotSupportedError
+from gefen_contracts.digest import descriptor_digest
+from gefen_contracts.enums import CheckpointTransport
+from gefen_contracts.exchange import PortableLayout
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.protocols import CollectiveScoped, ContractProvider, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding, tensor_digest
 
 from .errors import PortableStateError
@@ -30,7 +24,7 @@ def open_session(binding: object, operation: str, transaction_id: object, limits
     """A :class:`Session` over ``binding``.
 
     If ``binding`` is not a binding at all, the failure is still reported collectively when
-    the optimizer exposes its own collective scope (:class:`~gefen_contracts.CollectiveScoped`),
+    the optimizer exposes its own collective scope (:class:`~gefen_contracts.protocols.CollectiveScoped`),
     so the other members raise instead of waiting; otherwise it is raised here and the other
     members fail at their first collective when the process group's timeout expires.
     """
@@ -53,7 +47,7 @@ def open_session(binding: object, operation: str, transaction_id: object, limits
 
 
 def require_adapter(optimizer: Any) -> None:
-    """The optimizer implements :class:`~gefen_contracts.PortableAdapter` and its contract
+    """The optimizer implements :class:`~gefen_contracts.protocols.PortableAdapter` and its contract
     currently supports the ``portable_state`` feature (``NotSupportedError`` with its reasons)."""
     if not isinstance(optimizer, PortableAdapter):
         raise ContractTypeError(f"{type(optimizer).__name__} does not implement the PortableAdapter Protocol")

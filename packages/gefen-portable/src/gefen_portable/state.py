@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gefen_contracts import ContractTypeError, PortableStateLimits
+from gefen_contracts import ContractTypeError
+from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .catalog import Catalog, parse_catalog

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 import torch
-from gefen_contracts import PortableStateLimits
+from gefen_contracts.limits import PortableStateLimits
 
 from .catalog import Catalog
 from .errors import PortableIntegrityError

@@ -36,7 +36,7 @@ row-major little-endian bytes), so there is one digest grammar in the project; t
 (the *metadata digest*) covers every descriptor and therefore every tensor digest. Tensor
 payloads travel separately as their native little-endian bytes.
 
-:func:`parse_wire` checks every limit of :class:`~gefen_contracts.PortableStateLimits` and
+:func:`parse_wire` checks every limit of :class:`~gefen_contracts.limits.PortableStateLimits` and
 every canonical-form rule before anything is allocated; :func:`reconstruct_wire` then checks
 each payload tensor against its descriptor and digest before building fresh containers.
 Differences from the reference (spec section 3): a trailer digest inside the metadata (so any
@@ -55,7 +55,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from gefen_contracts import ContractTypeError, PortableStateLimits
+from gefen_contracts import ContractTypeError
+from gefen_contracts.limits import PortableStateLimits
 
 from .errors import PortableIntegrityError, PortableLimitError, PortableStateError, WireFormatError
 from .tensors import (

@@ -12,22 +12,24 @@ from gefen_contracts import (
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    Precision,
-    ProcessGroupScope,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateVariant,
     TrainingSupport,
+)
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
 )
 
 IMPLEMENTATION = "gefen_example.ContractedSGD"

@@ -7,7 +7,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from gefen_contracts import OptimizerContract, StagedTransaction, StateValidationError
+from gefen_contracts import OptimizerContract, StateValidationError
+from gefen_contracts.transactions import StagedTransaction
 
 from .contract import CONTRACT
 

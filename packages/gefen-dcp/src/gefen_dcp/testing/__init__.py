@@ -2,7 +2,7 @@
 
 :class:`Int8MomentumSGD` is a small optimizer that is not Gefen but keeps a compact state
 (int8 codes with per-row scales for matrices, DTensors placed like DTensor parameters) and
-implements :class:`gefen_contracts.ParameterShapedState`, so every code path of
+implements :class:`gefen_contracts.protocols.ParameterShapedState`, so every code path of
 :class:`gefen_dcp.GefenDCPState` can be exercised on CPU.
 """
 

@@ -28,27 +28,29 @@ from gefen_contracts import (
     FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterLayout,
-    Precision,
-    ProcessGroupScope,
-    StagedTransaction,
-    StateExtent,
     StateField,
     StateGeometry,
     StateRole,
     StateScope,
     StateValidationError,
     StateVariant,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    StateExtent,
+    TopologyChange,
+)
+from gefen_contracts.transactions import StagedTransaction
 
 __all__ = ["IMPLEMENTATION", "Int8MomentumSGD", "conformance_factory"]
 

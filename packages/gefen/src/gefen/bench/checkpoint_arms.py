@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import ContractProvider
+from gefen_contracts.protocols import ContractProvider
 from gefen_contracts.testing import import_attribute
 
 __all__ = ["EXTRA_ARMS", "build_arm", "claim_status"]

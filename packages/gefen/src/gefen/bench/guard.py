@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, FEATURE_POST_SHARDING, ContractProvider, ProcessGroupIdentity
+from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, FEATURE_POST_SHARDING
+from gefen_contracts.identity import ProcessGroupIdentity
+from gefen_contracts.protocols import ContractProvider
 from gefen_contracts.testing import replicated_copy_plan
 
 from .plot import Panel, Series
@@ -185,16 +187,10 @@ def _measure_composite(builder: ReportBuilder, options: GuardOptions) -> None:
 def _scoped_rebindings(named: NamedParameters, group: ProcessGroupIdentity, rank: int) -> tuple[list[Any], Any]:
     """Replicated shards of every parameter on every member of ``group`` (the manifest names the
     group, as a codebook scope requires), and this rank's rebindings onto the same tensors."""
-    from gefen_contracts import (
-        LogicalSlice,
-        ParameterIdentity,
-        ParameterLayout,
-        ParameterRebinding,
-        PlacementKind,
-        ShardIdentity,
-        ShardingManifest,
-        ShardPlacement,
-    )
+    from gefen_contracts.enums import ParameterLayout, PlacementKind
+    from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity, ShardPlacement
+    from gefen_contracts.manifest import ShardingManifest
+    from gefen_contracts.rebinding import ParameterRebinding
 
     members = group.ordered_members
     rebindings, shards = [], []

@@ -157,7 +157,9 @@ def _torch_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object]
 def _convention_arm(spec: Mapping[str, Any], rank: int, barrier: Callable[[], object] | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, PortableStateLimits, ProcessGroupIdentity
+    from gefen_contracts import FEATURE_COLLECTIVE_SCOPE
+    from gefen_contracts.identity import ProcessGroupIdentity
+    from gefen_contracts.limits import PortableStateLimits
     from gefen_contracts.testing import flattened_plan, scatter_flat_grads
     from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding
     from gefen_dcp import GefenFileSystemReader, GefenFileSystemWriter, load_portable_dcp, save_portable_dcp

@@ -156,7 +156,7 @@ def _dcp_state(
     problems: list[Problem] = []
     verified: list[str] = []
     if verify:
-        from gefen_contracts import PortableStateLimits
+        from gefen_contracts.limits import PortableStateLimits
         from gefen_dcp import GefenDCPState, GefenFileSystemReader, GefenLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -200,7 +200,7 @@ def _catalog(
     root: Path, namespace: tuple[str, ...], metadata: Any, keys: dict[str, tuple[str, ...]]
 ) -> tuple[dict[str, Any], Any]:
     """The envelope record and the catalog of one portable namespace (read, rebuilt, digest-checked)."""
-    from gefen_contracts import PortableStateLimits
+    from gefen_contracts.limits import PortableStateLimits
     from gefen_portable import PortableState, parse_wire, reconstruct_wire
 
     by_path = {p: k for k, p in keys.items()}
@@ -237,7 +237,8 @@ def _recorder(catalog: Any) -> RecordingPortableAdapter:
 
 
 def _portable_load(root: Path, namespace: str, optimizer: object) -> None:
-    from gefen_contracts import PortableStateLimits, ProcessGroupIdentity
+    from gefen_contracts.identity import ProcessGroupIdentity
+    from gefen_contracts.limits import PortableStateLimits
     from gefen_contracts.torch_support import CheckpointProcessGroupBinding
     from gefen_dcp import GefenFileSystemReader, load_portable_dcp
 

@@ -75,7 +75,7 @@ def _portable_facts(state: Any) -> tuple[tuple[str, str], ...]:
 
 
 def _describe_portable(document: Mapping[str, Any], path: str, file_bytes: int | None) -> CheckpointDescription:
-    from gefen_contracts import PortableStateLimits
+    from gefen_contracts.limits import PortableStateLimits
     from gefen_portable import PortableState
 
     version = document.get("format_version")
@@ -104,7 +104,7 @@ def _describe_portable(document: Mapping[str, Any], path: str, file_bytes: int |
 def _describe_portable_composite(
     document: Mapping[str, Any], path: str, file_bytes: int | None
 ) -> CheckpointDescription:
-    from gefen_contracts import PortableStateLimits
+    from gefen_contracts.limits import PortableStateLimits
     from gefen_portable import PortableCompositeState
 
     version = document.get("format_version")
@@ -143,7 +143,8 @@ def _describe_portable_composite(
 
 
 def _bound(document: Mapping[str, Any], path: str) -> CheckpointDescription:
-    from gefen_contracts import ShardingManifest, from_primitive
+    from gefen_contracts.codec import from_primitive
+    from gefen_contracts.manifest import ShardingManifest
     from gefen_contracts.torch_support import parse_bound_state
 
     implementation = document.get("implementation")

@@ -2,8 +2,8 @@
 
 Verification must use the code paths real loads use, not a second reading of the formats,
 so ``gefen inspect`` loads a DCP checkpoint into a *recorder*: an object that implements
-the Protocol the loader drives (:class:`gefen_contracts.ParameterShapedState` or
-:class:`gefen_contracts.PortableAdapter`, or a :class:`gefen_contracts.CompositeOptimizer`
+the Protocol the loader drives (:class:`gefen_contracts.protocols.ParameterShapedState` or
+:class:`gefen_contracts.protocols.PortableAdapter`, or a :class:`gefen_contracts.protocols.CompositeOptimizer`
 of portable recorders), takes its implementation name and parameter shapes from the
 checkpoint's own records, holds every parameter as one whole ``REPLICATED`` piece in this
 process, accepts whatever options and variants were saved, and keeps only a summary of what
@@ -24,29 +24,26 @@ from gefen_contracts import (
     FEATURE_PARAMETER_SHAPED_STATE,
     FEATURE_PORTABLE_STATE,
     CheckpointSupport,
-    CheckpointTransport,
     FeatureStatus,
-    LoadAtomicity,
-    LogicalSlice,
     OptimizerCapabilities,
     OptimizerContract,
     OptimizerStateLayout,
-    ParameterIdentity,
-    ParameterLayout,
-    PortableExport,
-    PortableLayout,
-    PortableSlotLayout,
-    PortableSlotState,
-    Precision,
-    ProcessGroupScope,
-    ShardIdentity,
-    ShardingManifest,
-    StagedTransaction,
-    TopologyChange,
-    TopologyTransition,
     TrainingSupport,
 )
+from gefen_contracts.capabilities import TopologyTransition
+from gefen_contracts.enums import (
+    CheckpointTransport,
+    LoadAtomicity,
+    ParameterLayout,
+    Precision,
+    ProcessGroupScope,
+    TopologyChange,
+)
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import as_imported
+from gefen_contracts.transactions import StagedTransaction
 
 __all__ = ["LoadedParameter", "RecordingComposite", "RecordingNativeState", "RecordingPortableAdapter"]
 
@@ -109,7 +106,7 @@ def _summary(fqn: str, variant: str, counters: Mapping[str, int], fields: Mappin
 
 
 class RecordingNativeState:
-    """A :class:`gefen_contracts.ParameterShapedState` with ``parameters`` plain placeholder
+    """A :class:`gefen_contracts.protocols.ParameterShapedState` with ``parameters`` plain placeholder
     parameters, recording what a ``GefenDCPState`` load hands its ``stage_state_dict``."""
 
     def __init__(self, implementation: str, parameters: int) -> None:
@@ -145,7 +142,7 @@ class RecordingNativeState:
 
 
 class RecordingPortableAdapter:
-    """A :class:`gefen_contracts.PortableAdapter` holding every parameter of a catalog whole."""
+    """A :class:`gefen_contracts.protocols.PortableAdapter` holding every parameter of a catalog whole."""
 
     def __init__(self, implementation: str, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> None:
         self._implementation = implementation
@@ -192,7 +189,7 @@ class RecordingPortableAdapter:
 
 
 class RecordingComposite:
-    """A :class:`gefen_contracts.CompositeOptimizer` of portable recorders, one per role."""
+    """A :class:`gefen_contracts.protocols.CompositeOptimizer` of portable recorders, one per role."""
 
     def __init__(
         self, implementation: str, children: Mapping[str, RecordingPortableAdapter], routing: Mapping[str, str]
