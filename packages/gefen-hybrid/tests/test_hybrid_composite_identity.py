@@ -192,7 +192,7 @@ def test_cross_child_requests_are_refused_before_any_child_is_prepared() -> None
         composite, model, lambda: composite.post_sharding(overlapping, manifest=plan.manifest), ContractError, "overlap"
     )
     scope = CodebookProcessGroupBinding(
-        __import__("gefen_contracts").ProcessGroupIdentity("solo", ("rank:0",)), "rank:0", None, "cpu"
+        __import__("gefen_contracts").identity.ProcessGroupIdentity("solo", ("rank:0",)), "rank:0", None, "cpu"
     )
     _refused(
         composite,
