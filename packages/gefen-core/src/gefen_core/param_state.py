@@ -147,9 +147,10 @@ def second_moment_variant(shape: Sequence[int], options: Mapping[str, Any]) -> s
     ``factored_v_2d``), ``element`` for a narrower one, ``block`` otherwise.
 
     A rank-one estimate of a narrow matrix's ``v`` (d = 64) lets a few elements take steps far
-    beyond Adam's and cost 1.4 % of held-out loss on ``char-mini``; keeping Adam's ``v`` there
-    measured 1.2 % better than AdamW (``gefen bench quality``, the gefen-core README). Adafactor
-    (optax, T5X) does not factor such matrices either: its ``min_dim_size_to_factor`` is 128.
+    beyond Adam's: on ``char-mini`` Gefen measured 1.0140 of AdamW's held-out loss with every
+    matrix factored and 0.9943 with Adam's ``v`` on the narrow ones (``gefen bench quality``,
+    ``docs/benchmarks.md``). Adafactor (optax, T5X) does not factor such matrices either: its
+    ``min_dim_size_to_factor`` is 128.
     A flattened element shard is a 1-D tensor here (``block``), as for the period overrides.
     """
     if len(shape) != 2 or not options["factored_v_2d"]:

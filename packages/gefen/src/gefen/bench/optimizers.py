@@ -209,6 +209,12 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _always_available,
         ),
         OptimizerEntry(
+            "gefen-factor-all",
+            "ablation: Gefen with min_dim_size_to_factor=0 (every matrix factored, as before 0.3)",
+            _gefen_builder(min_dim_size_to_factor=0),
+            _always_available,
+        ),
+        OptimizerEntry(
             "gefen-block",
             "gefen_core.Gefen(factored_v_2d=False): block-shared v everywhere",
             _gefen_builder(factored_v_2d=False),
