@@ -53,7 +53,7 @@ def test_loss_falls_far(data, optimizer: str) -> None:  # type: ignore[no-untype
 
 
 def test_gefen_holds_about_one_byte_per_parameter_from_d_model_128() -> None:
-    """The demo's model (d = 128): only the 64 x 128 position embedding is narrower than
+    """A d = 128 decoder with a 512-token vocabulary: only the 64 x 128 position embedding is narrower than
     ``min_dim_size_to_factor`` and keeps a per-element v (0.035 B/param of this model); the
     d = 128 matrices' factored statistics and 128-element blocks weigh about 0.07 more."""
     from gefen.demo.model import TinyDecoder
