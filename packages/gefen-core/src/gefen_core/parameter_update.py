@@ -27,7 +27,7 @@ from .param_state import (
     switch_second_moment,
 )
 from .reference_ops import scalars_of
-from .second_moment import clip_row_factor, preconditioned_sumsq, update_element_moment, update_factored_moments
+from .second_moment import clip_row_factor, preconditioned_sumsq, update_element_moments, update_factored_moments
 from .step_plan import ParamWork
 
 __all__ = ["decay_only", "placeholder_codebook", "update_parameters"]
@@ -184,9 +184,7 @@ def update_parameters(
         step = dispatch.op(FACTORED_STEP)
         step(targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
     elif variant == ELEMENT:  # the factored step over each matrix seen as one column (second_moment)
-        factors = [
-            update_element_moment(s[V], g, scalars_of(scalars, i)) for i, (s, g) in enumerate(zip(states, grads))
-        ]
+        factors = update_element_moments([s[V] for s in states], grads, scalars)
         column = [torch.ones(1, dtype=torch.float32, device=works[0].local.device)] * len(works)
         columns = [target.view(-1, 1) for target in targets]
         step = dispatch.op(FACTORED_STEP)
