@@ -81,14 +81,17 @@ def _feed(hasher: hashlib._Hash, value: object, adapter: LeafAdapter | None, dep
     kind = type(value)
     if value is None:
         hasher.update(b"N")
+    # exact types: True digests as a bool, never as the int 1 (bool is an int subclass)
     elif kind is bool:
         hasher.update(b"B\x01" if value else b"B\x00")
     elif kind is int:
+        # decimal text, length-prefixed: integers of any size, one encoding each
         text = str(value).encode("ascii")
         hasher.update(b"I" + _U64.pack(len(text)) + text)
     elif kind is float:
         if not math.isfinite(value):  # type: ignore[arg-type]
             raise CodecError("digest input holds a non-finite float")
+        # big-endian IEEE-754 bits: the same float digests the same on every host
         hasher.update(b"F" + _F64.pack(value))
     elif kind is str:
         data = value.encode("utf-8")  # type: ignore[attr-defined]
@@ -103,6 +106,7 @@ def _feed(hasher: hashlib._Hash, value: object, adapter: LeafAdapter | None, dep
             if type(key) is not str:
                 raise CodecError(f"digest input has a non-str dict key {key!r}")
         hasher.update(b"D" + _U64.pack(len(items)))
+        # sorted keys: insertion order is not part of a dict's meaning
         for key, item in sorted(items, key=lambda kv: kv[0]):
             _feed(hasher, key, adapter, depth + 1)
             _feed(hasher, item, adapter, depth + 1)
@@ -113,6 +117,7 @@ def _feed(hasher: hashlib._Hash, value: object, adapter: LeafAdapter | None, dep
         hasher.update(b"R")
         _feed(hasher, leaf.digest_dtype(), None, depth + 1)
         _feed(hasher, list(leaf.digest_shape()), None, depth + 1)
+        # the length goes in before the bytes, so a truncated stream cannot collide with a shorter leaf
         nbytes = leaf.digest_nbytes()
         hasher.update(_U64.pack(nbytes))
         seen = 0

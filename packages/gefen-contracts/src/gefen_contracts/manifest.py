@@ -44,6 +44,7 @@ class ShardingManifest:
                 raise ContractTypeError(f"ShardingManifest.shards[{index}] must be a ShardIdentity")
         if len(set(shards)) != len(shards):
             raise ContractError("ShardingManifest.shards contains duplicate shards")
+        # canonical order: every member that builds the same layout gets an equal manifest (and digest)
         ordered = tuple(sorted(shards, key=lambda s: s.sort_key))
         object.__setattr__(self, "shards", ordered)
         _schema(self.schema_version, "ShardingManifest")
@@ -90,18 +91,21 @@ def _check_parameter(fqn: str, shards: list[ShardIdentity]) -> None:
             raise ContractError(f"an ungrouped parameter {fqn!r} must have exactly one shard, got {len(shards)}")
     else:
         members = [s.local_member for s in shards]
+        # key=str: a shard without a member (None) must not break the sort; it then fails the equality
         if sorted(members, key=str) != sorted(group.ordered_members):
             missing = sorted(set(group.ordered_members) - set(m for m in members if m is not None))
             raise ContractError(
                 f"manifest shards of {fqn!r} must list each member of {group.semantic_name!r} exactly once; "
                 f"missing {missing}, got {members}"
             )
+        # the coordinates differ per member; the split itself (axis, kind, parts, dimension) must not
         topology = {tuple(p.topology_key for p in s.placements) for s in shards}
         if len(topology) != 1:
             raise ContractError(f"manifest shards of {fqn!r} disagree on the placement topology")
     layout = first.layout
     numel = first.parameter.numel
     if layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
+        # flattened slices tile the row-major element index of the whole parameter
         pieces = [(s.extent.flat_offset, s.extent.length) for s in shards if type(s.extent) is LogicalSlice]
         _check_tiling(fqn, pieces, numel, "flattened slices")
     elif layout is ParameterLayout.WHOLE_PARAMETER_OWNER:
@@ -117,6 +121,7 @@ def _check_parameter(fqn: str, shards: list[ShardIdentity]) -> None:
             for s in shards:
                 region = s.extent
                 assert type(region) is LogicalRegion
+                # only the sharded dimension is partitioned; the region spans every other dimension whole
                 pieces.append((region.offsets[dim], region.lengths[dim]))
             _check_tiling(fqn, pieces, first.parameter.global_shape[dim], f"regions along dimension {dim}")
 
@@ -124,6 +129,7 @@ def _check_parameter(fqn: str, shards: list[ShardIdentity]) -> None:
 def _check_tiling(fqn: str, pieces: list[tuple[int, int]], extent: int, what: str) -> None:
     nonempty = sorted((start, length) for start, length in pieces if length > 0)
     cursor = 0
+    # an empty piece (a member holding nothing) may sit at 0 or where a non-empty piece ends
     boundaries = {0}
     for start, length in nonempty:
         if start < cursor:

@@ -248,6 +248,7 @@ def match_variants(
             raise StateValidationError(f"per-parameter state key {key!r} is not declared in the state layout") from None
         if declared.scope is StateScope.OPTIMIZER_COMMON:
             raise StateValidationError(f"key {key!r} is declared optimizer-common but found in per-parameter state")
+        # caches and carriers may come and go; only authoritative keys say which variant this is
         if declared.scope is StateScope.PARAMETER and declared.authoritative:
             present.add(declared.name)
     return tuple(
@@ -286,8 +287,10 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
         numel = math.prod(dims)
         if len(dims) >= 2:
             row = math.prod(dims[1:])
+            # blocks inside rows: a row shard (FSDP2 Shard(0)) then holds whole blocks and their values
             if row % period == 0:
                 return (dims[0], row // period)
+        # ceil without floats; the last block of a ragged cut is shorter
         return (-(-numel // period),)
     return None
 
@@ -295,4 +298,5 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
 def follows_parameter_placement(geometry: StateGeometry) -> bool:
     """Whether a state tensor of ``geometry`` is sharded like its parameter (row-sharded with it).
     ``COLUMN`` statistics span every row, so a row-sharded parameter keeps them replicated."""
+    # BLOCK too: for a row-sharded parameter the blocks tile its rows, so they shard with them
     return geometry in (StateGeometry.PARAMETER, StateGeometry.ROW, StateGeometry.BLOCK)

@@ -23,6 +23,7 @@ __all__ = ["as_imported", "block_count", "expand_blocks"]
 
 def block_count(numel: int, period: int) -> int:
     """How many runs of ``period`` elements (the last may be shorter) cover ``numel`` elements."""
+    # integer ceil: exact for sizes beyond float precision
     return -(-numel // period)
 
 
@@ -37,6 +38,7 @@ def expand_blocks(values: torch.Tensor, period: int, shape: Sequence[int]) -> to
         raise ContractError(
             f"a block field of {numel} elements in runs of {period} needs shape {expected}, got {tuple(values.shape)}"
         )
+    # the slice drops the part of a ragged last run that lies past the piece
     return values.repeat_interleave(period)[:numel].reshape(tuple(shape))
 
 
@@ -49,6 +51,7 @@ def as_imported(slot: PortableSlotState, shape: Sequence[int]) -> PortableSlotSt
     }
     if len(expanded) != len(slot.block_fields):
         raise ContractError(f"the block fields of {slot.fqn!r} must be tensors")
+    # block_period 0 with no block fields: the record now reads as the element form adapters expect
     return dataclasses.replace(
         slot, element_fields={**slot.element_fields, **expanded}, block_fields={}, block_period=0
     )

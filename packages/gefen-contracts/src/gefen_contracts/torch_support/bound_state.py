@@ -117,6 +117,7 @@ def build_bound_state(
     if type(manifest) is not ShardingManifest:
         raise StateValidationError("build_bound_state: manifest must be a ShardingManifest")
     body: dict[str, Any] = {}
+    # sorted: the document (and its digest) must not depend on the order the state was walked
     for fqn in sorted(parameters):
         entry = parameters[fqn]
         if entry.shard.fqn != fqn:
@@ -178,8 +179,10 @@ def parse_bound_state(
         document["implementation"] == implementation,
         f"implementation {document['implementation']!r} does not match {implementation!r}",
     )
+    # cloned before comparing: nothing returned may alias the caller's document
     saved_policy = _clone_value(document["policy"], "policy", tensors=False)
     _require(type(saved_policy) is dict, "policy must be a dict")
+    # the union of keys: a key only one side has is a difference too (get() gives None)
     differing = sorted(str(key) for key in set(saved_policy) | set(policy) if saved_policy.get(key) != policy.get(key))
     _require(
         not differing,
@@ -223,6 +226,7 @@ def parse_bound_state(
             not missing and not extra,
             f"the document's parameters differ from the local ones (missing {missing}, not local {extra})",
         )
+        # same FQNs, other shards: a neighbour's slice of equal size would otherwise load silently
         foreign = sorted(fqn for fqn, entry in parsed.items() if entry.shard != local[fqn])
         _require(
             not foreign,

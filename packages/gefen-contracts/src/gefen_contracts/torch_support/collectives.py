@@ -69,6 +69,7 @@ def failure_vote_on_group(
             raise error
         return
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=torch.device(device))
+    # every member votes, failed or not: skipping the call on a failure would hang the others
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
     if int(flag.item()) == 0:
         return
@@ -91,6 +92,7 @@ def agree(binding: ProcessGroupBinding | None, values: Sequence[int], *, what: s
 
     local = torch.tensor(list(values), dtype=torch.int64, device=binding.collective_device)
     gathered = [torch.empty_like(local) for _ in range(binding.member_count)]
+    # gather, not a reduce: every member sees the same data, so every member raises the same error
     dist.all_gather(gathered, local, group=binding.process_group)
     first = gathered[0]
     for index, other in enumerate(gathered[1:], start=1):
@@ -104,6 +106,7 @@ def agree_digest(binding: ProcessGroupBinding | None, hexdigest: str, *, what: s
     raw = bytes.fromhex(hexdigest)
     if len(raw) != 32:
         raise ContractError("agree_digest needs a SHA-256 hex digest")
+    # signed: int64 tensors cannot hold the upper half of an unsigned 64-bit word
     values = [int.from_bytes(raw[i : i + 8], "big", signed=True) for i in range(0, 32, 8)]
     agree(binding, values, what=what)
 

@@ -56,11 +56,14 @@ def _value_token(value: object, depth: int = 0) -> Hashable:
         return (kind.__name__, value)
     if kind is float:
         number: float = value  # type: ignore[assignment]
+        # exact bits: two options that print alike but differ in the last bit are different
         return ("float", number.hex() if math.isfinite(number) else repr(number))
     if depth < 8 and kind in (list, tuple):
         return (kind.__name__, tuple(_value_token(v, depth + 1) for v in value))  # type: ignore[attr-defined]
     if depth < 8 and kind is dict:
+        # id too: replacing a nested dict by an equal one still counts as a change
         return ("dict", id(value), tuple((repr(k), _value_token(v, depth + 1)) for k, v in value.items()))  # type: ignore[attr-defined]
+    # anything else (and nesting past 8) is compared by identity only: cheap and conservative
     return ("object", kind.__qualname__, id(value))
 
 
@@ -75,6 +78,7 @@ def state_version_token(param_groups: Sequence[Mapping[str, Any]], state: Mappin
     for group in param_groups:
         params = group["params"]
         options = tuple((key, _value_token(value)) for key, value in group.items() if key != "params")
+        # id(params): swapping in an equal list is a change too (post_sharding installs new lists)
         groups.append((id(group), id(params), tuple(tensor_version_token(p) for p in params), options))
     entries = []
     for key, entry in state.items():

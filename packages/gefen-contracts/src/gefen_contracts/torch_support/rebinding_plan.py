@@ -81,6 +81,7 @@ def has_internal_overlap(tensor: torch.Tensor) -> bool:
     for stride, size in dims:
         if stride < span:
             return True
+        # elements reached through this dim and the smaller-stride ones: the next dim must step past them
         span = stride * (size - 1) + span
     return False
 
@@ -102,6 +103,7 @@ def _check_target(shard: ShardIdentity, target: object, index: int) -> None:
         raise ContractError(f"{where}: new_parameter must be a materialized strided tensor")
     if target.dtype not in _FLOAT_DTYPES:
         raise ContractError(f"{where}: new_parameter dtype {target.dtype} is not fp16, bf16, fp32 or fp64")
+    # backward fills .grad only on leaves (or retains_grad tensors): a non-leaf target would never step
     if not target.is_leaf and not target.retains_grad:
         raise ContractError(f"{where}: new_parameter must be a leaf tensor")
     if target.grad is not None:
@@ -125,6 +127,7 @@ def _check_target(shard: ShardIdentity, target: object, index: int) -> None:
 def _byte_range(tensor: torch.Tensor) -> tuple[tuple[str, int], int, int]:
     storage = tensor.untyped_storage()
     start = int(storage.data_ptr() + tensor.storage_offset() * tensor.element_size())
+    # keyed by storage (device, base pointer); the range is in bytes, so mixed dtypes compare
     return (str(tensor.device), int(storage.data_ptr())), start, start + int(tensor.numel() * tensor.element_size())
 
 
@@ -138,6 +141,7 @@ def _check_disjoint(targets: list[tuple[int, torch.Tensor]]) -> None:
     for ranges in by_storage.values():
         if len(ranges) < 2:
             continue
+        # strided views can interleave inside overlapping byte ranges: only contiguous ones compare by range
         if not all(contiguous for *_, contiguous in ranges):
             indices = sorted(index for _, _, index, _ in ranges)
             raise ContractError(f"rebindings {indices}: a non-contiguous target shares its storage with another target")
@@ -179,6 +183,7 @@ def plan_rebinding(
     slot_of: dict[int, tuple[int, int, torch.Tensor]] = {}
     for group_index, group in enumerate(param_groups):
         for slot_index, param in enumerate(group["params"]):
+            # keyed by identity: tensors compare elementwise, and two slots may hold equal values
             slot_of[id(param)] = (group_index, slot_index, param)
     seen_sources: set[int] = set()
     by_slot: dict[tuple[int, int], tuple[int, ParameterRebinding]] = {}
@@ -236,6 +241,7 @@ def plan_rebinding(
         seen_targets[id(target)] = index
         occupied = slot_of.get(id(target))
         source_slot = slot_of[id(rebindings[index].old_parameter)]
+        # rebinding a slot to itself is allowed (replicated: the live tensor stays); stealing is not
         if occupied is not None and occupied[2] is target and occupied[:2] != source_slot[:2]:
             raise ContractError(f"post_sharding: rebindings[{index}] targets a tensor that occupies another slot")
     _check_disjoint([(i, t) for i, t in targets])  # type: ignore[misc]
@@ -253,6 +259,7 @@ def plan_rebinding(
                     f"post_sharding: local shard of {rebinding.shard.fqn!r} names member {member!r} but the scope "
                     f"binding is for {scope.local_member!r}"
                 )
+        # last: the only check that queries the process group (local queries, no collective)
         scope.validate_runtime()
     entries = []
     for (group_index, slot_index), (_, rebinding) in sorted(by_slot.items()):

@@ -43,6 +43,7 @@ class SealedLayout:
         names: list[list[str]] = [[] for _ in range(group_count)]
         by_tensor: dict[int, tuple[torch.Tensor, ShardIdentity]] = {}
         for entry in plan.entries:
+            # a pruned non-owner slot leaves its group: the live params list will not hold it
             if entry.target is None:
                 continue
             expected[entry.slot.group_index].append(entry.target)
@@ -96,6 +97,7 @@ class SealedLayout:
             )
         for index, (group, expected) in enumerate(zip(param_groups, self._expected)):
             params = group["params"]
+            # by identity: an equal-valued replacement tensor is still a tampered layout
             if len(params) != len(expected) or any(a is not b for a, b in zip(params, expected)):
                 raise LayoutTamperedError(
                     f"{where}: the finalized parameter layout changed outside post_sharding (param_groups[{index}] "
