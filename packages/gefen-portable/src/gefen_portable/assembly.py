@@ -123,6 +123,7 @@ def assemble_catalog(
 
 def _same(entries: list[tuple[int, dict[str, object]]], key: str, fqn: str) -> object:
     first_coordinate, first = entries[0]
+    # compare by digest: bitwise, and it works for tensors, where == is elementwise
     reference = tensor_digest(first[key])
     for coordinate, entry in entries[1:]:
         if tensor_digest(entry[key]) != reference:
@@ -153,6 +154,7 @@ def _parameter(
         raise PortableStateError(f"exactly one member must send the replica fields of {fqn!r}")
     replica = senders[0]["replica_fields"]
     assert type(replica) is dict
+    # only one member sent the tensors; the agreement above covered only their digest
     if tensor_digest(replica) != replica_digest:
         raise PortableStateError(f"the replica fields sent for {fqn!r} differ from their agreed digest")
     if type(specs) is not dict:
@@ -183,6 +185,7 @@ def _parameter(
         else:
             known[1].append(coordinate)
     shape = identity.global_shape
+    # validate_tiling's order (first flat index); a numel-0 parameter's full extent has no runs
     ordered = sorted(by_extent.values(), key=lambda item: (extent_runs(item[0].extent, shape) or [(0, 0, 0)])[0][0])
     raw_record = {
         "identity": to_primitive(identity),
@@ -214,6 +217,7 @@ def _assign_holders(catalog: Catalog, candidates: dict[tuple[str, int], list[int
             load[options[0]] = load.get(options[0], 0) + catalog.fragments[key[0]][key[1]].nbytes
         else:
             shared.append(key)
+    # sole holders' loads are counted first; then largest first to the least loaded, same on every member
     shared.sort(key=lambda k: (-catalog.fragments[k[0]][k[1]].nbytes, k))
     for key in shared:
         chosen = min(candidates[key], key=lambda c: (load.get(c, 0), c))

@@ -138,9 +138,11 @@ class Catalog:
         fragments: Mapping[str, tuple[FragmentRecord, ...]],
     ) -> Catalog:
         """Validate the parts and compute the completion digest."""
+        # sorted FQNs: a parsed catalog has this order too (the wire clone sorts dict keys), so fragment_keys() agrees
         ordered = {fqn: parameters[fqn] for fqn in sorted(parameters)}
         frags = {fqn: tuple(fragments.get(fqn, ())) for fqn in ordered}
         _validate(header, ordered, frags, "catalog")
+        # placeholder digest: _payload() never reads it, this instance only serves to compute the real one
         catalog = cls(header, ordered, frags, "0" * 64)
         digest = tensor_digest(catalog._payload())
         return cls(header, ordered, frags, digest)
@@ -210,6 +212,7 @@ def _validate(
                 )
             piece = fragment_shape(frag.extent, record.identity)
             expected = tensors_nbytes(fragment_tensors(record.fields, piece, frag.block_period))
+            # nbytes feeds limit checks and holder balancing before any tensor is seen, so it must be exact
             if frag.nbytes != expected:
                 raise PortableStateError(
                     f"{where}: fragment {index} of {fqn!r} announces {frag.nbytes} bytes, its extent holds {expected}"

@@ -158,6 +158,7 @@ class PortableCompositeState:
         for role, child in children_raw.items():
             completion = child.get("completion") if type(child) is dict else None
             digests[role] = parse_completion(completion, f"composite document.children[{role!r}].completion")
+        # children stand in as their digests, so this copies no child tensors; each child is parsed below
         shallow = bounded_clone(
             {**{k: v for k, v in top.items() if k != "children"}, "children": digests}, limits=limits
         )

@@ -95,6 +95,7 @@ def parse_document(document: object, *, limits: PortableStateLimits) -> tuple[Ca
     require_limits(limits)
     clone = bounded_clone(document, limits=limits.collective())
     top = clone if type(clone) is dict else {}
+    # ahead of the structural checks, so another version is refused by its version (with the remedy)
     if top.get("format") == PORTABLE_STATE_FORMAT and top.get("format_version") != PORTABLE_STATE_FORMAT_VERSION:
         raise PortableStateError(
             f"document format_version is {top.get('format_version')!r}; this library reads version "
@@ -120,6 +121,7 @@ def portable_state_digest(document: Mapping[str, Any]) -> str:
     """The root digest a plain document's ``completion`` must hold (its ``completion`` and
     fragment tensors ignored: the fragment digests stand for them)."""
     payload = {key: value for key, value in document.items() if key != "completion"}
+    # the completion digest is the catalog's: hash the document as its catalog, without inline fields
     payload["format"], payload["format_version"] = CATALOG_FORMAT, CATALOG_FORMAT_VERSION
     parameters = {}
     for fqn, entry in dict(document["parameters"]).items():
@@ -138,4 +140,5 @@ def reseal_document(document: dict[str, Any]) -> None:
     for fqn, entry in document["parameters"].items():
         for frag in entry["fragments"]:
             frag["digest"] = record_digest(fqn, frag["extent"], frag["block_period"], frag["fields"])
+    # last: the completion digest covers the fragment digests recomputed above
     document["completion"]["digest"] = portable_state_digest(document)

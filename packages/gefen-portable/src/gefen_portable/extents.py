@@ -75,6 +75,7 @@ def carries_payload(shard: ShardIdentity) -> bool:
     Empty flattened slices, empty regions and non-owner pieces carry no payload; their
     variant, counters and fields are not part of a portable document.
     """
+    # a numel-0 parameter has no element to hold, so its covering pieces must carry its record
     return piece_shape(shard) is not None and (shard.local_numel > 0 or covers_parameter(shard))
 
 
@@ -120,9 +121,11 @@ def extent_runs(extent: Extent, shape: Sequence[int]) -> list[Run]:
         split -= 1
     if split < 0:
         return [(0, math.prod(shape), 0)]
+    # elements per index step along axis ``split``: the product of the fully covered trailing axes
     inner = math.prod(shape[split + 1 :])
     run_length = extent.lengths[split] * inner
     strides = [math.prod(shape[axis + 1 :]) for axis in range(rank)]
+    # row-major prefixes (one empty prefix when split == 0), so runs come out sorted by global start
     prefixes = itertools.product(*(range(o, o + n) for o, n in zip(extent.offsets[:split], extent.lengths[:split])))
     runs = []
     local = 0
@@ -148,6 +151,7 @@ def _intersections(left: list[Run], right: list[Run]) -> Iterable[tuple[int, int
         end = min(a_start + a_len, b_start + b_len)
         if start < end:
             yield a_local + (start - a_start), b_local + (start - b_start), end - start
+        # advance the run that ends first: it cannot overlap any later run of the other sorted list
         if a_start + a_len <= b_start + b_len:
             i += 1
         else:
@@ -167,6 +171,7 @@ def copy_overlap(
     elements copied.
     """
     source_flat = source.reshape(-1)
+    # target is contiguous, so reshape is a view and the copies below write into target itself
     target_flat = target.reshape(-1)
     copied = 0
     for s_local, t_local, length in _intersections(
@@ -204,9 +209,11 @@ def validate_tiling(extents: Sequence[Extent], identity: ParameterIdentity) -> N
             raise PortableStateError(f"parameter {fqn!r} has an empty partial fragment")
         first_starts.append(pieces[0][0])
         runs.extend((start, length) for start, length, _ in pieces)
+    # one canonical fragment order (by first flat index), so equal content has one catalog digest
     if first_starts != sorted(first_starts) or len(set(first_starts)) != len(first_starts):
         raise PortableStateError(f"fragments of {fqn!r} are not in flat order")
     cursor = 0
+    # sort runs, not fragments: regions' runs interleave (e.g. column blocks of a matrix)
     for start, length in sorted(runs):
         if start != cursor:
             what = "overlap" if start < cursor else "leave a gap"

@@ -80,6 +80,7 @@ class PortableFragment:
     digest: str
 
     def __post_init__(self) -> None:
+        # snapshot into an immutable map: later edits to the caller's dict cannot change the fragment
         object.__setattr__(self, "fields", FrozenMap(dict(self.fields)))
 
     @classmethod

@@ -107,6 +107,7 @@ def prepare_on_session(optimizer: Any, source: object, session: Session, *, pref
     except Exception as exc:
         error = exc
     session.gate(f"{prefix}document", error, context=context)
+    # the gate raised on every member if any member failed, so these are all set here
     assert state is not None and layout is not None
     catalog = state.catalog
     projection = None
@@ -114,6 +115,7 @@ def prepare_on_session(optimizer: Any, source: object, session: Session, *, pref
         projection = Projection(catalog, layout, max_bytes=session.limits.max_fragment_tensor_bytes)
     except Exception as exc:
         error = exc
+    # after a local failure this member still joins every transfer; the fetch gate reports the error
     needed = projection.needed if projection is not None else set()
     fetch_fragments(
         session,

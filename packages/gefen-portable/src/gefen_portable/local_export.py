@@ -181,6 +181,7 @@ def build_local_export(
         assert shape is not None
         extent = fragment_extent(shard)
         target_shape = fragment_shape(extent, shard.parameter)
+        # only a covering piece changes shape (to the global one): equal content gets one extent, shape and digest
         fields = {
             name: _element(slot.element_fields[name], shape, f"{where} element field {name!r}", live).reshape(
                 target_shape

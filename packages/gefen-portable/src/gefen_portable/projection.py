@@ -42,6 +42,7 @@ __all__ = ["Projection", "needed_fragments"]
 
 
 def _target_extent(shard: ShardIdentity) -> Extent:
+    # a covering piece maps as the full flat slice whatever its layout, as fragment_extent stores it
     return LogicalSlice(0, shard.parameter.numel) if covers_parameter(shard) else shard.extent
 
 
@@ -89,11 +90,13 @@ class Projection:
             planned += math.prod(shape) * sum(DTYPE_CODES[spec.dtype].itemsize for spec in record.fields.values())
             targets.append((slot.fqn, shape, record))
             self._extents[slot.fqn] = _target_extent(shard)
+        # block fields counted expanded (an upper bound); refused before the loop below allocates anything
         if planned > max_bytes:
             raise PortableLimitError(
                 "max_fragment_tensor_bytes", f"this member's target pieces need {planned} bytes of fields"
             )
         for fqn, shape, record in targets:
+            # one fragment in the same element order: its blocks can be handed over as-is, so no expanded buffers
             whole = any(spec.blocked for spec in record.fields.values()) and self._one_fragment(fqn)
             self._buffers[fqn] = _empty_fields(record, shape, blocked=not whole)
             self._written[fqn] = 0
@@ -108,6 +111,7 @@ class Projection:
             return False
         runs = extent_runs(self.catalog.fragments[fqn][needed[0]].extent, shape)
         target = extent_runs(self._extents[fqn], shape)
+        # flat coverage only: the shapes may differ (slice vs region), but block runs follow flat order
         return [run[:2] for run in runs] == [run[:2] for run in target]
 
     def accept(self, fragment: PortableFragment) -> None:
@@ -121,10 +125,13 @@ class Projection:
         for name, target in buffers.items():
             source = fragment.fields[name]
             if record.fields[name].blocked:
+                # expand over the fragment's own piece: its block runs start at the fragment's first element
                 source = expand_blocks(source, fragment.block_period, piece)
             copied = copy_overlap(source, fragment.extent, target, self._extents[fqn], record.identity.global_shape)
+            # fragments tile disjointly, so the total reaches the buffer size only if every element was hit
             self._written[fqn] += copied
         if fqn in self._blocks:
+            # clone: a locally held fragment belongs to the caller's PortableState; slot states must be fresh
             blocked = {name: fragment.fields[name].clone() for name, spec in record.fields.items() if spec.blocked}
             self._blocks[fqn] = (fragment.block_period, blocked)
 
@@ -141,6 +148,7 @@ class Projection:
             if slot.fqn in self._buffers:
                 buffers = self._buffers[slot.fqn]
                 expected = sum(t.numel() for t in buffers.values())
+                # () means no pass-through for this piece; None means its one fragment never arrived
                 passed = self._blocks.get(slot.fqn, ())
                 if self._written[slot.fqn] != expected or passed is None:
                     raise PortableStateError(

@@ -85,6 +85,7 @@ def check_keys(value: object, expected: set[str], where: str) -> dict[str, objec
 
 
 def check_digest_text(value: object, where: str) -> str:
+    # lowercase only: digests are compared as text, so one digest must have exactly one spelling
     if type(value) is not str or len(value) != 64 or not set(value) <= _HEX:
         raise PortableStateError(f"{where} must be 64 lowercase hex characters")
     return value
@@ -278,6 +279,7 @@ class ParameterRecord:
             raise PortableStateError(f"{where}.replica_fields must be a dict")
         for key, value in replica.items():
             check_name(key, f"{where}.replica_fields key")
+            # any shape is allowed (taken from the tensor); a non-tensor must still reach require_tight's named error
             tensor = value if type(value) is torch.Tensor else None
             shape = tuple(tensor.shape) if tensor is not None else ()
             require_tight(value, shape, torch.float32, f"{where}.replica_fields[{key!r}]")

@@ -150,6 +150,7 @@ def exchange_values(session: Session, phase: str, value: object, error: BaseExce
         if source == session.coordinate:
             buffer.copy_(torch.frombuffer(bytearray(payload.metadata), dtype=torch.uint8))
         _broadcast(session, buffer, source, limits.chunk_bytes)
+        # after a parse error keep joining every broadcast (the peers are in it) but stop parsing
         if source == session.coordinate or error is not None:
             layouts.append(None)
             continue
@@ -226,6 +227,7 @@ def fetch_fragments(
         return
     bitmap = torch.zeros(2 * len(keys), dtype=torch.uint8)
     for index, key in enumerate(keys):
+        # interleaved per fragment: even bytes held, odd bytes needed (_schedule slices them apart)
         bitmap[2 * index] = int(key in held)
         bitmap[2 * index + 1] = int(key in needed)
     maps = _all_gather_bitmaps(session, bitmap)
@@ -293,6 +295,7 @@ def _schedule(
                 session.fail(
                     phase, f"fragment {key[1]} of {key[0]!r} is needed by coordinate {target} but no member holds it"
                 )
+            # rotate over the holders by receiver and fragment to spread the sends
             source = holders[(target + index) % len(holders)]
             schedule.append((index, source, target))
     return schedule

@@ -185,6 +185,7 @@ class _Encoder:
 
     def append(self, data: bytes) -> None:
         self.size += len(data)
+        # reserve the 32-byte trailer so the sealed metadata still fits the limit
         if self.size + _TRAILER > self.limits.max_metadata_bytes:
             raise PortableLimitError("max_metadata_bytes", "the encoded metadata grows too large")
         self.parts.append(data)
@@ -217,12 +218,14 @@ class _Encoder:
         elif kind is dict:
             mapping: dict[object, object] = value  # type: ignore[assignment]
             self.count(len(mapping), path)
+            # check every key before sorting: sorted() on mixed key types would raise a bare TypeError
             for key in mapping:
                 if type(key) is not str:
                     raise PortableStateError(f"{path} has a non-str key of type {type(key).__name__}")
             self.append(bytes((_DICT,)) + _U64.pack(len(mapping)))
             for key in sorted(mapping):  # type: ignore[type-var]
                 assert type(key) is str
+                # a key counts as a node at the child depth, as _Reader.value counts it, so both enforce one limit
                 self.nodes += 1
                 if self.nodes > self.limits.max_tree_nodes:
                     raise PortableLimitError("max_tree_nodes", f"too many values at {path}")
@@ -348,6 +351,7 @@ class _Reader:
         count = self.u64(what)
         if count > self.limits.max_container_items:
             raise PortableLimitError("max_container_items", f"a wire {what} announces {count} items")
+        # every item takes at least one byte: refuse an impossible count before building its container
         if count > self.end - self.pos:
             raise WireFormatError(f"a wire {what} announces {count} items but only {self.end - self.pos} bytes remain")
         return count
@@ -411,6 +415,7 @@ class _Reader:
             return out
         if tag == _TENSOR:
             index = self.u64("a tensor reference")
+            # references must number 0, 1, 2, ... in walk order: one canonical form, each descriptor used once
             if index != self.refs:
                 raise WireFormatError(f"tensor reference {index} is out of order (expected {self.refs})")
             if self.refs + 1 > self.limits.max_tensors:
@@ -462,6 +467,7 @@ def parse_wire(metadata: bytes, *, limits: PortableStateLimits) -> WireLayout:
         raise ContractTypeError(f"wire metadata must be bytes, got {type(metadata).__name__}")
     if len(metadata) > limits.max_metadata_bytes:
         raise PortableLimitError("max_metadata_bytes", f"wire metadata of {len(metadata)} bytes")
+    # preamble, header, a 1-byte root (a bare tag such as None), the u64 descriptor count, the trailer
     minimum = len(WIRE_PREAMBLE) + _HEADER.size + 1 + 8 + _TRAILER
     if len(metadata) < minimum:
         raise WireFormatError(f"wire metadata of {len(metadata)} bytes is shorter than the minimum {minimum}")
@@ -472,10 +478,12 @@ def parse_wire(metadata: bytes, *, limits: PortableStateLimits) -> WireLayout:
         raise WireFormatError(f"wire codec version {version} is not supported (this library reads 1)")
     if flags or reserved:
         raise WireFormatError("wire header flags and reserved fields must be zero")
+    # digest before the grammar walk: a corrupted value or descriptor surfaces as an integrity error
     body = metadata[:-_TRAILER]
     expected = hashlib.sha256(_METADATA_DOMAIN + body).digest()
     if not hmac.compare_digest(expected, metadata[-_TRAILER:]):
         raise PortableIntegrityError("wire metadata digest mismatch: the metadata is corrupted or truncated")
+    # end stops before the trailer, so no value can be read out of the digest bytes
     reader = _Reader(metadata, len(body), limits)
     reader.pos = len(WIRE_PREAMBLE) + _HEADER.size
     root = reader.value(0)
@@ -530,6 +538,7 @@ def reconstruct_wire(
             raise PortableStateError(f"{where} must be a tight CPU tensor")
         value = owned_cpu_copy(tensor) if copy else tensor
         check_finite(value, where)
+        # hash what is returned (the copy when copying), so the verified bytes are the delivered bytes
         if not hmac.compare_digest(tensor_sha256(value), spec.digest):
             raise PortableIntegrityError(f"{where} digest mismatch: the tensor bytes are corrupted")
         owned.append(value)
@@ -563,6 +572,7 @@ def bounded_clone(value: object, *, limits: PortableStateLimits) -> object:
     Every structural and byte limit is enforced during the walk, before the tensor it
     protects is copied, so an oversized untrusted value is refused without being copied.
     """
+    # encode references tight inputs; reconstruct_wire's copy is what detaches the result from value
     payload = encode_wire(value, limits=limits)
     layout = parse_wire(payload.metadata, limits=limits)
     return reconstruct_wire(layout, payload.tensors, expected_digest=payload.digest)
