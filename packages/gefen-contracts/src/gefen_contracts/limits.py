@@ -16,7 +16,7 @@ _GIB = 1 << 30
 
 @dataclass(frozen=True, slots=True)
 class PortableStateLimits:
-    """Bounds that every parser and every collective exchange checks before allocating.
+    """Bounds that every parser and every collective round checks before allocating.
 
     All fields are exact ints in ``[1, 2**64 - 1]``. ``max_fragment_tensor_bytes`` bounds one
     member's tensor bytes, ``max_collective_tensor_bytes`` the sum over members; likewise for

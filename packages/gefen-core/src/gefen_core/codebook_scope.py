@@ -1,4 +1,4 @@
-"""The learned-codebook process-group scope: phases, test hooks and the exchanges of its protocol.
+"""The learned-codebook process-group scope: phases and the collective rounds of its protocol.
 
 With a :class:`~gefen_contracts.torch_support.CodebookProcessGroupBinding` installed by
 ``post_sharding(..., scope=binding)``, every member of the scope learns the same codebook
@@ -38,7 +38,7 @@ gradient, the codebook, a due refresh)     bucket of starting flattened paramete
 Every collective after the header carries the accumulated failure flag of the sender, so a
 member that fails in a later phase (period selection, histogram and solve, re-quantisation,
 commit staging) joins the next collective with its flag set and every member raises there;
-nothing is published before the commit exchange. One-member scopes run no collective and
+nothing is published before the commit vote. One-member scopes run no collective and
 re-raise local errors unchanged.
 """
 
@@ -80,10 +80,10 @@ __all__ = [
     "Failure",
     "HeaderAgreement",
     "codebook_digest",
-    "commit_exchange",
+    "commit_agreement",
     "digest_words",
     "entry_vote",
-    "exchange_header",
+    "share_header",
     "gather_bytes",
     "read_amp",
     "reduce_with_failure",
@@ -137,7 +137,7 @@ HEADER_SIZE = 18
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A local error and the phase it happened in (carried to the next exchange)."""
+    """A local error and the phase it happened in (carried to the next collective round)."""
 
     phase: str
     error: BaseException
@@ -233,7 +233,7 @@ def entry_vote(binding: ProcessGroupBinding | None, failure: Failure | None, who
 
 @dataclass(frozen=True, slots=True)
 class HeaderAgreement:
-    """What every member agreed in the header exchange (identical on every member)."""
+    """What every member agreed in the header round (identical on every member)."""
 
     codebook_present: bool
     overflow: bool
@@ -244,7 +244,7 @@ class HeaderAgreement:
         return bool(self.needs & bit)
 
 
-def exchange_header(
+def share_header(
     binding: ProcessGroupBinding | None,
     *,
     operation: int,
@@ -257,7 +257,7 @@ def exchange_header(
     needs: int,
     who: str,
 ) -> HeaderAgreement:
-    """Exchange the operation header (one ``all_gather``) and check every member's row.
+    """Share the operation header (one ``all_gather``) and check every member's row.
 
     Raises :class:`~gefen_contracts.CollectiveFailureError` on every member when a member
     reports a local failure, and :class:`~gefen_core.errors.ShardAgreementError` when the
@@ -387,7 +387,7 @@ def gather_bytes(
     """``all_gather`` of every member's byte payload (member ``m`` sends ``sizes[m]`` bytes).
 
     The sizes are known to every member in advance (from the manifest), so one fixed-size
-    exchange suffices; a leading flag byte carries failures, which raise on every member.
+    collective suffices; a leading flag byte carries failures, which raise on every member.
     """
     if binding is None or not binding.communicates:
         _local_only(failure)
@@ -412,7 +412,7 @@ def gather_bytes(
     return [row[1 : 1 + size].numpy().tobytes() for row, size in zip(rows, sizes)]
 
 
-def commit_exchange(
+def commit_agreement(
     binding: ProcessGroupBinding | None,
     *,
     failure: Failure | None,
@@ -420,9 +420,9 @@ def commit_exchange(
     what: str,
     who: str,
 ) -> None:
-    """The last exchange before publication: one ``all_gather`` of ``[failure code, agreed...]``.
+    """The last collective before publication: one ``all_gather`` of ``[failure code, agreed...]``.
 
-    Every member raises if any member failed since the previous exchange (the failing member
+    Every member raises if any member failed since the previous collective round (the failing member
     with its own error and phase), or if ``agreed`` (digests of the new codebook and of the
     periods every member chose for shared parameters) differs between members.
     """

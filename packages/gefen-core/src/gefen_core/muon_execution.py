@@ -18,11 +18,11 @@ from .batched_newton_schulz import newton_schulz_batched
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
 from .momentum_codec import stochastic_seed
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, shard_rows, vote
-from .muon_exchange import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
 from .muon_plan import MuonItem, MuonPlan, batched_chunks
 from .muon_state import new_muon_state
+from .muon_transport import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on

@@ -3,7 +3,7 @@
 The same records as ``Gefen``'s (:mod:`gefen_core.transport_records`: policy
 ``{"schema_version", "deterministic"}``, common ``{"global_step", "codebook"}``), with
 implementation ``"gefen.GefenMuon"`` and the variants, counters and fields of
-:mod:`gefen_core.muon_transport`. Layouts: the sealed ``post_sharding`` layout
+:mod:`gefen_core.muon_exchange`. Layouts: the sealed ``post_sharding`` layout
 (``REPLICATED`` and ``WHOLE_PARAMETER_OWNER``: the owner exports and imports the whole
 matrix, non-owners hold nothing), or before it the implicit one, an ungrouped
 ``REPLICATED`` shard per named matrix. Whole matrices keep their blocks across any change of
@@ -25,8 +25,7 @@ from gefen_contracts.torch_support import SealedLayout, as_imported
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .distributed import is_dtensor
-from .muon_native_state import export_muon_state_dict, slot_layouts
-from .muon_transport import (
+from .muon_exchange import (
     EXECUTION_OPTIONS,
     PRISTINE,
     check_incoming_muon,
@@ -34,6 +33,7 @@ from .muon_transport import (
     muon_entry,
     plan_muon_piece,
 )
+from .muon_native_state import export_muon_state_dict, slot_layouts
 from .transport_records import checked_import_records, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
     BoundLayoutHook,

@@ -1,198 +1,197 @@
-"""``GefenMuon``'s state in transport form, used by its portable adapter.
+"""Moving matrices between a distributed-mode owner and the ranks that hold its rows.
 
-One matrix's state (the whole matrix, or an ``"approx"`` row shard's rows) travels as
+Buckets (:func:`owner_buckets`): the active items are queued per owner, and bucket ``j``
+takes the ``j``-th item of every owner's queue, so a bucket never gives one rank two
+matrices (the reference grouped by active position, which unbalances owners when gradients
+come and go). Within a bucket:
 
-* a **variant**: ``"pristine"`` (no state yet), ``"muon"`` (quantized momentum) or
-  ``"normuon"`` (momentum and NorMuon row statistics);
-* **counters**: ``step``, plus ``normuon_step`` for ``"normuon"``;
-* **fields** (:mod:`gefen_core.compact_piece`): the momentum as uint8 codes and fp32 block
-  scales; the NorMuon statistic ``normuon_v`` as a replica field ``[rows, 1]`` (complete
-  matrices), or on import as an element field repeated along each row.
+* :func:`gather_to_owners`: one ``all_to_all_single`` per gradient dtype sends each rank's
+  local rows of every item to that item's owner, which receives them in rank order, that is,
+  already laid out as the full matrix; a rank receives only the matrix it owns (a
+  ``1/world`` of the traffic of an all-gather).
+* :func:`scatter_from_owners`: one bf16 ``all_to_all_single`` sends every rank its rows of
+  each owner's update (the "broadcast" of the reference, without sending the rows a rank
+  does not hold).
 
-Coming back, the momentum is re-blocked (:mod:`gefen_core.reblocking`; GefenMuon has no
-second moment, so the period follows the momentum's exact structure, else a fresh search)
-and re-encoded. Group options are adopted from the record except the execution choices
-(:data:`EXECUTION_OPTIONS`), which stay the target's: they decide where the state lives,
-not what it means.
+:func:`consolidate_states` makes distributed-mode state complete on every rank for
+``state_dict()``: one ``all_reduce`` of a metadata table, then one ``broadcast`` per owner of
+its packed state bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen_contracts import StateValidationError
-from gefen_contracts.torch_support import finite_bounds
 
-from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, NORMUON_V_FIELD, CompactPiece, incoming_momentum
-from .gefen_transport import momentum_codes
+from .muon_distributed import MuonScope, shard_rows
 from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, STEP, period_of
-from .parameter_update import placeholder_codebook
-from .periods import shape_period
-from .reblocking import PeriodChoice, choose_period
 
-__all__ = [
-    "EXECUTION_OPTIONS",
-    "MUON",
-    "NORMUON",
-    "PRISTINE",
-    "IncomingMuonPiece",
-    "check_incoming_muon",
-    "live_muon_piece",
-    "muon_entry",
-    "plan_muon_piece",
-]
-
-PRISTINE = "pristine"
-MUON = "muon"
-NORMUON = "normuon"
-#: Group options that are the target's own choice (where state lives and how steps run).
-EXECUTION_OPTIONS = ("sharded_mode", "fp8_ns", "fp8_ns_compile", "batched_ns", "batched_ns_workspace_bytes")
-_COUNTERS = {MUON: frozenset({STEP}), NORMUON: frozenset({STEP, NORMUON_STEP})}
+__all__ = ["BucketItem", "consolidate_states", "gather_to_owners", "owner_buckets", "scatter_from_owners"]
 
 
-def _fail(message: str) -> StateValidationError:
-    return StateValidationError(message)
+@dataclass(frozen=True, slots=True)
+class BucketItem:
+    """One matrix of a bucket: its owner (group rank), global shape and gradient dtype."""
 
-
-def live_muon_piece(
-    state: Mapping[str, Any] | None, shape: tuple[int, ...], codebook: torch.Tensor | None
-) -> tuple[str, dict[str, int], CompactPiece | None]:
-    """``(variant, counters, compact piece)`` of one live entry (``shape``: the matrix or rows it describes)."""
-    if not state:
-        return PRISTINE, {}, None
-    indices = state[INDICES]
-    table = codebook if codebook is not None else placeholder_codebook(indices.device)
-    counters = {STEP: int(state[STEP])}
-    common = (shape, period_of(state), indices, state[MAGNITUDE], table)
-    if NORMUON_V in state:
-        counters[NORMUON_STEP] = int(state[NORMUON_STEP])
-        return NORMUON, counters, CompactPiece(*common, normuon_v=state[NORMUON_V])
-    return MUON, counters, CompactPiece(*common)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class IncomingMuonPiece:
-    """A validated incoming record for one target matrix (or row shard) of ``shape``
-    (``source``: the flat codes and scales the momentum was decoded from)."""
-
-    fqn: str
-    variant: str
-    step: int
-    normuon_step: int
-    momentum: torch.Tensor
-    normuon_v: torch.Tensor | None
+    owner: int
     shape: tuple[int, int]
-    source: tuple[torch.Tensor, torch.Tensor] | None = None
+    dtype: torch.dtype
 
 
-def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bool) -> torch.Tensor:
-    if type(value) is not torch.Tensor:
-        raise _fail(f"{where} must be a torch.Tensor, got {type(value).__name__}")
-    tensor: torch.Tensor = value
-    if tensor.dtype is not torch.float32 or tensor.layout is not torch.strided or tensor.is_meta:
-        raise _fail(f"{where} must be a strided float32 tensor, got {tensor.dtype}")
-    if tuple(tensor.shape) != shape:
-        raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
-    detached = tensor.detach()
-    if detached.numel():
-        bounds = finite_bounds(detached)
-        if bounds is None:
-            raise _fail(f"{where} holds non-finite values")
-        if nonnegative and bounds[0] < 0:
-            raise _fail(f"{where} holds negative values")
-    return detached
+def owner_buckets(owners: Sequence[int], world: int) -> list[list[int]]:
+    """Indices into ``owners`` grouped so bucket ``j`` holds each owner's ``j``-th item (owner order)."""
+    queues: list[list[int]] = [[] for _ in range(world)]
+    for index, owner in enumerate(owners):
+        queues[owner].append(index)
+    depth = max((len(q) for q in queues), default=0)
+    return [[q[j] for q in queues if j < len(q)] for j in range(depth)]
 
 
-def check_incoming_muon(
-    fqn: str,
-    variant: str,
-    counters: Mapping[str, int],
-    element_fields: Mapping[str, object],
-    replica_fields: Mapping[str, object],
-    *,
-    shape: tuple[int, int],
-    global_step: int,
-    codebook: torch.Tensor | None,
-) -> IncomingMuonPiece | None:
-    """Validate one projected record for a target of ``shape`` (``None`` for ``"pristine"``).
+def _rows(scope: MuonScope, shape: tuple[int, int], rank: int) -> tuple[int, int]:
+    return shard_rows(shape[0], scope.world, rank)
 
-    The momentum arrives as codes and per-element scales (:mod:`gefen_core.compact_piece`)
-    and is decoded with ``codebook`` (the placeholder when the source never learned one).
-    ``normuon_v`` may come as a replica field ``[rows, 1]`` or as a dense element field
-    ``[rows, cols]`` whose rows are constant. Raises
-    :class:`~gefen_contracts.StateValidationError` naming the parameter and the problem.
+
+def gather_to_owners(
+    scope: MuonScope, items: Sequence[BucketItem], local_rows: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Full matrices for the items this rank owns (``None`` for the others); one bucket."""
+    import torch.distributed as dist
+
+    result: list[torch.Tensor | None] = [None] * len(items)
+    for dtype in sorted({item.dtype for item in items}, key=str):
+        by_owner = {item.owner: index for index, item in enumerate(items) if item.dtype == dtype}
+        send_sizes, pieces = [], []
+        for dest in range(scope.world):
+            index = by_owner.get(dest)
+            piece = local_rows[index].reshape(-1) if index is not None else None
+            send_sizes.append(0 if piece is None else piece.numel())
+            if piece is not None:
+                pieces.append(piece)
+        mine = by_owner.get(scope.rank)
+        receive_sizes = [0] * scope.world
+        if mine is not None:
+            shape = items[mine].shape
+            receive_sizes = [_rows(scope, shape, src)[1] * shape[1] for src in range(scope.world)]
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=scope.device)
+        receive = torch.empty(sum(receive_sizes), dtype=dtype, device=scope.device)
+        dist.all_to_all_single(receive, send, receive_sizes, send_sizes, group=scope.group)
+        if mine is not None:
+            result[mine] = receive.view(items[mine].shape)
+    return result
+
+
+def scatter_from_owners(
+    scope: MuonScope, items: Sequence[BucketItem], updates: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """This rank's rows of every item's bf16 update (owners pass their full update, others ``None``)."""
+    import torch.distributed as dist
+
+    mine = next((index for index, item in enumerate(items) if item.owner == scope.rank), None)
+    send_sizes, pieces = [0] * scope.world, []
+    if mine is not None:
+        update = updates[mine]
+        assert update is not None
+        shape = items[mine].shape
+        for dest in range(scope.world):
+            start, length = _rows(scope, shape, dest)
+            pieces.append(update[start : start + length].reshape(-1))
+            send_sizes[dest] = length * shape[1]
+    by_owner = {item.owner: index for index, item in enumerate(items)}
+    receive_sizes = []
+    for src in range(scope.world):
+        index = by_owner.get(src)
+        receive_sizes.append(
+            0 if index is None else _rows(scope, items[index].shape, scope.rank)[1] * items[index].shape[1]
+        )
+    send = torch.cat(pieces).to(torch.bfloat16) if pieces else torch.empty(0, dtype=torch.bfloat16, device=scope.device)
+    receive = torch.empty(sum(receive_sizes), dtype=torch.bfloat16, device=scope.device)
+    dist.all_to_all_single(receive, send, receive_sizes, send_sizes, group=scope.group)
+    slices: list[torch.Tensor] = [torch.empty(0)] * len(items)
+    offset = 0
+    for src in range(scope.world):
+        index = by_owner.get(src)
+        if index is None:
+            continue
+        rows = _rows(scope, items[index].shape, scope.rank)[1]
+        cols = items[index].shape[1]
+        slices[index] = receive[offset : offset + rows * cols].view(rows, cols)
+        offset += rows * cols
+    return slices
+
+
+_META = 5  # initialized, period, step, normuon present, normuon_step
+
+
+def consolidate_states(
+    scope: MuonScope,
+    owners: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    states: Sequence[dict[str, Any] | None],
+) -> list[dict[str, Any] | None]:
+    """Every distributed item's state on every rank (``states``: this rank's own, ``None`` elsewhere).
+
+    The result holds the owner's live state for owned items and fresh tensors for the others.
     """
-    where = f"parameter {fqn!r}"
-    if variant == PRISTINE:
-        if counters or element_fields or replica_fields:
-            raise _fail(f"{where}: a {PRISTINE!r} record has no counters or fields")
-        return None
-    if variant not in _COUNTERS:
-        raise _fail(f"{where}: unknown variant {variant!r} (GefenMuon knows {[PRISTINE, MUON, NORMUON]})")
-    if set(counters) != _COUNTERS[variant]:
-        raise _fail(f"{where}: variant {variant!r} needs counters {sorted(_COUNTERS[variant])}, got {sorted(counters)}")
-    step = counters[STEP]
-    if type(step) is not int or not 1 <= step <= global_step:
-        raise _fail(f"{where} counter {STEP!r} must be an int in [1, {global_step}], got {step!r}")
-    normuon_step = 0
-    if variant == NORMUON:
-        normuon_step = counters[NORMUON_STEP]
-        if type(normuon_step) is not int or not 1 <= normuon_step <= step:
-            raise _fail(f"{where} counter {NORMUON_STEP!r} must be an int in [1, {step}], got {normuon_step!r}")
-    rows, cols = shape
-    names = set(element_fields) | set(replica_fields)
-    expected = {MOMENTUM_CODES, MOMENTUM_SCALE} | ({NORMUON_V_FIELD} if variant == NORMUON else set())
-    if names != expected or not {MOMENTUM_CODES, MOMENTUM_SCALE} <= set(element_fields):
-        raise _fail(f"{where}: variant {variant!r} needs the fields {sorted(expected)}, got {sorted(names)}")
-    table = codebook if codebook is not None else placeholder_codebook(torch.device("cpu"))
-    momentum, source = incoming_momentum(element_fields, shape, table, where, _fail)
-    normuon_v = None
-    if variant == NORMUON:
-        if NORMUON_V_FIELD in replica_fields:
-            normuon_v = _field(
-                replica_fields[NORMUON_V_FIELD], (rows, 1), f"{where} replica field 'normuon_v'", nonnegative=True
+    import torch.distributed as dist
+
+    meta = torch.zeros(len(owners), _META, dtype=torch.int64, device=scope.device)
+    for index, (owner, state) in enumerate(zip(owners, states)):
+        if owner == scope.rank and state:
+            normuon = NORMUON_V in state
+            meta[index] = torch.tensor(
+                [1, period_of(state), int(state[STEP]), int(normuon), int(state[NORMUON_STEP]) if normuon else 0]
             )
+    dist.all_reduce(meta, op=dist.ReduceOp.SUM, group=scope.group)
+    table = meta.tolist()
+    result: list[dict[str, Any] | None] = [states[i] if owners[i] == scope.rank else None for i in range(len(owners))]
+    for owner in range(scope.world):
+        layout = [
+            (index, _fields(row, shapes[index])) for index, row in enumerate(table) if owners[index] == owner and row[0]
+        ]
+        total = sum(_nbytes(dtype, shape) for _, fields in layout for _, dtype, shape in fields)
+        if not total:
+            continue
+        if owner == scope.rank:
+            pieces: list[torch.Tensor] = []
+            for index, fields in layout:
+                own = states[index]
+                assert own is not None
+                pieces.extend(own[key].reshape(-1).view(torch.uint8) for key, _, _ in fields)
+            buffer = torch.cat(pieces).to(scope.device)
         else:
-            dense = _field(element_fields[NORMUON_V_FIELD], shape, f"{where} field 'normuon_v'", nonnegative=True)
-            normuon_v = dense[:, :1].contiguous()
-            if not torch.equal(dense, normuon_v.expand(rows, cols)):
-                raise _fail(f"{where} field 'normuon_v' must repeat one value along each row")
-    return IncomingMuonPiece(fqn, variant, step, normuon_step, momentum, normuon_v, shape, source)
+            buffer = torch.empty(total, dtype=torch.uint8, device=scope.device)
+        dist.broadcast(buffer, src=scope.global_rank(owner), group=scope.group)
+        if owner != scope.rank:
+            offset = 0
+            for index, fields in layout:
+                row = table[index]
+                received: dict[str, Any] = {STEP: row[2]}
+                for key, dtype, shape in fields:
+                    nbytes = _nbytes(dtype, shape)
+                    received[key] = buffer[offset : offset + nbytes].clone().view(dtype).view(shape)
+                    offset += nbytes
+                if row[3]:
+                    received[NORMUON_STEP] = row[4]
+                result[index] = received
+    return result
 
 
-def plan_muon_piece(
-    piece: IncomingMuonPiece, *, search_shape: tuple[int, int], codebook: torch.Tensor | None
-) -> PeriodChoice:
-    """The target period (:func:`gefen_core.reblocking.choose_period`; re-inference is the shape
-    rule a first step applies)."""
-    return choose_period(
-        piece.momentum,
-        shape=search_shape,
-        second_moment=None,
-        codebook=codebook,
-        forced_one=False,
-        reinfer=lambda: shape_period(search_shape, piece.momentum.numel()),
-        source=piece.source,
-    )
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
 
 
-def muon_entry(
-    piece: IncomingMuonPiece,
-    period: int,
-    codebook: torch.Tensor | None,
-    *,
-    device: torch.device,
-    encoding: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """The native state entry of a target matrix (tensors on ``device``; ``encoding``: the
-    momentum's codes at ``period`` when the period choice already made them)."""
-    indices, magnitude = momentum_codes(piece.momentum, period, codebook, device, encoding)
-    entry: dict[str, Any] = {STEP: piece.step, INDICES: indices, MAGNITUDE: magnitude}
-    if piece.normuon_v is not None:
-        entry[NORMUON_V] = piece.normuon_v.to(device=device, copy=True)
-        entry[NORMUON_STEP] = piece.normuon_step
-    return entry
+def _fields(row: list[int], shape: tuple[int, int]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    rows, cols = shape
+    period = row[1]
+    blocks = rows * cols // period
+    fields: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        (INDICES, torch.uint8, (blocks, period)),
+        (MAGNITUDE, torch.float32, (blocks, 1)),
+    ]
+    if row[3]:
+        fields.append((NORMUON_V, torch.float32, (rows, 1)))
+    return fields

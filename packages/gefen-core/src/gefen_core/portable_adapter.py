@@ -3,7 +3,7 @@
 An optimizer-agnostic driver (``gefen_portable``) runs the collectives, assembles and
 projects fields by shard identity and digests everything; Gefen describes its local layout
 and exports its compact state (codes, block scales, second moments: about one byte per
-element, :mod:`gefen_core.gefen_transport`) and re-encodes what it receives for its own
+element, :mod:`gefen_core.gefen_exchange`) and re-encodes what it receives for its own
 layout. What Gefen puts into a ``gefen.portable_state`` document:
 
 * ``implementation``: ``"gefen.Gefen"``;
@@ -14,7 +14,7 @@ layout. What Gefen puts into a ``gefen.portable_state`` document:
   member of the checkpoint group: a multi-member layout needs one codebook on all members
   (an explicit codebook scope, or the codebook of an imported document);
 * per slot: the group's options (:func:`gefen_core.transport_slots.transport_options`)
-  and the variant, counters and fields of :mod:`gefen_core.gefen_transport`.
+  and the variant, counters and fields of :mod:`gefen_core.gefen_exchange`.
 
 Layouts (:mod:`gefen_core.transport_slots`): the sealed ``post_sharding`` layout
 (``REPLICATED`` and ``FLATTENED_ELEMENT_SHARD``), or before it the implicit one, an
@@ -44,7 +44,7 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from . import native_format as F
 from .distributed import is_dtensor
-from .gefen_transport import (
+from .gefen_exchange import (
     PRISTINE,
     check_incoming,
     complete_factors,

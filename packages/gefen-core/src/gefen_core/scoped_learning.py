@@ -10,7 +10,7 @@ periods. Parameters are named by FQN (the manifest's sorted FQNs are the common 
    codebook) and which have state (a member holding a shared parameter with state while
    another holds it without raises everywhere).
 2. **Periods** follow from the shape (:func:`gefen_core.periods.shape_period`), so no
-   gradient is exchanged: a ``FLATTENED_ELEMENT_SHARD`` member whose slice starts and ends
+   gradient is gathered: a ``FLATTENED_ELEMENT_SHARD`` member whose slice starts and ends
    on multiples of the logical parameter's period uses it (its blocks are then one
    process's blocks); otherwise it cuts its own slice (as without a scope).
 3. **Codebook.** Each logical parameter is counted once in the 4096-bin histogram: a
@@ -18,8 +18,8 @@ periods. Parameters are named by FQN (the manifest's sorted FQNs are the common 
    whole-parameter one by its owner. One ``all_reduce(SUM)`` of int64 counts (exact, order
    free) gives every member the same histogram and so the same exact-DP codebook.
 
-Every exchange carries the sender's failure flag (see :mod:`gefen_core.codebook_scope`);
-a failure after the last exchange here (the solve) is returned for the commit exchange.
+Every collective round carries the sender's failure flag (see :mod:`gefen_core.codebook_scope`);
+a failure after the last collective here (the solve) is returned for the commit vote.
 Nothing is published here.
 """
 
@@ -80,7 +80,7 @@ class LearnItem:
 class LearningOutcome:
     """What this member learned: parameters that start now (by FQN, the same everywhere),
     their periods on this member, the new codebook (``None`` when none was learned), the
-    shared periods every member must agree on, and a failure left for the commit exchange."""
+    shared periods every member must agree on, and a failure left for the commit vote."""
 
     starting: frozenset[str] = frozenset()
     periods: dict[str, int] = field(default_factory=dict)
@@ -90,7 +90,7 @@ class LearningOutcome:
 
 
 def periods_digest(periods: dict[str, int]) -> list[int]:
-    """Two int64 over the sorted ``(fqn, period)`` pairs (what the commit exchange compares)."""
+    """Two int64 over the sorted ``(fqn, period)`` pairs (what the commit vote compares)."""
     text = "\x1f".join(f"{fqn}\x1e{period}" for fqn, period in sorted(periods.items()))
     return digest_words(text.encode(), 2)
 
@@ -168,7 +168,7 @@ def learn_over_scope(
     non-zero gradient somewhere. ``refresh``: solve one from every such parameter with a
     gradient (zero or not), with its stored period. ``items`` lists this member's parameters
     in FQN order; ``fqns`` is the manifest's FQN list, the same on every member. ``failure``
-    is a local failure that happened before (it is voted at the first exchange).
+    is a local failure that happened before (it is voted at the first collective round).
     """
     assert decide_starts or not learn_codebook, "learning a codebook needs the non-zero decision"
     outcome = LearningOutcome()

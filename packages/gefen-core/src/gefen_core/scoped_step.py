@@ -15,11 +15,11 @@ A scoped ``step(closure)``:
 3. the header: every member sees every member's failures, fingerprints, gradient presence,
    scaler state and needs; all raise together, skip together (agreed overflow) or go on;
 4. steady state: update locally, no further collective. Otherwise learn over the scope,
-   stage everything (new states, re-quantised indices, kernel checks), exchange the commit,
+   stage everything (new states, re-quantised indices, kernel checks), vote on the commit,
    then publish by swaps that cannot raise, unscale the gradients and update.
 
 The host optimizer implements :class:`ScopedHost`. Each phase runs inside ``_attempt(phase, ...)``,
-which records a local error with the phase's name for the next exchange (the tests inject one by
+which records a local error with the phase's name for the next collective round (the tests inject one by
 making the phase's own call raise).
 """
 
@@ -52,10 +52,10 @@ from .codebook_scope import (
     AmpReading,
     Failure,
     codebook_digest,
-    commit_exchange,
+    commit_agreement,
     entry_vote,
-    exchange_header,
     read_amp,
+    share_header,
 )
 from .distributed import local_tensor
 from .errors import CaptureError, GradientError
@@ -210,7 +210,7 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
 
         read, failure = _attempt(AMP_PHASE, scaler)
         amp = read if isinstance(read, AmpReading) else amp
-    agreement = exchange_header(
+    agreement = share_header(
         binding,
         operation=OP_STEP,
         failure=failure,
@@ -249,7 +249,7 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
     staged: Any = None
     if failure is None:
         staged, failure = _attempt(COMMIT_PHASE, lambda: host._scope_stage(plan, outcome))
-    commit_exchange(binding, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who)
+    commit_agreement(binding, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who)
     host._scope_publish(plan, staged, requantized, amp)
     return loss
 
@@ -267,7 +267,7 @@ def _preamble(host: ScopedHost, phase: str, where: str) -> tuple[ScopePlan | Non
 
 def _header(host: ScopedHost, operation: int, plan: ScopePlan | None, failure: Failure | None, who: str) -> Any:
     identity = host._identity
-    return exchange_header(
+    return share_header(
         None if identity is None else identity.scope,
         operation=operation,
         failure=failure,
@@ -304,7 +304,7 @@ def scoped_initialize(host: ScopedHost) -> bool:
         who=who,
     )
     failure = outcome.failure
-    commit_exchange(
+    commit_agreement(
         None if identity is None else identity.scope, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who
     )
     if outcome.codebook is None:
@@ -342,7 +342,7 @@ def scoped_refresh(host: ScopedHost) -> bool:
     if failure is None and changed:
         assert new is not None
         requantized, failure = _requantize(host, new)
-    commit_exchange(
+    commit_agreement(
         None if identity is None else identity.scope, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who
     )
     if not changed:

@@ -17,7 +17,7 @@ from .local_export import LocalExport, build_local_export, check_layout
 from .protocol import Session
 from .runtime import context_digest, open_session, require_adapter
 from .state import PortableState
-from .transport import exchange_values
+from .transport import share_values
 
 __all__ = ["export_on_session", "export_portable_state"]
 
@@ -38,7 +38,7 @@ def export_portable_state(
     (no dense data moves between members). Nothing is mutated. A failure on any member
     makes every member raise the same :class:`~gefen_portable.PortableCollectiveError`
     (a one-member binding raises the original error). ``transaction_id`` must be equal on
-    every member; ``limits`` bound every record and exchange before allocation.
+    every member; ``limits`` bound every record and collective round before allocation.
     """
     if isinstance(optimizer, CompositeOptimizer) and not isinstance(optimizer, PortableAdapter):
         raise ContractTypeError(
@@ -73,7 +73,7 @@ def export_on_session(optimizer: Any, session: Session, *, prefix: str) -> Porta
         error = exc
     session.gate(f"{prefix}prepare", error, context=context)
     assert local is not None
-    contributions = exchange_values(session, f"{prefix}catalog", local.contribution, None)
+    contributions = share_values(session, f"{prefix}catalog", local.contribution, None)
     state = None
     catalog_digest = None
     try:

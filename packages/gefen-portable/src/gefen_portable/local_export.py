@@ -7,7 +7,7 @@ piece* (see :func:`~gefen_portable.extents.carries_payload`) becomes a candidate
 with its digest. What travels to the other members is a small *contribution*: per slot the
 position, native name, options, variant, counters, field specs, the fragment's extent,
 block period and digest and the replica fields' digest; replica tensors travel only from the lowest-coordinate
-payload piece of each parameter. No dense element data is exchanged during an export.
+payload piece of each parameter. No dense element data moves between members during an export.
 Pieces without payload (empty slices, non-owners) are validated but not described: their
 variant, counters and fields are not part of the document.
 """

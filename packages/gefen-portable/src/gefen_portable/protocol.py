@@ -1,4 +1,4 @@
-"""Gates: the fixed-size header exchange behind every go/no-go decision of a portable operation.
+"""Gates: the fixed-size header round behind every go/no-go decision of a portable operation.
 
 A gate is one ``all_gather`` of a fixed header (:data:`HEADER_BYTES` bytes) from every
 member of the checkpoint binding's process group. It carries the member's status and
@@ -148,7 +148,7 @@ class Session:
         sizes: tuple[int, int, int] = (0, 0, 0),
         payload_digest: str | None = None,
     ) -> list[Header]:
-        """Exchange headers for ``phase``; raise the same error on every member on any failure.
+        """Share headers for ``phase``; raise the same error on every member on any failure.
 
         ``context`` (64 hex) must be equal on every member; it binds the gate to the data
         the members believe they share (for example a catalog digest).

@@ -5,7 +5,7 @@ gates, ``broadcast`` and point-to-point ``send``/``recv`` for payload bytes), ne
 collectives. Tensors travel on the binding's collective device in ``limits.chunk_bytes``
 slices; CPU tensors are received straight into their destination.
 
-:func:`exchange_values` (every member's small value to every member) runs, in order: an
+:func:`share_values` (every member's small value to every member) runs, in order: an
 *announce* gate with each member's metadata size, tensor count, tensor bytes and metadata
 digest (all per-member and aggregate limits are checked on the gathered sizes before
 anything moves); one metadata broadcast per member, parsed with the limits before any
@@ -36,7 +36,7 @@ from .fragments import PortableFragment, verify_fragment
 from .protocol import Header, Session
 from .wire import WireLayout, encode_wire, parse_wire, reconstruct_wire
 
-__all__ = ["FragmentKey", "exchange_values", "fetch_fragments"]
+__all__ = ["FragmentKey", "share_values", "fetch_fragments"]
 
 FragmentKey = tuple[str, int]
 
@@ -123,7 +123,7 @@ def _allocate(
     return received
 
 
-def exchange_values(session: Session, phase: str, value: object, error: BaseException | None) -> list[object]:
+def share_values(session: Session, phase: str, value: object, error: BaseException | None) -> list[object]:
     """Give every member every member's ``value`` (in coordinate order), verified and bounded.
 
     ``error`` is a local failure that happened while preparing ``value``; it is reported at

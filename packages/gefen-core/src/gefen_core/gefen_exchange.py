@@ -1,4 +1,4 @@
-"""``Gefen``'s state in transport form, used by the portable adapter.
+"""``Gefen``'s state in exchange form (the portable hand-over), used by the portable adapter.
 
 One piece of one parameter travels as
 
