@@ -35,6 +35,7 @@ __all__ = [
     "NORMUON_V_FIELD",
     "SECOND_MOMENT",
     "CompactPiece",
+    "incoming_field",
     "incoming_momentum",
 ]
 
@@ -114,3 +115,26 @@ def incoming_momentum(
     flat_codes = codes.detach().reshape(-1)
     table = codebook.detach().to(device="cpu", dtype=torch.float32)
     return table.index_select(0, flat_codes.to(torch.int32)) * flat_scale, (flat_codes, flat_scale)
+
+
+def incoming_field(
+    value: object, shape: tuple[int, ...], where: str, fail: Callable[[str], Exception], *, nonnegative: bool
+) -> torch.Tensor:
+    """An imported fp32 field of ``shape``, detached: a strided float32 tensor with finite values
+    (and none negative with ``nonnegative``: a second moment or scale); raises ``fail(message)``
+    naming ``where`` otherwise."""
+    if type(value) is not torch.Tensor:
+        raise fail(f"{where} must be a torch.Tensor, got {type(value).__name__}")
+    tensor: torch.Tensor = value
+    if tensor.dtype is not torch.float32 or tensor.layout is not torch.strided or tensor.is_meta:
+        raise fail(f"{where} must be a strided float32 tensor, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
+    detached = tensor.detach()
+    if detached.numel():
+        bounds = finite_bounds(detached)
+        if bounds is None:
+            raise fail(f"{where} holds non-finite values")
+        if nonnegative and bounds[0] < 0:
+            raise fail(f"{where} holds negative values")
+    return detached

@@ -31,9 +31,16 @@ from typing import Any
 import torch
 from gefen_contracts import StateValidationError
 from gefen_contracts.exchange import PortableSlotState
-from gefen_contracts.torch_support import block_count, finite_bounds
+from gefen_contracts.torch_support import block_count
 
-from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, SECOND_MOMENT, CompactPiece, incoming_momentum
+from .compact_piece import (
+    MOMENTUM_CODES,
+    MOMENTUM_SCALE,
+    SECOND_MOMENT,
+    CompactPiece,
+    incoming_field,
+    incoming_momentum,
+)
 from .dense_view import factored_statistics, factored_values
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
@@ -143,21 +150,7 @@ class IncomingPiece:
 
 
 def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bool) -> torch.Tensor:
-    if type(value) is not torch.Tensor:
-        raise _fail(f"{where} must be a torch.Tensor, got {type(value).__name__}")
-    tensor: torch.Tensor = value
-    if tensor.dtype is not torch.float32 or tensor.layout is not torch.strided or tensor.is_meta:
-        raise _fail(f"{where} must be a strided float32 tensor, got {tensor.dtype}")
-    if tuple(tensor.shape) != shape:
-        raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
-    flat = tensor.detach().reshape(-1)
-    if flat.numel():
-        bounds = finite_bounds(flat)
-        if bounds is None:
-            raise _fail(f"{where} holds non-finite values")
-        if nonnegative and bounds[0] < 0:
-            raise _fail(f"{where} holds negative values (a second moment is never negative)")
-    return flat
+    return incoming_field(value, shape, where, _fail, nonnegative=nonnegative).reshape(-1)
 
 
 def _counter(counters: Mapping[str, int], key: str, where: str, maximum: int) -> int:

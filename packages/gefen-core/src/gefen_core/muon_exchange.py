@@ -24,10 +24,16 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
-from gefen_contracts.torch_support import finite_bounds
 
-from .compact_piece import MOMENTUM_CODES, MOMENTUM_SCALE, NORMUON_V_FIELD, CompactPiece, incoming_momentum
-from .gefen_exchange import momentum_codes
+from .compact_piece import (
+    MOMENTUM_CODES,
+    MOMENTUM_SCALE,
+    NORMUON_V_FIELD,
+    CompactPiece,
+    incoming_field,
+    incoming_momentum,
+)
+from .gefen_exchange import PRISTINE, momentum_codes
 from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, STEP, period_of
 from .parameter_update import placeholder_codebook
@@ -46,7 +52,6 @@ __all__ = [
     "plan_muon_piece",
 ]
 
-PRISTINE = "pristine"
 MUON = "muon"
 NORMUON = "normuon"
 #: Group options that are the target's own choice (where state lives and how steps run).
@@ -87,24 +92,6 @@ class IncomingMuonPiece:
     normuon_v: torch.Tensor | None
     shape: tuple[int, int]
     source: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def _field(value: object, shape: tuple[int, ...], where: str, *, nonnegative: bool) -> torch.Tensor:
-    if type(value) is not torch.Tensor:
-        raise _fail(f"{where} must be a torch.Tensor, got {type(value).__name__}")
-    tensor: torch.Tensor = value
-    if tensor.dtype is not torch.float32 or tensor.layout is not torch.strided or tensor.is_meta:
-        raise _fail(f"{where} must be a strided float32 tensor, got {tensor.dtype}")
-    if tuple(tensor.shape) != shape:
-        raise _fail(f"{where} must have shape {shape}, got {tuple(tensor.shape)}")
-    detached = tensor.detach()
-    if detached.numel():
-        bounds = finite_bounds(detached)
-        if bounds is None:
-            raise _fail(f"{where} holds non-finite values")
-        if nonnegative and bounds[0] < 0:
-            raise _fail(f"{where} holds negative values")
-    return detached
 
 
 def check_incoming_muon(
@@ -153,11 +140,17 @@ def check_incoming_muon(
     normuon_v = None
     if variant == NORMUON:
         if NORMUON_V_FIELD in replica_fields:
-            normuon_v = _field(
-                replica_fields[NORMUON_V_FIELD], (rows, 1), f"{where} replica field 'normuon_v'", nonnegative=True
+            normuon_v = incoming_field(
+                replica_fields[NORMUON_V_FIELD],
+                (rows, 1),
+                f"{where} replica field 'normuon_v'",
+                _fail,
+                nonnegative=True,
             )
         else:
-            dense = _field(element_fields[NORMUON_V_FIELD], shape, f"{where} field 'normuon_v'", nonnegative=True)
+            dense = incoming_field(
+                element_fields[NORMUON_V_FIELD], shape, f"{where} field 'normuon_v'", _fail, nonnegative=True
+            )
             normuon_v = dense[:, :1].contiguous()
             if not torch.equal(dense, normuon_v.expand(rows, cols)):
                 raise _fail(f"{where} field 'normuon_v' must repeat one value along each row")

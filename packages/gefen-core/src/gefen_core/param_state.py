@@ -138,6 +138,8 @@ ELEMENT_KEYS = (*_COMMON, V, V_STEP)
 VARIANT_FIELDS = {BLOCK: BLOCK_KEYS, FACTORED: FACTORED_KEYS, ELEMENT: ELEMENT_KEYS}
 VARIANT_KEYS = {variant: frozenset(keys) for variant, keys in VARIANT_FIELDS.items()}
 COUNTER_KEYS = (STEP, VMEAN_STEP, FACTORED_STEP, V_STEP)
+#: Every variant's second-moment keys (what a switch of variant replaces).
+_SECOND_MOMENT_KEYS = tuple(key for keys in VARIANT_FIELDS.values() for key in keys if key not in _COMMON)
 AGE_KEYS = {BLOCK: VMEAN_STEP, FACTORED: FACTORED_STEP, ELEMENT: V_STEP}
 
 
@@ -246,7 +248,7 @@ def zero_padding(codes: torch.Tensor, numel: int) -> None:
 
 def switch_second_moment(state: dict[str, Any], variant: str, local: torch.Tensor, capturable: bool) -> None:
     """Replace the second moment by a zero one of ``variant`` (age 0), in place."""
-    for key in (VMEAN, VMEAN_STEP, V_ROW, V_COL, FACTORED_STEP, V, V_STEP):
+    for key in _SECOND_MOMENT_KEYS:
         state.pop(key, None)
     blocks = state[INDICES].shape[0]
     state.update(_second_moment(variant, local, blocks, local.device, capturable))
