@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
 from gefen_contracts.torch_support import is_dtensor, local_tensor
@@ -94,14 +96,17 @@ def local_box(global_shape: tuple[int, ...], parameter: object, *, where: str) -
     a plain tensor."""
     if parameter is None or not is_dtensor(parameter):
         return ShardGeometry(global_shape, (0,) * len(global_shape), global_shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     mesh = parameter.device_mesh  # type: ignore[attr-defined]
     if mesh.get_coordinate() is None:
         raise CheckpointLayoutError(f"{where}: this process is not in the parameter's device mesh")
-    sizes, offsets = compute_local_shape_and_global_offset(
-        torch.Size(global_shape),
-        mesh,
-        parameter.placements,  # type: ignore[attr-defined]
-    )
+    return _placed_box(global_shape, mesh, tuple(parameter.placements))  # type: ignore[attr-defined]
+
+
+@lru_cache(maxsize=1024)
+def _placed_box(global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> ShardGeometry:
+    # memoised: torch's computation costs tens of microseconds a call, and a load asks it for
+    # every state tensor while a model has only a few distinct (shape, placement) pairs
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(torch.Size(global_shape), mesh, placements)
     return ShardGeometry(global_shape, tuple(int(o) for o in offsets), tuple(int(n) for n in sizes))
