@@ -129,7 +129,7 @@ def test_an_import_onto_the_exporting_layout_keeps_each_fragments_own_blocks(tmp
     """The projection hands a piece that is exactly one fragment its block fields as exported,
     and Gefen keeps the source's blocks, codes and scales as they are (no expansion, no
     re-encoding): the same state, bit for bit, as importing the expanded record and re-blocking."""
-    import gefen_core.portable_adapter as adapter
+    import gefen_core.gefen_exchange as adapter
     from gefen_contracts.torch_support import as_imported
 
     model, optimizer = _build("gefen")

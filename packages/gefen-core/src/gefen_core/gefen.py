@@ -7,11 +7,13 @@ checkpoints and the contract; the numerics live in the modules it calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from gefen_contracts import OptimizerContract
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
 from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
 from gefen_contracts.transactions import StagedTransaction
 
@@ -21,6 +23,7 @@ from .contract import IMPLEMENTATION, gefen_contract
 from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import GefenBindingMethods
+from .gefen_exchange import live_piece, native_from_records
 from .momentum_codec import stochastic_seed
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
@@ -37,17 +40,25 @@ from .param_groups import check_parameters, normalize_group_options
 from .param_state import FACTORED, INDICES, new_state, period_of, storage_bytes, zero_padding
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import PeriodPolicy
-from .portable_adapter import GefenPortableState
+from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 from .step_plan import ParamWork, StepDecision, StepPlan, capturing, plan_step
 
-__all__ = ["Gefen"]
+__all__ = ["PORTABLE", "Gefen"]
 
 _NATIVE_LOAD = "gefen.native_load"
+#: Gefen's portable adapter role (its ``portable_*`` methods delegate to it).
+PORTABLE = PortableRole(
+    "gefen.Gefen",
+    "parameter(s)",
+    frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD}),
+    live_piece,
+    native_from_records,
+)
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -269,7 +280,7 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
             codebook_refresh_every=self._refresh_every,
             fused=self._dispatch.fused,
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
-            portable=self._portable_status(),
+            portable=PORTABLE.status(self),
             portable_sealed=self._bound_layout() is not None,
             period_one_1d=all(bool(g["force_1d_period_one"]) for g in self.param_groups),
         )
@@ -497,6 +508,31 @@ class Gefen(GefenBindingMethods, GefenPortableState, OwnAttributesPickling, torc
                 counter.add_(1)
         self._global_step += 1
         self._version += 1
+
+    # -- portable state (the role: :class:`gefen_core.portable_adapter.PortableRole`) ----------
+
+    def portable_layout(self) -> PortableLayout:
+        """The local target layout of portable state: the sealed one, or the implicit one."""
+        return PORTABLE.layout(self)
+
+    def portable_export(self) -> PortableExport:
+        """This member's compact state as portable records (fresh CPU copies; no collective)."""
+        return PORTABLE.export(self)
+
+    def portable_prepare_import(
+        self,
+        *,
+        implementation: str,
+        policy: Mapping[str, Any],
+        common: Mapping[str, Any],
+        slots: Sequence[PortableSlotState],
+    ) -> StagedTransaction:
+        """Check, re-encode and stage projected portable records for this layout (no mutation)."""
+        return PORTABLE.prepare_import(self, implementation=implementation, policy=policy, common=common, slots=slots)
+
+    def portable_commit_import(self, staged: StagedTransaction) -> None:
+        """Publish a staged portable import by the native load's swaps."""
+        PORTABLE.commit_import(self, staged)
 
     # -- checkpoints --------------------------------------------------------------------
 

@@ -24,15 +24,17 @@ The age counter carries over whichever representation the target takes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
 from gefen_contracts.exchange import PortableSlotState
-from gefen_contracts.torch_support import block_count
+from gefen_contracts.identity import LogicalSlice
+from gefen_contracts.torch_support import as_imported, block_count
 
+from . import native_format as F
 from .compact_piece import (
     MOMENTUM_CODES,
     MOMENTUM_SCALE,
@@ -44,6 +46,7 @@ from .compact_piece import (
 from .dense_view import factored_statistics, factored_values
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
+from .native_records import native_state_dict
 from .param_groups import normalize_group_options
 from .param_state import (
     AGE_KEYS,
@@ -64,13 +67,14 @@ from .param_state import (
     counter_value,
     element_codes,
     period_of,
+    second_moment_variant,
     state_variant,
 )
 from .parameter_update import placeholder_codebook
 from .periods import PeriodPolicy, aligned_period, cuts
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
 from .state_placement import export_tensors
-from .transport_slots import plain_options
+from .transport_slots import NamedSlot, adopted_groups, plain_options, positional_state
 
 __all__ = [
     "PRISTINE",
@@ -79,9 +83,11 @@ __all__ = [
     "complete_factors",
     "period_policy",
     "slot_options",
+    "live_name",
     "live_piece",
     "momentum_codes",
     "native_entry",
+    "native_from_records",
     "own_blocks_entry",
     "plan_piece",
 ]
@@ -432,3 +438,76 @@ def period_policy(options: Mapping[str, Any]) -> PeriodPolicy:
         bool(options["force_2d_period_one"]),
         tuple(options["period_one_substrings"]),
     )
+
+
+def live_name(param_groups: Sequence[Mapping[str, Any]], slot: NamedSlot) -> str | None:
+    """The live parameter name of ``slot`` (``None`` for an unnamed group or a slot without a tensor)."""
+    names = param_groups[slot.group_index].get("param_names")
+    if names is None or slot.live_index is None:
+        return None
+    return str(names[slot.live_index])
+
+
+def native_from_records(
+    optimizer: Any, global_step: int, codebook: torch.Tensor | None, pairs: list[tuple[NamedSlot, PortableSlotState]]
+) -> dict[str, Any]:
+    """Gefen's native state dict for checked portable slot records (``pairs``, in the order of
+    the optimizer's slots): every piece re-blocked and re-encoded for its target (a piece that
+    is exactly the fragment that exported it keeps its own blocks), target groups adopting the
+    options recorded for their parameters. The native staged load validates the result."""
+    records: list[list[tuple[str, dict[str, Any]]]] = [[] for _ in optimizer.param_groups]
+    entries: dict[tuple[int, int], dict[str, Any]] = {}
+    for slot, record in pairs:
+        where = f"parameter {slot.fqn!r}"
+        plain, options = slot_options(record.options, where)
+        records[slot.group_index].append((slot.fqn, plain))
+        if slot.tensor is None:
+            continue
+        tensor = slot.tensor
+        target = second_moment_variant(tensor.shape, options)
+        assert slot.live_index is not None
+        if record.block_fields:  # the piece is the fragment that exported it: keep its own blocks
+            name = live_name(optimizer.param_groups, slot)
+            forced = period_policy(options).forces_period_one(name, tensor.dim())
+            kept = own_blocks_entry(record, param=tensor, target=target, forced_one=forced, global_step=global_step)
+            if kept is not None:
+                entries[(slot.group_index, slot.live_index)] = kept
+                continue
+            record = as_imported(record, tuple(tensor.shape))
+        shard = record.layout.shard
+        extent = shard.extent
+        offset = extent.flat_offset if type(extent) is LogicalSlice else 0
+        piece = check_incoming(
+            slot.fqn,
+            record.variant,
+            record.counters,
+            record.element_fields,
+            record.replica_fields,
+            piece_shape=tuple(tensor.shape),
+            flat_offset=offset,
+            global_shape=shard.parameter.global_shape,
+            global_step=global_step,
+            codebook=codebook,
+        )
+        if piece is None:
+            continue
+        choice = plan_piece(
+            piece,
+            search_shape=tuple(tensor.shape),
+            policy=period_policy(options),
+            name=live_name(optimizer.param_groups, slot),
+            ndim=tensor.dim(),
+            codebook=codebook,
+        )
+        factors = complete_factors(piece, *tensor.shape) if target == FACTORED else None
+        entries[(slot.group_index, slot.live_index)] = native_entry(
+            piece, choice.period, codebook, param=tensor, target=target, factors=factors, encoding=choice.encoding
+        )
+    groups = adopted_groups(optimizer.param_groups, records)
+    state = positional_state(groups, entries)
+    record_fields = {
+        "global_step": global_step,
+        "codebook": codebook,
+        "deterministic": optimizer._deterministic,
+    }
+    return native_state_dict(F.FORMAT, groups, state, record_fields)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from gefen_contracts import FeatureStatus, OptimizerContract
+from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
 from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
 from gefen_contracts.transactions import StagedTransaction
 
@@ -28,11 +30,11 @@ from .fp8_newton_schulz import fp8_capable
 from .muon_binding import MuonBindingMethods
 from .muon_contract import IMPLEMENTATION, REPLICATED_STATE_LAYOUT, mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
+from .muon_exchange import live_muon_piece, muon_native_from_records
 from .muon_execution import MuonExecution
 from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_plan import MuonPlan, check_entry, check_matrix, plan_muon_step
-from .muon_portable import GefenMuonPortableState
 from .native_records import GROUP_MIRROR
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .ops import MUON_DISPATCHED_OPS, Kernels
@@ -44,19 +46,27 @@ from .optimizer_support import (
     run_eagerly,
 )
 from .param_state import storage_bytes
+from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 
-__all__ = ["GefenMuon"]
+__all__ = ["PORTABLE", "GefenMuon"]
 
 
 _NATIVE_LOAD = "gefen.muon_native_load"
+#: GefenMuon's portable adapter role (its ``portable_*`` methods delegate to it).
+PORTABLE = PortableRole(
+    "gefen.GefenMuon",
+    "matrix(es)",
+    frozenset({ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER}),
+    live_muon_piece,
+    muon_native_from_records,
+)
 _LOG = logging.getLogger("gefen_core.muon")
 
 
 class GefenMuon(
     MuonExecution,
     MuonBindingMethods,
-    GefenMuonPortableState,
     OwnAttributesPickling,
     torch.optim.Optimizer,
 ):
@@ -271,7 +281,7 @@ class GefenMuon(
             deterministic=self._deterministic,
             stochastic_round=self._stochastic_round,
             fused=self._dispatch.fused,
-            portable=self._portable_status(),
+            portable=PORTABLE.status(self),
             parameter_shaped=self._parameter_shaped_status(),
             portable_sealed=self._bound_layout() is not None,
         )
@@ -380,6 +390,31 @@ class GefenMuon(
     def _log(self, message: str, *args: Any) -> None:
         if self._verbose:
             _LOG.info("GefenMuon step %d: " + message, self._global_step, *args)
+
+    # -- portable state (the role: :class:`gefen_core.portable_adapter.PortableRole`) ----------
+
+    def portable_layout(self) -> PortableLayout:
+        """The local target layout of portable state: the sealed one, or the implicit one."""
+        return PORTABLE.layout(self)
+
+    def portable_export(self) -> PortableExport:
+        """This member's compact state as portable records (fresh CPU copies; no collective)."""
+        return PORTABLE.export(self)
+
+    def portable_prepare_import(
+        self,
+        *,
+        implementation: str,
+        policy: Mapping[str, Any],
+        common: Mapping[str, Any],
+        slots: Sequence[PortableSlotState],
+    ) -> StagedTransaction:
+        """Check, re-encode and stage projected portable records for this layout (no mutation)."""
+        return PORTABLE.prepare_import(self, implementation=implementation, policy=policy, common=common, slots=slots)
+
+    def portable_commit_import(self, staged: StagedTransaction) -> None:
+        """Publish a staged portable import by the native load's swaps."""
+        PORTABLE.commit_import(self, staged)
 
     # -- checkpoints ----------------------------------------------------------------------
 

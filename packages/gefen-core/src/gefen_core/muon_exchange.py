@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.exchange import PortableSlotState
+from gefen_contracts.torch_support import as_imported
 
 from .compact_piece import (
     MOMENTUM_CODES,
@@ -34,11 +36,13 @@ from .compact_piece import (
     incoming_momentum,
 )
 from .gefen_exchange import PRISTINE, momentum_codes
+from .muon_native_state import export_muon_state_dict, slot_layouts
 from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, STEP, period_of
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 from .reblocking import PeriodChoice, choose_period
+from .transport_slots import NamedSlot, adopted_groups, plain_options
 
 __all__ = [
     "EXECUTION_OPTIONS",
@@ -49,6 +53,7 @@ __all__ = [
     "check_incoming_muon",
     "live_muon_piece",
     "muon_entry",
+    "muon_native_from_records",
     "plan_muon_piece",
 ]
 
@@ -189,3 +194,50 @@ def muon_entry(
         entry[NORMUON_V] = piece.normuon_v.to(device=device, copy=True)
         entry[NORMUON_STEP] = piece.normuon_step
     return entry
+
+
+def muon_native_from_records(
+    optimizer: Any, global_step: int, codebook: torch.Tensor | None, pairs: list[tuple[NamedSlot, PortableSlotState]]
+) -> dict[str, Any]:
+    """GefenMuon's native state dict for checked portable slot records (``pairs``, in the order
+    of the optimizer's slots): whole matrices re-blocked and re-encoded, target groups adopting
+    the options recorded for their matrices. The native staged load validates the result."""
+    records: list[list[tuple[str, dict[str, Any]]]] = [[] for _ in optimizer.param_groups]
+    entries: dict[tuple[int, int], dict[str, Any]] = {}
+    for slot, record in pairs:
+        records[slot.group_index].append((slot.fqn, plain_options(record.options)))
+        if slot.tensor is None:
+            continue
+        rows, cols = (int(d) for d in slot.tensor.shape)
+        if record.block_fields:  # passed through unexpanded: GefenMuon re-blocks from the expanded form
+            record = as_imported(record, (rows, cols))
+        piece = check_incoming_muon(
+            slot.fqn,
+            record.variant,
+            record.counters,
+            record.element_fields,
+            record.replica_fields,
+            shape=(rows, cols),
+            global_step=global_step,
+            codebook=codebook,
+        )
+        if piece is None:
+            continue
+        choice = plan_muon_piece(piece, search_shape=(rows, cols), codebook=codebook)
+        assert slot.live_index is not None
+        entries[(slot.group_index, slot.live_index)] = muon_entry(
+            piece, choice.period, codebook, device=slot.tensor.device, encoding=choice.encoding
+        )
+    groups = adopted_groups(optimizer.param_groups, records, keep=EXECUTION_OPTIONS)
+    layouts, scope = slot_layouts(groups)
+    positions = [(g, k) for g, group in enumerate(groups) for k in range(len(group["params"]))]
+    states = [entries.get(position) for position in positions]
+    return export_muon_state_dict(
+        groups,
+        states,
+        layouts,
+        scope,
+        codebook=codebook,
+        global_step=global_step,
+        deterministic=optimizer._deterministic,
+    )

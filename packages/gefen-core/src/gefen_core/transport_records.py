@@ -26,13 +26,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import FEATURE_PORTABLE_STATE, StateValidationError
-from gefen_contracts.exchange import PortableLayout, PortableSlotLayout, PortableSlotState
+from gefen_contracts import StateValidationError
+from gefen_contracts.exchange import PortableLayout, PortableSlotLayout
 from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import SealedLayout
 
 from .codebook import validate_codebook
-from .transport_slots import NamedSlot, implicit_shard, named_slots, require_feature
+from .transport_slots import implicit_shard, named_slots
 
 __all__ = [
     "POLICY_SCHEMA_VERSION",
@@ -115,41 +115,3 @@ def portable_layout_of(
         slots.append(PortableSlotLayout(shard, slot.position, slot.compatibility_name))
     manifest = sealed.manifest if sealed is not None else ShardingManifest(tuple(shards))
     return PortableLayout(implementation, manifest, tuple(slots))
-
-
-def checked_import_records(
-    optimizer: Any,
-    *,
-    implementation: str,
-    expected_implementation: str,
-    policy: Mapping[str, Any],
-    common: Mapping[str, Any],
-    slots: Sequence[PortableSlotState],
-    who: str,
-) -> tuple[int, torch.Tensor | None, list[tuple[NamedSlot, PortableSlotState]]]:
-    """The checks every portable import of a Gefen-family optimizer starts with, before any
-    re-encoding: the sealed layout (``LayoutTamperedError``), the ``portable_state`` claim, the
-    implementation, the policy and common records, and slot records that follow
-    ``portable_layout()`` one to one. Returns ``(global_step, codebook, [(slot, record), ...])``;
-    raises ``StateValidationError`` prefixed with ``who``; mutates nothing."""
-    optimizer._verify_layout("portable_prepare_import")
-    require_feature(FEATURE_PORTABLE_STATE, optimizer._portable_status())
-    if implementation != expected_implementation:
-        raise StateValidationError(
-            f"{who}: the state was exported by {implementation!r}, not {expected_implementation!r}"
-        )
-    check_policy(policy, optimizer._deterministic, who)
-    global_step, codebook = check_common(common, who)
-    layout = optimizer.portable_layout()
-    named = named_slots(optimizer.param_groups, optimizer._bound_layout())
-    incoming = tuple(slots)
-    if len(incoming) != len(layout.slots):
-        raise StateValidationError(f"{who}: expected {len(layout.slots)} slot records, got {len(incoming)}")
-    pairs = []
-    for slot, record, expected in zip(named, incoming, layout.slots):
-        if type(record) is not PortableSlotState or record.layout != expected:
-            raise StateValidationError(
-                f"{who}: slot records must follow portable_layout() one to one; {expected.fqn!r} is out of place"
-            )
-        pairs.append((slot, record))
-    return global_step, codebook, pairs

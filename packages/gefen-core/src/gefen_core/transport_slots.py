@@ -8,8 +8,8 @@ state, and which group options travel with it.
   (:class:`gefen_contracts.torch_support.SealedLayout`) supplies the manifest, every slot's
   original ``(group, slot)`` position and compatibility name, and the shard of each bound
   tensor; pruned non-owner slots of a whole-parameter-owner layout are listed without a
-  tensor. :meth:`BoundLayoutHook._bound_layout` is the seam: ``None`` here, and the sealed
-  layout once ``post_sharding`` ran (:class:`gefen_core.identity.IdentityMethods` overrides it).
+  tensor. The optimizer's ``_bound_layout()`` is the seam: ``None`` before ``post_sharding``, the sealed
+  layout after it (:class:`gefen_core.identity.IdentityMethods`).
 
 Options are every group key except ``params`` and ``param_names``, as primitives (tuples
 become lists); a tensor ``lr`` or any other non-primitive value keeps the optimizer out of
@@ -31,7 +31,6 @@ from gefen_contracts.naming import param_group_naming_blockers
 from gefen_contracts.torch_support import SealedLayout
 
 __all__ = [
-    "BoundLayoutHook",
     "NamedSlot",
     "adopted_groups",
     "find_slot",
@@ -46,19 +45,6 @@ __all__ = [
 ]
 
 _NOT_OPTIONS = frozenset({"params", "param_names"})
-
-
-class BoundLayoutHook:
-    """Mixin seam: the sealed ``post_sharding`` layout of the optimizer, if any."""
-
-    def _bound_layout(self) -> SealedLayout | None:
-        """The sealed layout the transports read (``None``: the implicit layout, one replicated
-        shard per named parameter)."""
-        return None
-
-    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]:
-        """``native`` with the live shard-identity guard when a layout is bound (unchanged here)."""
-        return native
 
 
 @dataclass(frozen=True, slots=True, eq=False)
