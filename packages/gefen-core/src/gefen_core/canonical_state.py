@@ -55,6 +55,7 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .identity import IdentityReadiness, IdentityRecord
 from .native_records import GROUP_MIRROR, NativeFormat, with_state_digest
+from .optimizer_support import NativeCheckpoint
 
 __all__ = ["NO_STATE_VARIANT", "CanonicalStateMethods"]
 
@@ -128,8 +129,8 @@ class CanonicalStateMethods:
     ``_canonical_layout`` (its ``OptimizerStateLayout``), ``_canonical_counters``,
     ``_native_format`` (its :class:`~gefen_core.native_records.NativeFormat`),
     ``_canonical_policy()``, ``_canonical_common()``, ``_canonical_record(common)``,
-    ``_canonical_blockers()``, ``_stage_native_state(state_dict)`` and
-    ``_publish_native_state(payload)``.
+    ``_canonical_blockers()`` and ``_native`` (its
+    :class:`~gefen_core.optimizer_support.NativeCheckpoint`, which stages and publishes).
     """
 
     _identity: IdentityRecord | None
@@ -138,6 +139,7 @@ class CanonicalStateMethods:
     _codebook: torch.Tensor | None
     _identity_implementation: str
     _canonical_layout: OptimizerStateLayout
+    _native: NativeCheckpoint
     _canonical_layouts: frozenset[ParameterLayout]
     _canonical_counters: tuple[str, ...]
     _native_format: NativeFormat
@@ -160,12 +162,6 @@ class CanonicalStateMethods:
         raise NotImplementedError
 
     def _canonical_blockers(self) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def _stage_native_state(self, state_dict: Mapping[str, Any]) -> Any:
-        raise NotImplementedError
-
-    def _publish_native_state(self, payload: Any) -> None:
         raise NotImplementedError
 
     # -- readiness -----------------------------------------------------------------------------
@@ -321,13 +317,13 @@ class CanonicalStateMethods:
     def _prepare_import(self, document: Mapping[str, Any], identity_ready: FeatureStatus) -> StagedTransaction:
         identity = self._require_canonical("prepare_local_import", identity_ready)
         native = self._native_from_document(identity, document)
-        payload = self._stage_native_state(native)
+        payload = self._native.stage(self, native)
         return StagedTransaction(self, kind=_IMPORT_KIND, token=self._canonical_freshness(), payload=payload)
 
     def _commit_import(self, staged: StagedTransaction) -> None:
         self._verify_layout("commit_local_import")
         payload = require_transaction(staged).claim(self, kind=_IMPORT_KIND, current_token=self._canonical_freshness())
-        self._publish_native_state(payload)
+        self._native.publish(self, payload)
 
     # -- CanonicalLocalState -------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
+from gefen_contracts.torch_support import check_new_group
 from gefen_contracts.transactions import StagedTransaction
 
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
@@ -29,10 +29,9 @@ from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM, Kernels
 from .optimizer_support import (
+    NativeCheckpoint,
     OwnAttributesPickling,
     codebook_on,
-    export_with_hooks,
-    load_with_hooks,
     publish_groups_and_state,
     run_eagerly,
 )
@@ -56,6 +55,34 @@ PORTABLE = PortableRole(
     native_from_records,
 )
 Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _export_native(optimizer: Gefen) -> dict[str, Any]:
+    return export_state_dict(
+        optimizer.param_groups,
+        optimizer.state,
+        codebook=optimizer._codebook,
+        global_step=optimizer.global_step,
+        deterministic=optimizer._deterministic,
+    )
+
+
+def _stage_native(optimizer: Gefen, state_dict: Mapping[str, Any]) -> StagedNativeState:
+    return stage_state_dict(
+        state_dict,
+        param_groups=optimizer.param_groups,
+        deterministic=optimizer._deterministic,
+        capturable=optimizer._capturable,
+    )
+
+
+def _publish_native(optimizer: Gefen, payload: StagedNativeState) -> None:
+    publish_groups_and_state(optimizer, payload.groups, payload.state)
+    optimizer._codebook = payload.codebook
+    optimizer._codebook_copies = {}
+    optimizer._global_step = payload.global_step
+    optimizer._device_global_steps = {}
+    optimizer._version += 1
 
 
 class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
@@ -105,6 +132,7 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """
 
     _identity_implementation = IMPLEMENTATION
+    _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
 
     def __init__(
         self,
@@ -537,54 +565,21 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The native state dict (format ``gefen.native_state`` v3: tensors and primitives only;
-        a finalized optimizer adds its shard-identity guard, :mod:`gefen_core.native_identity`)."""
-        return export_with_hooks(self, self._export_native)
-
-    def _export_native(self) -> dict[str, Any]:
-        self._verify_layout("state_dict")
-        exported = export_state_dict(
-            self.param_groups,
-            self.state,
-            codebook=self._codebook,
-            global_step=self.global_step,
-            deterministic=self._deterministic,
-        )
-        if self._identity is not None:
-            exported[IDENTITY_KEY] = identity_guard(self._identity.sealed)
-        return exported
+        """The native state dict (format ``gefen.native_state``: tensors and primitives only;
+        a bound optimizer adds its shard-identity guard, ``gefen_contracts.torch_support.identity_guard``)."""
+        return self._native.state_dict(self)
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage the new state; changes nothing."""
-        self._verify_layout("load_state_dict")
-        staged = self._stage_native_state(split_identity_guard(state_dict, self._bound_layout()))  # type: ignore[arg-type]
-        return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
-
-    def _stage_native_state(self, state_dict: Mapping[str, Any]) -> StagedNativeState:
-        return stage_state_dict(
-            state_dict,
-            param_groups=self.param_groups,
-            deterministic=self._deterministic,
-            capturable=self._capturable,
-        )
+        return self._native.stage_state_dict(self, state_dict)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
-        self._verify_layout("load_state_dict")
-        self._publish_native_state(staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version))
-
-    def _publish_native_state(self, payload: object) -> None:
-        assert isinstance(payload, StagedNativeState)
-        publish_groups_and_state(self, payload.groups, payload.state)
-        self._codebook = payload.codebook
-        self._codebook_copies = {}
-        self._global_step = payload.global_step
-        self._device_global_steps = {}
-        self._version += 1
+        self._native.commit_staged_state_dict(self, staged)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation)."""
-        load_with_hooks(self, state_dict, lambda sd: self.commit_staged_state_dict(self.stage_state_dict(sd)))
+        self._native.load_state_dict(self, state_dict)
 
     _OWN_ATTRIBUTES = (
         "_dispatch",

@@ -19,7 +19,7 @@ import torch
 from gefen_contracts import FeatureStatus, OptimizerContract
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.torch_support import IDENTITY_KEY, check_new_group, identity_guard, split_identity_guard
+from gefen_contracts.torch_support import check_new_group
 from gefen_contracts.transactions import StagedTransaction
 
 from .amp import has_fp16_gradients, unscale_gradients
@@ -39,9 +39,8 @@ from .native_records import GROUP_MIRROR
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .ops import MUON_DISPATCHED_OPS, Kernels
 from .optimizer_support import (
+    NativeCheckpoint,
     OwnAttributesPickling,
-    export_with_hooks,
-    load_with_hooks,
     publish_groups_and_state,
     run_eagerly,
 )
@@ -62,6 +61,30 @@ PORTABLE = PortableRole(
     muon_native_from_records,
 )
 _LOG = logging.getLogger("gefen_core.muon")
+
+
+def _export_native(optimizer: GefenMuon) -> dict[str, Any]:
+    return muon_state_dict(
+        optimizer.param_groups,
+        optimizer.state,
+        codebook=optimizer._codebook,
+        global_step=optimizer._global_step,
+        deterministic=optimizer._deterministic,
+    )
+
+
+def _stage_native(optimizer: GefenMuon, state_dict: Mapping[str, Any]) -> StagedMuonState:
+    return stage_muon_state_dict(
+        state_dict, param_groups=optimizer.param_groups, deterministic=optimizer._deterministic
+    )
+
+
+def _publish_native(optimizer: GefenMuon, payload: StagedMuonState) -> None:
+    publish_groups_and_state(optimizer, payload.groups, payload.state)
+    optimizer._codebook = payload.codebook
+    optimizer._codebook_copies = {}
+    optimizer._global_step = payload.global_step
+    optimizer._version += 1
 
 
 class GefenMuon(
@@ -110,6 +133,7 @@ class GefenMuon(
     """
 
     _identity_implementation = IMPLEMENTATION
+    _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
     _canonical_layout = REPLICATED_STATE_LAYOUT
 
     def __init__(
@@ -419,51 +443,24 @@ class GefenMuon(
     # -- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The native state dict (``gefen.muon_native_state`` v1; tensors and primitives only).
+        """The native state dict (``gefen.muon_native_state``; tensors and primitives only).
 
         Collective when a group uses ``sharded_mode="distributed"`` under FSDP2: every rank of
         the mesh must call it, and every rank returns the complete, consolidated state.
         """
-        return export_with_hooks(self, self._export_native)
-
-    def _export_native(self) -> dict[str, Any]:
-        self._verify_layout("state_dict")
-        exported = muon_state_dict(
-            self.param_groups,
-            self.state,
-            codebook=self._codebook,
-            global_step=self._global_step,
-            deterministic=self._deterministic,
-        )
-        if self._identity is not None:
-            exported[IDENTITY_KEY] = identity_guard(self._identity.sealed)
-        return exported
+        return self._native.state_dict(self)
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage this rank's share; changes nothing."""
-        self._verify_layout("load_state_dict")
-        staged = self._stage_native_state(split_identity_guard(state_dict, self._bound_layout()))  # type: ignore[arg-type]
-        return StagedTransaction(self, kind=_NATIVE_LOAD, token=self._version, payload=staged)
-
-    def _stage_native_state(self, state_dict: Mapping[str, Any]) -> StagedMuonState:
-        return stage_muon_state_dict(state_dict, param_groups=self.param_groups, deterministic=self._deterministic)
+        return self._native.stage_state_dict(self, state_dict)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
-        self._verify_layout("load_state_dict")
-        self._publish_native_state(staged.claim(self, kind=_NATIVE_LOAD, current_token=self._version))
-
-    def _publish_native_state(self, payload: object) -> None:
-        assert isinstance(payload, StagedMuonState)
-        publish_groups_and_state(self, payload.groups, payload.state)
-        self._codebook = payload.codebook
-        self._codebook_copies = {}
-        self._global_step = payload.global_step
-        self._version += 1
+        self._native.commit_staged_state_dict(self, staged)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation; no collective)."""
-        load_with_hooks(self, state_dict, lambda sd: self.commit_staged_state_dict(self.stage_state_dict(sd)))
+        self._native.load_state_dict(self, state_dict)
 
     _OWN_ATTRIBUTES = (
         "_dispatch",

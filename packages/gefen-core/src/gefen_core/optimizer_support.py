@@ -1,15 +1,20 @@
-"""Plumbing shared by Gefen and GefenMuon: torch's state-dict hooks around our own formats,
-pickling of the optimizer's own attributes, and per-device copies of the codebook."""
+"""Plumbing shared by Gefen and GefenMuon: the native checkpoint role (torch's state-dict hooks
+around our own formats, the staged load), pickling of the optimizer's own attributes, and
+per-device copies of the codebook."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
+from gefen_contracts.torch_support import split_identity_guard
+from gefen_contracts.transactions import StagedTransaction
 
 __all__ = [
+    "NativeCheckpoint",
     "OwnAttributesPickling",
     "codebook_on",
     "export_with_hooks",
@@ -106,3 +111,42 @@ def publish_groups_and_state(
     fresh: defaultdict[torch.Tensor, Any] = defaultdict(dict)
     fresh.update(state)
     optimizer.state = fresh
+
+
+@dataclass(frozen=True, slots=True)
+class NativeCheckpoint:
+    """The native ``state_dict`` role of Gefen and GefenMuon, written once: torch's hooks around
+    the optimizer's own format, the shard-identity guard of a bound layout, and the staged load
+    (validate everything into a payload, then publish it by swaps that cannot raise). Each
+    optimizer owns one (its ``_native``); its four checkpoint methods delegate to it, and its
+    canonical local state stages and publishes through it. It holds no state of its own."""
+
+    #: The kind of the staged transactions it returns.
+    kind: str
+    #: ``optimizer -> native state dict`` (without the identity guard).
+    export: Callable[[Any], dict[str, Any]]
+    #: ``(optimizer, state dict without the guard) -> payload``; raises ``StateValidationError``.
+    stage: Callable[[Any, Mapping[str, Any]], Any]
+    #: ``(optimizer, payload) -> None``: swap a staged payload in; cannot raise.
+    publish: Callable[[Any, Any], None]
+
+    def state_dict(self, optimizer: Any) -> dict[str, Any]:
+        def build() -> dict[str, Any]:
+            optimizer._verify_layout("state_dict")
+            return optimizer._with_identity_guard(self.export(optimizer))  # type: ignore[no-any-return]
+
+        return export_with_hooks(optimizer, build)
+
+    def stage_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> StagedTransaction:
+        optimizer._verify_layout("load_state_dict")
+        payload = self.stage(optimizer, split_identity_guard(state_dict, optimizer._bound_layout()))  # type: ignore[arg-type]
+        return StagedTransaction(optimizer, kind=self.kind, token=optimizer._version, payload=payload)
+
+    def commit_staged_state_dict(self, optimizer: Any, staged: StagedTransaction) -> None:
+        optimizer._verify_layout("load_state_dict")
+        self.publish(optimizer, staged.claim(optimizer, kind=self.kind, current_token=optimizer._version))
+
+    def load_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> None:
+        load_with_hooks(
+            optimizer, state_dict, lambda sd: optimizer.commit_staged_state_dict(optimizer.stage_state_dict(sd))
+        )
