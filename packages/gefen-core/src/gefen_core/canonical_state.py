@@ -1,8 +1,8 @@
 """Canonical local state of ``Gefen`` and ``GefenMuon``: their part of a ``gefen.bound_state`` document.
 
 The envelope is gefen-contracts' (``build_bound_state`` / ``parse_bound_state``, format
-version 1, committed golden vectors in the tests). :class:`CanonicalStateMethods` (a base
-class of both optimizers) supplies:
+version 1, committed golden vectors in the tests). :class:`CanonicalRole` (one per optimizer
+class; the optimizer's three methods delegate to it) supplies:
 
 * ``policy``: what the state means and the options that change it: ``state_format`` (the
   native format version whose entries the document carries), ``momentum`` and
@@ -36,8 +36,9 @@ primitives or plain tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from gefen_contracts import (
@@ -53,11 +54,10 @@ from gefen_contracts.state_layout import match_variants
 from gefen_contracts.torch_support import BoundParameter, build_bound_state, parse_bound_state, state_version_token
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
-from .identity import IdentityReadiness, IdentityRecord
+from .identity import IdentityRecord
 from .native_records import GROUP_MIRROR, NativeFormat, with_state_digest
-from .optimizer_support import NativeCheckpoint
 
-__all__ = ["NO_STATE_VARIANT", "CanonicalStateMethods"]
+__all__ = ["NO_STATE_VARIANT", "CanonicalRole"]
 
 #: The ``variant`` of a parameter without state (it has not stepped yet).
 NO_STATE_VARIANT = "uninitialized"
@@ -122,65 +122,60 @@ def _int_counter(value: object, where: str) -> int:
     return number
 
 
-class CanonicalStateMethods:
-    """``CanonicalLocalState`` for Gefen-family optimizers (see the module docstring).
+@dataclass(frozen=True, slots=True)
+class CanonicalRole:
+    """``CanonicalLocalState`` for a Gefen-family optimizer class (see the module docstring).
 
-    The host provides ``_identity``, ``_version``, ``_identity_implementation``,
-    ``_canonical_layout`` (its ``OptimizerStateLayout``), ``_canonical_counters``,
-    ``_native_format`` (its :class:`~gefen_core.native_records.NativeFormat`),
-    ``_canonical_policy()``, ``_canonical_common()``, ``_canonical_record(common)``,
-    ``_canonical_blockers()`` and ``_native`` (its
-    :class:`~gefen_core.optimizer_support.NativeCheckpoint`, which stages and publishes).
+    Each optimizer class owns one (``Gefen``'s :data:`gefen_core.gefen_binding.CANONICAL`,
+    ``GefenMuon``'s :data:`gefen_core.muon_binding.CANONICAL`) and its three methods delegate
+    to it; the role holds no state of its own, every method takes the optimizer, which
+    provides ``_identity``, ``_version``, ``_global_step``, ``_codebook``,
+    ``_identity_implementation``, ``_identity_readiness()``, ``_verify_layout(where)`` and
+    ``_native`` (its :class:`~gefen_core.optimizer_support.NativeCheckpoint`, which stages and
+    publishes).
     """
 
-    _identity: IdentityRecord | None
-    _version: int
-    _global_step: int
-    _codebook: torch.Tensor | None
-    _identity_implementation: str
-    _canonical_layout: OptimizerStateLayout
-    _native: NativeCheckpoint
-    _canonical_layouts: frozenset[ParameterLayout]
-    _canonical_counters: tuple[str, ...]
-    _native_format: NativeFormat
-    param_groups: list[dict[str, Any]]
-    state: Any
-
-    if TYPE_CHECKING:  # provided by IdentityMethods
-
-        def _verify_layout(self, where: str) -> None: ...
-
-        def _identity_readiness(self) -> IdentityReadiness: ...
-
-    def _canonical_policy(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _canonical_common(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _canonical_blockers(self) -> tuple[str, ...]:
-        raise NotImplementedError
+    #: The declared state variants (``gefen_contracts.state_layout.match_variants``).
+    layout: OptimizerStateLayout
+    #: The shard layouts a document covers.
+    layouts: frozenset[ParameterLayout]
+    #: The per-parameter counters (ints in a document).
+    counters: tuple[str, ...]
+    #: The native format whose entries the document carries.
+    native_format: NativeFormat
+    #: ``optimizer -> policy record`` (the options that change what the state means).
+    policy: Callable[[Any], dict[str, Any]]
+    #: ``(optimizer, document common) -> the native format's optimizer-wide records``.
+    record: Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+    #: ``optimizer -> reasons`` its options keep it out of canonical documents.
+    blockers: Callable[[Any], tuple[str, ...]]
+    #: ``(parameter, state entry) -> its tensors as the native state dict holds them``, or
+    #: ``None`` when the live tensors already are.
+    tensors: Callable[[torch.Tensor, Mapping[str, Any]], dict[str, torch.Tensor]] | None = None
 
     # -- readiness -----------------------------------------------------------------------------
 
-    def _canonical_status(self, identity_ready: FeatureStatus) -> FeatureStatus:
+    def status(self, optimizer: Any, identity_ready: FeatureStatus) -> FeatureStatus:
         """Whether canonical local state is supported now (cheap: types and structure only)."""
         if not identity_ready.supported:
             return FeatureStatus.no(*identity_ready.reasons)
-        reasons = list(self._canonical_blockers())
-        identity = self._identity
+        reasons = []
+        if optimizer._stochastic_round:
+            reasons.append(
+                "stochastic_round=True: the rounding stream follows slot positions, so a regrouped or reordered "
+                "target would not continue bit-exactly"
+            )
+        reasons.extend(self.blockers(optimizer))
+        identity = optimizer._identity
         if identity is not None:
-            other = sorted(layout.value for layout in identity.layouts - self._canonical_layouts)
+            other = sorted(layout.value for layout in identity.layouts - self.layouts)
             if other:
-                allowed = sorted(layout.value for layout in self._canonical_layouts)
+                allowed = sorted(layout.value for layout in self.layouts)
                 reasons.append(
                     f"canonical local documents cover {allowed} shards; this member also holds {other} shards (their "
                     "state is not local to one member: use portable state)"
                 )
-        for index, group in enumerate(self.param_groups):
+        for index, group in enumerate(optimizer.param_groups):
             for key, value in group.items():
                 if key in _NOT_EXPORTED:
                     continue
@@ -192,69 +187,84 @@ class CanonicalStateMethods:
                     )
         return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
 
-    def _require_canonical(self, where: str, identity_ready: FeatureStatus) -> IdentityRecord:
-        self._verify_layout(where)
-        status = self._canonical_status(identity_ready)
-        if not status.supported or self._identity is None:
+    def _require(self, optimizer: Any, where: str) -> IdentityRecord:
+        optimizer._verify_layout(where)
+        status = self.status(optimizer, optimizer._identity_readiness().identity)
+        if not status.supported or optimizer._identity is None:
             raise NotSupportedError(FEATURE_CANONICAL_LOCAL_STATE, status.reasons)
-        return self._identity
+        return optimizer._identity  # type: ignore[no-any-return]
 
-    def _canonical_freshness(self) -> Hashable:
+    @staticmethod
+    def _freshness(optimizer: Any) -> Hashable:
         return (
-            self._version,
-            self._global_step,
-            id(self._codebook),
-            id(self.state),
-            state_version_token(self.param_groups, self.state),
+            optimizer._version,
+            optimizer._global_step,
+            id(optimizer._codebook),
+            id(optimizer.state),
+            state_version_token(optimizer.param_groups, optimizer.state),
         )
+
+    @staticmethod
+    def _common(optimizer: Any) -> dict[str, Any]:
+        identity = optimizer._identity
+        scope = None if identity is None or identity.scope is None else identity.scope.scope_record()
+        return {"global_step": optimizer._global_step, "codebook": optimizer._codebook, "codebook_scope": scope}
 
     # -- export ---------------------------------------------------------------------------------
 
     def _variant_of(self, keys: Sequence[str], layout: Any, rank: int, where: str) -> str:
         if not keys:
             return NO_STATE_VARIANT
-        matches = match_variants(self._canonical_layout, keys, parameter_layout=layout, parameter_rank=rank)
+        matches = match_variants(self.layout, keys, parameter_layout=layout, parameter_rank=rank)
         if len(matches) != 1:
             raise _fail(f"{where}: state keys {sorted(keys)} match {len(matches)} declared variants (one required)")
         return matches[0].name
 
     def _export_state(self, param: torch.Tensor, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
         """One parameter's state as its document holds it (what its native state dict holds)."""
-        return {
-            key: _int_counter(value, f"{where} {key!r}") if key in self._canonical_counters else value
+        exported = {
+            key: _int_counter(value, f"{where} {key!r}") if key in self.counters else value
             for key, value in entry.items()
         }
+        if exported and self.tensors is not None:
+            exported.update(self.tensors(param, entry))
+        return exported
 
-    def _export_document(self, identity_ready: FeatureStatus) -> dict[str, Any]:
-        identity = self._require_canonical("export_local_state", identity_ready)
+    def export(self, optimizer: Any) -> dict[str, Any]:
+        """This member's ``gefen.bound_state`` document (owned, tight, finite CPU copies; no collectives).
+
+        ``NotSupportedError`` (with the contract's reasons) when canonical state is not
+        supported now; ``StateValidationError`` for state that cannot be exported.
+        """
+        identity = self._require(optimizer, "export_local_state")
         sealed = identity.sealed
         parameters: dict[str, BoundParameter] = {}
-        for index, group in enumerate(self.param_groups):
+        for index, group in enumerate(optimizer.param_groups):
             options = {key: _listify(value) for key, value in group.items() if key not in _NOT_EXPORTED}
             names = sealed.compatibility_names(index)
             for position, tensor in enumerate(group["params"]):
                 shard = sealed.shard_identity(tensor)
                 where = f"parameter {shard.fqn!r}"
-                entry = self.state.get(tensor) or {}
+                entry = optimizer.state.get(tensor) or {}
                 variant = self._variant_of(list(entry), shard.layout, len(shard.parameter.global_shape), where)
                 state = self._export_state(tensor, entry, where)
                 parameters[shard.fqn] = BoundParameter(names[position], shard, options, variant, state)
         return build_bound_state(
-            implementation=self._identity_implementation,
-            policy=self._canonical_policy(),
-            common=self._canonical_common(),
+            implementation=optimizer._identity_implementation,
+            policy=self.policy(optimizer),
+            common=self._common(optimizer),
             manifest=sealed.manifest,
             parameters=parameters,
         )
 
     # -- import ---------------------------------------------------------------------------------
 
-    def _check_common(self, common: Mapping[str, Any]) -> None:
+    def _check_common(self, optimizer: Any, common: Mapping[str, Any]) -> None:
         if set(common) != _COMMON_KEYS:
             raise _fail(f"'common' keys must be {sorted(_COMMON_KEYS)}, got {sorted(map(str, common))}")
         if type(common["global_step"]) is not int or common["global_step"] < 0:
             raise _fail("'common.global_step' must be an int >= 0")
-        live = self._canonical_common()["codebook_scope"]
+        live = self._common(optimizer)["codebook_scope"]
         try:
             same = canonical_digest(common["codebook_scope"]) == canonical_digest(live)
         except Exception:
@@ -264,21 +274,23 @@ class CanonicalStateMethods:
                 f"the document's codebook scope {common['codebook_scope']!r} does not match this optimizer's {live!r}"
             )
 
-    def _native_from_document(self, identity: IdentityRecord, document: Mapping[str, Any]) -> dict[str, Any]:
+    def _native_from_document(
+        self, optimizer: Any, identity: IdentityRecord, document: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Validate ``document`` for this optimizer and rebuild it as a positional native state dict."""
         sealed = identity.sealed
         parsed = parse_bound_state(
             document,
-            implementation=self._identity_implementation,
-            policy=self._canonical_policy(),
+            implementation=optimizer._identity_implementation,
+            policy=self.policy(optimizer),
             manifest=sealed.manifest,
             local_shards=[shard for tensor, shard in sealed.bindings if tensor is not None],
         )
-        self._check_common(parsed.common)
+        self._check_common(optimizer, parsed.common)
         groups: list[dict[str, Any]] = []
         state: dict[int, dict[str, Any]] = {}
         pid = 0
-        for index, group in enumerate(self.param_groups):
+        for index, group in enumerate(optimizer.param_groups):
             ids: list[int] = []
             options: tuple[str, dict[str, Any]] | None = None
             for tensor in group["params"]:
@@ -289,7 +301,7 @@ class CanonicalStateMethods:
                 variant = self._variant_of(keys, shard.layout, len(shard.parameter.global_shape), where)
                 if entry.variant != variant:
                     raise _fail(f"{where} declares variant {entry.variant!r} but its state keys make it {variant!r}")
-                for key in self._canonical_counters:
+                for key in self.counters:
                     if key in entry.state and type(entry.state[key]) is not int:
                         raise _fail(f"{where} counter {key!r} must be an int, got {type(entry.state[key]).__name__}")
                 group_options = dict(entry.group_options)
@@ -311,37 +323,23 @@ class CanonicalStateMethods:
             if "param_names" in group:
                 saved["param_names"] = list(group["param_names"])
             groups.append(saved)
-        native = {"state": state, "param_groups": groups, **self._canonical_record(parsed.common)}
-        return with_state_digest(self._native_format, native)
+        native = {"state": state, "param_groups": groups, **self.record(optimizer, parsed.common)}
+        return with_state_digest(self.native_format, native)
 
-    def _prepare_import(self, document: Mapping[str, Any], identity_ready: FeatureStatus) -> StagedTransaction:
-        identity = self._require_canonical("prepare_local_import", identity_ready)
-        native = self._native_from_document(identity, document)
-        payload = self._native.stage(self, native)
-        return StagedTransaction(self, kind=_IMPORT_KIND, token=self._canonical_freshness(), payload=payload)
-
-    def _commit_import(self, staged: StagedTransaction) -> None:
-        self._verify_layout("commit_local_import")
-        payload = require_transaction(staged).claim(self, kind=_IMPORT_KIND, current_token=self._canonical_freshness())
-        self._native.publish(self, payload)
-
-    # -- CanonicalLocalState -------------------------------------------------------------------
-
-    def export_local_state(self) -> dict[str, Any]:
-        """This member's ``gefen.bound_state`` document (owned, tight, finite CPU copies; no collectives).
-
-        ``NotSupportedError`` (with the contract's reasons) when canonical state is not
-        supported now; ``StateValidationError`` for state that cannot be exported.
-        """
-        return self._export_document(self._identity_readiness().identity)
-
-    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
-        """Validate ``document`` completely and stage it, routed by FQN into this optimizer's own
+    def prepare_import(self, optimizer: Any, document: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``document`` completely and stage it, routed by FQN into the optimizer's own
         groups; never mutates the optimizer or the document, runs no hooks
         (``StateValidationError`` names the first problem)."""
-        return self._prepare_import(document, self._identity_readiness().identity)
+        identity = self._require(optimizer, "prepare_local_import")
+        native = self._native_from_document(optimizer, identity, document)
+        payload = optimizer._native.stage(optimizer, native)
+        return StagedTransaction(optimizer, kind=_IMPORT_KIND, token=self._freshness(optimizer), payload=payload)
 
-    def commit_local_import(self, staged: StagedTransaction) -> None:
+    def commit_import(self, optimizer: Any, staged: StagedTransaction) -> None:
         """Publish a prepared import (single use; ``StaleTransactionError`` and no change for a
         foreign, consumed or stale one). Hooks are bypassed."""
-        self._commit_import(staged)
+        optimizer._verify_layout("commit_local_import")
+        payload = require_transaction(staged).claim(
+            optimizer, kind=_IMPORT_KIND, current_token=self._freshness(optimizer)
+        )
+        optimizer._native.publish(optimizer, payload)

@@ -22,7 +22,7 @@ from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
 from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
-from .gefen_binding import GefenBindingMethods
+from .gefen_binding import CANONICAL, GefenBindingMethods
 from .gefen_exchange import live_piece, native_from_records
 from .momentum_codec import stochastic_seed
 from .native_records import GROUP_MIRROR
@@ -301,7 +301,7 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
         readiness = self._identity_readiness()
         return gefen_contract(
             readiness=readiness,
-            canonical=self._canonical_status(readiness.identity),
+            canonical=CANONICAL.status(self, readiness.identity),
             deterministic=self._deterministic,
             stochastic_round=self._stochastic_round,
             capturable=self._capturable,
@@ -536,6 +536,20 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
                 counter.add_(1)
         self._global_step += 1
         self._version += 1
+
+    # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
+
+    def export_local_state(self) -> dict[str, Any]:
+        """This member's ``gefen.bound_state`` document (owned CPU copies; no collectives)."""
+        return CANONICAL.export(self)
+
+    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``document`` and stage it, routed by FQN into this optimizer's groups (no mutation)."""
+        return CANONICAL.prepare_import(self, document)
+
+    def commit_local_import(self, staged: StagedTransaction) -> None:
+        """Publish a prepared import (single use; ``StaleTransactionError`` and no change when stale)."""
+        CANONICAL.commit_import(self, staged)
 
     # -- portable state (the role: :class:`gefen_core.portable_adapter.PortableRole`) ----------
 

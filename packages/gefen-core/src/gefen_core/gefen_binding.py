@@ -17,8 +17,9 @@ parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 * **the scope protocol's host side**: the step plan with its presence bytes and needs bits,
   learning items per FQN (gradients unscaled by the agreed scaler scale), staging of new
   states and re-quantised indices, and publication;
-* **canonical policy** ``{codebook_refresh_every, stochastic_round, deterministic}`` and the
-  native record the rebuilt state dict carries.
+* **canonical local state** (:data:`CANONICAL`): the policy ``{momentum, state_format,
+  codebook_refresh_every, stochastic_round, deterministic}``, the native record the rebuilt
+  state dict carries, and tensors viewed like their parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gefen_contracts.identity import ShardIdentity
 
 from . import native_format as F
 from .amp import unscale_gradients
-from .canonical_state import CanonicalStateMethods
+from .canonical_state import CanonicalRole
 from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
 from .identity import IdentityMethods
@@ -49,7 +50,7 @@ from .step_plan import ParamWork, StepDecision, StepPlan
 if TYPE_CHECKING:
     from .ops import Kernels
 
-__all__ = ["GEFEN_BINDABLE_LAYOUTS", "GefenBindingMethods"]
+__all__ = ["CANONICAL", "GEFEN_BINDABLE_LAYOUTS", "GefenBindingMethods"]
 
 #: The layouts ``Gefen.post_sharding`` binds.
 GEFEN_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
@@ -67,14 +68,10 @@ def _period_search(policy: PeriodPolicy, name: str | None, shape: tuple[int, ...
     return period
 
 
-class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
-    """Gefen's side of ``IdentityBindable``, ``CollectiveScoped`` and ``CanonicalLocalState``."""
+class GefenBindingMethods(IdentityMethods):
+    """Gefen's side of ``IdentityBindable`` and ``CollectiveScoped``."""
 
     _scope_who = "Gefen"
-    _canonical_layout = STATE_LAYOUT
-    _canonical_layouts = CANONICAL_LAYOUTS
-    _canonical_counters = COUNTER_KEYS
-    _native_format = F.FORMAT
     _codebook: torch.Tensor | None
     _codebook_copies: dict[torch.device, torch.Tensor]
     _global_step: int
@@ -235,44 +232,48 @@ class GefenBindingMethods(IdentityMethods, CanonicalStateMethods):
         self._codebook_copies = {}
         self._version += 1
 
-    # -- canonical local state --------------------------------------------------------------------
 
-    def _export_state(self, param: torch.Tensor, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
-        exported = super()._export_state(param, entry, where)
-        if exported:
-            exported.update(export_tensors(param, entry, state_variant(dict(entry)) or BLOCK))
-        return exported
+# -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) ----------
 
-    def _canonical_policy(self) -> dict[str, Any]:
-        return {
-            "momentum": MOMENTUM_MEANING,
-            "state_format": NATIVE_VERSION,
-            "codebook_refresh_every": self._refresh_every,
-            "stochastic_round": self._stochastic_round,
-            "deterministic": self._deterministic,
-        }
 
-    def _canonical_common(self) -> dict[str, Any]:
-        identity = self._identity
-        scope = None if identity is None or identity.scope is None else identity.scope.scope_record()
-        return {"global_step": self._global_step, "codebook": self._codebook, "codebook_scope": scope}
+def _canonical_tensors(param: torch.Tensor, entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return export_tensors(param, entry, state_variant(dict(entry)) or BLOCK)
 
-    def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
-        fields = codebook_record(common["codebook"])
-        return {
-            F.FORMAT_VERSION: F.VERSION,
-            F.GLOBAL_STEP: common["global_step"],
-            **{F.CODEBOOK: fields["codebook"], F.CODEBOOK_LEARNED: fields["codebook_learned"]},
-            F.DETERMINISTIC: self._deterministic,
-        }
 
-    def _canonical_blockers(self) -> tuple[str, ...]:
-        reasons = []
-        if self._stochastic_round:
-            reasons.append(
-                "stochastic_round=True: the rounding stream follows slot positions, so a regrouped or reordered "
-                "target would not continue bit-exactly"
-            )
-        if self._capturable:
-            reasons.append("capturable=True keeps counters on the device; canonical documents hold int counters")
-        return tuple(reasons)
+def _canonical_policy(optimizer: Any) -> dict[str, Any]:
+    return {
+        "momentum": MOMENTUM_MEANING,
+        "state_format": NATIVE_VERSION,
+        "codebook_refresh_every": optimizer._refresh_every,
+        "stochastic_round": optimizer._stochastic_round,
+        "deterministic": optimizer._deterministic,
+    }
+
+
+def _canonical_record(optimizer: Any, common: Mapping[str, Any]) -> dict[str, Any]:
+    fields = codebook_record(common["codebook"])
+    return {
+        F.FORMAT_VERSION: F.VERSION,
+        F.GLOBAL_STEP: common["global_step"],
+        **{F.CODEBOOK: fields["codebook"], F.CODEBOOK_LEARNED: fields["codebook_learned"]},
+        F.DETERMINISTIC: optimizer._deterministic,
+    }
+
+
+def _canonical_blockers(optimizer: Any) -> tuple[str, ...]:
+    if optimizer._capturable:
+        return ("capturable=True keeps counters on the device; canonical documents hold int counters",)
+    return ()
+
+
+#: Gefen's canonical local state role (``Gefen.export_local_state`` and its import delegate to it).
+CANONICAL = CanonicalRole(
+    STATE_LAYOUT,
+    CANONICAL_LAYOUTS,
+    COUNTER_KEYS,
+    F.FORMAT,
+    policy=_canonical_policy,
+    record=_canonical_record,
+    blockers=_canonical_blockers,
+    tensors=_canonical_tensors,
+)

@@ -27,8 +27,8 @@ from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable
-from .muon_binding import MuonBindingMethods
-from .muon_contract import IMPLEMENTATION, REPLICATED_STATE_LAYOUT, mode_tag, muon_contract
+from .muon_binding import CANONICAL, MuonBindingMethods
+from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
 from .muon_exchange import live_muon_piece, muon_native_from_records
 from .muon_execution import MuonExecution
@@ -134,7 +134,6 @@ class GefenMuon(
 
     _identity_implementation = IMPLEMENTATION
     _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
-    _canonical_layout = REPLICATED_STATE_LAYOUT
 
     def __init__(
         self,
@@ -298,7 +297,7 @@ class GefenMuon(
         readiness = self._identity_readiness()
         return muon_contract(
             readiness=readiness,
-            canonical=self._canonical_status(readiness.identity),
+            canonical=CANONICAL.status(self, readiness.identity),
             whole_owner_blocker=self._whole_owner_blocker(),
             modes=tuple(sorted({group["sharded_mode"] for group in self.param_groups})),
             normuon=tuple(sorted({bool(group["normuon"]) for group in self.param_groups})),
@@ -414,6 +413,20 @@ class GefenMuon(
     def _log(self, message: str, *args: Any) -> None:
         if self._verbose:
             _LOG.info("GefenMuon step %d: " + message, self._global_step, *args)
+
+    # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
+
+    def export_local_state(self) -> dict[str, Any]:
+        """This member's ``gefen.bound_state`` document (owned CPU copies; no collectives)."""
+        return CANONICAL.export(self)
+
+    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
+        """Validate ``document`` and stage it, routed by FQN into this optimizer's groups (no mutation)."""
+        return CANONICAL.prepare_import(self, document)
+
+    def commit_local_import(self, staged: StagedTransaction) -> None:
+        """Publish a prepared import (single use; ``StaleTransactionError`` and no change when stale)."""
+        CANONICAL.commit_import(self, staged)
 
     # -- portable state (the role: :class:`gefen_core.portable_adapter.PortableRole`) ----------
 

@@ -28,10 +28,11 @@ from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.identity import ShardIdentity
 
 from .amp import unscale_gradients
-from .canonical_state import CanonicalStateMethods
+from .canonical_state import CanonicalRole
 from .codebook import requantize
 from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .identity import IdentityMethods
+from .muon_contract import REPLICATED_STATE_LAYOUT
 from .muon_learning import LearningResult, is_nonzero
 from .muon_native_state import FORMAT
 from .muon_native_state import FORMAT as MUON_FORMAT
@@ -46,7 +47,7 @@ from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
 if TYPE_CHECKING:
     from .ops import Kernels
 
-__all__ = ["MUON_BINDABLE_LAYOUTS", "MuonBindingMethods"]
+__all__ = ["CANONICAL", "MUON_BINDABLE_LAYOUTS", "MuonBindingMethods"]
 
 #: The layouts ``GefenMuon.post_sharding`` binds.
 MUON_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER})
@@ -59,13 +60,10 @@ def _matrix_period(shape: tuple[int, int]) -> PeriodOf:
     return period
 
 
-class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
-    """GefenMuon's side of ``IdentityBindable``, ``CollectiveScoped`` and ``CanonicalLocalState``."""
+class MuonBindingMethods(IdentityMethods):
+    """GefenMuon's side of ``IdentityBindable`` and ``CollectiveScoped``."""
 
     _scope_who = "GefenMuon"
-    _canonical_layouts = frozenset({ParameterLayout.REPLICATED})
-    _canonical_counters = (STEP, NORMUON_STEP)
-    _native_format = FORMAT
     _codebook: torch.Tensor | None
     _codebook_copies: dict[torch.device, torch.Tensor]
     _global_step: int
@@ -217,32 +215,35 @@ class MuonBindingMethods(IdentityMethods, CanonicalStateMethods):
         self._codebook_copies = {}
         self._version += 1
 
-    # -- canonical local state --------------------------------------------------------------------
 
-    def _canonical_policy(self) -> dict[str, Any]:
-        return {
-            "state_format": MUON_FORMAT.version,
-            "stochastic_round": self._stochastic_round,
-            "deterministic": self._deterministic,
-        }
+# -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) ----------
 
-    def _canonical_common(self) -> dict[str, Any]:
-        identity = self._identity
-        scope = None if identity is None or identity.scope is None else identity.scope.scope_record()
-        return {"global_step": self._global_step, "codebook": self._codebook, "codebook_scope": scope}
 
-    def _canonical_record(self, common: Mapping[str, Any]) -> dict[str, Any]:
-        values = {"global_step": common["global_step"], **codebook_record(common["codebook"])}
-        values.update(deterministic=self._deterministic, topology=None, owners=None)
-        return {
-            "gefen_format_version": FORMAT.version,
-            **{key: values[name] for name, key in FORMAT.records if key != DIGEST_FIELD[1]},
-        }
+def _canonical_policy(optimizer: Any) -> dict[str, Any]:
+    return {
+        "state_format": MUON_FORMAT.version,
+        "stochastic_round": optimizer._stochastic_round,
+        "deterministic": optimizer._deterministic,
+    }
 
-    def _canonical_blockers(self) -> tuple[str, ...]:
-        if self._stochastic_round:
-            return (
-                "stochastic_round=True: the rounding stream follows slot positions, so a regrouped or reordered "
-                "target would not continue bit-exactly",
-            )
-        return ()
+
+def _canonical_record(optimizer: Any, common: Mapping[str, Any]) -> dict[str, Any]:
+    values = {"global_step": common["global_step"], **codebook_record(common["codebook"])}
+    values.update(deterministic=optimizer._deterministic, topology=None, owners=None)
+    return {
+        "gefen_format_version": FORMAT.version,
+        **{key: values[name] for name, key in FORMAT.records if key != DIGEST_FIELD[1]},
+    }
+
+
+#: GefenMuon's canonical local state role (replicated matrices only; ``GefenMuon.export_local_state``
+#: and its import delegate to it).
+CANONICAL = CanonicalRole(
+    REPLICATED_STATE_LAYOUT,
+    frozenset({ParameterLayout.REPLICATED}),
+    (STEP, NORMUON_STEP),
+    FORMAT,
+    policy=_canonical_policy,
+    record=_canonical_record,
+    blockers=lambda optimizer: (),
+)
