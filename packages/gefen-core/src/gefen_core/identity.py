@@ -24,7 +24,6 @@ containers in O(local parameters), raising ``LayoutTamperedError`` before any mu
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -47,9 +46,12 @@ from gefen_contracts.torch_support import (
     ProcessGroupBinding,
     RebindingPlan,
     SealedLayout,
-    SlotRebinding,
+    compatibility_names,
     identity_guard,
     plan_rebinding,
+    publish_binding,
+    rebuilt_plan,
+    staged_groups,
     state_version_token,
     tensor_digest,
 )
@@ -143,18 +145,8 @@ def _rebuild(
     implementation: str,
     policy: Mapping[str, object],
 ) -> IdentityRecord:
-    """The record of a copied optimizer: the k-th kept slot of group g is its k-th parameter."""
-    entries = []
-    position = [0] * len(param_groups)
-    for slot in slots:
-        pruned = slot.shard.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not slot.shard.is_owner
-        group = slot.group_index
-        tensor = None if pruned else param_groups[group]["params"][position[group]]
-        if not pruned:
-            position[group] += 1
-        entries.append(SlotRebinding(slot, tensor if tensor is not None else torch.empty(0), tensor))
-    plan = RebindingPlan(manifest, tuple(entries), scope)
-    return _record(plan, len(param_groups), implementation, policy)
+    """The record of a copied optimizer (``gefen_contracts.torch_support.rebuilt_plan``)."""
+    return _record(rebuilt_plan(param_groups, manifest, slots, scope), len(param_groups), implementation, policy)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -252,12 +244,6 @@ class IdentityMethods:
 
     # -- IdentityBindable --------------------------------------------------------------------
 
-    def _compatibility_name(self, group_index: int, slot_index: int, source: torch.Tensor) -> str:
-        names = self.param_groups[group_index].get("param_names")
-        if names is None or slot_index >= len(names) or type(names[slot_index]) is not str:
-            return ""
-        return str(names[slot_index])
-
     def _check_scope(self, plan: RebindingPlan) -> None:
         scope = plan.scope
         if scope is None or not scope.communicates:
@@ -299,24 +285,12 @@ class IdentityMethods:
             rebindings,
             manifest=manifest,
             scope=scope,
-            name_of=self._compatibility_name,
+            name_of=compatibility_names(self.param_groups),
             check_layout=self._check_bind_layout,
         )
         self._check_scope(plan)
-        groups = []
-        kept = plan.group_params(len(self.param_groups))
-        names: list[list[str]] = [[] for _ in self.param_groups]
-        for entry in plan.entries:
-            if entry.target is not None:
-                names[entry.slot.group_index].append(entry.slot.compatibility_name)
-        for index, group in enumerate(self.param_groups):
-            staged = dict(group)
-            staged["params"] = kept[index]
-            if "param_names" in group:
-                staged["param_names"] = names[index]
-            groups.append(staged)
         record = _record(plan, len(self.param_groups), self._identity_implementation, self._scope_policy())
-        payload = _StagedBinding(tuple(groups), record)
+        payload = _StagedBinding(staged_groups(self.param_groups, plan), record)
         return StagedTransaction(self, kind=_BIND_KIND, token=self._identity_freshness(), payload=payload)
 
     def commit_post_sharding(self, staged: StagedTransaction) -> None:
@@ -327,10 +301,7 @@ class IdentityMethods:
         """
         payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=self._identity_freshness())
         assert isinstance(payload, _StagedBinding)
-        for live, new in zip(self.param_groups, payload.groups):
-            live.clear()
-            live.update(new)
-        self.state = defaultdict(dict)
+        publish_binding(self, payload.groups)
         self._identity = payload.record
         self._version += 1
 

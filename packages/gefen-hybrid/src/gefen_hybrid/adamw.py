@@ -34,8 +34,10 @@ from gefen_contracts.torch_support import (
     SealedLayout,
     check_new_group,
     check_tensor_lr,
+    compatibility_names,
     identity_guard,
     plan_rebinding,
+    publish_binding,
     split_identity_guard,
     state_version_token,
 )
@@ -47,7 +49,6 @@ from .adamw_exchange import AdamWExchangeMethods
 from .adamw_identity import (
     StagedBinding,
     check_adamw_layout,
-    compatibility_names,
     rebuild_sealed_layout,
     stage_binding,
     state_blockers,
@@ -386,10 +387,7 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
         """
         payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=self._freshness())
         assert isinstance(payload, StagedBinding)
-        for live, new in zip(self.param_groups, payload.groups):
-            live.clear()
-            live.update(new)
-        self.state = defaultdict(dict)
+        publish_binding(self, payload.groups)
         self._sealed = payload.sealed
         self._version += 1
 

@@ -7,14 +7,13 @@ this module adds AdamW's rules and builds what a commit publishes:
   (a contiguous 1-D run of the flattened parameter). AdamW is elementwise, so either trains
   exactly like the same elements of the full tensor; other layouts are refused;
 * pristine: no parameter has state yet (AdamW creates all of it at a parameter's first step);
-* compatibility names: torch's own ``param_names`` (case preserved; ``""`` for an unnamed
-  group), so native checkpoints keep their names across ``post_sharding``;
-* the staged groups: the same options, the new ``params`` lists, the same names.
+* compatibility names and the staged groups are every bindable optimizer's
+  (``gefen_contracts.torch_support.compatibility_names``, ``staged_groups``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,19 +21,16 @@ import torch
 from gefen_contracts import ContractError
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.identity import ShardIdentity
-from gefen_contracts.torch_support import RebindingPlan, SealedLayout, SlotRebinding
+from gefen_contracts.torch_support import RebindingPlan, SealedLayout, rebuilt_plan, staged_groups
 
 __all__ = [
     "BINDABLE_LAYOUTS",
     "StagedBinding",
     "check_adamw_layout",
-    "compatibility_names",
     "rebuild_sealed_layout",
     "stage_binding",
     "state_blockers",
 ]
-
-NameOf = Callable[[int, int, torch.Tensor], str]
 
 #: The layouts ``ContractedAdamW.post_sharding`` binds.
 BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
@@ -57,18 +53,6 @@ def check_adamw_layout(shard: ShardIdentity, target: torch.Tensor | None) -> Non
         )
 
 
-def compatibility_names(param_groups: Sequence[Mapping[str, Any]]) -> NameOf:
-    """``name_of`` for ``plan_rebinding``: the group's ``param_names`` entry, or ``""``."""
-
-    def name_of(group_index: int, slot_index: int, source: torch.Tensor) -> str:
-        names = param_groups[group_index].get("param_names")
-        if names is None or slot_index >= len(names) or type(names[slot_index]) is not str:
-            return ""
-        return str(names[slot_index])
-
-    return name_of
-
-
 def state_blockers(state: Mapping[Any, Any]) -> tuple[str, ...]:
     """Why the optimizer is not pristine (empty when it is): a parameter with state."""
     stepped = sum(1 for entry in state.values() if entry)
@@ -82,30 +66,11 @@ def state_blockers(state: Mapping[Any, Any]) -> tuple[str, ...]:
 
 def stage_binding(param_groups: Sequence[Mapping[str, Any]], plan: RebindingPlan) -> StagedBinding:
     """The group dicts and sealed layout a commit publishes (nothing live is touched)."""
-    new_params = plan.group_params(len(param_groups))
-    groups = []
-    for group, params in zip(param_groups, new_params):
-        staged = dict(group)
-        staged["params"] = params
-        if "param_names" in group:
-            staged["param_names"] = list(group["param_names"])
-        groups.append(staged)
-    return StagedBinding(tuple(groups), SealedLayout(plan, len(param_groups)))
+    return StagedBinding(staged_groups(param_groups, plan), SealedLayout(plan, len(param_groups)))
 
 
 def rebuild_sealed_layout(
     param_groups: Sequence[Mapping[str, Any]], manifest: Any, slots: Sequence[Any]
 ) -> SealedLayout:
-    """The sealed layout of a copied optimizer (``copy.deepcopy``/pickle keep only tensors).
-
-    AdamW prunes no slot, so the k-th slot of group g (in original slot order) is bound to
-    the k-th parameter of the copied group g.
-    """
-    entries = []
-    position = [0] * len(param_groups)
-    for slot in slots:
-        group = slot.group_index
-        tensor = param_groups[group]["params"][position[group]]
-        position[group] += 1
-        entries.append(SlotRebinding(slot, tensor, tensor))
-    return SealedLayout(RebindingPlan(manifest, tuple(entries), None), len(param_groups))
+    """The sealed layout of a copied optimizer (``copy.deepcopy``/pickle keep only tensors)."""
+    return SealedLayout(rebuilt_plan(param_groups, manifest, slots, None), len(param_groups))

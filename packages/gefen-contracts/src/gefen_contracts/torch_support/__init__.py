@@ -27,7 +27,16 @@ from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, f
 from .freshness import state_version_token, tensor_version_token
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import check_new_group, check_tensor_lr
-from .rebinding_plan import RebindingPlan, SlotRebinding, has_internal_overlap, plan_rebinding
+from .rebinding_plan import (
+    RebindingPlan,
+    SlotRebinding,
+    compatibility_names,
+    has_internal_overlap,
+    plan_rebinding,
+    publish_binding,
+    rebuilt_plan,
+    staged_groups,
+)
 from .sealed_layout import SealedLayout
 from .tensors import (
     dtype_from_name,
@@ -61,13 +70,17 @@ __all__ = [
     "build_bound_state",
     "check_new_group",
     "check_tensor_lr",
+    "compatibility_names",
     "failure_vote",
     "failure_vote_on_group",
     "has_internal_overlap",
     "identity_guard",
     "parse_bound_state",
     "plan_rebinding",
+    "publish_binding",
+    "rebuilt_plan",
     "split_identity_guard",
+    "staged_groups",
     "state_version_token",
     "dtype_from_name",
     "dtype_name",

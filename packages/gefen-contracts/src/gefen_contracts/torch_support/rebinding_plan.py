@@ -11,6 +11,7 @@ stages its shadow from the plan.
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,16 @@ from ..rebinding import LogicalSlotBinding, ParameterRebinding
 from .bindings import ProcessGroupBinding
 from .tensors import is_dtensor
 
-__all__ = ["RebindingPlan", "SlotRebinding", "has_internal_overlap", "plan_rebinding"]
+__all__ = [
+    "RebindingPlan",
+    "SlotRebinding",
+    "compatibility_names",
+    "has_internal_overlap",
+    "plan_rebinding",
+    "publish_binding",
+    "rebuilt_plan",
+    "staged_groups",
+]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -269,4 +279,66 @@ def plan_rebinding(
         slot = LogicalSlotBinding(group_index, slot_index, name, rebinding.shard)
         target = rebinding.new_parameter
         entries.append(SlotRebinding(slot, source, target))  # type: ignore[arg-type]
+    return RebindingPlan(manifest, tuple(entries), scope)
+
+
+def compatibility_names(param_groups: Sequence[Mapping[str, Any]]) -> NameOf:
+    """``name_of`` for :func:`plan_rebinding`: the group's ``param_names`` entry (case kept),
+    or ``""`` for an unnamed group, so native checkpoints keep their names across binding."""
+
+    def name_of(group_index: int, slot_index: int, source: torch.Tensor) -> str:
+        names = param_groups[group_index].get("param_names")
+        if names is None or slot_index >= len(names) or type(names[slot_index]) is not str:
+            return ""
+        return str(names[slot_index])
+
+    return name_of
+
+
+def staged_groups(param_groups: Sequence[Mapping[str, Any]], plan: RebindingPlan) -> tuple[dict[str, Any], ...]:
+    """The group dicts a commit publishes: the same options, the new ``params`` (pruned slots
+    omitted) and, for a named group, the kept slots' compatibility names. Touches nothing live."""
+    kept = plan.group_params(len(param_groups))
+    names: list[list[str]] = [[] for _ in param_groups]
+    for entry in plan.entries:
+        if entry.target is not None:
+            names[entry.slot.group_index].append(entry.slot.compatibility_name)
+    groups = []
+    for index, group in enumerate(param_groups):
+        staged = dict(group)
+        staged["params"] = kept[index]
+        if "param_names" in group:
+            staged["param_names"] = names[index]
+        groups.append(staged)
+    return tuple(groups)
+
+
+def publish_binding(optimizer: Any, groups: Sequence[Mapping[str, Any]]) -> None:
+    """Swap staged group contents in (the live group dicts keep their identity, so schedulers
+    holding them see the new ``params``) and start from empty per-parameter state, which a
+    pristine optimizer has anyway. Cannot raise."""
+    for live, new in zip(optimizer.param_groups, groups):
+        live.clear()
+        live.update(new)
+    optimizer.state = defaultdict(dict)
+
+
+def rebuilt_plan(
+    param_groups: Sequence[Mapping[str, Any]],
+    manifest: ShardingManifest,
+    slots: Sequence[LogicalSlotBinding],
+    scope: ProcessGroupBinding | None,
+) -> RebindingPlan:
+    """The plan of a copied optimizer (``copy.deepcopy`` and pickle keep tensors, not the plan):
+    the k-th kept slot of group g is bound to the k-th parameter of the copied group g; a
+    pruned non-owner slot keeps no tensor."""
+    entries = []
+    position = [0] * len(param_groups)
+    for slot in slots:
+        pruned = slot.shard.layout is ParameterLayout.WHOLE_PARAMETER_OWNER and not slot.shard.is_owner
+        group = slot.group_index
+        tensor = None if pruned else param_groups[group]["params"][position[group]]
+        if not pruned:
+            position[group] += 1
+        entries.append(SlotRebinding(slot, tensor if tensor is not None else torch.empty(0), tensor))
     return RebindingPlan(manifest, tuple(entries), scope)
