@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import gefen_core.gefen as gefen_module
+import gefen_core.gefen_step as gefen_module
 import pytest
 import torch
 from gefen_contracts.testing import deep_snapshot, snapshot_diff

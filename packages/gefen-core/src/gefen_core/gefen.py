@@ -17,31 +17,26 @@ from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlo
 from gefen_contracts.torch_support import check_new_group
 from gefen_contracts.transactions import StagedTransaction
 
+from . import gefen_step
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
-from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .contract import IMPLEMENTATION, gefen_contract
-from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import CANONICAL, GefenBindingMethods
 from .gefen_exchange import live_piece, native_from_records
-from .momentum_codec import stochastic_seed
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
-from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM, Kernels
+from .ops import Kernels
 from .optimizer_support import (
     NativeCheckpoint,
     OwnAttributesPickling,
-    codebook_on,
     publish_groups_and_state,
     run_eagerly,
 )
 from .param_groups import check_parameters, normalize_group_options
-from .param_state import FACTORED, INDICES, new_state, period_of, storage_bytes, zero_padding
-from .parameter_update import decay_only, placeholder_codebook, update_parameters
-from .periods import PeriodPolicy
+from .param_state import storage_bytes
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
-from .step_plan import ParamWork, StepDecision, StepPlan, capturing, plan_step
+from .step_plan import capturing
 
 __all__ = ["PORTABLE", "Gefen"]
 
@@ -215,7 +210,7 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
         self._identity = None
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
-            self._require_kernels()
+            gefen_step.require_kernels(self)
 
     # -- construction -------------------------------------------------------------------
 
@@ -245,13 +240,6 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
             )
         super().add_param_group(merged)
         self._version += 1
-
-    def _require_kernels(self) -> None:
-        """``fused=True``: kernels for every op, on every device the parameters live on."""
-        devices = {p.device for group in self.param_groups for p in group["params"]}
-        for device in sorted(devices, key=str):
-            for op in DISPATCHED_OPS:
-                self._dispatch.require(op, device)
 
     # -- small queries ------------------------------------------------------------------
 
@@ -285,15 +273,6 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
         tensors.extend(self._device_global_steps.values())
         return storage_bytes(tensors)
 
-    def _codebook_on(self, device: torch.device) -> torch.Tensor:
-        assert self._codebook is not None
-        return codebook_on(self._codebook, self._codebook_copies, device)
-
-    def _policy(self, group: Mapping[str, Any]) -> PeriodPolicy:
-        return PeriodPolicy(
-            group["force_1d_period_one"], group["force_2d_period_one"], tuple(group["period_one_substrings"])
-        )
-
     # -- contract and preflight ---------------------------------------------------------
 
     def optimizer_contract(self) -> OptimizerContract:
@@ -317,20 +296,9 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
         step = self._global_step
         return bool(self._refresh_every and self._codebook is not None and step > 0 and step % self._refresh_every == 0)
 
-    def _plan(self) -> StepPlan:
-        self._verify_layout("step")
-        return plan_step(
-            self.param_groups,
-            self.state,
-            dispatch=self._dispatch,
-            capturable=self._capturable,
-            codebook_ready=self._codebook is not None,
-            refresh_due=self._refresh_due(),
-        )
-
     def preflight_step(self) -> None:
         """Run every check ``step()`` runs before mutating; raise its error; change nothing."""
-        self._plan()
+        gefen_step.plan(self)
 
     # -- step -----------------------------------------------------------------------------
 
@@ -356,13 +324,13 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
                 loss = closure()
         if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
             return loss
-        plan = self._plan()
+        plan = gefen_step.plan(self)
         unscale_gradients(self, [w.param.grad for w in plan.works if w.param.grad is not None])
         for work in plan.works:
             if work.state_device_differs:
-                self._move_state(work)
-        stats = self._factored_stats(plan.works)
-        self._publish(plan, self._decide(plan), stats)
+                gefen_step.move_state(work)
+        stats = gefen_step.factored_stats(self, plan.works)
+        gefen_step.publish(self, plan, gefen_step.decide(self, plan), stats)
         return loss
 
     def traceable(self) -> bool:
@@ -372,170 +340,6 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
         steady step has no graph break and does not recompile. With Python-float rates or int
         counters it would recompile at every change of their values, so it runs eagerly."""
         return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
-
-    def _decide(self, plan: StepPlan) -> StepDecision:
-        """Learn what this step needs from local gradients (periods of starting parameters, the
-        codebook, a due refresh) and stage it; nothing of the optimizer is touched."""
-        works = plan.works
-        starting = [w for w in works if w.needs_state]
-        periods = {
-            w.slot: self._policy(self.param_groups[w.group_index]).resolve(
-                w.name, tuple(w.param.shape), w.grad.numel(), row_sharded=w.row_sharded
-            )
-            for w in starting
-        }
-
-        def work_period(work: ParamWork) -> int:
-            return periods[work.slot] if work.slot in periods else period_of(work.state)  # type: ignore[arg-type]
-
-        learners = [w for w in works if w.state or w.slot in periods]
-        mesh = learning_mesh(w.param for w in works)
-        old_codebook = self._codebook
-        new_codebook = old_codebook
-        if old_codebook is None:
-            contributing = [(w, work_period(w)) for w in learners if self._locally_nonzero(w)]
-            if contributing or mesh is not None:
-                new_codebook = self._learn(contributing, mesh)
-        refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
-        if plan.refresh_due and old_codebook is not None:
-            relearned = self._learn([(w, work_period(w)) for w in learners], mesh)
-            if relearned is not None:
-                refreshed = self._requantize_all(old_codebook, relearned)
-                new_codebook = relearned
-        return self._stage_decision(starting, [], periods, new_codebook, refreshed)
-
-    def _stage_decision(
-        self,
-        starting: list[ParamWork],
-        idle: list[ParamWork],
-        periods: Mapping[int, int],
-        codebook: torch.Tensor | None,
-        refreshed: list[tuple[dict[str, Any], torch.Tensor]],
-    ) -> StepDecision:
-        """New zero states for ``starting`` (not inserted)."""
-        states = {w.slot: new_state(w.local, periods[w.slot], w.variant, self._capturable) for w in starting}
-        return StepDecision(starting, states, idle, codebook, refreshed)
-
-    def _publish(self, plan: StepPlan, decision: StepDecision, stats: Stats) -> None:
-        """Publish a staged decision, then update every parameter (no failure path but the kernels')."""
-        for work in decision.starting:
-            state = decision.states[work.slot]
-            self.state[work.param] = state
-            work.state = state
-        if decision.codebook is not self._codebook:
-            self._codebook = decision.codebook
-            self._codebook_copies = {}
-        for state, indices in decision.refreshed:
-            state[INDICES].copy_(indices)
-        for work in decision.idle:
-            decay_only(work.local, self.param_groups[work.group_index])
-        buckets: dict[tuple[int, str, torch.device], list[ParamWork]] = {}
-        for work in plan.works:
-            if work.state:
-                buckets.setdefault((work.group_index, work.variant, work.local.device), []).append(work)
-        for (group_index, _, device), works in buckets.items():
-            update_parameters(
-                works,
-                self.param_groups[group_index],
-                stats,
-                dispatch=self._dispatch,
-                codebook=self._codebook_on(device) if self._codebook is not None else placeholder_codebook(device),
-                seeds=self._seeds(works, device),
-                deterministic=self._deterministic,
-                capturable=self._capturable,
-            )
-        self._advance_global_step(plan.works)
-
-    def _locally_nonzero(self, work: ParamWork) -> bool:
-        if work.local_nonzero is None:
-            if work.grad.numel():
-                low, high = torch.aminmax(work.grad.reshape(-1))  # one pass, no mask
-                work.local_nonzero = bool(low != 0) or bool(high != 0)
-            else:
-                work.local_nonzero = False
-        return work.local_nonzero
-
-    def _move_state(self, work: ParamWork) -> None:
-        assert work.state is not None
-        for key, value in list(work.state.items()):
-            if isinstance(value, torch.Tensor):
-                work.state[key] = value.to(work.local.device)
-
-    def _factored_stats(self, works: list[ParamWork]) -> Stats:
-        """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
-        all-reduced (every rank's update needs them first). The other
-        factored parameters' sums are taken just before their own update, while the gradient is
-        still in cache, by ``gefen::factored_moments.v3`` (the statistics and the ``v_row``/``v_col``
-        update in one call for the bucket)."""
-        stats: Stats = {}
-        sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for work in works:
-            if work.variant != FACTORED or not work.row_sharded:
-                continue
-            stats[work.slot] = self._local_stats(work)
-            sharded.append((work.param, stats[work.slot][1]))
-        if sharded:
-            all_reduce_sums(sharded)
-        return stats
-
-    def _local_stats(self, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = work.grad.contiguous()
-        return self._dispatch.op(FACTORED_STATS)(grad, deterministic=self._deterministic)  # type: ignore[no-any-return]
-
-    def _signed_gradient(self, work: ParamWork) -> torch.Tensor:
-        return work.grad.neg() if self.param_groups[work.group_index]["maximize"] else work.grad
-
-    def _learn(self, items: list[tuple[ParamWork, int]], mesh: Any) -> torch.Tensor | None:
-        """The codebook of the items' gradients; with a ``mesh`` (DTensor parameters) the
-        histogram is summed over it, so every rank learns the same codebook (a replicated
-        parameter counted once, by coordinate 0)."""
-        if mesh is not None:
-            items = [(w, p) for w, p in items if counted_once_per_mesh(w.param)]
-        counts = gradient_histogram(
-            ((self._signed_gradient(w), period) for w, period in items),
-            self._dispatch.op(HISTOGRAM),
-            deterministic=self._deterministic,
-        )
-        if mesh is not None:
-            counts = sum_over_mesh(counts, mesh)
-        return codebook_from_counts(counts)
-
-    def _requantize_all(self, old: torch.Tensor, new: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        staged = []
-        for param, state in self.state.items():
-            if state and state[INDICES].numel():
-                device = state[INDICES].device
-                old_on, new_on = old.to(device), new.to(device)
-                codes = requantize(state[INDICES], old_on, new_on)
-                zero_padding(codes, local_tensor(param).numel())  # a ragged block's padding stays 0
-                staged.append((state, codes))
-        return staged
-
-    def _seeds(self, works: list[ParamWork], device: torch.device) -> torch.Tensor | None:
-        """One stochastic-rounding seed per work (its slot at this global step), or ``None``."""
-        if not self._stochastic_round:
-            return None
-        if self._capturable:  # device arithmetic only: no host-to-device copy in a captured graph
-            counter = self._device_step(device) * (1 << 32)
-            return torch.stack([counter + work.slot for work in works])
-        seeds = [stochastic_seed(self._global_step, work.slot) for work in works]
-        return torch.tensor(seeds, dtype=torch.int64, device=device)
-
-    def _device_step(self, device: torch.device) -> torch.Tensor:
-        counter = self._device_global_steps.get(device)
-        if counter is None:
-            counter = torch.tensor(self._global_step, dtype=torch.int64, device=device)
-            self._device_global_steps[device] = counter
-        return counter
-
-    def _advance_global_step(self, works: list[ParamWork]) -> None:
-        if self._capturable:
-            for device in {w.local.device for w in works}:
-                self._device_step(device)  # created from the host count before it advances
-            for counter in self._device_global_steps.values():
-                counter.add_(1)
-        self._global_step += 1
-        self._version += 1
 
     # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
 

@@ -25,13 +25,14 @@ parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from gefen_contracts import ContractError
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.identity import ShardIdentity
 
+from . import gefen_step
 from . import native_format as F
 from .amp import unscale_gradients
 from .canonical_state import CanonicalRole
@@ -41,13 +42,14 @@ from .identity import IdentityMethods
 from .native_format import VERSION as NATIVE_VERSION
 from .native_records import codebook_record
 from .param_state import BLOCK, COUNTER_KEYS, INDICES, MOMENTUM_MEANING, period_of, state_variant
-from .periods import PeriodPolicy
+from .periods import PeriodPolicy, period_policy
 from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
 from .state_placement import export_tensors
 from .step_plan import ParamWork, StepDecision, StepPlan
 
 if TYPE_CHECKING:
+    from .gefen import Gefen
     from .ops import Kernels
 
 __all__ = ["CANONICAL", "GEFEN_BINDABLE_LAYOUTS", "GefenBindingMethods"]
@@ -68,6 +70,10 @@ def _period_search(policy: PeriodPolicy, name: str | None, shape: tuple[int, ...
     return period
 
 
+def _gefen(host: GefenBindingMethods) -> Gefen:
+    return cast("Gefen", host)  # this class is a base of Gefen only
+
+
 class GefenBindingMethods(IdentityMethods):
     """Gefen's side of ``IdentityBindable`` and ``CollectiveScoped``."""
 
@@ -83,31 +89,6 @@ class GefenBindingMethods(IdentityMethods):
     _dispatch: Kernels
 
     if TYPE_CHECKING:  # provided by Gefen
-
-        def _plan(self) -> StepPlan: ...
-
-        def _policy(self, group: Mapping[str, Any]) -> PeriodPolicy: ...
-
-        def _locally_nonzero(self, work: ParamWork) -> bool: ...
-
-        def _move_state(self, work: ParamWork) -> None: ...
-
-        def _factored_stats(self, works: list[ParamWork]) -> Stats: ...
-
-        def _stage_decision(
-            self,
-            starting: list[ParamWork],
-            idle: list[ParamWork],
-            periods: Mapping[int, int],
-            codebook: torch.Tensor | None,
-            refreshed: list[tuple[dict[str, Any], torch.Tensor]],
-        ) -> StepDecision: ...
-
-        def _publish(self, plan: StepPlan, decision: StepDecision, stats: Stats) -> None: ...
-
-        def _requantize_all(
-            self, old: torch.Tensor, new: torch.Tensor
-        ) -> list[tuple[dict[str, Any], torch.Tensor]]: ...
 
         def _refresh_due(self) -> bool: ...
 
@@ -150,13 +131,13 @@ class GefenBindingMethods(IdentityMethods):
     # -- the scope protocol's host side -----------------------------------------------------------
 
     def _scope_plan(self) -> ScopePlan:
-        plan = self._plan()
+        plan = gefen_step.plan(_gefen(self))
         identity = self._identity
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         needs = NEEDS_GRAD if plan.works else 0
         if any(w.needs_state for w in plan.works):
             needs |= NEEDS_START
-        if self._codebook is None and any(self._locally_nonzero(w) for w in plan.works):
+        if self._codebook is None and any(gefen_step.locally_nonzero(w) for w in plan.works):
             needs |= NEEDS_NONZERO
         grads = [w.param.grad for w in plan.works if w.param.grad is not None]
         return ScopePlan(plan, presence, needs, grads)
@@ -172,7 +153,7 @@ class GefenBindingMethods(IdentityMethods):
         items: list[LearnItem] = []
         slot = 0
         for group in self.param_groups:
-            policy = self._policy(group)
+            policy = period_policy(group)
             for param in group["params"]:
                 work = works.get(id(param))
                 shard = None if identity is None else identity.sealed.shard_identity(param)
@@ -205,25 +186,25 @@ class GefenBindingMethods(IdentityMethods):
         idle = [w for w in inner.works if w.needs_state and self._scope_key(w) not in outcome.starting]
         periods = {w.slot: outcome.periods[self._scope_key(w)] for w in starting}
         codebook = outcome.codebook if outcome.codebook is not None else self._codebook
-        return self._stage_decision(starting, idle, periods, codebook, [])
+        return gefen_step.stage_decision(_gefen(self), starting, idle, periods, codebook, [])
 
     def _scope_requantize(self, codebook: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
         assert self._codebook is not None
-        return self._requantize_all(self._codebook, codebook)
+        return gefen_step.requantize_all(_gefen(self), self._codebook, codebook)
 
     def _scope_publish(self, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
         inner: StepPlan = plan.inner
         unscale_gradients(self, plan.grads)
         for work in inner.works:
             if work.state_device_differs:
-                self._move_state(work)
-        stats = self._factored_stats(inner.works)
+                gefen_step.move_state(work)
+        stats = gefen_step.factored_stats(_gefen(self), inner.works)
         decision = staged if isinstance(staged, StepDecision) else None
         if decision is None:
             decision = StepDecision(idle=[w for w in inner.works if w.needs_state], codebook=self._codebook)
         if requantized:
             decision.refreshed = requantized
-        self._publish(inner, decision, stats)
+        gefen_step.publish(_gefen(self), inner, decision, stats)
 
     def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None:
         for state, indices in requantized or ():

@@ -71,7 +71,7 @@ from .param_state import (
     state_variant,
 )
 from .parameter_update import placeholder_codebook
-from .periods import PeriodPolicy, aligned_period, cuts
+from .periods import PeriodPolicy, aligned_period, cuts, period_policy
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
 from .state_placement import export_tensors
 from .transport_slots import NamedSlot, adopted_groups, plain_options, positional_state
@@ -81,7 +81,6 @@ __all__ = [
     "IncomingPiece",
     "check_incoming",
     "complete_factors",
-    "period_policy",
     "slot_options",
     "live_name",
     "live_piece",
@@ -429,15 +428,6 @@ def slot_options(options: Mapping[str, Any], where: str) -> tuple[dict[str, Any]
     if missing:
         raise _fail(f"{where}: the recorded options lack {sorted(missing)}")
     return plain, normalized
-
-
-def period_policy(options: Mapping[str, Any]) -> PeriodPolicy:
-    """The period overrides of normalised group options."""
-    return PeriodPolicy(
-        bool(options["force_1d_period_one"]),
-        bool(options["force_2d_period_one"]),
-        tuple(options["period_one_substrings"]),
-    )
 
 
 def live_name(param_groups: Sequence[Mapping[str, Any]], slot: NamedSlot) -> str | None:

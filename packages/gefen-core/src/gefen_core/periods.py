@@ -37,12 +37,14 @@ the data, which torch's DCP state-dict recipe cannot load into. It is gone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gefen_contracts.torch_support import block_count
 
 __all__ = [
+    "period_policy",
     "FALLBACK_PERIOD_CAP",
     "MIN_BLOCK_PERIOD",
     "MIN_ROW_PERIOD",
@@ -176,3 +178,12 @@ class PeriodPolicy:
         if local_numel <= 1:
             return 1
         return shape_period(shape, local_numel)
+
+
+def period_policy(options: Mapping[str, Any]) -> PeriodPolicy:
+    """The period overrides of normalised group options."""
+    return PeriodPolicy(
+        bool(options["force_1d_period_one"]),
+        bool(options["force_2d_period_one"]),
+        tuple(options["period_one_substrings"]),
+    )

@@ -1,0 +1,253 @@
+"""``Gefen``'s step between its checks and its arithmetic, as functions of the optimizer.
+
+``Gefen.step`` runs :func:`plan` (every check, nothing mutated), then :func:`decide` (what
+the step starts: periods of parameters stepping for the first time, the codebook when none
+exists or a refresh is due; staged, nothing published), then :func:`publish` (new states,
+the codebook, one :func:`~gefen_core.parameter_update.update_parameters` call per bucket of
+one group, variant and device, and the counters). The codebook scope's host side
+(:mod:`gefen_core.gefen_binding`) runs the same pieces between its collectives. The
+arithmetic itself lives in :mod:`gefen_core.parameter_update` and the ops it calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .codebook import codebook_from_counts, gradient_histogram, requantize
+from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
+from .momentum_codec import stochastic_seed
+from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
+from .optimizer_support import codebook_on
+from .param_state import FACTORED, INDICES, new_state, period_of, zero_padding
+from .parameter_update import decay_only, placeholder_codebook, update_parameters
+from .periods import period_policy
+from .step_plan import ParamWork, StepDecision, StepPlan, plan_step
+
+if TYPE_CHECKING:
+    from .gefen import Gefen
+
+__all__ = [
+    "Stats",
+    "decide",
+    "factored_stats",
+    "locally_nonzero",
+    "move_state",
+    "plan",
+    "publish",
+    "requantize_all",
+    "require_kernels",
+    "stage_decision",
+]
+
+#: Row and column sums of ``g^2`` of row-sharded factored parameters, by slot.
+Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def require_kernels(optimizer: Gefen) -> None:
+    """``fused=True``: kernels for every op, on every device the parameters live on."""
+    devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+    for device in sorted(devices, key=str):
+        for op in DISPATCHED_OPS:
+            optimizer._dispatch.require(op, device)
+
+
+def plan(optimizer: Gefen) -> StepPlan:
+    """Every check the step runs before mutating (the sealed layout, then :func:`plan_step`)."""
+    optimizer._verify_layout("step")
+    return plan_step(
+        optimizer.param_groups,
+        optimizer.state,
+        dispatch=optimizer._dispatch,
+        capturable=optimizer._capturable,
+        codebook_ready=optimizer._codebook is not None,
+        refresh_due=optimizer._refresh_due(),
+    )
+
+
+def decide(optimizer: Gefen, plan: StepPlan) -> StepDecision:
+    """Learn what this step needs from local gradients (periods of starting parameters, the
+    codebook, a due refresh) and stage it; nothing of the optimizer is touched."""
+    works = plan.works
+    starting = [w for w in works if w.needs_state]
+    periods = {
+        w.slot: period_policy(optimizer.param_groups[w.group_index]).resolve(
+            w.name, tuple(w.param.shape), w.grad.numel(), row_sharded=w.row_sharded
+        )
+        for w in starting
+    }
+
+    def work_period(work: ParamWork) -> int:
+        return periods[work.slot] if work.slot in periods else period_of(work.state)  # type: ignore[arg-type]
+
+    learners = [w for w in works if w.state or w.slot in periods]
+    mesh = learning_mesh(w.param for w in works)
+    old_codebook = optimizer._codebook
+    new_codebook = old_codebook
+    if old_codebook is None:
+        contributing = [(w, work_period(w)) for w in learners if locally_nonzero(w)]
+        if contributing or mesh is not None:
+            new_codebook = _learn(optimizer, contributing, mesh)
+    refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
+    if plan.refresh_due and old_codebook is not None:
+        relearned = _learn(optimizer, [(w, work_period(w)) for w in learners], mesh)
+        if relearned is not None:
+            refreshed = requantize_all(optimizer, old_codebook, relearned)
+            new_codebook = relearned
+    return stage_decision(optimizer, starting, [], periods, new_codebook, refreshed)
+
+
+def stage_decision(
+    optimizer: Gefen,
+    starting: list[ParamWork],
+    idle: list[ParamWork],
+    periods: Mapping[int, int],
+    codebook: torch.Tensor | None,
+    refreshed: list[tuple[dict[str, Any], torch.Tensor]],
+) -> StepDecision:
+    """New zero states for ``starting`` (not inserted)."""
+    states = {w.slot: new_state(w.local, periods[w.slot], w.variant, optimizer._capturable) for w in starting}
+    return StepDecision(starting, states, idle, codebook, refreshed)
+
+
+def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Stats) -> None:
+    """Publish a staged decision, then update every parameter (no failure path but the kernels')."""
+    for work in decision.starting:
+        state = decision.states[work.slot]
+        optimizer.state[work.param] = state
+        work.state = state
+    if decision.codebook is not optimizer._codebook:
+        optimizer._codebook = decision.codebook
+        optimizer._codebook_copies = {}
+    for state, indices in decision.refreshed:
+        state[INDICES].copy_(indices)
+    for work in decision.idle:
+        decay_only(work.local, optimizer.param_groups[work.group_index])
+    buckets: dict[tuple[int, str, torch.device], list[ParamWork]] = {}
+    for work in plan.works:
+        if work.state:
+            buckets.setdefault((work.group_index, work.variant, work.local.device), []).append(work)
+    for (group_index, _, device), works in buckets.items():
+        update_parameters(
+            works,
+            optimizer.param_groups[group_index],
+            stats,
+            dispatch=optimizer._dispatch,
+            codebook=_codebook_on(optimizer, device),
+            seeds=_seeds(optimizer, works, device),
+            deterministic=optimizer._deterministic,
+            capturable=optimizer._capturable,
+        )
+    _advance_global_step(optimizer, plan.works)
+
+
+def locally_nonzero(work: ParamWork) -> bool:
+    """Whether this member's gradient of ``work`` has a non-zero element (computed once)."""
+    if work.local_nonzero is None:
+        if work.grad.numel():
+            low, high = torch.aminmax(work.grad.reshape(-1))  # one pass, no mask
+            work.local_nonzero = bool(low != 0) or bool(high != 0)
+        else:
+            work.local_nonzero = False
+    return work.local_nonzero
+
+
+def move_state(work: ParamWork) -> None:
+    """Move a state that lives on another device than its parameter to the parameter's."""
+    assert work.state is not None
+    for key, value in list(work.state.items()):
+        if isinstance(value, torch.Tensor):
+            work.state[key] = value.to(work.local.device)
+
+
+def factored_stats(optimizer: Gefen, works: list[ParamWork]) -> Stats:
+    """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
+    all-reduced (every rank's update needs them first). The other
+    factored parameters' sums are taken just before their own update, while the gradient is
+    still in cache, by ``gefen::factored_moments.v3`` (the statistics and the ``v_row``/``v_col``
+    update in one call for the bucket)."""
+    stats: Stats = {}
+    sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for work in works:
+        if work.variant != FACTORED or not work.row_sharded:
+            continue
+        stats[work.slot] = _local_stats(optimizer, work)
+        sharded.append((work.param, stats[work.slot][1]))
+    if sharded:
+        all_reduce_sums(sharded)
+    return stats
+
+
+def _local_stats(optimizer: Gefen, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = work.grad.contiguous()
+    return optimizer._dispatch.op(FACTORED_STATS)(grad, deterministic=optimizer._deterministic)  # type: ignore[no-any-return]
+
+
+def _codebook_on(optimizer: Gefen, device: torch.device) -> torch.Tensor:
+    if optimizer._codebook is None:
+        return placeholder_codebook(device)
+    return codebook_on(optimizer._codebook, optimizer._codebook_copies, device)
+
+
+def _signed_gradient(optimizer: Gefen, work: ParamWork) -> torch.Tensor:
+    return work.grad.neg() if optimizer.param_groups[work.group_index]["maximize"] else work.grad
+
+
+def _learn(optimizer: Gefen, items: list[tuple[ParamWork, int]], mesh: Any) -> torch.Tensor | None:
+    """The codebook of the items' gradients; with a ``mesh`` (DTensor parameters) the
+    histogram is summed over it, so every rank learns the same codebook (a replicated
+    parameter counted once, by coordinate 0)."""
+    if mesh is not None:
+        items = [(w, p) for w, p in items if counted_once_per_mesh(w.param)]
+    counts = gradient_histogram(
+        ((_signed_gradient(optimizer, w), period) for w, period in items),
+        optimizer._dispatch.op(HISTOGRAM),
+        deterministic=optimizer._deterministic,
+    )
+    if mesh is not None:
+        counts = sum_over_mesh(counts, mesh)
+    return codebook_from_counts(counts)
+
+
+def requantize_all(optimizer: Gefen, old: torch.Tensor, new: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """Every live state's codes re-expressed in the ``new`` codebook (staged, not written)."""
+    staged = []
+    for param, state in optimizer.state.items():
+        if state and state[INDICES].numel():
+            device = state[INDICES].device
+            old_on, new_on = old.to(device), new.to(device)
+            codes = requantize(state[INDICES], old_on, new_on)
+            zero_padding(codes, local_tensor(param).numel())  # a ragged block's padding stays 0
+            staged.append((state, codes))
+    return staged
+
+
+def _seeds(optimizer: Gefen, works: list[ParamWork], device: torch.device) -> torch.Tensor | None:
+    """One stochastic-rounding seed per work (its slot at this global step), or ``None``."""
+    if not optimizer._stochastic_round:
+        return None
+    if optimizer._capturable:  # device arithmetic only: no host-to-device copy in a captured graph
+        counter = _device_step(optimizer, device) * (1 << 32)
+        return torch.stack([counter + work.slot for work in works])
+    seeds = [stochastic_seed(optimizer._global_step, work.slot) for work in works]
+    return torch.tensor(seeds, dtype=torch.int64, device=device)
+
+
+def _device_step(optimizer: Gefen, device: torch.device) -> torch.Tensor:
+    counter = optimizer._device_global_steps.get(device)
+    if counter is None:
+        counter = torch.tensor(optimizer._global_step, dtype=torch.int64, device=device)
+        optimizer._device_global_steps[device] = counter
+    return counter
+
+
+def _advance_global_step(optimizer: Gefen, works: list[ParamWork]) -> None:
+    if optimizer._capturable:
+        for device in {w.local.device for w in works}:
+            _device_step(optimizer, device)  # created from the host count before it advances
+        for counter in optimizer._device_global_steps.values():
+            counter.add_(1)
+    optimizer._global_step += 1
+    optimizer._version += 1
