@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.state_layout import match_variants
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CollectiveCounter
-from gefen_core import GefenMuon
+from gefen_core import GefenMuon, muon_execution
 from gefen_core.muon_distributed import shard_rows
 
 LR = 5e-3
@@ -189,6 +191,7 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
     """Inject a failure on rank 0 at ``where``; every rank must raise the same error (no hang)."""
     opt, params, _ = _opt_for_faults(world, mode)
     closure = None
+    patches = contextlib.ExitStack()  # faults injected into the step's functions, on rank 0 only
     if rank == 0:
         if where in ("entry checks", "entry checks without closure"):
             opt.param_groups[0]["lr"] = -1.0
@@ -198,9 +201,9 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
         elif where == "amp":
             opt.found_inf = torch.ones(1)  # type: ignore[attr-defined]
         elif where == "bucket gather":
-            opt._local_pieces = _boom  # type: ignore[method-assign]
+            patches.enter_context(mock.patch.object(muon_execution, "_local_pieces", _boom))
         elif where == "update broadcast":
-            opt._update = _boom  # type: ignore[method-assign]
+            patches.enter_context(mock.patch.object(muon_execution, "_update", _boom))
     if where == "amp" and rank != 0:
         opt.found_inf = torch.zeros(1)  # type: ignore[attr-defined]
     if where in ("entry checks", "closure"):
@@ -212,7 +215,8 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
 
     before = deep_snapshot(opt, *params)
     try:
-        opt.step(closure)
+        with patches:
+            opt.step(closure)
         outcome = {"error": None, "message": ""}
     except Exception as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}

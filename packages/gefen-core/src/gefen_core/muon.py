@@ -22,6 +22,7 @@ from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlo
 from gefen_contracts.torch_support import check_new_group
 from gefen_contracts.transactions import StagedTransaction
 
+from . import muon_execution
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
 from .distributed import local_tensor
@@ -31,7 +32,6 @@ from .muon_binding import CANONICAL, MuonBindingMethods
 from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
 from .muon_exchange import live_muon_piece, muon_native_from_records
-from .muon_execution import MuonExecution
 from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_plan import MuonPlan, check_entry, check_matrix, plan_muon_step
@@ -88,7 +88,6 @@ def _publish_native(optimizer: GefenMuon, payload: StagedMuonState) -> None:
 
 
 class GefenMuon(
-    MuonExecution,
     MuonBindingMethods,
     OwnAttributesPickling,
     torch.optim.Optimizer,
@@ -407,7 +406,7 @@ class GefenMuon(
         if agree_step(plan.scope, entries, self, self._codebook).skip:
             return loss
         unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
-        self._execute(plan)
+        muon_execution.execute(self, plan)
         return loss
 
     def _log(self, message: str, *args: Any) -> None:

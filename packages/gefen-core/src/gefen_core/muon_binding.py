@@ -20,13 +20,14 @@ parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from gefen_contracts import ContractError
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.identity import ShardIdentity
 
+from . import muon_execution
 from .amp import unscale_gradients
 from .canonical_state import CanonicalRole
 from .codebook import requantize
@@ -45,6 +46,7 @@ from .scoped_learning import LearningOutcome, LearnItem, PeriodOf
 from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
 
 if TYPE_CHECKING:
+    from .muon import GefenMuon
     from .ops import Kernels
 
 __all__ = ["CANONICAL", "MUON_BINDABLE_LAYOUTS", "MuonBindingMethods"]
@@ -58,6 +60,10 @@ def _matrix_period(shape: tuple[int, int]) -> PeriodOf:
         return shape_period(shape, numel)
 
     return period
+
+
+def _muon(host: MuonBindingMethods) -> GefenMuon:
+    return cast("GefenMuon", host)  # this class is a base of GefenMuon only
 
 
 class MuonBindingMethods(IdentityMethods):
@@ -74,8 +80,6 @@ class MuonBindingMethods(IdentityMethods):
     if TYPE_CHECKING:  # provided by GefenMuon
 
         def _plan(self) -> MuonPlan: ...
-
-        def _execute(self, plan: MuonPlan, learned: LearningResult | None = None) -> None: ...
 
     # -- identity rules --------------------------------------------------------------------------
 
@@ -206,7 +210,7 @@ class MuonBindingMethods(IdentityMethods):
         inner: MuonPlan = plan.inner
         unscale_gradients(self, plan.grads)
         learned = staged if isinstance(staged, LearningResult) else LearningResult(None)
-        self._execute(inner, learned)
+        muon_execution.execute(_muon(self), inner, learned)
 
     def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None:
         for state, indices in requantized or ():

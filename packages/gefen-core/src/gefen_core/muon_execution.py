@@ -1,8 +1,8 @@
 """``GefenMuon``'s step execution: what one step does to each active matrix once planned.
 
-:class:`MuonExecution` is a base class of :class:`~gefen_core.muon.GefenMuon`: given the
-:class:`~gefen_core.muon_plan.MuonPlan` that ``step()`` (or a codebook scope) agreed on, it
-learns what is missing, creates and moves per-matrix state, and runs the local, exact,
+:func:`execute`, a function of the optimizer (as torch's ``adam.py`` keeps its arithmetic
+outside ``Adam``): given the :class:`~gefen_core.muon_plan.MuonPlan` that ``step()`` (or a
+codebook scope) agreed on, it learns what is missing, creates and moves per-matrix state, and runs the local, exact,
 approx, batched and distributed paths through :mod:`gefen_core.muon_update`. The
 orchestration (entry checks, votes, preflight) stays in :mod:`gefen_core.muon`.
 """
@@ -29,7 +29,7 @@ from .optimizer_support import codebook_on
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 
-__all__ = ["MuonExecution"]
+__all__ = ["execute", "move_state"]
 
 
 class _Host(Protocol):
@@ -47,260 +47,233 @@ class _Host(Protocol):
 
     def _log(self, message: str, *args: Any) -> None: ...
 
-    # this mixin's own methods, called through ``self``
-    def _move_state(self, item: MuonItem) -> None: ...
 
-    def _state_for(self, item: MuonItem, grad: torch.Tensor, periods: Mapping[int, int]) -> dict[str, Any] | None: ...
+def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = None) -> None:
+    """Learn what is missing (unless a scope already did: ``learned``), then update every
+    active matrix and advance the step."""
+    active = plan.active
+    for item in active:
+        move_state(optimizer, item)
+    periods: dict[int, int] = {}
+    gathered: dict[int, torch.Tensor] | None = None  # distributed gradients already at their owners
+    if learned is not None:
+        periods = learned.periods
+        if learned.codebook is not None:
+            optimizer._codebook, optimizer._codebook_copies = learned.codebook, {}
+    elif optimizer._codebook is None and active:
+        learned = learn_codebook(active, plan.scope, optimizer._dispatch, deterministic=optimizer._deterministic)
+        periods = learned.periods
+        if any(item.mode == DISTRIBUTED for item in active):
+            gathered = learned.gathered
+        if learned.codebook is not None:
+            optimizer._codebook, optimizer._codebook_copies = learned.codebook, {}
+            optimizer._log("learned the codebook from %d gradients", len(periods))
+    lrs = {index: float(group["lr"]) for index, group in enumerate(optimizer.param_groups)}
+    regular = [item for item in active if item.mode != DISTRIBUTED]
+    chunks, serial = batched_chunks(regular, optimizer.param_groups, optimizer._log)
+    for item in serial:
+        _step_one(optimizer, item, periods, lrs)
+    for chunk in chunks:
+        _step_batched(optimizer, chunk, periods, lrs)
+    distributed = [item for item in active if item.mode == DISTRIBUTED]
+    if distributed:
+        assert plan.scope is not None
+        _step_distributed(optimizer, plan.scope, distributed, periods, gathered, lrs)
+    optimizer._global_step += 1
+    optimizer._version += 1
 
-    def _seeds(self, items: list[MuonItem]) -> torch.Tensor | None: ...
 
-    def _codebook_for(self, device: torch.device) -> torch.Tensor: ...
-
-    def _momenta(
-        self, items: list[MuonItem], grads: list[torch.Tensor], states: list[dict[str, Any]]
-    ) -> list[torch.Tensor]: ...
-
-    def _fp8_for(self, group: Mapping[str, Any], matrix: torch.Tensor) -> bool: ...
-
-    def _update(self, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor: ...
-
-    def _apply(self, item: MuonItem, update: torch.Tensor | None, lrs: Mapping[int, float]) -> None: ...
-
-    def _step_one(self, item: MuonItem, periods: Mapping[int, int], lrs: Mapping[int, float]) -> None: ...
-
-    def _step_batched(self, chunk: list[MuonItem], periods: Mapping[int, int], lrs: Mapping[int, float]) -> None: ...
-
-    def _step_distributed(
-        self,
-        scope: MuonScope,
-        items: list[MuonItem],
-        periods: Mapping[int, int],
-        gathered: Mapping[int, torch.Tensor] | None,
-        lrs: Mapping[int, float],
-    ) -> None: ...
-
-    def _local_pieces(self, members: list[MuonItem]) -> list[torch.Tensor]: ...
+def move_state(optimizer: _Host, item: MuonItem) -> None:
+    if not item.state:
+        return
+    device = item.local.device
+    for key, value in list(item.state.items()):
+        if isinstance(value, torch.Tensor) and value.device != device:
+            item.state[key] = value.to(device)
 
 
-class MuonExecution:
-    """The per-item step execution of :class:`~gefen_core.muon.GefenMuon` (a mixin)."""
+# -- one matrix -----------------------------------------------------------------------
 
-    # assigned through ``self`` here, owned by GefenMuon (annotations only)
-    _codebook: torch.Tensor | None
-    _codebook_copies: dict[torch.device, torch.Tensor]
 
-    def _execute(self: _Host, plan: MuonPlan, learned: LearningResult | None = None) -> None:
-        """Learn what is missing (unless a scope already did: ``learned``), then update every
-        active matrix and advance the step."""
-        active = plan.active
-        for item in active:
-            self._move_state(item)
-        periods: dict[int, int] = {}
-        gathered: dict[int, torch.Tensor] | None = None  # distributed gradients already at their owners
-        if learned is not None:
-            periods = learned.periods
-            if learned.codebook is not None:
-                self._codebook, self._codebook_copies = learned.codebook, {}
-        elif self._codebook is None and active:
-            learned = learn_codebook(active, plan.scope, self._dispatch, deterministic=self._deterministic)
-            periods = learned.periods
-            if any(item.mode == DISTRIBUTED for item in active):
-                gathered = learned.gathered
-            if learned.codebook is not None:
-                self._codebook, self._codebook_copies = learned.codebook, {}
-                self._log("learned the codebook from %d gradients", len(periods))
-        lrs = {index: float(group["lr"]) for index, group in enumerate(self.param_groups)}
-        regular = [item for item in active if item.mode != DISTRIBUTED]
-        chunks, serial = batched_chunks(regular, self.param_groups, self._log)
-        for item in serial:
-            self._step_one(item, periods, lrs)
-        for chunk in chunks:
-            self._step_batched(chunk, periods, lrs)
-        distributed = [item for item in active if item.mode == DISTRIBUTED]
-        if distributed:
-            assert plan.scope is not None
-            self._step_distributed(plan.scope, distributed, periods, gathered, lrs)
-        self._global_step += 1
-        self._version += 1
+def _state_for(
+    optimizer: _Host, item: MuonItem, grad: torch.Tensor, periods: Mapping[int, int]
+) -> dict[str, Any] | None:
+    """The item's state, created at its first gradient (zero or not: the template step of
+    torch's DCP state-dict helpers makes the state a checkpoint loads into)."""
+    if item.state:
+        return item.state
+    period = periods.get(item.slot)
+    if period is None:
+        period = shape_period(item.shape, grad.numel())
+    state = new_muon_state(grad.numel(), period, grad.device)
+    optimizer.state[item.param] = state
+    item.state = state
+    return state
 
-    def _move_state(self: _Host, item: MuonItem) -> None:
-        if not item.state:
-            return
-        device = item.local.device
-        for key, value in list(item.state.items()):
-            if isinstance(value, torch.Tensor) and value.device != device:
-                item.state[key] = value.to(device)
 
-    # -- one matrix -----------------------------------------------------------------------
-
-    def _state_for(
-        self: _Host, item: MuonItem, grad: torch.Tensor, periods: Mapping[int, int]
-    ) -> dict[str, Any] | None:
-        """The item's state, created at its first gradient (zero or not: the template step of
-        torch's DCP state-dict helpers makes the state a checkpoint loads into)."""
-        if item.state:
-            return item.state
-        period = periods.get(item.slot)
-        if period is None:
-            period = shape_period(item.shape, grad.numel())
-        state = new_muon_state(grad.numel(), period, grad.device)
-        self.state[item.param] = state
-        item.state = state
-        return state
-
-    def _seeds(self: _Host, items: list[MuonItem]) -> torch.Tensor | None:
-        """One stochastic-rounding seed per item (its slot and first element at this step)."""
-        if not self._stochastic_round:
-            return None
-        seeds = []
-        for item in items:
-            first = 0
-            if item.mode == APPROX:
-                mesh = item.param.device_mesh  # type: ignore[attr-defined]
-                first = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))[0] * item.shape[1]
-            seeds.append(stochastic_seed(self._global_step, item.slot, first))
-        return torch.tensor(seeds, dtype=torch.int64, device=items[0].local.device)
-
-    def _codebook_for(self: _Host, device: torch.device) -> torch.Tensor:
-        if self._codebook is None:
-            return placeholder_codebook(device)  # every block scale is still 0
-        return codebook_on(self._codebook, self._codebook_copies, device)
-
-    def _momenta(
-        self: _Host, items: list[MuonItem], grads: list[torch.Tensor], states: list[dict[str, Any]]
-    ) -> list[torch.Tensor]:
-        """The Newton-Schulz inputs of one group's matrices on one device: one momentum call."""
-        return momentum_inputs(
-            grads,
-            states,
-            self.param_groups[items[0].group_index],
-            dispatch=self._dispatch,
-            codebook=self._codebook_for(grads[0].device),
-            seeds=self._seeds(items),
-            deterministic=self._deterministic,
-        )
-
-    def _fp8_for(self: _Host, group: Mapping[str, Any], matrix: torch.Tensor) -> bool:
-        if not group["fp8_ns"]:
-            return False
-        if fp8_eligible((int(matrix.shape[0]), int(matrix.shape[1])), matrix.device):
-            return True
-        if not fp8_capable(matrix.device):
-            self._warn_fp8()
-            self._log("fp8_ns: %s cannot run e4m3 GEMMs; bf16 Newton-Schulz", matrix.device)
-        return False
-
-    def _update(self: _Host, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        group = self.param_groups[item.group_index]
-        (matrix,) = self._momenta([item], [grad], [state])
-        update = orthogonalize(
-            matrix,
-            group_schedule(group),
-            group["eps"],
-            fp8=self._fp8_for(group, matrix),
-            compile_fp8=bool(group["fp8_ns_compile"]),
-        )
-        return finish_update(update, grad, state, group)
-
-    def _apply(self: _Host, item: MuonItem, update: torch.Tensor | None, lrs: Mapping[int, float]) -> None:
-        group = self.param_groups[item.group_index]
-        rows, cols = item.shape
-        apply_update(
-            item.local,
-            update,
-            lr=lrs[item.group_index],
-            weight_decay=group["weight_decay"],
-            ratio=lr_ratio(group["adjust_lr_fn"], rows, cols),
-        )
-
-    def _step_one(self: _Host, item: MuonItem, periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
-        if item.mode == EXACT:
-            grad: torch.Tensor = item.grad.full_tensor()  # type: ignore[union-attr]
-        else:
-            grad = item.local_grad
-        state = self._state_for(item, grad, periods) if grad.numel() else None
-        if state is None:
-            self._apply(item, None, lrs)
-            return
-        update = self._update(item, grad, state)
-        if item.mode == EXACT:
+def _seeds(optimizer: _Host, items: list[MuonItem]) -> torch.Tensor | None:
+    """One stochastic-rounding seed per item (its slot and first element at this step)."""
+    if not optimizer._stochastic_round:
+        return None
+    seeds = []
+    for item in items:
+        first = 0
+        if item.mode == APPROX:
             mesh = item.param.device_mesh  # type: ignore[attr-defined]
-            start, length = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))
-            update = update[start : start + length]
-        self._apply(item, update, lrs)
+            first = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))[0] * item.shape[1]
+        seeds.append(stochastic_seed(optimizer._global_step, item.slot, first))
+    return torch.tensor(seeds, dtype=torch.int64, device=items[0].local.device)
 
-    # -- batched Newton-Schulz ----------------------------------------------------------
 
-    def _step_batched(self: _Host, chunk: list[MuonItem], periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
-        started: list[tuple[MuonItem, torch.Tensor, dict[str, Any]]] = []
-        for item in chunk:
-            grad = item.local_grad
-            state = self._state_for(item, grad, periods)
-            if state is None:
-                self._apply(item, None, lrs)
-            else:
-                started.append((item, grad, state))
-        by_group: dict[int, list[tuple[MuonItem, torch.Tensor, dict[str, Any]]]] = {}
-        for entry in started:
-            by_group.setdefault(entry[0].group_index, []).append(entry)
-        matrices: dict[int, torch.Tensor] = {}  # by slot
-        for members in by_group.values():  # one momentum call per group (momentum, Nesterov)
-            items, grads, states = (list(column) for column in zip(*members, strict=True))
-            matrices.update(zip((i.slot for i in items), self._momenta(items, grads, states), strict=True))
-        ready = [(item, grad, state, matrices[item.slot]) for item, grad, state in started]
-        if not ready:
-            return
-        group = self.param_groups[ready[0][0].group_index]
-        stack = newton_schulz_batched(
-            torch.stack([matrix for *_, matrix in ready]), group_schedule(group), group["eps"]
-        )
-        for (item, grad, state, _), update in zip(ready, stack):
-            self._apply(item, finish_update(update, grad, state, self.param_groups[item.group_index]), lrs)
+def _codebook_for(optimizer: _Host, device: torch.device) -> torch.Tensor:
+    if optimizer._codebook is None:
+        return placeholder_codebook(device)  # every block scale is still 0
+    return codebook_on(optimizer._codebook, optimizer._codebook_copies, device)
 
-    # -- distributed mode -----------------------------------------------------------------
 
-    def _step_distributed(
-        self: _Host,
-        scope: MuonScope,
-        items: list[MuonItem],
-        periods: Mapping[int, int],
-        gathered: Mapping[int, torch.Tensor] | None,
-        lrs: Mapping[int, float],
-    ) -> None:
-        """Owners compute, every rank applies its rows; ``gathered`` (the learning step's full
-        gradients, the same decision on every rank) spares the bucket gather."""
-        for bucket in owner_buckets([item.owner or 0 for item in items], scope.world):
-            members = [items[index] for index in bucket]
-            metadata = [BucketItem(item.owner or 0, item.shape, item.local_grad.dtype) for item in members]
-            error: BaseException | None = None
-            if gathered is not None:
-                full: list[torch.Tensor | None] = [gathered.get(item.slot) for item in members]
-            else:
-                pieces: list[torch.Tensor] = []
-                try:
-                    pieces = self._local_pieces(members)
-                except Exception as exc:
-                    error = exc
-                vote(scope, "bucket gather", error)
-                full = gather_to_owners(scope, metadata, pieces)
-            updates: list[torch.Tensor | None] = [None] * len(members)
+def _momenta(
+    optimizer: _Host, items: list[MuonItem], grads: list[torch.Tensor], states: list[dict[str, Any]]
+) -> list[torch.Tensor]:
+    """The Newton-Schulz inputs of one group's matrices on one device: one momentum call."""
+    return momentum_inputs(
+        grads,
+        states,
+        optimizer.param_groups[items[0].group_index],
+        dispatch=optimizer._dispatch,
+        codebook=_codebook_for(optimizer, grads[0].device),
+        seeds=_seeds(optimizer, items),
+        deterministic=optimizer._deterministic,
+    )
+
+
+def _fp8_for(optimizer: _Host, group: Mapping[str, Any], matrix: torch.Tensor) -> bool:
+    if not group["fp8_ns"]:
+        return False
+    if fp8_eligible((int(matrix.shape[0]), int(matrix.shape[1])), matrix.device):
+        return True
+    if not fp8_capable(matrix.device):
+        optimizer._warn_fp8()
+        optimizer._log("fp8_ns: %s cannot run e4m3 GEMMs; bf16 Newton-Schulz", matrix.device)
+    return False
+
+
+def _update(optimizer: _Host, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    group = optimizer.param_groups[item.group_index]
+    (matrix,) = _momenta(optimizer, [item], [grad], [state])
+    update = orthogonalize(
+        matrix,
+        group_schedule(group),
+        group["eps"],
+        fp8=_fp8_for(optimizer, group, matrix),
+        compile_fp8=bool(group["fp8_ns_compile"]),
+    )
+    return finish_update(update, grad, state, group)
+
+
+def _apply(optimizer: _Host, item: MuonItem, update: torch.Tensor | None, lrs: Mapping[int, float]) -> None:
+    group = optimizer.param_groups[item.group_index]
+    rows, cols = item.shape
+    apply_update(
+        item.local,
+        update,
+        lr=lrs[item.group_index],
+        weight_decay=group["weight_decay"],
+        ratio=lr_ratio(group["adjust_lr_fn"], rows, cols),
+    )
+
+
+def _step_one(optimizer: _Host, item: MuonItem, periods: Mapping[int, int], lrs: Mapping[int, float]) -> None:
+    if item.mode == EXACT:
+        grad: torch.Tensor = item.grad.full_tensor()  # type: ignore[union-attr]
+    else:
+        grad = item.local_grad
+    state = _state_for(optimizer, item, grad, periods) if grad.numel() else None
+    if state is None:
+        _apply(optimizer, item, None, lrs)
+        return
+    update = _update(optimizer, item, grad, state)
+    if item.mode == EXACT:
+        mesh = item.param.device_mesh  # type: ignore[attr-defined]
+        start, length = shard_rows(item.shape[0], int(mesh.size()), int(mesh.get_local_rank()))
+        update = update[start : start + length]
+    _apply(optimizer, item, update, lrs)
+
+
+# -- batched Newton-Schulz ----------------------------------------------------------
+
+
+def _step_batched(
+    optimizer: _Host, chunk: list[MuonItem], periods: Mapping[int, int], lrs: Mapping[int, float]
+) -> None:
+    started: list[tuple[MuonItem, torch.Tensor, dict[str, Any]]] = []
+    for item in chunk:
+        grad = item.local_grad
+        state = _state_for(optimizer, item, grad, periods)
+        if state is None:
+            _apply(optimizer, item, None, lrs)
+        else:
+            started.append((item, grad, state))
+    by_group: dict[int, list[tuple[MuonItem, torch.Tensor, dict[str, Any]]]] = {}
+    for entry in started:
+        by_group.setdefault(entry[0].group_index, []).append(entry)
+    matrices: dict[int, torch.Tensor] = {}  # by slot
+    for members in by_group.values():  # one momentum call per group (momentum, Nesterov)
+        items, grads, states = (list(column) for column in zip(*members, strict=True))
+        matrices.update(zip((i.slot for i in items), _momenta(optimizer, items, grads, states), strict=True))
+    ready = [(item, grad, state, matrices[item.slot]) for item, grad, state in started]
+    if not ready:
+        return
+    group = optimizer.param_groups[ready[0][0].group_index]
+    stack = newton_schulz_batched(torch.stack([matrix for *_, matrix in ready]), group_schedule(group), group["eps"])
+    for (item, grad, state, _), update in zip(ready, stack):
+        _apply(optimizer, item, finish_update(update, grad, state, optimizer.param_groups[item.group_index]), lrs)
+
+
+# -- distributed mode -----------------------------------------------------------------
+
+
+def _step_distributed(
+    optimizer: _Host,
+    scope: MuonScope,
+    items: list[MuonItem],
+    periods: Mapping[int, int],
+    gathered: Mapping[int, torch.Tensor] | None,
+    lrs: Mapping[int, float],
+) -> None:
+    """Owners compute, every rank applies its rows; ``gathered`` (the learning step's full
+    gradients, the same decision on every rank) spares the bucket gather."""
+    for bucket in owner_buckets([item.owner or 0 for item in items], scope.world):
+        members = [items[index] for index in bucket]
+        metadata = [BucketItem(item.owner or 0, item.shape, item.local_grad.dtype) for item in members]
+        error: BaseException | None = None
+        if gathered is not None:
+            full: list[torch.Tensor | None] = [gathered.get(item.slot) for item in members]
+        else:
+            pieces: list[torch.Tensor] = []
             try:
-                for index, (item, grad) in enumerate(zip(members, full)):
-                    if grad is None:
-                        continue
-                    state = self._state_for(item, grad, periods)
-                    updates[index] = (
-                        self._update(item, grad, state)
-                        if state is not None
-                        else torch.zeros(item.shape, dtype=torch.bfloat16, device=grad.device)
-                    )
+                pieces = _local_pieces(members)
             except Exception as exc:
                 error = exc
-            vote(scope, "update broadcast", error)
-            for item, rows in zip(members, scatter_from_owners(scope, metadata, updates)):
-                self._apply(item, rows, lrs)
+            vote(scope, "bucket gather", error)
+            full = gather_to_owners(scope, metadata, pieces)
+        updates: list[torch.Tensor | None] = [None] * len(members)
+        try:
+            for index, (item, grad) in enumerate(zip(members, full)):
+                if grad is None:
+                    continue
+                state = _state_for(optimizer, item, grad, periods)
+                updates[index] = (
+                    _update(optimizer, item, grad, state)
+                    if state is not None
+                    else torch.zeros(item.shape, dtype=torch.bfloat16, device=grad.device)
+                )
+        except Exception as exc:
+            error = exc
+        vote(scope, "update broadcast", error)
+        for item, rows in zip(members, scatter_from_owners(scope, metadata, updates)):
+            _apply(optimizer, item, rows, lrs)
 
-    @staticmethod
-    def _local_pieces(members: list[MuonItem]) -> list[torch.Tensor]:
-        """This rank's rows of each bucket member's gradient, as the gather sends them."""
-        return [item.local_grad.contiguous() for item in members]
+
+def _local_pieces(members: list[MuonItem]) -> list[torch.Tensor]:
+    """This rank's rows of each bucket member's gradient, as the gather sends them."""
+    return [item.local_grad.contiguous() for item in members]
