@@ -121,7 +121,7 @@ def rank_scoped_composite(rank: int, world: int) -> dict[str, Any]:
     scoped = next(child for role, child in optimizer.child_optimizers().items() if scopes[role] is not None)  # type: ignore[attr-defined]
     failure = RuntimeError("injected failure")
     try:
-        with mock.patch.object(type(scoped), "_scope_plan", side_effect=failure) if rank == 0 else nullcontext():
+        with mock.patch.object(type(scoped._binding), "plan", side_effect=failure) if rank == 0 else nullcontext():
             optimizer.step()
         raised = None
     except CollectiveFailureError as exc:

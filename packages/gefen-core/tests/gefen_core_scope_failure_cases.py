@@ -35,17 +35,17 @@ class Injected(RuntimeError):
 
 
 #: Phase -> what runs in it (patched to raise): a module function, or a method of the
-#: optimizer's class (patched on the class: the no-mutation snapshots read the instance).
+#: optimizer's binding (patched on its class, GefenBinding or MuonBinding).
 _PATCHED: dict[str, Callable[[Any], tuple[object, str]]] = {
     "entry checks": lambda opt: (scoped_step, "_entry_checks"),
     "refresh preamble": lambda opt: (scoped_step, "_entry_checks"),
     "initialize preamble": lambda opt: (scoped_step, "_entry_checks"),
-    "gradient preflight": lambda opt: (type(opt), "_scope_plan"),
+    "gradient preflight": lambda opt: (type(opt._binding), "plan"),
     "AMP agreement": lambda opt: (scoped_step, "read_amp"),
-    "period selection": lambda opt: (type(opt), "_scope_items"),
+    "period selection": lambda opt: (type(opt._binding), "items"),
     "histogram and solve": lambda opt: (scoped_learning, "gradient_histogram"),
-    "re-quantisation": lambda opt: (type(opt), "_scope_requantize"),
-    "commit": lambda opt: (type(opt), "_scope_stage"),
+    "re-quantisation": lambda opt: (type(opt._binding), "requantize"),
+    "commit": lambda opt: (type(opt._binding), "stage"),
 }
 assert set(_PATCHED) | {CLOSURE_PHASE} == set(PHASES)
 _closure_fails = [False]

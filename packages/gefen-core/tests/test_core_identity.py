@@ -276,15 +276,15 @@ def test_rebinding_stays_atomic_under_injected_faults(where: str, monkeypatch: p
 
     if where == "layout_check":
         calls = {"n": 0}
-        check = optimizer._check_bind_layout
+        check = optimizer._binding.check_layout
 
-        def late(shard: Any, target: Any) -> None:
+        def late(binding: Any, shard: Any, target: Any) -> None:
             calls["n"] += 1
             if calls["n"] == len(plan.rebindings):  # the last slot: every other one passed
                 boom()
             check(shard, target)
 
-        monkeypatch.setattr(optimizer, "_check_bind_layout", late)
+        monkeypatch.setattr(type(optimizer._binding), "check_layout", late)
     else:
         monkeypatch.setattr(identity_module, {"plan": "plan_rebinding", "record": "_record"}[where], boom)
     _refused(

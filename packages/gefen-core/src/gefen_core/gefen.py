@@ -21,8 +21,9 @@ from . import gefen_step
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .contract import IMPLEMENTATION, gefen_contract
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
-from .gefen_binding import CANONICAL, GefenBindingMethods
+from .gefen_binding import CANONICAL, GefenBinding
 from .gefen_exchange import live_piece, native_from_records
+from .identity import IdentityMethods
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import Kernels
@@ -80,7 +81,7 @@ def _publish_native(optimizer: Gefen, payload: StagedNativeState) -> None:
     optimizer._version += 1
 
 
-class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -127,6 +128,7 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """
 
     _identity_implementation = IMPLEMENTATION
+    _binding = GefenBinding()
     _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
 
     def __init__(
@@ -291,10 +293,6 @@ class Gefen(GefenBindingMethods, OwnAttributesPickling, torch.optim.Optimizer):
             portable_sealed=self._bound_layout() is not None,
             period_one_1d=all(bool(g["force_1d_period_one"]) for g in self.param_groups),
         )
-
-    def _refresh_due(self) -> bool:
-        step = self._global_step
-        return bool(self._refresh_every and self._codebook is not None and step > 0 and step % self._refresh_every == 0)
 
     def preflight_step(self) -> None:
         """Run every check ``step()`` runs before mutating; raise its error; change nothing."""

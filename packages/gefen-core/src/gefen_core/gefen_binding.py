@@ -1,6 +1,6 @@
 """What is specific to ``Gefen`` in post-sharding, the codebook scope and canonical local state.
 
-:class:`GefenBindingMethods` is a base class of :class:`~gefen_core.gefen.Gefen`; the generic
+:class:`GefenBinding` is ``Gefen._binding`` (an object the class owns, not a base class); the generic
 parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 :mod:`gefen_core.canonical_state`. Gefen adds:
 
@@ -25,7 +25,7 @@ parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gefen_contracts import ContractError
@@ -38,7 +38,6 @@ from .amp import unscale_gradients
 from .canonical_state import CanonicalRole
 from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
 from .contract import CANONICAL_LAYOUTS, STATE_LAYOUT
-from .identity import IdentityMethods
 from .native_format import VERSION as NATIVE_VERSION
 from .native_records import codebook_record
 from .param_state import BLOCK, COUNTER_KEYS, INDICES, MOMENTUM_MEANING, period_of, state_variant
@@ -50,9 +49,8 @@ from .step_plan import ParamWork, StepDecision, StepPlan
 
 if TYPE_CHECKING:
     from .gefen import Gefen
-    from .ops import Kernels
 
-__all__ = ["CANONICAL", "GEFEN_BINDABLE_LAYOUTS", "GefenBindingMethods"]
+__all__ = ["CANONICAL", "GEFEN_BINDABLE_LAYOUTS", "GefenBinding"]
 
 #: The layouts ``Gefen.post_sharding`` binds.
 GEFEN_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
@@ -70,94 +68,85 @@ def _period_search(policy: PeriodPolicy, name: str | None, shape: tuple[int, ...
     return period
 
 
-def _gefen(host: GefenBindingMethods) -> Gefen:
-    return cast("Gefen", host)  # this class is a base of Gefen only
+class GefenBinding:
+    """Gefen's rules for ``post_sharding`` (the layouts it binds, what pristine means, the
+    scope policy) and its host side of the codebook scope protocol (:mod:`gefen_core.scoped_step`).
 
+    Stateless: every method takes the optimizer. One instance is the optimizer class's
+    ``_binding``, which :class:`~gefen_core.identity.IdentityMethods` and the scope drivers call.
+    """
 
-class GefenBindingMethods(IdentityMethods):
-    """Gefen's side of ``IdentityBindable`` and ``CollectiveScoped``."""
-
-    _scope_who = "Gefen"
-    _codebook: torch.Tensor | None
-    _codebook_copies: dict[torch.device, torch.Tensor]
-    _global_step: int
-    _device_global_steps: dict[torch.device, torch.Tensor]
-    _refresh_every: int
-    _stochastic_round: bool
-    _deterministic: bool
-    _capturable: bool
-    _dispatch: Kernels
-
-    if TYPE_CHECKING:  # provided by Gefen
-
-        def _refresh_due(self) -> bool: ...
+    who = "Gefen"
 
     # -- identity rules --------------------------------------------------------------------------
 
-    def _check_bind_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
+    def check_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
         if shard.layout not in GEFEN_BINDABLE_LAYOUTS:
             allowed = ", ".join(sorted(layout.value for layout in GEFEN_BINDABLE_LAYOUTS))
             raise ContractError(f"post_sharding: Gefen binds {allowed} shards; {shard.fqn!r} is {shard.layout.value}")
 
-    def _pristine_blockers(self) -> tuple[str, ...]:
+    def pristine_blockers(self, optimizer: Gefen) -> tuple[str, ...]:
         reasons = []
-        stepped = sum(1 for entry in self.state.values() if entry)
+        stepped = sum(1 for entry in optimizer.state.values() if entry)
         if stepped:
             reasons.append(
                 f"{stepped} parameter(s) already have Gefen state: post_sharding binds a pristine optimizer, before "
                 "its first step"
             )
-        if self._global_step:
-            reasons.append(f"the optimizer already took {self._global_step} step(s)")
-        if self._codebook is not None:
+        if optimizer._global_step:
+            reasons.append(f"the optimizer already took {optimizer._global_step} step(s)")
+        if optimizer._codebook is not None:
             reasons.append("a codebook was already learned")
-        if self._device_global_steps:
+        if optimizer._device_global_steps:
             reasons.append("device step counters already exist (a capturable step ran)")
         return tuple(reasons)
 
-    def _scope_policy(self) -> dict[str, object]:
+    def scope_policy(self, optimizer: Gefen) -> dict[str, object]:
         return {
-            "deterministic": self._deterministic,
-            "codebook_refresh_every": self._refresh_every,
-            "stochastic_round": self._stochastic_round,
+            "deterministic": optimizer._deterministic,
+            "codebook_refresh_every": optimizer._refresh_every,
+            "stochastic_round": optimizer._stochastic_round,
         }
 
-    def _run_initialize(self) -> bool:
-        return scoped_initialize(self)
+    def refresh_due(self, optimizer: Gefen) -> bool:
+        return gefen_step.refresh_due(optimizer)
 
-    def _run_refresh(self) -> bool:
-        return scoped_refresh(self)
+    def initialize(self, optimizer: Gefen) -> bool:
+        return scoped_initialize(optimizer)
+
+    def refresh(self, optimizer: Gefen) -> bool:
+        return scoped_refresh(optimizer)
 
     # -- the scope protocol's host side -----------------------------------------------------------
 
-    def _scope_plan(self) -> ScopePlan:
-        plan = gefen_step.plan(_gefen(self))
-        identity = self._identity
+    def plan(self, optimizer: Gefen) -> ScopePlan:
+        plan = gefen_step.plan(optimizer)
+        identity = optimizer._identity
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         needs = NEEDS_GRAD if plan.works else 0
         if any(w.needs_state for w in plan.works):
             needs |= NEEDS_START
-        if self._codebook is None and any(gefen_step.locally_nonzero(w) for w in plan.works):
+        if optimizer._codebook is None and any(gefen_step.locally_nonzero(w) for w in plan.works):
             needs |= NEEDS_NONZERO
         grads = [w.param.grad for w in plan.works if w.param.grad is not None]
         return ScopePlan(plan, presence, needs, grads)
 
-    def _scope_key(self, work: ParamWork) -> str:
-        identity = self._identity
+    def key(self, optimizer: Gefen, work: ParamWork) -> str:
+        identity = optimizer._identity
         return f"slot {work.slot}" if identity is None else identity.sealed.shard_identity(work.param).fqn
 
-    def _scope_items(self, plan: ScopePlan, inverse: float | None) -> list[LearnItem]:
+    def items(self, optimizer: Gefen, plan: ScopePlan, inverse: float | None) -> list[LearnItem]:
         inner: StepPlan = plan.inner
         works = {id(work.param): work for work in inner.works}
-        identity = self._identity
+        identity = optimizer._identity
         items: list[LearnItem] = []
         slot = 0
-        for group in self.param_groups:
+        for group in optimizer.param_groups:
             policy = period_policy(group)
             for param in group["params"]:
                 work = works.get(id(param))
                 shard = None if identity is None else identity.sealed.shard_identity(param)
-                entry = self.state.get(param)
+                entry = optimizer.state.get(param)
                 name = None if work is None else work.name
                 local_shape = tuple(param.shape)
                 logical_shape = local_shape if shard is None else shard.parameter.global_shape
@@ -180,38 +169,38 @@ class GefenBindingMethods(IdentityMethods):
         items.sort(key=lambda item: item.fqn if identity is not None else 0)
         return items
 
-    def _scope_stage(self, plan: ScopePlan, outcome: LearningOutcome) -> StepDecision:
+    def stage(self, optimizer: Gefen, plan: ScopePlan, outcome: LearningOutcome) -> StepDecision:
         inner: StepPlan = plan.inner
-        starting = [w for w in inner.works if w.needs_state and self._scope_key(w) in outcome.starting]
-        idle = [w for w in inner.works if w.needs_state and self._scope_key(w) not in outcome.starting]
-        periods = {w.slot: outcome.periods[self._scope_key(w)] for w in starting}
-        codebook = outcome.codebook if outcome.codebook is not None else self._codebook
-        return gefen_step.stage_decision(_gefen(self), starting, idle, periods, codebook, [])
+        starting = [w for w in inner.works if w.needs_state and self.key(optimizer, w) in outcome.starting]
+        idle = [w for w in inner.works if w.needs_state and self.key(optimizer, w) not in outcome.starting]
+        periods = {w.slot: outcome.periods[self.key(optimizer, w)] for w in starting}
+        codebook = outcome.codebook if outcome.codebook is not None else optimizer._codebook
+        return gefen_step.stage_decision(optimizer, starting, idle, periods, codebook, [])
 
-    def _scope_requantize(self, codebook: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        assert self._codebook is not None
-        return gefen_step.requantize_all(_gefen(self), self._codebook, codebook)
+    def requantize(self, optimizer: Gefen, codebook: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        assert optimizer._codebook is not None
+        return gefen_step.requantize_all(optimizer, optimizer._codebook, codebook)
 
-    def _scope_publish(self, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
+    def publish(self, optimizer: Gefen, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
         inner: StepPlan = plan.inner
-        unscale_gradients(self, plan.grads)
+        unscale_gradients(optimizer, plan.grads)
         for work in inner.works:
             if work.state_device_differs:
                 gefen_step.move_state(work)
-        stats = gefen_step.factored_stats(_gefen(self), inner.works)
+        stats = gefen_step.factored_stats(optimizer, inner.works)
         decision = staged if isinstance(staged, StepDecision) else None
         if decision is None:
-            decision = StepDecision(idle=[w for w in inner.works if w.needs_state], codebook=self._codebook)
+            decision = StepDecision(idle=[w for w in inner.works if w.needs_state], codebook=optimizer._codebook)
         if requantized:
             decision.refreshed = requantized
-        gefen_step.publish(_gefen(self), inner, decision, stats)
+        gefen_step.publish(optimizer, inner, decision, stats)
 
-    def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None:
+    def publish_codebook(self, optimizer: Gefen, codebook: torch.Tensor, requantized: Any) -> None:
         for state, indices in requantized or ():
             state[INDICES].copy_(indices)
-        self._codebook = codebook
-        self._codebook_copies = {}
-        self._version += 1
+        optimizer._codebook = codebook
+        optimizer._codebook_copies = {}
+        optimizer._version += 1
 
 
 # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) ----------

@@ -37,6 +37,7 @@ __all__ = [
     "move_state",
     "plan",
     "publish",
+    "refresh_due",
     "requantize_all",
     "require_kernels",
     "stage_decision",
@@ -54,6 +55,17 @@ def require_kernels(optimizer: Gefen) -> None:
             optimizer._dispatch.require(op, device)
 
 
+def refresh_due(optimizer: Gefen) -> bool:
+    """Whether this step relearns the codebook (every ``codebook_refresh_every`` steps)."""
+    step = optimizer._global_step
+    return bool(
+        optimizer._refresh_every
+        and optimizer._codebook is not None
+        and step > 0
+        and step % optimizer._refresh_every == 0
+    )
+
+
 def plan(optimizer: Gefen) -> StepPlan:
     """Every check the step runs before mutating (the sealed layout, then :func:`plan_step`)."""
     optimizer._verify_layout("step")
@@ -63,7 +75,7 @@ def plan(optimizer: Gefen) -> StepPlan:
         dispatch=optimizer._dispatch,
         capturable=optimizer._capturable,
         codebook_ready=optimizer._codebook is not None,
-        refresh_due=optimizer._refresh_due(),
+        refresh_due=refresh_due(optimizer),
     )
 
 

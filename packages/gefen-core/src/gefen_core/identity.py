@@ -5,9 +5,9 @@ to its live local tensor and stable shard identity, sealing the layout, and expo
 codebook scope). The request itself is validated by the generic
 ``gefen_contracts.torch_support.plan_rebinding``; the optimizer adds what is its own:
 
-* the layouts it binds (``_check_bind_layout``): ``Gefen`` replicated and flattened element
+* the layouts it binds (its ``_binding.check_layout``): ``Gefen`` replicated and flattened element
   shards, ``GefenMuon`` replicated and whole-parameter owner (2-D parameters);
-* pristine (``_pristine_blockers``): no parameter state, global step 0, no codebook, no
+* pristine (``_binding.pristine_blockers``): no parameter state, global step 0, no codebook, no
   device counters, i.e. ``post_sharding`` runs before the first step;
 * a multi-member ``scope``: every manifest shard names the scope's process group, and
   ``capturable=False`` (the scope protocol synchronises with the host).
@@ -158,34 +158,19 @@ class _StagedBinding:
 class IdentityMethods:
     """``IdentityBindable`` and ``CollectiveScoped`` for Gefen-family optimizers (module docstring).
 
-    The host optimizer provides ``_check_bind_layout(shard, target)``, ``_pristine_blockers()``,
-    ``_scope_policy()``, ``_identity_implementation`` and the scope drivers
-    ``_run_initialize()`` / ``_run_refresh()``.
+    The optimizer class provides ``_identity_implementation`` and ``_binding``, its rules
+    (:class:`gefen_core.gefen_binding.GefenBinding`, :class:`gefen_core.muon_binding.MuonBinding`):
+    ``check_layout(shard, target)``, ``pristine_blockers(optimizer)``, ``scope_policy(optimizer)``
+    and the scope drivers ``initialize(optimizer)`` / ``refresh(optimizer)``.
     """
 
     _identity: IdentityRecord | None
     _version: int
     _capturable: bool
     _identity_implementation: str
+    _binding: Any
     param_groups: list[dict[str, Any]]
     state: Any
-
-    # -- host hooks --------------------------------------------------------------------------
-
-    def _check_bind_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
-        raise NotImplementedError
-
-    def _pristine_blockers(self) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def _scope_policy(self) -> dict[str, object]:
-        raise NotImplementedError
-
-    def _run_initialize(self) -> bool:
-        raise NotImplementedError
-
-    def _run_refresh(self) -> bool:
-        raise NotImplementedError
 
     # -- the sealed layout -------------------------------------------------------------------
 
@@ -228,7 +213,7 @@ class IdentityMethods:
             else FeatureStatus.yes()
         )
         if identity is None:
-            blockers = self._pristine_blockers()
+            blockers = self._binding.pristine_blockers(self)
             unbound = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
             post_sharding = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
             return IdentityReadiness(post_sharding, unbound, scope)
@@ -277,7 +262,7 @@ class IdentityMethods:
         """
         if self._identity is not None:
             raise RuntimeError("post_sharding: this optimizer is already finalized (its layout is sealed)")
-        blockers = self._pristine_blockers()
+        blockers = self._binding.pristine_blockers(self)
         if blockers:
             raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
         plan = plan_rebinding(
@@ -286,10 +271,10 @@ class IdentityMethods:
             manifest=manifest,
             scope=scope,
             name_of=compatibility_names(self.param_groups),
-            check_layout=self._check_bind_layout,
+            check_layout=self._binding.check_layout,
         )
         self._check_scope(plan)
-        record = _record(plan, len(self.param_groups), self._identity_implementation, self._scope_policy())
+        record = _record(plan, len(self.param_groups), self._identity_implementation, self._binding.scope_policy(self))
         payload = _StagedBinding(staged_groups(self.param_groups, plan), record)
         return StagedTransaction(self, kind=_BIND_KIND, token=self._identity_freshness(), payload=payload)
 
@@ -360,14 +345,14 @@ class IdentityMethods:
         learns from this process's gradients.
         """
         self._require_scope_feature("initialize_collective_state")
-        return self._run_initialize()
+        return bool(self._binding.initialize(self))
 
     def refresh_collective_state(self) -> bool:
         """Relearn the codebook from the attached gradients (stored periods) and re-express every
         momentum index in it (collectively over the scope, if any); returns whether the codebook
         changed (``False`` without a codebook or when no member has a gradient)."""
         self._require_scope_feature("refresh_collective_state")
-        return self._run_refresh()
+        return bool(self._binding.refresh(self))
 
     def initialize_codebook(self) -> bool:
         """Gefen's name for :meth:`initialize_collective_state`."""
@@ -396,5 +381,10 @@ class IdentityMethods:
         if record is not None:
             manifest, slots, scope = record
             self._identity = _rebuild(
-                self.param_groups, manifest, slots, scope, self._identity_implementation, self._scope_policy()
+                self.param_groups,
+                manifest,
+                slots,
+                scope,
+                self._identity_implementation,
+                self._binding.scope_policy(self),
             )

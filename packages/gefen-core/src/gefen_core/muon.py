@@ -28,7 +28,8 @@ from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable
-from .muon_binding import CANONICAL, MuonBindingMethods
+from .identity import IdentityMethods
+from .muon_binding import CANONICAL, MuonBinding
 from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
 from .muon_exchange import live_muon_piece, muon_native_from_records
@@ -88,7 +89,7 @@ def _publish_native(optimizer: GefenMuon, payload: StagedMuonState) -> None:
 
 
 class GefenMuon(
-    MuonBindingMethods,
+    IdentityMethods,
     OwnAttributesPickling,
     torch.optim.Optimizer,
 ):
@@ -132,6 +133,7 @@ class GefenMuon(
     """
 
     _identity_implementation = IMPLEMENTATION
+    _binding = MuonBinding()
     _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
 
     def __init__(
@@ -297,7 +299,7 @@ class GefenMuon(
         return muon_contract(
             readiness=readiness,
             canonical=CANONICAL.status(self, readiness.identity),
-            whole_owner_blocker=self._whole_owner_blocker(),
+            whole_owner_blocker=self._binding.whole_owner_blocker(self),
             modes=tuple(sorted({group["sharded_mode"] for group in self.param_groups})),
             normuon=tuple(sorted({bool(group["normuon"]) for group in self.param_groups})),
             deterministic=self._deterministic,
@@ -369,7 +371,7 @@ class GefenMuon(
         red when torch fixes it. The step is dominated by the kernels and Newton-Schulz GEMMs,
         which tracing does not speed up.
         """
-        blocker = self._whole_owner_blocker()
+        blocker = self._binding.whole_owner_blocker(self)
         if blocker is not None:
             raise RuntimeError(f"GefenMuon.step: {blocker}")
         identity = self._identity

@@ -1,6 +1,6 @@
 """What is specific to ``GefenMuon`` in post-sharding, the codebook scope and canonical local state.
 
-:class:`MuonBindingMethods` is a base class of :class:`~gefen_core.muon.GefenMuon`; the generic
+:class:`MuonBinding` is ``GefenMuon._binding`` (an object the class owns, not a base class); the generic
 parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 :mod:`gefen_core.canonical_state`. GefenMuon adds:
 
@@ -20,7 +20,7 @@ parts live in :mod:`gefen_core.identity`, :mod:`gefen_core.scoped_step` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gefen_contracts import ContractError
@@ -32,7 +32,6 @@ from .amp import unscale_gradients
 from .canonical_state import CanonicalRole
 from .codebook import requantize
 from .codebook_scope import NEEDS_GRAD, NEEDS_NONZERO, NEEDS_START, AmpReading
-from .identity import IdentityMethods
 from .muon_contract import REPLICATED_STATE_LAYOUT
 from .muon_learning import LearningResult, is_nonzero
 from .muon_native_state import FORMAT
@@ -47,9 +46,8 @@ from .scoped_step import ScopePlan, scoped_initialize, scoped_refresh
 
 if TYPE_CHECKING:
     from .muon import GefenMuon
-    from .ops import Kernels
 
-__all__ = ["CANONICAL", "MUON_BINDABLE_LAYOUTS", "MuonBindingMethods"]
+__all__ = ["CANONICAL", "MUON_BINDABLE_LAYOUTS", "MuonBinding"]
 
 #: The layouts ``GefenMuon.post_sharding`` binds.
 MUON_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.WHOLE_PARAMETER_OWNER})
@@ -62,28 +60,38 @@ def _matrix_period(shape: tuple[int, int]) -> PeriodOf:
     return period
 
 
-def _muon(host: MuonBindingMethods) -> GefenMuon:
-    return cast("GefenMuon", host)  # this class is a base of GefenMuon only
+def _learn_item(fqn: str, shard: ShardIdentity | None, item: MuonItem | None, inverse: float | None) -> LearnItem:
+    grad = None
+    if item is not None and item.grad is not None:
+        grad = item.local_grad if inverse is None else item.local_grad.mul(inverse)
+    state = None if item is None else item.state
+    shape = (0, 0) if item is None else item.shape
+    period = _matrix_period(shape)
+    return LearnItem(
+        fqn=fqn,
+        shard=shard,
+        grad=grad,
+        has_state=bool(state),
+        period=period_of(state) if state else None,
+        signed=False,
+        local_period=period,
+        logical_period=period,
+    )
 
 
-class MuonBindingMethods(IdentityMethods):
-    """GefenMuon's side of ``IdentityBindable`` and ``CollectiveScoped``."""
+class MuonBinding:
+    """GefenMuon's rules for ``post_sharding`` (the layouts it binds, what pristine means, the
+    scope policy) and its host side of the codebook scope protocol (:mod:`gefen_core.scoped_step`).
 
-    _scope_who = "GefenMuon"
-    _codebook: torch.Tensor | None
-    _codebook_copies: dict[torch.device, torch.Tensor]
-    _global_step: int
-    _stochastic_round: bool
-    _deterministic: bool
-    _dispatch: Kernels
+    Stateless: every method takes the optimizer. One instance is the optimizer class's
+    ``_binding``, which :class:`~gefen_core.identity.IdentityMethods` and the scope drivers call.
+    """
 
-    if TYPE_CHECKING:  # provided by GefenMuon
-
-        def _plan(self) -> MuonPlan: ...
+    who = "GefenMuon"
 
     # -- identity rules --------------------------------------------------------------------------
 
-    def _check_bind_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
+    def check_layout(self, shard: ShardIdentity, target: torch.Tensor | None) -> None:
         if shard.layout not in MUON_BINDABLE_LAYOUTS:
             raise ContractError(
                 f"post_sharding: GefenMuon binds complete matrices (replicated or whole_parameter_owner shards); "
@@ -94,35 +102,35 @@ class MuonBindingMethods(IdentityMethods):
                 f"post_sharding: GefenMuon optimizes 2-D matrices; {shard.fqn!r} has shape {shard.parameter.global_shape}"
             )
 
-    def _pristine_blockers(self) -> tuple[str, ...]:
+    def pristine_blockers(self, optimizer: GefenMuon) -> tuple[str, ...]:
         reasons = []
-        stepped = sum(1 for entry in self.state.values() if entry)
+        stepped = sum(1 for entry in optimizer.state.values() if entry)
         if stepped:
             reasons.append(
                 f"{stepped} matrix(es) already have GefenMuon state: post_sharding binds a pristine optimizer, before "
                 "its first step"
             )
-        if self._global_step:
-            reasons.append(f"the optimizer already took {self._global_step} step(s)")
-        if self._codebook is not None:
+        if optimizer._global_step:
+            reasons.append(f"the optimizer already took {optimizer._global_step} step(s)")
+        if optimizer._codebook is not None:
             reasons.append("a codebook was already learned")
         return tuple(reasons)
 
-    def _scope_policy(self) -> dict[str, object]:
-        return {"deterministic": self._deterministic, "stochastic_round": self._stochastic_round}
+    def scope_policy(self, optimizer: GefenMuon) -> dict[str, object]:
+        return {"deterministic": optimizer._deterministic, "stochastic_round": optimizer._stochastic_round}
 
-    def _run_initialize(self) -> bool:
-        return scoped_initialize(self)
+    def initialize(self, optimizer: GefenMuon) -> bool:
+        return scoped_initialize(optimizer)
 
-    def _run_refresh(self) -> bool:
-        return scoped_refresh(self)
+    def refresh(self, optimizer: GefenMuon) -> bool:
+        return scoped_refresh(optimizer)
 
-    def _refresh_due(self) -> bool:
+    def refresh_due(self, optimizer: GefenMuon) -> bool:
         return False  # GefenMuon relearns its codebook only on request (refresh_collective_state)
 
-    def _whole_owner_blocker(self) -> str | None:
+    def whole_owner_blocker(self, optimizer: GefenMuon) -> str | None:
         """Why a finalized whole-parameter layout cannot step here (``None`` when it can)."""
-        identity = self._identity
+        identity = optimizer._identity
         if identity is None or ParameterLayout.WHOLE_PARAMETER_OWNER not in identity.layouts:
             return None
         shards = [shard for _, shard in identity.sealed.bindings]
@@ -137,87 +145,67 @@ class MuonBindingMethods(IdentityMethods):
 
     # -- the scope protocol's host side -----------------------------------------------------------
 
-    def _scope_plan(self) -> ScopePlan:
-        plan = self._plan()
-        identity = self._identity
+    def plan(self, optimizer: GefenMuon) -> ScopePlan:
+        plan = optimizer._plan()
+        identity = optimizer._identity
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         active = plan.active
         needs = NEEDS_GRAD if active else 0
         if any(item.state is None for item in active):
             needs |= NEEDS_START
-        if self._codebook is None and any(is_nonzero(item.local_grad) for item in active):
+        if optimizer._codebook is None and any(is_nonzero(item.local_grad) for item in active):
             needs |= NEEDS_NONZERO
         return ScopePlan(plan, presence, needs, [item.local_grad for item in active])
 
-    def _scope_items(self, plan: ScopePlan, inverse: float | None) -> list[LearnItem]:
+    def items(self, optimizer: GefenMuon, plan: ScopePlan, inverse: float | None) -> list[LearnItem]:
         inner: MuonPlan = plan.inner
-        identity = self._identity
+        identity = optimizer._identity
         by_param = {id(item.param): item for item in inner.items}
         items: list[LearnItem] = []
         if identity is None:
             for item in inner.items:
-                items.append(self._learn_item(f"slot {item.slot}", None, item, inverse))
+                items.append(_learn_item(f"slot {item.slot}", None, item, inverse))
             return items
         for tensor, shard in identity.sealed.bindings:
             bound = None if tensor is None else by_param.get(id(tensor))
-            items.append(self._learn_item(shard.fqn, shard, bound, inverse))
+            items.append(_learn_item(shard.fqn, shard, bound, inverse))
         return items
 
-    def _learn_item(
-        self, fqn: str, shard: ShardIdentity | None, item: MuonItem | None, inverse: float | None
-    ) -> LearnItem:
-        grad = None
-        if item is not None and item.grad is not None:
-            grad = item.local_grad if inverse is None else item.local_grad.mul(inverse)
-        state = None if item is None else item.state
-        shape = (0, 0) if item is None else item.shape
-        period = _matrix_period(shape)
-        return LearnItem(
-            fqn=fqn,
-            shard=shard,
-            grad=grad,
-            has_state=bool(state),
-            period=period_of(state) if state else None,
-            signed=False,
-            local_period=period,
-            logical_period=period,
-        )
-
-    def _scope_key(self, item: MuonItem) -> str:
-        identity = self._identity
+    def key(self, optimizer: GefenMuon, item: MuonItem) -> str:
+        identity = optimizer._identity
         return f"slot {item.slot}" if identity is None else identity.sealed.shard_identity(item.param).fqn
 
-    def _scope_stage(self, plan: ScopePlan, outcome: LearningOutcome) -> LearningResult:
+    def stage(self, optimizer: GefenMuon, plan: ScopePlan, outcome: LearningOutcome) -> LearningResult:
         inner: MuonPlan = plan.inner
         periods = {
-            item.slot: outcome.periods[self._scope_key(item)]
+            item.slot: outcome.periods[self.key(optimizer, item)]
             for item in inner.active
-            if item.state is None and self._scope_key(item) in outcome.starting
+            if item.state is None and self.key(optimizer, item) in outcome.starting
         }
         return LearningResult(outcome.codebook, periods)
 
-    def _scope_requantize(self, codebook: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        old = self._codebook
+    def requantize(self, optimizer: GefenMuon, codebook: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        old = optimizer._codebook
         assert old is not None
         staged = []
-        for state in self.state.values():
+        for state in optimizer.state.values():
             if state and state[INDICES].numel():
                 device = state[INDICES].device
                 staged.append((state, requantize(state[INDICES], old.to(device), codebook.to(device))))
         return staged
 
-    def _scope_publish(self, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
+    def publish(self, optimizer: GefenMuon, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
         inner: MuonPlan = plan.inner
-        unscale_gradients(self, plan.grads)
+        unscale_gradients(optimizer, plan.grads)
         learned = staged if isinstance(staged, LearningResult) else LearningResult(None)
-        muon_execution.execute(_muon(self), inner, learned)
+        muon_execution.execute(optimizer, inner, learned)
 
-    def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None:
+    def publish_codebook(self, optimizer: GefenMuon, codebook: torch.Tensor, requantized: Any) -> None:
         for state, indices in requantized or ():
             state[INDICES].copy_(indices)
-        self._codebook = codebook
-        self._codebook_copies = {}
-        self._version += 1
+        optimizer._codebook = codebook
+        optimizer._codebook_copies = {}
+        optimizer._version += 1
 
 
 # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) ----------

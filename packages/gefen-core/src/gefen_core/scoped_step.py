@@ -64,7 +64,7 @@ from .ops import Kernels
 from .scoped_learning import LearningOutcome, LearnItem, learn_over_scope, periods_digest
 from .step_plan import capturing
 
-__all__ = ["ScopePlan", "ScopedHost", "scoped_initialize", "scoped_refresh", "scoped_step"]
+__all__ = ["ScopeBinding", "ScopePlan", "ScopedHost", "scoped_initialize", "scoped_refresh", "scoped_step"]
 
 
 @dataclass(slots=True)
@@ -79,6 +79,28 @@ class ScopePlan:
     grads: list[torch.Tensor] = field(default_factory=list)
 
 
+class ScopeBinding(Protocol):
+    """An optimizer class's host side of the protocol (its ``_binding``; stateless, every
+    method takes the optimizer): :class:`gefen_core.gefen_binding.GefenBinding`,
+    :class:`gefen_core.muon_binding.MuonBinding`."""
+
+    who: str
+
+    def plan(self, optimizer: Any) -> ScopePlan: ...
+
+    def items(self, optimizer: Any, plan: ScopePlan, inverse: float | None) -> list[LearnItem]: ...
+
+    def stage(self, optimizer: Any, plan: ScopePlan, outcome: LearningOutcome) -> Any: ...
+
+    def requantize(self, optimizer: Any, codebook: torch.Tensor) -> Any: ...
+
+    def publish(self, optimizer: Any, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None: ...
+
+    def publish_codebook(self, optimizer: Any, codebook: torch.Tensor, requantized: Any) -> None: ...
+
+    def refresh_due(self, optimizer: Any) -> bool: ...
+
+
 class ScopedHost(Protocol):
     """What a Gefen-family optimizer provides to the scope drivers."""
 
@@ -87,23 +109,11 @@ class ScopedHost(Protocol):
     _global_step: int
     _dispatch: Kernels
     _deterministic: bool
-    _scope_who: str
+
+    @property
+    def _binding(self) -> ScopeBinding: ...
 
     def _verify_layout(self, where: str) -> None: ...
-
-    def _scope_plan(self) -> ScopePlan: ...
-
-    def _scope_items(self, plan: ScopePlan, inverse: float | None) -> list[LearnItem]: ...
-
-    def _scope_stage(self, plan: ScopePlan, outcome: LearningOutcome) -> Any: ...
-
-    def _scope_requantize(self, codebook: torch.Tensor) -> Any: ...
-
-    def _scope_publish(self, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None: ...
-
-    def _scope_publish_codebook(self, codebook: torch.Tensor, requantized: Any) -> None: ...
-
-    def _refresh_due(self) -> bool: ...
 
 
 def _attempt(phase: str, action: Callable[[], object]) -> tuple[object, Failure | None]:
@@ -163,7 +173,7 @@ def _learn(
 
 
 def _requantize(host: ScopedHost, codebook: torch.Tensor) -> tuple[Any, Failure | None]:
-    return _attempt(REQUANTIZE_PHASE, lambda: host._scope_requantize(codebook))
+    return _attempt(REQUANTIZE_PHASE, lambda: host._binding.requantize(host, codebook))
 
 
 def _agreed(outcome: LearningOutcome) -> list[int]:
@@ -178,7 +188,7 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
     identity = host._identity
     assert identity is not None
     binding = identity.scope
-    who = f"{host._scope_who} step"
+    who = f"{host._binding.who} step"
 
     _, failure = _attempt(ENTRY_PHASE, lambda: _entry_checks(host, identity, "step"))
     loss = None
@@ -195,7 +205,7 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
         def preflight() -> ScopePlan:
             if host._identity is not identity:
                 raise LayoutTamperedError("step: the post_sharding identity (and its codebook scope) was replaced")
-            return host._scope_plan()
+            return host._binding.plan(host)
 
         planned, failure = _attempt(PREFLIGHT_PHASE, preflight)
         plan = planned if isinstance(planned, ScopePlan) else None
@@ -226,12 +236,12 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
     if agreement.overflow:
         return loss
     learn = not agreement.codebook_present and agreement.any_needs(NEEDS_NONZERO)
-    refresh = agreement.codebook_present and host._refresh_due() and agreement.any_needs(NEEDS_GRAD)
+    refresh = agreement.codebook_present and host._binding.refresh_due(host) and agreement.any_needs(NEEDS_GRAD)
     starts = agreement.any_needs(NEEDS_START)
     if not (learn or refresh or starts):
-        host._scope_publish(plan, None, None, amp)
+        host._binding.publish(host, plan, None, None, amp)
         return loss
-    items, failure = _attempt(PERIOD_PHASE, lambda: host._scope_items(plan, amp.inverse))
+    items, failure = _attempt(PERIOD_PHASE, lambda: host._binding.items(host, plan, amp.inverse))
     outcome = _learn(
         host,
         identity,
@@ -248,9 +258,9 @@ def scoped_step(host: ScopedHost, closure: Callable[[], Any] | None) -> Any:
         requantized, failure = _requantize(host, outcome.codebook)
     staged: Any = None
     if failure is None:
-        staged, failure = _attempt(COMMIT_PHASE, lambda: host._scope_stage(plan, outcome))
+        staged, failure = _attempt(COMMIT_PHASE, lambda: host._binding.stage(host, plan, outcome))
     commit_agreement(binding, failure=failure, agreed=_agreed(outcome), what=_AGREED, who=who)
-    host._scope_publish(plan, staged, requantized, amp)
+    host._binding.publish(host, plan, staged, requantized, amp)
     return loss
 
 
@@ -259,7 +269,7 @@ def _preamble(host: ScopedHost, phase: str, where: str) -> tuple[ScopePlan | Non
 
     def run() -> ScopePlan:
         _entry_checks(host, identity, where)
-        return host._scope_plan()
+        return host._binding.plan(host)
 
     plan, failure = _attempt(phase, run)
     return (plan if isinstance(plan, ScopePlan) else None), failure
@@ -283,7 +293,7 @@ def _header(host: ScopedHost, operation: int, plan: ScopePlan | None, failure: F
 
 def scoped_initialize(host: ScopedHost) -> bool:
     """``initialize_collective_state()``: learn the codebook if none exists (no state is created)."""
-    who = f"{host._scope_who} initialize_collective_state"
+    who = f"{host._binding.who} initialize_collective_state"
     plan, failure = _preamble(host, INITIALIZE_PREAMBLE_PHASE, "initialize_collective_state")
     agreement = _header(host, OP_INITIALIZE, plan, failure, who)
     assert plan is not None
@@ -292,7 +302,7 @@ def scoped_initialize(host: ScopedHost) -> bool:
     if not agreement.any_needs(NEEDS_NONZERO):
         return False
     identity = host._identity
-    items, failure = _attempt(PERIOD_PHASE, lambda: host._scope_items(plan, None))
+    items, failure = _attempt(PERIOD_PHASE, lambda: host._binding.items(host, plan, None))
     outcome = _learn(
         host,
         identity,
@@ -309,14 +319,14 @@ def scoped_initialize(host: ScopedHost) -> bool:
     )
     if outcome.codebook is None:
         return False
-    host._scope_publish_codebook(outcome.codebook, None)
+    host._binding.publish_codebook(host, outcome.codebook, None)
     return True
 
 
 def scoped_refresh(host: ScopedHost) -> bool:
     """``refresh_collective_state()``: relearn the codebook with the stored periods and re-express
     every momentum index in it; ``True`` when the codebook changed."""
-    who = f"{host._scope_who} refresh_collective_state"
+    who = f"{host._binding.who} refresh_collective_state"
     plan, failure = _preamble(host, REFRESH_PREAMBLE_PHASE, "refresh_collective_state")
     agreement = _header(host, OP_REFRESH, plan, failure, who)
     assert plan is not None
@@ -324,7 +334,7 @@ def scoped_refresh(host: ScopedHost) -> bool:
         return False
     identity = host._identity
     old = host._codebook
-    items, failure = _attempt(PERIOD_PHASE, lambda: host._scope_items(plan, None))
+    items, failure = _attempt(PERIOD_PHASE, lambda: host._binding.items(host, plan, None))
     outcome = _learn(
         host,
         identity,
@@ -348,5 +358,5 @@ def scoped_refresh(host: ScopedHost) -> bool:
     if not changed:
         return False
     assert new is not None
-    host._scope_publish_codebook(new, requantized)
+    host._binding.publish_codebook(host, new, requantized)
     return True
