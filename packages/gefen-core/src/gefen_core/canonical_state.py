@@ -54,7 +54,7 @@ from gefen_contracts.state_layout import match_variants
 from gefen_contracts.torch_support import BoundParameter, build_bound_state, parse_bound_state, state_version_token
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
-from .identity import IdentityRecord
+from .identity import IdentityRecord, identity_readiness, verify_layout
 from .native_records import GROUP_MIRROR, NativeFormat, with_state_digest
 
 __all__ = ["NO_STATE_VARIANT", "CanonicalRole"]
@@ -188,8 +188,8 @@ class CanonicalRole:
         return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
 
     def _require(self, optimizer: Any, where: str) -> IdentityRecord:
-        optimizer._verify_layout(where)
-        status = self.status(optimizer, optimizer._identity_readiness().identity)
+        verify_layout(optimizer, where)
+        status = self.status(optimizer, identity_readiness(optimizer).identity)
         if not status.supported or optimizer._identity is None:
             raise NotSupportedError(FEATURE_CANONICAL_LOCAL_STATE, status.reasons)
         return optimizer._identity  # type: ignore[no-any-return]
@@ -338,7 +338,7 @@ class CanonicalRole:
     def commit_import(self, optimizer: Any, staged: StagedTransaction) -> None:
         """Publish a prepared import (single use; ``StaleTransactionError`` and no change for a
         foreign, consumed or stale one). Hooks are bypassed."""
-        optimizer._verify_layout("commit_local_import")
+        verify_layout(optimizer, "commit_local_import")
         payload = require_transaction(staged).claim(
             optimizer, kind=_IMPORT_KIND, current_token=self._freshness(optimizer)
         )

@@ -23,7 +23,7 @@ from .contract import IMPLEMENTATION, gefen_contract
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import CANONICAL, GefenBinding
 from .gefen_exchange import live_piece, native_from_records
-from .identity import IdentityMethods
+from .identity import IdentityMethods, bound_layout, identity_readiness, refuse_when_sealed, verify_layout
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import Kernels
@@ -219,7 +219,7 @@ class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate the whole group (options and parameters) first, then register it
         (``RuntimeError`` once ``post_sharding`` sealed the layout)."""
-        self._refuse_when_sealed()
+        refuse_when_sealed(self)
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
@@ -279,7 +279,7 @@ class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
 
     def optimizer_contract(self) -> OptimizerContract:
         """What this instance supports now (cheap: O(local parameters), pure, no collectives)."""
-        readiness = self._identity_readiness()
+        readiness = identity_readiness(self)
         return gefen_contract(
             readiness=readiness,
             canonical=CANONICAL.status(self, readiness.identity),
@@ -290,7 +290,7 @@ class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
             fused=self._dispatch.fused,
             factored_v_2d=tuple(bool(g["factored_v_2d"]) for g in self.param_groups),
             portable=PORTABLE.status(self),
-            portable_sealed=self._bound_layout() is not None,
+            portable_sealed=bound_layout(self) is not None,
             period_one_1d=all(bool(g["force_1d_period_one"]) for g in self.param_groups),
         )
 
@@ -317,7 +317,7 @@ class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
             raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
         loss = None
         if closure is not None:
-            self._verify_layout("step")
+            verify_layout(self, "step")
             with torch.enable_grad():
                 loss = closure()
         if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error

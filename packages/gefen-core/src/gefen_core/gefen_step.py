@@ -18,6 +18,7 @@ import torch
 
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
+from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
 from .optimizer_support import codebook_on
@@ -68,7 +69,7 @@ def refresh_due(optimizer: Gefen) -> bool:
 
 def plan(optimizer: Gefen) -> StepPlan:
     """Every check the step runs before mutating (the sealed layout, then :func:`plan_step`)."""
-    optimizer._verify_layout("step")
+    verify_layout(optimizer, "step")
     return plan_step(
         optimizer.param_groups,
         optimizer.state,

@@ -59,7 +59,17 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .codebook_scope import STEADY_STEP_BUDGET, digest_words
 
-__all__ = ["IdentityMethods", "IdentityReadiness", "IdentityRecord", "scope_fingerprint"]
+__all__ = [
+    "IdentityMethods",
+    "IdentityReadiness",
+    "IdentityRecord",
+    "bound_layout",
+    "identity_readiness",
+    "refuse_when_sealed",
+    "scope_fingerprint",
+    "verify_layout",
+    "with_identity_guard",
+]
 
 _BIND_KIND = "gefen.post_sharding"
 
@@ -155,6 +165,92 @@ class _StagedBinding:
     record: IdentityRecord
 
 
+# -- the sealed layout and readiness, read by every role of the optimizer -----------------------
+
+
+def verify_layout(optimizer: Any, where: str) -> None:
+    """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""
+    identity = optimizer._identity
+    if identity is not None:
+        identity.sealed.verify(optimizer.param_groups, optimizer.state, where=where)
+
+
+def refuse_when_sealed(optimizer: Any) -> None:
+    if getattr(optimizer, "_identity", None) is not None:
+        raise RuntimeError(
+            "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
+            "parameter group before calling post_sharding"
+        )
+
+
+def bound_layout(optimizer: Any) -> SealedLayout | None:
+    """The sealed layout the transports (portable state) read; ``None`` before
+    ``post_sharding`` (the implicit layout: one replicated shard per named parameter)."""
+    identity = optimizer._identity
+    return None if identity is None else identity.sealed
+
+
+def with_identity_guard(optimizer: Any, native: dict[str, Any]) -> dict[str, Any]:
+    """A native state dict the transports built for the live layout, with the live
+    shard-identity guard when bound (the transport matched every slot by shard identity)."""
+    identity = optimizer._identity
+    return native if identity is None else {**native, IDENTITY_KEY: identity_guard(identity.sealed)}
+
+
+def _identity_freshness(optimizer: Any) -> Hashable:
+    return (optimizer._version, id(optimizer.state), state_version_token(optimizer.param_groups, optimizer.state))
+
+
+def identity_readiness(optimizer: Any) -> IdentityReadiness:
+    """Post-sharding, identity and scope status for the contract (O(local parameters))."""
+    identity = optimizer._identity
+    scope = (
+        FeatureStatus.no(
+            "capturable=True: the scope protocol and codebook learning on demand synchronise with the host"
+        )
+        if optimizer._capturable
+        else FeatureStatus.yes()
+    )
+    if identity is None:
+        blockers = optimizer._binding.pristine_blockers(optimizer)
+        unbound = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
+        post_sharding = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
+        return IdentityReadiness(post_sharding, unbound, scope)
+    pruned = any(tensor is None for tensor, _ in identity.sealed.bindings)
+    try:
+        verify_layout(optimizer, "optimizer_contract")
+    except LayoutTamperedError as exc:
+        broken = FeatureStatus.no(str(exc))
+        return IdentityReadiness(FeatureStatus.yes(), broken, broken, identity.layouts, identity.scope is not None)
+    return IdentityReadiness(
+        FeatureStatus.yes(), FeatureStatus.yes(), scope, identity.layouts, identity.scope is not None, pruned
+    )
+
+
+def _check_scope(optimizer: Any, plan: RebindingPlan) -> None:
+    scope = plan.scope
+    if scope is None or not scope.communicates:
+        return
+    if optimizer._capturable:
+        raise ContractError(
+            "post_sharding: a multi-member codebook scope needs capturable=False (its protocol synchronises with "
+            "the host every step)"
+        )
+    for shard in plan.manifest.shards:
+        if shard.process_group != scope.identity:
+            raise ContractError(
+                f"post_sharding: with a {scope.member_count}-member codebook scope every manifest shard must name "
+                f"its process group {scope.identity.semantic_name!r}; {shard.fqn!r} does not"
+            )
+
+
+def _require_scope_feature(optimizer: Any, where: str) -> None:
+    verify_layout(optimizer, where)  # a tampered layout raises LayoutTamperedError, not a contract refusal
+    status = identity_readiness(optimizer).collective_scope
+    if not status.supported:
+        raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, status.reasons)
+
+
 class IdentityMethods:
     """``IdentityBindable`` and ``CollectiveScoped`` for Gefen-family optimizers (module docstring).
 
@@ -174,76 +270,7 @@ class IdentityMethods:
 
     # -- the sealed layout -------------------------------------------------------------------
 
-    def _verify_layout(self, where: str) -> None:
-        """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""
-        identity = self._identity
-        if identity is not None:
-            identity.sealed.verify(self.param_groups, self.state, where=where)
-
-    def _refuse_when_sealed(self) -> None:
-        if getattr(self, "_identity", None) is not None:
-            raise RuntimeError(
-                "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
-                "parameter group before calling post_sharding"
-            )
-
-    def _bound_layout(self) -> SealedLayout | None:
-        """The sealed layout the transports (portable state) read; ``None`` before
-        ``post_sharding`` (the implicit layout: one replicated shard per named parameter)."""
-        identity = self._identity
-        return None if identity is None else identity.sealed
-
-    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]:
-        """A native state dict the transports built for the live layout, with the live
-        shard-identity guard when bound (the transport matched every slot by shard identity)."""
-        identity = self._identity
-        return native if identity is None else {**native, IDENTITY_KEY: identity_guard(identity.sealed)}
-
-    def _identity_freshness(self) -> Hashable:
-        return (self._version, id(self.state), state_version_token(self.param_groups, self.state))
-
-    def _identity_readiness(self) -> IdentityReadiness:
-        """Post-sharding, identity and scope status for the contract (O(local parameters))."""
-        identity = self._identity
-        scope = (
-            FeatureStatus.no(
-                "capturable=True: the scope protocol and codebook learning on demand synchronise with the host"
-            )
-            if self._capturable
-            else FeatureStatus.yes()
-        )
-        if identity is None:
-            blockers = self._binding.pristine_blockers(self)
-            unbound = FeatureStatus.no("the optimizer is not finalized: call post_sharding with a ShardingManifest")
-            post_sharding = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
-            return IdentityReadiness(post_sharding, unbound, scope)
-        pruned = any(tensor is None for tensor, _ in identity.sealed.bindings)
-        try:
-            self._verify_layout("optimizer_contract")
-        except LayoutTamperedError as exc:
-            broken = FeatureStatus.no(str(exc))
-            return IdentityReadiness(FeatureStatus.yes(), broken, broken, identity.layouts, identity.scope is not None)
-        return IdentityReadiness(
-            FeatureStatus.yes(), FeatureStatus.yes(), scope, identity.layouts, identity.scope is not None, pruned
-        )
-
     # -- IdentityBindable --------------------------------------------------------------------
-
-    def _check_scope(self, plan: RebindingPlan) -> None:
-        scope = plan.scope
-        if scope is None or not scope.communicates:
-            return
-        if self._capturable:
-            raise ContractError(
-                "post_sharding: a multi-member codebook scope needs capturable=False (its protocol synchronises with "
-                "the host every step)"
-            )
-        for shard in plan.manifest.shards:
-            if shard.process_group != scope.identity:
-                raise ContractError(
-                    f"post_sharding: with a {scope.member_count}-member codebook scope every manifest shard must name "
-                    f"its process group {scope.identity.semantic_name!r}; {shard.fqn!r} does not"
-                )
 
     def prepare_post_sharding(
         self,
@@ -273,10 +300,10 @@ class IdentityMethods:
             name_of=compatibility_names(self.param_groups),
             check_layout=self._binding.check_layout,
         )
-        self._check_scope(plan)
+        _check_scope(self, plan)
         record = _record(plan, len(self.param_groups), self._identity_implementation, self._binding.scope_policy(self))
         payload = _StagedBinding(staged_groups(self.param_groups, plan), record)
-        return StagedTransaction(self, kind=_BIND_KIND, token=self._identity_freshness(), payload=payload)
+        return StagedTransaction(self, kind=_BIND_KIND, token=_identity_freshness(self), payload=payload)
 
     def commit_post_sharding(self, staged: StagedTransaction) -> None:
         """Publish a staged binding by swaps that cannot raise, and seal the layout.
@@ -284,7 +311,7 @@ class IdentityMethods:
         ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
         transaction (the optimizer, its parameters, options or state changed since prepare).
         """
-        payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=self._identity_freshness())
+        payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=_identity_freshness(self))
         assert isinstance(payload, _StagedBinding)
         publish_binding(self, payload.groups)
         self._identity = payload.record
@@ -302,18 +329,18 @@ class IdentityMethods:
 
     def sharding_manifest(self) -> ShardingManifest | None:
         """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
-        self._verify_layout("sharding_manifest")
+        verify_layout(self, "sharding_manifest")
         return None if self._identity is None else self._identity.manifest
 
     def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
         """``(tensor or None, shard)`` per local slot sorted by ``sort_key`` (pruned non-owners
         carry ``None``; ``()`` before ``post_sharding``)."""
-        self._verify_layout("shard_bindings")
+        verify_layout(self, "shard_bindings")
         return () if self._identity is None else self._identity.sealed.bindings
 
     def shard_identity(self, parameter: Any) -> ShardIdentity:
         """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
-        self._verify_layout("shard_identity")
+        verify_layout(self, "shard_identity")
         if self._identity is None:
             raise KeyError("no shard identity is bound: call post_sharding first")
         return self._identity.sealed.shard_identity(parameter)
@@ -330,12 +357,6 @@ class IdentityMethods:
         vote when a closure is given, and the operation header)."""
         return STEADY_STEP_BUDGET
 
-    def _require_scope_feature(self, where: str) -> None:
-        self._verify_layout(where)  # a tampered layout raises LayoutTamperedError, not a contract refusal
-        status = self._identity_readiness().collective_scope
-        if not status.supported:
-            raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, status.reasons)
-
     def initialize_collective_state(self) -> bool:
         """Learn the codebook from the attached gradients if none exists; returns whether a
         codebook exists afterwards (periods are still chosen by each parameter's first step).
@@ -344,14 +365,14 @@ class IdentityMethods:
         raises ``CollectiveFailureError`` on every member with nothing changed. Without one it
         learns from this process's gradients.
         """
-        self._require_scope_feature("initialize_collective_state")
+        _require_scope_feature(self, "initialize_collective_state")
         return bool(self._binding.initialize(self))
 
     def refresh_collective_state(self) -> bool:
         """Relearn the codebook from the attached gradients (stored periods) and re-express every
         momentum index in it (collectively over the scope, if any); returns whether the codebook
         changed (``False`` without a codebook or when no member has a gradient)."""
-        self._require_scope_feature("refresh_collective_state")
+        _require_scope_feature(self, "refresh_collective_state")
         return bool(self._binding.refresh(self))
 
     def initialize_codebook(self) -> bool:

@@ -28,7 +28,7 @@ from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
 from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
 from .fp8_newton_schulz import fp8_capable
-from .identity import IdentityMethods
+from .identity import IdentityMethods, bound_layout, identity_readiness, refuse_when_sealed, verify_layout
 from .muon_binding import CANONICAL, MuonBinding
 from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
@@ -224,7 +224,7 @@ class GefenMuon(
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate the whole group (every option and every parameter) first, then register it
         (``RuntimeError`` once ``post_sharding`` sealed the layout)."""
-        self._refuse_when_sealed()
+        refuse_when_sealed(self)
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
@@ -295,7 +295,7 @@ class GefenMuon(
 
     def optimizer_contract(self) -> OptimizerContract:
         """What this instance supports now (cheap: O(local parameters), pure, no collectives)."""
-        readiness = self._identity_readiness()
+        readiness = identity_readiness(self)
         return muon_contract(
             readiness=readiness,
             canonical=CANONICAL.status(self, readiness.identity),
@@ -307,12 +307,12 @@ class GefenMuon(
             fused=self._dispatch.fused,
             portable=PORTABLE.status(self),
             parameter_shaped=self._parameter_shaped_status(),
-            portable_sealed=self._bound_layout() is not None,
+            portable_sealed=bound_layout(self) is not None,
         )
 
     def _parameter_shaped_status(self) -> FeatureStatus:
         """``parameter_shaped_state``: plain matrices and ``"exact"`` DTensors only (cheap)."""
-        if self._bound_layout() is not None:
+        if bound_layout(self) is not None:
             return FeatureStatus.no(
                 "a post_sharding layout (replicated copies or whole-parameter owners) is checkpointed as portable "
                 "state (gefen_dcp.save_portable_dcp)"
@@ -337,7 +337,7 @@ class GefenMuon(
     # -- preflight and step -------------------------------------------------------------
 
     def _plan(self) -> MuonPlan:
-        self._verify_layout("step")
+        verify_layout(self, "step")
         return plan_muon_step(
             self.param_groups,
             self.state,
@@ -380,7 +380,7 @@ class GefenMuon(
         error: BaseException | None = None
         scope: MuonScope | None = None
         try:
-            self._verify_layout("step")  # before anything reads the (possibly tampered) groups
+            verify_layout(self, "step")  # before anything reads the (possibly tampered) groups
             scope = self._scope()
             check_entry(self.param_groups)
         except Exception as exc:

@@ -13,6 +13,8 @@ import torch
 from gefen_contracts.torch_support import split_identity_guard
 from gefen_contracts.transactions import StagedTransaction
 
+from .identity import bound_layout, verify_layout, with_identity_guard
+
 __all__ = [
     "NativeCheckpoint",
     "OwnAttributesPickling",
@@ -132,18 +134,18 @@ class NativeCheckpoint:
 
     def state_dict(self, optimizer: Any) -> dict[str, Any]:
         def build() -> dict[str, Any]:
-            optimizer._verify_layout("state_dict")
-            return optimizer._with_identity_guard(self.export(optimizer))  # type: ignore[no-any-return]
+            verify_layout(optimizer, "state_dict")
+            return with_identity_guard(optimizer, self.export(optimizer))
 
         return export_with_hooks(optimizer, build)
 
     def stage_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> StagedTransaction:
-        optimizer._verify_layout("load_state_dict")
-        payload = self.stage(optimizer, split_identity_guard(state_dict, optimizer._bound_layout()))  # type: ignore[arg-type]
+        verify_layout(optimizer, "load_state_dict")
+        payload = self.stage(optimizer, split_identity_guard(state_dict, bound_layout(optimizer)))  # type: ignore[arg-type]
         return StagedTransaction(optimizer, kind=self.kind, token=optimizer._version, payload=payload)
 
     def commit_staged_state_dict(self, optimizer: Any, staged: StagedTransaction) -> None:
-        optimizer._verify_layout("load_state_dict")
+        verify_layout(optimizer, "load_state_dict")
         self.publish(optimizer, staged.claim(optimizer, kind=self.kind, current_token=optimizer._version))
 
     def load_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> None:

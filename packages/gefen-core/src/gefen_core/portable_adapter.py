@@ -51,11 +51,11 @@ import torch
 from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, StateValidationError
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.torch_support import SealedLayout
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .distributed import is_dtensor
 from .gefen_exchange import PRISTINE
+from .identity import bound_layout, verify_layout, with_identity_guard
 from .transport_records import check_common, check_policy, portable_common, portable_layout_of, portable_policy
 from .transport_slots import (
     NamedSlot,
@@ -82,12 +82,6 @@ class _Optimizer(Protocol):
 
     @property
     def global_step(self) -> int: ...
-
-    def _bound_layout(self) -> SealedLayout | None: ...
-
-    def _with_identity_guard(self, native: dict[str, Any]) -> dict[str, Any]: ...
-
-    def _verify_layout(self, where: str) -> None: ...
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction: ...
 
@@ -124,7 +118,7 @@ class PortableRole:
     def status(self, optimizer: _Optimizer) -> FeatureStatus:
         """Whether ``portable_state`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
-        sealed = optimizer._bound_layout()
+        sealed = bound_layout(optimizer)
         if sealed is None:
             reasons.extend(naming_blockers(optimizer.param_groups))
             dtensors = sum(1 for group in optimizer.param_groups for p in group["params"] if is_dtensor(p))
@@ -144,16 +138,16 @@ class PortableRole:
 
     def layout(self, optimizer: _Optimizer) -> PortableLayout:
         """The local target layout: the sealed one, or the implicit one (no state, no tensors)."""
-        return portable_layout_of(optimizer.param_groups, optimizer._bound_layout(), self.implementation)
+        return portable_layout_of(optimizer.param_groups, bound_layout(optimizer), self.implementation)
 
     def export(self, optimizer: _Optimizer) -> PortableExport:
         """This member's compact state: fresh CPU copies, nothing aliasing live state.
         ``NotSupportedError`` when ``portable_state`` is not supported now; no collective."""
-        optimizer._verify_layout("portable_export")
+        verify_layout(optimizer, "portable_export")
         require_feature(FEATURE_PORTABLE_STATE, self.status(optimizer))
         layout = self.layout(optimizer)
         exported = []
-        for slot, slot_layout in zip(named_slots(optimizer.param_groups, optimizer._bound_layout()), layout.slots):
+        for slot, slot_layout in zip(named_slots(optimizer.param_groups, bound_layout(optimizer)), layout.slots):
             options = transport_options(optimizer.param_groups[slot.group_index])
             state = None if slot.tensor is None else optimizer.state.get(slot.tensor)
             shape = () if slot.tensor is None else tuple(slot.tensor.shape)
@@ -180,14 +174,14 @@ class PortableRole:
         to one), re-encode them for the optimizer's layout and stage them by the native staged
         load. Raises :class:`~gefen_contracts.StateValidationError` naming the problem; mutates
         nothing."""
-        optimizer._verify_layout("portable_prepare_import")
+        verify_layout(optimizer, "portable_prepare_import")
         require_feature(FEATURE_PORTABLE_STATE, self.status(optimizer))
         if implementation != self.implementation:
             raise self._fail(f"the state was exported by {implementation!r}, not {self.implementation!r}")
         check_policy(policy, optimizer._deterministic, self._who)
         global_step, codebook = check_common(common, self._who)
         layout = self.layout(optimizer)
-        named = named_slots(optimizer.param_groups, optimizer._bound_layout())
+        named = named_slots(optimizer.param_groups, bound_layout(optimizer))
         incoming = tuple(slots)
         if len(incoming) != len(layout.slots):
             raise self._fail(f"expected {len(layout.slots)} slot records, got {len(incoming)}")
@@ -200,7 +194,7 @@ class PortableRole:
             pairs.append((slot, record))
         native = self.native_from_records(optimizer, global_step, codebook, pairs)
         try:
-            inner = optimizer.stage_state_dict(optimizer._with_identity_guard(native))
+            inner = optimizer.stage_state_dict(with_identity_guard(optimizer, native))
         except StateValidationError as exc:
             raise self._fail(str(exc)) from None
         return StagedTransaction(optimizer, kind=self._import_kind, token=optimizer._version, payload=inner)

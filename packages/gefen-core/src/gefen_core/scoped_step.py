@@ -59,7 +59,7 @@ from .codebook_scope import (
 )
 from .distributed import local_tensor
 from .errors import CaptureError, GradientError
-from .identity import IdentityRecord
+from .identity import IdentityRecord, verify_layout
 from .ops import Kernels
 from .scoped_learning import LearningOutcome, LearnItem, learn_over_scope, periods_digest
 from .step_plan import capturing
@@ -113,8 +113,6 @@ class ScopedHost(Protocol):
     @property
     def _binding(self) -> ScopeBinding: ...
 
-    def _verify_layout(self, where: str) -> None: ...
-
 
 def _attempt(phase: str, action: Callable[[], object]) -> tuple[object, Failure | None]:
     try:
@@ -137,7 +135,7 @@ def _check_finite(grads: Sequence[torch.Tensor]) -> None:
 def _entry_checks(host: ScopedHost, identity: IdentityRecord | None, where: str) -> None:
     if capturing():
         raise CaptureError(f"{where}: a scoped operation synchronises with the host and cannot be graph-captured")
-    host._verify_layout(where)
+    verify_layout(host, where)
     if identity is not None and identity.scope is not None:
         identity.scope.validate_runtime()
 

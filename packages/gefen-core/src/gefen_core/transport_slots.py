@@ -9,7 +9,7 @@ state, and which group options travel with it.
   original ``(group, slot)`` position and compatibility name, and the shard of each bound
   tensor; pruned non-owner slots of a whole-parameter-owner layout are listed without a
   tensor. The optimizer's ``_bound_layout()`` is the seam: ``None`` before ``post_sharding``, the sealed
-  layout after it (:class:`gefen_core.identity.IdentityMethods`).
+  layout after it (:func:`gefen_core.identity.bound_layout`).
 
 Options are every group key except ``params`` and ``param_names``, as primitives (tuples
 become lists); a tensor ``lr`` or any other non-primitive value keeps the optimizer out of
