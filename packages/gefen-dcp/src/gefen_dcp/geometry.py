@@ -44,10 +44,6 @@ class ShardGeometry:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-    @property
-    def global_numel(self) -> int:
-        return math.prod(self.global_shape)
-
     def overlap(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...]
     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

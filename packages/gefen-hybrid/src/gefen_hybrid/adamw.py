@@ -26,6 +26,7 @@ from gefen_contracts import (
     StateValidationError,
 )
 from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
 from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.rebinding import ParameterRebinding
@@ -43,9 +44,9 @@ from gefen_contracts.torch_support import (
 )
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
+from . import adamw_exchange
 from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
 from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
-from .adamw_exchange import AdamWExchangeMethods
 from .adamw_identity import (
     StagedBinding,
     check_adamw_layout,
@@ -85,7 +86,7 @@ def _fused_device_check() -> Callable[[torch.Tensor], None] | None:
     return _device_dtype_check_for_fused
 
 
-class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
+class ContractedAdamW(torch.optim.AdamW):
     """AdamW with a contract (``"gefen.ContractedAdamW"``) implementing ``StagedNativeLoad``,
     ``StepPreflight``, ``IdentityBindable``, ``CanonicalLocalState``, ``PortableAdapter`` and
     ``ParameterShapedState``.
@@ -417,6 +418,34 @@ class ContractedAdamW(AdamWExchangeMethods, torch.optim.AdamW):
         if self._sealed is None:
             raise KeyError("no shard identity is bound: call post_sharding first")
         return self._sealed.shard_identity(parameter)
+
+    # -- PortableAdapter (:mod:`gefen_hybrid.adamw_exchange`) -----------------------------------
+
+    def portable_layout(self) -> PortableLayout:
+        """The local target layout: the sealed one after ``post_sharding``, else one ungrouped
+        ``REPLICATED`` shard per parameter keyed by its torch name (no state, no collective)."""
+        return adamw_exchange.portable_layout(self)
+
+    def portable_export(self) -> PortableExport:
+        """Every local slot's options, variant, ``step`` and fp32 moments (fresh CPU copies)."""
+        return adamw_exchange.portable_export(self)
+
+    def portable_prepare_import(
+        self,
+        *,
+        implementation: str,
+        policy: Mapping[str, Any],
+        common: Mapping[str, Any],
+        slots: Sequence[PortableSlotState],
+    ) -> StagedTransaction:
+        """Validate records projected onto ``portable_layout().slots`` and stage them (no mutation)."""
+        return adamw_exchange.portable_prepare_import(
+            self, implementation=implementation, policy=policy, common=common, slots=slots
+        )
+
+    def portable_commit_import(self, staged: StagedTransaction) -> None:
+        """Publish a prepared portable import by swaps that cannot raise (single use)."""
+        adamw_exchange.portable_commit_import(self, staged)
 
     # -- CanonicalLocalState ----------------------------------------------------------------
 

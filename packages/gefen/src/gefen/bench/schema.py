@@ -260,9 +260,6 @@ class ReportBuilder:
         """Add a free-text note (caveats, what was unavailable and why)."""
         self._notes.append(_require_str(text, "note"))
 
-    def set_config(self, key: str, value: Any) -> None:
-        self._config[_require_str(key, "config key")] = _freeze_json(value, f"config.{key}")
-
     def build(
         self, *, machine: Mapping[str, Any] | None = None, libraries: Mapping[str, Any] | None = None
     ) -> BenchmarkReport:

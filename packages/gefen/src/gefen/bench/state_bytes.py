@@ -34,11 +34,6 @@ class StateBytes:
     parameters: int
     by_path: Mapping[str, int] = field(default_factory=dict)
 
-    @property
-    def per_parameter(self) -> float:
-        """Bytes of optimizer state per parameter element (0 when there are no parameters)."""
-        return self.total / self.parameters if self.parameters else 0.0
-
     def by_kind(self) -> dict[str, int]:
         """Bytes grouped by the last component of the path (a state key or an attribute name)."""
         grouped: dict[str, int] = {}
