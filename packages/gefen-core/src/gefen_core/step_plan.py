@@ -8,7 +8,7 @@ optimizer's ``preflight_step()`` is this function with the plan discarded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -32,7 +32,7 @@ from .param_state import (
 )
 from .periods import RAGGED_PERIOD
 
-__all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "plan_step"]
+__all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "check_state", "plan_step"]
 
 #: Parameter types that are neither DTensors nor other tensor subclasses.
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -130,7 +130,7 @@ def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) ->
     return period == RAGGED_PERIOD and VMEAN in state and codes - period < numel < codes
 
 
-def _check_state(state: dict[str, Any], local: torch.Tensor, where: _Where) -> bool:
+def check_state(state: dict[str, Any], local: torch.Tensor, where: _Where | Callable[[], str]) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
     indices = state[INDICES]
@@ -199,7 +199,7 @@ def plan_step(
             live = state.get(param)
             work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
             if live:
-                work.state_device_differs = _check_state(live, local, where)
+                work.state_device_differs = check_state(live, local, where)
                 if work.state_device_differs and capturable:
                     raise CaptureError(f"{where()}: state lives on another device; capturable steps cannot move it")
             else:

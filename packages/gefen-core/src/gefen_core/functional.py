@@ -1,0 +1,100 @@
+"""``gefen(...)``: Gefen's update as a function of tensor lists, as ``torch.optim.adamw.adamw`` is AdamW's.
+
+The optimizer class learns what a step needs (periods, the codebook, new states: see
+:mod:`gefen_core.gefen_step`) and then runs this update; the function runs the update alone,
+for a caller that keeps the state itself (a functional training loop, another optimizer
+wrapping Gefen's arithmetic). Every parameter must already have a state, made by a
+``Gefen`` step or by :func:`gefen_core.param_state.new_state`; its keys say its second moment
+(``block``, ``factored`` or ``element``). Counters advance in place, as in torch's functional
+optimizers, and the result is bit for bit what ``Gefen.step`` computes for the same tensors.
+
+``fused`` keeps its meaning: ``None`` runs the registered kernels (gefen-kernels) where they
+exist and the reference elsewhere, ``True`` requires them, ``False`` runs the single-tensor
+reference (:mod:`gefen_core.reference_ops`). Plain tensors only: a DTensor's factored
+statistics need the optimizer's collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .codebook import validate_codebook
+from .distributed import is_dtensor
+from .errors import GefenOptionError, ParameterError
+from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
+from .param_groups import normalize_group_options
+from .param_state import BLOCK, state_variant
+from .parameter_update import update_parameters
+from .step_plan import ParamWork, check_gradient, check_state
+
+__all__ = ["gefen"]
+
+
+def gefen(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[dict[str, Any]],
+    *,
+    codebook: torch.Tensor,
+    lr: float | torch.Tensor = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    maximize: bool = False,
+    clip_threshold: float | None = None,
+    fused: bool | None = None,
+    deterministic: bool = False,
+    seeds: torch.Tensor | None = None,
+) -> None:
+    """Update ``params`` in place from ``grads`` and their Gefen ``states`` (see the module docstring).
+
+    ``codebook`` is the learned fp32 ``[256]`` codebook (``Gefen.codebook``); ``seeds`` one
+    int64 stochastic-rounding seed per parameter, or ``None`` to round to nearest. The options
+    mean what ``Gefen``'s do. Every argument is checked before anything changes:
+    ``GefenOptionError`` for an option, ``GradientError`` / ``ParameterError`` naming the
+    entry for a tensor or state that does not fit, ``StateValidationError`` for the codebook.
+    """
+    if not len(params) == len(grads) == len(states):
+        raise GefenOptionError(
+            f"gefen: params, grads and states must have one entry each ({len(params)}, {len(grads)}, {len(states)})"
+        )
+    options = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
+    group = normalize_group_options({**options, "clip_threshold": clip_threshold})
+    table = validate_codebook(codebook, "gefen: codebook")
+    dispatch = Kernels(fused)
+    buckets: dict[tuple[str, torch.device], list[ParamWork]] = {}
+    for slot, (param, grad, state) in enumerate(zip(params, grads, states)):
+        where = f"gefen: params[{slot}]"
+        if is_dtensor(param):
+            raise ParameterError(f"{where} is a DTensor; the functional form takes plain tensors (use Gefen)")
+        check_gradient(param, grad, where)
+        variant = state_variant(state)
+        if variant is None:
+            raise ParameterError(f"{where} has no state; make one with a Gefen step or param_state.new_state")
+        if check_state(state, param, where.__str__):  # the check takes a callable (it formats on failure)
+            raise ParameterError(f"{where}: its state lives on another device than the parameter")
+        work = ParamWork(0, slot, param, param, grad, None, variant, False, state, None)
+        buckets.setdefault((variant, param.device), []).append(work)
+    if seeds is not None and (seeds.dtype != torch.int64 or seeds.shape != (len(params),)):
+        raise GefenOptionError(
+            f"gefen: seeds must be int64 of shape ({len(params)},), got {seeds.dtype} {tuple(seeds.shape)}"
+        )
+    if fused is True:
+        for variant, device in buckets:
+            for op in (BLOCK_STEP,) if variant == BLOCK else (FACTORED_MOMENTS, FACTORED_STEP):
+                dispatch.require(op, device)
+    for (_, device), works in buckets.items():
+        bucket_seeds = None if seeds is None else seeds[[work.slot for work in works]].to(device)
+        update_parameters(
+            works,
+            group,
+            {},
+            dispatch=dispatch,
+            codebook=table.to(device),
+            seeds=bucket_seeds,
+            deterministic=deterministic,
+            capturable=False,
+        )

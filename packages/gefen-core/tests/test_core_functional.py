@@ -1,0 +1,93 @@
+"""The functional form ``gefen_core.functional.gefen``: bit for bit ``Gefen.step``, checks before changes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from gefen_contracts import StateValidationError
+from gefen_core import Gefen, GefenOptionError, ParameterError
+from gefen_core.functional import gefen
+from gefen_core.param_state import state_variant
+
+SHAPES = [(37,), (128, 160), (8, 16)]  # block, factored and element second moments
+
+
+def _trained(**options: Any) -> tuple[list[torch.nn.Parameter], Gefen]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    optimizer = Gefen(params, lr=1e-2, fused=False, **options)
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+    return params, optimizer
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+@pytest.mark.parametrize("options", [{}, {"weight_decay": 0.0, "maximize": True}, {"clip_threshold": 1.0}])
+def test_the_functional_update_is_the_optimizers_step_bit_for_bit(options: dict[str, Any]) -> None:
+    params, optimizer = _trained(**options)
+    tensors = [param.detach().clone() for param in params]
+    states = [copy.deepcopy(optimizer.state[param]) for param in params]
+    assert {state_variant(state) for state in states} == {"block", "factored", "element"}
+    grads = [torch.randn_like(param) for param in params]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    codebook = optimizer.codebook
+    assert codebook is not None
+    optimizer.step()
+    gefen(tensors, grads, states, codebook=codebook, lr=1e-2, fused=False, **options)
+    for param, tensor, state in zip(params, tensors, states):
+        assert torch.equal(param.detach(), tensor)
+        assert _same_state(optimizer.state[param], state)
+
+
+def test_stochastic_rounding_takes_the_optimizers_seeds() -> None:
+    params, optimizer = _trained(stochastic_round=True)
+    tensors = [param.detach().clone() for param in params]
+    states = [copy.deepcopy(optimizer.state[param]) for param in params]
+    grads = [torch.randn_like(param) for param in params]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    from gefen_core.momentum_codec import stochastic_seed
+
+    seeds = torch.tensor([stochastic_seed(optimizer.global_step, slot) for slot in range(len(params))])
+    codebook = optimizer.codebook
+    assert codebook is not None
+    optimizer.step()
+    gefen(tensors, grads, states, codebook=codebook, lr=1e-2, fused=False, seeds=seeds)
+    for param, tensor in zip(params, tensors):
+        assert torch.equal(param.detach(), tensor)
+
+
+def test_bad_input_is_refused_before_anything_changes() -> None:
+    params, optimizer = _trained()
+    tensors = [param.detach().clone() for param in params]
+    states = [copy.deepcopy(optimizer.state[param]) for param in params]
+    grads = [torch.randn_like(param) for param in params]
+    codebook = optimizer.codebook
+    assert codebook is not None
+    before = [tensor.clone() for tensor in tensors]
+    steps = [state["step"] for state in states]
+    cases: list[tuple[type[Exception], str, dict[str, Any]]] = [
+        (GefenOptionError, "one entry each", {"grads": grads[:2]}),
+        (ParameterError, "has no state", {"states": [*states[:2], {}]}),
+        (ParameterError, "created for", {"states": [states[0], states[2], states[1]]}),
+        (GefenOptionError, "epsilon", {"eps": 0.0}),
+        (StateValidationError, "codebook", {"codebook": codebook.double()}),
+        (GefenOptionError, "seeds", {"seeds": torch.zeros(2, dtype=torch.int64)}),
+    ]
+    for error, match, override in cases:
+        arguments: dict[str, Any] = {"grads": grads, "states": states, "codebook": codebook, **override}
+        with pytest.raises(error, match=match):
+            gefen(tensors, arguments.pop("grads"), arguments.pop("states"), fused=False, **arguments)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before)), match
+        assert [state["step"] for state in states] == steps, match
