@@ -10,13 +10,11 @@ batched and distributed paths) lives in :mod:`gefen_core.muon_execution`, the nu
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import FeatureStatus, OptimizerContract
+from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
 from gefen_contracts.torch_support import check_new_group
@@ -25,17 +23,21 @@ from gefen_contracts.transactions import StagedTransaction
 from . import muon_execution
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
-from .distributed import local_tensor
 from .errors import GefenOptionError, GefenOptionTypeError
-from .fp8_newton_schulz import fp8_capable
 from .identity import IdentityMethods, bound_layout, identity_readiness, refuse_when_sealed, verify_layout
 from .muon_binding import CANONICAL, MuonBinding
 from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
-from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, ScopeEntry, agree_step, vote
+from .muon_distributed import MuonScope, ScopeEntry, agree_step, vote
 from .muon_exchange import live_muon_piece, muon_native_from_records
-from .muon_native_state import StagedMuonState, muon_state_dict, slot_layouts, stage_muon_state_dict
+from .muon_native_state import (
+    StagedMuonState,
+    muon_state_dict,
+    parameter_shaped_status,
+    slot_layouts,
+    stage_muon_state_dict,
+)
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
-from .muon_plan import MuonPlan, check_entry, check_matrix, plan_muon_step
+from .muon_plan import MuonPlan, check_entry, check_matrix
 from .native_records import GROUP_MIRROR
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .ops import MUON_DISPATCHED_OPS, Kernels
@@ -61,7 +63,6 @@ PORTABLE = PortableRole(
     live_muon_piece,
     muon_native_from_records,
 )
-_LOG = logging.getLogger("gefen_core.muon")
 
 
 def _export_native(optimizer: GefenMuon) -> dict[str, Any]:
@@ -217,7 +218,7 @@ class GefenMuon(
             for device in sorted({p.device for group in self.param_groups for p in group["params"]}, key=str):
                 for op in MUON_DISPATCHED_OPS:
                     self._dispatch.require(op, device)
-        self._warn_fp8_at_construction()
+        muon_execution.warn_fp8_at_construction(self)
 
     # -- construction -------------------------------------------------------------------
 
@@ -243,23 +244,7 @@ class GefenMuon(
         super().add_param_group({**param_group, **options, "params": listed})
         self._version += 1
         if hasattr(self, "_fp8_warned"):
-            self._warn_fp8_at_construction()
-
-    def _warn_fp8_at_construction(self) -> None:
-        if self._fp8_warned or not any(group["fp8_ns"] for group in self.param_groups):
-            return
-        devices = {local_tensor(p).device for group in self.param_groups if group["fp8_ns"] for p in group["params"]}
-        if not any(fp8_capable(device) for device in devices):
-            self._warn_fp8()
-
-    def _warn_fp8(self) -> None:
-        if not self._fp8_warned:
-            self._fp8_warned = True
-            warnings.warn(
-                "fp8_ns=True needs a CUDA GPU of compute capability >= 8.9; Newton-Schulz runs in bf16 here",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            muon_execution.warn_fp8_at_construction(self)
 
     # -- small queries ------------------------------------------------------------------
 
@@ -306,51 +291,15 @@ class GefenMuon(
             stochastic_round=self._stochastic_round,
             fused=self._dispatch.fused,
             portable=PORTABLE.status(self),
-            parameter_shaped=self._parameter_shaped_status(),
+            parameter_shaped=parameter_shaped_status(self.param_groups, bound_layout(self) is not None),
             portable_sealed=bound_layout(self) is not None,
         )
 
-    def _parameter_shaped_status(self) -> FeatureStatus:
-        """``parameter_shaped_state``: plain matrices and ``"exact"`` DTensors only (cheap)."""
-        if bound_layout(self) is not None:
-            return FeatureStatus.no(
-                "a post_sharding layout (replicated copies or whole-parameter owners) is checkpointed as portable "
-                "state (gefen_dcp.save_portable_dcp)"
-            )
-        try:
-            modes = {layout.mode for layout in slot_layouts(self.param_groups)[0]}
-        except Exception as exc:  # an invalid layout is reported by step(); here it only blocks the claim
-            return FeatureStatus.no(f"the matrices' layout is invalid: {exc}")
-        reasons = []
-        if APPROX in modes:
-            reasons.append(
-                "sharded_mode='approx' keeps state for the local rows as plain tensors; checkpoint it with the native "
-                "state_dict on the same layout or as portable state"
-            )
-        if DISTRIBUTED in modes:
-            reasons.append(
-                "sharded_mode='distributed' keeps each matrix's state on its owner only; checkpoint it with the "
-                "native state_dict (consolidated, loads under any world size) or as portable state"
-            )
-        return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
-
     # -- preflight and step -------------------------------------------------------------
-
-    def _plan(self) -> MuonPlan:
-        verify_layout(self, "step")
-        return plan_muon_step(
-            self.param_groups,
-            self.state,
-            dispatch=self._dispatch,
-            codebook_ready=self._codebook is not None,
-        )
 
     def preflight_step(self) -> None:
         """Run every check ``step()`` runs before mutating; raise its error; change nothing (no collective)."""
-        self._plan()
-
-    def _scope(self) -> MuonScope | None:
-        return slot_layouts(self.param_groups)[1]
+        muon_execution.plan(self)
 
     @run_eagerly
     @torch.no_grad()
@@ -381,7 +330,7 @@ class GefenMuon(
         scope: MuonScope | None = None
         try:
             verify_layout(self, "step")  # before anything reads the (possibly tampered) groups
-            scope = self._scope()
+            scope = slot_layouts(self.param_groups)[1]
             check_entry(self.param_groups)
         except Exception as exc:
             error = exc
@@ -396,7 +345,7 @@ class GefenMuon(
         plan: MuonPlan | None = None
         if error is None:
             try:
-                plan = self._plan()
+                plan = muon_execution.plan(self)
             except Exception as exc:
                 error = exc
         vote(scope, "step preflight", error)
@@ -410,10 +359,6 @@ class GefenMuon(
         unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
         muon_execution.execute(self, plan)
         return loss
-
-    def _log(self, message: str, *args: Any) -> None:
-        if self._verbose:
-            _LOG.info("GefenMuon step %d: " + message, self._global_step, *args)
 
     # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
 

@@ -146,7 +146,7 @@ class MuonBinding:
     # -- the scope protocol's host side -----------------------------------------------------------
 
     def plan(self, optimizer: GefenMuon) -> ScopePlan:
-        plan = optimizer._plan()
+        plan = muon_execution.plan(optimizer)
         identity = optimizer._identity
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         active = plan.active

@@ -356,7 +356,7 @@ def _bound_contract(
         ProcessGroupScope.NONE,
         LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
     )
-    # parameter_shaped_state is negative for every bound layout (GefenMuon._parameter_shaped_status).
+    # parameter_shaped_state is negative for every bound layout (muon_native_state.parameter_shaped_status).
     portable = (MUON_PORTABLE_SUPPORT,) if transports[0].supported else ()
     checkpoints = (native, *canonical_local_entry(readiness, canonical, frozenset({_REPL})), *portable)
     return _assemble(

@@ -9,18 +9,22 @@ orchestration (entry checks, votes, preflight) stays in :mod:`gefen_core.muon`.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from .batched_newton_schulz import newton_schulz_batched
+from .distributed import local_tensor
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
+from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, shard_rows, vote
 from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
-from .muon_plan import MuonItem, MuonPlan, batched_chunks
+from .muon_plan import MuonItem, MuonPlan, batched_chunks, plan_muon_step
 from .muon_state import new_muon_state
 from .muon_transport import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
@@ -29,7 +33,9 @@ from .optimizer_support import codebook_on
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 
-__all__ = ["execute", "move_state"]
+_LOG = logging.getLogger("gefen_core.muon")
+
+__all__ = ["execute", "log", "move_state", "plan", "warn_fp8", "warn_fp8_at_construction"]
 
 
 class _Host(Protocol):
@@ -42,10 +48,46 @@ class _Host(Protocol):
     _codebook_copies: dict[torch.device, torch.Tensor]
     _global_step: int
     _version: int
+    _verbose: bool
+    _fp8_warned: bool
 
-    def _warn_fp8(self) -> None: ...
 
-    def _log(self, message: str, *args: Any) -> None: ...
+def plan(optimizer: Any) -> MuonPlan:
+    """Every check ``GefenMuon.step`` runs before mutating (the sealed layout, then the matrices)."""
+    verify_layout(optimizer, "step")
+    return plan_muon_step(
+        optimizer.param_groups,
+        optimizer.state,
+        dispatch=optimizer._dispatch,
+        codebook_ready=optimizer._codebook is not None,
+    )
+
+
+def log(optimizer: _Host, message: str, *args: Any) -> None:
+    """A step's diagnostic line when the optimizer was built with ``verbose=True``."""
+    if optimizer._verbose:
+        _LOG.info("GefenMuon step %d: " + message, optimizer._global_step, *args)
+
+
+def warn_fp8(optimizer: _Host) -> None:
+    """Warn once per optimizer that ``fp8_ns`` falls back to bf16 here."""
+    if not optimizer._fp8_warned:
+        optimizer._fp8_warned = True
+        warnings.warn(
+            "fp8_ns=True needs a CUDA GPU of compute capability >= 8.9; Newton-Schulz runs in bf16 here",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def warn_fp8_at_construction(optimizer: _Host) -> None:
+    """Warn at construction when no device of an ``fp8_ns`` group can run e4m3 GEMMs."""
+    if optimizer._fp8_warned or not any(group["fp8_ns"] for group in optimizer.param_groups):
+        return
+    groups = [group for group in optimizer.param_groups if group["fp8_ns"]]
+    devices = {local_tensor(p).device for group in groups for p in group["params"]}
+    if not any(fp8_capable(device) for device in devices):
+        warn_fp8(optimizer)
 
 
 def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = None) -> None:
@@ -67,10 +109,12 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
             gathered = learned.gathered
         if learned.codebook is not None:
             optimizer._codebook, optimizer._codebook_copies = learned.codebook, {}
-            optimizer._log("learned the codebook from %d gradients", len(periods))
+            log(optimizer, "learned the codebook from %d gradients", len(periods))
     lrs = {index: float(group["lr"]) for index, group in enumerate(optimizer.param_groups)}
     regular = [item for item in active if item.mode != DISTRIBUTED]
-    chunks, serial = batched_chunks(regular, optimizer.param_groups, optimizer._log)
+    chunks, serial = batched_chunks(
+        regular, optimizer.param_groups, lambda message, *args: log(optimizer, message, *args)
+    )
     for item in serial:
         _step_one(optimizer, item, periods, lrs)
     for chunk in chunks:
@@ -152,8 +196,8 @@ def _fp8_for(optimizer: _Host, group: Mapping[str, Any], matrix: torch.Tensor) -
     if fp8_eligible((int(matrix.shape[0]), int(matrix.shape[1])), matrix.device):
         return True
     if not fp8_capable(matrix.device):
-        optimizer._warn_fp8()
-        optimizer._log("fp8_ns: %s cannot run e4m3 GEMMs; bf16 Newton-Schulz", matrix.device)
+        warn_fp8(optimizer)
+        log(optimizer, "fp8_ns: %s cannot run e4m3 GEMMs; bf16 Newton-Schulz", matrix.device)
     return False
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gefen_contracts import FeatureStatus
 
 from .distributed import local_tensor, topology_record
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, build_scope, execution_mode
@@ -77,6 +78,7 @@ __all__ = [
     "StagedMuonState",
     "export_muon_state_dict",
     "muon_state_dict",
+    "parameter_shaped_status",
     "slot_layouts",
     "stage_muon_state_dict",
 ]
@@ -359,3 +361,29 @@ def stage_muon_state_dict(
         if layouts[slot].mode != DISTRIBUTED or (scope is not None and layouts[slot].owner == scope.rank)
     }
     return StagedMuonState(tuple(new_groups), new_state, codebook, global_step)
+
+
+def parameter_shaped_status(param_groups: Sequence[Mapping[str, Any]], bound: bool) -> FeatureStatus:
+    """Whether the native state dict serves as parameter-shaped state (``parameter_shaped_state``):
+    for plain matrices and ``"exact"`` DTensors, not under a ``post_sharding`` layout (cheap)."""
+    if bound:
+        return FeatureStatus.no(
+            "a post_sharding layout (replicated copies or whole-parameter owners) is checkpointed as portable "
+            "state (gefen_dcp.save_portable_dcp)"
+        )
+    try:
+        modes = {layout.mode for layout in slot_layouts(param_groups)[0]}
+    except Exception as exc:  # an invalid layout is reported by step(); here it only blocks the claim
+        return FeatureStatus.no(f"the matrices' layout is invalid: {exc}")
+    reasons = []
+    if APPROX in modes:
+        reasons.append(
+            "sharded_mode='approx' keeps state for the local rows as plain tensors; checkpoint it with the native "
+            "state_dict on the same layout or as portable state"
+        )
+    if DISTRIBUTED in modes:
+        reasons.append(
+            "sharded_mode='distributed' keeps each matrix's state on its owner only; checkpoint it with the "
+            "native state_dict (consolidated, loads under any world size) or as portable state"
+        )
+    return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
