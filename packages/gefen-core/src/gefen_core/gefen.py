@@ -1,8 +1,10 @@
 """``Gefen``: AdamW with about one byte of optimizer state per parameter.
 
 See the package README for the algorithm and :mod:`gefen_core.reference_ops` for the exact
-arithmetic. This module owns the optimizer object: construction, the step's orchestration,
-checkpoints and the contract; the numerics live in the modules it calls.
+arithmetic. This module owns the optimizer object: construction, ``step()`` and the
+Protocol methods, which delegate to the roles the class owns (README "How the code is
+arranged"); the step's work is in :mod:`gefen_core.gefen_step`, the numerics in the modules
+it calls.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ PORTABLE = PortableRole(
     live_piece,
     native_from_records,
 )
-Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _export_native(optimizer: Gefen) -> dict[str, Any]:

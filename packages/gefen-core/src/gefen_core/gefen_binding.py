@@ -55,8 +55,6 @@ __all__ = ["CANONICAL", "GEFEN_BINDABLE_LAYOUTS", "GefenBinding"]
 #: The layouts ``Gefen.post_sharding`` binds.
 GEFEN_BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
 
-Stats = dict[int, tuple[torch.Tensor, torch.Tensor]]
-
 
 def _period_search(policy: PeriodPolicy, name: str | None, shape: tuple[int, ...]) -> PeriodOf:
     """The period of a piece of ``shape`` of a parameter named ``name``, by its number of

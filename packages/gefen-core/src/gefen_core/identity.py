@@ -176,6 +176,7 @@ def verify_layout(optimizer: Any, where: str) -> None:
 
 
 def refuse_when_sealed(optimizer: Any) -> None:
+    """``RuntimeError`` once ``post_sharding`` sealed the layout (``add_param_group`` calls it first)."""
     if getattr(optimizer, "_identity", None) is not None:
         raise RuntimeError(
             "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
@@ -198,6 +199,7 @@ def with_identity_guard(optimizer: Any, native: dict[str, Any]) -> dict[str, Any
 
 
 def _identity_freshness(optimizer: Any) -> Hashable:
+    # what a staged binding is checked against: the mutation counter and every version counter
     return (optimizer._version, id(optimizer.state), state_version_token(optimizer.param_groups, optimizer.state))
 
 
