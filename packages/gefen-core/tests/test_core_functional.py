@@ -84,6 +84,7 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         (GefenOptionError, "epsilon", {"eps": 0.0}),
         (StateValidationError, "codebook", {"codebook": codebook.double()}),
         (GefenOptionError, "seeds", {"seeds": torch.zeros(2, dtype=torch.int64)}),
+        (ParameterError, "device tensors", {"states": [*states[:2], {**states[2], "step": torch.tensor(2.0)}]}),
     ]
     for error, match, override in cases:
         arguments: dict[str, Any] = {"grads": grads, "states": states, "codebook": codebook, **override}

@@ -16,6 +16,7 @@ statistics need the optimizer's collectives.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from .distributed import is_dtensor
 from .errors import GefenOptionError, ParameterError
 from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
 from .param_groups import normalize_group_options
-from .param_state import BLOCK, state_variant
+from .param_state import BLOCK, STEP, state_variant
 from .parameter_update import update_parameters
 from .step_plan import ParamWork, check_gradient, check_state
 
@@ -74,7 +75,9 @@ def gefen(
         variant = state_variant(state)
         if variant is None:
             raise ParameterError(f"{where} has no state; make one with a Gefen step or param_state.new_state")
-        if check_state(state, param, where.__str__):  # the check takes a callable (it formats on failure)
+        if type(state.get(STEP)) is not int:
+            raise ParameterError(f"{where}: its counters are device tensors (capturable=True); step it with Gefen")
+        if check_state(state, param, functools.partial(str, where)):  # formatted only on failure
             raise ParameterError(f"{where}: its state lives on another device than the parameter")
         work = ParamWork(0, slot, param, param, grad, None, variant, False, state, None)
         buckets.setdefault((variant, param.device), []).append(work)
