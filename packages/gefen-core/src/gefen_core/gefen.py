@@ -16,16 +16,19 @@ import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.torch_support import check_new_group
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
+from gefen_contracts.torch_support import ProcessGroupBinding, check_new_group
 from gefen_contracts.transactions import StagedTransaction
 
-from . import gefen_step
+from . import gefen_step, identity
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .contract import IMPLEMENTATION, gefen_contract
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import CANONICAL, GefenBinding
 from .gefen_exchange import live_piece, native_from_records
-from .identity import IdentityMethods, bound_layout, identity_readiness, refuse_when_sealed, verify_layout
+from .identity import bound_layout, identity_readiness, refuse_when_sealed, verify_layout
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import Kernels
@@ -82,7 +85,7 @@ def _publish_native(optimizer: Gefen, payload: StagedNativeState) -> None:
     optimizer._version += 1
 
 
-class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -339,6 +342,60 @@ class Gefen(IdentityMethods, OwnAttributesPickling, torch.optim.Optimizer):
         steady step has no graph break and does not recompile. With Python-float rates or int
         counters it would recompile at every change of their values, so it runs eagerly."""
         return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
+
+    # -- IdentityBindable and CollectiveScoped (:mod:`gefen_core.identity`) -----------------------
+
+    def prepare_post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> StagedTransaction:
+        """Validate a post-sharding request and stage the new layout; nothing is mutated."""
+        return identity.prepare_post_sharding(self, rebindings, manifest=manifest, scope=scope)
+
+    def commit_post_sharding(self, staged: StagedTransaction) -> None:
+        """Publish a staged binding by swaps that cannot raise, and seal the layout."""
+        identity.commit_post_sharding(self, staged)
+
+    def post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> None:
+        """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
+        identity.post_sharding(self, rebindings, manifest=manifest, scope=scope)
+
+    def sharding_manifest(self) -> ShardingManifest | None:
+        """The finalized manifest (``None`` before ``post_sharding``)."""
+        return identity.sharding_manifest(self)
+
+    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+        """``(tensor or None, shard)`` per local slot, sorted by ``sort_key``."""
+        return identity.shard_bindings(self)
+
+    def shard_identity(self, parameter: Any) -> ShardIdentity:
+        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor)."""
+        return identity.shard_identity(self, parameter)
+
+    def collective_scope(self) -> ProcessGroupBinding | None:
+        """The installed codebook scope binding (``None`` when unscoped)."""
+        return identity.collective_scope(self)
+
+    def collective_budget(self) -> int:
+        """Most host-synchronising collectives of one steady-state scoped ``step()``."""
+        return identity.collective_budget(self)
+
+    def initialize_collective_state(self) -> bool:
+        """Learn the codebook if none exists (collective under a scope); whether one exists after."""
+        return identity.initialize_collective_state(self)
+
+    def refresh_collective_state(self) -> bool:
+        """Relearn the codebook and re-express every momentum index in it; whether it changed."""
+        return identity.refresh_collective_state(self)
+
+    def initialize_codebook(self) -> bool:
+        """Gefen's name for :meth:`initialize_collective_state`."""
+        return identity.initialize_collective_state(self)
+
+    def refresh_codebook(self) -> bool:
+        """Gefen's name for :meth:`refresh_collective_state`."""
+        return identity.refresh_collective_state(self)
 
     # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
 

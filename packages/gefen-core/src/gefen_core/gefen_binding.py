@@ -71,7 +71,7 @@ class GefenBinding:
     scope policy) and its host side of the codebook scope protocol (:mod:`gefen_core.scoped_step`).
 
     Stateless: every method takes the optimizer. One instance is the optimizer class's
-    ``_binding``, which :class:`~gefen_core.identity.IdentityMethods` and the scope drivers call.
+    ``_binding``, which :mod:`gefen_core.identity` and the scope drivers call.
     """
 
     who = "Gefen"

@@ -1,8 +1,9 @@
 """Post-sharding identity binding and the codebook scope entry points of ``Gefen`` and ``GefenMuon``.
 
-:class:`IdentityMethods` is a base class of both optimizers (one concept: binding every slot
-to its live local tensor and stable shard identity, sealing the layout, and exposing the
-codebook scope). The request itself is validated by the generic
+:func:`prepare_post_sharding` and its siblings are functions of the optimizer; both
+optimizers' ``IdentityBindable`` and ``CollectiveScoped`` methods delegate to them (one
+concept: binding every slot to its live local tensor and stable shard identity, sealing the
+layout, and exposing the codebook scope). The request itself is validated by the generic
 ``gefen_contracts.torch_support.plan_rebinding``; the optimizer adds what is its own:
 
 * the layouts it binds (its ``_binding.check_layout``): ``Gefen`` replicated and flattened element
@@ -60,7 +61,18 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 from .codebook_scope import STEADY_STEP_BUDGET, digest_words
 
 __all__ = [
-    "IdentityMethods",
+    "collective_budget",
+    "collective_scope",
+    "commit_post_sharding",
+    "initialize_collective_state",
+    "pickled_identity",
+    "post_sharding",
+    "prepare_post_sharding",
+    "refresh_collective_state",
+    "restored_identity",
+    "shard_bindings",
+    "shard_identity",
+    "sharding_manifest",
     "IdentityReadiness",
     "IdentityRecord",
     "bound_layout",
@@ -253,161 +265,148 @@ def _require_scope_feature(optimizer: Any, where: str) -> None:
         raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, status.reasons)
 
 
-class IdentityMethods:
-    """``IdentityBindable`` and ``CollectiveScoped`` for Gefen-family optimizers (module docstring).
+# -- IdentityBindable and CollectiveScoped: the optimizer's methods delegate here -----------------
 
-    The optimizer class provides ``_identity_implementation`` and ``_binding``, its rules
-    (:class:`gefen_core.gefen_binding.GefenBinding`, :class:`gefen_core.muon_binding.MuonBinding`):
-    ``check_layout(shard, target)``, ``pristine_blockers(optimizer)``, ``scope_policy(optimizer)``
-    and the scope drivers ``initialize(optimizer)`` / ``refresh(optimizer)``.
+
+def prepare_post_sharding(
+    optimizer: Any,
+    rebindings: Sequence[ParameterRebinding],
+    *,
+    manifest: ShardingManifest,
+    scope: object | None = None,
+) -> StagedTransaction:
+    """Validate a post-sharding request and stage the new layout; nothing is mutated.
+
+    Raises ``RuntimeError`` if already finalized, ``NotSupportedError`` (with reasons)
+    when the optimizer is not pristine, and ``ContractError`` / ``ContractTypeError`` /
+    ``RuntimeError`` for an invalid request: see the module docstring and
+    ``gefen_contracts.torch_support.plan_rebinding``. ``scope`` is a
+    ``CodebookProcessGroupBinding`` (its runtime is validated here, with local queries).
     """
+    if optimizer._identity is not None:
+        raise RuntimeError("post_sharding: this optimizer is already finalized (its layout is sealed)")
+    blockers = optimizer._binding.pristine_blockers(optimizer)
+    if blockers:
+        raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
+    plan = plan_rebinding(
+        optimizer.param_groups,
+        rebindings,
+        manifest=manifest,
+        scope=scope,
+        name_of=compatibility_names(optimizer.param_groups),
+        check_layout=optimizer._binding.check_layout,
+    )
+    _check_scope(optimizer, plan)
+    record = _record(
+        plan,
+        len(optimizer.param_groups),
+        optimizer._identity_implementation,
+        optimizer._binding.scope_policy(optimizer),
+    )
+    payload = _StagedBinding(staged_groups(optimizer.param_groups, plan), record)
+    return StagedTransaction(optimizer, kind=_BIND_KIND, token=_identity_freshness(optimizer), payload=payload)
 
-    _identity: IdentityRecord | None
-    _version: int
-    _capturable: bool
-    _identity_implementation: str
-    _binding: Any
-    param_groups: list[dict[str, Any]]
-    state: Any
 
-    # -- the sealed layout -------------------------------------------------------------------
+def commit_post_sharding(optimizer: Any, staged: StagedTransaction) -> None:
+    """Publish a staged binding by swaps that cannot raise, and seal the layout.
 
-    # -- IdentityBindable --------------------------------------------------------------------
+    ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
+    transaction (the optimizer, its parameters, options or state changed since prepare).
+    """
+    payload = require_transaction(staged).claim(
+        optimizer, kind=_BIND_KIND, current_token=_identity_freshness(optimizer)
+    )
+    assert isinstance(payload, _StagedBinding)
+    publish_binding(optimizer, payload.groups)
+    optimizer._identity = payload.record
+    optimizer._version += 1
 
-    def prepare_post_sharding(
-        self,
-        rebindings: Sequence[ParameterRebinding],
-        *,
-        manifest: ShardingManifest,
-        scope: object | None = None,
-    ) -> StagedTransaction:
-        """Validate a post-sharding request and stage the new layout; nothing is mutated.
 
-        Raises ``RuntimeError`` if already finalized, ``NotSupportedError`` (with reasons)
-        when the optimizer is not pristine, and ``ContractError`` / ``ContractTypeError`` /
-        ``RuntimeError`` for an invalid request: see the module docstring and
-        ``gefen_contracts.torch_support.plan_rebinding``. ``scope`` is a
-        ``CodebookProcessGroupBinding`` (its runtime is validated here, with local queries).
-        """
-        if self._identity is not None:
-            raise RuntimeError("post_sharding: this optimizer is already finalized (its layout is sealed)")
-        blockers = self._binding.pristine_blockers(self)
-        if blockers:
-            raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
-        plan = plan_rebinding(
-            self.param_groups,
-            rebindings,
-            manifest=manifest,
-            scope=scope,
-            name_of=compatibility_names(self.param_groups),
-            check_layout=self._binding.check_layout,
-        )
-        _check_scope(self, plan)
-        record = _record(plan, len(self.param_groups), self._identity_implementation, self._binding.scope_policy(self))
-        payload = _StagedBinding(staged_groups(self.param_groups, plan), record)
-        return StagedTransaction(self, kind=_BIND_KIND, token=_identity_freshness(self), payload=payload)
+def post_sharding(
+    optimizer: Any,
+    rebindings: Sequence[ParameterRebinding],
+    *,
+    manifest: ShardingManifest,
+    scope: object | None = None,
+) -> None:
+    """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
+    commit_post_sharding(optimizer, prepare_post_sharding(optimizer, rebindings, manifest=manifest, scope=scope))
 
-    def commit_post_sharding(self, staged: StagedTransaction) -> None:
-        """Publish a staged binding by swaps that cannot raise, and seal the layout.
 
-        ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
-        transaction (the optimizer, its parameters, options or state changed since prepare).
-        """
-        payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=_identity_freshness(self))
-        assert isinstance(payload, _StagedBinding)
-        publish_binding(self, payload.groups)
-        self._identity = payload.record
-        self._version += 1
+def sharding_manifest(optimizer: Any) -> ShardingManifest | None:
+    """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
+    verify_layout(optimizer, "sharding_manifest")
+    return None if optimizer._identity is None else optimizer._identity.manifest
 
-    def post_sharding(
-        self,
-        rebindings: Sequence[ParameterRebinding],
-        *,
-        manifest: ShardingManifest,
-        scope: object | None = None,
-    ) -> None:
-        """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
-        self.commit_post_sharding(self.prepare_post_sharding(rebindings, manifest=manifest, scope=scope))
 
-    def sharding_manifest(self) -> ShardingManifest | None:
-        """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
-        verify_layout(self, "sharding_manifest")
-        return None if self._identity is None else self._identity.manifest
+def shard_bindings(optimizer: Any) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+    """``(tensor or None, shard)`` per local slot sorted by ``sort_key`` (pruned non-owners
+    carry ``None``; ``()`` before ``post_sharding``)."""
+    verify_layout(optimizer, "shard_bindings")
+    return () if optimizer._identity is None else optimizer._identity.sealed.bindings
 
-    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
-        """``(tensor or None, shard)`` per local slot sorted by ``sort_key`` (pruned non-owners
-        carry ``None``; ``()`` before ``post_sharding``)."""
-        verify_layout(self, "shard_bindings")
-        return () if self._identity is None else self._identity.sealed.bindings
 
-    def shard_identity(self, parameter: Any) -> ShardIdentity:
-        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
-        verify_layout(self, "shard_identity")
-        if self._identity is None:
-            raise KeyError("no shard identity is bound: call post_sharding first")
-        return self._identity.sealed.shard_identity(parameter)
+def shard_identity(optimizer: Any, parameter: Any) -> ShardIdentity:
+    """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
+    verify_layout(optimizer, "shard_identity")
+    record: IdentityRecord | None = optimizer._identity
+    if record is None:
+        raise KeyError("no shard identity is bound: call post_sharding first")
+    return record.sealed.shard_identity(parameter)
 
-    # -- CollectiveScoped --------------------------------------------------------------------
 
-    def collective_scope(self) -> ProcessGroupBinding | None:
-        """The installed codebook scope binding (``None`` when unscoped)."""
-        identity = self._identity
-        return None if identity is None else identity.scope
+# -- CollectiveScoped --------------------------------------------------------------------
 
-    def collective_budget(self) -> int:
-        """Most host-synchronising collectives of one steady-state scoped ``step()`` (2: an entry
-        vote when a closure is given, and the operation header)."""
-        return STEADY_STEP_BUDGET
 
-    def initialize_collective_state(self) -> bool:
-        """Learn the codebook from the attached gradients if none exists; returns whether a
-        codebook exists afterwards (periods are still chosen by each parameter's first step).
+def collective_scope(optimizer: Any) -> ProcessGroupBinding | None:
+    """The installed codebook scope binding (``None`` when unscoped)."""
+    identity = optimizer._identity
+    return None if identity is None else identity.scope
 
-        With a codebook scope it is collective: every member must call it, and a local failure
-        raises ``CollectiveFailureError`` on every member with nothing changed. Without one it
-        learns from this process's gradients.
-        """
-        _require_scope_feature(self, "initialize_collective_state")
-        return bool(self._binding.initialize(self))
 
-    def refresh_collective_state(self) -> bool:
-        """Relearn the codebook from the attached gradients (stored periods) and re-express every
-        momentum index in it (collectively over the scope, if any); returns whether the codebook
-        changed (``False`` without a codebook or when no member has a gradient)."""
-        _require_scope_feature(self, "refresh_collective_state")
-        return bool(self._binding.refresh(self))
+def collective_budget(optimizer: Any) -> int:
+    """Most host-synchronising collectives of one steady-state scoped ``step()`` (2: an entry
+    vote when a closure is given, and the operation header)."""
+    return STEADY_STEP_BUDGET
 
-    def initialize_codebook(self) -> bool:
-        """Gefen's name for :meth:`initialize_collective_state`."""
-        return self.initialize_collective_state()
 
-    def refresh_codebook(self) -> bool:
-        """Gefen's name for :meth:`refresh_collective_state`."""
-        return self.refresh_collective_state()
+def initialize_collective_state(optimizer: Any) -> bool:
+    """Learn the codebook from the attached gradients if none exists; returns whether a
+    codebook exists afterwards (periods are still chosen by each parameter's first step).
 
-    # -- copies ------------------------------------------------------------------------------
+    With a codebook scope it is collective: every member must call it, and a local failure
+    raises ``CollectiveFailureError`` on every member with nothing changed. Without one it
+    learns from this process's gradients.
+    """
+    _require_scope_feature(optimizer, "initialize_collective_state")
+    return bool(optimizer._binding.initialize(optimizer))
 
-    def __getstate__(self) -> dict[str, Any]:
-        # The sealed layout holds tensors by identity; it travels as its tensor-free record and
-        # is rebuilt around the copied tensors.
-        state = cast(dict[str, Any], super().__getstate__())
-        identity = self.__dict__.get("_identity")
-        state["_identity_record"] = (
-            None if identity is None else (identity.manifest, identity.sealed.slots, identity.scope)
-        )
-        return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        record = state.pop("_identity_record", None)
-        super().__setstate__(state)  # type: ignore[misc]
-        self._identity = None
-        if record is not None:
-            manifest, slots, scope = record
-            self._identity = _rebuild(
-                self.param_groups,
-                manifest,
-                slots,
-                scope,
-                self._identity_implementation,
-                self._binding.scope_policy(self),
-            )
+def refresh_collective_state(optimizer: Any) -> bool:
+    """Relearn the codebook from the attached gradients (stored periods) and re-express every
+    momentum index in it (collectively over the scope, if any); returns whether the codebook
+    changed (``False`` without a codebook or when no member has a gradient)."""
+    _require_scope_feature(optimizer, "refresh_collective_state")
+    return bool(optimizer._binding.refresh(optimizer))
+
+
+def pickled_identity(optimizer: Any) -> object:
+    """The tensor-free record a pickled or deep-copied optimizer carries of its sealed layout
+    (the layout holds tensors by identity; it is rebuilt around the copied tensors)."""
+    identity = optimizer.__dict__.get("_identity")
+    return None if identity is None else (identity.manifest, identity.sealed.slots, identity.scope)
+
+
+def restored_identity(optimizer: Any, record: object) -> IdentityRecord | None:
+    """The sealed layout of a copied optimizer from :func:`pickled_identity`'s record."""
+    if record is None:
+        return None
+    manifest, slots, scope = cast(tuple[ShardingManifest, Sequence[Any], "ProcessGroupBinding | None"], record)
+    return _rebuild(
+        optimizer.param_groups,
+        manifest,
+        slots,
+        scope,
+        optimizer._identity_implementation,
+        optimizer._binding.scope_policy(optimizer),
+    )

@@ -17,14 +17,17 @@ import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.torch_support import check_new_group
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.rebinding import ParameterRebinding
+from gefen_contracts.torch_support import ProcessGroupBinding, check_new_group
 from gefen_contracts.transactions import StagedTransaction
 
-from . import muon_execution
+from . import identity, muon_execution
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
 from .errors import GefenOptionError, GefenOptionTypeError
-from .identity import IdentityMethods, bound_layout, identity_readiness, refuse_when_sealed, verify_layout
+from .identity import bound_layout, identity_readiness, refuse_when_sealed, verify_layout
 from .muon_binding import CANONICAL, MuonBinding
 from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
 from .muon_distributed import MuonScope, ScopeEntry, agree_step, vote
@@ -90,7 +93,6 @@ def _publish_native(optimizer: GefenMuon, payload: StagedMuonState) -> None:
 
 
 class GefenMuon(
-    IdentityMethods,
     OwnAttributesPickling,
     torch.optim.Optimizer,
 ):
@@ -359,6 +361,60 @@ class GefenMuon(
         unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
         muon_execution.execute(self, plan)
         return loss
+
+    # -- IdentityBindable and CollectiveScoped (:mod:`gefen_core.identity`) -----------------------
+
+    def prepare_post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> StagedTransaction:
+        """Validate a post-sharding request and stage the new layout; nothing is mutated."""
+        return identity.prepare_post_sharding(self, rebindings, manifest=manifest, scope=scope)
+
+    def commit_post_sharding(self, staged: StagedTransaction) -> None:
+        """Publish a staged binding by swaps that cannot raise, and seal the layout."""
+        identity.commit_post_sharding(self, staged)
+
+    def post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> None:
+        """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
+        identity.post_sharding(self, rebindings, manifest=manifest, scope=scope)
+
+    def sharding_manifest(self) -> ShardingManifest | None:
+        """The finalized manifest (``None`` before ``post_sharding``)."""
+        return identity.sharding_manifest(self)
+
+    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+        """``(tensor or None, shard)`` per local slot, sorted by ``sort_key``."""
+        return identity.shard_bindings(self)
+
+    def shard_identity(self, parameter: Any) -> ShardIdentity:
+        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor)."""
+        return identity.shard_identity(self, parameter)
+
+    def collective_scope(self) -> ProcessGroupBinding | None:
+        """The installed codebook scope binding (``None`` when unscoped)."""
+        return identity.collective_scope(self)
+
+    def collective_budget(self) -> int:
+        """Most host-synchronising collectives of one steady-state scoped ``step()``."""
+        return identity.collective_budget(self)
+
+    def initialize_collective_state(self) -> bool:
+        """Learn the codebook if none exists (collective under a scope); whether one exists after."""
+        return identity.initialize_collective_state(self)
+
+    def refresh_collective_state(self) -> bool:
+        """Relearn the codebook and re-express every momentum index in it; whether it changed."""
+        return identity.refresh_collective_state(self)
+
+    def initialize_codebook(self) -> bool:
+        """Gefen's name for :meth:`initialize_collective_state`."""
+        return identity.initialize_collective_state(self)
+
+    def refresh_codebook(self) -> bool:
+        """Gefen's name for :meth:`refresh_collective_state`."""
+        return identity.refresh_collective_state(self)
 
     # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
 

@@ -13,7 +13,7 @@ import torch
 from gefen_contracts.torch_support import split_identity_guard
 from gefen_contracts.transactions import StagedTransaction
 
-from .identity import bound_layout, verify_layout, with_identity_guard
+from .identity import bound_layout, pickled_identity, restored_identity, verify_layout, with_identity_guard
 
 __all__ = [
     "NativeCheckpoint",
@@ -73,20 +73,24 @@ def load_with_hooks(
 
 class OwnAttributesPickling:
     """Mixin (before ``torch.optim.Optimizer``): pickling and ``copy.deepcopy`` keep the
-    attributes named in ``_OWN_ATTRIBUTES``, which torch's ``__getstate__`` drops."""
+    attributes named in ``_OWN_ATTRIBUTES``, which torch's ``__getstate__`` drops, and the
+    sealed layout, as its tensor-free record rebuilt around the copied tensors."""
 
     _OWN_ATTRIBUTES: tuple[str, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()  # type: ignore[assignment]
         state["_gefen"] = {name: getattr(self, name) for name in self._OWN_ATTRIBUTES}
+        state["_identity_record"] = pickled_identity(self)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         own = dict(state.pop("_gefen", {}))
+        record = state.pop("_identity_record", None)
         super().__setstate__(state)  # type: ignore[misc]
         for name, value in own.items():
             setattr(self, name, value)
+        self._identity = restored_identity(self, record)
 
 
 def codebook_on(codebook: torch.Tensor, copies: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
