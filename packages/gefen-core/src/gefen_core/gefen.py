@@ -9,22 +9,18 @@ it calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.identity import ShardIdentity
-from gefen_contracts.manifest import ShardingManifest
-from gefen_contracts.rebinding import ParameterRebinding
-from gefen_contracts.torch_support import ProcessGroupBinding, check_new_group
-from gefen_contracts.transactions import StagedTransaction
+from gefen_contracts.torch_support import check_new_group
 
-from . import gefen_step, identity
+from . import gefen_step
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .contract import IMPLEMENTATION, gefen_contract
+from .convention_methods import ConventionMethods
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import CANONICAL, GefenBinding
 from .gefen_exchange import live_piece, native_from_records
@@ -85,7 +81,7 @@ def _publish_native(optimizer: Gefen, payload: StagedNativeState) -> None:
     optimizer._version += 1
 
 
-class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
+class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias correction, ``eps`` outside the root) whose state is
     about 1 byte per parameter: a block-shared or factored second moment and a first moment
     stored as uint8 indices into one learned 256-entry codebook with a per-block scale.
@@ -133,6 +129,8 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
 
     _identity_implementation = IMPLEMENTATION
     _binding = GefenBinding()
+    _portable = PORTABLE
+    _canonical = CANONICAL
     _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
 
     def __init__(
@@ -342,118 +340,6 @@ class Gefen(OwnAttributesPickling, torch.optim.Optimizer):
         steady step has no graph break and does not recompile. With Python-float rates or int
         counters it would recompile at every change of their values, so it runs eagerly."""
         return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
-
-    # -- IdentityBindable and CollectiveScoped (:mod:`gefen_core.identity`) -----------------------
-
-    def prepare_post_sharding(
-        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
-    ) -> StagedTransaction:
-        """Validate a post-sharding request and stage the new layout; nothing is mutated."""
-        return identity.prepare_post_sharding(self, rebindings, manifest=manifest, scope=scope)
-
-    def commit_post_sharding(self, staged: StagedTransaction) -> None:
-        """Publish a staged binding by swaps that cannot raise, and seal the layout."""
-        identity.commit_post_sharding(self, staged)
-
-    def post_sharding(
-        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
-    ) -> None:
-        """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
-        identity.post_sharding(self, rebindings, manifest=manifest, scope=scope)
-
-    def sharding_manifest(self) -> ShardingManifest | None:
-        """The finalized manifest (``None`` before ``post_sharding``)."""
-        return identity.sharding_manifest(self)
-
-    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
-        """``(tensor or None, shard)`` per local slot, sorted by ``sort_key``."""
-        return identity.shard_bindings(self)
-
-    def shard_identity(self, parameter: Any) -> ShardIdentity:
-        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor)."""
-        return identity.shard_identity(self, parameter)
-
-    def collective_scope(self) -> ProcessGroupBinding | None:
-        """The installed codebook scope binding (``None`` when unscoped)."""
-        return identity.collective_scope(self)
-
-    def collective_budget(self) -> int:
-        """Most host-synchronising collectives of one steady-state scoped ``step()``."""
-        return identity.collective_budget(self)
-
-    def initialize_collective_state(self) -> bool:
-        """Learn the codebook if none exists (collective under a scope); whether one exists after."""
-        return identity.initialize_collective_state(self)
-
-    def refresh_collective_state(self) -> bool:
-        """Relearn the codebook and re-express every momentum index in it; whether it changed."""
-        return identity.refresh_collective_state(self)
-
-    def initialize_codebook(self) -> bool:
-        """Gefen's name for :meth:`initialize_collective_state`."""
-        return identity.initialize_collective_state(self)
-
-    def refresh_codebook(self) -> bool:
-        """Gefen's name for :meth:`refresh_collective_state`."""
-        return identity.refresh_collective_state(self)
-
-    # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
-
-    def export_local_state(self) -> dict[str, Any]:
-        """This member's ``gefen.bound_state`` document (owned CPU copies; no collectives)."""
-        return CANONICAL.export(self)
-
-    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
-        """Validate ``document`` and stage it, routed by FQN into this optimizer's groups (no mutation)."""
-        return CANONICAL.prepare_import(self, document)
-
-    def commit_local_import(self, staged: StagedTransaction) -> None:
-        """Publish a prepared import (single use; ``StaleTransactionError`` and no change when stale)."""
-        CANONICAL.commit_import(self, staged)
-
-    # -- portable state (the role: :class:`gefen_core.portable_adapter.PortableRole`) ----------
-
-    def portable_layout(self) -> PortableLayout:
-        """The local target layout of portable state: the sealed one, or the implicit one."""
-        return PORTABLE.layout(self)
-
-    def portable_export(self) -> PortableExport:
-        """This member's compact state as portable records (fresh CPU copies; no collective)."""
-        return PORTABLE.export(self)
-
-    def portable_prepare_import(
-        self,
-        *,
-        implementation: str,
-        policy: Mapping[str, Any],
-        common: Mapping[str, Any],
-        slots: Sequence[PortableSlotState],
-    ) -> StagedTransaction:
-        """Check, re-encode and stage projected portable records for this layout (no mutation)."""
-        return PORTABLE.prepare_import(self, implementation=implementation, policy=policy, common=common, slots=slots)
-
-    def portable_commit_import(self, staged: StagedTransaction) -> None:
-        """Publish a staged portable import by the native load's swaps."""
-        PORTABLE.commit_import(self, staged)
-
-    # -- checkpoints --------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The native state dict (format ``gefen.native_state``: tensors and primitives only;
-        a bound optimizer adds its shard-identity guard, ``gefen_contracts.torch_support.identity_guard``)."""
-        return self._native.state_dict(self)
-
-    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
-        """Validate ``state_dict`` completely and stage the new state; changes nothing."""
-        return self._native.stage_state_dict(self, state_dict)
-
-    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
-        """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
-        self._native.commit_staged_state_dict(self, staged)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation)."""
-        self._native.load_state_dict(self, state_dict)
 
     _OWN_ATTRIBUTES = (
         "_dispatch",

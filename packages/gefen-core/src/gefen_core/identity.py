@@ -58,15 +58,13 @@ from gefen_contracts.torch_support import (
 )
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
-from .codebook_scope import STEADY_STEP_BUDGET, digest_words
+from .codebook_scope import digest_words
 
 __all__ = [
-    "collective_budget",
     "collective_scope",
     "commit_post_sharding",
     "initialize_collective_state",
     "pickled_identity",
-    "post_sharding",
     "prepare_post_sharding",
     "refresh_collective_state",
     "restored_identity",
@@ -322,17 +320,6 @@ def commit_post_sharding(optimizer: Any, staged: StagedTransaction) -> None:
     optimizer._version += 1
 
 
-def post_sharding(
-    optimizer: Any,
-    rebindings: Sequence[ParameterRebinding],
-    *,
-    manifest: ShardingManifest,
-    scope: object | None = None,
-) -> None:
-    """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
-    commit_post_sharding(optimizer, prepare_post_sharding(optimizer, rebindings, manifest=manifest, scope=scope))
-
-
 def sharding_manifest(optimizer: Any) -> ShardingManifest | None:
     """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
     verify_layout(optimizer, "sharding_manifest")
@@ -362,12 +349,6 @@ def collective_scope(optimizer: Any) -> ProcessGroupBinding | None:
     """The installed codebook scope binding (``None`` when unscoped)."""
     identity = optimizer._identity
     return None if identity is None else identity.scope
-
-
-def collective_budget(optimizer: Any) -> int:
-    """Most host-synchronising collectives of one steady-state scoped ``step()`` (2: an entry
-    vote when a closure is given, and the operation header)."""
-    return STEADY_STEP_BUDGET
 
 
 def initialize_collective_state(optimizer: Any) -> bool:

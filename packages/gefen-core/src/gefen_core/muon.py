@@ -10,22 +10,18 @@ batched and distributed paths) lives in :mod:`gefen_core.muon_execution`, the nu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
-from gefen_contracts.identity import ShardIdentity
-from gefen_contracts.manifest import ShardingManifest
-from gefen_contracts.rebinding import ParameterRebinding
-from gefen_contracts.torch_support import ProcessGroupBinding, check_new_group
-from gefen_contracts.transactions import StagedTransaction
+from gefen_contracts.torch_support import check_new_group
 
-from . import identity, muon_execution
+from . import muon_execution
 from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
+from .convention_methods import ConventionMethods
 from .errors import GefenOptionError, GefenOptionTypeError
 from .identity import bound_layout, identity_readiness, refuse_when_sealed, verify_layout
 from .muon_binding import CANONICAL, MuonBinding
@@ -93,6 +89,7 @@ def _publish_native(optimizer: GefenMuon, payload: StagedMuonState) -> None:
 
 
 class GefenMuon(
+    ConventionMethods,
     OwnAttributesPickling,
     torch.optim.Optimizer,
 ):
@@ -137,6 +134,8 @@ class GefenMuon(
 
     _identity_implementation = IMPLEMENTATION
     _binding = MuonBinding()
+    _portable = PORTABLE
+    _canonical = CANONICAL
     _native = NativeCheckpoint(_NATIVE_LOAD, _export_native, _stage_native, _publish_native)
 
     def __init__(
@@ -361,121 +360,6 @@ class GefenMuon(
         unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
         muon_execution.execute(self, plan)
         return loss
-
-    # -- IdentityBindable and CollectiveScoped (:mod:`gefen_core.identity`) -----------------------
-
-    def prepare_post_sharding(
-        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
-    ) -> StagedTransaction:
-        """Validate a post-sharding request and stage the new layout; nothing is mutated."""
-        return identity.prepare_post_sharding(self, rebindings, manifest=manifest, scope=scope)
-
-    def commit_post_sharding(self, staged: StagedTransaction) -> None:
-        """Publish a staged binding by swaps that cannot raise, and seal the layout."""
-        identity.commit_post_sharding(self, staged)
-
-    def post_sharding(
-        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
-    ) -> None:
-        """``prepare_post_sharding`` then ``commit_post_sharding`` (one atomic transaction)."""
-        identity.post_sharding(self, rebindings, manifest=manifest, scope=scope)
-
-    def sharding_manifest(self) -> ShardingManifest | None:
-        """The finalized manifest (``None`` before ``post_sharding``)."""
-        return identity.sharding_manifest(self)
-
-    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
-        """``(tensor or None, shard)`` per local slot, sorted by ``sort_key``."""
-        return identity.shard_bindings(self)
-
-    def shard_identity(self, parameter: Any) -> ShardIdentity:
-        """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor)."""
-        return identity.shard_identity(self, parameter)
-
-    def collective_scope(self) -> ProcessGroupBinding | None:
-        """The installed codebook scope binding (``None`` when unscoped)."""
-        return identity.collective_scope(self)
-
-    def collective_budget(self) -> int:
-        """Most host-synchronising collectives of one steady-state scoped ``step()``."""
-        return identity.collective_budget(self)
-
-    def initialize_collective_state(self) -> bool:
-        """Learn the codebook if none exists (collective under a scope); whether one exists after."""
-        return identity.initialize_collective_state(self)
-
-    def refresh_collective_state(self) -> bool:
-        """Relearn the codebook and re-express every momentum index in it; whether it changed."""
-        return identity.refresh_collective_state(self)
-
-    def initialize_codebook(self) -> bool:
-        """Gefen's name for :meth:`initialize_collective_state`."""
-        return identity.initialize_collective_state(self)
-
-    def refresh_codebook(self) -> bool:
-        """Gefen's name for :meth:`refresh_collective_state`."""
-        return identity.refresh_collective_state(self)
-
-    # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
-
-    def export_local_state(self) -> dict[str, Any]:
-        """This member's ``gefen.bound_state`` document (owned CPU copies; no collectives)."""
-        return CANONICAL.export(self)
-
-    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
-        """Validate ``document`` and stage it, routed by FQN into this optimizer's groups (no mutation)."""
-        return CANONICAL.prepare_import(self, document)
-
-    def commit_local_import(self, staged: StagedTransaction) -> None:
-        """Publish a prepared import (single use; ``StaleTransactionError`` and no change when stale)."""
-        CANONICAL.commit_import(self, staged)
-
-    # -- portable state (the role: :class:`gefen_core.portable_adapter.PortableRole`) ----------
-
-    def portable_layout(self) -> PortableLayout:
-        """The local target layout of portable state: the sealed one, or the implicit one."""
-        return PORTABLE.layout(self)
-
-    def portable_export(self) -> PortableExport:
-        """This member's compact state as portable records (fresh CPU copies; no collective)."""
-        return PORTABLE.export(self)
-
-    def portable_prepare_import(
-        self,
-        *,
-        implementation: str,
-        policy: Mapping[str, Any],
-        common: Mapping[str, Any],
-        slots: Sequence[PortableSlotState],
-    ) -> StagedTransaction:
-        """Check, re-encode and stage projected portable records for this layout (no mutation)."""
-        return PORTABLE.prepare_import(self, implementation=implementation, policy=policy, common=common, slots=slots)
-
-    def portable_commit_import(self, staged: StagedTransaction) -> None:
-        """Publish a staged portable import by the native load's swaps."""
-        PORTABLE.commit_import(self, staged)
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The native state dict (``gefen.muon_native_state``; tensors and primitives only).
-
-        Collective when a group uses ``sharded_mode="distributed"`` under FSDP2: every rank of
-        the mesh must call it, and every rank returns the complete, consolidated state.
-        """
-        return self._native.state_dict(self)
-
-    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
-        """Validate ``state_dict`` completely and stage this rank's share; changes nothing."""
-        return self._native.stage_state_dict(self, state_dict)
-
-    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
-        """Publish a staged load by swaps that cannot raise (stale or foreign stages are refused)."""
-        self._native.commit_staged_state_dict(self, staged)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load pre-hooks, stage, commit, load post-hooks (fail-before-mutation; no collective)."""
-        self._native.load_state_dict(self, state_dict)
 
     _OWN_ATTRIBUTES = (
         "_dispatch",

@@ -95,7 +95,7 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
     active matrix and advance the step."""
     active = plan.active
     for item in active:
-        move_state(optimizer, item)
+        move_state(item)
     periods: dict[int, int] = {}
     gathered: dict[int, torch.Tensor] | None = None  # distributed gradients already at their owners
     if learned is not None:
@@ -127,7 +127,8 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
     optimizer._version += 1
 
 
-def move_state(optimizer: _Host, item: MuonItem) -> None:
+def move_state(item: MuonItem) -> None:
+    """Move a state that lives on another device than its matrix to the matrix's."""
     if not item.state:
         return
     device = item.local.device

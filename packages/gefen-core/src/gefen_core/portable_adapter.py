@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, StateValidationError
@@ -71,27 +71,11 @@ __all__ = ["PortableRole"]
 Pairs = list[tuple[NamedSlot, PortableSlotState]]
 
 
-class _Optimizer(Protocol):
-    """What the role reads of the optimizer that owns it."""
-
-    param_groups: Any
-    state: Any
-    _codebook: torch.Tensor | None
-    _deterministic: bool
-    _version: int
-
-    @property
-    def global_step(self) -> int: ...
-
-    def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction: ...
-
-    def commit_staged_state_dict(self, staged: StagedTransaction) -> None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class PortableRole:
     """One optimizer class's portable adapter (see the module docstring); holds no state of its
-    own, every method takes the optimizer."""
+    own, every method takes the optimizer (its ``param_groups``, ``state``, ``_codebook``,
+    ``_deterministic``, ``_version``, ``global_step`` and staged native load)."""
 
     #: The ``implementation`` its documents name.
     implementation: str
@@ -115,7 +99,7 @@ class PortableRole:
     def _fail(self, message: str) -> StateValidationError:
         return StateValidationError(f"{self._who}: {message}")
 
-    def status(self, optimizer: _Optimizer) -> FeatureStatus:
+    def status(self, optimizer: Any) -> FeatureStatus:
         """Whether ``portable_state`` is supported now, with the reasons when not (cheap)."""
         reasons: list[str] = []
         sealed = bound_layout(optimizer)
@@ -136,11 +120,11 @@ class PortableRole:
         reasons.extend(option_blockers(optimizer.param_groups, "portable"))
         return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
 
-    def layout(self, optimizer: _Optimizer) -> PortableLayout:
+    def layout(self, optimizer: Any) -> PortableLayout:
         """The local target layout: the sealed one, or the implicit one (no state, no tensors)."""
         return portable_layout_of(optimizer.param_groups, bound_layout(optimizer), self.implementation)
 
-    def export(self, optimizer: _Optimizer) -> PortableExport:
+    def export(self, optimizer: Any) -> PortableExport:
         """This member's compact state: fresh CPU copies, nothing aliasing live state.
         ``NotSupportedError`` when ``portable_state`` is not supported now; no collective."""
         verify_layout(optimizer, "portable_export")
@@ -162,7 +146,7 @@ class PortableRole:
 
     def prepare_import(
         self,
-        optimizer: _Optimizer,
+        optimizer: Any,
         *,
         implementation: str,
         policy: Mapping[str, Any],
@@ -199,7 +183,7 @@ class PortableRole:
             raise self._fail(str(exc)) from None
         return StagedTransaction(optimizer, kind=self._import_kind, token=optimizer._version, payload=inner)
 
-    def commit_import(self, optimizer: _Optimizer, staged: StagedTransaction) -> None:
+    def commit_import(self, optimizer: Any, staged: StagedTransaction) -> None:
         """Publish a staged import by the native load's swaps (``StaleTransactionError`` and no
         change for a foreign, consumed or stale one: the optimizer stepped or loaded since)."""
         inner = require_transaction(staged).claim(optimizer, kind=self._import_kind, current_token=optimizer._version)
