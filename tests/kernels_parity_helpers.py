@@ -19,6 +19,7 @@ from gefen_core import step_scalars
 from gefen_core.codebook import codebook_from_counts
 from gefen_core.reference_ops import (
     block_step_reference,
+    element_step_reference,
     factored_moments_reference,
     factored_stats_reference,
     factored_step_reference,
@@ -443,3 +444,51 @@ def compare_muon_list(op: StepOp, device: str) -> None:
             assert torch.equal(codes[index], mine_codes[index]), f"entry {index}: indices differ"
             assert _same_bits(scales[index], mine_scales[index]), f"entry {index}: block scales differ"
             assert _same_bits(expected[index], got[index]), f"entry {index}: outputs differ"
+
+
+#: Element-path entries (Adam's per-element ``v``): (shape, period, dtype); blocks tile the
+#: parameter, one longer than the C kernel's momentum buffer (4096), one empty.
+ELEMENT_ENTRIES = [
+    ((8, 16), 16, torch.float32),
+    ((0, 4), 4, torch.float32),
+    ((33, 64), 64, torch.bfloat16),
+    ((5, 7), 35, torch.float64),
+    ((64, 96), 96, torch.float16),
+    ((3, 5000), 5000, torch.float32),
+]
+
+
+def compare_element_steps(
+    op: StepOp, device: str, *, stochastic: bool, maximize: bool, entries: list[Any] | None = None
+) -> None:
+    """Two calls of ``gefen::element_step.v1`` over ``entries`` (default :data:`ELEMENT_ENTRIES`)
+    in one list, per-entry scalar rows (counters that differ) and seeds, against the reference:
+    codes, block scales, ``v`` and parameters bit for bit (no reduction order to differ in)."""
+    entries = ELEMENT_ENTRIES if entries is None else entries
+    codebook = shared_codebook().to(device)
+    states = []
+    for shape, period, dtype in entries:
+        state = random_state(shape, period, dtype, device, factored=False)
+        state.second = [torch.rand(shape, device=device) * 1e-2]
+        states.append(state)
+    mine = [state.clone() for state in states]
+    seeds = torch.arange(len(states), dtype=torch.int64, device=device) + (5 << 32) if stochastic else None
+    flags = _flags(0.1, maximize)
+    for step in (1, 2):
+        grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in entries]
+        rows = [scalars(device, step=step + index, weight_decay=0.1, factored=True) for index in range(len(states))]
+        sc = torch.stack(rows)
+        for states_, run in ((states, element_step_reference), (mine, op)):
+            run(
+                [s.param for s in states_],
+                grads,
+                [s.indices for s in states_],
+                [s.magnitude for s in states_],
+                [s.second[0] for s in states_],
+                codebook,
+                sc,
+                seeds,
+                **flags,
+            )
+        for ref, got in zip(states, mine, strict=True):
+            _assert_exact(ref, got)

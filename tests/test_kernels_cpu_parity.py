@@ -12,6 +12,7 @@ from gefen_kernels import KernelArgumentError, cpu_kernel_status, cpu_ops
 from kernels_parity_helpers import (
     DTYPES,
     compare_block_step,
+    compare_element_steps,
     compare_factored_moments,
     compare_factored_step,
     compare_histogram,
@@ -116,6 +117,15 @@ def test_factored_moments_keep_an_all_zero_column_mean_at_the_floor() -> None:
     assert torch.equal(row_factor, torch.zeros(4)) and torch.equal(v_col, torch.zeros(6))
 
 
+@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_element_step_matches_the_reference_bit_for_bit(stochastic: bool, maximize: bool) -> None:
+    """Adam's per-element v advanced inside the kernel: every dtype, an empty entry, blocks longer
+    than the momentum buffer (the second pass recomputes the denominators from the advanced v)."""
+    torch.manual_seed(13)
+    compare_element_steps(cpu_ops.element_step, "cpu", stochastic=stochastic, maximize=maximize)
+
+
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
 def test_one_call_steps_many_tensors_as_the_reference_steps_each(stochastic: bool) -> None:
     """The list ops: small entries run one per thread, large ones split over threads, mixed
@@ -202,6 +212,14 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
         block_step(
             [param], [param.clone()], [indices], [block], [block.clone()], codebook, torch.zeros(2, 9), None, **flags
         )
+    element_step = torch.ops.gefen.element_step.v1
+    v = torch.zeros(12)
+    element_step([param], [param.clone()], [indices], [block], [v], codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match=r"entry 0: v must have the parameter's shape \(12,\)"):
+        element_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, None, **flags)
+    with pytest.raises(KernelArgumentError, match=r"entry 0: indices must be \[blocks, period\] with 12 elements"):
+        wide = torch.zeros(4, 4, dtype=torch.uint8)
+        element_step([param], [param.clone()], [wide], [torch.zeros(4, 1)], [v], codebook, scalars, None, **flags)
     with pytest.raises(KernelArgumentError, match="2-D"):
         cpu_ops.factored_stats(torch.ones(2, 3, 4), deterministic=False)
     with pytest.raises(KernelArgumentError, match="bool"):

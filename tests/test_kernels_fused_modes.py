@@ -124,13 +124,15 @@ def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round:
         fused = _train(None, stochastic_round=stochastic_round)
     assert set(calls) == {
         "gefen::block_step.v3",
+        "gefen::element_step.v1",
         "gefen::factored_moments.v3",  # unsharded factored parameters: statistics and update in one call
         "gefen::factored_step.v4",
         "gefen::histogram.v1",
     }
     # one call per phase for the group's factored matrices (matrix, bf16), one for its narrow
-    # one (transposed) and one for its block-path tensors (norm, conv), whatever their number
-    assert calls["gefen::factored_step.v4"] == 2 * STEPS
+    # one (transposed, Adam's v) and one for its block-path tensors (norm, conv), whatever their number
+    assert calls["gefen::factored_step.v4"] == STEPS
+    assert calls["gefen::element_step.v1"] == STEPS
     assert calls["gefen::factored_moments.v3"] == STEPS
     assert calls["gefen::block_step.v3"] == STEPS
     _assert_same_training(_train(False, stochastic_round=stochastic_round), fused)
@@ -216,13 +218,16 @@ def test_the_fused_step_reaches_the_c_kernels_within_five_python_frames(monkeypa
 
         return call
 
-    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
-    optimizer = Gefen(params, lr=1e-2, fused=True, min_dim_size_to_factor=0)
+    # factored (8 x 16), element (4 x 16: narrower than 8) and block (16)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((8, 16), (4, 16), (16,))]
+    optimizer = Gefen(params, lr=1e-2, fused=True, min_dim_size_to_factor=8)
     for step in range(2):
         for param in params:
             param.grad = torch.randn_like(param)
         if step == 1:
             monkeypatch.setattr(cpu_ops, "_function", spy)
         optimizer.step()
-    assert set(depths) == {"gefen_block_step", "gefen_factored_moments", "gefen_factored_step"}, depths
+    assert set(depths) == {"gefen_block_step", "gefen_element_step", "gefen_factored_moments", "gefen_factored_step"}, (
+        depths
+    )
     assert max(depths.values()) <= 5, depths

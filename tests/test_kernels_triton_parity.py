@@ -40,6 +40,7 @@ from gefen_core.momentum_codec import splitmix_uniform  # noqa: E402
 from kernels_parity_helpers import (  # noqa: E402
     DTYPES,
     compare_block_step,
+    compare_element_steps,
     compare_factored_moments,
     compare_factored_step,
     compare_histogram,
@@ -116,6 +117,16 @@ def test_triton_list_ops_step_each_entry_as_the_reference() -> None:
     torch.manual_seed(12)
     compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True)
     compare_muon_list(T.muon_momentum, DEVICE)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_triton_element_step_matches_the_reference_bit_for_bit(stochastic: bool) -> None:
+    """Adam's per-element v advanced inside the kernel (maximize with stochastic rounding)."""
+    torch.manual_seed(13)
+    small = [((8, 16), 16, torch.float32), ((0, 4), 4, torch.float32), ((3, 7), 21, torch.bfloat16)]
+    compare_element_steps(
+        T.element_step, DEVICE, stochastic=stochastic, maximize=stochastic, entries=None if ON_GPU else small
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -15,6 +15,10 @@ op                                 schema (after the name; ``*`` starts keyword-
 ``gefen::block_step.v3``           ``(params![], grads[], indices![], magnitudes![], vmeans![],
                                    codebook, scalars, sr_seeds?, *, apply_decay, maximize,
                                    deterministic)``
+``gefen::element_step.v1``         ``(params![], grads[], indices![], magnitudes![], vs![], codebook,
+                                   scalars, sr_seeds?, *, apply_decay, maximize, deterministic)``
+                                   (Adam's per-element ``v`` of narrow matrices, advanced in
+                                   the same pass)
 ``gefen::factored_stats.v1``       ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
 ``gefen::factored_moments.v3``     ``(grads[], v_rows![], v_cols![], scalars, *, deterministic)
                                    -> row_factors fp32[sum R]`` (the statistics and the
@@ -30,7 +34,7 @@ op                                 schema (after the name; ``*`` starts keyword-
 =================================  ==========================================================
 
 ``!`` marks an argument the op writes in place, ``[]`` a list of tensors. The step ops
-(Gefen's three and GefenMuon's momentum) take one list entry per parameter, so a step makes
+(Gefen's four and GefenMuon's momentum) take one list entry per parameter, so a step makes
 one call per parameter group and second-moment variant (as ``torch._fused_adamw_`` does;
 GefenMuon: per batch of Newton-Schulz inputs), not one per tensor; each
 parameter and its gradient are contiguous and of equal shape and dtype (fp32, bf16, fp16
@@ -59,6 +63,7 @@ from gefen_contracts.kernels import kernel_unavailable_reasons, load_kernel_plug
 
 from .reference_ops import (
     block_step_reference,
+    element_step_reference,
     factored_moments_reference,
     factored_stats_reference,
     factored_step_reference,
@@ -70,6 +75,7 @@ from .reference_ops import (
 __all__ = [
     "BLOCK_STEP",
     "DISPATCHED_OPS",
+    "ELEMENT_STEP",
     "FACTORED_MOMENTS",
     "FACTORED_STATS",
     "FACTORED_STEP",
@@ -88,6 +94,7 @@ __all__ = [
 
 NAMESPACE = "gefen"
 BLOCK_STEP = "gefen::block_step.v3"
+ELEMENT_STEP = "gefen::element_step.v1"
 FACTORED_STATS = "gefen::factored_stats.v1"
 FACTORED_MOMENTS = "gefen::factored_moments.v3"
 FACTORED_STEP = "gefen::factored_step.v4"
@@ -147,6 +154,14 @@ OPS: dict[str, OpSpec] = {
             _none,
         ),
         OpSpec(
+            ELEMENT_STEP,
+            "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] indices, Tensor(c!)[] magnitudes, "
+            f"Tensor(d!)[] vs, Tensor codebook, Tensor scalars, Tensor? sr_seeds, *, {_STEP_FLAGS}) -> ()",
+            "element-path second moment, momentum requantisation and write, per parameter of the lists",
+            element_step_reference,
+            _none,
+        ),
+        OpSpec(
             FACTORED_STATS,
             "(Tensor grad, *, bool deterministic) -> (Tensor, Tensor)",
             "float64 row and column sums of g^2",
@@ -196,7 +211,7 @@ OPS: dict[str, OpSpec] = {
 }
 
 #: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
-DISPATCHED_OPS = (BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
+DISPATCHED_OPS = (BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
 
 #: The ops ``GefenMuon.step`` dispatches.
 MUON_DISPATCHED_OPS = (HISTOGRAM, MUON_MOMENTUM)

@@ -10,7 +10,7 @@ import torch
 
 from . import step_scalars
 from .distributed import all_reduce_sums
-from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
+from .ops import BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
 from .param_state import (
     AGE_KEYS,
     BLOCK,
@@ -27,7 +27,7 @@ from .param_state import (
     switch_second_moment,
 )
 from .reference_ops import scalars_of
-from .second_moment import clip_row_factor, preconditioned_sumsq, update_element_moments, update_factored_moments
+from .second_moment import clip_row_factor, preconditioned_sumsq, update_factored_moments
 from .step_plan import ParamWork
 
 __all__ = ["decay_only", "placeholder_codebook", "update_parameters"]
@@ -183,23 +183,9 @@ def update_parameters(
             factors = _clip(works, grads, factors, scalars, threshold)
         step = dispatch.op(FACTORED_STEP)
         step(targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
-    elif variant == ELEMENT:  # the factored step over each matrix seen as one column (second_moment)
-        factors = update_element_moments([s[V] for s in states], grads, scalars)
-        column = [torch.ones(1, dtype=torch.float32, device=works[0].local.device)] * len(works)
-        columns = [target.view(-1, 1) for target in targets]
-        step = dispatch.op(FACTORED_STEP)
-        step(
-            columns,
-            [g.view(-1, 1) for g in grads],
-            indices,
-            magnitudes,
-            factors,
-            column,
-            codebook,
-            scalars,
-            seeds,
-            **flags,
-        )
+    elif variant == ELEMENT:
+        vs = [s[V] for s in states]
+        dispatch.op(ELEMENT_STEP)(targets, grads, indices, magnitudes, vs, codebook, scalars, seeds, **flags)
     else:
         vmeans = [s[VMEAN] for s in states]
         dispatch.op(BLOCK_STEP)(targets, grads, indices, magnitudes, vmeans, codebook, scalars, seeds, **flags)

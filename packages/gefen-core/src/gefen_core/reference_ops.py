@@ -23,6 +23,12 @@ column, then per element::
 ``R + K`` square roots instead of ``R K``, and ``a_i * b_j`` neither underflows nor overflows
 where ``r c`` would.)
 
+Second moment, element path (matrices too narrow to factor; Adam's ``v``, updated inside
+:func:`element_step_tensor` so one op call does the whole step)::
+
+    v_i = fl( fl(v_i * BETA2) + fl( fl(g_i * g_i) * ONE_MINUS_BETA2 ) )
+    h_i = fl( fl(sqrt( fl(v_i * BC2) )) + EPS )
+
 Momentum and write (both paths; ``C`` the codebook, ``q``/``M`` the stored indices and
 block scale, ``g`` negated first when maximizing). The codes hold the EMA of the
 *preconditioned* gradient ``g / h`` (LaProp's order of momentum and preconditioning), so every
@@ -79,6 +85,8 @@ __all__ = [
     "HISTOGRAM_BINS",
     "block_step_reference",
     "block_step_tensor",
+    "element_step_reference",
+    "element_step_tensor",
     "factored_moments_reference",
     "factored_moments_tensor",
     "factored_stats_reference",
@@ -346,6 +354,58 @@ def factored_step_tensor(
         )
 
 
+def element_step_tensor(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    magnitude: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seed: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """The element-path update of one parameter, in place (one tensor of ``gefen::element_step.v1``).
+
+    ``param``/``grad``: contiguous, of equal shape; ``indices``/``magnitude``: the momentum in
+    blocks that tile the parameter (flattened row-major); ``v``: fp32 of the parameter's shape,
+    Adam's per-element second moment. Per element (module docstring for the momentum and write)::
+
+        v_i  = fl( fl(v_i * BETA2) + fl( fl(g_i * g_i) * ONE_MINUS_BETA2 ) )
+        h_i  = fl( fl(sqrt( fl(v_i * BC2) )) + EPS )
+
+    which is the factored path's ``h`` of the matrix seen as one column with ``v_col = [1]``
+    (``BC2 = 1 / (1 - beta2^tau)``, as the factored path's). Updates ``param``, ``indices``,
+    ``magnitude`` and ``v``.
+    """
+    del deterministic
+    blocks, period = indices.shape
+    p_flat, g_flat, v_flat = param.view(-1), grad.view(-1), v.view(-1)
+    per_chunk = _chunk_rows(period)
+    for first in range(0, blocks, per_chunk):
+        last = min(blocks, first + per_chunk)
+        start, stop = first * period, last * period
+        g = g_flat[start:stop].view(-1, period).to(torch.float32)
+        chunk = v_flat[start:stop].view(-1, period)
+        chunk.mul_(scalars[S.BETA2]).add_((g * g).mul_(scalars[S.ONE_MINUS_BETA2]))
+        denominator = _sqrt(chunk * scalars[S.BC2]).add_(scalars[S.EPS])
+        _momentum_write(
+            p_flat[start:stop].view(-1, period),
+            g.neg() if maximize else g,
+            indices[first:last],
+            magnitude[first:last],
+            codebook,
+            denominator,
+            scalars,
+            sr_seed,
+            start,
+            apply_decay,
+        )
+
+
 def scalars_of(scalars: torch.Tensor, index: int) -> torch.Tensor:
     """Tensor ``index``'s step scalars in a list op: the shared ``[NUM_SCALARS]`` packet, or row
     ``index`` of an ``[N, NUM_SCALARS]`` one (parameters whose counters differ)."""
@@ -436,6 +496,38 @@ def factored_step_reference(
             magnitudes[index],
             row_factors[index],
             v_cols[index],
+            codebook,
+            scalars_of(scalars, index),
+            _seed_of(sr_seeds, index),
+            apply_decay=apply_decay,
+            maximize=maximize,
+            deterministic=deterministic,
+        )
+
+
+def element_step_reference(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen::element_step.v1``: :func:`element_step_tensor` of each parameter of the lists
+    (``scalars`` and ``sr_seeds`` as in :func:`block_step_reference`)."""
+    for index, param in enumerate(params):
+        element_step_tensor(
+            param,
+            grads[index],
+            indices[index],
+            magnitudes[index],
+            vs[index],
             codebook,
             scalars_of(scalars, index),
             _seed_of(sr_seeds, index),

@@ -53,7 +53,6 @@ __all__ = [
     "column_scale",
     "fp32_sqrt",
     "preconditioned_sumsq",
-    "update_element_moments",
     "update_factored_moments",
 ]
 
@@ -101,28 +100,6 @@ def update_factored_moments(
     v_row.mul_(beta2).add_(row_mean.mul_(one_minus_beta2))
     v_col.mul_(beta2).add_(col_mean.mul_(one_minus_beta2))
     return torch.div(v_row, column_scale(v_col)).mul_(scalars[S.BC2])
-
-
-def update_element_moments(
-    vs: list[torch.Tensor], grads: list[torch.Tensor], scalars: torch.Tensor
-) -> list[torch.Tensor]:
-    """Advance narrow matrices' per-element ``v`` in place; return each ``row_factor`` (flat).
-
-    ``v_i = fl( fl(v_i * BETA2) + fl( fl(g_i^2) * ONE_MINUS_BETA2 ) )`` and
-    ``row_factor_i = fl(v_i * BC2)`` (the factored path's ``BC2``). The factored step then runs
-    on each matrix seen as one column (``[numel, 1]``, ``v_col = [1.0]``), so its denominator is
-    ``h_i = fl( fl(sqrt(row_factor_i)) + EPS )``: Adam's, through the same kernels. One
-    multi-tensor op per phase for the bucket (``scalars`` shared, ``[NUM_SCALARS]``), or one
-    row of ``scalars`` per tensor (``[N, NUM_SCALARS]``: their counters differ).
-    """
-    if scalars.dim() == 2:
-        return [update_element_moments([v], [g], row)[0] for v, g, row in zip(vs, grads, scalars, strict=True)]
-    wide = [g if g.dtype is torch.float32 else g.to(torch.float32) for g in grads]
-    squares = torch._foreach_mul(wide, wide)
-    torch._foreach_mul_(squares, scalars[S.ONE_MINUS_BETA2])
-    torch._foreach_mul_(vs, scalars[S.BETA2])
-    torch._foreach_add_(vs, squares)
-    return [factor.view(-1) for factor in torch._foreach_mul(vs, scalars[S.BC2])]
 
 
 def fp32_sqrt(values: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,11 @@ from gefen_contracts.torch_support import check_tensor_lr, finite_bounds
 
 from .distributed import is_dtensor, is_row_sharded, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
-from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, Kernels
+from .ops import BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, Kernels
 from .param_groups import check_group_options
 from .param_state import (
     BLOCK,
+    ELEMENT,
     FACTORED,
     INDICES,
     MAGNITUDE,
@@ -228,7 +229,7 @@ def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
         device = work.local.device
         if learns:
             needed.add((HISTOGRAM, device))
-        needed.add((BLOCK_STEP if work.variant == BLOCK else FACTORED_STEP, device))
+        needed.add(({BLOCK: BLOCK_STEP, ELEMENT: ELEMENT_STEP}.get(work.variant, FACTORED_STEP), device))
         if work.variant == FACTORED:
             needed.add((FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS, device))
     for op, device in sorted(needed, key=str):

@@ -20,6 +20,7 @@ __all__ = [
     "PARAM_DTYPES",
     "KernelArgumentError",
     "check_block_step",
+    "check_element_step",
     "check_factored_moments",
     "check_factored_stats",
     "check_factored_step",
@@ -228,6 +229,43 @@ def _moments_fast(g: Any, r: Any, c: Any, device: torch.device) -> bool:
     )
 
 
+def _element_fast(p: Any, g: Any, q: Any, m: Any, v: Any, device: torch.device) -> bool:
+    return bool(
+        p.dtype in _PARAM_DTYPE_SET
+        and g.dtype is p.dtype
+        and q.dtype is _U8
+        and m.dtype is _F32
+        and v.dtype is _F32
+        and g.shape == p.shape
+        and v.shape == p.shape
+        and q.dim() == 2
+        and q.numel() == p.numel()
+        and m.numel() == q.shape[0]
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and q.is_contiguous()
+        and m.is_contiguous()
+        and v.is_contiguous()
+        and p.device == device
+        and g.device == device
+        and q.device == device
+        and m.device == device
+        and v.device == device
+    )
+
+
+def _element_entry(param: Any, grad: Any, indices: Any, magnitude: Any, v: Any) -> str | None:
+    reason = _param_grad(param, grad) or _momentum(param, indices, magnitude)
+    if reason:
+        return reason
+    reason = _tensor(v, "v", torch.float32, param.device)
+    if reason:
+        return reason
+    if v.shape != param.shape:
+        return f"v must have the parameter's shape {tuple(param.shape)}, got {tuple(v.shape)}"
+    return None
+
+
 def _block_entry(param: Any, grad: Any, indices: Any, magnitude: Any, vmean: Any) -> str | None:
     reason = _param_grad(param, grad) or _momentum(param, indices, magnitude, ragged=True)
     if reason:
@@ -283,6 +321,13 @@ def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     maximize, deterministic)``: lists of equal length, every entry on one device."""
     names = ("params", "grads", "indices", "magnitudes", "vmeans")
     return _step_lists("gefen::block_step.v3", args, kwargs, names, _block_fast, _block_entry)
+
+
+def check_element_step(*args: Any, **kwargs: Any) -> str | None:
+    """``(params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds, *, flags)``: each
+    ``v`` fp32 of its parameter's shape, the codes tiling the parameter."""
+    names = ("params", "grads", "indices", "magnitudes", "vs")
+    return _step_lists("gefen::element_step.v1", args, kwargs, names, _element_fast, _element_entry)
 
 
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:

@@ -22,6 +22,7 @@ from .cpu_build import load_cpu_library
 
 __all__ = [
     "block_step",
+    "element_step",
     "factored_moments",
     "factored_stats",
     "factored_step",
@@ -40,6 +41,7 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
     "gefen_block_step": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _INT, _P],
+    "gefen_element_step": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _INT, _P],
     "gefen_factored_step": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _INT, _P],
     "gefen_factored_stats": [_INT, _P, _I64, _I64, _P, _P, _P, _I64, _INT],
     "gefen_factored_moments": [_I64, _P, _P, _I64, _I64, _INT],
@@ -120,6 +122,32 @@ def _list_scalars(scalars: torch.Tensor) -> tuple[int, int]:
     return scalars.data_ptr(), (scalars.shape[1] if scalars.dim() == 2 else 0)
 
 
+def _blocked_rows(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    seconds: list[torch.Tensor],
+) -> array.array[int]:
+    """The entry table of the block or the element step (one layout: the second moment is one
+    value per block or one per element)."""
+    rows: list[int] = []
+    for param, grad, codes, magnitude, second in zip(params, grads, indices, magnitudes, seconds, strict=True):
+        blocks, period = codes.shape
+        rows += (
+            _DTYPE_CODES[param.dtype],
+            param.numel(),  # the last block may be ragged: the C code cuts it from this
+            param.data_ptr(),
+            grad.data_ptr(),
+            codes.data_ptr(),
+            magnitude.data_ptr(),
+            second.data_ptr(),
+            blocks,
+            period,
+        )
+    return _entries(rows)
+
+
 def block_step(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -136,39 +164,12 @@ def block_step(
 ) -> None:
     """``gefen::block_step.v3`` on CPU: one C call for every entry (deterministic always: each
     block is summed by one thread)."""
-    _check(
-        arguments.check_block_step(
-            params,
-            grads,
-            indices,
-            magnitudes,
-            vmeans,
-            codebook,
-            scalars,
-            sr_seeds,
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        )
-    )
+    args = (params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds)
+    _check(arguments.check_block_step(*args, apply_decay=apply_decay, maximize=maximize, deterministic=deterministic))
     if not params:
         return
     _on_cpu(params[0])
-    rows: list[int] = []
-    for param, grad, codes, magnitude, vmean in zip(params, grads, indices, magnitudes, vmeans, strict=True):
-        blocks, period = codes.shape
-        rows += (
-            _DTYPE_CODES[param.dtype],
-            param.numel(),  # the last block may be ragged: the C code cuts it from this
-            param.data_ptr(),
-            grad.data_ptr(),
-            codes.data_ptr(),
-            magnitude.data_ptr(),
-            vmean.data_ptr(),
-            blocks,
-            period,
-        )
-    entries = _entries(rows)
+    entries = _blocked_rows(params, grads, indices, magnitudes, vmeans)
     status = _function("gefen_block_step")(
         len(params),
         entries.buffer_info()[0],
@@ -182,6 +183,43 @@ def block_step(
     )
     _checked("gefen_block_step", status)
     increment_version([*params, *indices, *magnitudes, *vmeans])
+
+
+def element_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen::element_step.v1`` on CPU: one C call for every entry (no reduction: deterministic
+    always)."""
+    args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
+    _check(arguments.check_element_step(*args, apply_decay=apply_decay, maximize=maximize, deterministic=deterministic))
+    if not params:
+        return
+    _on_cpu(params[0])
+    entries = _blocked_rows(params, grads, indices, magnitudes, vs)
+    status = _function("gefen_element_step")(
+        len(params),
+        entries.buffer_info()[0],
+        codebook.data_ptr(),
+        *_list_scalars(scalars),
+        _seed_pointer(sr_seeds),
+        int(apply_decay),
+        int(maximize),
+        torch.get_num_threads(),
+        _codebook_table(),
+    )
+    _checked("gefen_element_step", status)
+    increment_version([*params, *indices, *magnitudes, *vs])
 
 
 def factored_step(

@@ -43,21 +43,34 @@ def _uniform(seed, index):
 
 
 #: How the momentum's gradient is preconditioned: not at all (GefenMuon), by one ``h`` per
-#: block, or by the factored ``h = fl(fl(a_row * b_col) + eps)`` of each element.
+#: block, by the factored ``h = fl(fl(a_row * b_col) + eps)`` of each element, or by each
+#: element's own Adam ``v`` (the element path: ``rf_ptr`` is ``v``, ``vc_ptr`` the scalars).
 NO_DENOMINATOR = tl.constexpr(0)
 BLOCK_DENOMINATOR = tl.constexpr(1)
 FACTORED_DENOMINATOR = tl.constexpr(2)
+ELEMENT_DENOMINATOR = tl.constexpr(3)
 
 
 @triton.jit
-def _denominator(offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr):
-    """Each element's ``h``: the block's (``h_rows``) or, factored, from ``row_factor``/``v_col``."""
+def _advanced_v(g, offs, mask, v_ptr, sc_ptr):
+    """The element path's ``v' = fl(fl(v * BETA2) + fl(fl(g * g) * ONE_MINUS_BETA2))`` from the
+    stored (not yet advanced) ``v``: both passes of a block compute it, the second stores it."""
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    return v * tl.load(sc_ptr + 6) + (g * g) * tl.load(sc_ptr + 7)
+
+
+@triton.jit
+def _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr):
+    """Each element's ``h``: the block's (``h_rows``), factored from ``row_factor``/``v_col``, or
+    the element path's ``fl(fl(sqrt(fl(v' * BC2))) + eps)``."""
     h = h_rows
     if DEN == FACTORED_DENOMINATOR:
         prow = offs // ncols
         pcol = offs - prow * ncols
         a = tl.math.sqrt_rn(tl.load(rf_ptr + prow, mask=mask, other=1.0))
         h = a * tl.math.sqrt_rn(tl.load(vc_ptr + pcol, mask=mask, other=1.0)) + eps
+    if DEN == ELEMENT_DENOMINATOR:
+        h = tl.math.sqrt_rn(_advanced_v(g, offs, mask, rf_ptr, vc_ptr) * tl.load(vc_ptr + 2)) + eps
     return h
 
 
@@ -70,7 +83,7 @@ def _momentum(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * sign
     n = g
     if DEN != NO_DENOMINATOR:
-        n = tl.math.div_rn(g, _denominator(offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN))
+        n = tl.math.div_rn(g, _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN))
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
     c = tl.load(cb_ptr + q, mask=mask, other=0.0)
     m = c * m_old
@@ -247,9 +260,11 @@ def _precondition_write(
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        _, u = _momentum(
+        g, u = _momentum(
             g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
         )
+        if DEN == ELEMENT_DENOMINATOR:  # after this tile's last read of the stored v
+            tl.store(rf_ptr + offs, _advanced_v(g, offs, mask, rf_ptr, vc_ptr), mask=mask)
         code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         d = (value * inv_bc1) * lr
@@ -388,6 +403,69 @@ def factored_step_kernel(
         ROWS,
         COLS,
         FACTORED_DENOMINATOR,
+        STOCHASTIC,
+        APPLY_DECAY,
+        F64,
+    )
+
+
+@triton.jit
+def element_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    v_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < blocks
+    numel = blocks.to(tl.int64) * period  # the blocks tile the parameter
+    lr = tl.load(sc_ptr + 0)
+    inv_bc1 = tl.load(sc_ptr + 1)
+    decay = tl.load(sc_ptr + 3)
+    beta1 = tl.load(sc_ptr + 4)
+    omb1 = tl.load(sc_ptr + 5)
+    eps = tl.load(sc_ptr + 8)
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.uint64)
+    else:
+        seed = 0
+    _precondition_write(
+        p_ptr,
+        g_ptr,
+        q_ptr,
+        mag_ptr,
+        cb_ptr,
+        rows,
+        row_ok,
+        sign,
+        beta1,
+        omb1,
+        inv_bc1,
+        lr,
+        decay,
+        seed,
+        period,
+        numel,
+        1.0,
+        v_ptr,
+        sc_ptr,
+        1,
+        eps,
+        ROWS,
+        COLS,
+        ELEMENT_DENOMINATOR,
         STOCHASTIC,
         APPLY_DECAY,
         F64,

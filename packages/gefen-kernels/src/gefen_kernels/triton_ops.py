@@ -18,6 +18,7 @@ from .triton_support import interpreting
 
 __all__ = [
     "block_step",
+    "element_step",
     "factored_moments",
     "factored_stats",
     "factored_step",
@@ -123,6 +124,53 @@ def block_step(
             enable_fp_fusion=False,
         )
     increment_version([*params, *indices, *magnitudes, *vmeans])
+
+
+def element_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+    deterministic: bool,
+) -> None:
+    """``gefen::element_step.v1`` with Triton: one launch per non-empty entry (no reduction:
+    deterministic always)."""
+    args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
+    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+    _check(arguments.check_element_step(*args, **flags), *params[:1])
+    for index, param in enumerate(params):
+        if param.numel() == 0:
+            continue
+        blocks, period = indices[index].shape
+        rows, cols = _tile(blocks, period)
+        seed = _seed_of(sr_seeds, index)
+        K.element_step_kernel[(triton_cdiv(blocks, rows),)](
+            param,
+            grads[index],
+            indices[index],
+            magnitudes[index],
+            vs[index],
+            codebook,
+            _scalars_of(scalars, index),
+            seed,
+            blocks,
+            period,
+            -1.0 if maximize else 1.0,
+            ROWS=rows,
+            COLS=cols,
+            STOCHASTIC=seed is not None,
+            APPLY_DECAY=apply_decay,
+            F64=param.dtype is torch.float64,
+            enable_fp_fusion=False,
+        )
+    increment_version([*params, *indices, *magnitudes, *vs])
 
 
 def factored_step(

@@ -36,7 +36,7 @@
 #define GEFEN_AVX512 1
 #endif
 
-#define GEFEN_ABI_VERSION 5
+#define GEFEN_ABI_VERSION 6
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -459,23 +459,47 @@ static void sumsq_tile(const float* restrict x, int64_t n, double* restrict acc)
     for (; j < n; j++) acc[0] += (double)x[j] * (double)x[j];
 }
 
-/* The denominators h of Gefen's preconditioned momentum (gefen.block_step/2,
- * gefen.factored_step/3): one per block (row_factor NULL), or per element of a factored
- * matrix, h = fl(fl(a_r * b_c) + eps) with a_r = fl(sqrt(row_factor_r)) and b_c = col_root_c =
- * fl(sqrt(v_col_c)). */
+/* The denominators h of Gefen's preconditioned momentum: one per block (gefen.block_step;
+ * row_factor and v NULL); per element of a factored matrix (gefen.factored_step),
+ * h = fl(fl(a_r * b_c) + eps) with a_r = fl(sqrt(row_factor_r)) and b_c = col_root_c =
+ * fl(sqrt(v_col_c)); or per element from Adam's v (gefen.element_step), advanced in the same
+ * pass: v = fl(fl(v * beta2) + fl(fl(g * g) * omb2)), h = fl(fl(sqrt(fl(v * bc2))) + eps). */
 typedef struct {
     float h;
     const float* row_factor;
     const float* col_root;
     int64_t cols;
     float eps;
+    float* v; /* element path */
+    float beta2, omb2, bc2;
 } Denominator;
 
-/* The preconditioner of the n elements starting at flat index first (hbuf: room for the
- * factored path's n denominators). */
-static Preconditioner preconditioner_of(const Denominator* den, int64_t first, float* restrict hbuf, int64_t n) {
+/* The preconditioner of the n elements starting at flat index first (hbuf: room for n
+ * per-element denominators). g is the tile's signed fp32 gradient; the element path advances
+ * its v only when advance is set (a block's first pass; a recomputing second pass reads the
+ * advanced v). */
+static Preconditioner preconditioner_of(const Denominator* den, int64_t first, float* restrict hbuf, int64_t n,
+                                        const float* restrict g, int advance) {
     Preconditioner pre = {PRE_NONE, 0.0f, NULL};
     if (den == NULL) return pre;
+    if (den->v != NULL) {
+        float* restrict v = den->v + first;
+        const float beta2 = den->beta2, omb2 = den->omb2, bc2 = den->bc2, eps = den->eps;
+        if (advance)
+            for (int64_t j = 0; j < n; j++) {
+                float kept = v[j] * beta2;
+                float square = g[j] * g[j]; /* (-g)^2 = g^2: the sign of maximize does not matter */
+                float added = square * omb2;
+                v[j] = kept + added;
+            }
+        for (int64_t j = 0; j < n; j++) {
+            float factor = v[j] * bc2;
+            hbuf[j] = sqrtf(factor) + eps;
+        }
+        pre.kind = PRE_ELEMENT;
+        pre.hs = hbuf;
+        return pre;
+    }
     if (den->row_factor == NULL) {
         pre.kind = PRE_BLOCK;
         pre.h = den->h;
@@ -837,7 +861,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                         \
             if (upcoming != NULL) prefetch_write(upcoming + t0, len * (int64_t)sizeof(PT));      \
             const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, gbuf);                      \
-            const Preconditioner pre = preconditioner_of(den, first + t0, hbuf, len);            \
+            const Preconditioner pre = preconditioner_of(den, first + t0, hbuf, len, gsrc, 1);   \
             momentum_tile(gsrc, &pre, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len,  \
                           n <= UBUF ? ubuf + t0 : spill, amax, nan);                             \
         }                                                                                        \
@@ -864,7 +888,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             nan[k] = 0;                                                                          \
         }                                                                                        \
         const float* gsrc = gradient_tile_##SUF(ctx, g, t0, len, gbuf);                          \
-        const Preconditioner pre = preconditioner_of(den, first + t0, hbuf, len);                \
+        const Preconditioner pre = preconditioner_of(den, first + t0, hbuf, len, gsrc, 0);       \
         momentum_tile(gsrc, &pre, q + t0, ctx->codebook, m_old, ctx->beta1, ctx->omb1, len, scratch, amax, nan); \
         return scratch;                                                                          \
     }                                                                                            \
@@ -906,7 +930,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         vmean[b] = v; \
         float h = sqrtf(v) * ctx->bc2; \
         h = h + ctx->eps; \
-        const Denominator den = {h, NULL, NULL, 0, 0.0f}; \
+        const Denominator den = {h, NULL, NULL, 0, 0.0f, NULL, 0.0f, 0.0f, 0.0f}; \
         precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, n, &den); \
     } \
  \
@@ -927,7 +951,21 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     static void factored_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
                                     float* magnitude, const float* row_factor, const float* col_root, \
                                     int64_t blocks, int64_t period, int64_t cols, int threads) { \
-        const Denominator den = {0.0f, row_factor, col_root, cols, ctx->eps};                    \
+        const Denominator den = {0.0f, row_factor, col_root, cols, ctx->eps, NULL, 0.0f, 0.0f, 0.0f}; \
+        int64_t b; \
+        if (PARALLEL(blocks * period, threads)) { \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)") \
+            for (b = 0; b < blocks; b++) \
+                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, period, &den); \
+        } else { \
+            for (b = 0; b < blocks; b++) \
+                precondition_write_##SUF(ctx, param, grad, indices, magnitude, b, blocks, period, period, &den); \
+        } \
+    }                                                                                            \
+    /* The element path: Adam's v of each element advanced in the block's first pass. */       \
+    static void element_step_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
+                                   float* magnitude, float* v, int64_t blocks, int64_t period, int threads) { \
+        const Denominator den = {0.0f, NULL, NULL, 0, ctx->eps, v, ctx->beta2, ctx->omb2, ctx->bc2}; \
         int64_t b; \
         if (PARALLEL(blocks * period, threads)) { \
             _Pragma("omp parallel for schedule(static) num_threads(threads)") \
@@ -1212,6 +1250,33 @@ int gefen_block_step(int64_t n, const int64_t* entries, const float* codebook, c
     ListCall call = {entries, BS_FIELDS, codebook, (const CodebookTable*)table, scalars, scalar_stride, seeds,
                      apply_decay, maximize, 0};
     return run_entries(&call, n, block_step_entry, threads);
+}
+
+/* element step rows: the block step's layout, with v (one fp32 per element) for vmean; the
+ * blocks tile the parameter. */
+static int element_step_entry(const ListCall* call, int64_t i, int threads) {
+    const int64_t* e = call->entries + i * BS_FIELDS;
+    StepContext ctx;
+    entry_context(&ctx, call, i);
+#define ELEMENT_ARGS PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE), PTR(e, BS_VMEAN), \
+                     e[BS_BLOCKS], e[BS_PERIOD], threads
+    switch (e[0]) {
+        case DT_F32: element_step_f32(&ctx, ELEMENT_ARGS); break;
+        case DT_BF16: element_step_bf16(&ctx, ELEMENT_ARGS); break;
+        case DT_F16: element_step_f16(&ctx, ELEMENT_ARGS); break;
+        default: element_step_f64(&ctx, ELEMENT_ARGS); break;
+    }
+#undef ELEMENT_ARGS
+    return 0;
+}
+
+int gefen_element_step(int64_t n, const int64_t* entries, const float* codebook, const float* scalars,
+                       int64_t scalar_stride, const int64_t* seeds, int apply_decay, int maximize, int threads,
+                       void* table) {
+    prepare_table((CodebookTable*)table, codebook);
+    ListCall call = {entries, BS_FIELDS, codebook, (const CodebookTable*)table, scalars, scalar_stride, seeds,
+                     apply_decay, maximize, 0};
+    return run_entries(&call, n, element_step_entry, threads);
 }
 
 /* factored step rows: dtype, numel, param, grad, indices, magnitude, row_factor, v_col, blocks, period, cols */
