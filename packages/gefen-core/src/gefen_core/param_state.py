@@ -157,7 +157,8 @@ def second_moment_variant(shape: Sequence[int], options: Mapping[str, Any]) -> s
     """
     if len(shape) != 2 or not options["factored_v_2d"]:
         return BLOCK
-    return FACTORED if min(int(d) for d in shape) >= options["min_dim_size_to_factor"] else ELEMENT
+    rows, cols = shape  # (every step asks, for every parameter: no generator here)
+    return FACTORED if min(rows, cols) >= options["min_dim_size_to_factor"] else ELEMENT
 
 
 def make_counter(value: int, device: torch.device, capturable: bool) -> int | torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from gefen_contracts.torch_support import check_tensor_lr, finite_bounds
@@ -54,6 +54,11 @@ class ParamWork:
     state: dict[str, Any] | None
     local_nonzero: bool | None
     state_device_differs: bool = False
+    position: int = 0  # in its group's params (for messages)
+
+    def where(self) -> str:
+        """Where the parameter sits, for an error message (formatted only then)."""
+        return _place(self.group_index, self.position, self.name)
 
     @property
     def needs_state(self) -> bool:
@@ -114,34 +119,26 @@ def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optim
         )
 
 
-class _Where(NamedTuple):
-    """Where a parameter sits, formatted only when an error names it."""
-
-    group_index: int
-    position: int
-    name: str | None
-
-    def __call__(self) -> str:
-        return f"param_groups[{self.group_index}]['params'][{self.position}]" + (
-            f" ({self.name!r})" if self.name else ""
-        )
+def _place(group_index: int, position: int, name: str | None) -> str:
+    return f"param_groups[{group_index}]['params'][{position}]" + (f" ({name!r})" if name else "")
 
 
 def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) -> bool:
     return period == RAGGED_PERIOD and VMEAN in state and codes - period < numel < codes
 
 
-def check_state(state: dict[str, Any], local: torch.Tensor, where: _Where | Callable[[], str]) -> bool:
+def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], str]) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
     numel = local.numel()
     indices = state[INDICES]
-    period = indices.shape[-1] if indices.dim() else 0
+    shape = indices.shape
+    period = shape[-1] if shape else 0
     # the codes cover the elements: exactly, or (block path) ragged blocks with their padding
     # (the ragged test only runs when the sizes differ: this check is on every step's path)
-    exact = indices.numel() == numel
-    if indices.dim() != 2 or period < 1 or not (exact or _ragged_cover(state, period, indices.numel(), numel)):
+    codes = indices.numel()
+    if len(shape) != 2 or period < 1 or not (codes == numel or _ragged_cover(state, period, codes, numel)):
         raise ParameterError(
-            f"{where()}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
+            f"{where()}: the optimizer state was created for {codes} elements in blocks of {period}, "
             f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
         )
     if V_ROW in state:
@@ -183,35 +180,38 @@ def plan_step(
             if grad is None:
                 continue
             name = names[position] if names is not None else None
-            where = _Where(group_index, position, name)
+            shape = param.shape
             if (
                 type(param) in _PLAIN  # neither a DTensor nor another subclass: the common case, checked inline
                 and type(grad) is torch.Tensor
                 and grad.layout is torch.strided
                 and grad.dtype is param.dtype  # never complex: complex parameters are refused when added
-                and grad.shape == param.shape
+                and grad.shape == shape
                 and grad.device == param.device
             ):
                 local, local_grad, row_sharded = param, grad, False
             else:
-                check_gradient(param, grad, where())
+                check_gradient(param, grad, _place(group_index, position, name))
                 local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
-            variant = second_moment_variant(param.shape, group)
             live = state.get(param)
+            variant = second_moment_variant(shape, group)
             work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
+            work.position = position
             if live:
-                work.state_device_differs = check_state(live, local, where)
+                work.state_device_differs = check_state(live, local, work.where)
                 if work.state_device_differs and capturable:
-                    raise CaptureError(f"{where()}: state lives on another device; capturable steps cannot move it")
+                    raise CaptureError(
+                        f"{work.where()}: state lives on another device; capturable steps cannot move it"
+                    )
             else:
                 if in_capture:
-                    raise CaptureError(f"{where()}: has no state yet; run one eager step before capturing")
+                    raise CaptureError(f"{work.where()}: has no state yet; run one eager step before capturing")
                 if local_grad.numel():
                     bounds = finite_bounds(local_grad)
                     if bounds is None:
                         raise GradientError(
-                            f"{where()}: the first gradient is not finite; periods and the codebook cannot be learned "
-                            "from it"
+                            f"{work.where()}: the first gradient is not finite; periods and the codebook cannot be "
+                            "learned from it"
                         )
                     work.local_nonzero = bounds != (0.0, 0.0)
             works.append(work)

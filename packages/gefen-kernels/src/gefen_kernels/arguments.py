@@ -18,6 +18,7 @@ from .signatures import CODEBOOK_SIZE, HISTOGRAM_BINS, MUON_NUM_SCALARS, NUM_SCA
 
 __all__ = [
     "PARAM_DTYPES",
+    "STEP_LISTS",
     "KernelArgumentError",
     "check_block_step",
     "check_element_step",
@@ -26,6 +27,7 @@ __all__ = [
     "check_factored_step",
     "check_histogram",
     "check_muon_momentum",
+    "check_step_head",
     "check_stochastic_uniform",
 ]
 
@@ -298,9 +300,16 @@ def _factored_entry(param: Any, grad: Any, indices: Any, magnitude: Any, row_fac
     return None
 
 
-def _step_lists(
-    op: str, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], fast: Any, check: Any
-) -> str | None:
+#: The step ops' list arguments, by op (each is followed by ``codebook, scalars, sr_seeds``).
+STEP_LISTS = {
+    "gefen::block_step.v3": ("params", "grads", "indices", "magnitudes", "vmeans"),
+    "gefen::element_step.v1": ("params", "grads", "indices", "magnitudes", "vs"),
+    "gefen::factored_step.v4": ("params", "grads", "indices", "magnitudes", "row_factors", "v_cols"),
+}
+
+
+def _step_lists(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], fast: Any, check: Any) -> str | None:
+    names = STEP_LISTS[op]
     expected = len(names) + 3
     if len(args) != expected:
         return f"{op} takes {expected} positional arguments, got {len(args)}"
@@ -313,27 +322,32 @@ def _step_lists(
     if not isinstance(first, torch.Tensor):
         return f"entry 0: param must be a tensor, got {type(first).__name__}"
     device = first.device
-    return _shared(device, codebook, scalars, sr_seeds, len(args[0])) or _entries(lists, device, fast, check)
+    reason = _shared(device, codebook, scalars, sr_seeds, len(args[0]))
+    return reason if reason or fast is None else _entries(lists, device, fast, check)
+
+
+def check_step_head(op: str, *args: Any, **kwargs: Any) -> str | None:
+    """The checks of a step op (``STEP_LISTS``) but its per-entry ones: for a backend that tests
+    each entry while it reads the entry's pointers, and asks the op's ``check_*`` for the
+    reason only when one fails."""
+    return _step_lists(op, args, kwargs, None, None)
 
 
 def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds, *, apply_decay,
     maximize, deterministic)``: lists of equal length, every entry on one device."""
-    names = ("params", "grads", "indices", "magnitudes", "vmeans")
-    return _step_lists("gefen::block_step.v3", args, kwargs, names, _block_fast, _block_entry)
+    return _step_lists("gefen::block_step.v3", args, kwargs, _block_fast, _block_entry)
 
 
 def check_element_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds, *, flags)``: each
     ``v`` fp32 of its parameter's shape, the codes tiling the parameter."""
-    names = ("params", "grads", "indices", "magnitudes", "vs")
-    return _step_lists("gefen::element_step.v1", args, kwargs, names, _element_fast, _element_entry)
+    return _step_lists("gefen::element_step.v1", args, kwargs, _element_fast, _element_entry)
 
 
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds, *, flags)``."""
-    names = ("params", "grads", "indices", "magnitudes", "row_factors", "v_cols")
-    return _step_lists("gefen::factored_step.v4", args, kwargs, names, _factored_fast, _factored_entry)
+    return _step_lists("gefen::factored_step.v4", args, kwargs, _factored_fast, _factored_entry)
 
 
 def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:

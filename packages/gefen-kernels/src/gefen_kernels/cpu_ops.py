@@ -122,29 +122,61 @@ def _list_scalars(scalars: torch.Tensor) -> tuple[int, int]:
     return scalars.data_ptr(), (scalars.shape[1] if scalars.dim() == 2 else 0)
 
 
+_U8, _F32 = torch.uint8, torch.float32
+#: Why an entry failed the fused test when the detailed checks find nothing (a tensor off the CPU).
+_OFF_CPU = "an entry holds a tensor that is not on the CPU"
+_TEST_ERRORS = (KeyError, ValueError, TypeError, AttributeError)
+
+
 def _blocked_rows(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     indices: list[torch.Tensor],
     magnitudes: list[torch.Tensor],
     seconds: list[torch.Tensor],
-) -> array.array[int]:
-    """The entry table of the block or the element step (one layout: the second moment is one
-    value per block or one per element)."""
+    *,
+    per_element: bool,
+) -> array.array[int] | None:
+    """The entry table of the block step (``seconds``: one fp32 value per block; the last block
+    may be ragged) or the element step (one per element; the blocks tile the parameter), or
+    ``None`` when an entry fails the test that makes its pointers safe to hand to C (the
+    caller then asks :mod:`~gefen_kernels.arguments` why). The test and the table read each
+    attribute once: this loop is the step's per-tensor cost."""
     rows: list[int] = []
-    for param, grad, codes, magnitude, second in zip(params, grads, indices, magnitudes, seconds, strict=True):
-        blocks, period = codes.shape
-        rows += (
-            _DTYPE_CODES[param.dtype],
-            param.numel(),  # the last block may be ragged: the C code cuts it from this
-            param.data_ptr(),
-            grad.data_ptr(),
-            codes.data_ptr(),
-            magnitude.data_ptr(),
-            second.data_ptr(),
-            blocks,
-            period,
-        )
+    for p, g, q, m, v in zip(params, grads, indices, magnitudes, seconds, strict=True):
+        try:
+            code = _DTYPE_CODES[p.dtype]
+            blocks, period = q.shape
+        except _TEST_ERRORS:
+            return None
+        numel = p.numel()
+        codes = blocks * period
+        if not (
+            g.dtype is p.dtype
+            and q.dtype is _U8
+            and m.dtype is _F32
+            and v.dtype is _F32
+            and g.shape == p.shape
+            and m.numel() == blocks
+            and (
+                (codes == numel and v.shape == p.shape)
+                if per_element
+                else (codes - period < numel <= codes and v.numel() == blocks)
+            )
+            and p.is_cpu
+            and g.is_cpu
+            and q.is_cpu
+            and m.is_cpu
+            and v.is_cpu
+            and p.is_contiguous()
+            and g.is_contiguous()
+            and q.is_contiguous()
+            and m.is_contiguous()
+            and v.is_contiguous()
+        ):
+            return None
+        # numel: the C code cuts a ragged last block from it
+        rows += (code, numel, p.data_ptr(), g.data_ptr(), q.data_ptr(), m.data_ptr(), v.data_ptr(), blocks, period)
     return _entries(rows)
 
 
@@ -165,11 +197,14 @@ def block_step(
     """``gefen::block_step.v3`` on CPU: one C call for every entry (deterministic always: each
     block is summed by one thread)."""
     args = (params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds)
-    _check(arguments.check_block_step(*args, apply_decay=apply_decay, maximize=maximize, deterministic=deterministic))
+    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+    _check(arguments.check_step_head("gefen::block_step.v3", *args, **flags))
     if not params:
         return
     _on_cpu(params[0])
-    entries = _blocked_rows(params, grads, indices, magnitudes, vmeans)
+    entries = _blocked_rows(params, grads, indices, magnitudes, vmeans, per_element=False)
+    if entries is None:
+        raise arguments.KernelArgumentError(arguments.check_block_step(*args, **flags) or _OFF_CPU)
     status = _function("gefen_block_step")(
         len(params),
         entries.buffer_info()[0],
@@ -202,11 +237,14 @@ def element_step(
     """``gefen::element_step.v1`` on CPU: one C call for every entry (no reduction: deterministic
     always)."""
     args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
-    _check(arguments.check_element_step(*args, apply_decay=apply_decay, maximize=maximize, deterministic=deterministic))
+    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+    _check(arguments.check_step_head("gefen::element_step.v1", *args, **flags))
     if not params:
         return
     _on_cpu(params[0])
-    entries = _blocked_rows(params, grads, indices, magnitudes, vs)
+    entries = _blocked_rows(params, grads, indices, magnitudes, vs, per_element=True)
+    if entries is None:
+        raise arguments.KernelArgumentError(arguments.check_element_step(*args, **flags) or _OFF_CPU)
     status = _function("gefen_element_step")(
         len(params),
         entries.buffer_info()[0],
@@ -220,6 +258,65 @@ def element_step(
     )
     _checked("gefen_element_step", status)
     increment_version([*params, *indices, *magnitudes, *vs])
+
+
+def _factored_rows(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    row_factors: list[torch.Tensor],
+    v_cols: list[torch.Tensor],
+) -> array.array[int] | None:
+    """The factored step's entry table, or ``None`` when an entry fails its test (as
+    :func:`_blocked_rows`)."""
+    rows: list[int] = []
+    for p, g, q, m, r, c in zip(params, grads, indices, magnitudes, row_factors, v_cols, strict=True):
+        try:
+            code = _DTYPE_CODES[p.dtype]
+            blocks, period = q.shape
+            height, width = p.shape
+        except _TEST_ERRORS:
+            return None
+        if not (
+            g.dtype is p.dtype
+            and q.dtype is _U8
+            and m.dtype is _F32
+            and r.dtype is _F32
+            and c.dtype is _F32
+            and g.shape == p.shape
+            and blocks * period == height * width
+            and m.numel() == blocks
+            and r.numel() == height
+            and c.numel() == width
+            and p.is_cpu
+            and g.is_cpu
+            and q.is_cpu
+            and m.is_cpu
+            and r.is_cpu
+            and c.is_cpu
+            and p.is_contiguous()
+            and g.is_contiguous()
+            and q.is_contiguous()
+            and m.is_contiguous()
+            and r.is_contiguous()
+            and c.is_contiguous()
+        ):
+            return None
+        rows += (
+            code,
+            blocks * period,
+            p.data_ptr(),
+            g.data_ptr(),
+            q.data_ptr(),
+            m.data_ptr(),
+            r.data_ptr(),
+            c.data_ptr(),
+            blocks,
+            period,
+            width,
+        )
+    return _entries(rows)
 
 
 def factored_step(
@@ -238,44 +335,15 @@ def factored_step(
     deterministic: bool,
 ) -> None:
     """``gefen::factored_step.v4`` on CPU: one C call for every entry."""
-    _check(
-        arguments.check_factored_step(
-            params,
-            grads,
-            indices,
-            magnitudes,
-            row_factors,
-            v_cols,
-            codebook,
-            scalars,
-            sr_seeds,
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        )
-    )
+    args = (params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds)
+    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+    _check(arguments.check_step_head("gefen::factored_step.v4", *args, **flags))
     if not params:
         return
     _on_cpu(params[0])
-    rows: list[int] = []
-    for param, grad, codes, magnitude, row_factor, v_col in zip(
-        params, grads, indices, magnitudes, row_factors, v_cols, strict=True
-    ):
-        blocks, period = codes.shape
-        rows += (
-            _DTYPE_CODES[param.dtype],
-            blocks * period,
-            param.data_ptr(),
-            grad.data_ptr(),
-            codes.data_ptr(),
-            magnitude.data_ptr(),
-            row_factor.data_ptr(),
-            v_col.data_ptr(),
-            blocks,
-            period,
-            param.shape[1],
-        )
-    entries = _entries(rows)
+    entries = _factored_rows(params, grads, indices, magnitudes, row_factors, v_cols)
+    if entries is None:
+        raise arguments.KernelArgumentError(arguments.check_factored_step(*args, **flags) or _OFF_CPU)
     status = _function("gefen_factored_step")(
         len(params),
         entries.buffer_info()[0],
