@@ -47,6 +47,10 @@
 #define UBUF 4096
 /* Below this many elements a call runs on one thread (a fork/join costs more). */
 #define PARALLEL_MIN 32768
+/* A list entry below this many elements runs whole on one thread (entries spread over the
+ * threads in one parallel region); a larger one is split over all threads in a region of its
+ * own (one fork/join per entry, which the medium tensors of a small model paid many times). */
+#define ENTRY_SPLIT_MIN 262144
 /* Whether n elements are split over threads. Tested before an OpenMP region is entered at
  * all: a region serialised by its if() clause still costs about 0.3 us in libgomp, more than
  * a small tensor's whole update. */
@@ -1204,13 +1208,13 @@ static int run_entries(const ListCall* call, int64_t n, EntryFn fn, int threads)
     for (i = 0; i < n; i++) {
         int64_t dtype = call->entries[i * call->fields];
         if (dtype < DT_F32 || dtype > DT_F64) return -1;
-        if (call->entries[i * call->fields + 1] < PARALLEL_MIN) small += call->entries[i * call->fields + 1];
+        if (call->entries[i * call->fields + 1] < ENTRY_SPLIT_MIN) small += call->entries[i * call->fields + 1];
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : status) if(small >= PARALLEL_MIN && threads > 1)
     for (i = 0; i < n; i++)
-        if (call->entries[i * call->fields + 1] < PARALLEL_MIN) status |= fn(call, i, 1);
+        if (call->entries[i * call->fields + 1] < ENTRY_SPLIT_MIN) status |= fn(call, i, 1);
     for (i = 0; i < n; i++)
-        if (call->entries[i * call->fields + 1] >= PARALLEL_MIN) status |= fn(call, i, threads);
+        if (call->entries[i * call->fields + 1] >= ENTRY_SPLIT_MIN) status |= fn(call, i, threads);
     return status;
 }
 
