@@ -45,10 +45,15 @@ def _uniform(seed, index):
 #: How the momentum's gradient is preconditioned: not at all (GefenMuon), by one ``h`` per
 #: block, by the factored ``h = fl(fl(a_row * b_col) + eps)`` of each element, or by each
 #: element's own Adam ``v`` (the element path: ``rf_ptr`` is ``v``, ``vc_ptr`` the scalars).
+#: ``FACTORED_ROW_DENOMINATOR`` is the factored one where every block lies in one row (the row
+#: length a multiple of the period, as Gefen's periods always are): the kernel takes each
+#: block's row root ``a`` once (``h_rows``) and its row's first flat index (``ncols``), so no
+#: element pays a 64-bit division for its row and column or a square root for its row.
 NO_DENOMINATOR = tl.constexpr(0)
 BLOCK_DENOMINATOR = tl.constexpr(1)
 FACTORED_DENOMINATOR = tl.constexpr(2)
 ELEMENT_DENOMINATOR = tl.constexpr(3)
+FACTORED_ROW_DENOMINATOR = tl.constexpr(4)
 
 
 @triton.jit
@@ -69,6 +74,8 @@ def _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.cons
         pcol = offs - prow * ncols
         a = tl.math.sqrt_rn(tl.load(rf_ptr + prow, mask=mask, other=1.0))
         h = a * tl.math.sqrt_rn(tl.load(vc_ptr + pcol, mask=mask, other=1.0)) + eps
+    if DEN == FACTORED_ROW_DENOMINATOR:  # h_rows: the block's a; ncols: its row's first flat index
+        h = h_rows * tl.math.sqrt_rn(tl.load(vc_ptr + (offs - ncols), mask=mask, other=1.0)) + eps
     if DEN == ELEMENT_DENOMINATOR:
         h = tl.math.sqrt_rn(_advanced_v(g, offs, mask, rf_ptr, vc_ptr) * tl.load(vc_ptr + 2)) + eps
     return h
@@ -364,6 +371,7 @@ def factored_step_kernel(
     STOCHASTIC: tl.constexpr,
     APPLY_DECAY: tl.constexpr,
     F64: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
@@ -378,35 +386,68 @@ def factored_step_kernel(
         seed = tl.load(seed_ptr).to(tl.uint64)
     else:
         seed = 0
-    _precondition_write(
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        cb_ptr,
-        rows,
-        row_ok,
-        sign,
-        beta1,
-        omb1,
-        inv_bc1,
-        lr,
-        decay,
-        seed,
-        period,
-        numel,
-        1.0,
-        rf_ptr,
-        vc_ptr,
-        ncols,
-        eps,
-        ROWS,
-        COLS,
-        FACTORED_DENOMINATOR,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-    )
+    if ROW_BLOCKS:  # each block in one row: its row, row root and row start once per block
+        row = rows.to(tl.int64) * period // ncols
+        a = tl.math.sqrt_rn(tl.load(rf_ptr + row, mask=row_ok, other=1.0))
+        _precondition_write(
+            p_ptr,
+            g_ptr,
+            q_ptr,
+            mag_ptr,
+            cb_ptr,
+            rows,
+            row_ok,
+            sign,
+            beta1,
+            omb1,
+            inv_bc1,
+            lr,
+            decay,
+            seed,
+            period,
+            numel,
+            a[:, None],
+            rf_ptr,
+            vc_ptr,
+            (row * ncols)[:, None],
+            eps,
+            ROWS,
+            COLS,
+            FACTORED_ROW_DENOMINATOR,
+            STOCHASTIC,
+            APPLY_DECAY,
+            F64,
+        )
+    else:
+        _precondition_write(
+            p_ptr,
+            g_ptr,
+            q_ptr,
+            mag_ptr,
+            cb_ptr,
+            rows,
+            row_ok,
+            sign,
+            beta1,
+            omb1,
+            inv_bc1,
+            lr,
+            decay,
+            seed,
+            period,
+            numel,
+            1.0,
+            rf_ptr,
+            vc_ptr,
+            ncols,
+            eps,
+            ROWS,
+            COLS,
+            FACTORED_DENOMINATOR,
+            STOCHASTIC,
+            APPLY_DECAY,
+            F64,
+        )
 
 
 @triton.jit

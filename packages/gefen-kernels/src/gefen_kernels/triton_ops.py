@@ -232,6 +232,7 @@ def factored_step(
             STOCHASTIC=seed is not None,
             APPLY_DECAY=apply_decay,
             F64=param.dtype is torch.float64,
+            ROW_BLOCKS=param.shape[1] % period == 0,
             enable_fp_fusion=False,
         )
     increment_version([*params, *indices, *magnitudes])
