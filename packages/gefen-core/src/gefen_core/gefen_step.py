@@ -26,6 +26,7 @@ from .param_state import FACTORED, INDICES, new_state, period_of, zero_padding
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import period_policy
 from .step_plan import ParamWork, StepDecision, StepPlan, plan_step
+from .step_scalars import on_device
 
 if TYPE_CHECKING:
     from .gefen import Gefen
@@ -245,7 +246,7 @@ def _seeds(optimizer: Gefen, works: list[ParamWork], device: torch.device) -> to
         counter = _device_step(optimizer, device) * (1 << 32)
         return torch.stack([counter + work.slot for work in works])
     seeds = [stochastic_seed(optimizer._global_step, work.slot) for work in works]
-    return torch.tensor(seeds, dtype=torch.int64, device=device)
+    return on_device(seeds, torch.int64, device)
 
 
 def _device_step(optimizer: Gefen, device: torch.device) -> torch.Tensor:

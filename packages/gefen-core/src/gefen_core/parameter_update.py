@@ -50,7 +50,7 @@ def decay_only(local: torch.Tensor, group: Mapping[str, Any]) -> None:
     if group["weight_decay"] == 0:
         return
     decay = 1.0 - _lr_value(group["lr"]) * group["weight_decay"]
-    local.mul_(torch.tensor(decay, dtype=torch.float32).to(local.device))
+    local.mul_(step_scalars.on_device([decay], torch.float32, local.device)[0])
 
 
 def _scalars(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -57,6 +58,7 @@ __all__ = [
     "host_scalars",
     "shared_host_scalars",
     "muon_scalars",
+    "on_device",
 ]
 
 LR, INV_BC1, BC2, DECAY, BETA1, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, EPS = range(9)
@@ -84,10 +86,20 @@ def host_scalar_values(
     return [lr, inv_bc1, bc2_term, 1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps]
 
 
+def on_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on ``device``, without waiting for the device: on CUDA through
+    pinned memory and an asynchronous copy (a copy from pageable memory first synchronises the
+    stream, so every bucket of a step would wait for the kernels queued before it; torch's
+    pinned-memory cache keeps the buffer until the copy has run), directly elsewhere."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def host_scalars(device: torch.device, **values: float | int | bool) -> torch.Tensor:
     """:func:`host_scalar_values` packed as fp32 on ``device`` (keyword arguments as there)."""
     floats = host_scalar_values(**values)  # type: ignore[arg-type]
-    return torch.tensor(floats, dtype=torch.float32, device=device)
+    return on_device(floats, torch.float32, device)
 
 
 #: :func:`host_scalars`, one tensor per distinct set of keyword values: a step's parameters of
@@ -137,4 +149,4 @@ def device_scalars(
 
 def muon_scalars(device: torch.device, momentum: float) -> torch.Tensor:
     """The packet of ``gefen::muon_momentum.v2``: ``[momentum, 1 - momentum]`` as fp32 on ``device``."""
-    return torch.tensor([momentum, 1.0 - momentum], dtype=torch.float32, device=device)
+    return on_device([momentum, 1.0 - momentum], torch.float32, device)

@@ -622,20 +622,22 @@ def factored_stats_kernel(
     tl.store(col_part_ptr + group.to(tl.int64) * ncols + cols, col_acc, mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nrows", "ncols"])  # a size of 1 stays a tensor (it is converted below)
 def factored_moments_kernel(
-    row_sums_ptr, col_sums_ptr, v_row_ptr, v_col_ptr, sc_ptr, rf_ptr, div_ptr, nrows, ncols, BLOCK: tl.constexpr
+    row_sums_ptr, col_sums_ptr, v_row_ptr, v_col_ptr, sc_ptr, rf_ptr, nrows, ncols, BLOCK: tl.constexpr
 ):
-    """One program: the ``v_row``/``v_col`` EMA from float64 sums of squares (``div``: the float64
-    divisors ``max(rows, 1)``, ``max(cols, 1)``, from the host), the float64 mean
+    """One program: the ``v_row``/``v_col`` EMA from float64 sums of squares (divided by the
+    float64 ``max(rows, 1)``, ``max(cols, 1)``: exact conversions of the sizes), the float64 mean
     of ``v_col`` (tiles added in order: deterministic) and ``row_factor = fl(fl(v_row / d) * BC2)``.
     float64 ``/`` is IEEE division on every backend (only fp32 division has an approximate form,
     hence ``div_rn`` there)."""
     bc2 = tl.load(sc_ptr + 2)
     beta2 = tl.load(sc_ptr + 6)
     omb2 = tl.load(sc_ptr + 7)
-    rows_f64 = tl.load(div_ptr + 0)  # float64 max(rows, 1), max(cols, 1): an empty dimension has means of 0
-    cols_f64 = tl.load(div_ptr + 1)
+    # an empty dimension has means of 0; the sizes arrive as kernel arguments (a float64 tensor of
+    # them from the host was a synchronising host-to-device copy per matrix and step)
+    rows_f64 = tl.maximum(nrows, 1).to(tl.float64)
+    cols_f64 = tl.maximum(ncols, 1).to(tl.float64)
     total = tl.zeros((), dtype=tl.float64)
     for c0 in range(0, ncols, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)

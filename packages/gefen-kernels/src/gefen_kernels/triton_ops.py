@@ -287,7 +287,6 @@ def factored_moments(
         row_sums, col_sums = _stats(grad)
         row_factor = flat[start : start + rows]
         start += rows
-        divisors = torch.tensor([max(rows, 1), max(cols, 1)], dtype=torch.float64, device=grad.device)
         K.factored_moments_kernel[(1,)](
             row_sums,
             col_sums,
@@ -295,7 +294,6 @@ def factored_moments(
             v_cols[index],
             _scalars_of(scalars, index),
             row_factor,
-            divisors,
             rows,
             cols,
             BLOCK=_MOMENTS_BLOCK,
