@@ -120,3 +120,13 @@ def test_a_hanging_case_times_out_and_a_dead_rank_is_reported() -> None:
         assert world.run("contracts_gloo_ranks:echo", 2) == [(0, 2, 20), (1, 2, 20)]
         outcomes = world.run_outcomes("contracts_gloo_ranks:die", 0)
         assert outcomes[0].error_type == "ProcessDied" and outcomes[1].ok
+
+
+def test_on_device_puts_exact_host_values_on_the_device_in_the_dtype_asked() -> None:
+    from gefen_contracts.torch_support import on_device
+
+    scalars = on_device([0.1, 2.0, -3.5], torch.float32, torch.device("cpu"))
+    assert scalars.dtype is torch.float32 and scalars.device.type == "cpu"
+    assert torch.equal(scalars, torch.tensor([0.1, 2.0, -3.5], dtype=torch.float32))
+    seeds = on_device([(7 << 32) + 3, -1], torch.int64, torch.device("cpu"))
+    assert seeds.tolist() == [(7 << 32) + 3, -1]

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gefen_contracts.torch_support import on_device
 
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
@@ -26,7 +27,6 @@ from .param_state import FACTORED, INDICES, new_state, period_of, zero_padding
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import period_policy
 from .step_plan import ParamWork, StepDecision, StepPlan, plan_step
-from .step_scalars import on_device
 
 if TYPE_CHECKING:
     from .gefen import Gefen

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from gefen_contracts.torch_support import on_device
 
 from . import step_scalars
 from .distributed import all_reduce_sums
@@ -50,7 +51,7 @@ def decay_only(local: torch.Tensor, group: Mapping[str, Any]) -> None:
     if group["weight_decay"] == 0:
         return
     decay = 1.0 - _lr_value(group["lr"]) * group["weight_decay"]
-    local.mul_(step_scalars.on_device([decay], torch.float32, local.device)[0])
+    local.mul_(on_device([decay], torch.float32, local.device)[0])
 
 
 def _scalars(

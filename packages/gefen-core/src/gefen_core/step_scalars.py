@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
+from gefen_contracts.torch_support import on_device
 
 __all__ = [
     "BC2",
@@ -58,7 +58,6 @@ __all__ = [
     "host_scalars",
     "shared_host_scalars",
     "muon_scalars",
-    "on_device",
 ]
 
 LR, INV_BC1, BC2, DECAY, BETA1, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, EPS = range(9)
@@ -84,16 +83,6 @@ def host_scalar_values(
     bc2 = 1.0 - beta2**age
     bc2_term = 1.0 / bc2 if factored else 1.0 / math.sqrt(bc2)
     return [lr, inv_bc1, bc2_term, 1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps]
-
-
-def on_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values as a tensor on ``device``, without waiting for the device: on CUDA through
-    pinned memory and an asynchronous copy (a copy from pageable memory first synchronises the
-    stream, so every bucket of a step would wait for the kernels queued before it; torch's
-    pinned-memory cache keeps the buffer until the copy has run), directly elsewhere."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def host_scalars(device: torch.device, **values: float | int | bool) -> torch.Tensor:

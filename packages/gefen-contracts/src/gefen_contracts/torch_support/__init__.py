@@ -44,6 +44,7 @@ from .tensors import (
     finite_bounds,
     is_dtensor,
     local_tensor,
+    on_device,
     tensor_digest,
     tensor_leaf,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "finite_bounds",
     "is_dtensor",
     "local_tensor",
+    "on_device",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

@@ -1,12 +1,13 @@
 """Tensor leaves for the digest grammar (:mod:`gefen_contracts.digest`), dtype names, the
-one-pass finiteness check every state validator uses (:func:`finite_bounds`), and the one
-DTensor test every package uses (:func:`is_dtensor`, :func:`local_tensor`)."""
+one-pass finiteness check every state validator uses (:func:`finite_bounds`), the one
+DTensor test every package uses (:func:`is_dtensor`, :func:`local_tensor`), and host values
+put on a device without synchronising it (:func:`on_device`)."""
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "finite_bounds",
     "is_dtensor",
     "local_tensor",
+    "on_device",
     "tensor_digest",
     "tensor_leaf",
 ]
@@ -140,3 +142,13 @@ def tensor_leaf(value: object) -> DigestLeaf | None:
 def tensor_digest(value: object) -> str:
     """:func:`~gefen_contracts.digest.canonical_digest` with tensors accepted as leaves."""
     return canonical_digest(value, leaf_adapter=tensor_leaf)
+
+
+def on_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on ``device``, without waiting for the device: on CUDA through
+    pinned memory and an asynchronous copy (a copy from pageable memory first synchronises the
+    stream, so a step would wait for every kernel queued before it; torch's pinned-memory cache
+    keeps the buffer until the copy has run), directly elsewhere."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
