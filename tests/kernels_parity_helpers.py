@@ -348,15 +348,26 @@ RAGGED_ENTRIES = [
 ]
 
 
-def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, device: str, *, stochastic: bool) -> None:
-    """One call of each list op over :data:`LIST_ENTRIES` (the block op also over
-    :data:`RAGGED_ENTRIES`), with per-entry scalars (counters that
+def compare_list_steps(
+    block_op: StepOp,
+    moments_op: StepOp,
+    step_op: StepOp,
+    device: str,
+    *,
+    stochastic: bool,
+    entries: list[Any] | None = None,
+    ragged: list[Any] | None = None,
+) -> None:
+    """One call of each list op over ``entries`` (default :data:`LIST_ENTRIES`; the block op also
+    over ``ragged``, default :data:`RAGGED_ENTRIES`), with per-entry scalars (counters that
     differ) and seeds, against the reference list ops: every entry as the reference's, bit for
     bit where the single-entry tests demand it."""
+    entries = LIST_ENTRIES if entries is None else entries
+    ragged = RAGGED_ENTRIES if ragged is None else ragged
     codebook = shared_codebook().to(device)
-    states = [random_state(shape, period, dtype, device, factored=True) for shape, period, dtype in LIST_ENTRIES]
-    blocks = [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in LIST_ENTRIES]
-    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in LIST_ENTRIES]
+    states = [random_state(shape, period, dtype, device, factored=True) for shape, period, dtype in entries]
+    blocks = [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in entries]
+    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in entries]
     rows = [scalars(device, step=index + 1, weight_decay=0.1, factored=True) for index in range(len(grads))]
     sc = torch.stack(rows)
     seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32) if stochastic else None
@@ -389,8 +400,8 @@ def compare_list_steps(block_op: StepOp, moments_op: StepOp, step_op: StepOp, de
     for before, ref, mine in zip(befores, states, mine_states, strict=True):
         _assert_exact(ref, mine)
         _assert_states(before, ref, mine)
-    blocks += [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in RAGGED_ENTRIES]
-    grads += [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in RAGGED_ENTRIES]
+    blocks += [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in ragged]
+    grads += [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in ragged]
     if seeds is not None:
         seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32)
     mine_blocks = [s.clone() for s in blocks]

@@ -119,6 +119,56 @@ def test_triton_list_ops_step_each_entry_as_the_reference() -> None:
     compare_muon_list(T.muon_momentum, DEVICE)
 
 
+#: Entries that share a dtype and a tile, two programs each (100 blocks of 16: 64 blocks a
+#: program), with a second dtype and a one-program entry: three launches per step op.
+GROUPED = [
+    *[((100, 16), 16, torch.float32)] * 3,
+    *[((100, 16), 16, torch.bfloat16)] * 2,
+    ((20, 16), 16, torch.float32),
+]
+
+
+class _LaunchCounter:
+    """Counts the grids a kernel is launched with, and launches it."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        self.grids.append(grid)
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_triton_one_launch_steps_every_entry_of_a_dtype_and_tile(
+    stochastic: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17: launches grow with the groups (dtype and tile), not with the tensors; each
+    program finds its entry and block, so every entry still equals the reference bit for bit."""
+    counter = _LaunchCounter(T.K.step_list_kernel)
+    monkeypatch.setattr(T.K, "step_list_kernel", counter)
+    torch.manual_seed(21)
+    compare_list_steps(
+        T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=stochastic, entries=GROUPED, ragged=[]
+    )
+    compare_element_steps(T.element_step, DEVICE, stochastic=stochastic, maximize=True, entries=GROUPED)
+    # factored step, block step, element step twice: three groups each (fp32 100 x 16, bf16, fp32 20 x 16)
+    assert len(counter.grids) == 4 * 3
+    assert sorted({grid[0] for grid in counter.grids}) == [1, 4, 6]  # programs: 1, 2 + 2, 2 + 2 + 2
+
+
+def test_a_captured_step_launches_per_entry_and_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CUDA graph capture the step ops launch once per entry (a replayed graph would copy a
+    list launch's table from a freed host buffer); that path equals the reference too."""
+    monkeypatch.setattr(T, "_capturing", lambda tensor: True)
+    counter = _LaunchCounter(T.K.step_list_kernel)
+    monkeypatch.setattr(T.K, "step_list_kernel", counter)
+    torch.manual_seed(22)
+    compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True, entries=GROUPED)
+    compare_element_steps(T.element_step, DEVICE, stochastic=False, maximize=False, entries=GROUPED[3:])
+    assert counter.grids == []
+
+
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
 def test_triton_element_step_matches_the_reference_bit_for_bit(stochastic: bool) -> None:
     """Adam's per-element v advanced inside the kernel (maximize with stochastic rounding)."""

@@ -82,12 +82,31 @@ def _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.cons
 
 
 @triton.jit
+def _load_value(ptr, offs, mask):
+    """A parameter or gradient element in its dtype. The list kernel reaches a bf16 tensor
+    through the uint16 pointer of its bits (Triton's interpreter reads a bf16 tensor at a raw
+    address wrong, and the bits are the same on a GPU): those are bitcast back."""
+    x = tl.load(ptr + offs, mask=mask, other=0)
+    if tl.constexpr(x.dtype == tl.uint16):
+        x = x.to(tl.bfloat16, bitcast=True)
+    return x
+
+
+@triton.jit
+def _store_value(ptr, offs, x, mask):
+    """Store a parameter element (bf16 as its bits where the pointer is uint16, see :func:`_load_value`)."""
+    if tl.constexpr(ptr.dtype.element_ty == tl.uint16):
+        x = x.to(tl.uint16, bitcast=True)
+    tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
 def _momentum(
     g_ptr, q_ptr, cb_ptr, offs, mask, m_old, sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr
 ):
     """g (fp32, signed) and u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))), with
     n = fl(g / h) (Gefen) or g (GefenMuon, ``DEN == NO_DENOMINATOR``)."""
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * sign
+    g = _load_value(g_ptr, offs, mask).to(tl.float32) * sign
     n = g
     if DEN != NO_DENOMINATOR:
         n = tl.math.div_rn(g, _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN))
@@ -141,7 +160,7 @@ def _to_param_dtype(x, dtype: tl.constexpr):
 
 @triton.jit
 def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl.constexpr):
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p = _load_value(p_ptr, offs, mask)
     if F64:
         pc = p.to(tl.float64)
         if APPLY_DECAY:
@@ -152,7 +171,7 @@ def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl
         if APPLY_DECAY:
             pc = _to_param_dtype(pc * decay, p.dtype).to(tl.float32)
         out = _to_param_dtype(pc - d, p.dtype)
-    tl.store(p_ptr + offs, out, mask=mask)
+    _store_value(p_ptr, offs, out, mask)
 
 
 @triton.jit
@@ -164,7 +183,7 @@ def _block_sumsq(g_ptr, rows, row_ok, period, numel, ROWS: tl.constexpr, COLS: t
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g64 = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.float64)
+        g64 = _load_value(g_ptr, offs, mask).to(tl.float32).to(tl.float64)
         sumsq += tl.sum(g64 * g64, axis=1)
     return sumsq
 
@@ -279,7 +298,8 @@ def _precondition_write(
 
 
 @triton.jit
-def block_step_kernel(
+def _block_step(
+    pid,
     p_ptr,
     g_ptr,
     q_ptr,
@@ -298,7 +318,7 @@ def block_step_kernel(
     APPLY_DECAY: tl.constexpr,
     F64: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     lr = tl.load(sc_ptr + 0)
     inv_bc1 = tl.load(sc_ptr + 1)
@@ -352,7 +372,50 @@ def block_step_kernel(
 
 
 @triton.jit
-def factored_step_kernel(
+def block_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    v_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    numel,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
+    _block_step(
+        tl.program_id(0),
+        p_ptr,
+        g_ptr,
+        q_ptr,
+        mag_ptr,
+        v_ptr,
+        cb_ptr,
+        sc_ptr,
+        seed_ptr,
+        blocks,
+        period,
+        numel,
+        sign,
+        ROWS,
+        COLS,
+        STOCHASTIC,
+        APPLY_DECAY,
+        F64,
+    )
+
+
+@triton.jit
+def _factored_step(
+    pid,
     p_ptr,
     g_ptr,
     q_ptr,
@@ -373,7 +436,7 @@ def factored_step_kernel(
     F64: tl.constexpr,
     ROW_BLOCKS: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     numel = blocks.to(tl.int64) * period  # factored blocks tile the rows
     lr = tl.load(sc_ptr + 0)
@@ -451,7 +514,54 @@ def factored_step_kernel(
 
 
 @triton.jit
-def element_step_kernel(
+def factored_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    rf_ptr,
+    vc_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    ncols,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+):
+    _factored_step(
+        tl.program_id(0),
+        p_ptr,
+        g_ptr,
+        q_ptr,
+        mag_ptr,
+        rf_ptr,
+        vc_ptr,
+        cb_ptr,
+        sc_ptr,
+        seed_ptr,
+        blocks,
+        period,
+        ncols,
+        sign,
+        ROWS,
+        COLS,
+        STOCHASTIC,
+        APPLY_DECAY,
+        F64,
+        ROW_BLOCKS,
+    )
+
+
+@triton.jit
+def _element_step(
+    pid,
     p_ptr,
     g_ptr,
     q_ptr,
@@ -469,7 +579,7 @@ def element_step_kernel(
     APPLY_DECAY: tl.constexpr,
     F64: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     numel = blocks.to(tl.int64) * period  # the blocks tile the parameter
     lr = tl.load(sc_ptr + 0)
@@ -511,6 +621,117 @@ def element_step_kernel(
         APPLY_DECAY,
         F64,
     )
+
+
+@triton.jit
+def element_step_kernel(
+    p_ptr,
+    g_ptr,
+    q_ptr,
+    mag_ptr,
+    v_ptr,
+    cb_ptr,
+    sc_ptr,
+    seed_ptr,
+    blocks,
+    period,
+    sign,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+):
+    _element_step(
+        tl.program_id(0),
+        p_ptr,
+        g_ptr,
+        q_ptr,
+        mag_ptr,
+        v_ptr,
+        cb_ptr,
+        sc_ptr,
+        seed_ptr,
+        blocks,
+        period,
+        sign,
+        ROWS,
+        COLS,
+        STOCHASTIC,
+        APPLY_DECAY,
+        F64,
+    )
+
+
+#: Which step a list launch runs (``step_list_kernel``'s ``KIND``).
+BLOCK_STEP = tl.constexpr(0)
+ELEMENT_STEP = tl.constexpr(1)
+FACTORED_STEP = tl.constexpr(2)
+#: int64 fields of one entry of a list launch's table: the addresses of the parameter, gradient,
+#: codes, scales, second moment (``vmean``, ``v`` or ``row_factor``), ``v_col`` (factored), step
+#: scalars and seed, then blocks, period, elements and columns (factored).
+TABLE_FIELDS = tl.constexpr(12)
+
+
+@triton.jit
+def step_list_kernel(
+    table_ptr,
+    starts_ptr,
+    entries,
+    cb_ptr,
+    sign,
+    KIND: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    APPLY_DECAY: tl.constexpr,
+    F64: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    SEARCH: tl.constexpr,
+):
+    """One launch for every entry of a list that shares a dtype and a tile (issue 17: a step's
+    launches grow with its groups, not its tensors). ``starts`` holds each entry's first
+    program, ascending, then the total; program ``pid`` finds its entry by a binary search of
+    ``SEARCH`` halvings and runs that entry's blocks ``(pid - starts[e]) * ROWS + ...`` exactly as
+    the one-entry kernels do."""
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + entries
+    for _ in tl.static_range(SEARCH):  # keeps starts[lo] <= pid < starts[hi]
+        mid = (lo + hi) // 2
+        below = tl.load(starts_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    local = pid - tl.load(starts_ptr + lo)
+    row = table_ptr + lo.to(tl.int64) * TABLE_FIELDS
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(P_DTYPE))
+    q_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    mag_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    second_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    vc_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    scalars = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    seed = tl.load(row + 7).to(tl.pointer_type(tl.int64))
+    blocks = tl.load(row + 8)
+    period = tl.load(row + 9)
+    numel = tl.load(row + 10)
+    ncols = tl.load(row + 11)
+    if KIND == BLOCK_STEP:
+        _block_step(
+            local, p_ptr, g_ptr, q_ptr, mag_ptr, second_ptr, cb_ptr, scalars, seed, blocks, period, numel, sign,
+            ROWS, COLS, STOCHASTIC, APPLY_DECAY, F64,
+        )  # fmt: skip
+    if KIND == ELEMENT_STEP:
+        _element_step(
+            local, p_ptr, g_ptr, q_ptr, mag_ptr, second_ptr, cb_ptr, scalars, seed, blocks, period, sign,
+            ROWS, COLS, STOCHASTIC, APPLY_DECAY, F64,
+        )  # fmt: skip
+    if KIND == FACTORED_STEP:
+        _factored_step(
+            local, p_ptr, g_ptr, q_ptr, mag_ptr, second_ptr, vc_ptr, cb_ptr, scalars, seed, blocks, period, ncols,
+            sign, ROWS, COLS, STOCHASTIC, APPLY_DECAY, F64, ROW_BLOCKS,
+        )  # fmt: skip
 
 
 @triton.jit

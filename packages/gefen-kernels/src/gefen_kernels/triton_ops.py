@@ -10,6 +10,8 @@ tests run them on machines without a GPU.
 from __future__ import annotations
 
 import torch
+import triton.language as tl  # type: ignore[import-untyped]
+from gefen_contracts.torch_support import on_device
 from torch.autograd.graph import increment_version
 
 from . import arguments
@@ -65,6 +67,88 @@ def _seed_of(sr_seeds: torch.Tensor | None, index: int) -> torch.Tensor | None:
     return None if sr_seeds is None else sr_seeds[index : index + 1]
 
 
+#: Parameter dtypes as the list kernel's pointers see them: bf16 through the uint16 pointer of its
+#: bits (``triton_kernels._load_value``).
+_POINTER_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.float64: tl.float64}
+_POINTER_DTYPES[torch.bfloat16] = tl.uint16
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``tensor``'s stream. A list launch reads its
+    table from device memory copied from host memory, which a replayed graph would copy again
+    from a buffer freed since; so a captured step launches once per entry (a graph replays
+    launches at no host cost anyway)."""
+    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_list(
+    kind: int,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    seconds: list[torch.Tensor],
+    v_cols: list[torch.Tensor] | None,
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    *,
+    apply_decay: bool,
+    maximize: bool,
+) -> None:
+    """One ``step_list_kernel`` launch per group of entries that share a dtype and a tile (and,
+    factored, whether blocks lie in rows): a table of each entry's addresses and sizes, and the
+    prefix sums of its programs."""
+    groups: dict[tuple[torch.dtype, int, int, bool], list[int]] = {}
+    for index, param in enumerate(params):
+        if param.numel() == 0:
+            continue
+        blocks, period = indices[index].shape
+        rows, cols = _tile(blocks, period)
+        row_blocks = v_cols is not None and param.shape[1] % period == 0
+        groups.setdefault((param.dtype, rows, cols, row_blocks), []).append(index)
+    device = params[0].device
+    scalar_row = 4 * (scalars.shape[1] if scalars.dim() == 2 else 0)  # bytes between entries' scalars
+    for (dtype, rows, cols, row_blocks), members in groups.items():
+        table: list[int] = []
+        starts = [0]
+        for index in members:
+            param, codes, second = params[index], indices[index], seconds[index]
+            blocks, period = codes.shape
+            table += (
+                param.data_ptr(),
+                grads[index].data_ptr(),
+                codes.data_ptr(),
+                magnitudes[index].data_ptr(),
+                second.data_ptr(),
+                (second if v_cols is None else v_cols[index]).data_ptr(),
+                scalars.data_ptr() + index * scalar_row,
+                0 if sr_seeds is None else sr_seeds.data_ptr() + 8 * index,
+                blocks,
+                period,
+                param.numel(),
+                param.shape[1] if v_cols is not None else 0,
+            )
+            starts.append(starts[-1] + triton_cdiv(blocks, rows))
+        K.step_list_kernel[(starts[-1],)](
+            on_device(table, torch.int64, device),
+            on_device(starts, torch.int64, device),
+            len(members),
+            codebook,
+            -1.0 if maximize else 1.0,
+            KIND=kind,
+            P_DTYPE=_POINTER_DTYPES[dtype],
+            ROWS=rows,
+            COLS=cols,
+            STOCHASTIC=sr_seeds is not None,
+            APPLY_DECAY=apply_decay,
+            F64=dtype is torch.float64,
+            ROW_BLOCKS=row_blocks,
+            SEARCH=len(members).bit_length(),
+            enable_fp_fusion=False,
+        )
+
+
 def block_step(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -97,6 +181,13 @@ def block_step(
         ),
         *params[:1],
     )
+    if params and not _capturing(params[0]):
+        _launch_list(
+            K.BLOCK_STEP.value, params, grads, indices, magnitudes, vmeans, None, codebook, scalars, sr_seeds,
+            apply_decay=apply_decay, maximize=maximize,
+        )  # fmt: skip
+        increment_version([*params, *indices, *magnitudes, *vmeans])
+        return
     for index, param in enumerate(params):
         if param.numel() == 0:
             continue
@@ -145,6 +236,21 @@ def element_step(
     args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
     flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
     _check(arguments.check_element_step(*args, **flags), *params[:1])
+    if params and not _capturing(params[0]):
+        _launch_list(
+            K.ELEMENT_STEP.value,
+            params,
+            grads,
+            indices,
+            magnitudes,
+            vs,
+            None,
+            *args[5:],
+            apply_decay=apply_decay,
+            maximize=maximize,
+        )
+        increment_version([*params, *indices, *magnitudes, *vs])
+        return
     for index, param in enumerate(params):
         if param.numel() == 0:
             continue
@@ -207,6 +313,13 @@ def factored_step(
         ),
         *params[:1],
     )
+    if params and not _capturing(params[0]):
+        _launch_list(
+            K.FACTORED_STEP.value, params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars,
+            sr_seeds, apply_decay=apply_decay, maximize=maximize,
+        )  # fmt: skip
+        increment_version([*params, *indices, *magnitudes])
+        return
     for index, param in enumerate(params):
         if param.numel() == 0:
             continue
