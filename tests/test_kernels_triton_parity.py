@@ -128,6 +128,9 @@ GROUPED = [
 ]
 
 
+_LIST_KERNELS = ("step_list_kernel", "stats_list_kernel", "moments_list_kernel")
+
+
 class _LaunchCounter:
     """Counts the grids a kernel is launched with, and launches it."""
 
@@ -145,28 +148,34 @@ def test_triton_one_launch_steps_every_entry_of_a_dtype_and_tile(
 ) -> None:
     """Issue 17: launches grow with the groups (dtype and tile), not with the tensors; each
     program finds its entry and block, so every entry still equals the reference bit for bit."""
-    counter = _LaunchCounter(T.K.step_list_kernel)
-    monkeypatch.setattr(T.K, "step_list_kernel", counter)
+    counters = {name: _LaunchCounter(getattr(T.K, name)) for name in _LIST_KERNELS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(T.K, name, counter)
     torch.manual_seed(21)
     compare_list_steps(
         T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=stochastic, entries=GROUPED, ragged=[]
     )
     compare_element_steps(T.element_step, DEVICE, stochastic=stochastic, maximize=True, entries=GROUPED)
+    steps = counters["step_list_kernel"].grids
     # factored step, block step, element step twice: three groups each (fp32 100 x 16, bf16, fp32 20 x 16)
-    assert len(counter.grids) == 4 * 3
-    assert sorted({grid[0] for grid in counter.grids}) == [1, 4, 6]  # programs: 1, 2 + 2, 2 + 2 + 2
+    assert len(steps) == 4 * 3
+    assert sorted({grid[0] for grid in steps}) == [1, 4, 6]  # programs: 1, 2 + 2, 2 + 2 + 2
+    # the factored statistics: one launch per dtype (all column tiles are 16), one for the moments
+    assert len(counters["stats_list_kernel"].grids) == 2
+    assert counters["moments_list_kernel"].grids == [(6,)]
 
 
 def test_a_captured_step_launches_per_entry_and_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under CUDA graph capture the step ops launch once per entry (a replayed graph would copy a
     list launch's table from a freed host buffer); that path equals the reference too."""
     monkeypatch.setattr(T, "_capturing", lambda tensor: True)
-    counter = _LaunchCounter(T.K.step_list_kernel)
-    monkeypatch.setattr(T.K, "step_list_kernel", counter)
+    counters = {name: _LaunchCounter(getattr(T.K, name)) for name in _LIST_KERNELS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(T.K, name, counter)
     torch.manual_seed(22)
     compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True, entries=GROUPED)
     compare_element_steps(T.element_step, DEVICE, stochastic=False, maximize=False, entries=GROUPED[3:])
-    assert counter.grids == []
+    assert all(not counter.grids for counter in counters.values())
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])

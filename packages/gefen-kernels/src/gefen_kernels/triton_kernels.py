@@ -663,6 +663,20 @@ def element_step_kernel(
     )
 
 
+@triton.jit
+def _entry_of(starts_ptr, entries, pid, SEARCH: tl.constexpr):
+    """The entry whose programs hold ``pid`` (``starts``: each entry's first program, ascending,
+    then the total) and ``pid``'s index among them, by ``SEARCH`` halvings."""
+    lo = pid * 0
+    hi = lo + entries
+    for _ in tl.static_range(SEARCH):  # keeps starts[lo] <= pid < starts[hi]
+        mid = (lo + hi) // 2
+        below = tl.load(starts_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo, pid - tl.load(starts_ptr + lo)
+
+
 #: Which step a list launch runs (``step_list_kernel``'s ``KIND``).
 BLOCK_STEP = tl.constexpr(0)
 ELEMENT_STEP = tl.constexpr(1)
@@ -692,18 +706,9 @@ def step_list_kernel(
 ):
     """One launch for every entry of a list that shares a dtype and a tile (issue 17: a step's
     launches grow with its groups, not its tensors). ``starts`` holds each entry's first
-    program, ascending, then the total; program ``pid`` finds its entry by a binary search of
-    ``SEARCH`` halvings and runs that entry's blocks ``(pid - starts[e]) * ROWS + ...`` exactly as
-    the one-entry kernels do."""
-    pid = tl.program_id(0)
-    lo = pid * 0
-    hi = lo + entries
-    for _ in tl.static_range(SEARCH):  # keeps starts[lo] <= pid < starts[hi]
-        mid = (lo + hi) // 2
-        below = tl.load(starts_ptr + mid) <= pid
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    local = pid - tl.load(starts_ptr + lo)
+    program, ascending, then the total; a program finds its entry (:func:`_entry_of`) and runs
+    that entry's blocks ``(pid - starts[e]) * ROWS + ...`` exactly as the one-entry kernels do."""
+    lo, local = _entry_of(starts_ptr, entries, tl.program_id(0), SEARCH)
     row = table_ptr + lo.to(tl.int64) * TABLE_FIELDS
     p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(P_DTYPE))
@@ -817,16 +822,12 @@ def muon_momentum_kernel(
 
 
 @triton.jit
-def factored_stats_kernel(
-    g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB: tl.constexpr, CT: tl.constexpr
-):
+def _stats_program(group, tile, g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB, CT):
     """Program (group, column tile): float64 partial sums of g^2 of its rows and of its columns.
 
     Row partials go to ``row_part[tile, row]``, column partials to ``col_part[group, col]``;
-    the host adds the partials in a fixed order (no atomics: deterministic).
+    they are added in a fixed order afterwards (no atomics: deterministic).
     """
-    group = tl.program_id(0)
-    tile = tl.program_id(1)
     cols = tile * CT + tl.arange(0, CT)
     col_ok = cols < ncols
     col_acc = tl.zeros((CT,), dtype=tl.float64)
@@ -835,23 +836,43 @@ def factored_stats_kernel(
         rows = first + r0 + tl.arange(0, RB)
         row_ok = (rows < nrows) & (r0 + tl.arange(0, RB) < rows_per_group)
         mask = row_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * ncols + cols[None, :], mask=mask, other=0.0)
-        g64 = g.to(tl.float64)
+        g64 = _load_value(g_ptr, rows.to(tl.int64)[:, None] * ncols + cols[None, :], mask).to(tl.float64)
         sq = g64 * g64
         tl.store(row_part_ptr + tile.to(tl.int64) * nrows + rows, tl.sum(sq, axis=1), mask=row_ok)
         col_acc += tl.sum(sq, axis=0)
     tl.store(col_part_ptr + group.to(tl.int64) * ncols + cols, col_acc, mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["nrows", "ncols"])  # a size of 1 stays a tensor (it is converted below)
-def factored_moments_kernel(
-    row_sums_ptr, col_sums_ptr, v_row_ptr, v_col_ptr, sc_ptr, rf_ptr, nrows, ncols, BLOCK: tl.constexpr
+@triton.jit
+def factored_stats_kernel(
+    g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB: tl.constexpr, CT: tl.constexpr
 ):
-    """One program: the ``v_row``/``v_col`` EMA from float64 sums of squares (divided by the
-    float64 ``max(rows, 1)``, ``max(cols, 1)``: exact conversions of the sizes), the float64 mean
-    of ``v_col`` (tiles added in order: deterministic) and ``row_factor = fl(fl(v_row / d) * BC2)``.
-    float64 ``/`` is IEEE division on every backend (only fp32 division has an approximate form,
-    hence ``div_rn`` there)."""
+    """:func:`_stats_program` of program ``(group, tile)`` of one matrix."""
+    _stats_program(
+        tl.program_id(0), tl.program_id(1), g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB, CT
+    )
+
+
+@triton.jit
+def _moments(
+    row_part_ptr,
+    col_part_ptr,
+    tiles,
+    groups,
+    v_row_ptr,
+    v_col_ptr,
+    sc_ptr,
+    rf_ptr,
+    nrows,
+    ncols,
+    BLOCK: tl.constexpr,
+):
+    """One matrix's ``v_row``/``v_col`` EMA from the float64 partials of :func:`_stats_program`
+    (``tiles`` row partials of each row and ``groups`` column partials of each column, added in
+    order), divided by the float64 ``max(rows, 1)``, ``max(cols, 1)`` (exact conversions of the
+    sizes), the float64 mean of ``v_col`` (tiles added in order: deterministic) and
+    ``row_factor = fl(fl(v_row / d) * BC2)``. float64 ``/`` is IEEE division on every backend
+    (only fp32 division has an approximate form, hence ``div_rn`` there)."""
     bc2 = tl.load(sc_ptr + 2)
     beta2 = tl.load(sc_ptr + 6)
     omb2 = tl.load(sc_ptr + 7)
@@ -863,7 +884,12 @@ def factored_moments_kernel(
     for c0 in range(0, ncols, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         ok = cols < ncols
-        mean = (tl.load(col_sums_ptr + cols, mask=ok, other=0.0) / rows_f64).to(tl.float32)
+        sums = tl.zeros((BLOCK,), dtype=tl.float64)
+        part = col_part_ptr + cols
+        for _ in range(0, groups):  # one row of partials after another (64-bit pointer steps)
+            sums += tl.load(part, mask=ok, other=0.0)
+            part += ncols
+        mean = (sums / rows_f64).to(tl.float32)
         v = tl.load(v_col_ptr + cols, mask=ok, other=0.0) * beta2 + mean * omb2
         tl.store(v_col_ptr + cols, v, mask=ok)
         total += tl.sum(tl.where(ok, v.to(tl.float64), 0.0), axis=0)
@@ -872,10 +898,75 @@ def factored_moments_kernel(
     for r0 in range(0, nrows, BLOCK):
         rows = r0 + tl.arange(0, BLOCK)
         ok = rows < nrows
-        mean = (tl.load(row_sums_ptr + rows, mask=ok, other=0.0) / cols_f64).to(tl.float32)
+        sums = tl.zeros((BLOCK,), dtype=tl.float64)
+        part = row_part_ptr + rows
+        for _ in range(0, tiles):
+            sums += tl.load(part, mask=ok, other=0.0)
+            part += nrows
+        mean = (sums / cols_f64).to(tl.float32)
         v = tl.load(v_row_ptr + rows, mask=ok, other=0.0) * beta2 + mean * omb2
         tl.store(v_row_ptr + rows, v, mask=ok)
         tl.store(rf_ptr + rows, tl.math.div_rn(v, d + tl.zeros_like(v)) * bc2, mask=ok)
+
+
+@triton.jit(do_not_specialize=["tiles", "groups", "nrows", "ncols"])  # a 1 stays a tensor (converted above)
+def factored_moments_kernel(
+    row_part_ptr, col_part_ptr, tiles, groups, v_row_ptr, v_col_ptr, sc_ptr, rf_ptr, nrows, ncols, BLOCK: tl.constexpr
+):
+    """:func:`_moments` of one matrix, one program."""
+    _moments(row_part_ptr, col_part_ptr, tiles, groups, v_row_ptr, v_col_ptr, sc_ptr, rf_ptr, nrows, ncols, BLOCK)
+
+
+#: int64 fields of one entry of ``stats_list_kernel``'s table: the addresses of the gradient and
+#: of its row and column partials, then rows, columns, rows per group and column tiles.
+STATS_FIELDS = tl.constexpr(7)
+#: int64 fields of one entry of ``moments_list_kernel``'s table: the addresses of the row and
+#: column partials, ``v_row``, ``v_col``, the step scalars and the row factors, then column
+#: tiles, row groups, rows and columns.
+MOMENTS_FIELDS = tl.constexpr(10)
+
+
+@triton.jit
+def stats_list_kernel(
+    table_ptr, starts_ptr, entries, G_DTYPE: tl.constexpr, RB: tl.constexpr, CT: tl.constexpr, SEARCH: tl.constexpr
+):
+    """:func:`_stats_program` for every (group, tile) of every matrix of a list sharing a dtype
+    and a column tile, in one launch."""
+    entry, local = _entry_of(starts_ptr, entries, tl.program_id(0), SEARCH)
+    row = table_ptr + entry.to(tl.int64) * STATS_FIELDS
+    tiles = tl.load(row + 6)
+    group = local // tiles
+    _stats_program(
+        group,
+        local - group * tiles,
+        tl.load(row + 0).to(tl.pointer_type(G_DTYPE)),
+        tl.load(row + 1).to(tl.pointer_type(tl.float64)),
+        tl.load(row + 2).to(tl.pointer_type(tl.float64)),
+        tl.load(row + 3),
+        tl.load(row + 4),
+        tl.load(row + 5),
+        RB,
+        CT,
+    )
+
+
+@triton.jit
+def moments_list_kernel(table_ptr, BLOCK: tl.constexpr):
+    """:func:`_moments` of matrix ``program_id(0)`` of a list, one program each, one launch."""
+    row = table_ptr + tl.program_id(0).to(tl.int64) * MOMENTS_FIELDS
+    _moments(
+        tl.load(row + 0).to(tl.pointer_type(tl.float64)),
+        tl.load(row + 1).to(tl.pointer_type(tl.float64)),
+        tl.load(row + 6),
+        tl.load(row + 7),
+        tl.load(row + 2).to(tl.pointer_type(tl.float32)),
+        tl.load(row + 3).to(tl.pointer_type(tl.float32)),
+        tl.load(row + 4).to(tl.pointer_type(tl.float32)),
+        tl.load(row + 5).to(tl.pointer_type(tl.float32)),
+        tl.load(row + 8),
+        tl.load(row + 9),
+        BLOCK,
+    )
 
 
 @triton.jit

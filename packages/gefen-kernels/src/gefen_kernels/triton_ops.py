@@ -361,22 +361,30 @@ def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Te
 
 
 def _stats(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    row_part, col_part = _stats_partials(grad)
+    return row_part.sum(dim=0), col_part.sum(dim=0)
+
+
+def _stats_shape(rows: int, cols: int) -> tuple[int, int, int, int]:
+    """The statistics' row groups, rows per group, column tile and column tiles of a matrix."""
+    groups = min(_STATS_GROUPS, triton_cdiv(rows, _STATS_ROWS))
+    col_tile = min(_next_pow2(cols), _STATS_COLS)
+    return groups, triton_cdiv(rows, groups), col_tile, triton_cdiv(cols, col_tile)
+
+
+def _stats_partials(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One matrix's float64 partials ``[tiles, rows]`` and ``[groups, cols]`` (zero rows when empty)."""
     rows, cols = grad.shape
     if grad.numel() == 0:
-        return (
-            torch.zeros(rows, dtype=torch.float64, device=grad.device),
-            torch.zeros(cols, dtype=torch.float64, device=grad.device),
-        )
-    groups = min(_STATS_GROUPS, triton_cdiv(rows, _STATS_ROWS))
-    per_group = triton_cdiv(rows, groups)
-    col_tile = min(_next_pow2(cols), _STATS_COLS)
-    tiles = triton_cdiv(cols, col_tile)
+        empty = torch.zeros((0,), dtype=torch.float64, device=grad.device)
+        return empty.view(0, rows), empty.view(0, cols)
+    groups, per_group, col_tile, tiles = _stats_shape(rows, cols)
     row_part = torch.empty((tiles, rows), dtype=torch.float64, device=grad.device)
     col_part = torch.empty((groups, cols), dtype=torch.float64, device=grad.device)
     K.factored_stats_kernel[(groups, tiles)](
         grad, row_part, col_part, rows, cols, per_group, RB=_STATS_ROWS, CT=col_tile, enable_fp_fusion=False
     )
-    return row_part.sum(dim=0), col_part.sum(dim=0)
+    return row_part, col_part
 
 
 def factored_moments(
@@ -387,31 +395,65 @@ def factored_moments(
     *,
     deterministic: bool,
 ) -> torch.Tensor:
-    """``gefen::factored_moments.v3`` with Triton: per entry, the statistics of
-    :func:`factored_stats`, then one program updates ``v_row``/``v_col`` and writes its
-    ``row_factor`` into the concatenated result (fixed order: deterministic)."""
+    """``gefen::factored_moments.v3`` with Triton: the statistics' partials of every matrix (one
+    launch per dtype and column tile), then one program per matrix adds them in a fixed order,
+    updates ``v_row``/``v_col`` and writes its ``row_factor`` into the concatenated result (one
+    launch); per matrix under CUDA graph capture (see :func:`_capturing`). Deterministic."""
     _check(arguments.check_factored_moments(grads, v_rows, v_cols, scalars, deterministic=deterministic), *grads[:1])
     if not grads:
         return torch.empty(0, dtype=torch.float32)
-    flat = torch.empty(sum(grad.shape[0] for grad in grads), dtype=torch.float32, device=grads[0].device)
-    start = 0
+    device = grads[0].device
+    flat = torch.empty(sum(grad.shape[0] for grad in grads), dtype=torch.float32, device=device)
+    scalar_row = 4 * (scalars.shape[1] if scalars.dim() == 2 else 0)  # bytes between entries' scalars
+    if _capturing(grads[0]):
+        start = 0
+        for index, grad in enumerate(grads):
+            rows, cols = grad.shape
+            row_part, col_part = _stats_partials(grad)
+            K.factored_moments_kernel[(1,)](
+                row_part, col_part, row_part.shape[0], col_part.shape[0], v_rows[index], v_cols[index],
+                _scalars_of(scalars, index), flat[start : start + rows], rows, cols,
+                BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False,
+            )  # fmt: skip
+            start += rows
+        increment_version([*v_rows, *v_cols])
+        return flat
+    shapes = [_stats_shape(*grad.shape) if grad.numel() else (0, 0, 1, 0) for grad in grads]
+    sizes = [tiles * grad.shape[0] + groups * grad.shape[1] for grad, (groups, _, _, tiles) in zip(grads, shapes)]
+    partials = torch.empty(max(1, sum(sizes)), dtype=torch.float64, device=device)
+    stats: dict[tuple[torch.dtype, int], tuple[list[int], list[int]]] = {}
+    moments: list[int] = []
+    offset, start = partials.data_ptr(), 0
     for index, grad in enumerate(grads):
-        rows, cols = grad.shape
-        row_sums, col_sums = _stats(grad)
-        row_factor = flat[start : start + rows]
-        start += rows
-        K.factored_moments_kernel[(1,)](
-            row_sums,
-            col_sums,
-            v_rows[index],
-            v_cols[index],
-            _scalars_of(scalars, index),
-            row_factor,
+        (rows, cols), (groups, per_group, col_tile, tiles) = grad.shape, shapes[index]
+        row_part, col_part = offset, offset + 8 * tiles * rows
+        if grad.numel():
+            table, starts = stats.setdefault((grad.dtype, col_tile), ([], [0]))
+            table += (grad.data_ptr(), row_part, col_part, rows, cols, per_group, tiles)
+            starts.append(starts[-1] + groups * tiles)
+        moments += (
+            row_part,
+            col_part,
+            v_rows[index].data_ptr(),
+            v_cols[index].data_ptr(),
+            scalars.data_ptr() + index * scalar_row,
+            flat.data_ptr() + 4 * start,
+            tiles,
+            groups,
             rows,
             cols,
-            BLOCK=_MOMENTS_BLOCK,
-            enable_fp_fusion=False,
         )
+        offset += 8 * sizes[index]
+        start += rows
+    for (dtype, col_tile), (table, starts) in stats.items():
+        K.stats_list_kernel[(starts[-1],)](
+            on_device(table, torch.int64, device), on_device(starts, torch.int64, device), len(starts) - 1,
+            G_DTYPE=_POINTER_DTYPES[dtype], RB=_STATS_ROWS, CT=col_tile, SEARCH=(len(starts) - 1).bit_length(),
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    K.moments_list_kernel[(len(grads),)](
+        on_device(moments, torch.int64, device), BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False
+    )
     increment_version([*v_rows, *v_cols])
     return flat
 
