@@ -426,14 +426,14 @@ def factored_moments(
     offset, start = partials.data_ptr(), 0
     for index, grad in enumerate(grads):
         (rows, cols), (groups, per_group, col_tile, tiles) = grad.shape, shapes[index]
-        row_part, col_part = offset, offset + 8 * tiles * rows
+        row_at, col_at = offset, offset + 8 * tiles * rows  # this matrix's partials in `partials`
         if grad.numel():
             table, starts = stats.setdefault((grad.dtype, col_tile), ([], [0]))
-            table += (grad.data_ptr(), row_part, col_part, rows, cols, per_group, tiles)
+            table += (grad.data_ptr(), row_at, col_at, rows, cols, per_group, tiles)
             starts.append(starts[-1] + groups * tiles)
         moments += (
-            row_part,
-            col_part,
+            row_at,
+            col_at,
             v_rows[index].data_ptr(),
             v_cols[index].data_ptr(),
             scalars.data_ptr() + index * scalar_row,
