@@ -373,44 +373,14 @@ def _block_step(
 
 @triton.jit
 def block_step_kernel(
-    p_ptr,
-    g_ptr,
-    q_ptr,
-    mag_ptr,
-    v_ptr,
-    cb_ptr,
-    sc_ptr,
-    seed_ptr,
-    blocks,
-    period,
-    numel,
-    sign,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    APPLY_DECAY: tl.constexpr,
-    F64: tl.constexpr,
-):
+    p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period, numel, sign,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STOCHASTIC: tl.constexpr, APPLY_DECAY: tl.constexpr, F64: tl.constexpr,
+):  # fmt: skip
+    """One entry's launch (what a captured CUDA graph replays; see ``step_list_kernel``)."""
     _block_step(
-        tl.program_id(0),
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        v_ptr,
-        cb_ptr,
-        sc_ptr,
-        seed_ptr,
-        blocks,
-        period,
-        numel,
-        sign,
-        ROWS,
-        COLS,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-    )
+        tl.program_id(0), p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period, numel,
+        sign, ROWS, COLS, STOCHASTIC, APPLY_DECAY, F64
+    )  # fmt: skip
 
 
 @triton.jit
@@ -515,48 +485,15 @@ def _factored_step(
 
 @triton.jit
 def factored_step_kernel(
-    p_ptr,
-    g_ptr,
-    q_ptr,
-    mag_ptr,
-    rf_ptr,
-    vc_ptr,
-    cb_ptr,
-    sc_ptr,
-    seed_ptr,
-    blocks,
-    period,
-    ncols,
-    sign,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    APPLY_DECAY: tl.constexpr,
-    F64: tl.constexpr,
+    p_ptr, g_ptr, q_ptr, mag_ptr, rf_ptr, vc_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period, ncols, sign,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STOCHASTIC: tl.constexpr, APPLY_DECAY: tl.constexpr, F64: tl.constexpr,
     ROW_BLOCKS: tl.constexpr,
-):
+):  # fmt: skip
+    """One entry's launch (what a captured CUDA graph replays; see ``step_list_kernel``)."""
     _factored_step(
-        tl.program_id(0),
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        rf_ptr,
-        vc_ptr,
-        cb_ptr,
-        sc_ptr,
-        seed_ptr,
-        blocks,
-        period,
-        ncols,
-        sign,
-        ROWS,
-        COLS,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-        ROW_BLOCKS,
-    )
+        tl.program_id(0), p_ptr, g_ptr, q_ptr, mag_ptr, rf_ptr, vc_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period,
+        ncols, sign, ROWS, COLS, STOCHASTIC, APPLY_DECAY, F64, ROW_BLOCKS
+    )  # fmt: skip
 
 
 @triton.jit
@@ -625,42 +562,14 @@ def _element_step(
 
 @triton.jit
 def element_step_kernel(
-    p_ptr,
-    g_ptr,
-    q_ptr,
-    mag_ptr,
-    v_ptr,
-    cb_ptr,
-    sc_ptr,
-    seed_ptr,
-    blocks,
-    period,
-    sign,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    APPLY_DECAY: tl.constexpr,
-    F64: tl.constexpr,
-):
+    p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period, sign,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STOCHASTIC: tl.constexpr, APPLY_DECAY: tl.constexpr, F64: tl.constexpr,
+):  # fmt: skip
+    """One entry's launch (what a captured CUDA graph replays; see ``step_list_kernel``)."""
     _element_step(
-        tl.program_id(0),
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        v_ptr,
-        cb_ptr,
-        sc_ptr,
-        seed_ptr,
-        blocks,
-        period,
-        sign,
-        ROWS,
-        COLS,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-    )
+        tl.program_id(0), p_ptr, g_ptr, q_ptr, mag_ptr, v_ptr, cb_ptr, sc_ptr, seed_ptr, blocks, period, sign, ROWS,
+        COLS, STOCHASTIC, APPLY_DECAY, F64
+    )  # fmt: skip
 
 
 @triton.jit
