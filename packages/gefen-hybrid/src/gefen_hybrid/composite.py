@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -24,6 +24,8 @@ from gefen_contracts import (
     NotSupportedError,
     OptimizerContract,
 )
+from gefen_contracts.identity import ShardIdentity
+from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.protocols import (
     FEATURE_PROTOCOLS,
     ContractProvider,
@@ -32,11 +34,13 @@ from gefen_contracts.protocols import (
     StagedNativeLoad,
     StepPreflight,
 )
+from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
 from torch import nn
 
-from .composite_binding import ChangeCounter, CompositeIdentityMethods
+from . import composite_binding as binding
+from .composite_binding import ChangeCounter
 from .composite_contract import derive_composite_contract
 from .composite_format import build_composite_state_dict, children_of_state_dict
 from .composite_identity import CompositeIdentity
@@ -82,7 +86,7 @@ def _named_parameters_of(role: str, child: torch.optim.Optimizer) -> list[NamedP
     return named
 
 
-class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
+class CompositeOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` over a ``"muon"`` child and a ``"backup"`` child.
 
     Build it from ready children (``CompositeOptimizer({"muon": a, "backup": b})``, each
@@ -305,8 +309,50 @@ class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
         if all(isinstance(child, PortableAdapter) for _, child in self._children):
             implemented |= {FEATURE_PORTABLE_STATE}  # served through its children (composite wrapper)
         return derive_composite_contract(
-            self._implementation, self._children, implemented, own_blockers=self._identity_blockers()
+            self._implementation, self._children, implemented, own_blockers=binding.identity_blockers(self)
         )
+
+    # -- IdentityBindable and CanonicalLocalState (gefen_hybrid.composite_binding) ----------------
+
+    def prepare_post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> StagedTransaction:
+        """Validate once, partition by the routing, prepare every child; nothing is mutated."""
+        return binding.prepare_post_sharding(self, rebindings, manifest=manifest, scope=scope)
+
+    def commit_post_sharding(self, staged: StagedTransaction) -> None:
+        """Re-prepare and commit both children, then publish the composite's record."""
+        binding.commit_post_sharding(self, staged)
+
+    def post_sharding(
+        self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
+    ) -> None:
+        """``prepare_post_sharding`` then ``commit_post_sharding``."""
+        self.commit_post_sharding(self.prepare_post_sharding(rebindings, manifest=manifest, scope=scope))
+
+    def sharding_manifest(self) -> ShardingManifest | None:
+        """The full finalized manifest (``None`` before ``post_sharding``)."""
+        return binding.sharding_manifest(self)
+
+    def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
+        """Both children's bindings, sorted by ``sort_key``."""
+        return binding.shard_bindings(self)
+
+    def shard_identity(self, parameter: Any) -> ShardIdentity:
+        """The shard the owning child bound to ``parameter`` (``KeyError`` otherwise)."""
+        return binding.shard_identity(self, parameter)
+
+    def export_local_state(self) -> dict[str, Any]:
+        """The ``gefen.composite_bound_state`` document (no collectives)."""
+        return binding.export_local_state(self)
+
+    def prepare_local_import(self, document: Mapping[str, Any]) -> StagedTransaction:
+        """Validate the envelope and prepare every child's import; nothing is mutated."""
+        return binding.prepare_local_import(self, document)
+
+    def commit_local_import(self, staged: StagedTransaction) -> None:
+        """Publish every child's prepared import (single use)."""
+        binding.commit_local_import(self, staged)
 
     # -- stepping -------------------------------------------------------------------------------
 
@@ -423,7 +469,7 @@ class CompositeOptimizer(CompositeIdentityMethods, torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The flat ``gefen.composite_native_state`` v2 dict (see :mod:`gefen_hybrid.composite_format`)."""
-        self._verify_identity("state_dict")
+        binding.verify_identity(self, "state_dict")
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         children = {role: child.state_dict() for role, child in self._children}
