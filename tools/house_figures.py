@@ -45,13 +45,13 @@ def class_lines(cls: type) -> int:
 def main() -> None:
     import gefen_contracts
     from gefen_core import Gefen, GefenMuon
-    from gefen_hybrid import ContractedAdamW
+    from gefen_hybrid import CompositeOptimizer, ContractedAdamW
 
     lines = product_lines()
     for package, count in lines.items():
         print(f"{package:18} {count:6d} lines")
     print(f"{'product lines':18} {sum(lines.values()):6d}")
-    for cls in (Gefen, GefenMuon, ContractedAdamW):
+    for cls in (Gefen, GefenMuon, ContractedAdamW, CompositeOptimizer):
         public, private = methods(cls)
         print(
             f"{cls.__name__:18} {public + private:3d} methods beyond Optimizer ({public} public), "
