@@ -731,7 +731,9 @@ def muon_momentum_kernel(
 
 
 @triton.jit
-def _stats_program(group, tile, g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB, CT):
+def _stats_program(
+    group, tile, g_ptr, row_part_ptr, col_part_ptr, nrows, ncols, rows_per_group, RB: tl.constexpr, CT: tl.constexpr
+):
     """Program (group, column tile): float64 partial sums of g^2 of its rows and of its columns.
 
     Row partials go to ``row_part[tile, row]``, column partials to ``col_part[group, col]``;
