@@ -424,14 +424,15 @@ def compare_list_steps(
         _assert_states(before, ref, mine)
 
 
-def compare_muon_list(op: StepOp, device: str) -> None:
-    """One ``gefen::muon_momentum.v2`` call over matrices of mixed dtypes and sizes (an empty one,
-    small ones spread over threads, a large one split), per-entry momentum rows and seeds, bf16
-    and fp32 outputs: every entry bit for bit as the reference's."""
+def compare_muon_list(op: StepOp, device: str, entries: list[Any] | None = None) -> None:
+    """One ``gefen::muon_momentum.v2`` call over matrices of mixed dtypes and sizes (default: an
+    empty one, small ones spread over threads, a large one split; five entries), per-entry
+    momentum rows and seeds, bf16 and fp32 outputs: every entry bit for bit as the reference's."""
     from gefen_core.reference_ops import muon_momentum_reference
 
     shapes = [((8, 16), 16, torch.float32), ((0, 4), 4, torch.float32), ((33, 64), 64, torch.bfloat16)]
     shapes += [((256, 160), 160, torch.float16), ((5, 7), 35, torch.float64)]
+    shapes = shapes if entries is None else entries
     codebook = shared_codebook().to(device)
     grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in shapes]
     codes = [

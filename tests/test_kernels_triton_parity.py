@@ -128,7 +128,7 @@ GROUPED = [
 ]
 
 
-_LIST_KERNELS = ("step_list_kernel", "stats_list_kernel", "moments_list_kernel")
+_LIST_KERNELS = ("step_list_kernel", "stats_list_kernel", "moments_list_kernel", "muon_list_kernel")
 
 
 class _LaunchCounter:
@@ -163,6 +163,10 @@ def test_triton_one_launch_steps_every_entry_of_a_dtype_and_tile(
     # the factored statistics: one launch per dtype (all column tiles are 16), one for the moments
     assert len(counters["stats_list_kernel"].grids) == 2
     assert counters["moments_list_kernel"].grids == [(6,)]
+    # GefenMuon's momentum, five matrices with outputs bf16 / fp32 / bf16 / fp32 / bf16: the three
+    # fp32 gradients make two groups (by output dtype), the two bf16 ones two; two calls per compare
+    compare_muon_list(T.muon_momentum, DEVICE, entries=GROUPED[:5])
+    assert len(counters["muon_list_kernel"].grids) == 2 * 4
 
 
 def test_a_captured_step_launches_per_entry_and_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,6 +179,7 @@ def test_a_captured_step_launches_per_entry_and_matches_the_reference(monkeypatc
     torch.manual_seed(22)
     compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True, entries=GROUPED)
     compare_element_steps(T.element_step, DEVICE, stochastic=False, maximize=False, entries=GROUPED[3:])
+    compare_muon_list(T.muon_momentum, DEVICE, entries=GROUPED[:5])
     assert all(not counter.grids for counter in counters.values())
 
 

@@ -649,7 +649,8 @@ def step_list_kernel(
 
 
 @triton.jit
-def muon_momentum_kernel(
+def _muon_momentum(
+    pid,
     g_ptr,
     q_ptr,
     mag_ptr,
@@ -665,8 +666,9 @@ def muon_momentum_kernel(
     NESTEROV: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
-    """GefenMuon: requantise the momentum EMA and write the Newton-Schulz input (bf16 or fp32)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    """GefenMuon: requantise the momentum EMA and write the Newton-Schulz input (bf16 or fp32)
+    for program ``pid``'s blocks of one matrix."""
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     numel = blocks.to(tl.int64) * period  # GefenMuon's blocks tile the matrix
     beta = tl.load(sc_ptr + 0)
@@ -725,9 +727,67 @@ def muon_momentum_kernel(
         if NESTEROV:
             value = value * beta + g * omb
         if OUT_BF16:
-            tl.store(out_ptr + offs, _to_param_dtype(value, tl.bfloat16), mask=mask)
+            _store_value(out_ptr, offs, _to_param_dtype(value, tl.bfloat16), mask)
         else:
             tl.store(out_ptr + offs, value, mask=mask)
+
+
+@triton.jit
+def muon_momentum_kernel(
+    g_ptr, q_ptr, mag_ptr, cb_ptr, sc_ptr, seed_ptr, out_ptr, blocks, period,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STOCHASTIC: tl.constexpr, NESTEROV: tl.constexpr, OUT_BF16: tl.constexpr,
+):  # fmt: skip
+    """One matrix's launch (what a captured CUDA graph replays; see ``muon_list_kernel``)."""
+    _muon_momentum(
+        tl.program_id(0), g_ptr, q_ptr, mag_ptr, cb_ptr, sc_ptr, seed_ptr, out_ptr, blocks, period, ROWS, COLS,
+        STOCHASTIC, NESTEROV, OUT_BF16,
+    )  # fmt: skip
+
+
+#: int64 fields of one entry of ``muon_list_kernel``'s table: the addresses of the gradient,
+#: codes, scales, output, step scalars and seed, then blocks and period.
+MUON_FIELDS = tl.constexpr(8)
+
+
+@triton.jit
+def muon_list_kernel(
+    table_ptr,
+    starts_ptr,
+    entries,
+    cb_ptr,
+    G_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    SEARCH: tl.constexpr,
+):
+    """:func:`_muon_momentum` for every matrix of a list sharing a dtype, an output dtype and a
+    tile, in one launch (as ``step_list_kernel``; a bf16 output through its uint16 bits)."""
+    entry, local = _entry_of(starts_ptr, entries, tl.program_id(0), SEARCH)
+    row = table_ptr + entry.to(tl.int64) * MUON_FIELDS
+    if OUT_BF16:
+        out_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint16))
+    else:
+        out_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    _muon_momentum(
+        local,
+        tl.load(row + 0).to(tl.pointer_type(G_DTYPE)),
+        tl.load(row + 1).to(tl.pointer_type(tl.uint8)),
+        tl.load(row + 2).to(tl.pointer_type(tl.float32)),
+        cb_ptr,
+        tl.load(row + 4).to(tl.pointer_type(tl.float32)),
+        tl.load(row + 5).to(tl.pointer_type(tl.int64)),
+        out_ptr,
+        tl.load(row + 6),
+        tl.load(row + 7),
+        ROWS,
+        COLS,
+        STOCHASTIC,
+        NESTEROV,
+        OUT_BF16,
+    )
 
 
 @triton.jit

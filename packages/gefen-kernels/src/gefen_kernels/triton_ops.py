@@ -482,6 +482,49 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _launch_muon_list(
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    magnitudes: list[torch.Tensor],
+    codebook: torch.Tensor,
+    scalars: torch.Tensor,
+    sr_seeds: torch.Tensor | None,
+    outs: list[torch.Tensor],
+    *,
+    nesterov: bool,
+) -> None:
+    """One ``muon_list_kernel`` launch per group of matrices sharing a dtype, an output dtype
+    and a tile (as :func:`_launch_list`)."""
+    groups: dict[tuple[torch.dtype, bool, int, int], list[int]] = {}
+    for index, grad in enumerate(grads):
+        if grad.numel():
+            rows, cols = _tile(*indices[index].shape)
+            groups.setdefault((grad.dtype, outs[index].dtype is torch.bfloat16, rows, cols), []).append(index)
+    device = grads[0].device
+    scalar_row = 4 * (scalars.shape[1] if scalars.dim() == 2 else 0)  # bytes between entries' scalars
+    for (dtype, out_bf16, rows, cols), members in groups.items():
+        table: list[int] = []
+        starts = [0]
+        for index in members:
+            blocks, period = indices[index].shape
+            table += (
+                grads[index].data_ptr(),
+                indices[index].data_ptr(),
+                magnitudes[index].data_ptr(),
+                outs[index].data_ptr(),
+                scalars.data_ptr() + index * scalar_row,
+                0 if sr_seeds is None else sr_seeds.data_ptr() + 8 * index,
+                blocks,
+                period,
+            )
+            starts.append(starts[-1] + triton_cdiv(blocks, rows))
+        K.muon_list_kernel[(starts[-1],)](
+            on_device(table, torch.int64, device), on_device(starts, torch.int64, device), len(members), codebook,
+            G_DTYPE=_POINTER_DTYPES[dtype], ROWS=rows, COLS=cols, STOCHASTIC=sr_seeds is not None,
+            NESTEROV=nesterov, OUT_BF16=out_bf16, SEARCH=len(members).bit_length(), enable_fp_fusion=False,
+        )  # fmt: skip
+
+
 def muon_momentum(
     grads: list[torch.Tensor],
     indices: list[torch.Tensor],
@@ -495,7 +538,8 @@ def muon_momentum(
     deterministic: bool,
 ) -> None:
     """``gefen::muon_momentum.v2`` with Triton: per entry, one pass requantises and writes the
-    Newton-Schulz input (one launch per non-empty entry)."""
+    Newton-Schulz input; one launch per group of entries sharing a dtype, an output dtype and a
+    tile (per entry under CUDA graph capture, see :func:`_capturing`)."""
     _check(
         arguments.check_muon_momentum(
             grads,
@@ -510,6 +554,10 @@ def muon_momentum(
         ),
         *grads[:1],
     )
+    if grads and not _capturing(grads[0]):
+        _launch_muon_list(grads, indices, magnitudes, codebook, scalars, sr_seeds, outs, nesterov=nesterov)
+        increment_version([*indices, *magnitudes, *outs])
+        return
     for index, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
