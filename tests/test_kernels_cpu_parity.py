@@ -203,6 +203,9 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
             [param, meta[0]], [param, meta[1]], [indices, meta[2]], [block, meta[3]], [block, meta[4]],
             codebook, scalars, None, **flags,
         )  # fmt: skip
+    with pytest.raises(KernelArgumentError, match="entry 1: param and grad must be tensors"):
+        lists = ([param, param], [param, None], [indices] * 2, [block] * 2, [block] * 2)
+        cpu_ops.block_step(*lists, codebook, scalars, None, **flags)  # type: ignore[arg-type]
     with pytest.raises(KernelArgumentError, match="lists differ in length"):
         block_step([param], [param, param], [indices], [block], [block], codebook, scalars, None, **flags)
     with pytest.raises(KernelArgumentError, match="sr_seeds must hold one seed per entry"):

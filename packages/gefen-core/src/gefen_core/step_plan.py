@@ -222,6 +222,10 @@ def plan_step(
     return plan
 
 
+#: The op that steps each second-moment variant.
+_STEP_OPS = {BLOCK: BLOCK_STEP, ELEMENT: ELEMENT_STEP, FACTORED: FACTORED_STEP}
+
+
 def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
     """``fused=True``: every op this step runs must have a kernel for its parameter's device."""
     needed: set[tuple[str, torch.device]] = set()
@@ -229,7 +233,7 @@ def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
         device = work.local.device
         if learns:
             needed.add((HISTOGRAM, device))
-        needed.add(({BLOCK: BLOCK_STEP, ELEMENT: ELEMENT_STEP}.get(work.variant, FACTORED_STEP), device))
+        needed.add((_STEP_OPS[work.variant], device))
         if work.variant == FACTORED:
             needed.add((FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS, device))
     for op, device in sorted(needed, key=str):

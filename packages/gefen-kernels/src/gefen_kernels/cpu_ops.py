@@ -143,40 +143,40 @@ def _blocked_rows(
     caller then asks :mod:`~gefen_kernels.arguments` why). The test and the table read each
     attribute once: this loop is the step's per-tensor cost."""
     rows: list[int] = []
-    for p, g, q, m, v in zip(params, grads, indices, magnitudes, seconds, strict=True):
-        try:
+    try:
+        for p, g, q, m, v in zip(params, grads, indices, magnitudes, seconds, strict=True):
             code = _DTYPE_CODES[p.dtype]
             blocks, period = q.shape
-        except _TEST_ERRORS:
-            return None
-        numel = p.numel()
-        codes = blocks * period
-        if not (
-            g.dtype is p.dtype
-            and q.dtype is _U8
-            and m.dtype is _F32
-            and v.dtype is _F32
-            and g.shape == p.shape
-            and m.numel() == blocks
-            and (
-                (codes == numel and v.shape == p.shape)
-                if per_element
-                else (codes - period < numel <= codes and v.numel() == blocks)
-            )
-            and p.is_cpu
-            and g.is_cpu
-            and q.is_cpu
-            and m.is_cpu
-            and v.is_cpu
-            and p.is_contiguous()
-            and g.is_contiguous()
-            and q.is_contiguous()
-            and m.is_contiguous()
-            and v.is_contiguous()
-        ):
-            return None
-        # numel: the C code cuts a ragged last block from it
-        rows += (code, numel, p.data_ptr(), g.data_ptr(), q.data_ptr(), m.data_ptr(), v.data_ptr(), blocks, period)
+            numel = p.numel()
+            codes = blocks * period
+            if not (
+                g.dtype is p.dtype
+                and q.dtype is _U8
+                and m.dtype is _F32
+                and v.dtype is _F32
+                and g.shape == p.shape
+                and m.numel() == blocks
+                and (
+                    (codes == numel and v.shape == p.shape)
+                    if per_element
+                    else (codes - period < numel <= codes and v.numel() == blocks)
+                )
+                and p.is_cpu
+                and g.is_cpu
+                and q.is_cpu
+                and m.is_cpu
+                and v.is_cpu
+                and p.is_contiguous()
+                and g.is_contiguous()
+                and q.is_contiguous()
+                and m.is_contiguous()
+                and v.is_contiguous()
+            ):
+                return None
+            # numel: the C code cuts a ragged last block from it
+            rows += (code, numel, p.data_ptr(), g.data_ptr(), q.data_ptr(), m.data_ptr(), v.data_ptr(), blocks, period)
+    except _TEST_ERRORS:  # not a tensor, codes that are not 2-D, a dtype the kernels lack
+        return None
     return _entries(rows)
 
 
@@ -271,51 +271,51 @@ def _factored_rows(
     """The factored step's entry table, or ``None`` when an entry fails its test (as
     :func:`_blocked_rows`)."""
     rows: list[int] = []
-    for p, g, q, m, r, c in zip(params, grads, indices, magnitudes, row_factors, v_cols, strict=True):
-        try:
+    try:
+        for p, g, q, m, r, c in zip(params, grads, indices, magnitudes, row_factors, v_cols, strict=True):
             code = _DTYPE_CODES[p.dtype]
             blocks, period = q.shape
             height, width = p.shape
-        except _TEST_ERRORS:
-            return None
-        if not (
-            g.dtype is p.dtype
-            and q.dtype is _U8
-            and m.dtype is _F32
-            and r.dtype is _F32
-            and c.dtype is _F32
-            and g.shape == p.shape
-            and blocks * period == height * width
-            and m.numel() == blocks
-            and r.numel() == height
-            and c.numel() == width
-            and p.is_cpu
-            and g.is_cpu
-            and q.is_cpu
-            and m.is_cpu
-            and r.is_cpu
-            and c.is_cpu
-            and p.is_contiguous()
-            and g.is_contiguous()
-            and q.is_contiguous()
-            and m.is_contiguous()
-            and r.is_contiguous()
-            and c.is_contiguous()
-        ):
-            return None
-        rows += (
-            code,
-            blocks * period,
-            p.data_ptr(),
-            g.data_ptr(),
-            q.data_ptr(),
-            m.data_ptr(),
-            r.data_ptr(),
-            c.data_ptr(),
-            blocks,
-            period,
-            width,
-        )
+            if not (
+                g.dtype is p.dtype
+                and q.dtype is _U8
+                and m.dtype is _F32
+                and r.dtype is _F32
+                and c.dtype is _F32
+                and g.shape == p.shape
+                and blocks * period == height * width
+                and m.numel() == blocks
+                and r.numel() == height
+                and c.numel() == width
+                and p.is_cpu
+                and g.is_cpu
+                and q.is_cpu
+                and m.is_cpu
+                and r.is_cpu
+                and c.is_cpu
+                and p.is_contiguous()
+                and g.is_contiguous()
+                and q.is_contiguous()
+                and m.is_contiguous()
+                and r.is_contiguous()
+                and c.is_contiguous()
+            ):
+                return None
+            rows += (
+                code,
+                blocks * period,
+                p.data_ptr(),
+                g.data_ptr(),
+                q.data_ptr(),
+                m.data_ptr(),
+                r.data_ptr(),
+                c.data_ptr(),
+                blocks,
+                period,
+                width,
+            )
+    except _TEST_ERRORS:  # not a tensor, codes that are not 2-D, a dtype the kernels lack
+        return None
     return _entries(rows)
 
 
