@@ -2,7 +2,9 @@
 
 Each function has its op's signature (``gefen_core.ops``), checks its arguments
 (:mod:`gefen_kernels.arguments`), launches with ``enable_fp_fusion=False`` (no FMA
-contraction) and bumps the autograd version counter of every tensor it wrote. Under
+contraction) and bumps the autograd version counter of every tensor it wrote. The list ops
+launch once per group of entries sharing a dtype and a tile, through a table of the entries'
+addresses (:func:`_launch_list`), and once per entry under CUDA graph capture. Under
 ``TRITON_INTERPRET=1`` the same functions also accept CPU tensors, which is how the parity
 tests run them on machines without a GPU.
 """
@@ -69,8 +71,12 @@ def _seed_of(sr_seeds: torch.Tensor | None, index: int) -> torch.Tensor | None:
 
 #: Parameter dtypes as the list kernel's pointers see them: bf16 through the uint16 pointer of its
 #: bits (``triton_kernels._load_value``).
-_POINTER_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.float64: tl.float64}
-_POINTER_DTYPES[torch.bfloat16] = tl.uint16
+_POINTER_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.float64: tl.float64,
+    torch.bfloat16: tl.uint16,
+}
 
 
 def _capturing(tensor: torch.Tensor) -> bool:
@@ -163,8 +169,8 @@ def block_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::block_step.v3`` with Triton: one launch per non-empty entry (deterministic
-    always: one program sums each block)."""
+    """``gefen::block_step.v3`` with Triton: one launch per group of entries (:func:`_launch_list`;
+    deterministic always: one program sums each block)."""
     _check(
         arguments.check_block_step(
             params,
@@ -231,7 +237,7 @@ def element_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::element_step.v1`` with Triton: one launch per non-empty entry (no reduction:
+    """``gefen::element_step.v1`` with Triton: one launch per group of entries (no reduction:
     deterministic always)."""
     args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
     flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
@@ -295,7 +301,7 @@ def factored_step(
     deterministic: bool,
 ) -> None:
     """``gefen::factored_step.v4`` with Triton (phase 2 of the factored update; per-element
-    stepsizes in registers): one launch per non-empty entry."""
+    stepsizes in registers): one launch per group of entries (:func:`_launch_list`)."""
     _check(
         arguments.check_factored_step(
             params,
