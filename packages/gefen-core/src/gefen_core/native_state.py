@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gefen_contracts import StateGeometry
 from gefen_contracts.torch_support import block_count
 
 from . import native_format as F
@@ -36,9 +37,9 @@ from .param_state import (
     FACTORED,
     INDICES,
     MAGNITUDE,
+    PARAMETER_FIELDS,
     STEP,
     VARIANT_KEYS,
-    VMEAN,
     blocked_codes,
     counter_value,
     make_counter,
@@ -135,8 +136,7 @@ def _stage_entry(
     staged: dict[str, Any] = {STEP: make_counter(step, device, capturable)}
     global_shapes = expected_shapes(param.shape, period, variant)
     local_shapes = expected_shapes(local.shape, period, variant)
-    blocked = {MAGNITUDE: (block_count(local.numel(), period), 1)}
-    blocked[VMEAN] = blocked[MAGNITUDE]
+    per_block = (block_count(local.numel(), period), 1)  # the live shape of every per-block field
     for key, shape in local_shapes.items():
         dtype = state_dtype(key)
         tensor = import_tensor(
@@ -150,7 +150,11 @@ def _stage_entry(
             finite_nonnegative=dtype.is_floating_point,
         )
         copied = tensor.detach().to(device=device, copy=True)
-        staged[key] = blocked_codes(copied, period) if key == INDICES else copied.reshape(blocked.get(key, shape))
+        if key == INDICES:
+            staged[key] = blocked_codes(copied, period)
+        else:
+            live = per_block if PARAMETER_FIELDS[key].geometry is StateGeometry.BLOCK else shape
+            staged[key] = copied.reshape(live)
     staged[age_key] = make_counter(age, device, capturable)
     return staged
 
