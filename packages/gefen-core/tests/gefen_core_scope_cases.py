@@ -299,8 +299,8 @@ def scoped_training_matches_one_process(
 
 
 def initialize_and_refresh_match_one_process(rank: int, world: int) -> dict[str, Any]:
-    """``initialize_codebook`` equals one process's over the concatenated gradients; after steps,
-    ``refresh_codebook`` equals one process's refresh, and training continues bit-exactly."""
+    """``initialize_collective_state`` equals one process's over the concatenated gradients; after steps,
+    ``refresh_collective_state`` equals one process's refresh, and training continues bit-exactly."""
     driver = make_net()
     oracle_model = make_net()
     oracle = gefen_factory()(list(oracle_model.named_parameters()))
@@ -309,7 +309,7 @@ def initialize_and_refresh_match_one_process(rank: int, world: int) -> dict[str,
     backward(driver, 0)
     bound.feed(driver)
     results: dict[str, Any] = {}
-    results["initialized"] = (bound.optimizer.initialize_codebook(), oracle.initialize_codebook())
+    results["initialized"] = (bound.optimizer.initialize_collective_state(), oracle.initialize_collective_state())
     results["init_equal"] = torch.equal(bound.optimizer.codebook, oracle.codebook)
     results["init_again"] = bound.optimizer.initialize_collective_state()
     for step in range(3):
@@ -324,7 +324,7 @@ def initialize_and_refresh_match_one_process(rank: int, world: int) -> dict[str,
     backward(driver, 7)
     bound.feed(driver)
     before = bound.optimizer.codebook
-    results["refreshed"] = (bound.optimizer.refresh_codebook(), oracle.refresh_codebook())
+    results["refreshed"] = (bound.optimizer.refresh_collective_state(), oracle.refresh_collective_state())
     results["refresh_changed"] = not torch.equal(before, bound.optimizer.codebook)
     results["refresh_equal"] = torch.equal(bound.optimizer.codebook, oracle.codebook)
     oracle.step()
@@ -361,8 +361,8 @@ def collective_counts(rank: int, world: int) -> dict[str, Any]:
     counted("steady_step_with_closure", lambda: bound.optimizer.step(closure))
     backward(driver, 4)
     bound.feed(driver)
-    counted("refresh", bound.optimizer.refresh_codebook)
-    counted("initialize_existing", bound.optimizer.initialize_codebook)
+    counted("refresh", bound.optimizer.refresh_collective_state)
+    counted("initialize_existing", bound.optimizer.initialize_collective_state)
     return counts
 
 

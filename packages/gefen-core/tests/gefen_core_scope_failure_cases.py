@@ -113,9 +113,9 @@ def one_rank_failures(rank: int, world: int, failing: int, phases: Sequence[str]
             if op == "step_closure":
                 return opt.step(closure)
             if op == "refresh":
-                return opt.refresh_codebook()
+                return opt.refresh_collective_state()
             if op == "initialize":
-                return opt.initialize_codebook()
+                return opt.initialize_collective_state()
             return opt.step()
 
         roots = (opt, *[p for p in bound.pieces.values() if p is not None])

@@ -234,7 +234,7 @@ def test_capturable_has_no_collective_scope_and_says_why() -> None:
     status = capturable.optimizer_contract().capabilities.feature(FEATURE_COLLECTIVE_SCOPE)
     assert not status.supported and "capturable" in status.reasons[0]
     with pytest.raises(NotSupportedError, match="capturable"):
-        capturable.refresh_codebook()
+        capturable.refresh_collective_state()
 
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
@@ -347,8 +347,8 @@ def test_tampering_is_caught_before_any_mutation_by_every_entry_point(kind: str,
         optimizer.shard_bindings,
         optimizer.sharding_manifest,
         optimizer.export_local_state,
-        optimizer.refresh_codebook,
-        optimizer.initialize_codebook,
+        optimizer.refresh_collective_state,
+        optimizer.initialize_collective_state,
         lambda: optimizer.load_state_dict({"state": {}, "param_groups": []}),
         optimizer.portable_export,
         lambda: optimizer.portable_prepare_import(implementation="", policy={}, common={}, slots=()),

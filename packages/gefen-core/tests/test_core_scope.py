@@ -2,7 +2,7 @@
 
 Each rank holds its pieces of one driver model (replicated, flattened element shards, or
 whole-parameter owners) and a single-process optimizer over the complete parameters is the
-oracle: scoped training, ``initialize_codebook`` and ``refresh_codebook`` match it bit for bit;
+oracle: scoped training, ``initialize_collective_state`` and ``refresh_collective_state`` match it bit for bit;
 a one-rank failure injected at every protocol phase raises on every rank with nothing changed;
 the collective budget is counted by wrapping ``torch.distributed``. The rank functions live in
 ``gefen_core_scope_cases`` (shared helpers, training, checkpoints), ``gefen_core_scope_failure_cases``

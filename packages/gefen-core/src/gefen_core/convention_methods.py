@@ -85,14 +85,6 @@ class ConventionMethods:
         """Relearn the codebook and re-express every momentum index in it; whether it changed."""
         return identity.refresh_collective_state(self)
 
-    def initialize_codebook(self) -> bool:
-        """Gefen's name for :meth:`initialize_collective_state`."""
-        return self.initialize_collective_state()
-
-    def refresh_codebook(self) -> bool:
-        """Gefen's name for :meth:`refresh_collective_state`."""
-        return self.refresh_collective_state()
-
     # -- canonical local state (the role: :class:`gefen_core.canonical_state.CanonicalRole`) --------
 
     def export_local_state(self) -> dict[str, Any]:

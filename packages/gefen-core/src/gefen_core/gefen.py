@@ -121,9 +121,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
 
     Identity and scope (see the package README): ``post_sharding`` binds every slot to its live
     local tensor (replicated or flattened element shards) and seals the layout, optionally with
-    a codebook scope over which the codebook is learned; ``initialize_codebook`` /
-    ``refresh_codebook`` (``initialize_collective_state`` / ``refresh_collective_state``) learn
-    it on demand; ``export_local_state`` / ``prepare_local_import`` / ``commit_local_import``
+    a codebook scope over which the codebook is learned; ``initialize_collective_state`` /
+    ``refresh_collective_state`` learn it on demand; ``export_local_state`` / ``prepare_local_import`` / ``commit_local_import``
     move FQN-keyed canonical documents.
     """
 

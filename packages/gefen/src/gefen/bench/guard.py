@@ -236,7 +236,7 @@ def scoped_step_collectives(rank: int, world_size: int, tensors: int, numel: int
         "learning-step": counted(optimizer.step),  # first gradient: learns the codebook over the scope
         "collectives": counted(optimizer.step),
         "with-closure": counted(lambda: optimizer.step(lambda: None)),
-        "refresh": counted(optimizer.refresh_codebook),
+        "refresh": counted(optimizer.refresh_collective_state),
         "budget": int(optimizer.collective_budget()),
     }
 
@@ -268,7 +268,7 @@ def _measure_scoped(builder: ReportBuilder, options: GuardOptions) -> None:
     builder.note(
         f"gefen scoped collectives on {options.scoped_ranks} gloo ranks: steady step {worst['collectives']}, "
         f"with a closure {worst['with-closure']}, learning step {worst['learning-step']}, "
-        f"refresh_codebook {worst['refresh']} (budget {budget} per steady step)"
+        f"refresh_collective_state {worst['refresh']} (budget {budget} per steady step)"
     )
 
 
