@@ -211,8 +211,8 @@ def compare_factored_step(
     flags = _flags(weight_decay, maximize)
     for step in range(1, steps + 1):
         sc = scalars(str(grad.device), step=step, weight_decay=weight_decay, factored=True)
-        rows_ref, cols_ref = factored_stats_reference(grad, deterministic=False)
-        rows_mine, cols_mine = stats_op(grad, deterministic=False)
+        rows_ref, cols_ref = factored_stats_reference([grad], deterministic=False)
+        rows_mine, cols_mine = stats_op([grad], deterministic=False)
         assert rows_mine.dtype is torch.float64 and cols_mine.dtype is torch.float64
         torch.testing.assert_close(rows_mine, rows_ref, rtol=1e-13, atol=0.0)
         torch.testing.assert_close(cols_mine, cols_ref, rtol=1e-13, atol=0.0)
@@ -504,3 +504,20 @@ def compare_element_steps(
             )
         for ref, got in zip(states, mine, strict=True):
             _assert_exact(ref, got)
+
+
+def compare_stats_list(op: StepOp, device: str) -> None:
+    """One ``gefen::factored_stats.v2`` call over gradients of mixed dtypes and shapes (an empty
+    one, one row, a wide one): every entry's row and column sums, concatenated in entry order,
+    as the reference's (float64 sums in another order: within 1e-13 relative)."""
+    shapes = [((8, 16), torch.float32), ((0, 4), torch.float32), ((33, 64), torch.bfloat16)]
+    shapes += [((1, 300), torch.float16), ((5, 7), torch.float64), ((3, 0), torch.float32)]
+    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    rows_ref, cols_ref = factored_stats_reference(grads, deterministic=False)
+    rows, cols = op(grads, deterministic=False)
+    assert rows.dtype is torch.float64 and cols.dtype is torch.float64
+    assert rows.shape == (sum(g.shape[0] for g in grads),) and cols.shape == (sum(g.shape[1] for g in grads),)
+    torch.testing.assert_close(rows, rows_ref, rtol=1e-13, atol=0.0)
+    torch.testing.assert_close(cols, cols_ref, rtol=1e-13, atol=0.0)
+    empty_rows, empty_cols = op([], deterministic=False)
+    assert empty_rows.numel() == 0 and empty_cols.numel() == 0

@@ -19,6 +19,7 @@ from kernels_parity_helpers import (
     compare_list_steps,
     compare_muon_list,
     compare_muon_momentum,
+    compare_stats_list,
     random_state,
     scalars,
     shared_codebook,
@@ -115,6 +116,11 @@ def test_factored_moments_keep_an_all_zero_column_mean_at_the_floor() -> None:
     sc = scalars("cpu", step=1, weight_decay=0.0, factored=True)
     row_factor = cpu_ops.factored_moments([grad], [v_row], [v_col], sc, deterministic=True)
     assert torch.equal(row_factor, torch.zeros(4)) and torch.equal(v_col, torch.zeros(6))
+
+
+def test_one_statistics_call_sums_every_gradient_as_the_reference() -> None:
+    torch.manual_seed(17)
+    compare_stats_list(cpu_ops.factored_stats, "cpu")
 
 
 @pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
@@ -223,12 +229,16 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
     with pytest.raises(KernelArgumentError, match=r"entry 0: indices must be \[blocks, period\] with 12 elements"):
         wide = torch.zeros(4, 4, dtype=torch.uint8)
         element_step([param], [param.clone()], [wide], [torch.zeros(4, 1)], [v], codebook, scalars, None, **flags)
-    with pytest.raises(KernelArgumentError, match="2-D"):
-        cpu_ops.factored_stats(torch.ones(2, 3, 4), deterministic=False)
+    with pytest.raises(KernelArgumentError, match="entry 1: grad must be a contiguous 2-D tensor"):
+        cpu_ops.factored_stats([torch.ones(2, 3), torch.ones(2, 3, 4)], deterministic=False)
     with pytest.raises(KernelArgumentError, match="bool"):
-        cpu_ops.factored_stats(torch.ones(2, 3), deterministic=1)  # type: ignore[arg-type]
+        cpu_ops.factored_stats([torch.ones(2, 3)], deterministic=1)  # type: ignore[arg-type]
     with pytest.raises(KernelArgumentError, match="CPU tensors"):
-        cpu_ops.factored_stats(torch.ones(2, 3, device="meta"), deterministic=False)
+        cpu_ops.factored_stats([torch.ones(2, 3, device="meta")], deterministic=False)
+    with pytest.raises(KernelArgumentError, match="entry 1: grad is on meta, not on cpu"):
+        cpu_ops.factored_stats([torch.ones(2, 3), torch.ones(2, 3, device="meta")], deterministic=False)
+    with pytest.raises(KernelArgumentError, match="grads must be a list of tensors"):
+        cpu_ops.factored_stats(torch.ones(2, 3), deterministic=False)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -69,6 +69,7 @@ def _cases(tl: Any) -> list[tuple[str, dict[str, str], dict[str, Any]]]:
         ("factored_stats_kernel", {"g_ptr": "*bf16"}, {"RB": 16, "CT": 256}),
         ("factored_moments_kernel", {}, {"BLOCK": 1024}),
         ("moments_list_kernel", {}, {"BLOCK": 1024}),
+        ("sums_list_kernel", {}, {"BLOCK": 1024}),
         ("histogram_kernel", {"g_ptr": "*fp16"}, {"ROWS": 4, "COLS": 256}),
         ("uniform_kernel", {}, {"BLOCK": 128}),
     ]  # fmt: skip

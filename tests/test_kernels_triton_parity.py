@@ -47,6 +47,7 @@ from kernels_parity_helpers import (  # noqa: E402
     compare_list_steps,
     compare_muon_list,
     compare_muon_momentum,
+    compare_stats_list,
     random_state,
     shared_codebook,
 )
@@ -181,6 +182,13 @@ def test_a_captured_step_launches_per_entry_and_matches_the_reference(monkeypatc
     compare_element_steps(T.element_step, DEVICE, stochastic=False, maximize=False, entries=GROUPED[3:])
     compare_muon_list(T.muon_momentum, DEVICE, entries=GROUPED[:5])
     assert all(not counter.grids for counter in counters.values())
+
+
+def test_triton_one_statistics_call_sums_every_gradient_as_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(17)
+    compare_stats_list(T.factored_stats, DEVICE)
+    monkeypatch.setattr(T, "_capturing", lambda tensor: True)  # the per-matrix path of a captured step
+    compare_stats_list(T.factored_stats, DEVICE)
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])

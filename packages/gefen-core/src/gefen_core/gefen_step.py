@@ -183,20 +183,20 @@ def factored_stats(optimizer: Gefen, works: list[ParamWork]) -> Stats:
     still in cache, by ``gefen::factored_moments.v3`` (the statistics and the ``v_row``/``v_col``
     update in one call for the bucket)."""
     stats: Stats = {}
-    sharded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    by_device: dict[torch.device, list[ParamWork]] = {}
     for work in works:
-        if work.variant != FACTORED or not work.row_sharded:
-            continue
-        stats[work.slot] = _local_stats(optimizer, work)
-        sharded.append((work.param, stats[work.slot][1]))
-    if sharded:
-        all_reduce_sums(sharded)
+        if work.variant == FACTORED and work.row_sharded:
+            by_device.setdefault(work.grad.device, []).append(work)
+    for members in by_device.values():  # one call of the op per device
+        grads = [work.grad.contiguous() for work in members]
+        rows, cols = optimizer._dispatch.op(FACTORED_STATS)(grads, deterministic=optimizer._deterministic)
+        row_parts = rows.split([grad.shape[0] for grad in grads])
+        col_parts = cols.split([grad.shape[1] for grad in grads])
+        for work, row_sums, col_sums in zip(members, row_parts, col_parts, strict=True):
+            stats[work.slot] = (row_sums, col_sums)
+    if stats:  # in the step's parameter order, the same on every rank
+        all_reduce_sums([(work.param, stats[work.slot][1]) for work in works if work.slot in stats])
     return stats
-
-
-def _local_stats(optimizer: Gefen, work: ParamWork) -> tuple[torch.Tensor, torch.Tensor]:
-    grad = work.grad.contiguous()
-    return optimizer._dispatch.op(FACTORED_STATS)(grad, deterministic=optimizer._deterministic)  # type: ignore[no-any-return]
 
 
 def _codebook_on(optimizer: Gefen, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,9 @@ op                                 schema (after the name; ``*`` starts keyword-
                                    scalars, sr_seeds?, *, apply_decay, maximize, deterministic)``
                                    (Adam's per-element ``v`` of narrow matrices, advanced in
                                    the same pass)
-``gefen::factored_stats.v1``       ``(grad, *, deterministic) -> (row_sumsq f64[R], col_sumsq f64[K])``
+``gefen::factored_stats.v2``       ``(grads[], *, deterministic) -> (row_sumsq f64[sum R],
+                                   col_sumsq f64[sum K])`` (every entry's sums, concatenated;
+                                   the row-sharded matrices' phase 1)
 ``gefen::factored_moments.v3``     ``(grads[], v_rows![], v_cols![], scalars, *, deterministic)
                                    -> row_factors fp32[sum R]`` (the statistics and the
                                    ``v_row``/``v_col`` update in one call; the row factors
@@ -34,7 +36,7 @@ op                                 schema (after the name; ``*`` starts keyword-
 =================================  ==========================================================
 
 ``!`` marks an argument the op writes in place, ``[]`` a list of tensors. The step ops
-(Gefen's four and GefenMuon's momentum) take one list entry per parameter, so a step makes
+(Gefen's five and GefenMuon's momentum) take one list entry per parameter, so a step makes
 one call per parameter group and second-moment variant (as ``torch._fused_adamw_`` does;
 GefenMuon: per batch of Newton-Schulz inputs), not one per tensor; each
 parameter and its gradient are contiguous and of equal shape and dtype (fp32, bf16, fp16
@@ -95,7 +97,7 @@ __all__ = [
 NAMESPACE = "gefen"
 BLOCK_STEP = "gefen::block_step.v3"
 ELEMENT_STEP = "gefen::element_step.v1"
-FACTORED_STATS = "gefen::factored_stats.v1"
+FACTORED_STATS = "gefen::factored_stats.v2"
 FACTORED_MOMENTS = "gefen::factored_moments.v3"
 FACTORED_STEP = "gefen::factored_step.v4"
 HISTOGRAM = "gefen::histogram.v1"
@@ -109,8 +111,11 @@ def _none(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _stats_fake(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return grad.new_empty(grad.shape[0], dtype=torch.float64), grad.new_empty(grad.shape[1], dtype=torch.float64)
+def _stats_fake(grads: list[torch.Tensor], *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if not grads:
+        return torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.float64)
+    rows, cols = sum(grad.shape[0] for grad in grads), sum(grad.shape[1] for grad in grads)
+    return grads[0].new_empty(rows, dtype=torch.float64), grads[0].new_empty(cols, dtype=torch.float64)
 
 
 def _moments_fake(
@@ -163,8 +168,8 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec(
             FACTORED_STATS,
-            "(Tensor grad, *, bool deterministic) -> (Tensor, Tensor)",
-            "float64 row and column sums of g^2",
+            "(Tensor[] grads, *, bool deterministic) -> (Tensor, Tensor)",
+            "float64 row and column sums of g^2, per gradient of the list (concatenated)",
             factored_stats_reference,
             _stats_fake,
         ),

@@ -11,7 +11,7 @@ Second moment, block path (per block ``b`` of ``P`` elements)::
     v_b    = fl( fl(v_b * BETA2) + fl(mean_b * ONE_MINUS_BETA2) )
     h_i    = fl( fl( fl(sqrt(v_b)) * BC2 ) + EPS )   # every element i of block b
 
-Second moment, factored path (``R x K`` matrix): :func:`factored_stats_reference` returns
+Second moment, factored path (``R x K`` matrix): :func:`factored_stats_tensor` returns
 float64 row and column sums of ``g^2``; :mod:`gefen_core.second_moment` turns them into
 ``v_row``, ``v_col`` and the fp32 ``row_factor``; the square roots are taken per row and per
 column, then per element::
@@ -90,6 +90,7 @@ __all__ = [
     "factored_moments_reference",
     "factored_moments_tensor",
     "factored_stats_reference",
+    "factored_stats_tensor",
     "factored_step_reference",
     "factored_step_tensor",
     "histogram_reference",
@@ -277,8 +278,8 @@ def _block_rows(
     )
 
 
-def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gefen::factored_stats.v1``: float64 row and column sums of ``g^2`` of an ``R x K`` gradient."""
+def factored_stats_tensor(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor of ``gefen::factored_stats.v2``: float64 row and column sums of ``g^2`` of an ``R x K`` gradient."""
     del deterministic
     rows_total, cols = grad.shape
     row_sums = torch.empty(rows_total, dtype=torch.float64, device=grad.device)
@@ -292,15 +293,25 @@ def factored_stats_reference(grad: torch.Tensor, *, deterministic: bool) -> tupl
     return row_sums, col_sums
 
 
+def factored_stats_reference(grads: list[torch.Tensor], *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gefen::factored_stats.v2``: :func:`factored_stats_tensor` of each gradient, the row sums
+    of every entry concatenated (float64 ``[sum R]``) and the column sums likewise (``[sum K]``)."""
+    sums = [factored_stats_tensor(grad, deterministic=deterministic) for grad in grads]
+    if not sums:
+        empty = torch.empty(0, dtype=torch.float64)
+        return empty, empty.clone()
+    return torch.cat([rows for rows, _ in sums]), torch.cat([cols for _, cols in sums])
+
+
 def factored_moments_tensor(
     grad: torch.Tensor, v_row: torch.Tensor, v_col: torch.Tensor, scalars: torch.Tensor, *, deterministic: bool
 ) -> torch.Tensor:
-    """One tensor of ``gefen::factored_moments.v3``: :func:`factored_stats_reference` of a whole (not row-sharded)
+    """One tensor of ``gefen::factored_moments.v3``: :func:`factored_stats_tensor` of a whole (not row-sharded)
     ``R x K`` gradient, then :func:`gefen_core.second_moment.update_factored_moments` with
     ``R`` global rows: advances ``v_row``/``v_col`` in place and returns the fp32 ``row_factor``.
     One call where a kernel can do both (a row-sharded parameter takes the two steps apart,
     for the column all-reduce between them)."""
-    row_sums, col_sums = factored_stats_reference(grad, deterministic=deterministic)
+    row_sums, col_sums = factored_stats_tensor(grad, deterministic=deterministic)
     return update_factored_moments(v_row, v_col, row_sums, col_sums, grad.shape[0], scalars)
 
 

@@ -350,14 +350,8 @@ def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     return _step_lists("gefen::factored_step.v4", args, kwargs, _factored_fast, _factored_entry)
 
 
-def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
-    """``(grad, *, deterministic)``: a contiguous 2-D gradient."""
-    if len(args) != 1:
-        return f"gefen::factored_stats.v1 takes 1 positional argument, got {len(args)}"
-    (grad,) = args
-    reason = _flags(kwargs, ("deterministic",))
-    if reason:
-        return reason
+def _stats_entry(grad: Any) -> str | None:
+    """One gradient of the statistics: a contiguous 2-D tensor of a supported dtype."""
     if not isinstance(grad, torch.Tensor):
         return f"grad must be a tensor, got {type(grad).__name__}"
     if grad.dtype not in PARAM_DTYPES:
@@ -367,8 +361,26 @@ def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
+def check_factored_stats(*args: Any, **kwargs: Any) -> str | None:
+    """``(grads, *, deterministic)``: contiguous 2-D gradients, all on one device."""
+    op = "gefen::factored_stats.v2"
+    if len(args) != 1:
+        return f"{op} takes 1 positional argument, got {len(args)}"
+    (grads,) = args
+    reason = _flags(kwargs, ("deterministic",)) or _lists(op, {"grads": grads})
+    if reason or not grads:
+        return reason
+    for index, grad in enumerate(grads):
+        reason = _stats_entry(grad)
+        if reason:
+            return f"entry {index}: {reason}"
+        if grad.device != grads[0].device:
+            return f"entry {index}: grad is on {grad.device}, not on {grads[0].device} (the first entry's)"
+    return None
+
+
 def _moments_entry(grad: Any, v_row: Any, v_col: Any) -> str | None:
-    reason = check_factored_stats(grad, deterministic=False)
+    reason = _stats_entry(grad)
     if reason:
         return reason
     rows, cols = grad.shape

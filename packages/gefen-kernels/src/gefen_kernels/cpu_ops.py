@@ -359,33 +359,39 @@ def factored_step(
     increment_version([*params, *indices, *magnitudes])
 
 
-def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gefen::factored_stats.v1`` on CPU: float64 row and column sums of ``g^2``.
+def factored_stats(grads: list[torch.Tensor], *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gefen::factored_stats.v2`` on CPU: float64 row and column sums of ``g^2`` of every
+    gradient, concatenated (one C call per gradient, each split over the threads).
 
     Rows are summed in 16 fixed chunks whose column partials are added in order, so the
     result does not depend on the thread count (always deterministic).
     """
-    _check(arguments.check_factored_stats(grad, deterministic=deterministic))
-    _on_cpu(grad)
-    rows, cols = grad.shape
-    row_sums = torch.zeros(rows, dtype=torch.float64)
-    col_sums = torch.zeros(cols, dtype=torch.float64)
-    if grad.numel() == 0:
+    _check(arguments.check_factored_stats(grads, deterministic=deterministic))
+    row_sums = torch.zeros(sum(grad.shape[0] for grad in grads), dtype=torch.float64)
+    col_sums = torch.zeros(sum(grad.shape[1] for grad in grads), dtype=torch.float64)
+    if not grads:
         return row_sums, col_sums
-    chunks = min(_STATS_CHUNKS, rows)
-    scratch = torch.empty(chunks * cols, dtype=torch.float64)
-    status = _function("gefen_factored_stats")(
-        _DTYPE_CODES[grad.dtype],
-        grad.data_ptr(),
-        rows,
-        cols,
-        row_sums.data_ptr(),
-        col_sums.data_ptr(),
-        scratch.data_ptr(),
-        chunks,
-        torch.get_num_threads(),
-    )
-    _checked("gefen_factored_stats", status)
+    _on_cpu(grads[0])
+    stats = _function("gefen_factored_stats")
+    row_at, col_at = row_sums.data_ptr(), col_sums.data_ptr()
+    for grad in grads:
+        rows, cols = grad.shape
+        if grad.numel():
+            chunks = min(_STATS_CHUNKS, rows)
+            scratch = torch.empty(chunks * cols, dtype=torch.float64)
+            status = stats(
+                _DTYPE_CODES[grad.dtype],
+                grad.data_ptr(),
+                rows,
+                cols,
+                row_at,
+                col_at,
+                scratch.data_ptr(),
+                chunks,
+                torch.get_num_threads(),
+            )
+            _checked("gefen_factored_stats", status)
+        row_at, col_at = row_at + 8 * rows, col_at + 8 * cols  # float64 runs, one per entry
     return row_sums, col_sums
 
 

@@ -23,7 +23,7 @@ GEFEN_OPS = frozenset(
     {
         "gefen::block_step.v3",
         "gefen::element_step.v1",
-        "gefen::factored_stats.v1",
+        "gefen::factored_stats.v2",
         "gefen::factored_moments.v3",
         "gefen::factored_step.v4",
         "gefen::histogram.v1",

@@ -922,6 +922,50 @@ def stats_list_kernel(
 
 
 @triton.jit
+def _sum_partials(part_ptr, count, stride, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[i] = sum_k part[k * stride + i]`` over ``k < count``, added in order, for ``i < n``."""
+    for i0 in range(0, n, BLOCK):
+        offs = i0 + tl.arange(0, BLOCK)
+        ok = offs < n
+        acc = tl.zeros((BLOCK,), dtype=tl.float64)
+        part = part_ptr + offs
+        for _ in range(0, count):  # 64-bit pointer steps
+            acc += tl.load(part, mask=ok, other=0.0)
+            part += stride
+        tl.store(out_ptr + offs, acc, mask=ok)
+
+
+#: int64 fields of one entry of ``sums_list_kernel``'s table: the addresses of the row and column
+#: partials and of the row and column sums, then column tiles, row groups, rows and columns.
+SUMS_FIELDS = tl.constexpr(8)
+
+
+@triton.jit
+def sums_list_kernel(table_ptr, BLOCK: tl.constexpr):
+    """Matrix ``program_id(0)``'s row and column sums from :func:`_stats_program`'s partials
+    (``gefen::factored_stats.v2``), one program each, one launch for the list."""
+    row = table_ptr + tl.program_id(0).to(tl.int64) * SUMS_FIELDS
+    rows = tl.load(row + 6)
+    cols = tl.load(row + 7)
+    _sum_partials(
+        tl.load(row + 0).to(tl.pointer_type(tl.float64)),
+        tl.load(row + 4),
+        rows,
+        tl.load(row + 2).to(tl.pointer_type(tl.float64)),
+        rows,
+        BLOCK,
+    )
+    _sum_partials(
+        tl.load(row + 1).to(tl.pointer_type(tl.float64)),
+        tl.load(row + 5),
+        cols,
+        tl.load(row + 3).to(tl.pointer_type(tl.float64)),
+        cols,
+        BLOCK,
+    )
+
+
+@triton.jit
 def moments_list_kernel(table_ptr, BLOCK: tl.constexpr):
     """:func:`_moments` of matrix ``program_id(0)`` of a list, one program each, one launch."""
     row = table_ptr + tl.program_id(0).to(tl.int64) * MOMENTS_FIELDS

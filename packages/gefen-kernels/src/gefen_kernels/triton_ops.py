@@ -357,13 +357,40 @@ def factored_step(
     increment_version([*params, *indices, *magnitudes])
 
 
-def factored_stats(grad: torch.Tensor, *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gefen::factored_stats.v1`` with Triton (phase 1): float64 row and column sums of ``g^2``.
-
-    Partial sums per (row group, column tile) are added in a fixed order: deterministic.
-    """
-    _check(arguments.check_factored_stats(grad, deterministic=deterministic), grad)
-    return _stats(grad)
+def factored_stats(grads: list[torch.Tensor], *, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gefen::factored_stats.v2`` with Triton (phase 1 of row-sharded matrices): float64 row and
+    column sums of ``g^2`` of every gradient, concatenated. The partials of every matrix (one
+    launch per dtype and column tile, :func:`_list_partials`), then one program per matrix adds
+    them in a fixed order (one launch): deterministic. Per matrix under CUDA graph capture."""
+    _check(arguments.check_factored_stats(grads, deterministic=deterministic), *grads[:1])
+    if not grads:
+        empty = torch.empty(0, dtype=torch.float64)
+        return empty, empty.clone()
+    device = grads[0].device
+    row_sums = torch.zeros(sum(grad.shape[0] for grad in grads), dtype=torch.float64, device=device)
+    col_sums = torch.zeros(sum(grad.shape[1] for grad in grads), dtype=torch.float64, device=device)
+    if _capturing(grads[0]):
+        for grad, row_out, col_out in zip(
+            grads,
+            torch.split(row_sums, [grad.shape[0] for grad in grads]),
+            torch.split(col_sums, [grad.shape[1] for grad in grads]),
+            strict=True,
+        ):
+            row_part, col_part = _stats(grad)
+            row_out.copy_(row_part)
+            col_out.copy_(col_part)
+        return row_sums, col_sums
+    shapes, _partials, offsets = _list_partials(grads)  # kept alive until its reader is queued
+    table: list[int] = []
+    row_at, col_at = row_sums.data_ptr(), col_sums.data_ptr()
+    for grad, (groups, _, _, tiles), offset in zip(grads, shapes, offsets, strict=True):
+        rows, cols = grad.shape
+        table += (offset, offset + 8 * tiles * rows, row_at, col_at, tiles, groups, rows, cols)
+        row_at, col_at = row_at + 8 * rows, col_at + 8 * cols
+    K.sums_list_kernel[(len(grads),)](
+        on_device(table, torch.int64, device), BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False
+    )
+    return row_sums, col_sums
 
 
 def _stats(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,6 +418,37 @@ def _stats_partials(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         grad, row_part, col_part, rows, cols, per_group, RB=_STATS_ROWS, CT=col_tile, enable_fp_fusion=False
     )
     return row_part, col_part
+
+
+def _list_partials(
+    grads: list[torch.Tensor],
+) -> tuple[list[tuple[int, int, int, int]], torch.Tensor, list[int]]:
+    """The statistics' partials of every matrix in one float64 buffer (``stats_list_kernel``, one
+    launch per dtype and column tile): each matrix's shape (:func:`_stats_shape`), the buffer
+    (keep it alive until its readers are launched) and the address of each matrix's row
+    partials ``[tiles, rows]``, its column partials ``[groups, cols]`` following them."""
+    shapes = [_stats_shape(*grad.shape) if grad.numel() else (0, 0, 1, 0) for grad in grads]
+    sizes = [tiles * grad.shape[0] + groups * grad.shape[1] for grad, (groups, _, _, tiles) in zip(grads, shapes)]
+    device = grads[0].device
+    partials = torch.empty(max(1, sum(sizes)), dtype=torch.float64, device=device)
+    stats: dict[tuple[torch.dtype, int], tuple[list[int], list[int]]] = {}
+    offsets: list[int] = []
+    offset = partials.data_ptr()
+    for grad, (groups, per_group, col_tile, tiles), size in zip(grads, shapes, sizes, strict=True):
+        rows, cols = grad.shape
+        offsets.append(offset)
+        if grad.numel():
+            table, starts = stats.setdefault((grad.dtype, col_tile), ([], [0]))
+            table += (grad.data_ptr(), offset, offset + 8 * tiles * rows, rows, cols, per_group, tiles)
+            starts.append(starts[-1] + groups * tiles)
+        offset += 8 * size
+    for (dtype, col_tile), (table, starts) in stats.items():
+        K.stats_list_kernel[(starts[-1],)](
+            on_device(table, torch.int64, device), on_device(starts, torch.int64, device), len(starts) - 1,
+            G_DTYPE=_POINTER_DTYPES[dtype], RB=_STATS_ROWS, CT=col_tile, SEARCH=(len(starts) - 1).bit_length(),
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return shapes, partials, offsets
 
 
 def factored_moments(
@@ -424,22 +482,14 @@ def factored_moments(
             start += rows
         increment_version([*v_rows, *v_cols])
         return flat
-    shapes = [_stats_shape(*grad.shape) if grad.numel() else (0, 0, 1, 0) for grad in grads]
-    sizes = [tiles * grad.shape[0] + groups * grad.shape[1] for grad, (groups, _, _, tiles) in zip(grads, shapes)]
-    partials = torch.empty(max(1, sum(sizes)), dtype=torch.float64, device=device)
-    stats: dict[tuple[torch.dtype, int], tuple[list[int], list[int]]] = {}
+    shapes, _partials, offsets = _list_partials(grads)  # kept alive until its reader is queued
     moments: list[int] = []
-    offset, start = partials.data_ptr(), 0
+    start = 0
     for index, grad in enumerate(grads):
-        (rows, cols), (groups, per_group, col_tile, tiles) = grad.shape, shapes[index]
-        row_at, col_at = offset, offset + 8 * tiles * rows  # this matrix's partials in `partials`
-        if grad.numel():
-            table, starts = stats.setdefault((grad.dtype, col_tile), ([], [0]))
-            table += (grad.data_ptr(), row_at, col_at, rows, cols, per_group, tiles)
-            starts.append(starts[-1] + groups * tiles)
+        (rows, cols), (groups, _, _, tiles), row_at = grad.shape, shapes[index], offsets[index]
         moments += (
             row_at,
-            col_at,
+            row_at + 8 * tiles * rows,
             v_rows[index].data_ptr(),
             v_cols[index].data_ptr(),
             scalars.data_ptr() + index * scalar_row,
@@ -449,14 +499,7 @@ def factored_moments(
             rows,
             cols,
         )
-        offset += 8 * sizes[index]
         start += rows
-    for (dtype, col_tile), (table, starts) in stats.items():
-        K.stats_list_kernel[(starts[-1],)](
-            on_device(table, torch.int64, device), on_device(starts, torch.int64, device), len(starts) - 1,
-            G_DTYPE=_POINTER_DTYPES[dtype], RB=_STATS_ROWS, CT=col_tile, SEARCH=(len(starts) - 1).bit_length(),
-            enable_fp_fusion=False,
-        )  # fmt: skip
     K.moments_list_kernel[(len(grads),)](
         on_device(moments, torch.int64, device), BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False
     )
