@@ -41,7 +41,7 @@ def shared_codebook(kind: str = "gaussian") -> torch.Tensor:
 def learned_codebook(grad: torch.Tensor, period: int) -> torch.Tensor:
     """The codebook Gefen would learn from ``grad`` (a real, non-uniform one)."""
     counts = torch.zeros(4096, dtype=torch.int64)
-    histogram_reference(grad.cpu(), period, counts, deterministic=False)
+    histogram_reference([grad.cpu()], [period], counts, deterministic=False)
     codebook = codebook_from_counts(counts)
     assert codebook is not None
     return codebook.to(grad.device)
@@ -266,10 +266,18 @@ def _assert_states(before: torch.Tensor, ref: MomentumState, mine: MomentumState
 
 
 def compare_histogram(op: StepOp, grad: torch.Tensor, period: int) -> None:
+    """One gradient, then a list of it with a few others (dtypes, periods, an empty one, a
+    ragged one) in one call: the counts equal the reference's exactly."""
     expected = torch.zeros(4096, dtype=torch.int64, device=grad.device)
     got = torch.zeros(4096, dtype=torch.int64, device=grad.device)
-    histogram_reference(grad, period, expected, deterministic=False)
-    op(grad, period, got, deterministic=False)
+    histogram_reference([grad], [period], expected, deterministic=False)
+    op([grad], [period], got, deterministic=False)
+    assert torch.equal(expected, got)
+    others = [torch.randn(5, 24, device=grad.device), torch.randn(0, device=grad.device)]
+    others.append(torch.randn(70, dtype=torch.bfloat16, device=grad.device))
+    grads, periods = [grad, *others, grad], [period, 24, 8, 32, period]
+    histogram_reference(grads, periods, expected, deterministic=False)
+    op(grads, periods, got, deterministic=False)
     assert torch.equal(expected, got)
 
 

@@ -127,7 +127,7 @@ def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round:
         "gefen::element_step.v1",
         "gefen::factored_moments.v3",  # unsharded factored parameters: statistics and update in one call
         "gefen::factored_step.v4",
-        "gefen::histogram.v1",
+        "gefen::histogram.v2",
     }
     # one call per phase for the group's factored matrices (matrix, bf16), one for its narrow
     # one (transposed, Adam's v) and one for its block-path tensors (norm, conv), whatever their number
@@ -185,11 +185,11 @@ def test_kernels_for_some_ops_only_are_named_in_a_warning(monkeypatch: pytest.Mo
             load_kernel_plugins(reload=True)  # no CPU kernels at all: nothing partial to report
         assert warn_on_partial_kernels() == []
         library = torch.library.Library("gefen", "IMPL")
-        library.impl("histogram.v1", cpu_ops.histogram, "CPU")  # as a skewed kernel package would
+        library.impl("histogram.v2", cpu_ops.histogram, "CPU")  # as a skewed kernel package would
         try:
             with pytest.warns(PartialKernelsWarning, match=r"not for \[.*gefen::block_step\.v3"):
                 missing = warn_on_partial_kernels()
-            assert "CPU: gefen::block_step.v3" in missing and "CPU: gefen::histogram.v1" not in missing
+            assert "CPU: gefen::block_step.v3" in missing and "CPU: gefen::histogram.v2" not in missing
         finally:
             library._destroy()
 

@@ -83,6 +83,7 @@ def _cases(tl: Any) -> list[tuple[str, dict[str, str], dict[str, Any]]]:
         muon = {"ROWS": 4, "COLS": 256, "STOCHASTIC": out_bf16, "NESTEROV": out_bf16, "OUT_BF16": out_bf16}
         cases.append(("muon_list_kernel", {}, {**muon, "G_DTYPE": dtype, "SEARCH": 2}))
     cases.append(("stats_list_kernel", {}, {"G_DTYPE": tl.uint16, "RB": 16, "CT": 256, "SEARCH": 3}))
+    cases.append(("histogram_list_kernel", {}, {"G_DTYPE": tl.float32, "ROWS": 4, "COLS": 256, "SEARCH": 2}))
     return cases
 
 

@@ -18,7 +18,11 @@ from .exact_dp import histogram_points, solve_pinned_codebook
 from .momentum_codec import CODEBOOK_SIZE, bucket_occupancy_ok, nearest_codeword
 from .reference_ops import CHUNK_ELEMENTS, HISTOGRAM_BINS
 
-__all__ = ["codebook_from_counts", "gradient_histogram", "requantize", "validate_codebook"]
+__all__ = ["HISTOGRAM_BATCH_ELEMENTS", "codebook_from_counts", "gradient_histogram", "requantize", "validate_codebook"]
+
+#: Elements :func:`gradient_histogram` passes to one call of the histogram op at most (the
+#: items of one call stay alive together; 2^26 fp32 elements are 256 MiB).
+HISTOGRAM_BATCH_ELEMENTS = 1 << 26
 
 OpRunner = Callable[..., Any]
 
@@ -28,20 +32,34 @@ def gradient_histogram(
 ) -> torch.Tensor:
     """Sum of the block-normalised histograms of ``(gradient, period)`` items (int64 CPU ``[4096]``).
 
-    ``histogram`` runs the ``gefen::histogram.v1`` op (``Kernels.op(HISTOGRAM)``).
+    ``histogram`` runs the ``gefen::histogram.v2`` op (``Kernels.op(HISTOGRAM)``): one call per
+    device for up to :data:`HISTOGRAM_BATCH_ELEMENTS` elements, since the items may be copies
+    made for the histogram (negated gradients of ``maximize``), which a call keeps alive together.
     """
-    per_device: dict[torch.device, torch.Tensor] = {}
+    pending: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+    held: dict[torch.device, int] = {}  # elements pending per device
+    counts: dict[torch.device, torch.Tensor] = {}
+
+    def flush(device: torch.device) -> None:
+        grads, periods = pending.pop(device)
+        held.pop(device)
+        if device not in counts:
+            counts[device] = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device)
+        histogram(grads, periods, counts[device], deterministic=deterministic)
+
     for gradient, period in items:
-        if gradient.numel() == 0:
-            continue
-        counts = per_device.get(gradient.device)
-        if counts is None:
-            counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=gradient.device)
-            per_device[gradient.device] = counts
-        histogram(gradient.contiguous(), period, counts, deterministic=deterministic)
+        if gradient.numel():
+            grads, periods = pending.setdefault(gradient.device, ([], []))
+            grads.append(gradient.contiguous())
+            periods.append(period)
+            held[gradient.device] = held.get(gradient.device, 0) + gradient.numel()
+            if held[gradient.device] >= HISTOGRAM_BATCH_ELEMENTS:
+                flush(gradient.device)
+    for device in list(pending):
+        flush(device)
     total = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-    for counts in per_device.values():
-        total += counts.cpu()
+    for device_counts in counts.values():
+        total += device_counts.cpu()
     return total
 
 

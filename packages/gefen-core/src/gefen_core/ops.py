@@ -29,7 +29,8 @@ op                                 schema (after the name; ``*`` starts keyword-
 ``gefen::factored_step.v4``        ``(params![], grads[], indices![], magnitudes![], row_factors[],
                                    v_cols[], codebook, scalars, sr_seeds?, *, apply_decay,
                                    maximize, deterministic)``
-``gefen::histogram.v1``            ``(grad, period, counts!, *, deterministic)`` (adds to int64 counts)
+``gefen::histogram.v2``            ``(grads[], periods int[], counts!, *, deterministic)`` (adds every
+                                   gradient's counts to int64 ``counts``)
 ``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
 ``gefen::muon_momentum.v2``        ``(grads[], indices![], magnitudes![], codebook, scalars, sr_seeds?,
                                    outs![], *, nesterov, deterministic)`` (GefenMuon; writes ``outs``)
@@ -100,7 +101,7 @@ ELEMENT_STEP = "gefen::element_step.v1"
 FACTORED_STATS = "gefen::factored_stats.v2"
 FACTORED_MOMENTS = "gefen::factored_moments.v3"
 FACTORED_STEP = "gefen::factored_step.v4"
-HISTOGRAM = "gefen::histogram.v1"
+HISTOGRAM = "gefen::histogram.v2"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
 MUON_MOMENTUM = "gefen::muon_momentum.v2"
 
@@ -192,8 +193,8 @@ OPS: dict[str, OpSpec] = {
         ),
         OpSpec(
             HISTOGRAM,
-            "(Tensor grad, int period, Tensor(a!) counts, *, bool deterministic) -> ()",
-            "block-normalised gradient histogram, 4096 bins",
+            "(Tensor[] grads, int[] periods, Tensor(a!) counts, *, bool deterministic) -> ()",
+            "block-normalised gradient histogram, 4096 bins, summed over the gradients of the list",
             histogram_reference,
             _none,
         ),

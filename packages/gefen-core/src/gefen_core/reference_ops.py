@@ -94,6 +94,7 @@ __all__ = [
     "factored_step_reference",
     "factored_step_tensor",
     "histogram_reference",
+    "histogram_tensor",
     "muon_momentum_reference",
     "muon_momentum_tensor",
     "requantized_momentum",
@@ -548,8 +549,16 @@ def element_step_reference(
         )
 
 
-def histogram_reference(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
-    """``gefen::histogram.v1``: add the block-normalised gradient's bin counts to ``counts``.
+def histogram_reference(
+    grads: list[torch.Tensor], periods: list[int], counts: torch.Tensor, *, deterministic: bool
+) -> None:
+    """``gefen::histogram.v2``: :func:`histogram_tensor` of each gradient (with its period) into ``counts``."""
+    for grad, period in zip(grads, periods, strict=True):
+        histogram_tensor(grad, period, counts, deterministic=deterministic)
+
+
+def histogram_tensor(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
+    """One gradient of ``gefen::histogram.v2``: add its block-normalised bin counts to ``counts``.
 
     ``counts`` is int64 ``[4096]``. Per block of ``period`` elements (flattened row-major; the
     last block is shorter when ``period`` does not divide the size):

@@ -418,18 +418,25 @@ def check_factored_moments(*args: Any, **kwargs: Any) -> str | None:
 
 
 def check_histogram(*args: Any, **kwargs: Any) -> str | None:
-    """``(grad, period, counts, *, deterministic)``: int64 ``[4096]`` counts on grad's device."""
+    """``(grads, periods, counts, *, deterministic)``: contiguous floating-point gradients, one
+    positive int period each, int64 ``[4096]`` counts on their device."""
+    op = "gefen::histogram.v2"
     if len(args) != 3:
-        return f"gefen::histogram.v1 takes 3 positional arguments, got {len(args)}"
-    grad, period, counts = args
-    reason = _flags(kwargs, ("deterministic",))
+        return f"{op} takes 3 positional arguments, got {len(args)}"
+    grads, periods, counts = args
+    reason = _flags(kwargs, ("deterministic",)) or _lists(op, {"grads": grads, "periods": periods})
     if reason:
         return reason
-    if not isinstance(grad, torch.Tensor) or grad.dtype not in PARAM_DTYPES or not grad.is_contiguous():
-        return "grad must be a contiguous floating-point tensor"
-    if type(period) is not int or period < 1:
-        return f"period must be a positive int, got {period!r}"
-    reason = _tensor(counts, "counts", torch.int64, grad.device)
+    if not isinstance(counts, torch.Tensor):
+        return f"counts must be a tensor, got {type(counts).__name__}"
+    for index, (grad, period) in enumerate(zip(grads, periods, strict=True)):
+        if not isinstance(grad, torch.Tensor) or grad.dtype not in PARAM_DTYPES or not grad.is_contiguous():
+            return f"entry {index}: grad must be a contiguous floating-point tensor"
+        if type(period) is not int or period < 1:
+            return f"entry {index}: period must be a positive int, got {period!r}"
+        if grad.device != counts.device:
+            return f"entry {index}: grad is on {grad.device} but counts on {counts.device}"
+    reason = _tensor(counts, "counts", torch.int64, counts.device)
     if reason:
         return reason
     if tuple(counts.shape) != (HISTOGRAM_BINS,):

@@ -440,21 +440,23 @@ def factored_moments(
     return flat
 
 
-def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
-    """``gefen::histogram.v1`` on CPU: adds the block-normalised bin counts to ``counts``."""
-    _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic))
-    _on_cpu(grad)
-    if grad.numel() == 0:
-        return
-    status = _function("gefen_histogram")(
-        _DTYPE_CODES[grad.dtype],
-        grad.data_ptr(),
-        grad.numel(),
-        period,
-        counts.data_ptr(),
-        torch.get_num_threads(),
-    )
-    _checked("gefen_histogram", status)
+def histogram(grads: list[torch.Tensor], periods: list[int], counts: torch.Tensor, *, deterministic: bool) -> None:
+    """``gefen::histogram.v2`` on CPU: adds every gradient's block-normalised bin counts to
+    ``counts`` (one C call per gradient, each split over the threads)."""
+    _check(arguments.check_histogram(grads, periods, counts, deterministic=deterministic))
+    _on_cpu(counts)
+    count = _function("gefen_histogram")
+    for grad, period in zip(grads, periods, strict=True):
+        if grad.numel():
+            status = count(
+                _DTYPE_CODES[grad.dtype],
+                grad.data_ptr(),
+                grad.numel(),
+                period,
+                counts.data_ptr(),
+                torch.get_num_threads(),
+            )
+            _checked("gefen_histogram", status)
     increment_version(counts)
 
 

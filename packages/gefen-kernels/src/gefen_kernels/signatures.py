@@ -26,7 +26,7 @@ GEFEN_OPS = frozenset(
         "gefen::factored_stats.v2",
         "gefen::factored_moments.v3",
         "gefen::factored_step.v4",
-        "gefen::histogram.v1",
+        "gefen::histogram.v2",
         "gefen::stochastic_uniform.v1",
         "gefen::muon_momentum.v2",
     }

@@ -985,29 +985,61 @@ def moments_list_kernel(table_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def histogram_kernel(g_ptr, counts_ptr, blocks, period, numel, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _histogram(pid, g_ptr, counts_ptr, blocks, period, numel, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Adds each element's bin clamp(floor(fl(fl(g / max_block |g|) + 1) * 2048), 0, 4095)
     (blocks end at ``numel``: a ragged last block is shorter)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     amax = tl.zeros((ROWS,), dtype=tl.float32)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _load_value(g_ptr, offs, mask).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
     safe = tl.where(amax > 0.0, amax, 1.0)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = _load_value(g_ptr, offs, mask).to(tl.float32)
         z = tl.math.div_rn(g, safe[:, None])
         t = tl.floor((z + 1.0) * 2048.0)
         t = tl.minimum(tl.maximum(t, 0.0), 4095.0)
         ones = tl.full(t.shape, 1, dtype=tl.int64)
         tl.atomic_add(counts_ptr + t.to(tl.int32), ones, mask=mask)
+
+
+@triton.jit
+def histogram_kernel(g_ptr, counts_ptr, blocks, period, numel, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """One gradient's launch (what a captured CUDA graph replays; see ``histogram_list_kernel``)."""
+    _histogram(tl.program_id(0), g_ptr, counts_ptr, blocks, period, numel, ROWS, COLS)
+
+
+#: int64 fields of one entry of ``histogram_list_kernel``'s table: the gradient's address, then
+#: its blocks, period and elements.
+HISTOGRAM_FIELDS = tl.constexpr(4)
+
+
+@triton.jit
+def histogram_list_kernel(
+    table_ptr, starts_ptr, entries, counts_ptr, G_DTYPE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    SEARCH: tl.constexpr,
+):  # fmt: skip
+    """:func:`_histogram` for every gradient of a list sharing a dtype and a tile, in one launch
+    (as ``step_list_kernel``)."""
+    entry, local = _entry_of(starts_ptr, entries, tl.program_id(0), SEARCH)
+    row = table_ptr + entry.to(tl.int64) * HISTOGRAM_FIELDS
+    _histogram(
+        local,
+        tl.load(row + 0).to(tl.pointer_type(G_DTYPE)),
+        counts_ptr,
+        tl.load(row + 1),
+        tl.load(row + 2),
+        tl.load(row + 3),
+        ROWS,
+        COLS,
+    )
 
 
 @triton.jit

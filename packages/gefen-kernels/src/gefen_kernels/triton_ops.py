@@ -507,16 +507,34 @@ def factored_moments(
     return flat
 
 
-def histogram(grad: torch.Tensor, period: int, counts: torch.Tensor, *, deterministic: bool) -> None:
-    """``gefen::histogram.v1`` with Triton (integer atomics: the counts are exact in any order)."""
-    _check(arguments.check_histogram(grad, period, counts, deterministic=deterministic), grad)
-    if grad.numel() == 0:
-        return
-    blocks = triton_cdiv(grad.numel(), period)  # the last block may be ragged
-    rows, cols = _tile(blocks, period)
-    K.histogram_kernel[(triton_cdiv(blocks, rows),)](
-        grad, counts, blocks, period, grad.numel(), ROWS=rows, COLS=cols, enable_fp_fusion=False
-    )
+def histogram(grads: list[torch.Tensor], periods: list[int], counts: torch.Tensor, *, deterministic: bool) -> None:
+    """``gefen::histogram.v2`` with Triton (integer atomics: the counts are exact in any order):
+    one launch per group of gradients sharing a dtype and a tile (per gradient under CUDA graph
+    capture, see :func:`_capturing`)."""
+    _check(arguments.check_histogram(grads, periods, counts, deterministic=deterministic), counts)
+    groups: dict[tuple[torch.dtype, int, int], list[tuple[torch.Tensor, int, int]]] = {}
+    for grad, period in zip(grads, periods, strict=True):
+        if grad.numel():
+            blocks = triton_cdiv(grad.numel(), period)  # the last block may be ragged
+            rows, cols = _tile(blocks, period)
+            groups.setdefault((grad.dtype, rows, cols), []).append((grad, blocks, period))
+    for (dtype, rows, cols), members in groups.items():
+        if _capturing(counts):
+            for grad, blocks, period in members:
+                K.histogram_kernel[(triton_cdiv(blocks, rows),)](
+                    grad, counts, blocks, period, grad.numel(), ROWS=rows, COLS=cols, enable_fp_fusion=False
+                )
+            continue
+        table: list[int] = []
+        starts = [0]
+        for grad, blocks, period in members:
+            table += (grad.data_ptr(), blocks, period, grad.numel())
+            starts.append(starts[-1] + triton_cdiv(blocks, rows))
+        K.histogram_list_kernel[(starts[-1],)](
+            on_device(table, torch.int64, counts.device), on_device(starts, torch.int64, counts.device),
+            len(members), counts, G_DTYPE=_POINTER_DTYPES[dtype], ROWS=rows, COLS=cols,
+            SEARCH=len(members).bit_length(), enable_fp_fusion=False,
+        )  # fmt: skip
     increment_version(counts)
 
 

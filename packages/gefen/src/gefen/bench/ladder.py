@@ -61,7 +61,7 @@ import torch
 from gefen_core.codebook import codebook_from_counts
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks, stochastic_codeword
 from gefen_core.periods import largest_divisor_at_most, shape_period
-from gefen_core.reference_ops import histogram_reference
+from gefen_core.reference_ops import histogram_tensor
 
 __all__ = ["GEFEN_APPROXIMATIONS", "LADDER_RUNGS", "Approximations", "LadderAdamW"]
 
@@ -195,7 +195,7 @@ class LadderAdamW(torch.optim.Optimizer):
             return torch.linspace(-1.0, 1.0, 256)
         counts = torch.zeros(4096, dtype=torch.int64)
         for tensor, period in items:
-            histogram_reference(tensor, period, counts, deterministic=True)
+            histogram_tensor(tensor, period, counts, deterministic=True)
         return codebook_from_counts(counts)
 
     def _refresh_codebook(self) -> None:
