@@ -91,7 +91,7 @@ class StepDecision:
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
     # a stream captures only once CUDA is initialised; is_available() reads the environment per call
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return bool(torch.cuda.is_initialized()) and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
 
 
 def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optimizer: str = "Gefen") -> None:

@@ -21,6 +21,7 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
+from gefen_core.param_state import AGE_KEYS
 from gefen_core.state_placement import expected_shapes, period_from_scales, state_dtype
 from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
 from gefen_hybrid import ROLES, children_of_state_dict
@@ -180,7 +181,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
                 f"{where}.{key}",
                 f"must be {list(want)} for a {list(shape)} parameter at period {period}, got {list(value.shape)}",
             )
-    age = {"factored": "factored_step", "element": "v_step"}.get(variant, "vmean_step")
+    age = AGE_KEYS[variant]
     if not _is_count(entry.get(age), 1):
         check.fail(f"{where}.{age}", f"must be an int >= 1, got {entry.get(age)!r}")
     return variant, shape
