@@ -25,12 +25,16 @@ def _load_triton_ops() -> ModuleType:
     if not ON_GPU:
         triton.knobs.runtime.interpret = True  # in case triton was imported (and read the knob) earlier
     import gefen_kernels.triton_kernels as kernels
+    import gefen_kernels.triton_muon as muon
     import gefen_kernels.triton_ops as ops
+    import gefen_kernels.triton_statistics as statistics
 
     if not ON_GPU and "Interpreted" not in type(kernels.block_step_kernel).__name__:
         importlib.reload(kernels)  # imported earlier without the interpreter
+        importlib.reload(statistics)
+        importlib.reload(muon)
         ops = importlib.reload(ops)
-    assert ON_GPU or "Interpreted" in type(kernels.block_step_kernel).__name__
+    assert ON_GPU or "Interpreted" in type(statistics.histogram_kernel).__name__
     return ops
 
 
@@ -132,6 +136,11 @@ GROUPED = [
 _LIST_KERNELS = ("step_list_kernel", "stats_list_kernel", "moments_list_kernel", "muon_list_kernel")
 
 
+def _module_of(kernel: str) -> ModuleType:
+    """The kernels module (step, statistics or GefenMuon's) that defines ``kernel``."""
+    return next(module for module in (T.K, T.S, T.M) if hasattr(module, kernel))
+
+
 class _LaunchCounter:
     """Counts the grids a kernel is launched with, and launches it."""
 
@@ -149,9 +158,9 @@ def test_triton_one_launch_steps_every_entry_of_a_dtype_and_tile(
 ) -> None:
     """Issue 17: launches grow with the groups (dtype and tile), not with the tensors; each
     program finds its entry and block, so every entry still equals the reference bit for bit."""
-    counters = {name: _LaunchCounter(getattr(T.K, name)) for name in _LIST_KERNELS}
+    counters = {name: _LaunchCounter(getattr(_module_of(name), name)) for name in _LIST_KERNELS}
     for name, counter in counters.items():
-        monkeypatch.setattr(T.K, name, counter)
+        monkeypatch.setattr(_module_of(name), name, counter)
     torch.manual_seed(21)
     compare_list_steps(
         T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=stochastic, entries=GROUPED, ragged=[]
@@ -174,9 +183,9 @@ def test_a_captured_step_launches_per_entry_and_matches_the_reference(monkeypatc
     """Under CUDA graph capture the step ops launch once per entry (a replayed graph would copy a
     list launch's table from a freed host buffer); that path equals the reference too."""
     monkeypatch.setattr(T, "_capturing", lambda tensor: True)
-    counters = {name: _LaunchCounter(getattr(T.K, name)) for name in _LIST_KERNELS}
+    counters = {name: _LaunchCounter(getattr(_module_of(name), name)) for name in _LIST_KERNELS}
     for name, counter in counters.items():
-        monkeypatch.setattr(T.K, name, counter)
+        monkeypatch.setattr(_module_of(name), name, counter)
     torch.manual_seed(22)
     compare_list_steps(T.block_step, T.factored_moments, T.factored_step, DEVICE, stochastic=True, entries=GROUPED)
     compare_element_steps(T.element_step, DEVICE, stochastic=False, maximize=False, entries=GROUPED[3:])
@@ -266,19 +275,22 @@ def test_kernels_read_only_the_globals_a_compiled_kernel_may_read() -> None:
     import inspect
 
     import gefen_kernels.triton_kernels as kernels
+    import gefen_kernels.triton_muon as muon
+    import gefen_kernels.triton_statistics as statistics
     from triton.runtime.interpreter import InterpretedFunction
 
     kinds = (triton.runtime.JITFunction, InterpretedFunction)
-    jitted = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, kinds)}
-    assert jitted, "no jitted functions found"
-    module_globals = vars(kernels)
     refused = []
-    for name, fn in jitted.items():
-        for looked_up in fn.fn.__code__.co_names:
-            value = module_globals.get(looked_up)
-            if looked_up not in module_globals:
-                continue  # an attribute (tl.load) or a builtin (range)
-            allowed = isinstance(value, (triton.language.constexpr, *kinds)) or inspect.ismodule(value)
-            if not allowed:
-                refused.append(f"{name} reads {looked_up} = {value!r}")
+    for module in (kernels, statistics, muon):
+        module_globals = vars(module)
+        jitted = {name: obj for name, obj in module_globals.items() if isinstance(obj, kinds)}
+        assert jitted, f"no jitted functions found in {module.__name__}"
+        for name, fn in jitted.items():
+            for looked_up in fn.fn.__code__.co_names:
+                value = module_globals.get(looked_up)
+                if looked_up not in module_globals:
+                    continue  # an attribute (tl.load) or a builtin (range)
+                allowed = isinstance(value, (triton.language.constexpr, *kinds)) or inspect.ismodule(value)
+                if not allowed:
+                    refused.append(f"{module.__name__}.{name} reads {looked_up} = {value!r}")
     assert not refused, refused

@@ -18,6 +18,8 @@ from torch.autograd.graph import increment_version
 
 from . import arguments
 from . import triton_kernels as K
+from . import triton_muon as M
+from . import triton_statistics as S
 from .triton_support import interpreting
 
 __all__ = [
@@ -387,7 +389,7 @@ def factored_stats(grads: list[torch.Tensor], *, deterministic: bool) -> tuple[t
         rows, cols = grad.shape
         table += (offset, offset + 8 * tiles * rows, row_at, col_at, tiles, groups, rows, cols)
         row_at, col_at = row_at + 8 * rows, col_at + 8 * cols
-    K.sums_list_kernel[(len(grads),)](
+    S.sums_list_kernel[(len(grads),)](
         on_device(table, torch.int64, device), BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False
     )
     return row_sums, col_sums
@@ -414,7 +416,7 @@ def _stats_partials(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups, per_group, col_tile, tiles = _stats_shape(rows, cols)
     row_part = torch.empty((tiles, rows), dtype=torch.float64, device=grad.device)
     col_part = torch.empty((groups, cols), dtype=torch.float64, device=grad.device)
-    K.factored_stats_kernel[(groups, tiles)](
+    S.factored_stats_kernel[(groups, tiles)](
         grad, row_part, col_part, rows, cols, per_group, RB=_STATS_ROWS, CT=col_tile, enable_fp_fusion=False
     )
     return row_part, col_part
@@ -443,7 +445,7 @@ def _list_partials(
             starts.append(starts[-1] + groups * tiles)
         offset += 8 * size
     for (dtype, col_tile), (table, starts) in stats.items():
-        K.stats_list_kernel[(starts[-1],)](
+        S.stats_list_kernel[(starts[-1],)](
             on_device(table, torch.int64, device), on_device(starts, torch.int64, device), len(starts) - 1,
             G_DTYPE=_POINTER_DTYPES[dtype], RB=_STATS_ROWS, CT=col_tile, SEARCH=(len(starts) - 1).bit_length(),
             enable_fp_fusion=False,
@@ -474,7 +476,7 @@ def factored_moments(
         for index, grad in enumerate(grads):
             rows, cols = grad.shape
             row_part, col_part = _stats_partials(grad)
-            K.factored_moments_kernel[(1,)](
+            S.factored_moments_kernel[(1,)](
                 row_part, col_part, row_part.shape[0], col_part.shape[0], v_rows[index], v_cols[index],
                 _scalars_of(scalars, index), flat[start : start + rows], rows, cols,
                 BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False,
@@ -500,7 +502,7 @@ def factored_moments(
             cols,
         )
         start += rows
-    K.moments_list_kernel[(len(grads),)](
+    S.moments_list_kernel[(len(grads),)](
         on_device(moments, torch.int64, device), BLOCK=_MOMENTS_BLOCK, enable_fp_fusion=False
     )
     increment_version([*v_rows, *v_cols])
@@ -521,7 +523,7 @@ def histogram(grads: list[torch.Tensor], periods: list[int], counts: torch.Tenso
     for (dtype, rows, cols), members in groups.items():
         if _capturing(counts):
             for grad, blocks, period in members:
-                K.histogram_kernel[(triton_cdiv(blocks, rows),)](
+                S.histogram_kernel[(triton_cdiv(blocks, rows),)](
                     grad, counts, blocks, period, grad.numel(), ROWS=rows, COLS=cols, enable_fp_fusion=False
                 )
             continue
@@ -530,7 +532,7 @@ def histogram(grads: list[torch.Tensor], periods: list[int], counts: torch.Tenso
         for grad, blocks, period in members:
             table += (grad.data_ptr(), blocks, period, grad.numel())
             starts.append(starts[-1] + triton_cdiv(blocks, rows))
-        K.histogram_list_kernel[(starts[-1],)](
+        S.histogram_list_kernel[(starts[-1],)](
             on_device(table, torch.int64, counts.device), on_device(starts, torch.int64, counts.device),
             len(members), counts, G_DTYPE=_POINTER_DTYPES[dtype], ROWS=rows, COLS=cols,
             SEARCH=len(members).bit_length(), enable_fp_fusion=False,
@@ -585,7 +587,7 @@ def _launch_muon_list(
                 period,
             )
             starts.append(starts[-1] + triton_cdiv(blocks, rows))
-        K.muon_list_kernel[(starts[-1],)](
+        M.muon_list_kernel[(starts[-1],)](
             on_device(table, torch.int64, device), on_device(starts, torch.int64, device), len(members), codebook,
             G_DTYPE=_POINTER_DTYPES[dtype], ROWS=rows, COLS=cols, STOCHASTIC=sr_seeds is not None,
             NESTEROV=nesterov, OUT_BF16=out_bf16, SEARCH=len(members).bit_length(), enable_fp_fusion=False,
@@ -631,7 +633,7 @@ def muon_momentum(
         blocks, period = indices[index].shape
         rows, cols = _tile(blocks, period)
         seed = _seed_of(sr_seeds, index)
-        K.muon_momentum_kernel[(triton_cdiv(blocks, rows),)](
+        M.muon_momentum_kernel[(triton_cdiv(blocks, rows),)](
             grad,
             indices[index],
             magnitudes[index],
