@@ -50,6 +50,22 @@ def test_the_functional_update_is_the_optimizers_step_bit_for_bit(options: dict[
         assert _same_state(optimizer.state[param], state)
 
 
+def test_fused_true_requires_the_kernels_each_variant_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fused=True`` asks for the op each second moment steps with (a narrow matrix's is
+    ``element_step``, not the factored pair), and nothing else."""
+    from gefen_core import ops
+
+    params, optimizer = _trained()
+    states = [copy.deepcopy(optimizer.state[param]) for param in params]
+    tensors = [param.detach().clone() for param in params]
+    required: list[str] = []
+    monkeypatch.setattr(ops.Kernels, "require", lambda self, op, device: required.append(op))
+    codebook = optimizer.codebook
+    assert codebook is not None
+    gefen(tensors, [torch.randn_like(t) for t in tensors], states, codebook=codebook, lr=1e-2, fused=True)
+    assert sorted(required) == sorted([ops.BLOCK_STEP, ops.FACTORED_MOMENTS, ops.FACTORED_STEP, ops.ELEMENT_STEP])
+
+
 def test_stochastic_rounding_takes_the_optimizers_seeds() -> None:
     params, optimizer = _trained(stochastic_round=True)
     tensors = [param.detach().clone() for param in params]

@@ -25,11 +25,11 @@ import torch
 from .codebook import validate_codebook
 from .distributed import is_dtensor
 from .errors import GefenOptionError, ParameterError
-from .ops import BLOCK_STEP, FACTORED_MOMENTS, FACTORED_STEP, Kernels
+from .ops import Kernels
 from .param_groups import normalize_group_options
-from .param_state import BLOCK, STEP, state_variant
+from .param_state import STEP, state_variant
 from .parameter_update import update_parameters
-from .step_plan import ParamWork, check_gradient, check_state
+from .step_plan import ParamWork, check_gradient, check_state, update_ops
 
 __all__ = ["gefen"]
 
@@ -87,7 +87,7 @@ def gefen(
         )
     if fused is True:
         for variant, device in buckets:
-            for op in (BLOCK_STEP,) if variant == BLOCK else (FACTORED_MOMENTS, FACTORED_STEP):
+            for op in update_ops(variant):
                 dispatch.require(op, device)
     for (_, device), works in buckets.items():
         bucket_seeds = None if seeds is None else seeds[[work.slot for work in works]].to(device)

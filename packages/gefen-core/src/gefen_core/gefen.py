@@ -324,7 +324,9 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
             return loss
         plan = gefen_step.plan(self)
-        unscale_gradients(self, [w.param.grad for w in plan.works if w.param.grad is not None])
+        unscale_gradients(
+            self, (w.param.grad for w in plan.works if w.param.grad is not None)
+        )  # lazy: no scaler, no walk
         for work in plan.works:
             if work.state_device_differs:
                 gefen_step.move_state(work)

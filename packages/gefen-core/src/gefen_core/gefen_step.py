@@ -96,16 +96,19 @@ def decide(optimizer: Gefen, plan: StepPlan) -> StepDecision:
     def work_period(work: ParamWork) -> int:
         return periods[work.slot] if work.slot in periods else period_of(work.state)  # type: ignore[arg-type]
 
-    learners = [w for w in works if w.state or w.slot in periods]
-    mesh = learning_mesh(w.param for w in works)
+    # (raises for DTensors on meshes over different ranks, on every step)
+    mesh = learning_mesh(w.param for w in works) if plan.has_dtensors else None
     old_codebook = optimizer._codebook
     new_codebook = old_codebook
+    refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
+    if old_codebook is not None and not plan.refresh_due:  # a steady step learns nothing
+        return stage_decision(optimizer, starting, [], periods, new_codebook, refreshed)
+    learners = [w for w in works if w.state or w.slot in periods]
     if old_codebook is None:
         contributing = [(w, work_period(w)) for w in learners if locally_nonzero(w)]
         if contributing or mesh is not None:
             new_codebook = _learn(optimizer, contributing, mesh)
-    refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []
-    if plan.refresh_due and old_codebook is not None:
+    else:
         relearned = _learn(optimizer, [(w, work_period(w)) for w in learners], mesh)
         if relearned is not None:
             refreshed = requantize_all(optimizer, old_codebook, relearned)

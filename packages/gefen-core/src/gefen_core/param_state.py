@@ -56,20 +56,21 @@ __all__ = [
     "ELEMENT_KEYS",
     "FACTORED",
     "FACTORED_KEYS",
+    "FACTORED_STEP",
     "INDICES",
     "MAGNITUDE",
     "MOMENTUM_MEANING",
     "PARAMETER_FIELDS",
     "STEP",
     "V",
-    "V_COL",
-    "V_ROW",
     "VARIANT_FIELDS",
     "VARIANT_KEYS",
+    "VARIANT_MARKERS",
     "VMEAN",
     "VMEAN_STEP",
+    "V_COL",
+    "V_ROW",
     "V_STEP",
-    "FACTORED_STEP",
     "blocked_codes",
     "counter_value",
     "element_codes",
@@ -78,8 +79,8 @@ __all__ = [
     "period_of",
     "second_moment_variant",
     "state_nbytes",
-    "storage_bytes",
     "state_variant",
+    "storage_bytes",
     "switch_second_moment",
     "zero_padding",
 ]
@@ -141,6 +142,8 @@ COUNTER_KEYS = (STEP, VMEAN_STEP, FACTORED_STEP, V_STEP)
 #: Every variant's second-moment keys (what a switch of variant replaces).
 _SECOND_MOMENT_KEYS = tuple(key for keys in VARIANT_FIELDS.values() for key in keys if key not in _COMMON)
 AGE_KEYS = {BLOCK: VMEAN_STEP, FACTORED: FACTORED_STEP, ELEMENT: V_STEP}
+#: The key only each variant's second moment holds (what :func:`state_variant` reads).
+VARIANT_MARKERS = {FACTORED: V_ROW, ELEMENT: V, BLOCK: VMEAN}
 
 
 def second_moment_variant(shape: Sequence[int], options: Mapping[str, Any]) -> str:

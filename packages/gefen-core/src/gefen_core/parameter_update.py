@@ -22,9 +22,9 @@ from .param_state import (
     STEP,
     V_COL,
     V_ROW,
+    VARIANT_MARKERS,
     VMEAN,
     V,
-    state_variant,
     switch_second_moment,
 )
 from .reference_ops import scalars_of
@@ -145,13 +145,16 @@ def update_parameters(
     variant = works[0].variant
     factored = variant == FACTORED
     age_key = AGE_KEYS[variant]
+    marker = VARIANT_MARKERS[variant]
     states: list[dict[str, Any]] = []
     targets: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
+    indices: list[torch.Tensor] = []
+    magnitudes: list[torch.Tensor] = []
     for work in works:
         state = work.state
         assert state is not None
-        if state_variant(state) != variant:
+        if marker not in state:
             switch_second_moment(state, variant, work.local, capturable)
         if not capturable:  # ints here; capturable counters are device tensors, advanced below
             state[STEP] += 1
@@ -160,6 +163,8 @@ def update_parameters(
         local = work.local
         targets.append(local if local.is_contiguous() else local.contiguous())
         grads.append(work.grad.contiguous())
+        indices.append(state[INDICES])
+        magnitudes.append(state[MAGNITUDE])
     if capturable:  # device counters, advanced in place by one op for the bucket
         torch._foreach_add_([s[STEP] for s in states] + [s[age_key] for s in states], 1)
     scalars = _scalars(states, group, variant, works[0].local.device, capturable)
@@ -168,8 +173,6 @@ def update_parameters(
         "maximize": bool(group["maximize"]),
         "deterministic": deterministic,
     }
-    indices = [s[INDICES] for s in states]
-    magnitudes = [s[MAGNITUDE] for s in states]
     # the ops are called here, not through helpers: the fused path stays five frames deep
     if factored:
         v_cols = [s[V_COL] for s in states]

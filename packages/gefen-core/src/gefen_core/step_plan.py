@@ -20,7 +20,6 @@ from .errors import CaptureError, GradientError, ParameterError
 from .ops import BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, Kernels
 from .param_groups import check_group_options
 from .param_state import (
-    BLOCK,
     ELEMENT,
     FACTORED,
     INDICES,
@@ -33,7 +32,16 @@ from .param_state import (
 )
 from .periods import RAGGED_PERIOD
 
-__all__ = ["ParamWork", "StepDecision", "StepPlan", "capturing", "check_gradient", "check_state", "plan_step"]
+__all__ = [
+    "ParamWork",
+    "StepDecision",
+    "StepPlan",
+    "capturing",
+    "check_gradient",
+    "check_state",
+    "plan_step",
+    "update_ops",
+]
 
 #: Parameter types that are neither DTensors nor other tensor subclasses.
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -73,6 +81,7 @@ class ParamWork:
 class StepPlan:
     works: list[ParamWork] = field(default_factory=list)
     refresh_due: bool = False
+    has_dtensors: bool = False  # whether a stepping parameter is a DTensor
 
 
 @dataclass(slots=True)
@@ -130,18 +139,20 @@ def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) ->
 
 def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], str]) -> bool:
     """Validate a live state against its parameter; return whether its tensors must move device."""
-    numel = local.numel()
     indices = state[INDICES]
-    shape = indices.shape
-    period = shape[-1] if shape else 0
-    # the codes cover the elements: exactly, or (block path) ragged blocks with their padding
-    # (the ragged test only runs when the sizes differ: this check is on every step's path)
+    numel = local.numel()
     codes = indices.numel()
-    if len(shape) != 2 or period < 1 or not (codes == numel or _ragged_cover(state, period, codes, numel)):
-        raise ParameterError(
-            f"{where()}: the optimizer state was created for {codes} elements in blocks of {period}, "
-            f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
-        )
+    # the common case first, one attribute read per fact (this check is on every step's path):
+    # the codes cover the elements exactly, in a 2-D [blocks, period] tensor
+    if codes != numel or indices.dim() != 2 or not codes:
+        shape = indices.shape
+        period = shape[-1] if shape else 0
+        # or (block path) ragged blocks with their padding
+        if len(shape) != 2 or period < 1 or not (codes == numel or _ragged_cover(state, period, codes, numel)):
+            raise ParameterError(
+                f"{where()}: the optimizer state was created for {codes} elements in blocks of {period}, "
+                f"but the local parameter now has {numel}; the parameter was replaced or resized after its first step"
+            )
     if V_ROW in state:
         shape = local.shape
         if len(shape) != 2 or state[V_ROW].numel() != shape[0] or state[V_COL].numel() != shape[1]:
@@ -194,10 +205,12 @@ def plan_step(
             else:
                 check_gradient(param, grad, _place(group_index, position, name))
                 local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
+                plan.has_dtensors = plan.has_dtensors or is_dtensor(param)
             live = state.get(param)
             variant = second_moment_variant(shape, group)
-            work = ParamWork(group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None)
-            work.position = position
+            work = ParamWork(
+                group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None, False, position
+            )
             if live:
                 work.state_device_differs = check_state(live, local, work.where)
                 if work.state_device_differs and capturable:
@@ -223,8 +236,12 @@ def plan_step(
     return plan
 
 
-#: The op that steps each second-moment variant.
-_STEP_OPS = {BLOCK: BLOCK_STEP, ELEMENT: ELEMENT_STEP, FACTORED: FACTORED_STEP}
+def update_ops(variant: str, *, row_sharded: bool = False) -> tuple[str, ...]:
+    """The ops that update a parameter of ``variant`` (the statistics of a row-sharded factored
+    matrix come from ``factored_stats`` and an all-reduce, the others' from ``factored_moments``)."""
+    if variant == FACTORED:
+        return (FACTORED_STATS if row_sharded else FACTORED_MOMENTS, FACTORED_STEP)
+    return (ELEMENT_STEP,) if variant == ELEMENT else (BLOCK_STEP,)
 
 
 def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
@@ -234,8 +251,6 @@ def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
         device = work.local.device
         if learns:
             needed.add((HISTOGRAM, device))
-        needed.add((_STEP_OPS[work.variant], device))
-        if work.variant == FACTORED:
-            needed.add((FACTORED_STATS if work.row_sharded else FACTORED_MOMENTS, device))
+        needed.update((op, device) for op in update_ops(work.variant, row_sharded=work.row_sharded))
     for op, device in sorted(needed, key=str):
         dispatch.require(op, device)

@@ -145,19 +145,21 @@ def _blocked_rows(
     rows: list[int] = []
     try:
         for p, g, q, m, v in zip(params, grads, indices, magnitudes, seconds, strict=True):
-            code = _DTYPE_CODES[p.dtype]
+            dtype = p.dtype
+            code = _DTYPE_CODES[dtype]
             blocks, period = q.shape
+            shape = p.shape
             numel = p.numel()
             codes = blocks * period
             if not (
-                g.dtype is p.dtype
+                g.dtype is dtype
                 and q.dtype is _U8
                 and m.dtype is _F32
                 and v.dtype is _F32
-                and g.shape == p.shape
+                and g.shape == shape
                 and m.numel() == blocks
                 and (
-                    (codes == numel and v.shape == p.shape)
+                    (codes == numel and v.shape == shape)
                     if per_element
                     else (codes - period < numel <= codes and v.numel() == blocks)
                 )
@@ -273,16 +275,18 @@ def _factored_rows(
     rows: list[int] = []
     try:
         for p, g, q, m, r, c in zip(params, grads, indices, magnitudes, row_factors, v_cols, strict=True):
-            code = _DTYPE_CODES[p.dtype]
+            dtype = p.dtype
+            code = _DTYPE_CODES[dtype]
             blocks, period = q.shape
-            height, width = p.shape
+            shape = p.shape
+            height, width = shape
             if not (
-                g.dtype is p.dtype
+                g.dtype is dtype
                 and q.dtype is _U8
                 and m.dtype is _F32
                 and r.dtype is _F32
                 and c.dtype is _F32
-                and g.shape == p.shape
+                and g.shape == shape
                 and blocks * period == height * width
                 and m.numel() == blocks
                 and r.numel() == height
