@@ -358,7 +358,8 @@ def test_bench_dcp_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 0
     document = _check_files(tmp_path, "dcp")
     report = read_report(tmp_path / "dcp.json")
-    metrics = {f"{op}_{kind}" for op in ("save", "async_save", "load") for kind in ("seconds", "peak_bytes_per_param")}
+    operations = ("first_save", "save", "async_save", "load")
+    metrics = {f"{op}_{kind}" for op in operations for kind in ("seconds", "peak_bytes_per_param")}
     for arm in ("torch-dcp-adamw", "gefen"):
         assert {row.metric for row in report.rows if row.name == f"tiny/1ranks/{arm}"} == {
             *metrics,
