@@ -51,6 +51,31 @@ def test_the_reader_reads_what_torch_reads(tmp_path: Path) -> None:
     assert ours.planner_data == theirs.planner_data
 
 
+def test_small_items_are_read_whole_and_large_ones_through_torchs_view(tmp_path: Path) -> None:
+    """The reader buffers an item of at most ``BUFFERED_ITEM_BYTES`` (one read instead of a
+    Python call per unpickler read) and hands larger ones to torch's view; both load the same
+    tensors. The hook it overrides must still be torch's."""
+    import io
+
+    from gefen_dcp.metadata_reader import BUFFERED_ITEM_BYTES
+
+    assert "_slice_file" in vars(FileSystemReader)  # renamed in torch: the override would be dead
+    small, large = torch.arange(10.0), torch.arange(float(BUFFERED_ITEM_BYTES // 4 + 1))
+    dcp.save({"small": small, "large": large}, checkpoint_id=tmp_path)
+    reader = GefenFileSystemReader(tmp_path)
+    metadata = reader.read_metadata()
+    kinds = {}
+    for index, info in metadata.storage_data.items():
+        with open(tmp_path / info.relative_path, "rb") as stream:
+            view = reader._slice_file(stream, info)
+            kinds[index.fqn] = type(view) is io.BytesIO
+            assert torch.equal(torch.load(view, weights_only=True), {"small": small, "large": large}[index.fqn])
+    assert kinds == {"small": True, "large": False}
+    loaded = {"small": torch.zeros(10), "large": torch.zeros_like(large)}
+    dcp.load(loaded, storage_reader=GefenFileSystemReader(tmp_path))
+    assert torch.equal(loaded["small"], small) and torch.equal(loaded["large"], large)
+
+
 def test_a_hostile_metadata_is_refused_and_runs_nothing(tmp_path: Path) -> None:
     model, optimizer = _saved(tmp_path)
     marker = tmp_path.parent / f"{tmp_path.name}-marker"

@@ -61,7 +61,7 @@ def chunk_digest(tensor: torch.Tensor) -> str:
         raise ValueError("chunk_digest needs a CPU tensor")
     if sys.byteorder == "big" and data.element_size() > 1:  # pragma: no cover - little-endian CI
         raise ValueError("chunk digests are defined on little-endian bytes; big-endian hosts are not supported")
-    return hashlib.sha256(data.view(torch.uint8).numpy()).hexdigest()  # the buffer itself: no copy of the chunk
+    return hashlib.sha256(data.view(torch.uint8).numpy().data).hexdigest()  # the buffer itself, no copy
 
 
 @dataclass(frozen=True, slots=True)
