@@ -23,7 +23,7 @@ parameter, ``gefen.dense_shard_state``) are refused naming both versions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gefen_contracts import CodecError
@@ -101,6 +101,7 @@ class DcpStateEnvelope:
     skeleton: object
     tensors: dict[str, TensorEntry]
     save_id: str
+    _digest: list[str] = field(default_factory=list, repr=False)  # memo of digest(): the fields never change
 
     def body(self) -> dict[str, object]:
         """The primitive record the digest covers."""
@@ -114,13 +115,17 @@ class DcpStateEnvelope:
         }
 
     def digest(self) -> str:
-        return canonical_digest(self.body())
+        """The digest of :meth:`body` (computed once: a save asks for it when the ranks agree on
+        the layout, when it encodes the envelope and when an async save snapshots)."""
+        if not self._digest:
+            self._digest.append(canonical_digest(self.body()))
+        return self._digest[0]
 
 
 def encode_envelope(envelope: DcpStateEnvelope, *, limits: PortableStateLimits) -> bytes:
     """Canonical bytes of ``envelope`` with its digest."""
     body = envelope.body()
-    return dump_canonical({**body, "digest": canonical_digest(body)}, limits=limits, what="DCP state envelope")
+    return dump_canonical({**body, "digest": envelope.digest()}, limits=limits, what="DCP state envelope")
 
 
 def _tensor_entry(key: object, record: object, limits: PortableStateLimits) -> TensorEntry:
