@@ -63,15 +63,8 @@ def shard_geometry(parameter: object, *, where: str) -> ShardGeometry:
         mesh = parameter.device_mesh  # type: ignore[attr-defined]
         if mesh.get_coordinate() is None:
             raise CheckpointLayoutError(f"{where}: this process is not in the parameter's device mesh")
-        chunks = parameter.__create_chunk_list__()  # type: ignore[attr-defined]
-        if len(chunks) != 1:
-            raise CheckpointLayoutError(f"{where}: a DTensor local shard must be one box, got {len(chunks)} chunks")
-        chunk = chunks[0]
-        geometry = ShardGeometry(
-            tuple(int(d) for d in parameter.shape),  # type: ignore[attr-defined]
-            tuple(int(o) for o in chunk.offsets),
-            tuple(int(s) for s in chunk.sizes),
-        )
+        global_shape = tuple(int(d) for d in parameter.shape)  # type: ignore[attr-defined]
+        geometry = _placed_box(global_shape, mesh, tuple(parameter.placements))  # type: ignore[attr-defined]
         local_shape = tuple(int(d) for d in local_tensor(parameter).shape)  # type: ignore[arg-type]
         if local_shape != geometry.sizes:
             raise CheckpointLayoutError(
