@@ -44,6 +44,9 @@ ENVELOPE = DcpStateEnvelope(
         "state/0/v_col": TensorEntry(torch.float32, (3,), "replicated"),
         "state/1/momentum": TensorEntry(torch.float32, (3,), "like_parameter"),
         "codebook": TensorEntry(torch.float32, (4,), "plain"),
+        "state/0/scale+v_row": TensorEntry(
+            torch.float32, (4, 3), "like_parameter", (("state/0/scale", (2,)), ("state/0/v_row", ()))
+        ),
     },
     "0123456789abcdef0123456789abcdef",
 )
@@ -88,18 +91,19 @@ def test_skeleton_rebuilds_the_state_dict_exactly() -> None:
 
 def test_envelope_golden_vector() -> None:
     encoded = encode_envelope(ENVELOPE, limits=LIMITS)
-    golden = _golden("dcp_state_envelope_v3.json", encoded)
+    golden = _golden("dcp_state_envelope_v4.json", encoded)
     assert encoded == golden
     assert ENVELOPE.digest() == json.loads(golden)["digest"]
     decoded = decode_envelope(golden, limits=LIMITS)
     assert encode_envelope(decoded, limits=LIMITS) == golden
     assert decoded.implementation == "vendor.Optimizer"
     assert decoded.tensors["state/0/codes"] == TensorEntry(torch.uint8, (4, 3), "like_parameter")
+    assert decoded.tensors["state/0/scale+v_row"].members == (("state/0/scale", (2,)), ("state/0/v_row", ()))
     assert json.loads(golden)["format"] == DCP_STATE_FORMAT
 
 
 def _mutated(change: object) -> bytes:
-    value = json.loads((GOLDEN / "dcp_state_envelope_v3.json").read_bytes())
+    value = json.loads((GOLDEN / "dcp_state_envelope_v4.json").read_bytes())
     change(value)  # type: ignore[operator]
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -108,7 +112,7 @@ def _mutated(change: object) -> bytes:
     "change",
     [
         lambda v: v["tensors"]["codebook"].update(placement="replicated"),  # content changed, digest not
-        lambda v: v.update(format_version=4),
+        lambda v: v.update(format_version=5),
         lambda v: v.update(format="gefen.other"),
         lambda v: v.update(save_id="not hex"),
         lambda v: v.pop("skeleton"),
@@ -122,15 +126,42 @@ def test_envelope_refuses_tampering(change: object) -> None:
         decode_envelope(_mutated(change), limits=LIMITS)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda v: v["members"][0].__setitem__(1, [3]), "widths must add up"),  # 3 + 1 columns for 3
+        (lambda v: v["members"].pop(), "two or more members"),
+        (lambda v: v.update(placement="replicated"), "placed like its parameter"),
+        (lambda v: v.update(members=[["state/0/a", []], ["state/0/a", [2]]]), "each key once"),
+        (lambda v: v.update(members="state/0/a"), "two or more members"),
+    ],
+    ids=["widths", "one_member", "placement", "duplicate", "not_a_list"],
+)
+def test_a_malformed_row_pack_is_refused_even_with_a_matching_digest(change: object, message: str) -> None:
+    """The members are checked after the digest: a writer that signs a bad pack is refused too."""
+    value = json.loads((GOLDEN / "dcp_state_envelope_v4.json").read_bytes())
+    change(value["tensors"]["state/0/scale+v_row"])  # type: ignore[operator]
+    body = {k: v for k, v in value.items() if k != "digest"}
+    from gefen_contracts.digest import canonical_digest
+
+    value["digest"] = canonical_digest(body)
+    data = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    with pytest.raises(EnvelopeFormatError, match=message):
+        decode_envelope(data, limits=LIMITS)
+
+
 def test_version_1_envelope_is_refused_naming_both_versions() -> None:
     old = json.dumps({"format": "gefen.dense_shard_state", "format_version": 1}, separators=(",", ":")).encode()
     with pytest.raises(
-        EnvelopeFormatError, match=r"'gefen\.dense_shard_state' version 1.*'gefen\.dcp_state' version 3"
+        EnvelopeFormatError, match=r"'gefen\.dense_shard_state' version 1.*'gefen\.dcp_state' version 4"
     ):
         decode_envelope(old, limits=LIMITS)
-    previous = json.dumps({"format": "gefen.dcp_state", "format_version": 2}, separators=(",", ":")).encode()
-    with pytest.raises(EnvelopeFormatError, match=r"'gefen\.dcp_state' version 2; this library reads version 3"):
-        decode_envelope(previous, limits=LIMITS)
+    for version in (2, 3):
+        previous = json.dumps({"format": "gefen.dcp_state", "format_version": version}, separators=(",", ":"))
+        with pytest.raises(
+            EnvelopeFormatError, match=rf"'gefen\.dcp_state' version {version}; this library reads version 4"
+        ):
+            decode_envelope(previous.encode(), limits=LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +181,7 @@ def test_envelope_parser_refuses_non_canonical_bytes(data: bytes) -> None:
 
 
 def test_envelope_limits_are_enforced_before_parsing() -> None:
-    golden = (GOLDEN / "dcp_state_envelope_v3.json").read_bytes()
+    golden = (GOLDEN / "dcp_state_envelope_v4.json").read_bytes()
     small = PortableStateLimits(max_metadata_bytes=len(golden) - 1)
     with pytest.raises(EnvelopeFormatError, match="max_metadata_bytes"):
         decode_envelope(golden, limits=small)

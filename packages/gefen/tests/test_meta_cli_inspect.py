@@ -302,7 +302,10 @@ def test_gefen_dcp_state_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_pa
     folder = inspect_checkpoint(root)
     assert folder.ok, folder.format_text()
     (child,) = folder.children
-    assert child.format == "gefen.dcp_state" and child.format_version == 3 and len(child.parameters) == 4
+    from gefen_dcp import DCP_STATE_FORMAT_VERSION
+
+    assert child.format == "gefen.dcp_state" and child.format_version == DCP_STATE_FORMAT_VERSION
+    assert len(child.parameters) == 4
     first = {p.name: p for p in child.parameters}["state/0"]
     assert first.shape == (32, 16) and first.state_bytes == 32 * 16 + 32 * 4  # int8 codes + fp32 row scales
     codes = optimizer.state_dict()["state"][0]["momentum_int8"]

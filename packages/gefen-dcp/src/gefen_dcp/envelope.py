@@ -1,4 +1,4 @@
-"""The DCP state envelope, ``gefen.dcp_state`` version 3.
+"""The DCP state envelope, ``gefen.dcp_state`` version 4.
 
 One envelope per checkpoint holds everything about an optimizer's saved state that is not
 tensor data: the implementation name, the skeleton of its native state dict
@@ -8,7 +8,8 @@ stored as a 1-D ``uint8`` tensor of canonical JSON::
 
     {"format": "gefen.dcp_state", "format_version": 3,
      "save_id": "<32 hex>", "implementation": str, "skeleton": {...},
-     "tensors": {key: {"dtype": str, "shape": [int...], "placement": str}},
+     "tensors": {key: {"dtype": str, "shape": [int...], "placement": str,
+                       "members": [[key, [int...]], ...]}},   (members: row packs only)
      "digest": "<sha256 of the rest, gefen_contracts.digest.canonical_digest>"}
 
 Placement classes: ``like_parameter`` (a DTensor on its parameter's mesh with the
@@ -17,12 +18,15 @@ parameter's placements, e.g. momentum codes or per-row scales under FSDP2),
 ``plain`` (an ordinary tensor equal on every rank, e.g. a codebook or a counter).
 ``save_id`` is one random 128-bit identity per save, agreed by every rank and repeated in
 every writer's digest table (:mod:`gefen_dcp.digest_table`), so data files mixed from two
-saves are refused. Version 2 (no ``save_id``) and version 1 (dense fp32 fields per
-parameter, ``gefen.dense_shard_state``) are refused naming both versions.
+saves are refused. A row pack (:mod:`gefen_dcp.row_packs`) lists its ``members``: the
+fields it holds side by side, each with its shape past the first dimension. Version 3 (no row
+packs), version 2 (no ``save_id``) and version 1 (dense fp32 fields per parameter,
+``gefen.dense_shard_state``) are refused naming both versions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +54,7 @@ __all__ = [
 ]
 
 DCP_STATE_FORMAT = "gefen.dcp_state"
-DCP_STATE_FORMAT_VERSION = 3
+DCP_STATE_FORMAT_VERSION = 4
 _OLD_FORMATS = {"gefen.dense_shard_state": 1}
 LIKE_PARAMETER = "like_parameter"
 REPLICATED = "replicated"
@@ -79,18 +83,24 @@ def _dtype(name: object, where: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """One saved tensor: its dtype, global shape and placement class."""
+    """One saved tensor: its dtype, global shape and placement class; for a row pack
+    (:mod:`gefen_dcp.row_packs`), its members as ``(key, shape past the first dimension)``
+    in column order."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     placement: str
+    members: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def record(self) -> dict[str, object]:
         try:
             name = dtype_name(self.dtype)
         except CodecError as exc:
             raise _fail(f"a state tensor cannot be saved: {exc}") from None
-        return {"dtype": name, "shape": list(self.shape), "placement": self.placement}
+        record: dict[str, object] = {"dtype": name, "shape": list(self.shape), "placement": self.placement}
+        if self.members:
+            record["members"] = [[key, list(trailing)] for key, trailing in self.members]
+        return record
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -128,20 +138,43 @@ def encode_envelope(envelope: DcpStateEnvelope, *, limits: PortableStateLimits) 
     return dump_canonical({**body, "digest": envelope.digest()}, limits=limits, what="DCP state envelope")
 
 
-def _tensor_entry(key: object, record: object, limits: PortableStateLimits) -> TensorEntry:
-    where = f"envelope tensors[{key!r}]"
-    if type(record) is not dict or set(record) != _TENSOR_KEYS:
-        raise _fail(f"{where} must be a dict with keys {sorted(_TENSOR_KEYS)}")
-    shape = record["shape"]
-    if type(shape) is not list or len(shape) > limits.max_tensor_rank:
-        raise _fail(f"{where}.shape must be a list of at most {limits.max_tensor_rank} ints")
+def _dims(value: object, where: str, limits: PortableStateLimits) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > limits.max_tensor_rank:
+        raise _fail(f"{where} must be a list of at most {limits.max_tensor_rank} ints")
     try:
-        dims = tuple(exact_int(d, f"{where}.shape[{i}]", minimum=0, maximum=2**63 - 1) for i, d in enumerate(shape))
+        return tuple(exact_int(d, f"{where}[{i}]", minimum=0, maximum=2**63 - 1) for i, d in enumerate(value))
     except (TypeError, ValueError) as exc:
         raise _fail(str(exc)) from None
+
+
+def _members(
+    value: object, where: str, shape: tuple[int, ...], limits: PortableStateLimits
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A row pack's members: two or more ``[key, trailing dims]`` whose widths add up to the
+    pack's second dimension."""
+    if type(value) is not list or not 2 <= len(value) <= limits.max_tensors or len(shape) != 2:
+        raise _fail(f"{where} must list two or more members of a 2-D pack")
+    members = []
+    for i, item in enumerate(value):
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not str or not item[0]:
+            raise _fail(f"{where}[{i}] must be [key, [dims...]]")
+        members.append((item[0], _dims(item[1], f"{where}[{i}][1]", limits)))
+    if sum(math.prod(trailing) for _, trailing in members) != shape[1] or len({k for k, _ in members}) != len(members):
+        raise _fail(f"{where}: the members' widths must add up to the pack's {shape[1]} columns, each key once")
+    return tuple(members)
+
+
+def _tensor_entry(key: object, record: object, limits: PortableStateLimits) -> TensorEntry:
+    where = f"envelope tensors[{key!r}]"
+    if type(record) is not dict or not _TENSOR_KEYS <= set(record) <= _TENSOR_KEYS | {"members"}:
+        raise _fail(f"{where} must be a dict with keys {sorted(_TENSOR_KEYS)} (and 'members' for a row pack)")
+    dims = _dims(record["shape"], f"{where}.shape", limits)
     if record["placement"] not in PLACEMENTS:
         raise _fail(f"{where}.placement must be one of {list(PLACEMENTS)}, got {record['placement']!r}")
-    return TensorEntry(_dtype(record["dtype"], where), dims, record["placement"])
+    members = _members(record["members"], f"{where}.members", dims, limits) if "members" in record else ()
+    if members and record["placement"] != LIKE_PARAMETER:
+        raise _fail(f"{where}: a row pack is placed like its parameter, got {record['placement']!r}")
+    return TensorEntry(_dtype(record["dtype"], where), dims, record["placement"], members)
 
 
 def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnvelope:
@@ -158,7 +191,7 @@ def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnve
         if type(version) is not int or version != DCP_STATE_FORMAT_VERSION:
             raise _fail(
                 f"this checkpoint holds {DCP_STATE_FORMAT!r} version {version!r}; this library reads version "
-                f"{DCP_STATE_FORMAT_VERSION} (which binds every writer to one save): re-save it"
+                f"{DCP_STATE_FORMAT_VERSION} (row packs; every writer bound to one save): re-save it"
             )
     if type(value) is not dict or set(value) != _TOP_KEYS:
         raise _fail(f"the DCP state envelope must be a dict with keys {sorted(_TOP_KEYS)}")

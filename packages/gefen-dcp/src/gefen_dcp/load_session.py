@@ -38,6 +38,7 @@ from .envelope import (
 )
 from .errors import CheckpointIntegrityError, CheckpointLayoutError, EnvelopeFormatError
 from .geometry import ShardGeometry, is_dtensor, local_box
+from .row_packs import Member, unpacked
 from .save_session import SaveSession
 from .skeleton import parameter_index, rebuild
 
@@ -300,10 +301,8 @@ class LoadSession:
                     f"recorded when it was written"
                 )
 
-    def _placed(self, name: str) -> torch.Tensor:
-        """The loaded tensor ``name`` as this rank's optimizer holds it."""
-        local = self.destinations[name]
-        placement = self.placements[name]
+    def _placed(self, name: str, local: torch.Tensor, placement: str, global_shape: tuple[int, ...]) -> torch.Tensor:
+        """The loaded tensor ``name`` (its ``local`` piece) as this rank's optimizer holds it."""
         if placement == PLAIN:
             return local
         index = parameter_index(name)
@@ -315,7 +314,7 @@ class LoadSession:
 
         mesh = parameter.device_mesh
         placements = parameter.placements if placement == LIKE_PARAMETER else (Replicate(),) * mesh.ndim
-        shape = torch.Size(self.boxes[name].global_shape)
+        shape = torch.Size(global_shape)
         stride = torch.empty(shape, device="meta").stride()
         device = parameter.to_local().device
         return DTensor.from_local(local.to(device), mesh, placements, run_check=False, shape=shape, stride=stride)
@@ -349,9 +348,25 @@ class LoadSession:
                     f"state tensor {name!r}: stored as {self.placements[name]}, the envelope says {entry.placement}"
                 )
 
+        # a row pack's members, cut out of the pack (each named once: the envelope's check)
+        members: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        for pack, entry in envelope.tensors.items():
+            if entry.members:
+                rows = entry.shape[0]
+                cut = unpacked(self.destinations[pack], tuple(Member(k, t) for k, t in entry.members))
+                for key, trailing in entry.members:
+                    if key in members or key in envelope.tensors or parameter_index(key) != parameter_index(pack):
+                        raise EnvelopeFormatError(
+                            f"row pack {pack!r} names member {key!r} twice or of another parameter"
+                        )
+                    members[key] = (cut[key], (rows, *trailing))
+
         def tensor(name: str) -> torch.Tensor:
-            if name not in self.destinations:
+            if name in members:
+                local, global_shape = members[name]
+                return self._placed(name, local, LIKE_PARAMETER, global_shape)
+            if name not in self.destinations or envelope.tensors[name].members:
                 raise EnvelopeFormatError(f"the skeleton names tensor {name!r}, which the checkpoint does not hold")
-            return self._placed(name)
+            return self._placed(name, self.destinations[name], self.placements[name], self.boxes[name].global_shape)
 
         return envelope, rebuild(envelope.skeleton, tensor)

@@ -38,6 +38,7 @@ from .envelope import LIKE_PARAMETER, PLAIN, REPLICATED, DcpStateEnvelope, Tenso
 from .errors import CheckpointLayoutError, PlannerRequiredError
 from .geometry import is_dtensor
 from .load_session import LoadSession
+from .row_packs import pack_rows
 from .save_session import SaveSession
 from .skeleton import parameter_index, split
 from .standins import GefenDCPStateDict
@@ -151,15 +152,19 @@ class GefenDCPState(Stateful):
         parameters = tuple(p for group in optimizer.param_groups for p in group["params"])  # type: ignore[attr-defined]
         skeleton, tensors = split(optimizer.state_dict())  # type: ignore[attr-defined]
         geometry = _field_geometry(optimizer)
+        placements = {key: _placement(key, tensor, parameters, geometry) for key, tensor in tensors.items()}
+        stored, packs = pack_rows(tensors, placements, geometry)
         entries = {}
-        for key, tensor in tensors.items():
-            placement = _placement(key, tensor, parameters, geometry)
-            entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement)
+        for key, tensor in stored.items():
+            members = tuple((m.key, m.trailing) for m in packs.get(key, ()))
+            placement = LIKE_PARAMETER if members else placements[key]
+            entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement, members)
         envelope = DcpStateEnvelope(implementation, skeleton, entries, save_id)
-        return SaveSession(envelope=envelope, tensors=tensors, parameters=parameters, writer=writer, limits=self.limits)
+        return SaveSession(envelope=envelope, tensors=stored, parameters=parameters, writer=writer, limits=self.limits)
 
     def state_dict(self) -> dict[str, Any]:
-        """The state dict DCP saves (collective; see the class docstring). Nothing is copied."""
+        """The state dict DCP saves (collective; see the class docstring). Nothing is copied but
+        the small per-row fields packed side by side (:mod:`gefen_dcp.row_packs`)."""
         binding = checkpoint_binding(self.process_group)
         save_id = shared_save_id(binding)
         session: SaveSession | None = None

@@ -108,10 +108,12 @@ def _dcp_state(
     kind = "DCP optimizer state (GefenDCPState)"
     try:
         envelope = _read_json(root, envelope_key, metadata)
-        if envelope.get("format") != "gefen.dcp_state":
+        from gefen_dcp import DCP_STATE_FORMAT, DCP_STATE_FORMAT_VERSION
+
+        if envelope.get("format") != DCP_STATE_FORMAT:
             raise ValueError(
-                f"{envelope.get('format')!r} version {envelope.get('format_version')!r} is not 'gefen.dcp_state' "
-                f"version 2, the format this gefen reads"
+                f"{envelope.get('format')!r} version {envelope.get('format_version')!r} is not {DCP_STATE_FORMAT!r} "
+                f"version {DCP_STATE_FORMAT_VERSION}, the format this gefen reads"
             )
         tensors_record = envelope["tensors"]
         implementation = str(envelope["implementation"])
