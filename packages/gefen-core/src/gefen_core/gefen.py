@@ -324,9 +324,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
             return loss
         plan = gefen_step.plan(self)
-        unscale_gradients(
-            self, (w.param.grad for w in plan.works if w.param.grad is not None)
-        )  # lazy: no scaler, no walk
+        # a generator: without a scaler the gradients are not walked at all
+        unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
         for work in plan.works:
             if work.state_device_differs:
                 gefen_step.move_state(work)

@@ -144,7 +144,7 @@ class GefenFileSystemReader(FileSystemReader):
     there), except that an item of at most :data:`BUFFERED_ITEM_BYTES` is read into memory
     in one call before torch unpickles it: through torch's file view each of its few hundred
     small reads is a Python call, about 0.2 ms an item, which on a state of a few hundred small
-    items was a tenth of the load. ``max_metadata_bytes`` bounds the ``.metadata`` file (and
+    items was about a sixth of the load. ``max_metadata_bytes`` bounds the ``.metadata`` file (and
     so the memory its unpickling takes).
     """
 
