@@ -182,84 +182,63 @@ def _blocked_rows(
     return _entries(rows)
 
 
-def block_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    magnitudes: list[torch.Tensor],
-    vmeans: list[torch.Tensor],
-    codebook: torch.Tensor,
-    scalars: torch.Tensor,
-    sr_seeds: torch.Tensor | None,
-    *,
-    apply_decay: bool,
-    maximize: bool,
-    deterministic: bool,
-) -> None:
-    """``gefen::block_step.v3`` on CPU: one C call for every entry (deterministic always: each
-    block is summed by one thread)."""
-    args = (params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds)
-    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
-    _check(arguments.check_step_head("gefen::block_step.v3", *args, **flags))
-    if not params:
-        return
-    _on_cpu(params[0])
-    entries = _blocked_rows(params, grads, indices, magnitudes, vmeans, per_element=False)
-    if entries is None:
-        raise arguments.KernelArgumentError(arguments.check_block_step(*args, **flags) or _OFF_CPU)
-    status = _function("gefen_block_step")(
-        len(params),
-        entries.buffer_info()[0],
-        codebook.data_ptr(),
-        *_list_scalars(scalars),
-        _seed_pointer(sr_seeds),
-        int(apply_decay),
-        int(maximize),
-        torch.get_num_threads(),
-        _codebook_table(),
-    )
-    _checked("gefen_block_step", status)
-    increment_version([*params, *indices, *magnitudes, *vmeans])
+def _blocked_step(
+    op: str, function: str, *, per_element: bool, check: Callable[..., str | None]
+) -> Callable[..., None]:
+    """The CPU implementation of a blocked step op: ``block_step`` (one ``v`` mean per block in
+    ``seconds``) or ``element_step`` (Adam's ``v`` per element). One C call for every entry;
+    deterministic always (a block is summed by one thread; the element path has no sum)."""
+
+    def step(
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        indices: list[torch.Tensor],
+        magnitudes: list[torch.Tensor],
+        seconds: list[torch.Tensor],
+        codebook: torch.Tensor,
+        scalars: torch.Tensor,
+        sr_seeds: torch.Tensor | None,
+        *,
+        apply_decay: bool,
+        maximize: bool,
+        deterministic: bool,
+    ) -> None:
+        args = (params, grads, indices, magnitudes, seconds, codebook, scalars, sr_seeds)
+        flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+        _check(arguments.check_step_head(op, *args, **flags))
+        if not params:
+            return
+        _on_cpu(params[0])
+        entries = _blocked_rows(params, grads, indices, magnitudes, seconds, per_element=per_element)
+        if entries is None:
+            raise arguments.KernelArgumentError(check(*args, **flags) or _OFF_CPU)
+        status = _function(function)(
+            len(params),
+            entries.buffer_info()[0],
+            codebook.data_ptr(),
+            *_list_scalars(scalars),
+            _seed_pointer(sr_seeds),
+            int(apply_decay),
+            int(maximize),
+            torch.get_num_threads(),
+            _codebook_table(),
+        )
+        _checked(function, status)
+        increment_version([*params, *indices, *magnitudes, *seconds])
+
+    step.__name__ = step.__qualname__ = op.split("::")[1].split(".", maxsplit=1)[0]
+    step.__doc__ = f"``{op}`` on CPU (:func:`_blocked_step`)."
+    return step
 
 
-def element_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    magnitudes: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    codebook: torch.Tensor,
-    scalars: torch.Tensor,
-    sr_seeds: torch.Tensor | None,
-    *,
-    apply_decay: bool,
-    maximize: bool,
-    deterministic: bool,
-) -> None:
-    """``gefen::element_step.v1`` on CPU: one C call for every entry (no reduction: deterministic
-    always)."""
-    args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
-    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
-    _check(arguments.check_step_head("gefen::element_step.v1", *args, **flags))
-    if not params:
-        return
-    _on_cpu(params[0])
-    entries = _blocked_rows(params, grads, indices, magnitudes, vs, per_element=True)
-    if entries is None:
-        raise arguments.KernelArgumentError(arguments.check_element_step(*args, **flags) or _OFF_CPU)
-    status = _function("gefen_element_step")(
-        len(params),
-        entries.buffer_info()[0],
-        codebook.data_ptr(),
-        *_list_scalars(scalars),
-        _seed_pointer(sr_seeds),
-        int(apply_decay),
-        int(maximize),
-        torch.get_num_threads(),
-        _codebook_table(),
-    )
-    _checked("gefen_element_step", status)
-    increment_version([*params, *indices, *magnitudes, *vs])
+#: ``gefen::block_step.v3`` on CPU.
+block_step = _blocked_step(
+    "gefen::block_step.v3", "gefen_block_step", per_element=False, check=arguments.check_block_step
+)
+#: ``gefen::element_step.v1`` on CPU.
+element_step = _blocked_step(
+    "gefen::element_step.v1", "gefen_element_step", per_element=True, check=arguments.check_element_step
+)
 
 
 def _factored_rows(
