@@ -11,6 +11,8 @@ tests run them on machines without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton.language as tl  # type: ignore[import-untyped]
 from gefen_contracts.torch_support import on_device
@@ -157,134 +159,63 @@ def _launch_list(
         )
 
 
-def block_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    magnitudes: list[torch.Tensor],
-    vmeans: list[torch.Tensor],
-    codebook: torch.Tensor,
-    scalars: torch.Tensor,
-    sr_seeds: torch.Tensor | None,
-    *,
-    apply_decay: bool,
-    maximize: bool,
-    deterministic: bool,
-) -> None:
-    """``gefen::block_step.v3`` with Triton: one launch per group of entries (:func:`_launch_list`;
-    deterministic always: one program sums each block)."""
-    _check(
-        arguments.check_block_step(
-            params,
-            grads,
-            indices,
-            magnitudes,
-            vmeans,
-            codebook,
-            scalars,
-            sr_seeds,
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        ),
-        *params[:1],
-    )
-    if params and not _capturing(params[0]):
-        _launch_list(
-            K.BLOCK_STEP.value, params, grads, indices, magnitudes, vmeans, None, codebook, scalars, sr_seeds,
-            apply_decay=apply_decay, maximize=maximize,
-        )  # fmt: skip
-        increment_version([*params, *indices, *magnitudes, *vmeans])
-        return
-    for index, param in enumerate(params):
-        if param.numel() == 0:
-            continue
-        blocks, period = indices[index].shape
-        rows, cols = _tile(blocks, period)
-        seed = _seed_of(sr_seeds, index)
-        K.block_step_kernel[(triton_cdiv(blocks, rows),)](
-            param,
-            grads[index],
-            indices[index],
-            magnitudes[index],
-            vmeans[index],
-            codebook,
-            _scalars_of(scalars, index),
-            seed,
-            blocks,
-            period,
-            param.numel(),
-            -1.0 if maximize else 1.0,
-            ROWS=rows,
-            COLS=cols,
-            STOCHASTIC=seed is not None,
-            APPLY_DECAY=apply_decay,
-            F64=param.dtype is torch.float64,
-            enable_fp_fusion=False,
-        )
-    increment_version([*params, *indices, *magnitudes, *vmeans])
+def _blocked_step(op: str, path: int, check: Callable[..., str | None], *, per_element: bool) -> Callable[..., None]:
+    """The Triton implementation of a blocked step op: ``block_step`` (one ``v`` mean per block
+    in ``seconds``) or ``element_step`` (Adam's ``v`` per element). One launch per group of
+    entries (:func:`_launch_list`), one per entry under CUDA graph capture; deterministic
+    always (one program sums each block; the element path has no sum)."""
+
+    def step(
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        indices: list[torch.Tensor],
+        magnitudes: list[torch.Tensor],
+        seconds: list[torch.Tensor],
+        codebook: torch.Tensor,
+        scalars: torch.Tensor,
+        sr_seeds: torch.Tensor | None,
+        *,
+        apply_decay: bool,
+        maximize: bool,
+        deterministic: bool,
+    ) -> None:
+        args = (params, grads, indices, magnitudes, seconds, codebook, scalars, sr_seeds)
+        flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+        _check(check(*args, **flags), *params[:1])
+        if params and not _capturing(params[0]):
+            _launch_list(
+                path, params, grads, indices, magnitudes, seconds, None, codebook, scalars, sr_seeds,
+                apply_decay=apply_decay, maximize=maximize,
+            )  # fmt: skip
+            increment_version([*params, *indices, *magnitudes, *seconds])
+            return
+        kernel = K.element_step_kernel if per_element else K.block_step_kernel
+        for index, param in enumerate(params):
+            if param.numel() == 0:
+                continue
+            blocks, period = indices[index].shape
+            rows, cols = _tile(blocks, period)
+            seed = _seed_of(sr_seeds, index)
+            extent = () if per_element else (param.numel(),)  # a ragged last block ends there
+            kernel[(triton_cdiv(blocks, rows),)](
+                param, grads[index], indices[index], magnitudes[index], seconds[index], codebook,
+                _scalars_of(scalars, index), seed, blocks, period, *extent, -1.0 if maximize else 1.0,
+                ROWS=rows, COLS=cols, STOCHASTIC=seed is not None, APPLY_DECAY=apply_decay,
+                F64=param.dtype is torch.float64, enable_fp_fusion=False,
+            )  # fmt: skip
+        increment_version([*params, *indices, *magnitudes, *seconds])
+
+    step.__name__ = step.__qualname__ = op.split("::")[1].split(".", maxsplit=1)[0]
+    step.__doc__ = f"``{op}`` with Triton (:func:`_blocked_step`)."
+    return step
 
 
-def element_step(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    magnitudes: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    codebook: torch.Tensor,
-    scalars: torch.Tensor,
-    sr_seeds: torch.Tensor | None,
-    *,
-    apply_decay: bool,
-    maximize: bool,
-    deterministic: bool,
-) -> None:
-    """``gefen::element_step.v1`` with Triton: one launch per group of entries (no reduction:
-    deterministic always)."""
-    args = (params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds)
-    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
-    _check(arguments.check_element_step(*args, **flags), *params[:1])
-    if params and not _capturing(params[0]):
-        _launch_list(
-            K.ELEMENT_STEP.value,
-            params,
-            grads,
-            indices,
-            magnitudes,
-            vs,
-            None,
-            *args[5:],
-            apply_decay=apply_decay,
-            maximize=maximize,
-        )
-        increment_version([*params, *indices, *magnitudes, *vs])
-        return
-    for index, param in enumerate(params):
-        if param.numel() == 0:
-            continue
-        blocks, period = indices[index].shape
-        rows, cols = _tile(blocks, period)
-        seed = _seed_of(sr_seeds, index)
-        K.element_step_kernel[(triton_cdiv(blocks, rows),)](
-            param,
-            grads[index],
-            indices[index],
-            magnitudes[index],
-            vs[index],
-            codebook,
-            _scalars_of(scalars, index),
-            seed,
-            blocks,
-            period,
-            -1.0 if maximize else 1.0,
-            ROWS=rows,
-            COLS=cols,
-            STOCHASTIC=seed is not None,
-            APPLY_DECAY=apply_decay,
-            F64=param.dtype is torch.float64,
-            enable_fp_fusion=False,
-        )
-    increment_version([*params, *indices, *magnitudes, *vs])
+#: ``gefen::block_step.v3`` with Triton.
+block_step = _blocked_step("gefen::block_step.v3", K.BLOCK_STEP.value, arguments.check_block_step, per_element=False)
+#: ``gefen::element_step.v1`` with Triton.
+element_step = _blocked_step(
+    "gefen::element_step.v1", K.ELEMENT_STEP.value, arguments.check_element_step, per_element=True
+)
 
 
 def factored_step(
