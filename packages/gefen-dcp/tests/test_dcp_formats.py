@@ -102,28 +102,34 @@ def test_envelope_golden_vector() -> None:
     assert json.loads(golden)["format"] == DCP_STATE_FORMAT
 
 
-def _mutated(change: object) -> bytes:
+def _mutated(change: object, *, resign: bool = False) -> bytes:
+    """The golden envelope with ``change`` applied; ``resign`` recomputes its digest, so the
+    check after the digest is what must refuse it."""
     value = json.loads((GOLDEN / "dcp_state_envelope_v4.json").read_bytes())
     change(value)  # type: ignore[operator]
+    if resign:
+        from gefen_contracts.digest import canonical_digest
+
+        value["digest"] = canonical_digest({k: v for k, v in value.items() if k != "digest"})
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("change", "resign", "message"),
     [
-        lambda v: v["tensors"]["codebook"].update(placement="replicated"),  # content changed, digest not
-        lambda v: v.update(format_version=5),
-        lambda v: v.update(format="gefen.other"),
-        lambda v: v.update(save_id="not hex"),
-        lambda v: v.pop("skeleton"),
-        lambda v: v["tensors"]["codebook"].update(dtype="complex64"),
-        lambda v: v["tensors"]["codebook"].update(placement="sharded"),
+        (lambda v: v["tensors"]["codebook"].update(placement="replicated"), False, "digest does not match"),
+        (lambda v: v.update(format_version=5), False, "version 5"),
+        (lambda v: v.update(format="gefen.other"), False, "keys|format"),
+        (lambda v: v.update(save_id="not hex"), False, "save_id"),
+        (lambda v: v.pop("skeleton"), False, "keys"),
+        (lambda v: v["tensors"]["codebook"].update(dtype="float7"), True, "float7"),
+        (lambda v: v["tensors"]["codebook"].update(placement="sharded"), True, "placement must be one of"),
     ],
     ids=["digest", "version", "format", "save_id", "missing_key", "dtype", "placement"],
 )
-def test_envelope_refuses_tampering(change: object) -> None:
-    with pytest.raises(EnvelopeFormatError):
-        decode_envelope(_mutated(change), limits=LIMITS)
+def test_envelope_refuses_tampering(change: object, resign: bool, message: str) -> None:
+    with pytest.raises(EnvelopeFormatError, match=message):
+        decode_envelope(_mutated(change, resign=resign), limits=LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -139,13 +145,7 @@ def test_envelope_refuses_tampering(change: object) -> None:
 )
 def test_a_malformed_row_pack_is_refused_even_with_a_matching_digest(change: object, message: str) -> None:
     """The members are checked after the digest: a writer that signs a bad pack is refused too."""
-    value = json.loads((GOLDEN / "dcp_state_envelope_v4.json").read_bytes())
-    change(value["tensors"]["state/0/scale+v_row"])  # type: ignore[operator]
-    body = {k: v for k, v in value.items() if k != "digest"}
-    from gefen_contracts.digest import canonical_digest
-
-    value["digest"] = canonical_digest(body)
-    data = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    data = _mutated(lambda value: change(value["tensors"]["state/0/scale+v_row"]), resign=True)  # type: ignore[operator]
     with pytest.raises(EnvelopeFormatError, match=message):
         decode_envelope(data, limits=LIMITS)
 
