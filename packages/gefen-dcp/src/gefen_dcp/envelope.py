@@ -6,7 +6,7 @@ tensor data: the implementation name, the skeleton of its native state dict
 class. It is identical on every rank (the ranks agree on its digest before saving) and is
 stored as a 1-D ``uint8`` tensor of canonical JSON::
 
-    {"format": "gefen.dcp_state", "format_version": 3,
+    {"format": "gefen.dcp_state", "format_version": 4,
      "save_id": "<32 hex>", "implementation": str, "skeleton": {...},
      "tensors": {key: {"dtype": str, "shape": [int...], "placement": str,
                        "members": [[key, [int...]], ...]}},   (members: row packs only)
