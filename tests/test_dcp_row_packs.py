@@ -8,8 +8,11 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
+import row_packs_ranks
 import torch
 import torch.distributed.checkpoint as dcp
+from gefen_contracts.testing import GlooWorld
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
 from gefen_dcp import GefenDCPState, GefenFileSystemReader, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
@@ -71,3 +74,16 @@ def _step(model: torch.nn.Module, optimizer: Gefen) -> list[torch.Tensor]:
     model(torch.randn(4, 128)).square().mean().backward()
     optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.distributed
+def test_packs_follow_row_sharded_dtensors_and_leave_others_alone(world2: GlooWorld) -> None:
+    """On a 2-rank mesh: fields sharded along dim 0 pack into one DTensor placed like them whose
+    local rows are the fields' local rows; fields sharded along dim 1 are not packed."""
+    for report in world2.run(row_packs_ranks.pack_by_placement):
+        assert report["name"] == "state/0/m_magnitude+v_row"
+        assert report["members"] == [("state/0/m_magnitude", (2,)), ("state/0/v_row", ())]
+        assert report["stored"] == ["state/0/codes", "state/0/m_magnitude+v_row"]  # codes: per element
+        assert report["global_shape"] == (7, 3) and report["placed_like_members"]
+        assert report["rows_intact"] and report["member_type"]
+        assert report["column_packs"] == [] and report["column_stored"] == ["state/0/m_magnitude", "state/0/v_row"]
