@@ -294,7 +294,7 @@ def compare_muon_momentum(
 ) -> None:
     """``gefen::muon_momentum.v2`` (one entry) against the reference, two steps from the reference's state
     (``exact``: bit for bit)."""
-    from gefen_core.reference_ops import muon_momentum_reference
+    from gefen_core.muon_reference_ops import muon_momentum_reference
 
     device = grad.device
     blocks = grad.numel() // period
@@ -436,7 +436,7 @@ def compare_muon_list(op: StepOp, device: str, entries: list[Any] | None = None)
     """One ``gefen::muon_momentum.v2`` call over matrices of mixed dtypes and sizes (default: an
     empty one, small ones spread over threads, a large one split; five entries), per-entry
     momentum rows and seeds, bf16 and fp32 outputs: every entry bit for bit as the reference's."""
-    from gefen_core.reference_ops import muon_momentum_reference
+    from gefen_core.muon_reference_ops import muon_momentum_reference
 
     shapes = [((8, 16), 16, torch.float32), ((0, 4), 4, torch.float32), ((33, 64), 64, torch.bfloat16)]
     shapes += [((256, 160), 160, torch.float16), ((5, 7), 35, torch.float64)]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from gefen_core import reference_ops
 from gefen_core.momentum_codec import dequantize, nearest_codeword, normalize_blocks
+from gefen_core.muon_reference_ops import muon_momentum_reference, muon_momentum_tensor
 from gefen_core.ops import MUON_MOMENTUM, OPS
-from gefen_core.reference_ops import muon_momentum_reference, muon_momentum_tensor
 from gefen_core.step_scalars import MUON_BETA, MUON_ONE_MINUS_BETA, muon_scalars
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 

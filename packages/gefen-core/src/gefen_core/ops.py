@@ -64,6 +64,7 @@ import torch
 from gefen_contracts import KernelUnavailableError
 from gefen_contracts.kernels import kernel_unavailable_reasons, load_kernel_plugins
 
+from .muon_reference_ops import muon_momentum_reference
 from .reference_ops import (
     block_step_reference,
     element_step_reference,
@@ -71,7 +72,6 @@ from .reference_ops import (
     factored_stats_reference,
     factored_step_reference,
     histogram_reference,
-    muon_momentum_reference,
     stochastic_uniform_reference,
 )
 
