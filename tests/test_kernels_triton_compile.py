@@ -89,6 +89,7 @@ def _cases(tl: Any) -> list[tuple[str, dict[str, str], dict[str, Any]]]:
 
 def main() -> int:
     """Compile every case; print one line each; 1 if any failed."""
+    import gefen_kernels.triton_elements as elements
     import gefen_kernels.triton_kernels as kernels
     import gefen_kernels.triton_muon as muon
     import gefen_kernels.triton_statistics as statistics
@@ -99,7 +100,7 @@ def main() -> int:
 
     failed = 0
     for name, types, constexprs in _cases(tl):
-        fn = next(getattr(module, name) for module in (kernels, statistics, muon) if hasattr(module, name))
+        fn = next(getattr(module, name) for module in (kernels, statistics, muon, elements) if hasattr(module, name))
         signature = {arg: "constexpr" if arg in constexprs else {**_TYPES, **types}[arg] for arg in fn.arg_names}
         try:
             compiled = triton.compile(

@@ -24,13 +24,15 @@ triton = pytest.importorskip("triton")
 def _load_triton_ops() -> ModuleType:
     if not ON_GPU:
         triton.knobs.runtime.interpret = True  # in case triton was imported (and read the knob) earlier
+    import gefen_kernels.triton_elements as elements
     import gefen_kernels.triton_kernels as kernels
     import gefen_kernels.triton_muon as muon
     import gefen_kernels.triton_ops as ops
     import gefen_kernels.triton_statistics as statistics
 
     if not ON_GPU and "Interpreted" not in type(kernels.block_step_kernel).__name__:
-        importlib.reload(kernels)  # imported earlier without the interpreter
+        importlib.reload(elements)  # imported earlier without the interpreter
+        importlib.reload(kernels)
         importlib.reload(statistics)
         importlib.reload(muon)
         ops = importlib.reload(ops)
@@ -274,6 +276,7 @@ def test_kernels_read_only_the_globals_a_compiled_kernel_may_read() -> None:
     a global of its module must be one of those."""
     import inspect
 
+    import gefen_kernels.triton_elements as elements
     import gefen_kernels.triton_kernels as kernels
     import gefen_kernels.triton_muon as muon
     import gefen_kernels.triton_statistics as statistics
@@ -281,7 +284,7 @@ def test_kernels_read_only_the_globals_a_compiled_kernel_may_read() -> None:
 
     kinds = (triton.runtime.JITFunction, InterpretedFunction)
     refused = []
-    for module in (kernels, statistics, muon):
+    for module in (elements, kernels, statistics, muon):
         module_globals = vars(module)
         jitted = {name: obj for name, obj in module_globals.items() if isinstance(obj, kinds)}
         assert jitted, f"no jitted functions found in {module.__name__}"

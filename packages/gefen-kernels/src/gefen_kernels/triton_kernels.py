@@ -23,24 +23,9 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from .triton_elements import _entry_of, _load_value, _requantize, _store_value, _to_param_dtype
+
 # ruff: noqa: N803, PLR0124  (constexpr parameters are upper case; x != x is the NaN test in Triton)
-
-# A compiled kernel reads only module globals that are tl.constexpr (the interpreter reads any):
-# test_kernels_triton_parity.py checks what every kernel reads (a plain int ran on CPU, not on an H200).
-_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
-_MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
-_MIX2 = tl.constexpr(0x94D049BB133111EB)
-
-
-@triton.jit
-def _uniform(seed, index):
-    """SplitMix64-style uniform in [0, 1) from uint64 ``seed`` and ``index`` (24-bit resolution)."""
-    z = seed + (index + 1) * _GOLDEN
-    z = (z ^ (z >> 30)) * _MIX1
-    z = (z ^ (z >> 27)) * _MIX2
-    z = z ^ (z >> 31)
-    return (z >> 40).to(tl.float32) * (1.0 / 16777216.0)
-
 
 #: How the momentum's gradient is preconditioned: not at all (GefenMuon), by one ``h`` per
 #: block, by the factored ``h = fl(fl(a_row * b_col) + eps)`` of each element, or by each
@@ -82,25 +67,6 @@ def _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.cons
 
 
 @triton.jit
-def _load_value(ptr, offs, mask):
-    """A parameter or gradient element in its dtype. The list kernel reaches a bf16 tensor
-    through the uint16 pointer of its bits (Triton's interpreter reads a bf16 tensor at a raw
-    address wrong, and the bits are the same on a GPU): those are bitcast back."""
-    x = tl.load(ptr + offs, mask=mask, other=0)
-    if tl.constexpr(x.dtype == tl.uint16):
-        x = x.to(tl.bfloat16, bitcast=True)
-    return x
-
-
-@triton.jit
-def _store_value(ptr, offs, x, mask):
-    """Store a parameter element (bf16 as its bits where the pointer is uint16, see :func:`_load_value`)."""
-    if tl.constexpr(ptr.dtype.element_ty == tl.uint16):
-        x = x.to(tl.uint16, bitcast=True)
-    tl.store(ptr + offs, x, mask=mask)
-
-
-@triton.jit
 def _momentum(
     g_ptr, q_ptr, cb_ptr, offs, mask, m_old, sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr
 ):
@@ -115,47 +81,6 @@ def _momentum(
     m = c * m_old
     u = m * beta1 + n * omb1
     return g, u
-
-
-@triton.jit
-def _requantize(u, m_new, safe, cb_ptr, mask, flat, seed, STOCHASTIC: tl.constexpr):
-    """New codes and their decoded momentum C[q'] * M' for momentum u of a block with scale m_new."""
-    z = tl.math.div_rn(u, safe)
-    k = tl.zeros(z.shape, dtype=tl.int32)
-    for shift in tl.static_range(8):
-        step = 128 >> shift
-        probe = tl.load(cb_ptr + (k + step - 1), mask=mask, other=2.0)
-        k = tl.where(probe < z, k + step, k)
-    top = tl.load(cb_ptr + 255)
-    k = tl.where(top < z, 256, k)
-    lo = tl.maximum(k - 1, 0)
-    hi = tl.minimum(k, 255)
-    clo = tl.load(cb_ptr + lo, mask=mask, other=0.0)
-    chi = tl.load(cb_ptr + hi, mask=mask, other=0.0)
-    if STOCHASTIC:
-        width = chi - clo
-        clamped = tl.minimum(tl.maximum(z, clo), chi)
-        up = tl.math.div_rn(clamped - clo, tl.where(width > 0.0, width, 1.0))
-        up = tl.where(width > 0.0, up, 0.0)
-        take_hi = _uniform(seed, flat.to(tl.uint64)) < up
-    else:
-        take_hi = tl.abs(z - clo) > tl.abs(z - chi)
-    code = tl.where(take_hi, hi, lo)
-    value = tl.where(take_hi, chi, clo) * m_new
-    return code, value
-
-
-@triton.jit
-def _to_param_dtype(x, dtype: tl.constexpr):
-    """Round fp32 ``x`` to the parameter dtype to nearest even; bf16 by explicit bit arithmetic
-    (the same on every backend, the interpreter included)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -546,20 +471,6 @@ def element_step_kernel(
     )  # fmt: skip
 
 
-@triton.jit
-def _entry_of(starts_ptr, entries, pid, SEARCH: tl.constexpr):
-    """The entry whose programs hold ``pid`` (``starts``: each entry's first program, ascending,
-    then the total) and ``pid``'s index among them, by ``SEARCH`` halvings."""
-    lo = pid * 0
-    hi = lo + entries
-    for _ in tl.static_range(SEARCH):  # keeps starts[lo] <= pid < starts[hi]
-        mid = (lo + hi) // 2
-        below = tl.load(starts_ptr + mid) <= pid
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    return lo, pid - tl.load(starts_ptr + lo)
-
-
 #: Which step a list launch runs (``step_list_kernel``'s ``KIND``).
 BLOCK_STEP = tl.constexpr(0)
 ELEMENT_STEP = tl.constexpr(1)
@@ -620,12 +531,3 @@ def step_list_kernel(
             local, p_ptr, g_ptr, q_ptr, mag_ptr, second_ptr, vc_ptr, cb_ptr, scalars, seed, blocks, period, ncols,
             sign, ROWS, COLS, STOCHASTIC, APPLY_DECAY, F64, ROW_BLOCKS,
         )  # fmt: skip
-
-
-@triton.jit
-def uniform_kernel(seed_ptr, index_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    index = tl.load(index_ptr + offs, mask=mask, other=0)
-    seed = tl.load(seed_ptr).to(tl.uint64)
-    tl.store(out_ptr + offs, _uniform(seed, index.to(tl.uint64)), mask=mask)

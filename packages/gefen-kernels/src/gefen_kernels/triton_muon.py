@@ -2,9 +2,10 @@
 """Triton kernels for GefenMuon's quantised momentum (launched by :mod:`gefen_kernels.triton_ops`):
 the momentum EMA requantised with Gefen's codebook and written out as the Newton-Schulz input.
 
-They reuse the momentum and requantisation helpers of :mod:`gefen_kernels.triton_kernels`
+They reuse the momentum helpers of :mod:`gefen_kernels.triton_kernels` and the requantisation of
+:mod:`gefen_kernels.triton_elements`
 (same numerics: ``enable_fp_fusion=False``, correctly rounded divisions). One-matrix form and a
-list form that reads its entries from an int64 table (``triton_kernels._entry_of``).
+list form that reads its entries from an int64 table (``triton_elements._entry_of``).
 """
 
 from __future__ import annotations
@@ -12,15 +13,8 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from .triton_kernels import (
-    NO_DENOMINATOR,
-    _block_stats,
-    _entry_of,
-    _momentum,
-    _requantize,
-    _store_value,
-    _to_param_dtype,
-)
+from .triton_elements import _entry_of, _requantize, _store_value, _to_param_dtype
+from .triton_kernels import NO_DENOMINATOR, _block_stats, _momentum
 
 # ruff: noqa: N803  (constexpr parameters are upper case)
 

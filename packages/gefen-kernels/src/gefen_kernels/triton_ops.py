@@ -19,6 +19,7 @@ from gefen_contracts.torch_support import on_device
 from torch.autograd.graph import increment_version
 
 from . import arguments
+from . import triton_elements as E
 from . import triton_kernels as K
 from . import triton_muon as M
 from . import triton_statistics as S
@@ -478,7 +479,7 @@ def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
     if flat.numel():
         block = 1024
-        K.uniform_kernel[(triton_cdiv(flat.numel(), block),)](seed, flat, out, flat.numel(), BLOCK=block)
+        E.uniform_kernel[(triton_cdiv(flat.numel(), block),)](seed, flat, out, flat.numel(), BLOCK=block)
     return out
 
 

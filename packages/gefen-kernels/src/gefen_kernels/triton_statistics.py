@@ -6,7 +6,7 @@ them, and the codebook histogram of block-normalised gradients.
 Numerics as in :mod:`gefen_kernels.triton_kernels` (``enable_fp_fusion=False``, correctly
 rounded ``div_rn``, float64 sums added in a fixed order: no float atomics; the histogram's
 integer atomics are exact in any order). Each kernel has a one-matrix form and a list form
-that reads its entries from an int64 table (``triton_kernels._entry_of``).
+that reads its entries from an int64 table (``triton_elements._entry_of``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from .triton_kernels import _entry_of, _load_value
+from .triton_elements import _entry_of, _load_value
 
 # ruff: noqa: N803  (constexpr parameters are upper case)
 
