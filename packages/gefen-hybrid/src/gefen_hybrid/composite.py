@@ -31,7 +31,6 @@ from gefen_contracts.protocols import (
     ContractProvider,
     ModeTaggedState,
     PortableAdapter,
-    StagedNativeLoad,
     StepPreflight,
 )
 from gefen_contracts.rebinding import ParameterRebinding
@@ -40,9 +39,10 @@ from gefen_contracts.validation import identity_name
 from torch import nn
 
 from . import composite_binding as binding
+from . import composite_checkpoint as checkpoint
 from .composite_binding import ChangeCounter
 from .composite_contract import derive_composite_contract
-from .composite_format import build_composite_state_dict, children_of_state_dict
+from .composite_format import build_composite_state_dict
 from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
 from .failure_vote import step_vote_groups, vote_failure
@@ -63,7 +63,6 @@ __all__ = ["DEFAULT_IMPLEMENTATION", "STEP_PHASE", "ChildFactory", "CompositeOpt
 DEFAULT_IMPLEMENTATION = "gefen.CompositeOptimizer"
 #: The phase named by the error every rank raises when a step fails on one of them.
 STEP_PHASE = "composite step preflight"
-_LOAD_KIND = "gefen.CompositeOptimizer.native_load"
 _BIND_KIND = "gefen.CompositeOptimizer.post_sharding"
 _IMPORT_KIND = "gefen.CompositeOptimizer.local_import"
 _IDENTITY_FEATURES = (FEATURE_POST_SHARDING, FEATURE_CANONICAL_IDENTITY, FEATURE_CANONICAL_LOCAL_STATE)
@@ -480,50 +479,23 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 state = result
         return state
 
-    def _staged_capable(self, child: torch.optim.Optimizer) -> bool:
-        if not isinstance(child, StagedNativeLoad):
-            return False
-        contract = child.optimizer_contract()  # type: ignore[attr-defined]
-        return bool(contract.capabilities.supports(FEATURE_STAGED_NATIVE_LOAD))
-
-    def _token(self) -> tuple[object, ...]:
-        layout = tuple(
-            (role, id(child), tuple((id(g), len(g["params"])) for g in child.param_groups))
-            for role, child in self._children
-        )
-        return (self._changes.value, layout)
-
-    def _stage(self, state_dict: object, *, run_child_hooks: bool) -> StagedTransaction:
-        subs = children_of_state_dict(
-            state_dict,
-            implementations=self._child_implementations,
-            routing=self.parameter_routing(),
-            group_counts={role: len(child.param_groups) for role, child in self._children},
-        )
-        staged: dict[str, StagedTransaction] = {}
-        for role, child in self._children:
-            sub = subs[role]
-            if run_child_hooks:
-                sub = _run_load_pre_hooks(child, sub)
-            staged[role] = child.stage_state_dict(sub)  # type: ignore[attr-defined]
-        return StagedTransaction(self, kind=_LOAD_KIND, token=self._token(), payload=staged)
-
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate the envelope and stage every child (no hooks, no mutation).
 
         Raises ``NotSupportedError`` when a child cannot stage its load (the composite's load
         is then not atomic; ``load_state_dict`` still works).
         """
-        if not all(self._staged_capable(child) for _, child in self._children):
+        if not all(checkpoint.staged_capable(child) for _, child in self._children):
             status = self.optimizer_contract().capabilities.feature(FEATURE_STAGED_NATIVE_LOAD)
             raise NotSupportedError(FEATURE_STAGED_NATIVE_LOAD, status.reasons)
-        return self._stage(state_dict, run_child_hooks=False)
+        return checkpoint.stage(self, state_dict, run_child_hooks=False)
 
     def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
         """Publish every child's staged load; refuses (``StaleTransactionError``, no change) a
         foreign or consumed transaction, or one staged before the composite or a child stepped,
         loaded or gained a group."""
-        payload = require_transaction(staged).claim(self, kind=_LOAD_KIND, current_token=self._token())
+        token = checkpoint.load_token(self)
+        payload = require_transaction(staged).claim(self, kind=checkpoint.LOAD_KIND, current_token=token)
         assert isinstance(payload, dict)
         for role, child in self._children:
             child.commit_staged_state_dict(payload[role])  # type: ignore[attr-defined]
@@ -543,39 +515,16 @@ class CompositeOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, current)
             if result is not None:
                 current = result
-        if all(self._staged_capable(child) for _, child in self._children):
-            self.commit_staged_state_dict(self._stage(current, run_child_hooks=True))
+        if all(checkpoint.staged_capable(child) for _, child in self._children):
+            self.commit_staged_state_dict(checkpoint.stage(self, current, run_child_hooks=True))
             staged_children = [child for _, child in self._children]
         else:
-            staged_children = self._load_partially_staged(current)
+            staged_children = checkpoint.load_partially_staged(self, current)
         for child in staged_children:
             for post_hook in list(getattr(child, "_optimizer_load_state_dict_post_hooks", {}).values()):
                 post_hook(child)
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
-
-    def _load_partially_staged(self, state_dict: object) -> list[torch.optim.Optimizer]:
-        """Stage the staged-capable children, load the others with their own ``load_state_dict``
-        (their hooks included), then publish the staged ones; return those."""
-        subs = children_of_state_dict(
-            state_dict,
-            implementations=self._child_implementations,
-            routing=self.parameter_routing(),
-            group_counts={role: len(child.param_groups) for role, child in self._children},
-        )
-        staged = {
-            role: child.stage_state_dict(_run_load_pre_hooks(child, subs[role]))  # type: ignore[attr-defined]
-            for role, child in self._children
-            if self._staged_capable(child)
-        }
-        for role, child in self._children:
-            if role not in staged:
-                child.load_state_dict(subs[role])
-        for role, child in self._children:
-            if role in staged:
-                child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]
-        self._changes.bump()
-        return [child for role, child in self._children if role in staged]
 
     # -- Python protocol ------------------------------------------------------------------------
 
@@ -609,12 +558,3 @@ def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], A
     if len(args) > 2:
         raise TypeError(f"step() takes at most one argument (the closure), got {len(args) - 1}")
     return args[1] if len(args) == 2 else None
-
-
-def _run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
-    current = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
-    for pre_hook in list(getattr(child, "_optimizer_load_state_dict_pre_hooks", {}).values()):
-        result = pre_hook(child, current)
-        if result is not None:
-            current = result
-    return current

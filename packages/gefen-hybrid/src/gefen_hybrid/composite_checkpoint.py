@@ -1,0 +1,94 @@
+"""``CompositeOptimizer``'s staged native load across its children: which children can stage,
+the freshness token a staged load is claimed against, staging every child (with or without
+their load pre-hooks), and the partial path for a child that cannot stage (loaded by its own
+``load_state_dict`` after the others are staged and before they are published).
+
+The composite's ``stage_state_dict`` / ``commit_staged_state_dict`` / ``load_state_dict``
+call these; the flat dict's format is :mod:`gefen_hybrid.composite_format`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD
+from gefen_contracts.protocols import StagedNativeLoad
+from gefen_contracts.transactions import StagedTransaction
+
+from .composite_format import children_of_state_dict
+
+if TYPE_CHECKING:
+    from .composite import CompositeOptimizer
+
+__all__ = ["LOAD_KIND", "load_partially_staged", "load_token", "run_load_pre_hooks", "stage", "staged_capable"]
+
+#: The kind of a staged composite load (``StagedTransaction.kind``).
+LOAD_KIND = "gefen.CompositeOptimizer.native_load"
+
+
+def staged_capable(child: torch.optim.Optimizer) -> bool:
+    """Whether ``child`` stages its native load (the Protocol and its contract's feature)."""
+    if not isinstance(child, StagedNativeLoad):
+        return False
+    contract = child.optimizer_contract()  # type: ignore[attr-defined]
+    return bool(contract.capabilities.supports(FEATURE_STAGED_NATIVE_LOAD))
+
+
+def load_token(composite: CompositeOptimizer) -> tuple[object, ...]:
+    """What a staged load is claimed against: the composite's change count and its children's
+    group layout (a step, a load or a new group in between makes the stage stale)."""
+    layout = tuple(
+        (role, id(child), tuple((id(g), len(g["params"])) for g in child.param_groups))
+        for role, child in composite._children
+    )
+    return (composite._changes.value, layout)
+
+
+def _children_of(composite: CompositeOptimizer, state_dict: object) -> dict[str, Any]:
+    return children_of_state_dict(
+        state_dict,
+        implementations=composite._child_implementations,
+        routing=composite.parameter_routing(),
+        group_counts={role: len(child.param_groups) for role, child in composite._children},
+    )
+
+
+def run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
+    """``child``'s load pre-hooks over (a shallow copy of) its part of the state dict."""
+    current = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+    for pre_hook in list(getattr(child, "_optimizer_load_state_dict_pre_hooks", {}).values()):
+        result = pre_hook(child, current)
+        if result is not None:
+            current = result
+    return current
+
+
+def stage(composite: CompositeOptimizer, state_dict: object, *, run_child_hooks: bool) -> StagedTransaction:
+    """Validate the flat dict and stage every child (its load pre-hooks first when asked)."""
+    subs = _children_of(composite, state_dict)
+    staged: dict[str, StagedTransaction] = {}
+    for role, child in composite._children:
+        sub = run_load_pre_hooks(child, subs[role]) if run_child_hooks else subs[role]
+        staged[role] = child.stage_state_dict(sub)  # type: ignore[attr-defined]
+    return StagedTransaction(composite, kind=LOAD_KIND, token=load_token(composite), payload=staged)
+
+
+def load_partially_staged(composite: CompositeOptimizer, state_dict: object) -> list[torch.optim.Optimizer]:
+    """Stage the staged-capable children, load the others with their own ``load_state_dict``
+    (their hooks included), then publish the staged ones; return those."""
+    subs = _children_of(composite, state_dict)
+    staged = {
+        role: child.stage_state_dict(run_load_pre_hooks(child, subs[role]))  # type: ignore[attr-defined]
+        for role, child in composite._children
+        if staged_capable(child)
+    }
+    for role, child in composite._children:
+        if role not in staged:
+            child.load_state_dict(subs[role])
+    for role, child in composite._children:
+        if role in staged:
+            child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]
+    composite._changes.bump()
+    return [child for role, child in composite._children if role in staged]
