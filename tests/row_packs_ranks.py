@@ -47,3 +47,25 @@ def pack_by_placement(rank: int, world_size: int) -> dict[str, Any]:
         "column_stored": sorted(column_stored),
         "member_type": isinstance(packs[name][0], Member),
     }
+
+
+def pack_empty_shard(rank: int, world_size: int) -> dict[str, Any]:
+    """Pack a one-row parameter's fields sharded along dim 0: every rank but the first holds no
+    rows (as FSDP2 shards a ``[1, d]`` head or a one-element bias)."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    scales, v_row = torch.arange(3.0).reshape(1, 3), torch.ones(1)
+    fields = {
+        "state/0/m_magnitude": distribute_tensor(scales, mesh, [Shard(0)]),
+        "state/0/v_row": distribute_tensor(v_row, mesh, [Shard(0)]),
+    }
+    stored, packs = pack_rows(fields, dict.fromkeys(fields, "like_parameter"), GEOMETRY)
+    (name,) = packs
+    local = stored[name].to_local()  # type: ignore[attr-defined]
+    cut = unpacked(local, packs[name])
+    return {
+        "rank": rank,
+        "global_shape": tuple(stored[name].shape),
+        "local_rows": int(local.shape[0]),
+        "cut_shapes": {key: tuple(value.shape) for key, value in cut.items()},
+        "full": stored[name].full_tensor().tolist(),  # type: ignore[attr-defined]
+    }

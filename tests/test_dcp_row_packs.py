@@ -87,3 +87,15 @@ def test_packs_follow_row_sharded_dtensors_and_leave_others_alone(world2: GlooWo
         assert report["global_shape"] == (7, 3) and report["placed_like_members"]
         assert report["rows_intact"] and report["member_type"]
         assert report["column_packs"] == [] and report["column_stored"] == ["state/0/m_magnitude", "state/0/v_row"]
+
+
+@pytest.mark.distributed
+def test_a_rank_without_rows_packs_an_empty_piece(world2: GlooWorld) -> None:
+    """A one-row parameter on 2 ranks: the second holds no rows, and packs (and cuts) an empty
+    ``[0, width]`` piece; the pack's full tensor is the fields side by side."""
+    for report in world2.run(row_packs_ranks.pack_empty_shard):
+        assert report["global_shape"] == (1, 4)
+        rows = 1 if report["rank"] == 0 else 0
+        assert report["local_rows"] == rows
+        assert report["cut_shapes"] == {"state/0/m_magnitude": (rows, 3), "state/0/v_row": (rows,)}
+        assert report["full"] == [[0.0, 1.0, 2.0, 1.0]]

@@ -16,6 +16,7 @@ from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CollectiveCounter
 from gefen_core import GefenMuon, muon_execution
 from gefen_core.muon_distributed import shard_rows
+from gefen_core_test_support import edit_mirror, mirror_of
 
 LR = 5e-3
 SHAPES: dict[str, list[tuple[int, int]]] = {
@@ -288,13 +289,15 @@ def manifest_corruptions(rank: int, world: int) -> dict[str, str]:
     train(opt, params, 0, 2, mesh)
     valid = load(save(opt.state_dict()))
 
-    def owners(sd: dict[str, Any]) -> list[dict[str, Any]]:
-        return [sd["gefen_muon_owners"], *(g["_gefen_checkpoint_metadata"]["owners"] for g in sd["param_groups"])]
-
     def edit(apply: Any) -> Any:
+        """Apply to the owner manifest at the top level and in every group's mirror."""
+
         def run(sd: dict[str, Any]) -> None:
-            for manifest in owners(sd):
+            apply(sd["gefen_muon_owners"])
+            for group in sd["param_groups"]:
+                manifest = mirror_of(group)["owners"]
                 apply(manifest)
+                edit_mirror(group, owners=manifest)
 
         return run
 
@@ -306,9 +309,7 @@ def manifest_corruptions(rank: int, world: int) -> dict[str, str]:
         "has shape": edit(lambda m: m["entries"][2].__setitem__("shape", [4, 5])),
         "initialized": lambda sd: sd["state"].pop(1),
         "world_size": edit(lambda m: m.__setitem__("world_size", 0)),
-        "disagree on owners": lambda sd: sd["param_groups"][0]["_gefen_checkpoint_metadata"].__setitem__(
-            "owners", None
-        ),
+        "disagree on owners": lambda sd: edit_mirror(sd["param_groups"][0], owners=None),
     }
     results = {}
     for expected, corrupt in corruptions.items():

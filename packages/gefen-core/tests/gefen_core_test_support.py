@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -63,3 +64,26 @@ def counting_kernels(ops: tuple[str, ...] = tuple(OPS)) -> Iterator[dict[str, in
         yield calls
     finally:
         library._destroy()
+
+
+MIRROR = "_gefen_checkpoint_metadata"
+
+
+def mirror_of(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's mirror of the optimizer-wide record, parsed (its codebook a list of floats)."""
+    record: dict[str, Any] = json.loads(group[MIRROR])
+    return record
+
+
+def edit_mirror(group: dict[str, Any], **fields: Any) -> None:
+    """Set record fields in a group's JSON mirror (a tensor as its list of values), re-encoded
+    as ``state_dict()`` writes it."""
+    record = mirror_of(group)
+    record.update({key: value.tolist() if isinstance(value, torch.Tensor) else value for key, value in fields.items()})
+    group[MIRROR] = json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
+def edit_mirrors(state_dict: dict[str, Any], **fields: Any) -> None:
+    """:func:`edit_mirror` on every group of a native state dict."""
+    for group in state_dict["param_groups"]:
+        edit_mirror(group, **fields)

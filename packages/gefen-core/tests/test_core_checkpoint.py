@@ -16,9 +16,9 @@ from gefen_contracts import StaleTransactionError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen
-from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+from gefen_core_test_support import MIRROR, edit_mirror, edit_mirrors, mirror_of, single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "native_state_v9.pt"
+GOLDEN = Path(__file__).parent / "golden" / "native_state_v10.pt"
 
 
 class _Net(torch.nn.Module):
@@ -187,7 +187,37 @@ def _mutate_tensor(key: str, change: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 
 def _mirror_step(sd: dict[str, Any]) -> None:
-    sd["param_groups"][0]["_gefen_checkpoint_metadata"]["global_step"] += 1
+    group = sd["param_groups"][0]
+    edit_mirror(group, global_step=mirror_of(group)["global_step"] + 1)
+
+
+def _edit_mirror_text(change: Callable[[str], str]) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        group = sd["param_groups"][0]
+        text = change(group[MIRROR])
+        assert text != group[MIRROR]
+        group[MIRROR] = text
+
+    return apply
+
+
+def _mirror_codebook_entry(value: Any) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        codebook = mirror_of(sd["param_groups"][0])["codebook"]
+        edit_mirror(sd["param_groups"][0], codebook=[value, *codebook[1:]])
+
+    return apply
+
+
+def _mirror_as_dict(version: int) -> Callable[[dict[str, Any]], None]:
+    """A mirror as format version 9 held it (a dict), tagged ``version``."""
+
+    def apply(sd: dict[str, Any]) -> None:
+        for group in sd["param_groups"]:
+            record = {**mirror_of(group), "format_version": version}
+            group[MIRROR] = {**record, "codebook": torch.tensor(record["codebook"])}
+
+    return apply
 
 
 def _drop_mirror_of_one_group(sd: dict[str, Any]) -> None:
@@ -198,16 +228,13 @@ def _codebook(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[
     def apply(sd: dict[str, Any]) -> None:
         new = change(sd["gefen_codebook"].clone())
         sd["gefen_codebook"] = new
-        for group in sd["param_groups"]:
-            group["_gefen_checkpoint_metadata"]["codebook"] = new
+        edit_mirrors(sd, codebook=new)
 
     return apply
 
 
 def _no_codebook(sd: dict[str, Any]) -> None:
     sd["gefen_codebook"] = None
-    for group in sd["param_groups"]:
-        group["_gefen_checkpoint_metadata"]["codebook"] = None
 
 
 def _factored_on_vector(sd: dict[str, Any]) -> None:
@@ -223,8 +250,7 @@ def _record(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
 
     def apply(sd: dict[str, Any]) -> None:
         sd[f"gefen_{field}"] = value
-        for group in sd["param_groups"]:
-            group["_gefen_checkpoint_metadata"][field] = value
+        edit_mirrors(sd, **{field: value})
 
     return apply
 
@@ -232,8 +258,7 @@ def _record(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
 def _topology(sd: dict[str, Any]) -> None:
     record = [None] * 6
     sd["gefen_topology"] = record
-    for group in sd["param_groups"]:
-        group["_gefen_checkpoint_metadata"]["topology"] = record
+    edit_mirrors(sd, topology=record)
 
 
 BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
@@ -269,6 +294,13 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "deterministic_mismatch": (_record("deterministic", True), "deterministic=True"),
     "deterministic_not_bool": (_record("deterministic", 1), "must be a bool"),
     "mirrors_disagree": (_mirror_step, "disagree on global_step"),
+    "mirror_not_json": (_set(lambda sd: sd["param_groups"][0], MIRROR, "{"), "is not valid JSON"),
+    "mirror_repeats_a_key": (_edit_mirror_text(lambda t: t.replace("{", '{"deterministic":false,', 1)), "twice"),
+    "mirror_nan": (_edit_mirror_text(lambda t: t.replace('"global_step":2', '"global_step":NaN')), "finite"),
+    "mirror_codebook_not_float32": (_mirror_codebook_entry(0.1), "float32 values"),
+    "mirror_codebook_ints": (_mirror_codebook_entry(0), "list of 256 floats"),
+    "mirror_as_dict": (_mirror_as_dict(10), "must be the JSON string"),
+    "mirror_of_version_9": (_mirror_as_dict(9), r"version 9; Gefen reads 'gefen.native_state' version 10"),
     "mirror_on_some_groups": (_drop_mirror_of_one_group, "only some parameter groups"),
     "topology_mismatch": (_topology, "topology"),
     "unknown_top_level_key": (_set(lambda sd: sd, "exp_avg", 1), "unknown top-level keys"),
@@ -391,10 +423,25 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 9
-    assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.native_state"
+    assert golden["gefen_format_version"] == 10
+    assert mirror_of(golden["param_groups"][0])["format"] == "gefen.native_state"
     assert_trees_equal(produced, golden, "golden native state dict")
     model = _net()
     resumed = Gefen(model.named_parameters(), lr=1e-2, weight_decay=0.05, min_dim_size_to_factor=24)
     resumed.load_state_dict(golden)
     assert resumed.global_step == 2
+
+
+def test_a_state_dict_kept_while_stepping_is_refused_naming_the_views_and_a_copy_loads() -> None:
+    """``state_dict()`` returns views of the live state, as torch's does, with a digest of the
+    moment: kept in memory while the optimizer steps on, it no longer matches, and the refusal
+    says so; a ``copy.deepcopy`` is a snapshot that loads."""
+    model = _net()
+    opt = Gefen(model.named_parameters(), lr=1e-2)
+    _train(model, opt, 0, 2)
+    kept, snapshot = opt.state_dict(), copy.deepcopy(opt.state_dict())
+    _train(model, opt, 2, 1)
+    with pytest.raises(StateValidationError, match=r"views of the live state, so copy\.deepcopy it"):
+        opt.load_state_dict(kept)
+    opt.load_state_dict(snapshot)
+    assert opt.global_step == 2

@@ -15,9 +15,9 @@ from gefen_contracts import StaleTransactionError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen, GefenMuon
-from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
+from gefen_core_test_support import edit_mirror, edit_mirrors, mirror_of, single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v5.pt"
+GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v6.pt"
 
 
 def _named(dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
@@ -107,17 +107,13 @@ def _set(where: Callable[[dict[str, Any]], Any], key: str, value: Any) -> Callab
 def _codebook(mutate: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
     def apply(sd: dict[str, Any]) -> None:
         sd["gefen_codebook"] = mutate(sd["gefen_codebook"])
-        for group in sd["param_groups"]:
-            group["_gefen_checkpoint_metadata"]["codebook"] = sd["gefen_codebook"]
+        edit_mirrors(sd, codebook=sd["gefen_codebook"])
 
     return apply
 
 
 def _no_codebook(sd: dict[str, Any]) -> None:
-    _codebook(lambda c: c)(sd)
     sd["gefen_codebook"] = None
-    for group in sd["param_groups"]:
-        group["_gefen_checkpoint_metadata"]["codebook"] = None
 
 
 BAD: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
@@ -137,21 +133,15 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "missing_option": (lambda sd: sd["param_groups"][0].pop("normuon_eps"), "lacks options"),
     "renamed_parameter": (lambda sd: sd["param_groups"][0]["param_names"].__setitem__(0, "x"), "param_names differ"),
     "owner_manifest_without_distributed": (
-        lambda sd: (
-            [sd.__setitem__("gefen_muon_owners", {"ownership": "x"})]
-            + [g["_gefen_checkpoint_metadata"].__setitem__("gefen_muon_owners", 1) for g in sd["param_groups"]]
-        ),
+        lambda sd: [sd.__setitem__("gefen_muon_owners", {"ownership": "x"})] + [edit_mirrors(sd, gefen_muon_owners=1)],
         "unexpected keys",
     ),
     "mirrors_disagree": (
-        lambda sd: sd["param_groups"][1]["_gefen_checkpoint_metadata"].__setitem__("global_step", 7),
+        lambda sd: edit_mirror(sd["param_groups"][1], global_step=7),
         "disagree on global_step",
     ),
     "deterministic_mismatch": (
-        lambda sd: (
-            [sd.__setitem__("gefen_deterministic", True)]
-            + [g["_gefen_checkpoint_metadata"].__setitem__("deterministic", True) for g in sd["param_groups"]]
-        ),
+        lambda sd: [sd.__setitem__("gefen_deterministic", True)] + [edit_mirrors(sd, deterministic=True)],
         "deterministic=True",
     ),
 }
@@ -218,8 +208,8 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 5 and golden["gefen_muon_owners"] is None
-    assert golden["param_groups"][0]["_gefen_checkpoint_metadata"]["format"] == "gefen.muon_native_state"
+    assert golden["gefen_format_version"] == 6 and golden["gefen_muon_owners"] is None
+    assert mirror_of(golden["param_groups"][0])["format"] == "gefen.muon_native_state"
     assert_trees_equal(produced, golden, "golden muon native state dict")
     named = _named()
     resumed = GefenMuon(

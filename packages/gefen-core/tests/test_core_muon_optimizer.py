@@ -388,3 +388,22 @@ def test_verbose_logs_the_step_choices(caplog: pytest.LogCaptureFixture) -> None
         _train(opt, params, 1)
     text = caplog.text
     assert "learned the codebook" in text and "batched NS (8, 8): chunks [8]" in text
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_matrices_without_rows_or_columns_step_with_the_others(adjust_lr_fn: str | None) -> None:
+    """An ``8 x 0`` or ``0 x 8`` matrix (a disabled adapter) has nothing to update; the other
+    matrices of the step update as without it (Muon's ``sqrt(rows / cols)`` must not divide by
+    zero columns)."""
+    torch.manual_seed(0)
+    full, no_cols, no_rows = (torch.nn.Parameter(torch.randn(*s)) for s in ((16, 32), (8, 0), (0, 8)))
+    alone = torch.nn.Parameter(full.detach().clone())
+    optimizer = GefenMuon([full, no_cols, no_rows], lr=1e-2, adjust_lr_fn=adjust_lr_fn)
+    reference = GefenMuon([alone], lr=1e-2, adjust_lr_fn=adjust_lr_fn)
+    for step in range(2):
+        grad = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+        full.grad, alone.grad = grad.clone(), grad.clone()
+        no_cols.grad, no_rows.grad = torch.zeros(8, 0), torch.zeros(0, 8)
+        optimizer.step()
+        reference.step()
+    assert torch.equal(full, alone) and optimizer.global_step == 2

@@ -71,6 +71,27 @@ def test_constructor_rejects_bad_options(kwargs: dict[str, Any], error: type[Exc
         Gefen(_model().parameters(), **kwargs)
 
 
+def test_numpy_scalars_are_taken_as_torch_takes_them_and_saved_as_floats() -> None:
+    import io
+
+    import numpy as np
+
+    model = _model()
+    opt = Gefen(
+        model.parameters(), lr=np.float32(1e-3), betas=(np.float64(0.9), np.float32(0.999)), eps=np.float64(1e-8)
+    )
+    group = opt.param_groups[0]
+    assert [type(v) for v in (group["lr"], *group["betas"], group["eps"])] == [float] * 4
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)  # no numpy object in the state dict
+    with pytest.raises(GefenOptionTypeError, match="learning rate"):
+        Gefen(model.parameters(), lr=np.bool_(True))
+
+
 def test_group_options_are_validated_with_the_group_index() -> None:
     model = _model()
     groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "betas": (0.9, 1.5)}]
@@ -127,6 +148,8 @@ def test_add_param_group_is_all_or_nothing() -> None:
         opt.add_param_group({"params": [model[0].bias], "weight_decay": -1.0})
     with pytest.raises(ValueError, match="same parameter"):
         opt.add_param_group({"params": [model[0].weight]})
+    with pytest.raises(TypeError, match="ordered collections"):  # torch's refusal: a set's order changes
+        opt.add_param_group({"params": {model[0].bias}})
     assert not snapshot_diff(before, opt)
     opt.add_param_group({"params": model[0].bias, "lr": 0.5})
     assert opt.param_groups[1]["lr"] == 0.5 and opt.param_groups[1]["betas"] == (0.9, 0.999)

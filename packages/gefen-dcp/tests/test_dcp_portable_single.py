@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -269,3 +270,29 @@ def test_composite_round_trip_and_refusals(tmp_path: Path) -> None:
             limits=LIMITS,
         )
     assert not snapshot_diff(before, *target.children.values())
+
+
+class _DottedFieldSGD(PieceSGD):
+    """Exports its momentum under a dotted field name, which gefen-portable accepts."""
+
+    def portable_export(self) -> Any:
+        from gefen_contracts.exchange import PortableExport, PortableSlotState
+
+        base = super().portable_export()
+        slots = tuple(
+            PortableSlotState(s.layout, s.options, s.variant, s.counters, element_fields={"momentum.buffer": v})
+            for s in base.slots
+            for v in s.element_fields.values()
+        )
+        return PortableExport(base.implementation, base.policy, base.common, base.manifest, slots)
+
+
+def test_a_dotted_field_name_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A load refuses a dotted field (``fqn "x", field "y.1.z"`` and ``fqn "x.0.y", index 1,
+    field "z"`` flatten to one DCP key), so the save refuses it first rather than write a
+    checkpoint no load can read."""
+    optimizer = _DottedFieldSGD(manifest("replicated", 1), None)
+    optimizer.train(0, STEPS)
+    with pytest.raises(EnvelopeFormatError, match=r"must not contain '\.'"):
+        _save(optimizer, tmp_path)
+    assert not (tmp_path / ".metadata").exists()

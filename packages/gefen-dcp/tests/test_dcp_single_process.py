@@ -358,3 +358,28 @@ def test_async_save_holds_the_state_at_the_call(
         assert all(torch.equal(v, expected[k]) for k, v in _momenta(restored).items()), writer_type.__name__
         assert all(torch.equal(p, expected_params[n]) for n, p in restored_model.named_parameters())
         del inputs
+
+
+def test_the_allocation_limit_is_checked_before_anything_is_allocated(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    """Metadata naming a 2**50-byte state tensor is refused by ``max_fragment_tensor_bytes``
+    (a ``CheckpointLayoutError``), not attempted (the allocator's ``RuntimeError``, or the
+    process killed for memory)."""
+    from gefen_contracts.limits import PortableStateLimits
+    from gefen_dcp.load_session import LoadSession
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    model, optimizer = trained
+    _save(model, optimizer, tmp_path)
+    metadata = GefenFileSystemReader(tmp_path).read_metadata()
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("optim.tensors.") and "momentum" in k)
+    stored = metadata.state_dict_metadata[key]
+    assert isinstance(stored, TensorStorageMetadata)
+    size = torch.Size((2**50 // stored.properties.dtype.itemsize // stored.size[1], stored.size[1]))
+    metadata.state_dict_metadata[key] = TensorStorageMetadata(
+        stored.properties, size, [ChunkStorageMetadata(torch.Size((0, 0)), size)]
+    )
+    live = GefenDCPState(optimizer)._session(0, "0" * 32)
+    with pytest.raises(CheckpointLayoutError, match="max_fragment_tensor_bytes"):
+        LoadSession(path=("optim",), live=live, metadata=metadata, limits=PortableStateLimits())

@@ -123,6 +123,24 @@ def test_a_sparse_gradient_in_a_later_group_changes_nothing_unlike_torch() -> No
     assert diffs == []
 
 
+def test_capturable_on_the_cpu_is_refused_before_any_change_unlike_torch() -> None:
+    """torch creates the state of a ``capturable=True`` group on the CPU, then asserts the device
+    (a half-made step; inside a composite, after the other child stepped); the preflight refuses
+    first."""
+
+    def run(cls: type[torch.optim.Optimizer]) -> list[str]:
+        model = _model()
+        optimizer = cls(model.parameters(), lr=1e-2, capturable=True)
+        model(torch.randn(4, 6)).sum().backward()
+        before = deep_snapshot(optimizer, model)
+        with pytest.raises((RuntimeError, AssertionError), match="capturable=True"):
+            optimizer.step()
+        return snapshot_diff(before, optimizer, model)
+
+    assert run(torch.optim.AdamW), "torch AdamW creates the state before refusing"
+    assert run(ContractedAdamW) == []
+
+
 def _trained(seed: int = 0, **kwargs: Any) -> tuple[nn.Module, ContractedAdamW]:
     model = _model(seed)
     optimizer = ContractedAdamW(_groups(model), lr=1e-2, **kwargs)

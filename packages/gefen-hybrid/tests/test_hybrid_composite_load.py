@@ -148,6 +148,9 @@ def test_staged_composite_loads_are_single_use_owned_and_fresh() -> None:
     refused_after(optimizer.step)
     refused_after(backup.step)  # a child stepped directly
     refused_after(lambda: backup.load_state_dict(backup.state_dict()))  # a child loaded directly
+    # a child's own staged load runs no hook the composite sees: the muon child would commit,
+    # then the backup refuse its stale stage (half a checkpoint)
+    refused_after(lambda: backup.commit_staged_state_dict(backup.stage_state_dict(backup.state_dict())))
     fresh = optimizer.stage_state_dict(valid)
     optimizer.commit_staged_state_dict(fresh)
     with pytest.raises(StaleTransactionError, match="consumed"):

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from gefen_contracts.codec import to_primitive
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableLayout, PortableSlotLayout
-from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ProcessGroupIdentity
+from gefen_contracts.identity import LogicalRegion, LogicalSlice, ParameterIdentity, ProcessGroupIdentity
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
@@ -302,6 +303,8 @@ SEMANTIC_EDITS: dict[str, Edit] = {
     "field name": _set((*_B, " momentum"), torch.zeros(3)),
     "hint source layout": _set(("parameters", "w", "projection_hints", "source_layout"), "replicated"),
     "hint unknown rule": _set(("parameters", "w", "projection_hints", "element_fields"), "shard_identity_v1"),
+    "region of another rank": _set((*_W0, "extent"), to_primitive(LogicalRegion((0,), (4,)))),
+    "region past the bounds": _set((*_W0, "extent"), to_primitive(LogicalRegion((0, 0), (2, 4)))),
     "completion status": _set(("completion", "status"), "partial"),
     "completion grammar": _set(("completion", "digest_grammar"), "repr"),
 }

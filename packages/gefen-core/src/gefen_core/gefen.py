@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.torch_support import check_new_group
+from gefen_contracts.torch_support import check_new_group, group_params
 
 from . import gefen_step
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
@@ -228,7 +228,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         index = len(self.param_groups)
         options = normalize_group_options(param_group, index)
         params = param_group["params"]
-        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        listed = group_params(params)
         if not listed:
             raise ValueError(f"param_groups[{index}] has an empty parameter list")
         check_parameters(listed, index)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.torch_support import check_new_group
+from gefen_contracts.torch_support import check_new_group, group_params
 
 from . import muon_execution
 from .amp import has_fp16_gradients, unscale_gradients
@@ -235,7 +235,7 @@ class GefenMuon(
         given = {key: value for key, value in param_group.items() if key in MUON_GROUP_OPTIONS}
         options = normalize_muon_options({**self.defaults, **given}, index)
         params = param_group["params"]
-        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        listed = group_params(params)
         if not listed:
             raise ValueError(f"param_groups[{index}] has an empty parameter list")
         for position, param in enumerate(listed):

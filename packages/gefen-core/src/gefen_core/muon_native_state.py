@@ -1,4 +1,4 @@
-"""GefenMuon's native state dict (``gefen.muon_native_state`` v5): export and staged loading.
+"""GefenMuon's native state dict (``gefen.muon_native_state`` v6): export and staged loading.
 
 ::
 
@@ -7,8 +7,8 @@
                       "m_codes": uint8[B, P], "m_magnitude": fp32[B, 1],
                       ["normuon_v": fp32[R, 1], "normuon_step": int]}},
       "param_groups": [{"params": [pid, ...], <the GefenMuon options>, ["param_names"],
-                        "_gefen_checkpoint_metadata": <mirror of the record>}],
-      "gefen_format_version": 5,
+                        "_gefen_checkpoint_metadata": <mirror of the record: one JSON string>}],
+      "gefen_format_version": 6,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -20,8 +20,9 @@
     }
 
 Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). The block
-period ``P`` is the codes' width (version 4 named the codes ``m_codebook``, version 3 also stored the
-period as ``automatic_period``; both refused naming both versions). Which state a
+period ``P`` is the codes' width (version 5 held the mirror as a dict, whose every leaf DCP
+writes as an item of its own; version 4 named the codes ``m_codebook``, version 3 also stored the
+period as ``automatic_period``; each is refused naming both versions). Which state a
 slot holds, and what it depends on:
 
 * local and ``"exact"`` slots hold whole-matrix state, identical on every rank, so their
@@ -85,7 +86,7 @@ __all__ = [
 
 FORMAT = NativeFormat(
     "gefen.muon_native_state",
-    5,
+    6,
     (
         ("global_step", "gefen_global_step"),
         ("codebook", "gefen_codebook"),

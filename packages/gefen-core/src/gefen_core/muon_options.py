@@ -194,7 +194,8 @@ def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     AdamW learning rate transfers).
     """
     if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return float(max(1.0, rows / cols) ** 0.5)
+        # a matrix without columns has no elements to update: any finite ratio will do
+        return float(max(1.0, rows / cols) ** 0.5) if cols else 1.0
     if adjust_lr_fn == "match_rms_adamw":
         return float(0.2 * max(rows, cols) ** 0.5)
     raise GefenOptionError(f"adjust_lr_fn must be one of {list(ADJUST_LR_FNS)}, got {adjust_lr_fn!r}")

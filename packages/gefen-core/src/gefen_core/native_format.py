@@ -1,4 +1,4 @@
-"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v9).
+"""Names and version of Gefen's native state-dict format (``gefen.native_state`` v10).
 
 ::
 
@@ -12,7 +12,7 @@
                         "factored_v_2d", "min_dim_size_to_factor", "clip_threshold", "force_1d_period_one", "force_2d_period_one",
                         "period_one_substrings", ["param_names"], <other keys kept>,
                         "_gefen_checkpoint_metadata": <mirror>}],
-      "gefen_format_version": 9,
+      "gefen_format_version": 10,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
@@ -26,10 +26,13 @@ more dimensions, ``[ceil(numel / P)]`` otherwise (ragged blocks: only ``P = 2048
 shape gives it) and, for a DTensor (FSDP2) parameter, are
 DTensors placed like it (``v_col`` replicated), so torch's DCP reshards them N -> M.
 
-``<mirror>`` is ``{"format": "gefen.native_state", "format_version": 9, "global_step",
-"codebook", "codebook_learned", "deterministic", "state_digest"}`` (the same values), repeated in every group because
+``<mirror>`` is the JSON string of ``{"codebook", "codebook_learned", "deterministic", "format":
+"gefen.native_state", "format_version": 10, "global_step", "state_digest"}`` (the same values,
+the codebook as its 256 floats; sorted keys, no whitespace), repeated in every group because
 ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` keeps only ``state`` and
-``param_groups``. Parameter ids are the positions in ``param_groups`` order (ints), or any
+``param_groups``. A string, so that DCP writes it as one item where a dict costs one per
+leaf, per parameter under ``flatten_optimizer_state_dict=True``
+(:mod:`gefen_core.native_records`). Parameter ids are the positions in ``param_groups`` order (ints), or any
 unique keys (torch's DCP helpers pass FQN strings); they are matched by position.
 Only tensors and primitives appear, so ``torch.load(weights_only=True)`` reads it.
 
@@ -38,7 +41,9 @@ live in the groups' ``param_names``, as in torch), ``betas`` instead of ``beta1`
 counters are always ints (also under ``capturable``), no ``device_anchor``, state shaped like
 the parameter (so one checkpoint loads on any number of ranks), and its own format name and
 version. The codes and scales hold the EMA of the preconditioned gradient ``g / (sqrt(V) + eps)``
-(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 8 had no
+(since ``gefen::block_step.v2`` and ``gefen::factored_step.v3``). Version 9 held the mirror as
+a dict (eight DCP items per group, and per parameter in torch's flattened recipe; refused naming
+both versions). Version 8 had no
 ``min_dim_size_to_factor`` group option and no ``element`` variant (it factored every matrix;
 refused naming both versions, as a group without the option cannot say which second moment its
 narrow matrices keep). Version 7 named the codes
@@ -72,7 +77,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "gefen.native_state"
-VERSION = 9
+VERSION = 10
 
 FORMAT_VERSION = "gefen_format_version"
 GLOBAL_STEP = "gefen_global_step"

@@ -8,6 +8,12 @@ only ``state`` and ``param_groups``). A :class:`NativeFormat` names one format's
 :class:`~gefen_contracts.StateValidationError` that names what is wrong. Nothing here mutates
 its inputs.
 
+The mirror is one JSON string (:meth:`NativeFormat.mirror`, the codebook as its 256 floats), not
+a dict: DCP writes every leaf of a state dict as an item of its own (about 1.5 KB of framing and
+one ``torch.load`` each), and ``flatten_optimizer_state_dict=True`` (torchtitan's and
+OLMo-core's recipe) repeats every group value under each parameter's FQN, so a dict mirror of
+eight leaves cost eight items per parameter where the string costs one.
+
 The record's ``state_digest`` (:func:`state_digest`) holds two SHA-256 over the format, the
 rest of the record and every parameter's state entry in ``param_groups`` order (so it survives
 torch's re-keying by FQN): one flipped bit in a saved tensor or counter is refused by
@@ -20,6 +26,7 @@ checkpoints, and the load validates them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +49,9 @@ __all__ = [
     "check_state_digest",
     "check_state_tensor",
     "check_top_level",
+    "decode_mirror",
     "exact_int",
+    "mirror_codebook",
     "fail",
     "native_state_dict",
     "parameter_slots",
@@ -83,9 +92,13 @@ class NativeFormat:
         """The record fields :func:`state_digest` covers (all but the digest itself)."""
         return tuple(name for name, _ in self.records if name != DIGEST_FIELD[0])
 
-    def mirror(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """The per-group copy of ``record`` (tagged with the format's name and version)."""
-        return {"format": self.name, "format_version": self.version, **{f: record[f] for f in self.fields}}
+    def mirror(self, record: Mapping[str, Any]) -> str:
+        """The per-group copy of ``record``, tagged with the format's name and version: canonical
+        JSON (sorted keys, no whitespace), the codebook as its 256 floats (exact: a float32 is a
+        float64, which JSON writes shortest-round-trip)."""
+        fields = {f: record[f].tolist() if f == "codebook" else record[f] for f in self.fields}
+        value = {"format": self.name, "format_version": self.version, **fields}
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def fail(message: str) -> StateValidationError:
@@ -99,6 +112,43 @@ def codebook_record(codebook: torch.Tensor | None) -> dict[str, Any]:
     if codebook is None:
         return {"codebook": torch.zeros(CODEBOOK_SIZE, dtype=torch.float32), "codebook_learned": False}
     return {"codebook": codebook.detach().clone(), "codebook_learned": True}
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("a key appears twice")
+    return value
+
+
+def decode_mirror(mirror: object, where: str) -> dict[str, Any]:
+    """A group mirror (:meth:`NativeFormat.mirror`) parsed: strict JSON (no duplicate keys, no
+    ``NaN`` or ``Infinity``) holding an object. Which keys and types the record must hold is
+    :func:`reconcile_record`'s to check; :func:`mirror_codebook` reads its codebook."""
+    if type(mirror) is not str:
+        raise fail(f"{where} must be the JSON string state_dict() writes, got {type(mirror).__name__}")
+    try:
+        value = json.loads(mirror, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as exc:
+        raise fail(f"{where} is not valid JSON: {exc}") from None
+    if type(value) is not dict:
+        raise fail(f"{where} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def mirror_codebook(codebook: object, where: str) -> torch.Tensor:
+    """A mirror's codebook: a list of :data:`~gefen_core.momentum_codec.CODEBOOK_SIZE` floats,
+    each a float32 value (one encoding per codebook), as a float32 tensor."""
+    if type(codebook) is not list or len(codebook) != CODEBOOK_SIZE or any(type(c) is not float for c in codebook):
+        raise fail(f"{where}: the codebook must be a list of {CODEBOOK_SIZE} floats")
+    tensor = torch.tensor(codebook, dtype=torch.float32)
+    if tensor.tolist() != codebook:
+        raise fail(f"{where}: the codebook's entries must be float32 values")
+    return tensor
 
 
 def _tree(value: object, *, contents: bool) -> object:
@@ -156,7 +206,9 @@ def check_state_digest(
     if digest["layout"] != saved["layout"] or (both_plain and digest["content"] != saved["content"]):
         raise fail(
             f"the state dict's content does not match its state_digest (a flipped bit, a truncated or edited "
-            f"tensor or counter, or entries from another save); {fmt.optimizer} refuses it"
+            f"tensor or counter, entries from another save, or a state_dict() kept in memory while the optimizer "
+            f"stepped on: like torch's, its tensors are views of the live state, so copy.deepcopy it to keep a "
+            f"snapshot); {fmt.optimizer} refuses it"
         )
 
 
@@ -254,16 +306,19 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
         raise fail(f"{GROUP_MIRROR} is present on only some parameter groups")
     records = [] if top is None else [("top level", top)]
     expected_keys = {"format", "format_version", *fmt.fields}
-    for index, mirror in enumerate(with_mirror):
-        if not isinstance(mirror, Mapping):
-            raise fail(f"param_groups[{index}][{GROUP_MIRROR!r}] must be a dict")
+    for index, raw in enumerate(with_mirror):
+        where = f"param_groups[{index}][{GROUP_MIRROR!r}]"
+        # a dict: a format before the JSON mirror, refused below naming its version
+        mirror = raw if isinstance(raw, Mapping) else decode_mirror(raw, where)
         if mirror.get("format") != fmt.name or mirror.get("format_version") != fmt.version:
             raise fail(
                 f"param_groups[{index}] holds format {mirror.get('format')!r} version "
                 f"{mirror.get('format_version')!r}; {fmt.optimizer} reads {fmt.name!r} version {fmt.version}"
             )
+        if type(raw) is not str:
+            raise fail(f"{where} must be the JSON string state_dict() writes, got {type(raw).__name__}")
         if set(mirror) != expected_keys:
-            raise fail(f"param_groups[{index}][{GROUP_MIRROR!r}] has unexpected keys")
+            raise fail(f"{where} has unexpected keys")
         records.append((f"param_groups[{index}] mirror", {f: mirror[f] for f in fmt.fields}))
     if not records:
         raise fail(
@@ -272,6 +327,8 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
         )
     first_where, first = records[0]
     for where, record in records:
+        if where != "top level":  # a mirror's codebook is a list of floats, read after the top level's is checked
+            record["codebook"] = mirror_codebook(record["codebook"], where)
         _check_codebook_fields(record, where)
     for where, other in records[1:]:
         for key in fmt.fields:

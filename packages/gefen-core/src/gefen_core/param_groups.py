@@ -8,6 +8,7 @@ Everything here checks and normalises without touching the optimizer, so constru
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,8 +53,9 @@ def where_prefix(group: int | None) -> str:
 
 
 def real_option(value: object, name: str, group: int | None) -> float:
-    """A finite real number (``bool`` refused) as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A finite real number (``bool`` refused; numpy's scalars taken, as torch's AdamW takes
+    them) as a Python float, so a state dict holds no numpy object."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise GefenOptionTypeError(f"{where_prefix(group)}{name} must be a real number, got {type(value).__name__}")
     number = float(value)
     if not math.isfinite(number):

@@ -197,7 +197,6 @@ class LoadSession:
             self.placements[name] = placement
             self.boxes[name] = box
             self.keys[key] = name
-            self.destinations[name] = torch.zeros(box.sizes, dtype=md.properties.dtype)
             if total_chunks > limits.max_tensors:
                 raise _layout_error(f"{namespace}: more than max_tensors={limits.max_tensors} chunks")
             if total_bytes > limits.max_fragment_tensor_bytes:
@@ -205,6 +204,10 @@ class LoadSession:
                     f"{namespace}: loading needs more than max_fragment_tensor_bytes={limits.max_fragment_tensor_bytes} "
                     f"bytes of state on this rank"
                 )
+        # only once every tensor passed the limits: a forged size is refused before it is allocated
+        for key, name in self.keys.items():
+            dtype = _tensor_md(metadata, key).properties.dtype
+            self.destinations[name] = torch.zeros(self.boxes[name].sizes, dtype=dtype)
 
     # -- reading ---------------------------------------------------------------------
 

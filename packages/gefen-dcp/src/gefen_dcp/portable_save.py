@@ -44,6 +44,7 @@ from .portable_format import (
     encode_chunk_table,
     encode_composite_envelope,
     encode_portable_envelope,
+    field_name,
 )
 from .standins import writer_key
 from .storage_identity import preflight, require_binding
@@ -124,6 +125,8 @@ def build_state_dict(
     records = []
     for fragment in state.fragments:
         for name, tensor in sorted(fragment.fields.items()):
+            # the rule a load applies: a dotted field would flatten to another fragment's DCP key
+            field_name(name, f"{fragment.fqn!r} fragment {fragment.index} field")
             flat = tensor.detach().reshape(-1)
             ranges = _chunk_ranges(flat.numel(), max(1, limits.chunk_bytes // flat.element_size()))
             for start, length in ranges:

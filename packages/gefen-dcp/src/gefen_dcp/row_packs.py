@@ -56,7 +56,9 @@ def _packable(tensor: torch.Tensor) -> bool:
 def _pack(members: list[str], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     first = tensors[members[0]]
     rows = local_tensor(first).shape[0]
-    pieces = [local_tensor(tensors[key]).reshape(rows, -1) for key in members]
+    # explicit widths: a rank may hold no rows of a small parameter (FSDP2 gives trailing ranks
+    # empty shards), and a reshape of zero elements to [0, -1] has no width to infer
+    pieces = [local_tensor(tensors[key]).reshape(rows, math.prod(tensors[key].shape[1:])) for key in members]
     packed = torch.cat(pieces, dim=1)
     if not is_dtensor(first):
         return packed

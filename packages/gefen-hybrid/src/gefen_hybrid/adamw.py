@@ -36,6 +36,7 @@ from gefen_contracts.torch_support import (
     check_new_group,
     check_tensor_lr,
     compatibility_names,
+    group_params,
     identity_guard,
     plan_rebinding,
     publish_binding,
@@ -225,11 +226,15 @@ class ContractedAdamW(torch.optim.AdamW):
         Checks: sparse gradients, a gradient whose kind (DTensor or not), shape, dtype or
         device differs from its parameter, state whose shape no longer matches its (resized)
         parameter, parameters the fused kernel cannot take, a tensor ``lr`` on a device that
-        is neither the CPU nor the parameters', and a tensor ``lr`` with ``foreach=True`` and
-        ``capturable=False``; first of all, the sealed layout.
+        is neither the CPU nor the parameters', a tensor ``lr`` with ``foreach=True`` and
+        ``capturable=False``, and ``capturable=True`` on a device torch cannot capture on (torch
+        asserts that only after creating the state); first of all, the sealed layout.
         """
+        from torch.optim.optimizer import _get_capturable_supported_devices
+
         self._verify_layout("step")
         fused_check = _fused_device_check()
+        capturable_devices = _get_capturable_supported_devices()
         for index, group in enumerate(self.param_groups):
             if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
                 raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
@@ -264,6 +269,11 @@ class ContractedAdamW(torch.optim.AdamW):
                     )
                 if group["fused"] and fused_check is not None and not self.state.get(parameter):
                     fused_check(parameter)
+                if group["capturable"] and parameter.device.type not in capturable_devices:
+                    raise RuntimeError(
+                        f"param group {index}: capturable=True needs parameters on {sorted(capturable_devices)}, "
+                        f"got one on {parameter.device}"
+                    )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Verify the sealed layout, run ``closure`` (under ``enable_grad``), preflight (which
@@ -289,7 +299,7 @@ class ContractedAdamW(torch.optim.AdamW):
             )
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
-            listed = [params] if isinstance(params, torch.Tensor) else list(params)
+            listed = group_params(params)
             param_group = {**param_group, "params": listed}
             lr = param_group.get("lr", self.defaults.get("lr"))
             check_new_group(listed, len(self.param_groups), self.param_groups, lr)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD
 from gefen_contracts.protocols import StagedNativeLoad
+from gefen_contracts.torch_support import state_version_token
 from gefen_contracts.transactions import StagedTransaction
 
 from .composite_format import children_of_state_dict
@@ -37,13 +38,18 @@ def staged_capable(child: torch.optim.Optimizer) -> bool:
 
 
 def load_token(composite: CompositeOptimizer) -> tuple[object, ...]:
-    """What a staged load is claimed against: the composite's change count and its children's
-    group layout (a step, a load or a new group in between makes the stage stale)."""
-    layout = tuple(
-        (role, id(child), tuple((id(g), len(g["params"])) for g in child.param_groups))
-        for role, child in composite._children
+    """What a staged load is claimed against: the composite's change count and each child's
+    groups and state (a step, a load or a new group in between makes the stage stale).
+
+    The children's own version tokens (their groups, options, state entries and tensors by
+    identity and version counter) are in it because a child can change without a hook the
+    composite sees (its own staged load, an import, a codebook refresh). Each child claims its
+    own staged load against its own token, and the first child commits before the second
+    claims: a change only the second noticed would publish half a checkpoint."""
+    children = tuple(
+        (role, id(child), state_version_token(child.param_groups, child.state)) for role, child in composite._children
     )
-    return (composite._changes.value, layout)
+    return (composite._changes.value, children)
 
 
 def _children_of(composite: CompositeOptimizer, state_dict: object) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from gefen_contracts.enums import ParameterLayout
+from gefen_contracts.errors import ContractError
 from gefen_contracts.identity import LogicalRegion, LogicalSlice, ParameterIdentity, ShardIdentity
 
 from .errors import PortableStateError
@@ -201,7 +202,10 @@ def validate_tiling(extents: Sequence[Extent], identity: ParameterIdentity) -> N
     first_starts = []
     for extent in extents:
         if type(extent) is LogicalRegion:
-            extent.validate_bounds(identity)
+            try:
+                extent.validate_bounds(identity)
+            except ContractError as exc:  # one exception family for every refused document
+                raise PortableStateError(f"a fragment of {fqn!r}: {exc}") from None
         elif type(extent) is LogicalSlice and extent.end > identity.numel:
             raise PortableStateError(f"a fragment of {fqn!r} ends at {extent.end}, beyond numel {identity.numel}")
         pieces = extent_runs(extent, shape)

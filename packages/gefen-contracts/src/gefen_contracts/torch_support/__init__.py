@@ -26,7 +26,7 @@ from .bound_state import (
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .freshness import state_version_token, tensor_version_token
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
-from .param_groups import check_new_group, check_tensor_lr
+from .param_groups import check_new_group, check_tensor_lr, group_params
 from .rebinding_plan import (
     RebindingPlan,
     SlotRebinding,
@@ -70,6 +70,7 @@ __all__ = [
     "block_count",
     "build_bound_state",
     "check_new_group",
+    "group_params",
     "check_tensor_lr",
     "compatibility_names",
     "failure_vote",

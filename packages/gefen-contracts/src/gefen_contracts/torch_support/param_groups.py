@@ -14,7 +14,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_new_group", "check_tensor_lr"]
+__all__ = ["check_new_group", "check_tensor_lr", "group_params"]
+
+
+def group_params(params: object) -> list[object]:
+    """A group's ``params`` as a list: one tensor, or an ordered iterable of tensors or
+    ``(name, tensor)`` pairs. A ``set`` is refused with torch's ``TypeError`` (its order, and so
+    every checkpoint's parameter ids, changes between runs)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
+            "sets will change between runs. Please use a list instead."
+        )
+    if not isinstance(params, Iterable):
+        raise TypeError(f"params must be a tensor or an iterable of tensors, got {type(params).__name__}")
+    return list(params)
 
 
 def _tensors(params: Iterable[object]) -> list[object]:

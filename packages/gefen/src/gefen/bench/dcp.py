@@ -21,7 +21,9 @@ arm whose contract does not is skipped with the contract's reason). Default arms
 is ``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict`` with DCP's stock
 planner and writer; ratios are against it at the same world size, measured in the same run.
 Besides seconds and peaks, ``disk_bytes_per_param`` is the synchronous checkpoint's size on
-disk over the model's parameter count.
+disk over the model's parameter count. With ``flatten``, every recipe arm and the baseline pass
+``StateDictOptions(flatten_optimizer_state_dict=True)``, as torchtitan's and OLMo-core's
+checkpointers do: torch then repeats every group option under each parameter's FQN.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class DcpOptions:
     batch_size: int = 2
     sequence_length: int = 64
     with_model: bool = False
+    flatten: bool = False
 
     def __post_init__(self) -> None:
         bench_decoder(self.model)  # raises on an unknown model

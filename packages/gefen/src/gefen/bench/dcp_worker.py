@@ -7,8 +7,8 @@ arms; their resident cost is reported on its own as ``checkpoint_import_bytes``)
 (and the model with ``with_model``), a ``dcp.async_save`` (until the write completed, on a
 separate gloo group) and a ``dcp.load`` into a freshly built model and optimizer, and the
 bytes the synchronous checkpoint holds on disk. The arm ``torch-dcp-adamw`` is
-``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict`` and DCP's stock planner
-and writer; an arm ``recipe:<arm>`` takes that same recipe with ``<arm>``'s optimizer; every
+``torch.optim.AdamW`` through ``get_state_dict`` / ``set_state_dict`` (flattened with the spec's
+``flatten``) and DCP's stock planner and writer; an arm ``recipe:<arm>`` takes that same recipe with ``<arm>``'s optimizer; every
 other arm saves its optimizer through :class:`gefen_dcp.GefenDCPState` with the Gefen
 planners and writer.
 """
@@ -47,11 +47,17 @@ def _train(model: Any, optimizer: Any, spec: Mapping[str, Any], steps: int) -> N
     optimizer.zero_grad(set_to_none=True)
 
 
+def _recipe_options(spec: Mapping[str, Any]) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=bool(spec["flatten"]))
+
+
 def _states(spec: Mapping[str, Any], model: Any, optimizer: Any) -> dict[str, Any]:
     if through_torch_recipe(spec["arm"]):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_recipe_options(spec))
         return {"model": model_state, "optim": optimizer_state} if spec["with_model"] else {"optim": optimizer_state}
     from gefen_dcp import GefenDCPState
 
@@ -83,7 +89,14 @@ def _load(spec: Mapping[str, Any], model: Any, optimizer: Any, path: Path) -> No
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state.get("model", {}), optim_state_dict=state["optim"])
+        model_state = state.get("model", {})
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=state["optim"],
+            options=_recipe_options(spec),
+        )
         return
     from gefen_dcp import GefenFileSystemReader, GefenLoadPlanner
 

@@ -53,6 +53,11 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads per rank (default 1)")
     parser.add_argument("--with-model", action="store_true", help="save the model beside the optimizer")
+    parser.add_argument(
+        "--flatten",
+        action="store_true",
+        help="recipe arms and the baseline use flatten_optimizer_state_dict=True (torchtitan's and OLMo-core's recipe)",
+    )
     add_output_options(parser)
     parser.set_defaults(handler=run)
 
@@ -69,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             arms=args.optimizers,
             threads=args.threads,
             with_model=args.with_model,
+            flatten=args.flatten,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

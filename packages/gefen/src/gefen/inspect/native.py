@@ -147,7 +147,7 @@ def _gefen_entry(
 
 
 def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
-    """A Gefen entry (``gefen.native_state`` v9): tensors shaped like the parameter, whose
+    """A Gefen entry (``gefen.native_state`` v10): tensors shaped like the parameter, whose
     shape the codes give and whose period the scales' shape gives
     (:func:`gefen_core.state_placement.expected_shapes`, :func:`~gefen_core.state_placement.period_from_scales`)."""
     indices = entry.get("m_codes")
@@ -187,6 +187,28 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
     return variant, shape
 
 
+def _parsed_mirror(raw: object, where: str) -> Mapping[str, Any]:
+    """A group mirror as a mapping, its codebook a tensor: the JSON string of current formats, or
+    the dict of older ones (whose version the caller then reports). Raises
+    ``StateValidationError`` naming what is wrong."""
+    from gefen_core.native_records import decode_mirror, mirror_codebook
+
+    if isinstance(raw, Mapping):
+        return raw
+    mirror = decode_mirror(raw, where)
+    if "codebook" in mirror:
+        mirror["codebook"] = mirror_codebook(mirror["codebook"], where)
+    return mirror
+
+
+def _mirror_format(raw: object) -> object:
+    """The format a group mirror names (``None`` when it cannot be read: the record check says why)."""
+    try:
+        return _parsed_mirror(raw, "mirror").get("format")
+    except StateValidationError:
+        return None
+
+
 def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tuple[str, str]]:
     """Check the optimizer-wide record and its per-group mirrors; return facts."""
     from gefen_contracts import StateValidationError
@@ -219,10 +241,15 @@ def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tu
         check.fail("gefen_deterministic", f"must be a bool, got {state_dict.get('gefen_deterministic')!r}")
     groups = state_dict.get("param_groups")
     for index, group in enumerate(groups if isinstance(groups, list) else []):
-        mirror = group.get(_MIRROR) if isinstance(group, Mapping) else None
+        raw = group.get(_MIRROR) if isinstance(group, Mapping) else None
         where = f"param_groups[{index}].{_MIRROR}"
-        if not isinstance(mirror, Mapping):
+        if raw is None:
             check.fail(where, "is missing (every group mirrors the optimizer-wide record)")
+            continue
+        try:
+            mirror = _parsed_mirror(raw, where)
+        except StateValidationError as exc:
+            check.fail(where, str(exc).removeprefix(where).lstrip(": "))
             continue
         if mirror.get("format") != fmt or mirror.get("format_version") != expected:
             check.fail(
@@ -291,8 +318,7 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
     if not isinstance(state, Mapping):
         check.fail("state", "must be a dict keyed by parameter id")
         state = {}
-    mirror = next((g.get(_MIRROR) for g in groups if isinstance(g.get(_MIRROR), Mapping)), None)
-    fmt = mirror.get("format") if isinstance(mirror, Mapping) else None
+    fmt = next((_mirror_format(g.get(_MIRROR)) for g in groups if g.get(_MIRROR) is not None), None)
     if fmt is None and "gefen_format_version" in state_dict:
         fmt = _GEFEN if "gefen_muon_owners" not in state_dict else _MUON
     names = _names(groups)
