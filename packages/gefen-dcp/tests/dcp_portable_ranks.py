@@ -81,10 +81,32 @@ def storage_mismatch(rank: int, world_size: int, path: str) -> dict[str, Any]:
     return {"error": None}
 
 
-def corrupt_needed_by_one(rank: int, world_size: int, path: str, saved_on: int, steps: int) -> dict[str, Any]:
+def _resign_chunk(root: str, before: bytes, after: bytes) -> None:
+    """Replace the SHA-256 of the chunk ``before`` by that of ``after`` wherever a chunk table
+    stores it (ASCII hex, the same length, so in place)."""
+    import hashlib
+
+    old, new = (hashlib.sha256(data).hexdigest().encode() for data in (before, after))
+    found = 0
+    for name in os.listdir(root):
+        target = os.path.join(root, name)
+        with open(target, "rb") as handle:
+            data = handle.read()
+        if old in data:
+            found += data.count(old)
+            with open(target, "wb") as handle:
+                handle.write(data.replace(old, new))
+    assert found == 1
+
+
+def corrupt_needed_by_one(
+    rank: int, world_size: int, path: str, saved_on: int, steps: int, resign: bool = False
+) -> dict[str, Any]:
     """Rank 0 copies the checkpoint (saved flat and uneven on ``saved_on`` members) and flips a
     bit in the first chunk of the last fragment of ``embed.weight``, which only the last rank
-    of an even flat layout needs."""
+    of an even flat layout needs; with ``resign``, writes a NaN there instead and re-signs the
+    chunk table's digest of that chunk, so the chunks verify and only that rank refuses the
+    fragment (its values must be finite)."""
     copy = f"{path}-corrupted"
     if rank == 0:
         shutil.copytree(path, copy)
@@ -99,10 +121,18 @@ def corrupt_needed_by_one(rank: int, world_size: int, path: str, saved_on: int, 
             handle.seek(info.offset)
             position = handle.read(info.length).find(elements)
             assert position >= 0
-            handle.seek(info.offset + position + 1)
-            byte = handle.read(1)
-            handle.seek(info.offset + position + 1)
-            handle.write(bytes([byte[0] ^ 0x01]))
+            if resign:  # a NaN where a momentum was, its chunk digest re-signed
+                chunk = reference_momentum(steps)["embed.weight"].reshape(-1)[first : first + LIMITS.chunk_bytes // 4]
+                nan = torch.tensor([float("nan")]).numpy().tobytes()
+                handle.seek(info.offset + position)
+                handle.write(nan)
+                before = chunk.numpy().tobytes()
+                _resign_chunk(copy, before, nan + before[len(nan) :])
+            else:
+                handle.seek(info.offset + position + 1)
+                byte = handle.read(1)
+                handle.seek(info.offset + position + 1)
+                handle.write(bytes([byte[0] ^ 0x01]))
     dist.barrier()
     optimizer = PieceSGD(manifest("flat", world_size), f"rank:{rank}")
     optimizer.train(0, 1)

@@ -151,6 +151,18 @@ def test_portable_corruption_seen_by_one_rank_fails_every_rank_unchanged(
     assert all(r["unchanged"] for r in results)
 
 
+def test_a_fragment_refused_by_one_rank_after_its_chunks_verify_fails_every_rank(
+    world2: GlooWorld, portable_on_two: Path
+) -> None:
+    """A NaN under a re-signed chunk table: the chunks verify, and only the rank that needs the
+    fragment refuses it. It must vote, not leave the other rank waiting in the import's first
+    round (a hang before)."""
+    results = world2.run("dcp_portable_ranks:corrupt_needed_by_one", str(portable_on_two), 2, PORTABLE_STEPS, True)
+    assert [r["error"] for r in results] == ["CollectiveFailureError", "CollectiveFailureError"]
+    assert results[1]["cause"] == "PortableStateError"  # "must be finite"
+    assert all(r["unchanged"] for r in results)
+
+
 def test_portable_async_save_holds_the_state_at_the_call(world2: GlooWorld, tmp_path: Path) -> None:
     assert world2.run("dcp_portable_ranks:async_save_then_train", str(tmp_path)) == [{"equal": True}] * 2
 

@@ -405,8 +405,16 @@ def _load_single(
         error = exc
     failure_vote(binding, "gefen_dcp.portable_load.plan", error)
     fragments, mismatches = _read_fragments(header, needed, storage_reader, limits, dcp)
-    _vote_mismatches(binding, mismatches)
-    state = PortableState(header.catalog, fragments)
+    state: PortableState | None = None
+    try:
+        _raise_mismatches(mismatches)
+        # inside the vote: a member whose fragments are refused (a non-finite value under
+        # re-signed chunk digests) must not leave the others waiting in the import's first round
+        state = PortableState(header.catalog, fragments)
+    except Exception as exc:
+        error = exc
+    failure_vote(binding, "gefen_dcp.portable_load.verify", error)
+    assert state is not None
     import_portable_state(
         optimizer, state, checkpoint_process_group=binding, transaction_id=transaction_id, limits=limits
     )
@@ -446,11 +454,16 @@ def _load_composite(
     assert envelope is not None
     states: dict[str, PortableState] = {}
     mismatches: list[str] = []
+    read = {}
     for role in envelope.roles:
-        fragments, bad = _read_fragments(headers[role], needed[role], storage_reader, limits, dcp)
+        read[role], bad = _read_fragments(headers[role], needed[role], storage_reader, limits, dcp)
         mismatches += [f"role {role!r}: {m}" for m in bad]
-        states[role] = PortableState(headers[role].catalog, fragments)
-    _vote_mismatches(binding, mismatches)
+    try:
+        _raise_mismatches(mismatches)
+        states = {role: PortableState(headers[role].catalog, read[role]) for role in envelope.roles}
+    except Exception as exc:  # voted, as the single load's
+        error = exc
+    failure_vote(binding, "gefen_dcp.portable_load.verify", error)
     composite: PortableCompositeState | None = None
     try:
         composite = PortableCompositeState(envelope.implementation, dict(envelope.routing), states)
@@ -465,14 +478,12 @@ def _load_composite(
     )
 
 
-def _vote_mismatches(binding: ProcessGroupBinding, mismatches: list[str]) -> None:
-    error = None
+def _raise_mismatches(mismatches: list[str]) -> None:
     if mismatches:
-        error = CheckpointIntegrityError(
+        raise CheckpointIntegrityError(
             f"{len(mismatches)} fragment chunk(s) are corrupted (SHA-256 differs from the recorded digest): "
             + "; ".join(mismatches[:3])
         )
-    failure_vote(binding, "gefen_dcp.portable_load.verify", error)
 
 
 def load_portable_dcp(
