@@ -358,3 +358,5 @@ def test_adamw_defaults_and_keywords() -> None:
         Gefen(params, foreach="yes")  # type: ignore[arg-type]
     with pytest.raises(GefenOptionError, match=r"amsgrad=True.*ContractedAdamW"):
         Gefen(params, amsgrad=True)
+    positional = (1e-3, (0.9, 0.999), 1e-8, 1e-2, False)  # AdamW's five positional options, amsgrad last
+    assert Gefen(params, *positional).defaults["lr"] == torch.optim.AdamW(params, *positional).defaults["lr"]

@@ -139,8 +139,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,  # positional, as in torch.optim.AdamW's signature
         *,
-        amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
