@@ -153,6 +153,14 @@ def test_histogram_counts_equal_the_reference(dtype: torch.dtype, shape: tuple[i
     compare_histogram(cpu_ops.histogram, grad, period)
 
 
+def test_histogram_of_one_block_longer_than_any_tensor_counts_every_element() -> None:
+    """A period near ``INT64_MAX`` is one (ragged) block: ``numel + period - 1`` overflowed the
+    C kernel's block count (no block counted)."""
+    grad = torch.randn(10, generator=torch.Generator().manual_seed(3))
+    for period in (2**62, 2**63 - 1):
+        compare_histogram(cpu_ops.histogram, grad, period)
+
+
 def test_uniforms_equal_the_pinned_hash() -> None:
     index = torch.tensor([0, 1, 2, 1000, 2**31 + 5], dtype=torch.int64)
     got = cpu_ops.stochastic_uniform(torch.tensor([0], dtype=torch.int64), index)

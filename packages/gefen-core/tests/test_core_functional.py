@@ -84,6 +84,36 @@ def test_stochastic_rounding_takes_the_optimizers_seeds() -> None:
         assert torch.equal(param.detach(), tensor)
 
 
+def _edit(state: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A copy of ``state`` with fields dropped (``None``), cast (``float``: fp64, ``int``: int64)
+    or cut (a slice of the first dimension)."""
+    out = dict(state)
+    for key, change in changes.items():
+        if change is None:
+            del out[key]
+        elif isinstance(change, slice):
+            out[key] = state[key][change].clone()
+        else:
+            out[key] = state[key].to(torch.float64 if change is float else torch.int64)
+    return out
+
+
+def test_the_update_runs_without_autograd_as_the_optimizers_step() -> None:
+    """Parameters that require grad and gradients that carry a graph: no history enters the
+    parameters or the state, on the reference as on the kernels."""
+    params, optimizer = _trained()
+    codebook = optimizer.codebook
+    assert codebook is not None
+    for fused in (False, None):
+        states = [copy.deepcopy(optimizer.state[param]) for param in params]
+        leaves = [torch.nn.Parameter(param.detach().clone()) for param in params]
+        grads = [(leaf * 2).detach().requires_grad_() * 1.0 for leaf in leaves]  # grads with a grad_fn
+        gefen(leaves, grads, states, codebook=codebook, lr=1e-2, fused=fused)
+        assert all(leaf.grad_fn is None for leaf in leaves)
+        assert not any(v.grad_fn for state in states for v in state.values() if isinstance(v, torch.Tensor))
+        copy.deepcopy(states)
+
+
 def test_bad_input_is_refused_before_anything_changes() -> None:
     params, optimizer = _trained()
     tensors = [param.detach().clone() for param in params]
@@ -101,6 +131,16 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         (StateValidationError, "codebook", {"codebook": codebook.double()}),
         (GefenOptionError, "seeds", {"seeds": torch.zeros(2, dtype=torch.int64)}),
         (ParameterError, "device tensors", {"states": [*states[:2], {**states[2], "step": torch.tensor(2.0)}]}),
+        # every field as the schema declares it, before a kernel sees it (or a counter moves)
+        (
+            ParameterError,
+            "m_magnitude must be a torch.float32",
+            {"states": [_edit(states[0], m_magnitude=float), *states[1:]]},
+        ),
+        (ParameterError, "m_codes must be a torch.uint8", {"states": [_edit(states[0], m_codes=int), *states[1:]]}),
+        (ParameterError, "lacks 'v_col'", {"states": [states[0], _edit(states[1], v_col=None), states[2]]}),
+        (ParameterError, "one scale per block", {"states": [*states[:2], _edit(states[2], m_magnitude=slice(-1))]}),
+        (ParameterError, "an int >= 0", {"states": [*states[:2], {**states[2], "v_step": -1}]}),
     ]
     for error, match, override in cases:
         arguments: dict[str, Any] = {"grads": grads, "states": states, "codebook": codebook, **override}

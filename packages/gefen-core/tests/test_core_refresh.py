@@ -91,3 +91,23 @@ def test_refresh_keeps_training_on_cpu() -> None:
     assert all(torch.isfinite(p).all() for p in params)
     assert opt.codebook is not None and opt.codebook.device.type == "cpu"
     assert all(opt.state[p]["m_codes"].device.type == "cpu" for p in params)
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_a_non_finite_gradient_at_a_refresh_is_refused_before_anything_changes(fused: bool | None) -> None:
+    """A refresh learns the codebook from every gradient's histogram: a NaN crashed the
+    reference's ``bincount`` (an opaque error) and skewed the kernels' counts into a new codebook
+    (silently); both paths refuse it now, as the first step refuses a non-finite gradient."""
+    from gefen_core import GradientError
+
+    params = _params()
+    opt = Gefen(params, lr=1e-2, codebook_refresh_every=2, fused=fused)
+    for step in range(2):
+        _feed(params, step)
+        opt.step()
+    _feed(params, 2)
+    params[1].grad[3] = float("nan")  # type: ignore[index]
+    before = deep_snapshot(opt, *params)
+    with pytest.raises(GradientError, match="not finite at a codebook refresh"):
+        opt.step()
+    assert snapshot_diff(before, opt, *params) == []

@@ -261,3 +261,26 @@ def test_conformance_kit_passes_on_contracted_adamw() -> None:
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status.value == "passed"}
     assert {"checkpoint.native_atomic_load", "checkpoint.native_roundtrip", "state.declared_variants"} <= passed
+
+
+class _WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(1.0))  # 0-dim, as a CLIP-style temperature
+
+
+def _with_scalar(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return _WithScalar()
+
+
+def test_the_kit_compares_0_dim_parameters_bit_for_bit() -> None:
+    """The kit's bitwise comparison flattens first: a byte view of a 0-dim parameter is refused
+    by torch, which failed every training check of a correct optimizer on such a model."""
+    from gefen_contracts.testing.checks.training import ReplicatedTrainingCheck
+
+    target = ConformanceTarget(adamw_factory, name="ContractedAdamW", model_builder=_with_scalar)
+    report = run_conformance(target, checks=[ReplicatedTrainingCheck()], include_contributed=False)
+    results = {r.name: r.status.value for r in report.results}
+    assert results["training.replicated"] == "passed", report

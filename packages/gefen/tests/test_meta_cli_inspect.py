@@ -215,6 +215,23 @@ def test_corrupted_dcp_chunk_is_named(checkpoints: dict[str, Path], tmp_path: Pa
     assert main(["inspect", str(copy)]) == 1
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_dcp_folder_without_its_data_files_is_corrupt_not_a_traceback(
+    checkpoints: dict[str, Path], tmp_path: Path, verify: bool
+) -> None:
+    """torch raises a ``CheckpointException`` (a ``BaseException``) for a missing data file; the
+    catalog's reader let it escape as a traceback, even with ``--no-verify``."""
+    import shutil
+
+    copy = tmp_path / "dcp"
+    shutil.copytree(checkpoints["dcp"], copy)
+    for data in copy.glob("*.distcp"):
+        data.unlink()
+    description = inspect_checkpoint(copy, verify=verify)
+    assert not description.ok and description.all_problems()
+    assert main(["inspect", str(copy), *([] if verify else ["--no-verify"])]) == 1
+
+
 def _momentum_bytes(document: dict[str, Any]) -> bytes:
     tensors = [value for value in _walk(document["parameters"]) if isinstance(value, torch.Tensor)]
     largest = max(tensors, key=lambda t: t.numel())

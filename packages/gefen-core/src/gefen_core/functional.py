@@ -27,13 +27,34 @@ from .distributed import is_dtensor
 from .errors import GefenOptionError, ParameterError
 from .ops import Kernels
 from .param_groups import normalize_group_options
-from .param_state import STEP, state_variant
+from .param_state import INDICES, MAGNITUDE, PARAMETER_FIELDS, VARIANT_FIELDS, state_variant
 from .parameter_update import update_parameters
 from .step_plan import ParamWork, check_gradient, check_state, update_ops
 
 __all__ = ["gefen"]
 
 
+def _check_fields(state: dict[str, Any], variant: str, where: str) -> None:
+    """Every field of the variant present with its declared dtype (counters Python ints >= 0)
+    and one scale per block; the rest of the geometry is :func:`check_state`'s."""
+    for key in VARIANT_FIELDS[variant]:
+        if key not in state:
+            raise ParameterError(f"{where}: its {variant} state lacks {key!r}")
+        declared, value = PARAMETER_FIELDS[key].dtype, state[key]
+        if declared == "int":
+            if isinstance(value, torch.Tensor):
+                raise ParameterError(f"{where}: its counters are device tensors (capturable=True); step it with Gefen")
+            if type(value) is not int or value < 0:
+                raise ParameterError(f"{where}: {key} must be an int >= 0, got {value!r}")
+        elif not isinstance(value, torch.Tensor) or value.dtype != getattr(torch, declared):
+            found = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ParameterError(f"{where}: {key} must be a torch.{declared} tensor, got {found}")
+    blocks = state[INDICES].shape[0] if state[INDICES].dim() == 2 else -1
+    if tuple(state[MAGNITUDE].shape) != (blocks, 1):
+        raise ParameterError(f"{where}: {MAGNITUDE} must hold one scale per block of {INDICES}")
+
+
+@torch.no_grad()  # as Gefen.step: gradients are constants, and no history enters the state
 def gefen(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -75,8 +96,7 @@ def gefen(
         variant = state_variant(state)
         if variant is None:
             raise ParameterError(f"{where} has no state; make one with a Gefen step or param_state.new_state")
-        if type(state.get(STEP)) is not int:
-            raise ParameterError(f"{where}: its counters are device tensors (capturable=True); step it with Gefen")
+        _check_fields(state, variant, where)
         if check_state(state, param, functools.partial(str, where)):  # formatted only on failure
             raise ParameterError(f"{where}: its state lives on another device than the parameter")
         work = ParamWork(0, slot, param, param, grad, None, variant, False, state, None)

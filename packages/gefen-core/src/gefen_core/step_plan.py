@@ -217,6 +217,13 @@ def plan_step(
                     raise CaptureError(
                         f"{work.where()}: state lives on another device; capturable steps cannot move it"
                     )
+                # a refresh relearns the codebook from every gradient's histogram: a NaN would
+                # crash the reference's bincount and silently skew the kernels' counts
+                if refresh_due and local_grad.numel() and finite_bounds(local_grad) is None:
+                    raise GradientError(
+                        f"{work.where()}: the gradient is not finite at a codebook refresh "
+                        "(codebook_refresh_every); the codebook cannot be relearned from it"
+                    )
             else:
                 if in_capture:
                     raise CaptureError(f"{work.where()}: has no state yet; run one eager step before capturing")

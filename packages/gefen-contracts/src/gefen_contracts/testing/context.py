@@ -12,7 +12,7 @@ from torch import nn
 from ..contract import OptimizerContract
 from .target import ConformanceTarget
 
-__all__ = ["CheckContext", "ConformanceCheck", "Unverifiable"]
+__all__ = ["CheckContext", "ConformanceCheck", "Unverifiable", "assert_tensors_bitwise_equal"]
 
 
 class Unverifiable(Exception):
@@ -86,6 +86,14 @@ class CheckContext:
     @staticmethod
     def assert_models_bitwise_equal(a: nn.Module, b: nn.Module, what: str) -> None:
         for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-            if pa.dtype != pb.dtype or not torch.equal(pa.detach().view(torch.uint8), pb.detach().view(torch.uint8)):
-                diff = (pa.detach().double() - pb.detach().double()).abs().max().item()
-                raise AssertionError(f"{what}: parameter {name!r} differs (max abs diff {diff:.3e})")
+            assert_tensors_bitwise_equal(pa, pb, f"{what}: parameter {name!r}")
+
+
+def assert_tensors_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise AssertionError(f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+    # flat first: a byte view of a 0-dim tensor (a temperature, a logit scale) is refused
+    ua, ub = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
+    if not torch.equal(ua.view(torch.uint8), ub.view(torch.uint8)):
+        diff = (ua.double() - ub.double()).abs().max().item() if ua.numel() else 0.0
+        raise AssertionError(f"{what}: values differ (max abs diff {diff:.3e})")

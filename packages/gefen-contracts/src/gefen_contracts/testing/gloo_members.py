@@ -233,5 +233,6 @@ class GlooMember:
     def parameters_bits(self) -> dict[str, bytes]:
         """The driver's parameters, bit for bit."""
         return {
-            n: p.detach().contiguous().view(torch.uint8).numpy().tobytes() for n, p in self.model.named_parameters()
+            n: p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            for n, p in self.model.named_parameters()
         }

@@ -1024,7 +1024,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
  \
     /* Blocks of period elements over numel (the last one shorter when ragged). */                       \
     static void histogram_##SUF(const PT* grad, int64_t numel, int64_t period, int64_t* counts, int threads) { \
-        const int64_t blocks = (numel + period - 1) / period;                                                  \
+        const int64_t blocks = numel / period + (numel % period != 0); /* no overflow near INT64_MAX */          \
         _Pragma("omp parallel num_threads(threads) if(numel >= PARALLEL_MIN && threads > 1)")                 \
         {                                                                                                      \
             int64_t* local = (int64_t*)calloc(BUCKETS, sizeof(int64_t));                                       \

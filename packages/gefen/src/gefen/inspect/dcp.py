@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .recorders import LoadedParameter, RecordingComposite, RecordingNativeState, RecordingPortableAdapter
 from .report import CheckpointDescription, ParameterSummary, Problem
@@ -119,7 +120,7 @@ def _dcp_state(
         implementation = str(envelope["implementation"])
         if not isinstance(tensors_record, dict):
             raise ValueError("the envelope's tensors are not a table")
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # torch's is a BaseException
         return CheckpointDescription(
             name, kind, "gefen.dcp_state", None,
             problems=(Problem(envelope_key, f"unreadable envelope: {_error(exc)}"),), tensor_bytes=stored,
@@ -264,7 +265,7 @@ def _portable(
     kind = "DCP portable optimizer state"
     try:
         envelope, catalog = _catalog(root, (namespace,), metadata, keys)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # torch's is a BaseException
         return CheckpointDescription(
             namespace, kind, "gefen.portable_dcp", None,
             problems=(Problem(f"{namespace} catalog", _error(exc)),), tensor_bytes=stored,
@@ -312,7 +313,7 @@ def _portable_composite(
         envelope = _read_json(root, by_path[(namespace, "composite")], metadata)
         roles = [str(role) for role in envelope["roles"]]
         catalogs = {role: _catalog(root, (namespace, "roles", role), metadata, keys)[1] for role in roles}
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # torch's is a BaseException
         return CheckpointDescription(
             namespace, kind, "gefen.portable_dcp_composite", None,
             problems=(Problem(f"{namespace} composite records", _error(exc)),), tensor_bytes=stored,

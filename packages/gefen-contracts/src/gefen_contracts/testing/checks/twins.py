@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..context import CheckContext
+from ..context import CheckContext, assert_tensors_bitwise_equal
 from .plans import (
     ShardingPlan,
     flattened_plan,
@@ -124,12 +124,3 @@ def flat_step(driver: nn.Module, step_index: int, source: FlatWorld, worlds: Seq
         for plan, optimizer in zip(world.plans, world.optimizers):
             scatter_flat_grads(driver, plan, plan.targets)
             optimizer.step()
-
-
-def assert_tensors_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        raise AssertionError(f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-    ua, ub = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
-    if not torch.equal(ua.view(torch.uint8), ub.view(torch.uint8)):
-        diff = (ua.double() - ub.double()).abs().max().item() if ua.numel() else 0.0
-        raise AssertionError(f"{what}: values differ (max abs diff {diff:.3e})")
