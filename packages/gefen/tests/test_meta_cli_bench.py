@@ -50,6 +50,46 @@ def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> No
     assert "NAME=LR" in capsys.readouterr().err
 
 
+BAD_VALUES = [
+    (["demo", "--steps", "0"], "steps must be a positive int"),
+    (["demo", "--optimizers", "nosuch"], "unknown optimizer 'nosuch'"),
+    (["demo", "--batch-size", "0"], "batch_size must be an int >= 1"),
+    (["demo", "--eval-every", "-1"], "eval_every must be an int >= 0"),
+    (["demo", "--threads", "-2"], "threads must be an int >= 0"),
+    (["demo", "--lr", "nosuch=0.1"], "not among the optimizers"),
+    (["bench", "memory", "--steps", "1"], "steps must be an int >= 2"),
+    (["bench", "memory", "--models", "nosuch"], "unknown model size 'nosuch'"),
+    (["bench", "dp", "--repeats", "0"], "repeats must be a positive int"),
+    (["conformance", "os:"], "cannot load os:"),
+    (["conformance", "os:sep"], "neither a ConformanceTarget nor a callable"),
+    (["find-lr", "--threads", "-1"], "--threads must be >= 0"),
+    (["find-lr", "--weight-decay", "-1"], "cannot build the optimizer 'gefen'"),
+    (["find-lr", "--optimizer", "os:getcwd"], "cannot build the optimizer 'os:getcwd'"),
+]
+
+
+@pytest.mark.parametrize(("command", "message"), BAD_VALUES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_option_values_are_usage_errors_before_any_work(
+    command: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad value is exit 2 with one line naming it, before any process starts or any model
+    trains: not a traceback, nor a failure minutes later."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_output_folder_that_is_a_file_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "dp", "--out", str(afile)])
+    assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
+
+
 def _check_files(out: Path, stem: str) -> dict[str, object]:
     for suffix in ("json", "txt", "png"):
         assert (out / f"{stem}.{suffix}").stat().st_size > 0

@@ -60,14 +60,16 @@ class MemoryOptions:
             )
         if not self.models:
             raise ValueError("models must name at least one model preset")
+        from ..demo.model import preset
+
+        for model in self.models:
+            preset(model)  # an unknown preset is the options' error, before anything runs
+        if type(self.threads) is not int or self.threads < 0:
+            raise ValueError(f"threads must be an int >= 0, got {self.threads!r}")
 
 
 def run_memory(options: MemoryOptions, *, progress: Callable[[str], None] | None = None) -> BenchmarkReport:
     """Measure every available optimizer on every model and build the report."""
-    from ..demo.model import preset
-
-    for model in options.models:
-        preset(model)  # fail early on an unknown preset
     builder = ReportBuilder("memory", config={**asdict(options), "malloc_env": dict(_MALLOC_ENV)})
     available = []
     for name in options.optimizers:

@@ -30,11 +30,20 @@ class EmittedFiles:
     plot: Path | None
 
 
+def _output_folder(text: str) -> Path:
+    """``--out``: refused at parse time when it names an existing file (the run would end in a
+    ``FileExistsError`` after all its work)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return path
+
+
 def add_output_options(parser: argparse.ArgumentParser, *, default_out: str = "gefen-bench") -> None:
     """``--out DIR`` and ``--json``, with the same meaning on every sub-command."""
     parser.add_argument(
         "--out",
-        type=Path,
+        type=_output_folder,
         default=Path(default_out),
         metavar="DIR",
         help=f"folder for the JSON, PNG and table (default ./{default_out}/)",

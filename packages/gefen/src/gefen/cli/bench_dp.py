@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ..bench.output import add_output_options
+from .errors import UsageError
 
 __all__ = ["register"]
 
@@ -38,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.dp import DpOptions, dp_panels, run_dp
     from ..bench.output import emit
 
-    options = DpOptions(repeats=args.repeats, elements=args.elements, bruteforce_bins=args.bruteforce_bins)
+    try:
+        options = DpOptions(repeats=args.repeats, elements=args.elements, bruteforce_bins=args.bruteforce_bins)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     with tqdm(total=5, desc="dp", unit="case", file=sys.stderr) as bar:
 
         def advance(label: str) -> None:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ..bench.output import add_output_options
+from .errors import UsageError
 
 __all__ = ["register"]
 
@@ -58,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.memory import MemoryOptions, memory_panels, run_memory
     from ..bench.output import emit
 
-    options = MemoryOptions(models=args.models, optimizers=args.optimizers, steps=args.steps, threads=args.threads)
+    try:
+        options = MemoryOptions(models=args.models, optimizers=args.optimizers, steps=args.steps, threads=args.threads)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     with tqdm(total=len(options.models) * len(options.optimizers), desc="memory", unit="probe", file=sys.stderr) as bar:
 
         def advance(label: str) -> None:

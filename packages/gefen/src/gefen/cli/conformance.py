@@ -30,14 +30,15 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gefen_contracts.testing import run_conformance
+    from gefen_contracts.testing import load_target, run_conformance
 
     if ":" not in args.target:
         raise UsageError(f"the target must be MODULE:FACTORY, got {args.target!r}")
-    try:
-        report = run_conformance(args.target, waive=args.waive)
-    except (ImportError, AttributeError) as exc:
+    try:  # loading alone: an error the optimizer raises while checked is the report's, not a usage error
+        target = load_target(args.target)
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
         raise UsageError(f"cannot load {args.target}: {type(exc).__name__}: {exc}") from None
+    report = run_conformance(target, waive=args.waive)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

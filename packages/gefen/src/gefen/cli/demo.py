@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..bench.output import add_output_options
+from .errors import UsageError
 
 __all__ = ["register"]
 
@@ -86,17 +87,20 @@ def run(args: argparse.Namespace) -> int:
     from ..demo.report import demo_panels, demo_table
     from ..demo.run import DemoOptions, run_demo
 
-    options = DemoOptions(
-        optimizers=tuple(name.strip() for name in args.optimizers.split(",") if name.strip()),
-        steps=args.steps,
-        model_size=args.model_size,
-        tokenization=args.tokenization,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        learning_rates=dict(args.lr),
-        threads=args.threads,
-    )
+    try:
+        options = DemoOptions(
+            optimizers=tuple(name.strip() for name in args.optimizers.split(",") if name.strip()),
+            steps=args.steps,
+            model_size=args.model_size,
+            tokenization=args.tokenization,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            eval_every=args.eval_every,
+            learning_rates=dict(args.lr),
+            threads=args.threads,
+        )
+    except ValueError as exc:  # before any process starts: a usage error, not a traceback
+        raise UsageError(str(exc)) from None
     outcome = run_demo(options)
     table = demo_table(outcome.report)
     if outcome.report.notes:

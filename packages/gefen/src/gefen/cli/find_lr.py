@@ -106,7 +106,16 @@ def run(args: argparse.Namespace) -> int:
         target = load_target(args.target)
     except (ValueError, TargetError) as exc:
         raise UsageError(str(exc)) from None
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     build = _factory(args.optimizer, args.weight_decay)
+    try:  # one trial build: a bad option or factory is a usage error before any training
+        trial = build(list(target.model.named_parameters()), options.start_lr)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"cannot build the optimizer {args.optimizer!r}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(trial, torch.optim.Optimizer):
+        raise UsageError(f"{args.optimizer} built a {type(trial).__name__}, not a torch.optim.Optimizer")
+    del trial
     if args.threads:
         torch.set_num_threads(args.threads)
     with progress_bar(options.num_iter, "find-lr", "step") as advance:

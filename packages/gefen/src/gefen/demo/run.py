@@ -47,6 +47,13 @@ class DemoOptions:
         preset(self.model_size)
         if self.tokenization not in ("char", "word"):
             raise ValueError(f"tokenization must be 'char' or 'word', got {self.tokenization!r}")
+        for name, least in (("batch_size", 1), ("eval_every", 0), ("threads", 0)):
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        unknown = sorted(set(self.learning_rates) - set(self.optimizers))
+        if unknown:
+            raise ValueError(f"learning rates given for {unknown}, which are not among the optimizers")
 
     def lr_of(self, name: str) -> float:
         return float(self.learning_rates.get(name, DEFAULT_LEARNING_RATES.get(name, 4e-3)))
