@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
 import warnings
@@ -359,3 +360,56 @@ def test_canonical_local_state_document_is_validated(tmp_path: Path) -> None:
     torch.save(document, tmp_path / "tampered.pt")
     problems = inspect_checkpoint(tmp_path / "tampered.pt").all_problems()
     assert problems and "parameters['0.weight'].state.exp_avg" in problems[0].message, problems
+
+
+def _adamw_state(**entry: Any) -> dict[str, Any]:
+    state = {"step": torch.tensor(2.0), "exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5), **entry}
+    return {"state": {0: state}, "param_groups": [{"params": [0], "lr": 1e-3}]}
+
+
+def _recursive() -> dict[str, Any]:
+    loop: list[object] = []
+    loop.append(loop)
+    return {"format": "gefen.portable_state", "x": loop}
+
+
+HOSTILE: dict[str, tuple[object, str]] = {
+    "a composite document with nothing in it": (
+        {"format": "gefen.composite_bound_state", "children": {}, "routing": []},
+        "CORRUPT",
+    ),
+    "a composite routing of mixed types": (
+        {"format": "gefen.composite_bound_state", "children": {}, "routing": [1, "a"]},
+        "CORRUPT",
+    ),
+    "an unhashable format": ({"format": [1]}, "UNKNOWN FORMAT"),
+    "params that are an int": ({"state": {}, "param_groups": [{"params": 5}]}, "CORRUPT"),
+    "moments of two shapes": (_adamw_state(exp_avg_sq=torch.zeros(2, 3)), "CORRUPT"),
+    "a negative step": (_adamw_state(step=torch.tensor(-7.5)), "CORRUPT"),
+    "a list that holds itself": (_recursive(), "CORRUPT"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_malformed_records_are_reported_never_a_traceback(name: str, tmp_path: Path) -> None:
+    """Whatever ``torch.load(weights_only=True)`` rebuilds, the inspector reports on it; it
+    neither raises nor says OK for a record it did not check."""
+    value, status = HOSTILE[name]
+    path = tmp_path / "state.pt"
+    torch.save(value, path)
+    assert inspect_checkpoint(path).status == status
+
+
+def test_a_folder_with_a_truncated_file_beside_a_good_one_is_corrupt(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    shutil.copy(checkpoints["gefen"], folder / "optim_rank0.pt")
+    (folder / "optim_rank1.pt").write_bytes(checkpoints["gefen"].read_bytes()[:100])
+    torch.save({"args": argparse.Namespace(x=1)}, folder / "training_args.bin")  # pickles weights_only refuses: fine
+    description = inspect_checkpoint(folder)
+    assert description.status == "CORRUPT"
+    assert [p.where for p in description.problems] == ["optim_rank1.pt"]

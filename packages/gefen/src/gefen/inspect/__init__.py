@@ -23,6 +23,7 @@ Files are read with ``torch.load(weights_only=True)``: nothing in them is execut
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -58,17 +59,26 @@ def _unknown(path: str, kind: str, seen: str, file_bytes: int | None = None) -> 
 
 
 def _describe_folder(target: Path, verify: bool) -> CheckpointDescription:
-    """A folder of ``torch.save`` files (a Hugging Face checkpoint): each one described."""
+    """A folder of ``torch.save`` files (a Hugging Face checkpoint): each one described. A file
+    ``torch.load`` cannot read at all (truncated, not a torch file) beside recognised ones is a
+    problem: a rank's missing half of a checkpoint; one it refuses as unsafe pickles (a trainer's
+    ``training_args.bin``) is only not recognised."""
     files = sorted(p for p in target.iterdir() if p.is_file() and p.suffix in _TORCH_SUFFIXES)
     children = tuple(_describe_file(p) for p in files)
     known = tuple(child for child in children if child.recognised)
+    unreadable = tuple(
+        Problem(Path(child.path).name, child.facts[0][1])
+        for child in children
+        if not child.recognised and child.facts and child.facts[0][1].startswith(_UNREADABLE)
+    )
     others = sorted(p.name for p in target.iterdir() if p.suffix not in _TORCH_SUFFIXES)[:6]
     seen = f"a folder without DCP's .metadata; torch.save files {[p.name for p in files]}, other entries {others}"
     if not known:
         return _unknown(str(target), "folder", seen)
     return CheckpointDescription(
-        str(target), "folder", "checkpoint folder", None, facts=(("recognised", seen),), children=known
-    )
+        str(target), "folder", "checkpoint folder", None, facts=(("recognised", seen),), children=known,
+        problems=unreadable,
+    )  # fmt: skip
 
 
 def _describe_file(target: Path) -> CheckpointDescription:
@@ -79,10 +89,12 @@ def _describe_file(target: Path) -> CheckpointDescription:
         return _unknown(str(target), "file", "a safetensors file (model weights, no optimizer state)", size)
     try:
         loaded = torch.load(target, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc):  # garbage, not a pickle of objects weights_only refuses
+            return _unknown(str(target), "file", f"{_UNREADABLE}: {type(exc).__name__}: {exc}", size)
+        return _unknown(str(target), "file", f"torch.load(weights_only=True) refuses its objects: {exc}", size)
     except Exception as exc:
-        return _unknown(
-            str(target), "file", f"torch.load(weights_only=True) cannot read it: {type(exc).__name__}: {exc}", size
-        )
+        return _unknown(str(target), "file", f"{_UNREADABLE}: {type(exc).__name__}: {exc}", size)
     found = _describe_value(loaded, str(target), size)
     if found is not None:
         return found
@@ -100,11 +112,22 @@ def _describe_file(target: Path) -> CheckpointDescription:
 
 
 def _describe_value(value: object, path: str, size: int | None) -> CheckpointDescription | None:
-    if isinstance(value, Mapping) and value.get("format") in DOCUMENT_FORMATS:
-        return describe_document(value, path, size)
-    if isinstance(value, Mapping) and is_native_state_dict(value):
-        return describe_native(value, path, size)
+    if not isinstance(value, Mapping):
+        return None
+    fmt = value.get("format")
+    try:
+        if isinstance(fmt, str) and fmt in DOCUMENT_FORMATS:
+            return describe_document(value, path, size)
+        if is_native_state_dict(value):
+            return describe_native(value, path, size)
+    except Exception as exc:  # a record too malformed for the checks to walk (any type, any nesting)
+        return CheckpointDescription(
+            path, "file", fmt if isinstance(fmt, str) else "optimizer state dict", None,
+            problems=(Problem("record", f"malformed beyond reading: {type(exc).__name__}: {exc}"),),
+            file_bytes=size,
+        )  # fmt: skip
     return None
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+_UNREADABLE = "torch.load(weights_only=True) cannot read it"

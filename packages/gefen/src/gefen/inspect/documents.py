@@ -191,15 +191,52 @@ def _bound(document: Mapping[str, Any], path: str) -> CheckpointDescription:
     )
 
 
+_COMPOSITE_KEYS: tuple[str, ...] = ("children", "common", "coverage", "format", "format_version", "implementation")
+_COMPOSITE_KEYS += ("manifest", "policy", "routing")
+
+
+def _composite_envelope_problems(document: Mapping[str, Any], roles: list[str]) -> list[Problem]:
+    """What a composite document's envelope breaks without a live composite to compare with
+    (gefen-hybrid's load checks the same against the composite it loads into)."""
+    from gefen_contracts import CodecError
+    from gefen_contracts.codec import from_primitive
+    from gefen_contracts.manifest import ShardingManifest
+    from gefen_hybrid import COMPOSITE_DOCUMENT_VERSION
+
+    problems = []
+    if set(document) != set(_COMPOSITE_KEYS):
+        problems.append(Problem("envelope", f"keys must be {list(_COMPOSITE_KEYS)}, got {sorted(map(str, document))}"))
+    version = document.get("format_version")
+    if type(version) is not int or version != COMPOSITE_DOCUMENT_VERSION:
+        problems.append(Problem("format_version", f"{version!r} is not {COMPOSITE_DOCUMENT_VERSION}, the version read"))
+    if not isinstance(document.get("implementation"), str) or document.get("common") != {}:
+        problems.append(Problem("envelope", "'implementation' must be a string and 'common' empty"))
+    policy = document.get("policy")
+    declared = policy.get("child_implementations") if isinstance(policy, Mapping) else None
+    if not isinstance(declared, Mapping) or not declared or sorted(map(str, declared)) != sorted(roles):
+        problems.append(Problem("policy", f"child_implementations must name exactly the children's roles {roles}"))
+    try:
+        from_primitive(document.get("manifest"), ShardingManifest)
+    except CodecError as exc:
+        problems.append(Problem("manifest", str(exc)))
+    routing = document.get("routing")
+    pairs = routing if isinstance(routing, list) else []
+    if not isinstance(routing, list) or not all(
+        type(p) is list and len(p) == 2 and all(type(x) is str for x in p) for p in pairs
+    ):
+        problems.append(Problem("routing", "must be a list of [fqn, role] string pairs"))
+    elif pairs != sorted(pairs) or not {role for _, role in pairs} <= set(roles):
+        problems.append(Problem("routing", "must be sorted and route only to the document's roles"))
+    return problems
+
+
 def _describe_bound_composite(document: Mapping[str, Any], path: str) -> CheckpointDescription:
     problems: list[Problem] = []
     children_docs = document.get("children")
-    if not isinstance(children_docs, Mapping):
+    if not isinstance(children_docs, Mapping) or not children_docs:
         problems.append(Problem("children", "must map each role to its child's document"))
         children_docs = {}
-    routing = document.get("routing")
-    if not isinstance(routing, list) or routing != sorted(routing):
-        problems.append(Problem("routing", "must be a sorted list of [fqn, role] pairs"))
+    problems.extend(_composite_envelope_problems(document, sorted(map(str, children_docs))))
     children = tuple(
         _bound(child, f"role {role}") if isinstance(child, Mapping) else CheckpointDescription(
             f"role {role}", "canonical local state", _BOUND, None, problems=(Problem("document", "is not a dict"),)

@@ -300,8 +300,15 @@ def _torch_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tuple
             bad = int((~torch.isfinite(value.detach().cpu())).sum())
             if bad:
                 check.fail(f"{where}.{key}", f"{bad} non-finite value(s)")
-            if value.dim() > 0 and shape is None:
-                shape = tuple(int(d) for d in value.shape)
+            if value.dim() > 0:
+                here = tuple(int(d) for d in value.shape)
+                if shape is not None and here != shape:  # every moment is shaped like the parameter
+                    check.fail(f"{where}.{key}", f"has shape {list(here)}, another entry {list(shape)}")
+                shape = shape or here
+    step = entry.get("step")
+    count = float(step.detach().cpu().reshape(-1)[0]) if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if step is not None and (isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0):
+        check.fail(f"{where}.step", f"must be a count >= 0, got {count!r}")
     second = entry.get("exp_avg_sq")
     if isinstance(second, torch.Tensor) and bool((second.detach().cpu() < 0).any()):
         check.fail(f"{where}.exp_avg_sq", "has negative values (a second moment must be >= 0)")
