@@ -152,3 +152,27 @@ def test_digest_matches_the_documented_byte_grammar() -> None:
         + b"F" + struct.pack(">d", -0.0)
     ).hexdigest()  # fmt: skip
     assert canonical_digest({"a": [-7, True, -0.0]}) == expected
+
+
+def test_equal_descriptors_have_one_record_and_one_digest() -> None:
+    """``1``, ``True`` and ``1.0`` (and ``0.0`` and ``-0.0``) digest differently, so the maps that
+    hold them compare and hash apart; a ``-0.0`` record is not canonical (its descriptor is
+    ``0.0``)."""
+    from gefen_contracts.capabilities import TopologyTransition
+    from gefen_contracts.codec import from_primitive, to_primitive
+    from gefen_contracts.digest import descriptor_digest
+    from gefen_contracts.enums import ParameterLayout, TopologyChange
+    from gefen_contracts.errors import CodecError
+    from gefen_contracts.frozen import FrozenMap
+
+    maps = [FrozenMap({"x": value}) for value in (1, True, 1.0, 0.0, -0.0)]
+    assert len({*maps}) == 5 and all(a != b for i, a in enumerate(maps) for b in maps[i + 1 :])
+    nested = FrozenMap({"x": (1, {"y": 2.0})})
+    assert nested == {"x": (1, {"y": 2.0})} and nested != {"x": (1, {"y": 2})}
+    layout, kind = ParameterLayout.REPLICATED, next(iter(TopologyChange))
+    transition = TopologyTransition(frozenset({layout}), frozenset({layout}), frozenset({kind}), -0.0)
+    assert repr(transition.update_rtol) == "0.0"
+    record = to_primitive(transition)
+    with pytest.raises(CodecError, match="canonical"):
+        from_primitive({**record, "update_rtol": -0.0})
+    assert descriptor_digest(from_primitive(record)) == descriptor_digest(transition)

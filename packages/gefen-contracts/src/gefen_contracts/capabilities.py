@@ -124,6 +124,7 @@ class TopologyTransition:
         rtol = exact_float(self.update_rtol, "TopologyTransition.update_rtol")
         if not 0.0 <= rtol < 1.0:
             raise ContractError(f"TopologyTransition.update_rtol must be in [0, 1), got {rtol!r}")
+        object.__setattr__(self, "update_rtol", rtol + 0.0)  # -0.0 is 0.0: one record, one digest
 
     def allows(self, source: ParameterLayout, target: ParameterLayout, kind: TopologyChange | None = None) -> bool:
         return source in self.source_layouts and target in self.target_layouts and (kind is None or kind in self.kinds)

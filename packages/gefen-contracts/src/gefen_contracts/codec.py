@@ -24,7 +24,7 @@ from typing import Any, TypeVar, Union
 from .capabilities import CheckpointSupport, FeatureStatus, OptimizerCapabilities, TopologyTransition, TrainingSupport
 from .contract import OptimizerChildContract, OptimizerContract
 from .errors import CodecError, ContractError
-from .frozen import FrozenMap, freeze_primitive, thaw_primitive
+from .frozen import FrozenMap, exact_form, freeze_primitive, thaw_primitive
 from .identity import (
     LogicalRegion,
     LogicalSlice,
@@ -126,7 +126,7 @@ def from_primitive(data: object, expected: type[T] | None = None) -> T:
         raise
     except (ContractError, TypeError) as exc:
         raise CodecError(f"invalid {name} record: {exc}") from exc
-    if _encode(value) != data:
+    if exact_form(_encode(value)) != exact_form(data):  # bit for bit: 1.0 is not 1, -0.0 not 0.0
         raise CodecError(f"{name} record is not in canonical form (re-encoding it gives a different record)")
     return value  # type: ignore[return-value]
 

@@ -8,15 +8,32 @@ from typing import TypeVar
 
 from .errors import ContractError, ContractTypeError
 
-__all__ = ["FrozenMap", "freeze_primitive", "thaw_primitive"]
+__all__ = ["FrozenMap", "exact_form", "freeze_primitive", "thaw_primitive"]
 
 V = TypeVar("V")
 
 
-class FrozenMap(Mapping[str, V]):
-    """A hashable, read-only mapping with ``str`` keys kept in sorted order."""
+def exact_form(value: object) -> object:
+    """``value`` with every primitive tagged by its exact type, floats by their bits: what two
+    values must share to encode to one record and one digest (Python's ``==`` has ``1 == True ==
+    1.0`` and ``0.0 == -0.0``; the digest grammar does not). Other objects stand for themselves."""
+    kind = type(value)
+    if kind is float:
+        return ("float", value.hex())  # type: ignore[attr-defined]
+    if kind is bool or kind is int:
+        return (kind.__name__, value)
+    if kind is tuple or kind is list:
+        return (kind.__name__, tuple(exact_form(item) for item in value))  # type: ignore[attr-defined]
+    if isinstance(value, Mapping):
+        return ("map", tuple(sorted((str(key), exact_form(item)) for key, item in value.items())))
+    return value
 
-    __slots__ = ("_index", "_items")
+
+class FrozenMap(Mapping[str, V]):
+    """A hashable, read-only mapping with ``str`` keys kept in sorted order; equal (and hashed)
+    by :func:`exact_form`, so maps that digest differently never compare equal."""
+
+    __slots__ = ("_exact", "_index", "_items")
 
     def __init__(self, items: Mapping[str, V] | None = None) -> None:
         source = {} if items is None else items
@@ -27,6 +44,7 @@ class FrozenMap(Mapping[str, V]):
                 raise ContractTypeError(f"mapping keys must be str, got {type(key).__name__}")
         self._items: tuple[tuple[str, V], ...] = tuple(sorted(source.items()))
         self._index = dict(self._items)
+        self._exact = exact_form(self._index)
 
     def __getitem__(self, key: str) -> V:
         return self._index[key]
@@ -38,13 +56,13 @@ class FrozenMap(Mapping[str, V]):
         return len(self._items)
 
     def __hash__(self) -> int:
-        return hash(self._items)
+        return hash(self._exact)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, FrozenMap):
-            return self._items == other._items
+            return bool(self._exact == other._exact)
         if isinstance(other, Mapping):
-            return dict(self._items) == dict(other)
+            return bool(self._exact == exact_form(other))
         return NotImplemented
 
     def __repr__(self) -> str:
