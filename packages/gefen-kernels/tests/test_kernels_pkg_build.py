@@ -97,6 +97,31 @@ def test_an_unusable_cache_directory_warns_and_builds_elsewhere(
     assert status.available and Path(status.path).parent != blocker / "cache"
 
 
+def test_a_fallback_folder_others_can_write_is_not_loaded_from(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback's name is predictable (``gefen-kernels-<uid>`` in the temporary directory):
+    when it is writable by others (someone made it first), the library is built in a fresh
+    private folder instead of being loaded from there."""
+    import os
+
+    blocker = fresh_build / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GEFEN_KERNELS_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("TMPDIR", str(fresh_build / "tmp"))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    shared = fresh_build / "tmp" / f"gefen-kernels-{os.getuid()}"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.warns(CpuKernelCacheWarning):
+        status = cpu_kernel_status()
+    used = Path(status.path).parent
+    assert status.available and used != shared and used.parent == fresh_build / "tmp"
+    assert not used.stat().st_mode & 0o077  # mkdtemp's: this user's only
+
+
 def test_the_switch_disables_the_cpu_kernel(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GEFEN_KERNELS_CPU", "0")
     with pytest.warns(CpuKernelUnavailableWarning, match="GEFEN_KERNELS_CPU=0"):

@@ -131,8 +131,17 @@ def _cache_dir() -> Path:
             CpuKernelCacheWarning,
             stacklevel=4,
         )
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+        fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return fallback if _private(fallback) else Path(tempfile.mkdtemp(prefix="gefen-kernels-"))
+
+
+def _private(folder: Path) -> bool:
+    """Whether only this user can write ``folder``: a library is loaded from it, and a shared
+    temporary directory lets anyone create a predictable name first (then a fresh private
+    folder is used, at the cost of one build per process)."""
+    info = folder.stat()
+    owner_ok = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+    return owner_ok and not info.st_mode & 0o022 and not folder.is_symlink()
 
 
 def _requested_compiler() -> str:
