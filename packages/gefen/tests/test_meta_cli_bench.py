@@ -80,6 +80,12 @@ def test_bad_option_values_are_usage_errors_before_any_work(
     assert message in capsys.readouterr().err
 
 
+def test_a_negative_parameter_count_for_inspect_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "somewhere", "--max-parameters", "-1"])
+    assert exit_info.value.code == 2 and "expected an int >= 0" in capsys.readouterr().err
+
+
 def test_an_output_folder_that_is_a_file_is_refused_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,16 @@ __all__ = ["UNKNOWN_FORMAT_EXIT", "register"]
 UNKNOWN_FORMAT_EXIT = 3
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "inspect",
@@ -34,7 +44,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--no-verify", action="store_true", help="describe DCP folders from their records only")
     parser.add_argument("--json", action="store_true", help="print the description as JSON")
     parser.add_argument(
-        "--max-parameters", type=int, default=40, help="parameters listed in the table (default %(default)s)"
+        "--max-parameters", type=_count, default=40, help="parameters listed in the table (default %(default)s)"
     )
     parser.set_defaults(handler=run)
 
