@@ -222,9 +222,13 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
         cpu_ops.block_step(*lists, codebook, scalars, None, **flags)  # type: ignore[arg-type]
     with pytest.raises(KernelArgumentError, match="lists differ in length"):
         block_step([param], [param, param], [indices], [block], [block], codebook, scalars, None, **flags)
-    with pytest.raises(KernelArgumentError, match="sr_seeds must hold one seed per entry"):
-        seeds = torch.zeros(2, dtype=torch.int64)
-        block_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, seeds, **flags)
+    with pytest.raises(KernelArgumentError, match=r"with a period >= 1, got \(3, 0\)"):  # the reference raises too
+        empty = torch.zeros(0)
+        codes, scales = torch.zeros(3, 0, dtype=torch.uint8), torch.zeros(3, 1)
+        block_step([empty], [empty.clone()], [codes], [scales], [scales.clone()], codebook, scalars, None, **flags)
+    for seeds in (torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64)):  # a 0-dim one too
+        with pytest.raises(KernelArgumentError, match=r"sr_seeds must have shape \(1,\), one seed per entry"):
+            block_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, seeds, **flags)
     with pytest.raises(KernelArgumentError, match=r"scalars must have shape \(9,\) or \(1, 9\)"):
         block_step(
             [param], [param.clone()], [indices], [block], [block.clone()], codebook, torch.zeros(2, 9), None, **flags

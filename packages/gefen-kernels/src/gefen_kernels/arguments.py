@@ -90,8 +90,8 @@ def _momentum(param: torch.Tensor, indices: Any, magnitude: Any, *, ragged: bool
     reason = _tensor(indices, "indices", torch.uint8, device)
     if reason:
         return reason
-    if indices.dim() != 2:
-        return f"indices must be [blocks, period], got {tuple(indices.shape)}"
+    if indices.dim() != 2 or indices.shape[1] < 1:  # a block of no elements has no scale to hold
+        return f"indices must be [blocks, period] with a period >= 1, got {tuple(indices.shape)}"
     if ragged and not _covers(indices.numel(), indices.shape[1], param.numel()):
         return f"indices {tuple(indices.shape)} must be the ceil(n / period) blocks of {param.numel()} elements"
     if not ragged and indices.numel() != param.numel():
@@ -120,8 +120,8 @@ def _shared(
         reason = _tensor(sr_seeds, "sr_seeds", torch.int64, device)
         if reason:
             return reason
-        if sr_seeds.numel() != rows:
-            return f"sr_seeds must hold one seed per entry ({rows}), got {sr_seeds.numel()}"
+        if tuple(sr_seeds.shape) != (rows,):  # 1-D, as the reference indexes it
+            return f"sr_seeds must have shape ({rows},), one seed per entry, got {tuple(sr_seeds.shape)}"
     return None
 
 
