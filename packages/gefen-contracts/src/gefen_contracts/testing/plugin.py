@@ -3,8 +3,9 @@
 Two ways to use it:
 
 * command line: ``pytest --gefen-conformance MODULE:FACTORY [--gefen-conformance-waive NAME]``
-  runs one test item per check (and per unverified claim) for each target, and nothing
-  else: the paths pytest would collect (a repository's own suite) are not collected;
+  runs one test item per check and a ``verdict`` item for each target (the verdict fails on
+  any claim left unverified, naming it), and nothing else: the paths pytest would collect
+  (a repository's own suite) are not collected;
 * fixtures: define a ``gefen_conformance_target`` fixture returning a ``ConformanceTarget``
   (or ``"MODULE:FACTORY"``) and request ``gefen_conformance_report``; call
   ``assert_conformant(report)`` to fail with the readable report.
