@@ -60,4 +60,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(description.to_json(), indent=2))
     else:
         print(description.format_text(max_parameters=args.max_parameters))
+        if args.no_verify and description.status == "OK":
+            print("  (--no-verify: DCP data was not read; its digests were not checked)")
     return {"OK": 0, "CORRUPT": 1}.get(description.status, UNKNOWN_FORMAT_EXIT)
