@@ -196,3 +196,46 @@ def misbehaving_report() -> Any:
 def test_a_negative_claim_raising_the_wrong_error_is_named(action: str, misbehaving_report: Any) -> None:
     failure = next(r for r in misbehaving_report.failures if r.name == "contract.negative_claims_refuse")
     assert f"{action}()" in failure.detail and "instead of NotSupportedError" in failure.detail
+
+
+def test_a_contributed_check_may_not_take_a_name_already_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results are found by check name: a contributed check named like a built-in one (or twice in
+    one entry point) would have its pytest item report the other's result. Its entry point fails,
+    naming the clash; a well-named one is taken."""
+    import importlib.metadata
+
+    from gefen_contracts.testing.checks import builtin_checks
+    from gefen_contracts.testing.runner import CONFORMANCE_ENTRY_POINT_GROUP, contributed_checks
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def covers(self, claims: frozenset[str]) -> frozenset[str]:
+            return frozenset()
+
+        def run(self, context: Any) -> None:
+            pass
+
+    class Entry:
+        def __init__(self, name: str, checks: list[Named]) -> None:
+            self.name, self._checks = name, checks
+
+        def load(self) -> Any:
+            return lambda: self._checks
+
+    builtin = builtin_checks()[0].name
+    entries = [
+        Entry("a-clash", [Named(builtin)]),
+        Entry("b-twice", [Named("x.twice")] * 2),
+        Entry("c-ok", [Named("x.ok")]),
+    ]
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda group: entries if group == CONFORMANCE_ENTRY_POINT_GROUP else [],
+    )
+    checks, broken = contributed_checks()
+    assert [c.name for c in checks] == ["x.ok"]
+    assert [r.name for r in broken] == ["entry_point:a-clash", "entry_point:b-twice"]
+    assert builtin in broken[0].detail and "already taken" in broken[1].detail

@@ -25,12 +25,19 @@ def contributed_checks() -> tuple[list[ConformanceCheck], list[CheckResult]]:
 
     checks: list[ConformanceCheck] = []
     broken: list[CheckResult] = []
+    taken = {check.name for check in builtin_checks()}
     for entry in sorted(entry_points(group=CONFORMANCE_ENTRY_POINT_GROUP), key=lambda e: e.name):
         try:
             provided = list(entry.load()())
             for check in provided:
                 if not isinstance(check, ConformanceCheck):
                     raise TypeError(f"{check!r} does not implement ConformanceCheck")
+            names = [check.name for check in provided]
+            # results are found by name: a second check of one name would report the first's result
+            clashes = sorted({name for name in names if name in taken or names.count(name) > 1})
+            if clashes:
+                raise ValueError(f"check names {clashes} are already taken (built-in or another entry point's)")
+            taken.update(names)
             checks.extend(provided)
         except Exception as exc:
             broken.append(
