@@ -305,6 +305,8 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
     if with_mirror and len(with_mirror) != len(mirrors):
         raise fail(f"{GROUP_MIRROR} is present on only some parameter groups")
     records = [] if top is None else [("top level", top)]
+    if top is not None:
+        _check_codebook_fields(top, "top level")
     expected_keys = {"format", "format_version", *fmt.fields}
     for index, raw in enumerate(with_mirror):
         where = f"param_groups[{index}][{GROUP_MIRROR!r}]"
@@ -319,17 +321,16 @@ def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]
             raise fail(f"{where} must be the JSON string state_dict() writes, got {type(raw).__name__}")
         if set(mirror) != expected_keys:
             raise fail(f"{where} has unexpected keys")
-        records.append((f"param_groups[{index}] mirror", {f: mirror[f] for f in fmt.fields}))
+        record = {f: mirror[f] for f in fmt.fields}
+        record["codebook"] = mirror_codebook(record["codebook"], where)
+        _check_codebook_fields(record, f"param_groups[{index}] mirror")
+        records.append((f"param_groups[{index}] mirror", record))
     if not records:
         raise fail(
             "state_dict carries no Gefen metadata (neither top-level gefen_* keys nor group mirrors); "
             f"it was not produced by {fmt.optimizer}.state_dict()"
         )
     first_where, first = records[0]
-    for where, record in records:
-        if where != "top level":  # a mirror's codebook is a list of floats, read after the top level's is checked
-            record["codebook"] = mirror_codebook(record["codebook"], where)
-        _check_codebook_fields(record, where)
     for where, other in records[1:]:
         for key in fmt.fields:
             if key == "codebook":

@@ -32,7 +32,7 @@ from .adamw_contract import (
     adamw_contract,
 )
 from .composite import DEFAULT_IMPLEMENTATION, STEP_PHASE, ChildFactory, CompositeOptimizer
-from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_VERSION
+from .composite_bound_state import COMPOSITE_DOCUMENT_FORMAT, COMPOSITE_DOCUMENT_KEYS, COMPOSITE_DOCUMENT_VERSION
 from .composite_contract import derive_composite_contract, intersect_checkpoint_support
 from .composite_format import FORMAT, FORMAT_VERSION, children_of_state_dict
 from .composite_state import CompositeState
@@ -57,6 +57,7 @@ __all__ = [
     "ADAMW_STATE_LAYOUT",
     "AdamWReadiness",
     "COMPOSITE_DOCUMENT_FORMAT",
+    "COMPOSITE_DOCUMENT_KEYS",
     "COMPOSITE_DOCUMENT_VERSION",
     "ChildFactory",
     "CompositeOptimizer",

@@ -32,6 +32,7 @@ from gefen_contracts.manifest import ShardingManifest
 __all__ = [
     "COMPOSITE_DOCUMENT_COVERAGE",
     "COMPOSITE_DOCUMENT_FORMAT",
+    "COMPOSITE_DOCUMENT_KEYS",
     "COMPOSITE_DOCUMENT_VERSION",
     "build_composite_document",
     "children_of_document",
@@ -40,7 +41,8 @@ __all__ = [
 COMPOSITE_DOCUMENT_FORMAT = "gefen.composite_bound_state"
 COMPOSITE_DOCUMENT_VERSION = 1
 COMPOSITE_DOCUMENT_COVERAGE = "local_optimizer_fragment"
-_KEYS = frozenset(
+#: The keys of a composite document, exactly.
+COMPOSITE_DOCUMENT_KEYS = frozenset(
     {"format", "format_version", "coverage", "implementation", "policy", "common", "manifest", "routing", "children"}
 )
 
@@ -86,8 +88,11 @@ def children_of_document(
     if type(document) is not dict:
         _fail(f"must be a dict, got {type(document).__name__}")
     keys = set(document)
-    if keys != _KEYS:
-        _fail(f"keys must be {sorted(_KEYS)}: missing {sorted(_KEYS - keys)}, extra {sorted(map(str, keys - _KEYS))}")
+    if keys != COMPOSITE_DOCUMENT_KEYS:
+        _fail(
+            f"keys must be {sorted(COMPOSITE_DOCUMENT_KEYS)}: missing {sorted(COMPOSITE_DOCUMENT_KEYS - keys)}, "
+            f"extra {sorted(map(str, keys - COMPOSITE_DOCUMENT_KEYS))}"
+        )
     if document["format"] != COMPOSITE_DOCUMENT_FORMAT:
         _fail(f"'format' must be {COMPOSITE_DOCUMENT_FORMAT!r}, got {document['format']!r}")
     version = document["format_version"]

@@ -64,24 +64,22 @@ def _describe_folder(target: Path, verify: bool) -> CheckpointDescription:
     problem: a rank's missing half of a checkpoint; one it refuses as unsafe pickles (a trainer's
     ``training_args.bin``) is only not recognised."""
     files = sorted(p for p in target.iterdir() if p.is_file() and p.suffix in _TORCH_SUFFIXES)
-    children = tuple(_describe_file(p) for p in files)
+    unreadable: list[Problem] = []
+    children = tuple(_describe_file(p, unreadable) for p in files)
     known = tuple(child for child in children if child.recognised)
-    unreadable = tuple(
-        Problem(Path(child.path).name, child.facts[0][1])
-        for child in children
-        if not child.recognised and child.facts and child.facts[0][1].startswith(_UNREADABLE)
-    )
     others = sorted(p.name for p in target.iterdir() if p.suffix not in _TORCH_SUFFIXES)[:6]
     seen = f"a folder without DCP's .metadata; torch.save files {[p.name for p in files]}, other entries {others}"
     if not known:
         return _unknown(str(target), "folder", seen)
     return CheckpointDescription(
         str(target), "folder", "checkpoint folder", None, facts=(("recognised", seen),), children=known,
-        problems=unreadable,
+        problems=tuple(unreadable),
     )  # fmt: skip
 
 
-def _describe_file(target: Path) -> CheckpointDescription:
+def _describe_file(target: Path, unreadable: list[Problem] | None = None) -> CheckpointDescription:
+    """One file; with ``unreadable`` (a folder's), a file ``torch.load`` cannot read at all is
+    also added there as a problem."""
     import torch
 
     size = target.stat().st_size
@@ -89,12 +87,13 @@ def _describe_file(target: Path) -> CheckpointDescription:
         return _unknown(str(target), "file", "a safetensors file (model weights, no optimizer state)", size)
     try:
         loaded = torch.load(target, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "Unsupported global" not in str(exc):  # garbage, not a pickle of objects weights_only refuses
-            return _unknown(str(target), "file", f"{_UNREADABLE}: {type(exc).__name__}: {exc}", size)
-        return _unknown(str(target), "file", f"torch.load(weights_only=True) refuses its objects: {exc}", size)
     except Exception as exc:
-        return _unknown(str(target), "file", f"{_UNREADABLE}: {type(exc).__name__}: {exc}", size)
+        if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):  # objects it will not run
+            return _unknown(str(target), "file", f"torch.load(weights_only=True) refuses its objects: {exc}", size)
+        reason = f"torch.load(weights_only=True) cannot read it: {type(exc).__name__}: {exc}"
+        if unreadable is not None:
+            unreadable.append(Problem(target.name, reason))
+        return _unknown(str(target), "file", reason, size)
     found = _describe_value(loaded, str(target), size)
     if found is not None:
         return found
@@ -130,4 +129,3 @@ def _describe_value(value: object, path: str, size: int | None) -> CheckpointDes
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-_UNREADABLE = "torch.load(weights_only=True) cannot read it"

@@ -191,21 +191,18 @@ def _bound(document: Mapping[str, Any], path: str) -> CheckpointDescription:
     )
 
 
-_COMPOSITE_KEYS: tuple[str, ...] = ("children", "common", "coverage", "format", "format_version", "implementation")
-_COMPOSITE_KEYS += ("manifest", "policy", "routing")
-
-
 def _composite_envelope_problems(document: Mapping[str, Any], roles: list[str]) -> list[Problem]:
     """What a composite document's envelope breaks without a live composite to compare with
     (gefen-hybrid's load checks the same against the composite it loads into)."""
     from gefen_contracts import CodecError
     from gefen_contracts.codec import from_primitive
     from gefen_contracts.manifest import ShardingManifest
-    from gefen_hybrid import COMPOSITE_DOCUMENT_VERSION
+    from gefen_hybrid import COMPOSITE_DOCUMENT_KEYS, COMPOSITE_DOCUMENT_VERSION
 
     problems = []
-    if set(document) != set(_COMPOSITE_KEYS):
-        problems.append(Problem("envelope", f"keys must be {list(_COMPOSITE_KEYS)}, got {sorted(map(str, document))}"))
+    if set(document) != COMPOSITE_DOCUMENT_KEYS:
+        wanted = sorted(COMPOSITE_DOCUMENT_KEYS)
+        problems.append(Problem("envelope", f"keys must be {wanted}, got {sorted(map(str, document))}"))
     version = document.get("format_version")
     if type(version) is not int or version != COMPOSITE_DOCUMENT_VERSION:
         problems.append(Problem("format_version", f"{version!r} is not {COMPOSITE_DOCUMENT_VERSION}, the version read"))
