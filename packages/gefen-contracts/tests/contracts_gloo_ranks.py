@@ -49,6 +49,14 @@ def die(rank: int, world_size: int, bad_rank: int) -> int:
     return rank
 
 
+def abort_after_saying(rank: int, world_size: int, bad_rank: int, words: str) -> int:
+    """The bad rank writes ``words`` to file descriptor 2 (as C code would) and aborts."""
+    if rank == bad_rank:
+        os.write(2, words.encode() + b"\n")
+        os.abort()
+    return rank
+
+
 def validate_bindings(rank: int, world_size: int) -> list[str]:
     outcomes = []
     world_binding(rank, world_size).validate_runtime()

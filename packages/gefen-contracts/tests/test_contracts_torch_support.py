@@ -122,6 +122,28 @@ def test_a_hanging_case_times_out_and_a_dead_rank_is_reported() -> None:
         assert outcomes[0].error_type == "ProcessDied" and outcomes[1].ok
 
 
+@pytest.mark.distributed
+def test_a_rank_killed_by_a_signal_is_reported_with_what_it_printed_and_its_stack(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    with GlooWorld(2) as world:
+        outcomes = world.run_outcomes("contracts_gloo_ranks:abort_after_saying", 1, "terminate called: bad preamble")
+    assert outcomes[0].ok and outcomes[1].error_type == "ProcessDied"
+    assert outcomes[1].message == "exit code -6 (SIGABRT)"
+    # the C-level message and faulthandler's Python stack of the dying rank
+    assert "terminate called: bad preamble" in outcomes[1].traceback
+    assert "Fatal Python error: Aborted" in outcomes[1].traceback
+    assert "abort_after_saying" in outcomes[1].traceback
+    assert "[rank 1] terminate called: bad preamble" in capfd.readouterr().err
+
+
+@pytest.mark.distributed
+def test_a_hung_rank_s_stack_is_in_the_timeout() -> None:
+    with GlooWorld(2, case_timeout_s=8) as world, pytest.raises(TimeoutError) as raised:
+        world.run("contracts_gloo_ranks:sleep_forever")
+    assert "--- rank 0 ---" in str(raised.value) and "sleep_forever" in str(raised.value)
+
+
 def test_on_device_puts_exact_host_values_on_the_device_in_the_dtype_asked() -> None:
     from gefen_contracts.torch_support import on_device
 

@@ -5,14 +5,23 @@ Spawning ranks costs seconds, so one :class:`GlooWorld` runs many cases: each
 collects the results. Ranks use ``torch.set_num_threads(1)``, a gloo timeout of at most 60 s
 (so a hang fails a test instead of the run) and TCP rendezvous on 127.0.0.1. ``fn`` must be
 importable in a fresh interpreter: a module-level function, or ``"MODULE:FUNCTION"``.
+
+Each rank's standard error goes to a file (with :mod:`faulthandler` on it), copied to this
+process's standard error after every case, so a rank that dies of a signal (a C++ exception
+in gloo, a crash in a kernel) is reported with the last lines it printed, not just its exit code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -26,6 +35,7 @@ from .target import import_attribute
 __all__ = ["GlooWorld", "RankFailure", "RankOutcome", "resolve_callable"]
 
 _MAX_GLOO_TIMEOUT_S = 60.0
+_DEATH_LINES = 40  # lines of a dead rank's standard error quoted in its outcome
 
 
 @dataclass(frozen=True)
@@ -71,8 +81,16 @@ def _worker(
     env: dict[str, str],
     tasks: Any,
     results: Connection,
+    log_path: str,
 ) -> None:
     os.environ.update(env)
+    # file descriptor 2 itself, so what C++ (gloo's terminate message) and C print is kept too
+    log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):  # what a hung rank is doing, asked for before it is killed
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -108,6 +126,19 @@ def _failure(rank: int, exc: BaseException) -> RankOutcome:
     return RankOutcome(rank, False, None, type(exc).__name__, str(exc), traceback.format_exc(limit=12))
 
 
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} ({signal.Signals(-code).name})"
+    return f"exit code {code}"
+
+
+def _tail(path: str, lines: int) -> str:
+    with contextlib.suppress(OSError), open(path, "rb") as handle:
+        return "\n".join(handle.read().decode(errors="replace").splitlines()[-lines:])
+    return ""
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -139,6 +170,8 @@ class GlooWorld:
         # result waits on (a shared mp.Queue's writer lock can be left held by an os._exit)
         self._results: list[Connection] = []
         self._case = 0
+        self._log_dir = ""
+        self._log_offsets: list[int] = []
 
     def __enter__(self) -> GlooWorld:
         self.start()
@@ -160,10 +193,21 @@ class GlooWorld:
         pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
         self._results = [reader for reader, _ in pipes]
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._log_dir = tempfile.mkdtemp(prefix="gefen-gloo-")
+        self._log_offsets = [0] * self.world_size
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, self.gloo_timeout_s, self.env, self._tasks[rank], writer),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    self.gloo_timeout_s,
+                    self.env,
+                    self._tasks[rank],
+                    writer,
+                    self._log_path(rank),
+                ),
                 daemon=True,
             )
             for rank, (_, writer) in enumerate(pipes)
@@ -176,6 +220,29 @@ class GlooWorld:
         if failed:
             self.close()
             raise RankFailure(ready)
+
+    def _log_path(self, rank: int) -> str:
+        return os.path.join(self._log_dir, f"rank{rank}.log")
+
+    def _forward_logs(self) -> None:
+        """Copy what each rank printed since the last case to this process's standard error."""
+        for rank in range(len(self._log_offsets)):
+            with contextlib.suppress(OSError), open(self._log_path(rank), "rb") as handle:
+                handle.seek(self._log_offsets[rank])
+                text = handle.read()
+                self._log_offsets[rank] += len(text)
+                if text:
+                    sys.stderr.write(f"[rank {rank}] " + text.decode(errors="replace"))
+
+    def _stacks_of(self, ranks: list[int]) -> str:
+        """The Python stacks of hung ranks (faulthandler, on SIGUSR1), as the timeout's text."""
+        if not hasattr(signal, "SIGUSR1"):
+            return ""
+        for rank in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(int(self._procs[rank].pid), signal.SIGUSR1)
+        time.sleep(1.0)
+        return "".join(f"\n--- rank {r} ---\n{_tail(self._log_path(r), _DEATH_LINES)}" for r in ranks)
 
     def pids(self) -> list[int]:
         return [int(p.pid) for p in self._procs]
@@ -197,8 +264,9 @@ class GlooWorld:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
+                stacks = self._stacks_of(missing)
                 self.close()
-                raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout_s:.0f} s")
+                raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout_s:.0f} s{stacks}")
             pending = [r for r in range(self.world_size) if r not in outcomes]
             ready = wait([self._results[r] for r in pending], timeout=remaining)
             for rank in [r for r in pending if self._results[r] in ready]:
@@ -206,11 +274,13 @@ class GlooWorld:
                     got: tuple[int, RankOutcome] = self._results[rank].recv()
                 except (EOFError, OSError):  # end of file, possibly mid-message: the rank died
                     self._procs[rank].join(timeout=5.0)
-                    code = self._procs[rank].exitcode
-                    outcomes[rank] = RankOutcome(rank, False, None, "ProcessDied", f"exit code {code}")
+                    said = _tail(self._log_path(rank), _DEATH_LINES)
+                    message = _exit_text(self._procs[rank].exitcode)
+                    outcomes[rank] = RankOutcome(rank, False, None, "ProcessDied", message, said)
                     continue
                 if got[0] == case_id:
                     outcomes[rank] = got[1]
+        self._forward_logs()
         if any(o.error_type == "ProcessDied" for o in outcomes.values()):
             self.close()
         return [outcomes[r] for r in range(self.world_size)]
@@ -235,6 +305,11 @@ class GlooWorld:
                 proc.join(timeout=5.0)
         for reader in self._results:
             reader.close()
+        if self._log_dir:
+            self._forward_logs()
+            shutil.rmtree(self._log_dir, ignore_errors=True)
         self._procs = []
         self._tasks = []
         self._results = []
+        self._log_dir = ""
+        self._log_offsets = []
