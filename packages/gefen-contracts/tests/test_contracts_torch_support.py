@@ -152,3 +152,13 @@ def test_on_device_puts_exact_host_values_on_the_device_in_the_dtype_asked() -> 
     assert torch.equal(scalars, torch.tensor([0.1, 2.0, -3.5], dtype=torch.float32))
     seeds = on_device([(7 << 32) + 3, -1], torch.int64, torch.device("cpu"))
     assert seeds.tolist() == [(7 << 32) + 3, -1]
+
+
+def test_expand_blocks_never_expands_past_the_piece_whatever_the_period() -> None:
+    from gefen_contracts.torch_support import expand_blocks
+
+    # a document may name any period; a run longer than the piece is one run of the piece
+    # (the old expansion allocated period * blocks elements: 2**45 here)
+    assert torch.equal(expand_blocks(torch.tensor([1.5]), 2**45, (3,)), torch.full((3,), 1.5))
+    assert torch.equal(expand_blocks(torch.tensor([1.0, 2.0]), 2, (3,)), torch.tensor([1.0, 1.0, 2.0]))
+    assert expand_blocks(torch.zeros(0), 2**45, (0, 4)).shape == (0, 4)

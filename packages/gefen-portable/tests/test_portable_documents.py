@@ -468,3 +468,62 @@ def test_any_exported_state_round_trips_through_document_catalog_and_wire(
     assert again.catalog_digest == state.catalog_digest
     assert_trees_bitwise(again.materialize(), document)
     assert parse_catalog(roundtrip(state.catalog_record()), limits=LIMITS).digest == state.catalog_digest
+
+
+def test_catalog_record_is_a_copy_that_cannot_change_the_state() -> None:
+    state = golden_state()
+    record = state.catalog_record()
+    record["parameters"]["b"]["replica_fields"]["lr_scale"].mul_(2)
+    record["common"]["table"].zero_()
+    # the state still materialises under its own digest, with its own values
+    document = state.materialize()
+    assert torch.equal(state.catalog.parameters["b"].replica_fields["lr_scale"], torch.tensor([0.5]))
+    assert PortableState.from_document(document, limits=LIMITS).catalog_digest == state.catalog_digest
+
+
+def test_a_catalog_announcing_more_bytes_than_the_limits_is_refused_before_its_tiling_is_walked() -> None:
+    # a hostile catalog of a few hundred bytes: a tall matrix cut into column regions, whose
+    # tiling check walks one run per row; the bytes it announces are over the limits
+    from portable_sgd_adopter import region_manifest
+
+    rows = 200_000
+    identity = ParameterIdentity("w", (rows, 2))
+    header = StateHeader("gefen_test.Golden", {"schema": 1}, {}, region_manifest({"w": (rows, 2)}, group(2, "dp2")))
+    record = ParameterRecord(
+        identity,
+        (0, 0),
+        "w",
+        {"lr": 0.1},
+        "momentum",
+        {},
+        {"momentum": FP32},
+        {},
+        ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
+    )
+    whole = Catalog.build(
+        header, {"w": record}, {"w": (FragmentRecord(LogicalSlice(0, 2 * rows), 0, "0" * 64, 8 * rows),)}
+    )
+    columns = [
+        {
+            "extent": to_primitive(LogicalRegion((0, c), (rows, 1))),
+            "block_period": 0,
+            "digest": "0" * 64,
+            "nbytes": 4 * rows,
+        }
+        for c in (0, 1)
+    ]
+    hostile = _catalog_edit(whole.to_record(), lambda r: r["parameters"]["w"].update(fragments=columns))
+    small = PortableStateLimits(max_fragment_tensor_bytes=1 << 20, max_collective_tensor_bytes=1 << 20)
+    with pytest.raises(PortableLimitError) as raised:
+        parse_catalog(hostile, limits=small)
+    assert raised.value.limit == "max_collective_tensor_bytes"
+    # within the limits the same catalog parses (its tiling is valid)
+    assert parse_catalog(hostile, limits=LIMITS).total_fragment_bytes == 8 * rows
+
+
+def test_needed_fragments_refuses_a_target_of_another_shape_by_name() -> None:
+    catalog = golden_state().catalog
+    manifest = flattened_manifest({"w": (3, 2), "b": (3,)}, group(2, "dp2"))
+    slots = tuple(PortableSlotLayout(s, (0, index), s.fqn) for index, s in enumerate(manifest.for_member("rank:0")))
+    with pytest.raises(PortableStateError, match="identity of 'w' differs"):
+        needed_fragments(catalog, PortableLayout("gefen_test.Golden", manifest, slots))

@@ -42,7 +42,7 @@ from gefen_contracts.identity import LogicalRegion, LogicalSlice
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import tensor_digest
 
-from .errors import PortableIntegrityError, PortableStateError
+from .errors import PortableIntegrityError, PortableLimitError, PortableStateError
 from .extents import Extent, fragment_shape, validate_tiling
 from .records import (
     PORTABLE_STATE_COVERAGE,
@@ -141,7 +141,7 @@ class Catalog:
         # sorted FQNs: a parsed catalog has this order too (the wire clone sorts dict keys), so fragment_keys() agrees
         ordered = {fqn: parameters[fqn] for fqn in sorted(parameters)}
         frags = {fqn: tuple(fragments.get(fqn, ())) for fqn in ordered}
-        _validate(header, ordered, frags, "catalog")
+        _validate(header, ordered, frags, "catalog", None)
         # placeholder digest: _payload() never reads it, this instance only serves to compute the real one
         catalog = cls(header, ordered, frags, "0" * 64)
         digest = tensor_digest(catalog._payload())
@@ -194,16 +194,19 @@ def _validate(
     parameters: Mapping[str, ParameterRecord],
     fragments: Mapping[str, tuple[FragmentRecord, ...]],
     where: str,
+    limits: PortableStateLimits | None,
 ) -> None:
+    """Check a catalog's parts; ``limits`` bounds an untrusted catalog's announced bytes (an
+    export checks its own bytes against the session's limits)."""
     check_parameter_set(parameters, header.manifest, f"{where}.parameters")
     check_positions(parameters, where)
+    total = 0
     for fqn, record in parameters.items():
         frags = fragments[fqn]
         if not record.fields:
             if frags:
                 raise PortableStateError(f"{where}: parameter {fqn!r} has no fields but lists fragments")
             continue
-        validate_tiling([f.extent for f in frags], record.identity)
         for index, frag in enumerate(frags):
             if record.blocked != (frag.block_period > 0):
                 raise PortableStateError(
@@ -217,6 +220,21 @@ def _validate(
                 raise PortableStateError(
                     f"{where}: fragment {index} of {fqn!r} announces {frag.nbytes} bytes, its extent holds {expected}"
                 )
+            if limits is None:
+                continue
+            if frag.nbytes > limits.max_fragment_tensor_bytes:
+                raise PortableLimitError(
+                    "max_fragment_tensor_bytes", f"{where}: fragment {index} of {fqn!r} holds {frag.nbytes} bytes"
+                )
+            total += frag.nbytes
+            if total > limits.max_collective_tensor_bytes:
+                raise PortableLimitError(
+                    "max_collective_tensor_bytes", f"{where}: the fragments hold more than {total - frag.nbytes} bytes"
+                )
+    # after the byte bounds: a tiling check walks each region's runs, as many as its data's rows
+    for fqn, record in parameters.items():
+        if record.fields:
+            validate_tiling([f.extent for f in fragments[fqn]], record.identity)
 
 
 def parse_extent(value: object, where: str) -> Extent:
@@ -240,14 +258,17 @@ def parse_catalog(record: object, *, limits: PortableStateLimits) -> Catalog:
     """
     require_limits(limits)
     clone = bounded_clone(record, limits=limits.collective())
-    catalog, _ = parse_catalog_record(clone, CATALOG_FORMAT, CATALOG_FORMAT_VERSION, "catalog", inline=False)
+    catalog, _ = parse_catalog_record(
+        clone, CATALOG_FORMAT, CATALOG_FORMAT_VERSION, "catalog", inline=False, limits=limits
+    )
     return catalog
 
 
 def parse_catalog_record(
-    clone: object, format_name: str, version: int, where: str, *, inline: bool
+    clone: object, format_name: str, version: int, where: str, *, inline: bool, limits: PortableStateLimits
 ) -> tuple[Catalog, dict[tuple[str, int], object]]:
-    """Parse a catalog-shaped record already copied under the limits (see :func:`parse_catalog`).
+    """Parse a catalog-shaped record already copied under the limits (see :func:`parse_catalog`);
+    the fragments' announced bytes must keep within ``limits``' tensor bounds.
 
     With ``inline`` (a complete document) every fragment entry also holds ``"fields"``,
     returned unvalidated by ``(fqn, index)``; the caller checks them against the catalog.
@@ -289,7 +310,7 @@ def parse_catalog_record(
             if inline:
                 inline_fields[(fqn, index)] = frag["fields"]
         fragments[fqn] = tuple(parsed)
-    _validate(header, parameters, fragments, where)
+    _validate(header, parameters, fragments, where, limits)
     claimed = parse_completion(top["completion"], f"{where}.completion")
     catalog = Catalog(header, parameters, fragments, claimed)
     if not hmac.compare_digest(tensor_digest(catalog._payload()), claimed):

@@ -102,7 +102,7 @@ def parse_document(document: object, *, limits: PortableStateLimits) -> tuple[Ca
             f"{PORTABLE_STATE_FORMAT_VERSION} only (version 1 held dense fp32 fields; export it again)"
         )
     catalog, inline = parse_catalog_record(
-        clone, PORTABLE_STATE_FORMAT, PORTABLE_STATE_FORMAT_VERSION, "document", inline=True
+        clone, PORTABLE_STATE_FORMAT, PORTABLE_STATE_FORMAT_VERSION, "document", inline=True, limits=limits
     )
     fragments = []
     for (fqn, index), raw in inline.items():

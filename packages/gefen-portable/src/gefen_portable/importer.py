@@ -7,17 +7,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from gefen_contracts import ContractTypeError, StaleTransactionError
-from gefen_contracts.exchange import PortableLayout
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
-from .catalog import Catalog
 from .errors import PortableStateError
 from .freshness import optimizer_token
 from .local_export import check_layout
-from .projection import Projection
+from .projection import Projection, check_target
 from .protocol import Session
 from .runtime import check_transitions, context_digest, manifest_digest, open_session, require_adapter
 from .state import PortableState
@@ -74,22 +72,6 @@ def _as_state(source: object, limits: PortableStateLimits) -> PortableState:
     raise ContractTypeError(f"a portable import needs a PortableState or a document dict, got {type(source).__name__}")
 
 
-def _check_target(catalog: Catalog, layout: PortableLayout) -> None:
-    if catalog.implementation != layout.implementation:
-        raise PortableStateError(
-            f"the document was exported by {catalog.implementation!r}, the target is {layout.implementation!r}"
-        )
-    source, target = set(catalog.parameters), set(layout.manifest.fqns)
-    if source != target:
-        raise PortableStateError(
-            f"the document's parameters differ from the target's (missing {sorted(target - source)}, "
-            f"unexpected {sorted(source - target)})"
-        )
-    for fqn in sorted(target):
-        if catalog.parameters[fqn].identity != layout.manifest.for_parameter(fqn)[0].parameter:
-            raise PortableStateError(f"the document's identity of {fqn!r} differs from the target's (global shape)")
-
-
 def prepare_on_session(optimizer: Any, source: object, session: Session, *, prefix: str) -> PreparedImport:
     """Validate, fetch, project and stage on every member (three gates; nothing published)."""
     error: BaseException | None = None
@@ -99,7 +81,7 @@ def prepare_on_session(optimizer: Any, source: object, session: Session, *, pref
         layout = optimizer.portable_layout()
         check_layout(layout, session.binding)
         state = _as_state(source, session.limits)
-        _check_target(state.catalog, layout)
+        check_target(state.catalog, layout)
         check_transitions(optimizer, state.catalog.header.manifest, layout)
         context = context_digest(
             "import", layout.implementation, catalog=state.catalog_digest, target=manifest_digest(layout.manifest)

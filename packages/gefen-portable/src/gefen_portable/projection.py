@@ -38,7 +38,7 @@ from .fragments import PortableFragment
 from .records import ParameterRecord
 from .tensors import DTYPE_CODES
 
-__all__ = ["Projection", "needed_fragments"]
+__all__ = ["Projection", "check_target", "needed_fragments"]
 
 
 def _target_extent(shard: ShardIdentity) -> Extent:
@@ -46,11 +46,30 @@ def _target_extent(shard: ShardIdentity) -> Extent:
     return LogicalSlice(0, shard.parameter.numel) if covers_parameter(shard) else shard.extent
 
 
+def check_target(catalog: Catalog, layout: PortableLayout) -> None:
+    """Refuse a document exported by another implementation or for other parameters."""
+    if catalog.implementation != layout.implementation:
+        raise PortableStateError(
+            f"the document was exported by {catalog.implementation!r}, the target is {layout.implementation!r}"
+        )
+    source, target = set(catalog.parameters), set(layout.manifest.fqns)
+    if source != target:
+        raise PortableStateError(
+            f"the document's parameters differ from the target's (missing {sorted(target - source)}, "
+            f"unexpected {sorted(source - target)})"
+        )
+    for fqn in sorted(target):
+        if catalog.parameters[fqn].identity != layout.manifest.for_parameter(fqn)[0].parameter:
+            raise PortableStateError(f"the document's identity of {fqn!r} differs from the target's (global shape)")
+
+
 def needed_fragments(catalog: Catalog, layout: PortableLayout) -> frozenset[tuple[str, int]]:
-    """The fragments ``(fqn, index)`` that overlap this member's payload pieces of ``layout``.
+    """The fragments ``(fqn, index)`` that overlap this member's payload pieces of ``layout``
+    (:func:`check_target` first: extents are only comparable on equal shapes).
 
     A rank-sharded load reads exactly these (and nothing else) before importing.
     """
+    check_target(catalog, layout)
     needed = set()
     for slot in layout.slots:
         shard = slot.shard

@@ -82,8 +82,11 @@ class PortableState:
         return self._catalog.implementation
 
     def catalog_record(self) -> dict[str, object]:
-        """The catalog as a fresh plain record (weights-only safe); store it once per checkpoint."""
-        return self._catalog.to_record()
+        """The catalog as a fresh plain record (weights-only safe, its tensors cloned: editing it
+        cannot change this state); store it once per checkpoint."""
+        record = clone_tree(self._catalog.to_record())
+        assert isinstance(record, dict)
+        return record
 
     @property
     def fragments(self) -> tuple[PortableFragment, ...]:

@@ -38,8 +38,10 @@ def expand_blocks(values: torch.Tensor, period: int, shape: Sequence[int]) -> to
         raise ContractError(
             f"a block field of {numel} elements in runs of {period} needs shape {expected}, got {tuple(values.shape)}"
         )
-    # the slice drops the part of a ragged last run that lies past the piece
-    return values.repeat_interleave(period)[:numel].reshape(tuple(shape))
+    # a run longer than the piece is one run of the piece's length (same content): never expand
+    # more than twice numel, whatever period a document names; the slice drops the part of a
+    # ragged last run that lies past the piece
+    return values.repeat_interleave(min(period, max(numel, 1)))[:numel].reshape(tuple(shape))
 
 
 def as_imported(slot: PortableSlotState, shape: Sequence[int]) -> PortableSlotState:
