@@ -115,6 +115,9 @@ def test_adamw_backup_takes_torchs_own_flags_through_backup_kwargs() -> None:
         ({"muon_kwargs": {"weight_decay": 0.1}}, TypeError, "'muon_weight_decay'"),
         ({"muon_kwargs": [("eps", 1e-6)]}, TypeError, "muon_kwargs must be a mapping"),
         ({"no_decay_substrings": "bias"}, TypeError, "not a single str"),
+        ({"backup_substrings": "embed"}, TypeError, "not a single str"),  # was split into 'e', 'm', 'b', ...
+        ({"backup_substrings": 5}, TypeError, "not a single str"),
+        ({"backup_optimizer": "adamw", "betas": (0.9,)}, ValueError, "betas must be a pair"),
         ({"deterministic": 1}, TypeError, "deterministic must be a bool"),
         ({"capturable": True}, ValueError, "capturable=True is not implemented for GefenMuon"),
         ({"ns_schedule": "tuned9"}, ValueError, "tuned9"),

@@ -207,11 +207,35 @@ def test_add_param_group_refuses_before_adding_anything() -> None:
         opt.add_param_group({"params": [("again", model.norm.weight)]})
     with pytest.raises(ValueError, match="already used"):
         opt.add_param_group({"params": [("norm.weight", nn.Parameter(torch.zeros(8)))]})
+    fresh = [("fresh.weight", nn.Parameter(torch.randn(8, 8)))]
+    # a role's options cannot replace the routed parameters (a tensor in both children)
+    with pytest.raises(ValueError, match="cannot set 'params'"):
+        opt.add_param_group({"params": fresh}, role_options={"backup": {"params": [model.norm.weight]}})
+    with pytest.raises(TypeError, match=r"role_options\['backup'\] must be a mapping"):
+        opt.add_param_group({"params": fresh}, role_options={"backup": 3})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="role_options must map"):
+        opt.add_param_group({"params": fresh}, role_options=[("backup", {})])  # type: ignore[arg-type]
     only_muon = CompositeOptimizer.from_factories(nn.Sequential(nn.Linear(3, 3, bias=False)), FACTORIES)
     with pytest.raises(ValueError, match="no 'backup' child"):
         only_muon.add_param_group({"params": [("bias", nn.Parameter(torch.zeros(3)))]})
     assert [len(c.param_groups) for c in opt.child_optimizers().values()] == before
     assert opt.parameter_routing() == routing
+
+
+def test_routing_entry_points_refuse_what_is_not_rules_or_a_model_by_name() -> None:
+    from gefen_hybrid import RoutingRules, route_named_parameters, routing_report
+
+    model = make_tiny_llama()
+    with pytest.raises(TypeError, match=r"rules must be a gefen_hybrid\.RoutingRules, got dict"):
+        CompositeOptimizer.from_factories(model, FACTORIES, rules={})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rules must be a gefen_hybrid\.RoutingRules, got dict"):
+        route_named_parameters(list(model.named_parameters()), rules={})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"routing_report needs an nn\.Module, got NoneType"):
+        routing_report(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="embedding_types must be a tuple"):
+        RoutingRules(embedding_types=nn.Embedding)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs an nn\.Module, got int"):
+        CompositeOptimizer(dict(CompositeOptimizer.from_factories(model, FACTORIES).child_optimizers()), model=3)  # type: ignore[arg-type]
 
 
 def test_add_param_group_removes_the_first_childs_group_when_the_second_refuses() -> None:

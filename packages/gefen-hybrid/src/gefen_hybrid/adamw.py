@@ -133,6 +133,9 @@ class ContractedAdamW(torch.optim.AdamW):
                 "ContractedAdamW does not support differentiable=True (staged loads and preflights need plain "
                 "state); use torch.optim.AdamW for differentiable optimization"
             )
+        # torch's AdamW indexes betas[1] before checking it is a pair (an IndexError for (0.9,))
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         self._version = 0
         self._sealed: SealedLayout | None = None
         super().__init__(

@@ -52,6 +52,8 @@ from .routing import (
     RoutedParameters,
     RoutingRules,
     backup_module_weight_ids,
+    checked_module,
+    checked_rules,
     route_model,
     route_named_parameters,
     split_by_role,
@@ -153,13 +155,14 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 )
         if len({id(c) for c in children.values()}) != len(children):
             raise ValueError("the same optimizer object cannot fill two roles")
-        if rules is not None and not isinstance(rules, RoutingRules):
-            raise TypeError(f"rules must be a RoutingRules, got {type(rules).__name__}")
+        checked_rules(rules)
+        if model is not None:
+            checked_module(model, "CompositeOptimizer(model=...)")
         self._implementation = identity_name(implementation, "implementation")
         self._children: tuple[tuple[str, torch.optim.Optimizer], ...] = tuple(
             (role, children[role]) for role in ROLES if role in children
         )
-        self._rules = RoutingRules() if rules is None else rules
+        self._rules = checked_rules(rules)
         self._model_ref: weakref.ref[nn.Module] | None = None if model is None else weakref.ref(model)
         self._owners: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
         self._changes = ChangeCounter()
@@ -449,9 +452,16 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 names = [name for name, _ in routed.by_role[role]]
                 raise ValueError(f"parameters {names} route to {role!r}, but this composite has no {role!r} child")
         options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        if role_options is not None and not isinstance(role_options, Mapping):
+            raise TypeError(f"role_options must map a role to its options, got {type(role_options).__name__}")
         extra = {} if role_options is None else dict(role_options)
-        for role in extra:
+        for role, given in extra.items():
             check_role(role, "role_options key")
+            if not isinstance(given, Mapping):
+                raise TypeError(f"role_options[{role!r}] must be a mapping of options, got {type(given).__name__}")
+            # the routing decides each child's parameters: a role's options cannot replace them
+            if "params" in given or "param_names" in given:
+                raise ValueError(f"role_options[{role!r}] cannot set 'params' or 'param_names'; the routing does")
         added: list[torch.optim.Optimizer] = []
         try:
             for role, child in self._children:

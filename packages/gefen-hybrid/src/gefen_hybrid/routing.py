@@ -101,6 +101,10 @@ class RoutingRules:
         object.__setattr__(self, "overrides", FrozenMap(dict(self.overrides)))
         if self.predicate is not None and not callable(self.predicate):
             raise TypeError("RoutingRules.predicate must be callable(name, parameter) -> role or None")
+        if isinstance(self.embedding_types, type) or not isinstance(self.embedding_types, Iterable):
+            raise TypeError(
+                f"RoutingRules.embedding_types must be a tuple of nn.Module subclasses, got {self.embedding_types!r}"
+            )
         embedding_types = tuple(self.embedding_types)
         for kind in embedding_types:
             if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
@@ -243,11 +247,25 @@ def _reject_placeholders(named: list[NamedParameter]) -> None:
         )
 
 
+def checked_rules(rules: RoutingRules | None) -> RoutingRules:
+    """``rules`` (``None``: the defaults), refused with ``TypeError`` unless a :class:`RoutingRules`."""
+    if rules is None:
+        return RoutingRules()
+    if not isinstance(rules, RoutingRules):
+        raise TypeError(f"rules must be a gefen_hybrid.RoutingRules, got {type(rules).__name__}")
+    return rules
+
+
+def checked_module(model: nn.Module, where: str) -> nn.Module:
+    """``model``, refused with ``TypeError`` (naming ``where``) unless an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where} needs an nn.Module, got {type(model).__name__}")
+    return model
+
+
 def route_model(model: nn.Module, rules: RoutingRules | None = None) -> RoutedParameters:
     """Route ``model``'s trainable parameters by module type and name (rules 1-6)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"route_model needs an nn.Module, got {type(model).__name__}")
-    rules = RoutingRules() if rules is None else rules
+    model, rules = checked_module(model, "route_model"), checked_rules(rules)
     named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
     _check_overrides_known(named, rules)
     _reject_placeholders(named)
@@ -267,7 +285,7 @@ class RoutingDecision:
 def routing_report(model: nn.Module, rules: RoutingRules | None = None) -> tuple[RoutingDecision, ...]:
     """Every trainable parameter of ``model`` (tied tensors once) with the role :func:`route_model`
     gives it and the rule that decided, in ``named_parameters()`` order."""
-    rules = RoutingRules() if rules is None else rules
+    model, rules = checked_module(model, "routing_report"), checked_rules(rules)
     named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
     heads = backup_module_weight_ids(model, rules.embedding_types)
     rows = []
@@ -288,7 +306,7 @@ def route_named_parameters(
     ``embedding_ids`` (:func:`backup_module_weight_ids` of the model, when the caller has it)
     identifies embeddings and heads; without them, unclassifiable muon names are reported in
     a :class:`RoutingWarning` (module docstring)."""
-    rules = RoutingRules() if rules is None else rules
+    rules = checked_rules(rules)
     named = named_parameter_list(params)
     if check_overrides:
         _check_overrides_known(named, rules)

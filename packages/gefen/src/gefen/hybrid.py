@@ -344,7 +344,8 @@ def _routing_rules(backup_substrings: Sequence[str] | None, rules: RoutingRules 
         return rules
     if rules is not None:
         raise TypeError("give backup_substrings or rules, not both (RoutingRules has a backup_substrings field)")
-    return RoutingRules(backup_substrings=tuple(backup_substrings))
+    # RoutingRules checks the value itself (a single str would otherwise split into letters here)
+    return RoutingRules(backup_substrings=backup_substrings)  # type: ignore[arg-type]
 
 
 def _unnamed(index: int, item: object, where: str) -> NoReturn:
