@@ -259,6 +259,7 @@ def test_bound_state_documents_round_trip_and_reject_corruption() -> None:
         ({**doc, "implementation": "y.Opt"}, "implementation"),
         ({**doc, "policy": {"p": [1]}}, "policy"),
         ({**doc, "extra": 1}, "keys"),
+        ({**doc, 1: "stray"}, "keys"),  # a non-str key: the message sorted mixed keys (TypeError)
         ({**doc, "common": {"c": torch.tensor([float("nan")])}}, "non-finite"),
         ({**doc, "parameters": {"m.b": doc["parameters"]["m.a"]}}, "shard of"),
     ]

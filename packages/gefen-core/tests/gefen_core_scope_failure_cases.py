@@ -208,3 +208,49 @@ def nonfinite_gradient(rank: int, world: int) -> dict[str, Any]:
     stepped = _outcome(opt.step, roots)
     stepped["global_step"] = opt.global_step
     return {"raised": raised, "skipped": skipped, "stepped": stepped}
+
+
+def tampered_layout(rank: int, world: int) -> dict[str, Any]:
+    """Member 0 edits its sealed layout (no hook: the real check) before each collective
+    operation; every member raises ``CollectiveFailureError``, none waits for member 0."""
+    bound = _after_one_step(rank, world)
+    opt = bound.optimizer
+    params = opt.param_groups[0]["params"]
+    stray = torch.nn.Parameter(torch.zeros(3))
+    results = {}
+    for operation in ("step", "initialize_collective_state", "refresh_collective_state"):
+        if rank == 0:
+            params.append(stray)
+        roots = (opt, *[p for p in bound.pieces.values() if p is not None])
+        results[operation] = _outcome(getattr(opt, operation), roots)
+        if rank == 0:
+            params.pop()
+    return results
+
+
+def scoped_copies(rank: int, world: int) -> dict[str, Any]:
+    """A deep copy of a scoped optimizer shares its process group and steps like the original;
+    pickling it says why it cannot."""
+    import copy
+    import pickle
+
+    bound = _after_one_step(rank, world)
+    opt = bound.optimizer
+    twin = copy.deepcopy(opt)
+    originals = [p for group in opt.param_groups for p in group["params"]]
+    copies = [p for group in twin.param_groups for p in group["params"]]
+    for original, copied in zip(originals, copies, strict=True):
+        copied.grad = None if original.grad is None else original.grad.clone()  # torch copies no .grad
+    opt.step()
+    twin.step()
+    try:
+        pickle.dumps(opt)
+        pickled = "pickled"
+    except TypeError as exc:
+        pickled = str(exc)
+    return {
+        "same_group": twin.collective_scope().process_group is opt.collective_scope().process_group,
+        "equal": all(torch.equal(a, b) for a, b in zip(originals, copies, strict=True)),
+        "distinct": all(a is not b for a, b in zip(originals, copies, strict=True)),
+        "pickled": pickled,
+    }

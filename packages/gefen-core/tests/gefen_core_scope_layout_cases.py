@@ -25,6 +25,8 @@ from gefen_core_scope_cases import (
     _outcome,
     bind,
     binding,
+    gefen_factory,
+    sync_driver,
 )
 from gefen_core_scope_failure_cases import closure, failing_at
 
@@ -225,4 +227,47 @@ def fsdp2_scoped_matches_one_process(rank: int, world: int, steps: int = 4) -> d
         "periods": periods,
         "oracle_periods": oracle_periods,
         "codebook_equal_oracle": torch.equal(optimizer.codebook, oracle.codebook),
+    }
+
+
+class RaggedVector(torch.nn.Module):
+    """One 1-D parameter of 5462 = 2 x 2731 elements: no divisor in [64, 2048], so ragged
+    blocks of 2048 (the last one 1366 elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = torch.nn.Parameter(torch.randn(5462) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.v * x).sin().sum()
+
+
+def ragged_flattened_matches_one_process(rank: int, world: int, steps: int = 3) -> dict[str, Any]:
+    """A ragged-block 1-D parameter cut at 2048 (a block boundary) across a scope: the last
+    piece ends at the parameter's end, so it keeps the parameter's period and trains bit-exactly
+    like one process."""
+
+    def backward(model: torch.nn.Module, step: int) -> None:
+        generator = torch.Generator().manual_seed(70 + step)
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(5462, generator=generator)).backward()
+
+    torch.manual_seed(0)
+    driver = RaggedVector()
+    torch.manual_seed(0)
+    oracle_model = RaggedVector()
+    oracle = gefen_factory()(list(oracle_model.named_parameters()))
+    bound = bind(driver, {"v": Spec("flat", (2048,))}, rank, world, gefen_factory(), scope=binding(rank, world))
+    for step in range(steps):
+        backward(oracle_model, step)
+        oracle.step()
+        backward(driver, step)
+        bound.feed(driver)
+        bound.optimizer.step()
+        sync_driver(driver, bound, world)
+    piece = bound.pieces["v"]
+    assert piece is not None
+    return {
+        "exact": torch.equal(driver.v, oracle_model.v),
+        "periods": (period_of(oracle.state[oracle_model.v]), period_of(bound.optimizer.state[piece])),
     }

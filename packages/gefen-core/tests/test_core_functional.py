@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from gefen_contracts import StateValidationError
-from gefen_core import Gefen, GefenOptionError, ParameterError
+from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, GradientError, ParameterError
 from gefen_core.functional import gefen
 from gefen_core.param_state import state_variant
 
@@ -141,10 +141,18 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         (ParameterError, "lacks 'v_col'", {"states": [states[0], _edit(states[1], v_col=None), states[2]]}),
         (ParameterError, "one scale per block", {"states": [*states[:2], _edit(states[2], m_magnitude=slice(-1))]}),
         (ParameterError, "an int >= 0", {"states": [*states[:2], {**states[2], "v_step": -1}]}),
+        # types the kernels' schema would refuse only after the first bucket's counters moved
+        (GefenOptionTypeError, "deterministic must be a bool", {"deterministic": "yes", "fused": None}),
+        (GefenOptionTypeError, "fused must be None, True or False", {"fused": "yes"}),
+        (GefenOptionTypeError, "seeds must be an int64 tensor", {"seeds": [1, 2, 3]}),
+        (GradientError, r"grads\[1\] must be a tensor", {"grads": [grads[0], None, grads[2]]}),
+        (ParameterError, r"params\[0\] must be a tensor", {"params": [3.0, *tensors[1:]]}),
     ]
     for error, match, override in cases:
-        arguments: dict[str, Any] = {"grads": grads, "states": states, "codebook": codebook, **override}
+        arguments: dict[str, Any] = {
+            "params": tensors, "grads": grads, "states": states, "codebook": codebook, "fused": False, **override
+        }  # fmt: skip
         with pytest.raises(error, match=match):
-            gefen(tensors, arguments.pop("grads"), arguments.pop("states"), fused=False, **arguments)
+            gefen(arguments.pop("params"), arguments.pop("grads"), arguments.pop("states"), **arguments)
         assert all(torch.equal(a, b) for a, b in zip(tensors, before)), match
         assert [state["step"] for state in states] == steps, match

@@ -117,7 +117,7 @@ def _no_codebook(sd: dict[str, Any]) -> None:
 
 
 BAD: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
-    "period_not_dividing": (_set(_state(0), "m_codes", torch.zeros(1, 7, dtype=torch.uint8)), "do not divide"),
+    "period_not_dividing": (_set(_state(0), "m_codes", torch.zeros(1, 7, dtype=torch.uint8)), "holds blocks of 7"),
     "stored_period": (_set(_state(0), "automatic_period", 4), "undeclared keys"),
     "fractional_step": (_set(_state(0), "step", 1.5), "must be an int"),
     "step_beyond_global": (_set(_state(0), "step", 99), "exceeds the global step"),
@@ -219,3 +219,19 @@ def test_golden_native_state_dict() -> None:
     )
     resumed.load_state_dict(golden)
     assert resumed.global_step == 2 and set(resumed.state[named[0][1]]) >= {"normuon_v", "normuon_step"}
+
+
+def test_a_state_saved_for_a_matrix_of_another_shape_with_as_many_elements_is_refused() -> None:
+    torch.manual_seed(0)
+    wide = torch.nn.Parameter(torch.randn(16, 32))
+    opt = GefenMuon([wide], lr=0.02, fused=False)
+    wide.grad = torch.randn(16, 32)
+    opt.step()
+    tall = torch.nn.Parameter(torch.randn(32, 16))
+    target = GefenMuon([tall], lr=0.02, fused=False)
+    before = deep_snapshot(target, tall)
+    # blocks of 32 divide 512 elements, but a (32, 16) matrix's state has blocks of 16: the
+    # momentum would be read in another layout at the next step
+    with pytest.raises(StateValidationError, match=r"holds blocks of 32, but a \[32, 16\] matrix"):
+        target.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert not snapshot_diff(before, deep_snapshot(target, tall))

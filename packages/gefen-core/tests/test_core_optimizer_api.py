@@ -358,5 +358,28 @@ def test_adamw_defaults_and_keywords() -> None:
         Gefen(params, foreach="yes")  # type: ignore[arg-type]
     with pytest.raises(GefenOptionError, match=r"amsgrad=True.*ContractedAdamW"):
         Gefen(params, amsgrad=True)
+    # AdamW honours amsgrad per group: a group asking for it is refused, not silently ignored
+    other = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(GefenOptionError, match=r"param_groups\[1\]: amsgrad=True"):
+        Gefen([{"params": params}, {"params": [other], "amsgrad": True}])
+    gefen = Gefen(params)
+    with pytest.raises(GefenOptionError, match=r"param_groups\[1\]: amsgrad=True"):
+        gefen.add_param_group({"params": [other], "amsgrad": True})
+    with pytest.raises(GefenOptionTypeError, match=r"param_groups\[1\]: amsgrad must be a bool"):
+        gefen.add_param_group({"params": [other], "amsgrad": 1})
+    assert len(gefen.param_groups) == 1
+    gefen.add_param_group({"params": [other], "amsgrad": False})
     positional = (1e-3, (0.9, 0.999), 1e-8, 1e-2, False)  # AdamW's five positional options, amsgrad last
     assert Gefen(params, *positional).defaults["lr"] == torch.optim.AdamW(params, *positional).defaults["lr"]
+
+
+def test_a_parameter_on_the_meta_device_is_refused_at_its_first_step_by_name() -> None:
+    from gefen_core import GefenMuon
+
+    for build in (lambda p: Gefen([("w", p)]), lambda p: GefenMuon([("w", p)])):
+        param = torch.nn.Parameter(torch.empty(8, 16, device="meta"))
+        param.grad = torch.empty(8, 16, device="meta")
+        optimizer = build(param)
+        with pytest.raises(ParameterError, match=r"'w'.*meta device.*to_empty"):
+            optimizer.step()
+        assert not optimizer.state

@@ -149,3 +149,27 @@ def test_a_nonfinite_gradient_on_one_member_is_decided_on_every_member(world: Gl
         assert result["skipped"]["raised"] is None and result["skipped"]["global_step"] == 1, (rank, result)
         assert result["stepped"]["raised"] is None and result["stepped"]["global_step"] == 2, (rank, result)
     assert "NaN or inf" in results[0]["raised"]["message"]
+
+
+def test_a_layout_tampered_on_one_member_fails_every_member_of_each_collective_operation(world: GlooWorld) -> None:
+    """initialize/refresh_collective_state checked the layout before their vote: member 0
+    raised LayoutTamperedError alone and the others waited in the header's all_gather."""
+    for rank, results in enumerate(world.run(failure_cases.tampered_layout)):
+        for operation, result in results.items():
+            assert result["raised"] == "CollectiveFailureError", (rank, operation, result)
+            assert result["local"] is (rank == 0) and result["diffs"] == [], (rank, operation, result)
+            if rank == 0:
+                assert "LayoutTamperedError" in result["message"], (operation, result)
+
+
+def test_the_last_flattened_piece_of_a_ragged_parameter_keeps_its_period(world: GlooWorld) -> None:
+    """The piece after the cut ends at the parameter's end (a block boundary) but is no
+    multiple of 2048: it took a period of its own (1707) and drifted from one process."""
+    for result in world.run(layout_cases.ragged_flattened_matches_one_process):
+        assert result["periods"] == (2048, 2048) and result["exact"], result
+
+
+def test_a_scoped_optimizer_deep_copies_onto_its_group_and_refuses_pickling_by_name(world: GlooWorld) -> None:
+    for result in world.run(failure_cases.scoped_copies):
+        assert result["same_group"] and result["equal"] and result["distinct"], result
+        assert "holds a live process group" in result["pickled"] and "state_dict()" in result["pickled"], result

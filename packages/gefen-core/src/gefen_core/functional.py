@@ -24,7 +24,7 @@ import torch
 
 from .codebook import validate_codebook
 from .distributed import is_dtensor
-from .errors import GefenOptionError, ParameterError
+from .errors import GefenOptionError, GefenOptionTypeError, GradientError, ParameterError
 from .ops import Kernels
 from .param_groups import normalize_group_options
 from .param_state import INDICES, MAGNITUDE, PARAMETER_FIELDS, VARIANT_FIELDS, state_variant
@@ -83,6 +83,10 @@ def gefen(
         raise GefenOptionError(
             f"gefen: params, grads and states must have one entry each ({len(params)}, {len(grads)}, {len(states)})"
         )
+    if type(deterministic) is not bool:
+        raise GefenOptionTypeError(f"gefen: deterministic must be a bool, got {type(deterministic).__name__}")
+    if seeds is not None and not isinstance(seeds, torch.Tensor):
+        raise GefenOptionTypeError(f"gefen: seeds must be an int64 tensor or None, got {type(seeds).__name__}")
     options = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize}
     group = normalize_group_options({**options, "clip_threshold": clip_threshold})
     table = validate_codebook(codebook, "gefen: codebook")
@@ -90,6 +94,10 @@ def gefen(
     buckets: dict[tuple[str, torch.device], list[ParamWork]] = {}
     for slot, (param, grad, state) in enumerate(zip(params, grads, states)):
         where = f"gefen: params[{slot}]"
+        if not isinstance(param, torch.Tensor):
+            raise ParameterError(f"{where} must be a tensor, got {type(param).__name__}")
+        if not isinstance(grad, torch.Tensor):
+            raise GradientError(f"gefen: grads[{slot}] must be a tensor, got {type(grad).__name__}")
         if is_dtensor(param):
             raise ParameterError(f"{where} is a DTensor; the functional form takes plain tensors (use Gefen)")
         check_gradient(param, grad, where)

@@ -335,8 +335,9 @@ def plan_piece(
         local = policy.resolve(name, search_shape, numel)
         if tuple(search_shape) == tuple(piece.global_shape):
             return local
-        logical = policy.resolve(name, piece.global_shape, math.prod(piece.global_shape))
-        return aligned_period(logical, piece.flat_offset, numel, local)
+        total = math.prod(piece.global_shape)
+        logical = policy.resolve(name, piece.global_shape, total)
+        return aligned_period(logical, piece.flat_offset, numel, local, total)
 
     return choose_period(
         piece.momentum,

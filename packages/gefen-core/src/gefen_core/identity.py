@@ -257,6 +257,12 @@ def _check_scope(optimizer: Any, plan: RebindingPlan) -> None:
 
 
 def _require_scope_feature(optimizer: Any, where: str) -> None:
+    identity = optimizer._identity
+    if identity is not None and identity.communicates:
+        # bound with a multi-member scope, so the feature is there; the protocol's preamble checks
+        # the layout inside its vote: a tampered member fails every member, where raising here
+        # left the others waiting in the header's all_gather
+        return
     verify_layout(optimizer, where)  # a tampered layout raises LayoutTamperedError, not a contract refusal
     status = identity_readiness(optimizer).collective_scope
     if not status.supported:

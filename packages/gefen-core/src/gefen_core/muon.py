@@ -174,8 +174,6 @@ class GefenMuon(
         ):
             if type(flag) is not bool:
                 raise GefenOptionTypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if fused is not None and type(fused) is not bool:
-            raise GefenOptionTypeError(f"fused must be None, True or False, got {fused!r}")
         if capturable:
             raise GefenOptionError(
                 "capturable=True is not implemented for GefenMuon (its step synchronises with the host); "

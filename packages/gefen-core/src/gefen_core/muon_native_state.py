@@ -71,6 +71,7 @@ from .native_records import (
     stage_group,
 )
 from .param_state import INDICES, MAGNITUDE, STEP
+from .periods import shape_period
 
 __all__ = [
     "FORMAT",
@@ -289,8 +290,14 @@ def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int
     if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[1] < 1:
         raise fail(f"{where}[{INDICES!r}] must be a uint8 [blocks, period] tensor, got {_described(codes)}")
     period = int(codes.shape[1])
-    if numel % period:
-        raise fail(f"{where}[{INDICES!r}]: blocks of {period} do not divide the {numel} elements its state describes")
+    # the period follows from the matrix's shape (a step makes state no other way), so a state of
+    # a matrix of another shape with as many elements, (16, 32) into (32, 16), is refused here
+    expected = shape_period(tuple(layout.param.shape), numel)
+    if period != expected:
+        raise fail(
+            f"{where}[{INDICES!r}] holds blocks of {period}, but a {list(layout.param.shape)} matrix's state of "
+            f"{numel} elements has blocks of {expected}: it was saved for a matrix of another shape"
+        )
     step = exact_int(entry[STEP], f"{where}[{STEP!r}]", 1)
     if step > global_step:
         raise fail(f"{where}[{STEP!r}] {step} exceeds the global step {global_step}")

@@ -24,7 +24,7 @@ from .muon_options import check_muon_group, group_schedule
 from .muon_state import check_muon_state
 from .ops import HISTOGRAM, MUON_MOMENTUM, Kernels
 from .param_groups import SUPPORTED_DTYPES
-from .step_plan import capturing, check_gradient
+from .step_plan import capturing, check_gradient, refuse_meta
 
 __all__ = ["MuonItem", "MuonPlan", "batched_chunks", "check_entry", "check_matrix", "plan_muon_step"]
 
@@ -169,6 +169,8 @@ def plan_muon_step(
             check_muon_state(item.state, item.state_numel, item.where)
         if grad is not None and item.state is None:
             local_grad = item.local_grad
+            if local_grad.numel():
+                refuse_meta(local_grad, item.where)
             if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
                 raise GradientError(
                     f"{item.where}: the first gradient is not finite; the period and the codebook cannot be learned from it"

@@ -64,6 +64,7 @@ import torch
 from gefen_contracts import KernelUnavailableError
 from gefen_contracts.kernels import kernel_unavailable_reasons, load_kernel_plugins
 
+from .errors import GefenOptionTypeError
 from .muon_reference_ops import muon_momentum_reference
 from .reference_ops import (
     block_step_reference,
@@ -294,6 +295,8 @@ class Kernels:
     __slots__ = ("_fused",)
 
     def __init__(self, fused: bool | None) -> None:
+        if fused is not None and type(fused) is not bool:
+            raise GefenOptionTypeError(f"fused must be None, True or False, got {fused!r}")
         self._fused = fused
 
     @property

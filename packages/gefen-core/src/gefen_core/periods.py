@@ -105,11 +105,14 @@ def memory_safe_fallback(numel: int, shape: Sequence[int] | None) -> int:
     return max(candidates) if candidates else RAGGED_PERIOD
 
 
-def aligned_period(logical: int, offset: int, numel: int, local: int) -> int:
-    """The period of a flattened element shard of ``numel`` elements at flat ``offset``: the
-    parameter's own (``logical``) period when the piece starts and ends on its block boundaries,
-    else the rule on the piece alone (``local``)."""
-    return logical if offset % logical == 0 and numel % logical == 0 else local
+def aligned_period(logical: int, offset: int, numel: int, local: int, total: int) -> int:
+    """The period of a flattened element shard of ``numel`` elements at flat ``offset`` of a
+    parameter of ``total`` elements: the parameter's own (``logical``) period when the piece
+    starts and ends on its block boundaries, else the rule on the piece alone (``local``).
+    The parameter's end is a block boundary too: the last piece of a parameter with ragged
+    blocks keeps its shorter last block, as one process does."""
+    starts = offset % logical == 0
+    return logical if starts and (numel % logical == 0 or offset + numel == total) else local
 
 
 def cuts(numel: int, period: int) -> bool:

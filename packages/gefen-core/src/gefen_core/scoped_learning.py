@@ -182,9 +182,10 @@ def learn_over_scope(
                 assert item.grad is not None
                 period = item.local_period(item.grad.numel())
                 if item.shard is not None and item.layout is ParameterLayout.FLATTENED_ELEMENT_SHARD:
-                    logical = item.logical_period(item.shard.parameter.numel)
+                    total = item.shard.parameter.numel
+                    logical = item.logical_period(total)
                     offset, length = item.shard.extent.flat_offset, item.shard.local_numel  # type: ignore[union-attr]
-                    period = aligned_period(logical, offset, length, period)
+                    period = aligned_period(logical, offset, length, period, total)
                     outcome.shared_periods[item.fqn] = logical
                 elif _shared(item):
                     outcome.shared_periods[item.fqn] = period

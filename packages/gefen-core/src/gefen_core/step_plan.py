@@ -103,6 +103,15 @@ def capturing() -> bool:
     return bool(torch.cuda.is_initialized()) and torch.cuda.is_current_stream_capturing()  # type: ignore[no-untyped-call]
 
 
+def refuse_meta(grad: torch.Tensor, where: str) -> None:
+    """A first gradient on the meta device holds no values to learn periods and a codebook from."""
+    if grad.is_meta:
+        raise ParameterError(
+            f"{where}: the parameter is on the meta device; its first step learns block periods and the "
+            "codebook from the gradient's values, so materialise the model first (e.g. module.to_empty(device=...))"
+        )
+
+
 def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optimizer: str = "Gefen") -> None:
     """A gradient must be dense, real, and match its parameter's shape, dtype, device and layout
     (``GradientError`` naming ``where``)."""
@@ -228,6 +237,7 @@ def plan_step(
                 if in_capture:
                     raise CaptureError(f"{work.where()}: has no state yet; run one eager step before capturing")
                 if local_grad.numel():
+                    refuse_meta(local_grad, work.where())
                     bounds = finite_bounds(local_grad)
                     if bounds is None:
                         raise GradientError(

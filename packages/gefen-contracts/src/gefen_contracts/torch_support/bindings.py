@@ -72,6 +72,19 @@ class ProcessGroupBinding:
                     f"(use dist.group.WORLD for the default world)"
                 )
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ProcessGroupBinding:
+        # a handle to a live group: a deep-copied optimizer keeps the same group, as a
+        # deep-copied DTensor keeps its device mesh
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None:
+            raise TypeError(
+                f"{type(self).__name__} {self.identity.semantic_name!r} holds a live process group, which cannot be "
+                "pickled; pickle the optimizer's state_dict() instead (copy.deepcopy shares the group)"
+            )
+        return dict(self.__dict__)
+
     @property
     def sort_key(self) -> tuple[str, tuple[str, ...]]:
         """Rank-invariant order for entering several scopes deterministically."""

@@ -166,7 +166,8 @@ def parse_bound_state(
     """
     _require(type(document) is dict, "bound-state document must be a dict")
     _require(
-        set(document) == _TOP_KEYS, f"bound-state document keys must be {sorted(_TOP_KEYS)}, got {sorted(document)}"
+        set(document) == _TOP_KEYS,
+        f"bound-state document keys must be {sorted(_TOP_KEYS)}, got {sorted(document, key=repr)}",
     )
     _require(document["format"] == BOUND_STATE_FORMAT, f"format must be {BOUND_STATE_FORMAT!r}")
     version = document["format_version"]
