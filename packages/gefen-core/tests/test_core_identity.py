@@ -213,6 +213,14 @@ def test_invalid_requests_are_refused_without_mutation(kind: str) -> None:
     other = ShardingManifest(
         (*plan.manifest.shards[:-1], ShardIdentity(ParameterIdentity("head.other", (4, 12)), REPL, LogicalSlice(0, 48)))
     )
+    first = rebindings[0]
+    assert first.old_parameter.numel() != last.old_parameter.numel()
+    # each slot paired with the other's shard and target: every check of the targets passes
+    swapped = [
+        ParameterRebinding(first.old_parameter, last.new_parameter, last.shard),
+        *rebindings[1:-1],
+        ParameterRebinding(last.old_parameter, first.new_parameter, first.shard),
+    ]
     unsupported = "owner" if kind == "gefen" else "flat"
     bad_layout, bad_manifest = _with_layout(plan, unsupported)
     cases = [
@@ -221,6 +229,7 @@ def test_invalid_requests_are_refused_without_mutation(kind: str) -> None:
         (lambda: optimizer.post_sharding(expanded, manifest=plan.manifest), ContractError, "overlaps itself"),
         (lambda: optimizer.post_sharding(wrong_shape, manifest=plan.manifest), ContractError, "shape"),
         (lambda: optimizer.post_sharding(foreign, manifest=plan.manifest), ContractError, "not a parameter of this"),
+        (lambda: optimizer.post_sharding(swapped, manifest=plan.manifest), ContractError, "binds a slot of"),
         (lambda: optimizer.post_sharding(rebindings, manifest=other), ContractError, "manifest"),
         (lambda: optimizer.post_sharding(bad_layout, manifest=bad_manifest), ContractError, "binds"),
     ]

@@ -38,7 +38,7 @@ from gefen_dcp.portable_format import (
     encode_composite_envelope,
     encode_portable_envelope,
 )
-from gefen_portable import PortableIntegrityError
+from gefen_portable import PortableIntegrityError, PortableLimitError
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -223,9 +223,10 @@ def test_wrong_namespace_and_limits_are_refused_from_the_metadata(tmp_path: Path
         _load(target, tmp_path, namespace="second")
     assert any(isinstance(f[0], CheckpointLayoutError) for f in caught.value.failures.values())
     small = PortableStateLimits(chunk_bytes=24, max_fragment_tensor_bytes=64)
-    with pytest.raises(CheckpointException) as caught:
+    # the catalog read from the metadata announces a 192-byte fragment: refused before DCP reads any tensor
+    with pytest.raises(PortableLimitError) as limited:
         _load(target, tmp_path, namespace="first", limits=small)
-    assert any("max_fragment_tensor_bytes" in str(f[0]) for f in caught.value.failures.values())
+    assert limited.value.limit == "max_fragment_tensor_bytes"
     assert not snapshot_diff(before, target)
 
 

@@ -233,6 +233,14 @@ def plan_rebinding(
             )
         if type(shard.extent) is not LogicalSlice:
             raise ContractError(f"post_sharding: rebindings[{index}] layout {shard.layout.value} cannot be rebound")
+        # the slot holds the whole logical parameter (or a flat view of it; a DTensor's numel is
+        # its global one): a shard of another size means the rebindings were paired with the wrong slots
+        source = rebinding.old_parameter
+        if isinstance(source, torch.Tensor) and source.numel() != shard.parameter.numel:
+            raise ContractError(
+                f"post_sharding: rebindings[{index}] binds a slot of {source.numel()} elements {tuple(source.shape)} "
+                f"to a shard of {shard.fqn!r}, whose parameter has {shard.parameter.numel} {shard.parameter.global_shape}"
+            )
         pg_identity = shard.process_group
         if pg_identity is not None:
             previous = members.setdefault(pg_identity, shard.local_member)
