@@ -186,8 +186,22 @@ def test_a_missing_step_is_refused_before_any_change() -> None:
         (lambda sd: sd["param_groups"][0]["param_names"].reverse(), "named"),
         (lambda sd: sd["state"].__setitem__(99, {}), "names no parameter"),
         (lambda sd: sd.__setitem__("extra", 1), "top-level keys"),
+        (lambda sd: sd["state"][0].__setitem__("step", torch.empty((), device="meta")), "meta device"),
+        (lambda sd: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"].to("meta")), "meta device"),
     ],
-    ids=["fractional_step", "negative_moment", "math_flag", "nan_eps", "beta_one", "bool_lr", "names", "id", "key"],
+    ids=[
+        "fractional_step",
+        "negative_moment",
+        "math_flag",
+        "nan_eps",
+        "beta_one",
+        "bool_lr",
+        "names",
+        "id",
+        "key",
+        "meta_step",
+        "meta_moment",
+    ],
 )
 def test_invalid_checkpoints_are_refused_without_change(edit: Any, match: str) -> None:
     _, source = _trained()
@@ -284,3 +298,37 @@ def test_the_kit_compares_0_dim_parameters_bit_for_bit() -> None:
     report = run_conformance(target, checks=[ReplicatedTrainingCheck()], include_contributed=False)
     results = {r.name: r.status.value for r in report.results}
     assert results["training.replicated"] == "passed", report
+
+
+def test_a_torch_2_6_checkpoint_without_decoupled_weight_decay_loads_as_torch_loads_it() -> None:
+    _, source = _trained()
+    state = copy.deepcopy(source.state_dict())
+    for group in state["param_groups"]:
+        del group["decoupled_weight_decay"]  # what torch < 2.7 wrote; AdamW always decouples
+    _, target = _trained()
+    target.load_state_dict(state)
+    assert all(group["decoupled_weight_decay"] is True for group in target.param_groups)
+
+
+def test_preflight_refuses_what_torch_refuses_only_after_stepping_earlier_groups() -> None:
+    torch.manual_seed(0)
+    real, other = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    complex_ = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    # a complex parameter trained with foreach, resumed fused: its loaded state made preflight skip the check
+    source = ContractedAdamW([{"params": [("a", real)]}, {"params": [("c", complex_)]}], lr=1e-2, foreach=False)
+    real.grad, complex_.grad = torch.randn(3), torch.randn(3, dtype=torch.complex64)
+    source.step()
+    fused = ContractedAdamW([{"params": [("a", real)]}, {"params": [("c", complex_)]}], lr=1e-2, fused=True)
+    fused.load_state_dict(source.state_dict())
+    before = deep_snapshot(fused, real, complex_)
+    with pytest.raises(RuntimeError, match="fused=True"):
+        fused.step()
+    assert not snapshot_diff(before, fused, real, complex_)
+    # tensor betas in a foreach group: torch raises after stepping the groups before it
+    multi = ContractedAdamW([("a", real)], lr=1e-2, foreach=True)
+    multi.add_param_group({"params": [("b", other)], "betas": (torch.tensor(0.9), torch.tensor(0.999))})
+    real.grad, other.grad = torch.ones(3), torch.ones(3)
+    before = deep_snapshot(multi, real, other)
+    with pytest.raises(ValueError, match="beta1 as a Tensor"):
+        multi.step()
+    assert not snapshot_diff(before, multi, real, other)

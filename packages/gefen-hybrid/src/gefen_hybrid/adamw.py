@@ -239,8 +239,13 @@ class ContractedAdamW(torch.optim.AdamW):
         fused_check = _fused_device_check()
         capturable_devices = _get_capturable_supported_devices()
         for index, group in enumerate(self.param_groups):
-            if group["foreach"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]:
-                raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            if group["foreach"] and not group["capturable"]:
+                # torch's multi-tensor Adam refuses these only after stepping the groups before
+                if isinstance(group["lr"], torch.Tensor):
+                    raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")
+                for beta, value in zip(("beta1", "beta2"), group["betas"]):
+                    if isinstance(value, torch.Tensor):
+                        raise ValueError(f"{beta} as a Tensor is not supported for capturable=False and foreach=True")
             check_tensor_lr(group["lr"], group["params"], f"param_groups[{index}]")
             for parameter in group["params"]:
                 state = self.state.get(parameter)
@@ -270,7 +275,8 @@ class ContractedAdamW(torch.optim.AdamW):
                         f"param group {index}: a gradient of shape {tuple(grad.shape)} on {grad.device} does not "
                         f"match its parameter ({tuple(parameter.shape)} on {parameter.device})"
                     )
-                if group["fused"] and fused_check is not None and not self.state.get(parameter):
+                # every parameter, state or not: a loaded state does not make a complex one fusable
+                if group["fused"] and fused_check is not None:
                     fused_check(parameter)
                 if group["capturable"] and parameter.device.type not in capturable_devices:
                     raise RuntimeError(

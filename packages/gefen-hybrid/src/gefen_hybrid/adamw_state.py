@@ -96,6 +96,9 @@ def _stage_group(
     where = f"param group {index}"
     if not isinstance(saved, Mapping):
         _fail(f"{where} must be a mapping, got {type(saved).__name__}")
+    if "decoupled_weight_decay" not in saved:
+        # torch < 2.7 wrote no such key; AdamW always decouples (its __setstate__ sets True)
+        saved = {**saved, "decoupled_weight_decay": True}
     missing = sorted(_REQUIRED_GROUP_KEYS - set(saved))
     if missing:
         _fail(f"{where} lacks the keys {missing}")
@@ -257,6 +260,8 @@ def _stage_step(value: object, parameter: torch.Tensor, group: Mapping[str, Any]
         _fail(f"{where} must be a 0-dim tensor, got {type(value).__name__}")
     if value.dim() != 0 or value.dtype not in _FLOAT_STEP_DTYPES:
         _fail(f"{where} must be a 0-dim float32/float64 tensor, got {value.dtype}{tuple(value.shape)}")
+    if value.is_meta:
+        _fail(f"{where} is on the meta device: it holds no value to load")
     number = float(value.item())
     if not math.isfinite(number) or number < 1 or number != math.floor(number):
         _fail(f"{where} must be a whole number >= 1, got {number!r}")
@@ -281,6 +286,8 @@ def _stage_moment(value: object, parameter: torch.Tensor, key: str, where: str) 
     live_local = local_tensor(parameter)
     if local.layout is not torch.strided or tuple(local.shape) != tuple(live_local.shape):
         _fail(f"{where} must be a dense tensor of local shape {tuple(live_local.shape)}")
+    if local.is_meta:
+        _fail(f"{where} is on the meta device: it holds no values to load")
     if not bool(torch.isfinite(local).all()):
         _fail(f"{where} holds non-finite values")
     if key != "exp_avg" and not local.is_complex() and bool((local < 0).any()):
