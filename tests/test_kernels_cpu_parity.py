@@ -226,6 +226,21 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
         empty = torch.zeros(0)
         codes, scales = torch.zeros(3, 0, dtype=torch.uint8), torch.zeros(3, 1)
         block_step([empty], [empty.clone()], [codes], [scales], [scales.clone()], codebook, scalars, None, **flags)
+    # the element and Muon paths' one-pass entry tests let period 0 through to C, which wrote a
+    # zero scale for every "block" of an empty parameter
+    empty2d, no_period = torch.zeros(0, 4), torch.zeros(5, 0, dtype=torch.uint8)
+    with pytest.raises(KernelArgumentError, match=r"period >= 1"):
+        torch.ops.gefen.element_step.v1(
+            [empty2d], [empty2d.clone()], [no_period], [torch.ones(5, 1)], [empty2d.clone()], codebook, scalars, None,
+            **flags,
+        )  # fmt: skip
+    with pytest.raises(KernelArgumentError, match=r"period >= 1"):
+        torch.ops.gefen.muon_momentum.v2(
+            [empty2d], [no_period], [torch.ones(5)], codebook, torch.tensor([0.9, 0.1]), None, [torch.empty(0, 4)],
+            nesterov=False, deterministic=True,
+        )  # fmt: skip
+    with pytest.raises(KernelArgumentError, match=r"period must be an int in \[1, 2\*\*63\)"):  # C's int64 wrapped it
+        cpu_ops.histogram([torch.ones(8)], [2**64 + 3], torch.zeros(4096, dtype=torch.int64), deterministic=True)
     for seeds in (torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64)):  # a 0-dim one too
         with pytest.raises(KernelArgumentError, match=r"sr_seeds must have shape \(1,\), one seed per entry"):
             block_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, seeds, **flags)

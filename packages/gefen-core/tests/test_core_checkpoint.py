@@ -445,3 +445,36 @@ def test_a_state_dict_kept_while_stepping_is_refused_naming_the_views_and_a_copy
         opt.load_state_dict(kept)
     opt.load_state_dict(snapshot)
     assert opt.global_step == 2
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+def test_a_state_dict_of_transposed_views_loads_contiguous_and_steps_fused(kind: str) -> None:
+    """tensor.to(copy=True) kept a saved tensor's strides: fused=True then refused it mid-step,
+    after the counters had moved."""
+    from gefen_core import GefenMuon
+
+    build = (
+        (lambda p, fused: Gefen([p], fused=fused))
+        if kind == "gefen"
+        else (lambda p, fused: GefenMuon([p], fused=fused))
+    )
+    torch.manual_seed(0)
+    source = torch.nn.Parameter(torch.randn(64, 64))
+    optimizer = build(source, False)
+    source.grad = torch.randn(64, 64)
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    for entry in saved["state"].values():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and min(value.shape) > 1:
+                entry[key] = value.t().contiguous().t()  # same values, column-major strides
+    results = []
+    for fused in (False, None):
+        param = torch.nn.Parameter(source.detach().clone())
+        target = build(param, fused)
+        target.load_state_dict(copy.deepcopy(saved))
+        assert all(t.is_contiguous() for t in target.state[param].values() if isinstance(t, torch.Tensor))
+        param.grad = torch.ones(64, 64)
+        target.step()
+        results.append(param.detach().clone())
+    assert torch.equal(results[0], results[1])

@@ -147,6 +147,25 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         (GefenOptionTypeError, "seeds must be an int64 tensor", {"seeds": [1, 2, 3]}),
         (GradientError, r"grads\[1\] must be a tensor", {"grads": [grads[0], None, grads[2]]}),
         (ParameterError, r"params\[0\] must be a tensor", {"params": [3.0, *tensors[1:]]}),
+        # the kernels step entries concurrently: one listed twice raced (results varied run to run)
+        (
+            ParameterError,
+            r"params\[0\] and params\[2\] overlap in storage",
+            {
+                "params": [tensors[0], tensors[1], tensors[0]],
+                "states": [states[0], states[1], states[0]],
+                "grads": [grads[0], grads[1], grads[0]],
+            },
+        ),
+        (
+            ParameterError,
+            r"states\[0\] and states\[1\] are the same dict",
+            {
+                "params": [tensors[0], tensors[0].clone(), tensors[2]],
+                "grads": [grads[0], grads[0], grads[2]],
+                "states": [states[0], states[0], states[2]],
+            },
+        ),
     ]
     for error, match, override in cases:
         arguments: dict[str, Any] = {

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from gefen_contracts.torch_support import storage_overlap
 
 from .codebook import validate_codebook
 from .distributed import is_dtensor
@@ -109,6 +110,17 @@ def gefen(
             raise ParameterError(f"{where}: its state lives on another device than the parameter")
         work = ParamWork(0, slot, param, param, grad, None, variant, False, state, None)
         buckets.setdefault((variant, param.device), []).append(work)
+    # the kernels step a list's entries concurrently: an entry that shares memory with another
+    # (the same parameter or state listed twice) would race where the reference runs in order
+    overlap = storage_overlap([(f"params[{slot}]", param) for slot, param in enumerate(params)])
+    if overlap is None:
+        states_seen: dict[int, int] = {}
+        for slot, state in enumerate(states):
+            if id(state) in states_seen:
+                overlap = f"states[{states_seen[id(state)]}] and states[{slot}] are the same dict"
+            states_seen[id(state)] = slot
+    if overlap:
+        raise ParameterError(f"gefen: {overlap}; each parameter and its state may appear once")
     if seeds is not None and (seeds.dtype != torch.int64 or seeds.shape != (len(params),)):
         raise GefenOptionError(
             f"gefen: seeds must be int64 of shape ({len(params)},), got {seeds.dtype} {tuple(seeds.shape)}"

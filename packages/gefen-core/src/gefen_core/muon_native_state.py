@@ -321,7 +321,8 @@ def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int
             raise fail(f"{where}[{NORMUON_STEP!r}] {normuon_step} exceeds step {step}")
         staged[NORMUON_STEP] = normuon_step
     for key, tensor in tensors.items():
-        staged[key] = tensor.detach().to(device=device, copy=True)
+        # contiguous whatever the saved strides: the kernels take dense row-major state only
+        staged[key] = tensor.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
     return staged
 
 

@@ -149,7 +149,8 @@ def _stage_entry(
             shape,
             finite_nonnegative=dtype.is_floating_point,
         )
-        copied = tensor.detach().to(device=device, copy=True)
+        # contiguous whatever the saved strides: the kernels take dense row-major state only
+        copied = tensor.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
         if key == INDICES:
             staged[key] = blocked_codes(copied, period)
         else:

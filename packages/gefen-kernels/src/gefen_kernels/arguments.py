@@ -194,6 +194,7 @@ def _factored_fast(p: Any, g: Any, q: Any, m: Any, r: Any, c: Any, device: torch
         and g.shape == p.shape
         and p.dim() == 2
         and q.dim() == 2
+        and q.shape[1] >= 1
         and q.numel() == p.numel()
         and m.numel() == q.shape[0]
         and r.numel() == p.shape[0]
@@ -241,6 +242,7 @@ def _element_fast(p: Any, g: Any, q: Any, m: Any, v: Any, device: torch.device) 
         and g.shape == p.shape
         and v.shape == p.shape
         and q.dim() == 2
+        and q.shape[1] >= 1
         and q.numel() == p.numel()
         and m.numel() == q.shape[0]
         and p.is_contiguous()
@@ -432,8 +434,8 @@ def check_histogram(*args: Any, **kwargs: Any) -> str | None:
     for index, (grad, period) in enumerate(zip(grads, periods, strict=True)):
         if not isinstance(grad, torch.Tensor) or grad.dtype not in PARAM_DTYPES or not grad.is_contiguous():
             return f"entry {index}: grad must be a contiguous floating-point tensor"
-        if type(period) is not int or period < 1:
-            return f"entry {index}: period must be a positive int, got {period!r}"
+        if type(period) is not int or not 1 <= period < 2**63:  # what C's int64 holds
+            return f"entry {index}: period must be an int in [1, 2**63), got {period!r}"
         if grad.device != counts.device:
             return f"entry {index}: grad is on {grad.device} but counts on {counts.device}"
     reason = _tensor(counts, "counts", torch.int64, counts.device)
@@ -486,6 +488,7 @@ def _muon_fast(g: Any, q: Any, m: Any, o: Any, device: torch.device) -> bool:
         and g.dim() == 2
         and o.shape == g.shape
         and q.dim() == 2
+        and q.shape[1] >= 1
         and q.numel() == g.numel()
         and m.numel() == q.shape[0]
         and g.is_contiguous()

@@ -152,7 +152,8 @@ def _blocked_rows(
             numel = p.numel()
             codes = blocks * period
             if not (
-                g.dtype is dtype
+                period >= 1
+                and g.dtype is dtype
                 and q.dtype is _U8
                 and m.dtype is _F32
                 and v.dtype is _F32
@@ -260,7 +261,8 @@ def _factored_rows(
             shape = p.shape
             height, width = shape
             if not (
-                g.dtype is dtype
+                period >= 1
+                and g.dtype is dtype
                 and q.dtype is _U8
                 and m.dtype is _F32
                 and r.dtype is _F32

@@ -45,6 +45,7 @@ from .tensors import (
     is_dtensor,
     local_tensor,
     on_device,
+    storage_overlap,
     tensor_digest,
     tensor_leaf,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "on_device",
+    "storage_overlap",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

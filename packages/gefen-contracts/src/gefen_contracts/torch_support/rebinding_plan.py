@@ -10,7 +10,6 @@ stages its shadow from the plan.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from ..identity import LogicalSlice, ShardIdentity
 from ..manifest import ShardingManifest
 from ..rebinding import LogicalSlotBinding, ParameterRebinding
 from .bindings import ProcessGroupBinding
-from .tensors import is_dtensor
+from .tensors import is_dtensor, storage_overlap
 
 __all__ = [
     "RebindingPlan",
@@ -134,33 +133,6 @@ def _check_target(shard: ShardIdentity, target: object, index: int) -> None:
         )
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[tuple[str, int], int, int]:
-    storage = tensor.untyped_storage()
-    start = int(storage.data_ptr() + tensor.storage_offset() * tensor.element_size())
-    # keyed by storage (device, base pointer); the range is in bytes, so mixed dtypes compare
-    return (str(tensor.device), int(storage.data_ptr())), start, start + int(tensor.numel() * tensor.element_size())
-
-
-def _check_disjoint(targets: list[tuple[int, torch.Tensor]]) -> None:
-    by_storage: dict[tuple[str, int], list[tuple[int, int, int, bool]]] = {}
-    for index, tensor in targets:
-        if tensor.numel() == 0:
-            continue
-        key, start, end = _byte_range(tensor)
-        by_storage.setdefault(key, []).append((start, end, index, tensor.is_contiguous()))
-    for ranges in by_storage.values():
-        if len(ranges) < 2:
-            continue
-        # strided views can interleave inside overlapping byte ranges: only contiguous ones compare by range
-        if not all(contiguous for *_, contiguous in ranges):
-            indices = sorted(index for _, _, index, _ in ranges)
-            raise ContractError(f"rebindings {indices}: a non-contiguous target shares its storage with another target")
-        ranges.sort()
-        for first, second in itertools.pairwise(ranges):
-            if second[0] < first[1]:
-                raise ContractError(f"rebindings[{first[2]}] and rebindings[{second[2]}]: targets overlap in storage")
-
-
 def plan_rebinding(
     param_groups: Sequence[Mapping[str, Any]],
     rebindings: Sequence[ParameterRebinding],
@@ -262,7 +234,9 @@ def plan_rebinding(
         # rebinding a slot to itself is allowed (replicated: the live tensor stays); stealing is not
         if occupied is not None and occupied[2] is target and occupied[:2] != source_slot[:2]:
             raise ContractError(f"post_sharding: rebindings[{index}] targets a tensor that occupies another slot")
-    _check_disjoint([(i, t) for i, t in targets])  # type: ignore[misc]
+    overlap = storage_overlap([(f"rebindings[{i}]", t) for i, t in targets])  # type: ignore[misc]
+    if overlap:
+        raise ContractError(f"post_sharding: targets {overlap}")
     if scope is not None:
         for shard in manifest.shards:
             if shard.process_group is not None and shard.process_group != scope.identity:

@@ -5,6 +5,7 @@ put on a device without synchronising it (:func:`on_device`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "on_device",
+    "storage_overlap",
     "tensor_digest",
     "tensor_leaf",
 ]
@@ -152,3 +154,32 @@ def on_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, devic
     if device.type == "cuda":
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[tuple[str, int], int, int]:
+    storage = tensor.untyped_storage()
+    start = int(storage.data_ptr() + tensor.storage_offset() * tensor.element_size())
+    # keyed by storage (device, base pointer); the range is in bytes, so mixed dtypes compare
+    return (str(tensor.device), int(storage.data_ptr())), start, start + int(tensor.numel() * tensor.element_size())
+
+
+def storage_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """Why two of the ``(label, tensor)`` pairs may share memory, or ``None`` when they cannot
+    (empty tensors never do). Contiguous tensors compare by byte range; a non-contiguous one
+    sharing its storage with another is reported too, since strided views can interleave."""
+    by_storage: dict[tuple[str, int], list[tuple[int, int, str, bool]]] = {}
+    for label, tensor in labelled:
+        if tensor.numel() == 0:
+            continue
+        key, start, end = _byte_range(tensor)
+        by_storage.setdefault(key, []).append((start, end, label, tensor.is_contiguous()))
+    for ranges in by_storage.values():
+        if len(ranges) < 2:
+            continue
+        if not all(contiguous for *_, contiguous in ranges):
+            return f"{', '.join(sorted(label for _, _, label, _ in ranges))}: a non-contiguous tensor shares its storage with another"
+        ranges.sort()
+        for first, second in itertools.pairwise(ranges):
+            if second[0] < first[1]:
+                return f"{first[2]} and {second[2]} overlap in storage"
+    return None
