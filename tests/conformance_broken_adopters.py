@@ -43,6 +43,86 @@ class NonAtomicLoad(ContractedSGD):
         return super().stage_state_dict(state_dict)
 
 
+class PartialInPlaceLoad(ContractedSGD):
+    """Validates and copies one state entry at a time into the live buffers, the groups last:
+    a load refused at the groups has already written the state."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, entry in state_dict["state"].items():
+            buffer = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+            if set(entry) != {"momentum_buffer", "step"} or not isinstance(buffer, torch.Tensor):
+                raise ValueError(f"bad state entry {pid}")
+            if buffer.dtype is not torch.float32 or not torch.isfinite(buffer).all():
+                raise ValueError(f"bad state entry {pid}")
+            live = self.state[params[pid]]
+            if "momentum_buffer" in live and live["momentum_buffer"].shape == entry["momentum_buffer"].shape:
+                live["momentum_buffer"].copy_(entry["momentum_buffer"])
+        super().load_state_dict(state_dict)
+
+
+class PublishesAtStage(ContractedSGD):
+    """Validates on a shadow, then publishes at stage time; commit only consumes the token."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        staged = super().stage_state_dict(state_dict)
+        groups, state = staged._payload
+        for live, new in zip(self.param_groups, groups):
+            live.update({k: new[k] for k in ("lr", "momentum", "weight_decay")})
+        for param, entry in state.items():
+            self.state[param] = {"momentum_buffer": entry["momentum_buffer"].clone(), "step": entry["step"]}
+        return StagedTransaction(self, kind="native_load", token=self._version, payload=None)
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        staged.claim(self, kind="native_load", current_token=self._version)
+        self._version += 1
+
+
+class UncheckedStagedLoad(ContractedSGD):
+    """load_state_dict is right, but stage_state_dict checks nothing and commit publishes nothing."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        ContractedSGD.commit_staged_state_dict(self, ContractedSGD.stage_state_dict(self, state_dict))
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        return StagedTransaction(self, kind="native_load", token=self._version, payload=state_dict)
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        staged.claim(self, kind="native_load", current_token=self._version)
+        self._version += 1
+
+
+class RefusesWithRuntimeError(ContractedSGD):
+    """Refuses corrupted checkpoints, but with a RuntimeError (StagedNativeLoad asks for a
+    ValueError, TypeError or KeyError naming the problem)."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        try:
+            return super().stage_state_dict(state_dict)
+        except ValueError as exc:
+            raise RuntimeError(f"device-side assert triggered ({exc})") from None
+
+
+class UndeclaredCheckpointKey(ContractedSGD):
+    """Writes a per-parameter key into every state_dict() entry that its contract never declares."""
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = super().state_dict()
+        saved["state"] = {pid: {**entry, "ema_norm": 0.0} for pid, entry in saved["state"].items()}
+        return saved
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            entries = state_dict["state"].items()
+            state_dict = {
+                **state_dict,
+                "state": {
+                    p: {k: v for k, v in e.items() if k != "ema_norm"} if isinstance(e, dict) else e for p, e in entries
+                },
+            }
+        return super().stage_state_dict(state_dict)
+
+
 class UndeclaredStateKey(ContractedSGD):
     """Keeps a per-parameter key its contract never declares."""
 
@@ -148,6 +228,11 @@ non_atomic_load_factory = _factory(NonAtomicLoad)
 undeclared_state_key_factory = _factory(UndeclaredStateKey)
 undeclared_protocol_factory = _factory(UndeclaredProtocol)
 precision_liar_factory = _factory(PrecisionLiar)
+partial_in_place_load_factory = _factory(PartialInPlaceLoad)
+publishes_at_stage_factory = _factory(PublishesAtStage)
+unchecked_staged_load_factory = _factory(UncheckedStagedLoad)
+refuses_with_runtime_error_factory = _factory(RefusesWithRuntimeError)
+undeclared_checkpoint_key_factory = _factory(UndeclaredCheckpointKey)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -159,4 +244,11 @@ EXPECTED_FAILURES = {
     "precision_liar_factory": ("training.precisions", "precision:bfloat16 is claimed but TypeError"),
     "offset_zero_identity_factory": ("identity.flattened_training", "member 1: shard_identity() of its"),
     "aliasing_export_factory": ("checkpoint.canonical_local", "aliases live state"),
+    # each passed the kit before it loaded from a source trained further than its targets,
+    # fed the corruptions to stage_state_dict too and required the protocol's exception types
+    "partial_in_place_load_factory": ("checkpoint.native_atomic_load", "a rejected load_state_dict"),
+    "publishes_at_stage_factory": ("checkpoint.native_atomic_load", "stage_state_dict changed the optimizer"),
+    "unchecked_staged_load_factory": ("checkpoint.native_atomic_load", "accepted a corrupted checkpoint"),
+    "refuses_with_runtime_error_factory": ("checkpoint.native_atomic_load", "raised RuntimeError, not a ValueError"),
+    "undeclared_checkpoint_key_factory": ("state.declared_variants", "in state_dict(): group 0 slot 0"),
 }

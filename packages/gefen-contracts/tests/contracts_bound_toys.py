@@ -364,6 +364,15 @@ class FlatLie(BoundSGD):
         return float(group["lr"]) * (2.0 if flat else 1.0)
 
 
+class ContractFailsWhenBound(BoundSGD):
+    """Its contract raises once post_sharding sealed the layout (a bug on the bound path only)."""
+
+    def optimizer_contract(self) -> Any:
+        if self._sealed is not None:
+            raise AttributeError("'NoneType' object has no attribute 'layout'")
+        return super().optimizer_contract()
+
+
 def _factory(cls: type[BoundSGD]) -> Any:
     def factory(named: list[tuple[str, torch.nn.Parameter]]) -> BoundSGD:
         return cls([p for _, p in named])
@@ -380,3 +389,4 @@ stale_import = _factory(StaleImport)
 lossy_export = _factory(LossyExport)
 lax_import = _factory(LaxImport)
 flat_lie = _factory(FlatLie)
+contract_fails_when_bound = _factory(ContractFailsWhenBound)

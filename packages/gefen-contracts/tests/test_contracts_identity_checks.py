@@ -78,3 +78,28 @@ def test_a_target_waiving_the_identity_checks_reports_them_waived() -> None:
     report = run_conformance(target, waive={name: "tested elsewhere" for name in IDENTITY_CHECKS})
     waived = {r.name for r in report.results if r.status is CheckStatus.WAIVED}
     assert waived >= IDENTITY_CHECKS and report.ok
+
+
+def test_a_contract_that_raises_once_bound_fails_the_provider_check() -> None:
+    # its bound-only claims (canonical local state, ...) were dropped silently: PASS with fewer checks
+    report = run_conformance("contracts_bound_toys:contract_fails_when_bound")
+    failed = {result.name: result.detail for result in report.failures}
+    assert "contract.provider" in failed, report.format()
+    assert "finalized by post_sharding raised AttributeError" in failed["contract.provider"]
+
+
+def test_a_contributed_check_whose_covers_raises_fails_alone() -> None:
+    class BrokenCovers:
+        name = "contributed.broken_covers"
+
+        def covers(self, claims: frozenset[str]) -> frozenset[str]:
+            raise TypeError("unhashable type: 'list'")
+
+        def run(self, context: object) -> None:
+            raise AssertionError("never reached")
+
+    report = run_conformance("contracts_bound_toys:bound_sgd", checks=[*builtin_checks(), BrokenCovers()])
+    results = {result.name: result for result in report.results}
+    assert results["contributed.broken_covers"].status is CheckStatus.FAILED
+    assert "covers() raised TypeError" in results["contributed.broken_covers"].detail
+    assert sum(result.status is CheckStatus.PASSED for result in report.results) > 1

@@ -94,7 +94,11 @@ def run_conformance(
         report.results.extend(broken)
     covered: set[str] = set()
     for check in selected:
-        claims = check.covers(context.claims)
+        try:
+            claims = check.covers(context.claims)
+        except Exception as exc:  # a broken contributed check fails itself, not every adopter's run
+            report.results.append(CheckResult(check.name, CheckStatus.FAILED, (), f"covers() raised {exc!r}"))
+            continue
         if not claims:
             report.results.append(CheckResult(check.name, CheckStatus.NOT_APPLICABLE))
             continue

@@ -87,24 +87,27 @@ class AtomicLoadCheck:
 
     def run(self, context: CheckContext) -> None:
         steps = context.target.steps
-        _source_model, source = context.trained(steps)
+        # the source is trained further than every target: a load that writes part of a
+        # checkpoint before it refuses changes bytes (an identically trained source would
+        # write the bytes already there, and no snapshot could see it)
+        _source_model, source = context.trained(steps + 2)
         valid = source.state_dict()
         problems: list[str] = []
         tried = 0
         for name, corrupted in corrupted_variants(valid):
             tried += 1
             model, optimizer = context.trained(steps)
-            before = deep_snapshot(optimizer, model)
-            try:
-                optimizer.load_state_dict(corrupted)
-            except Exception:
-                pass
-            else:
-                problems.append(f"accepted a corrupted checkpoint ({name})")
-                continue
-            diffs = snapshot_diff(before, optimizer, model)
-            if diffs:
-                problems.append(f"a rejected load ({name}) changed the optimizer: " + "; ".join(diffs[:3]))
+            loads: list[tuple[str, Any]] = [("load_state_dict", optimizer.load_state_dict)]
+            if isinstance(optimizer, StagedNativeLoad):
+                loads.append(("stage_state_dict", optimizer.stage_state_dict))
+            for what, load in loads:
+                before = deep_snapshot(optimizer, model)
+                problem = _refusal_problem(load, corrupted, f"{what} ({name})")
+                diffs = snapshot_diff(before, optimizer, model)
+                if problem:
+                    problems.append(problem)
+                elif diffs:
+                    problems.append(f"a rejected {what} ({name}) changed the optimizer: " + "; ".join(diffs[:3]))
         assert tried > 0, "no corruption class applied to this optimizer's state dict"
         model, optimizer = context.trained(steps)
         if isinstance(optimizer, StagedNativeLoad):
@@ -144,4 +147,26 @@ class AtomicLoadCheck:
             problems.append("a staged load was committed twice")
         except StaleTransactionError:
             pass
+        # stage + commit publishes what load_state_dict publishes
+        _loaded_model, loaded = context.trained(context.target.steps)
+        loaded.load_state_dict(valid)
+        try:
+            assert_trees_equal(optimizer.state_dict(), loaded.state_dict(), "state_dict after stage + commit")
+        except AssertionError as exc:
+            problems.append(f"stage_state_dict + commit_staged_state_dict did not publish the checkpoint: {exc}")
         return problems
+
+
+#: What a refused native load raises (``StagedNativeLoad``: a ValueError, TypeError or KeyError naming the problem).
+REFUSALS = (ValueError, TypeError, KeyError)
+
+
+def _refusal_problem(load: Any, corrupted: Any, what: str) -> str | None:
+    """``None`` when ``load(corrupted)`` raises one of :data:`REFUSALS`, else what went wrong."""
+    try:
+        load(corrupted)
+    except REFUSALS:
+        return None
+    except Exception as exc:
+        return f"{what} raised {type(exc).__name__}, not a ValueError, TypeError or KeyError: {exc}"
+    return f"accepted a corrupted checkpoint: {what}"

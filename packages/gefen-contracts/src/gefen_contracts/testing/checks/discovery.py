@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ...capabilities import FEATURE_POST_SHARDING
 from ...enums import ParameterLayout
+from ...errors import ContractError
 from ..claims import enumerate_claims, training_claim
 from ..context import CheckContext
 from .twins import BoundTwin, FlatWorld, flat_step
@@ -24,13 +25,20 @@ def bound_claims(context: CheckContext) -> frozenset[str]:
     if not context.contract.capabilities.supports(FEATURE_POST_SHARDING):
         return frozenset()
     claims: set[str] = set()
+    # a refused plan or a failing step is reported by the identity checks; a bound optimizer's
+    # contract that raises is reported by nobody else, so it raises out of here (contract.provider)
     try:
         twin = BoundTwin.replicated(context)
-        claims |= enumerate_claims(twin.optimizer.optimizer_contract())
-        context.train(twin.model, twin.optimizer, context.target.steps)
-        claims |= enumerate_claims(twin.optimizer.optimizer_contract())
     except Exception:  # reported by identity.post_sharding
-        pass
+        twin = None
+    if twin is not None:
+        claims |= _claims(twin.optimizer, "finalized by post_sharding")
+        try:
+            context.train(twin.model, twin.optimizer, context.target.steps)
+        except Exception:  # reported by the identity checks' training
+            pass
+        else:
+            claims |= _claims(twin.optimizer, "finalized by post_sharding and trained")
     flat = training_claim(ParameterLayout.FLATTENED_ELEMENT_SHARD.value)
     if any(c == flat or c.startswith(flat + "[") for c in context.claims):
         try:
@@ -38,8 +46,15 @@ def bound_claims(context: CheckContext) -> frozenset[str]:
             driver = context.target.model_builder(0)
             for step in range(context.target.steps):
                 flat_step(driver, step, world, (world,))
-            for optimizer in world.optimizers:
-                claims |= enumerate_claims(optimizer.optimizer_contract())
         except Exception:  # reported by identity.flattened_training
-            pass
+            world = None
+        for optimizer in world.optimizers if world is not None else ():
+            claims |= _claims(optimizer, "holding a flattened member slice")
     return frozenset(claims)
+
+
+def _claims(optimizer: object, when: str) -> frozenset[str]:
+    try:
+        return enumerate_claims(optimizer.optimizer_contract())  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise ContractError(f"optimizer_contract() of an optimizer {when} raised {type(exc).__name__}: {exc}") from exc

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ...enums import ParameterLayout, ParameterStateRole, StateScope
 from ...errors import StateValidationError
 from ...protocols import IdentityBindable, ModeTaggedState
-from ...state_layout import match_variants
+from ...state_layout import OptimizerStateLayout, match_variants
 from ..claims import CONTRACT_CLAIM
 from ..context import CheckContext
 
@@ -26,32 +28,47 @@ def _layout_and_role(optimizer: object, parameter: torch.Tensor) -> tuple[Parame
 
 
 def check_state_matches(optimizer: torch.optim.Optimizer, where: str) -> None:
-    """Assert every per-parameter state of ``optimizer`` matches exactly one declared variant."""
+    """Assert every per-parameter state of ``optimizer`` matches exactly one declared variant,
+    live (``optimizer.state``) and as ``state_dict()`` writes it (the layout declares native keys)."""
     contract = optimizer.optimizer_contract()  # type: ignore[attr-defined]
     layout = contract.state_layout
+    saved = optimizer.state_dict().get("state", {}) if not layout.composite_namespaces else {}
+    index = -1
     for group_index, group in enumerate(optimizer.param_groups):
         for slot, parameter in enumerate(group["params"]):
-            state = optimizer.state.get(parameter)
-            if not state:
-                continue
-            param_layout, role = _layout_and_role(optimizer, parameter)
-            tags = optimizer.state_mode_tags(parameter) if isinstance(optimizer, ModeTaggedState) else frozenset()
-            try:
-                matches = match_variants(
-                    layout,
-                    list(state.keys()),
-                    parameter_layout=param_layout,
-                    parameter_rank=parameter.dim(),
-                    role=role,
-                    mode_tags=tags,
-                )
-            except StateValidationError as exc:
-                raise AssertionError(f"{where}: group {group_index} slot {slot}: {exc}") from None
-            names = [m.name for m in matches]
-            assert len(matches) == 1, (
-                f"{where}: group {group_index} slot {slot} state keys {sorted(state)} match {len(matches)} declared "
-                f"variants {names} (exactly one required)"
-            )
+            index += 1
+            for label, state in (("", optimizer.state.get(parameter)), (" in state_dict()", saved.get(index))):
+                if state:
+                    _check_one(optimizer, layout, parameter, state, f"{where}{label}", group_index, slot)
+
+
+def _check_one(
+    optimizer: torch.optim.Optimizer,
+    layout: OptimizerStateLayout,
+    parameter: torch.Tensor,
+    state: Mapping[str, object],
+    where: str,
+    group_index: int,
+    slot: int,
+) -> None:
+    param_layout, role = _layout_and_role(optimizer, parameter)
+    tags = optimizer.state_mode_tags(parameter) if isinstance(optimizer, ModeTaggedState) else frozenset()
+    try:
+        matches = match_variants(
+            layout,
+            list(state.keys()),
+            parameter_layout=param_layout,
+            parameter_rank=parameter.dim(),
+            role=role,
+            mode_tags=tags,
+        )
+    except StateValidationError as exc:
+        raise AssertionError(f"{where}: group {group_index} slot {slot}: {exc}") from None
+    names = [m.name for m in matches]
+    assert len(matches) == 1, (
+        f"{where}: group {group_index} slot {slot} state keys {sorted(state)} match {len(matches)} declared "
+        f"variants {names} (exactly one required)"
+    )
 
 
 def check_native_keys(optimizer: torch.optim.Optimizer, where: str) -> None:
