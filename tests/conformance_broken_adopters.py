@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
-from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD, FeatureStatus, OptimizerCapabilities, OptimizerContract
+from gefen_contracts import (
+    FEATURE_STAGED_NATIVE_LOAD,
+    FeatureStatus,
+    OptimizerCapabilities,
+    OptimizerContract,
+    StateGeometry,
+)
 from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.transactions import StagedTransaction
 from gefen_example_sgd import CONTRACT, ContractedSGD
@@ -123,6 +130,26 @@ class UndeclaredCheckpointKey(ContractedSGD):
         return super().stage_state_dict(state_dict)
 
 
+def _declared_as(name: str, **changes: Any) -> OptimizerContract:
+    fields = tuple(dataclasses.replace(f, **changes) if f.name == name else f for f in CONTRACT.state_layout.fields)
+    return dataclasses.replace(CONTRACT, state_layout=dataclasses.replace(CONTRACT.state_layout, fields=fields))
+
+
+class GeometryLiar(ContractedSGD):
+    """Declares its momentum buffer a bfloat16 per-row statistic; keeps a float32 buffer of the
+    parameter's shape."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        return _declared_as("momentum_buffer", dtype="bfloat16")
+
+
+class ShapeLiar(ContractedSGD):
+    """Declares its momentum buffer a per-row statistic; keeps one of the parameter's shape."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        return _declared_as("momentum_buffer", geometry=StateGeometry.ROW)
+
+
 class UndeclaredStateKey(ContractedSGD):
     """Keeps a per-parameter key its contract never declares."""
 
@@ -233,6 +260,8 @@ publishes_at_stage_factory = _factory(PublishesAtStage)
 unchecked_staged_load_factory = _factory(UncheckedStagedLoad)
 refuses_with_runtime_error_factory = _factory(RefusesWithRuntimeError)
 undeclared_checkpoint_key_factory = _factory(UndeclaredCheckpointKey)
+geometry_liar_factory = _factory(GeometryLiar)
+shape_liar_factory = _factory(ShapeLiar)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -251,4 +280,6 @@ EXPECTED_FAILURES = {
     "unchecked_staged_load_factory": ("checkpoint.native_atomic_load", "accepted a corrupted checkpoint"),
     "refuses_with_runtime_error_factory": ("checkpoint.native_atomic_load", "raised RuntimeError, not a ValueError"),
     "undeclared_checkpoint_key_factory": ("state.declared_variants", "in state_dict(): group 0 slot 0"),
+    "geometry_liar_factory": ("state.declared_variants", "'momentum_buffer' holds float32, declared bfloat16"),
+    "shape_liar_factory": ("state.declared_variants", "its row geometry gives"),
 }

@@ -2,12 +2,15 @@
 
 A snapshot records, for every reachable container, object and tensor, its identity and
 (for tensors, including parameters and their gradients) its exact bytes, dtype, shape,
-stride and device, plus the key order of every dict. Two snapshots are equal only when no
+stride, device and ``requires_grad``, plus the key order of every dict and the contents of
+byte arrays, arrays, numpy arrays and torch generators (their RNG state). Two snapshots are equal only when no
 container was replaced or edited in place and no tensor changed a bit.
 """
 
 from __future__ import annotations
 
+import array
+import collections
 import types
 import weakref
 from collections.abc import Mapping
@@ -84,8 +87,23 @@ def _tensor_token(tensor: torch.Tensor) -> tuple[object, ...]:
         tuple(tensor.stride()),
         tensor.storage_offset(),
         str(tensor.device),
+        tensor.requires_grad,
         raw.numpy().tobytes(),
     )
+
+
+def _buffer_token(value: object) -> tuple[object, ...] | None:
+    """The contents of the mutable buffers the walker cannot descend into (``None``: not one)."""
+    if isinstance(value, bytearray):
+        return ("bytearray", id(value), bytes(value))
+    if isinstance(value, array.array):
+        return ("array", id(value), value.typecode, value.tobytes())
+    if isinstance(value, torch.Generator):
+        return ("generator", id(value), str(value.device), value.get_state().numpy().tobytes())
+    kind = type(value)
+    if kind.__name__ == "ndarray" and kind.__module__ == "numpy":  # without importing numpy
+        return ("ndarray", id(value), str(value.dtype), value.shape, value.tobytes())  # type: ignore[attr-defined]
+    return None
 
 
 class _Walker:
@@ -124,7 +142,11 @@ class _Walker:
             for key in keys:
                 self.visit(value[key], f"{path}[{_key_token(key)}]", depth + 1)
             return
-        if isinstance(value, (list, tuple)):
+        buffer = _buffer_token(value)
+        if buffer is not None:
+            self.entries[path] = buffer
+            return
+        if isinstance(value, (list, tuple, collections.deque)):
             self.entries[path] = ("sequence", type(value).__name__, id(value), len(value))
             for index, item in enumerate(value):
                 self.visit(item, f"{path}[{index}]", depth + 1)

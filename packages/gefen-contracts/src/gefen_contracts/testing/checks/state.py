@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ...enums import ParameterLayout, ParameterStateRole, StateScope
+from ...enums import ParameterLayout, ParameterStateRole, StateGeometry, StateScope
 from ...errors import StateValidationError
 from ...protocols import IdentityBindable, ModeTaggedState
-from ...state_layout import OptimizerStateLayout, match_variants
+from ...state_layout import OptimizerStateLayout, match_variants, parameter_state_shape
 from ..claims import CONTRACT_CLAIM
 from ..context import CheckContext
 
@@ -37,9 +37,51 @@ def check_state_matches(optimizer: torch.optim.Optimizer, where: str) -> None:
     for group_index, group in enumerate(optimizer.param_groups):
         for slot, parameter in enumerate(group["params"]):
             index += 1
-            for label, state in (("", optimizer.state.get(parameter)), (" in state_dict()", saved.get(index))):
-                if state:
-                    _check_one(optimizer, layout, parameter, state, f"{where}{label}", group_index, slot)
+            here = f"group {group_index} slot {slot}"
+            live = optimizer.state.get(parameter)
+            if live:
+                _check_one(optimizer, layout, parameter, live, f"{where}: {here}")
+            native = saved.get(index)
+            if native:
+                _check_one(optimizer, layout, parameter, native, f"{where} in state_dict(): {here}")
+                _check_declared_values(layout, parameter, native, f"{where} in state_dict(): {here}")
+
+
+_SHAPED = frozenset({StateGeometry.PARAMETER, StateGeometry.ROW, StateGeometry.COLUMN})
+_TENSOR_DTYPES = {"uint8", "int8", "bfloat16", "float16", "float32", "float64"}
+
+
+def _check_declared_values(
+    layout: OptimizerStateLayout, parameter: torch.Tensor, state: Mapping[str, object], where: str
+) -> None:
+    """Each native value holds its field's declared dtype and, where the geometry fixes it from
+    the parameter alone (``PARAMETER``, ``ROW``, ``COLUMN``; trailing dimensions of size 1
+    aside), its shape."""
+    for key, value in state.items():
+        declared = layout.field(str(key))
+        tensor = value if isinstance(value, torch.Tensor) else None
+        if declared.dtype in _TENSOR_DTYPES:
+            found = str(tensor.dtype).removeprefix("torch.") if tensor is not None else type(value).__name__
+            assert found == declared.dtype, f"{where}: {key!r} holds {found}, declared {declared.dtype}"
+        elif declared.dtype in ("int", "bool"):
+            wanted = int if declared.dtype == "int" else bool
+            ok = (
+                type(value) is wanted
+                if tensor is None
+                else (tensor.dtype is torch.bool) == (wanted is bool) and not tensor.is_floating_point()
+            )
+            assert ok, (
+                f"{where}: {key!r} holds {type(value).__name__ if tensor is None else tensor.dtype}, declared {declared.dtype}"
+            )
+        if tensor is None or declared.geometry not in _SHAPED:
+            continue
+        expected = parameter_state_shape(declared.geometry, tuple(parameter.shape))
+        shape = tuple(tensor.shape)
+        while len(shape) > len(expected or ()) and shape[-1] == 1:  # [rows, 1] is a row statistic
+            shape = shape[:-1]
+        assert shape == expected, (
+            f"{where}: {key!r} has shape {tuple(tensor.shape)}, its {declared.geometry.value} geometry gives {expected}"
+        )
 
 
 def _check_one(
@@ -48,8 +90,6 @@ def _check_one(
     parameter: torch.Tensor,
     state: Mapping[str, object],
     where: str,
-    group_index: int,
-    slot: int,
 ) -> None:
     param_layout, role = _layout_and_role(optimizer, parameter)
     tags = optimizer.state_mode_tags(parameter) if isinstance(optimizer, ModeTaggedState) else frozenset()
@@ -63,11 +103,10 @@ def _check_one(
             mode_tags=tags,
         )
     except StateValidationError as exc:
-        raise AssertionError(f"{where}: group {group_index} slot {slot}: {exc}") from None
+        raise AssertionError(f"{where}: {exc}") from None
     names = [m.name for m in matches]
     assert len(matches) == 1, (
-        f"{where}: group {group_index} slot {slot} state keys {sorted(state)} match {len(matches)} declared "
-        f"variants {names} (exactly one required)"
+        f"{where}: state keys {sorted(state)} match {len(matches)} declared variants {names} (exactly one required)"
     )
 
 
