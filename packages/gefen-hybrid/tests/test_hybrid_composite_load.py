@@ -69,6 +69,8 @@ ENVELOPE_CORRUPTIONS: list[tuple[str, Edit, str]] = [
         lambda sd: sd["param_groups"][-1]["params"].__setitem__(0, sd["param_groups"][0]["params"][0]),
         "appears twice",
     ),
+    # an unhashable id leaked a TypeError from the membership test
+    ("bytearray_id", lambda sd: sd["param_groups"][0]["params"].__setitem__(0, bytearray(b"0")), "not an int or str"),
     ("format", lambda sd: sd.__setitem__("format", "torch"), "'format'"),
     ("version", lambda sd: sd.__setitem__("format_version", 3), "format_version"),
     ("bool_version", lambda sd: sd.__setitem__("format_version", True), "format_version"),

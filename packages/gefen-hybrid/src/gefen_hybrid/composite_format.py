@@ -144,8 +144,9 @@ def children_of_state_dict(
             if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
                 _fail(f"param group {index} of the {role!r} child must be a mapping with a 'params' list")
             for pid in group["params"]:
-                if isinstance(pid, (list, dict, set)) or pid in owner:
-                    _fail(f"parameter id {pid!r} is unhashable or appears twice in 'param_groups'")
+                # ids are ints (state_dict) or FQN strings (torch's DCP helpers); nothing else
+                if type(pid) not in (int, str) or pid in owner:
+                    _fail(f"parameter id {pid!r} is not an int or str, or appears twice in 'param_groups'")
                 owner[pid] = role
         prefix = f"{role}."
         children[role] = {
