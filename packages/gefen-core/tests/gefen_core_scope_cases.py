@@ -253,6 +253,26 @@ def _expected(driver: torch.nn.Module, bound: Bound) -> dict[str, torch.Tensor]:
     }
 
 
+def train_beside_oracle(
+    oracle_model: torch.nn.Module,
+    oracle: Any,
+    driver: torch.nn.Module,
+    bound: Bound,
+    world: int,
+    steps: int,
+    loss: Callable[[torch.nn.Module, int], object] = backward,
+) -> None:
+    """``steps`` steps of the one-process oracle and of this member's bound pieces on the same
+    batches, the driver synced with every member's pieces after each."""
+    for step in range(steps):
+        loss(oracle_model, step)
+        oracle.step()
+        loss(driver, step)
+        bound.feed(driver)
+        bound.optimizer.step()
+        sync_driver(driver, bound, world)
+
+
 # -- cases ----------------------------------------------------------------------------------------
 
 
@@ -272,13 +292,7 @@ def scoped_training_matches_one_process(
         gefen_factory(codebook_refresh_every=refresh_every),
         scope=binding(rank, world),
     )
-    for step in range(steps):
-        backward(oracle_model, step)
-        oracle.step()
-        backward(driver, step)
-        bound.feed(driver)
-        bound.optimizer.step()
-        sync_driver(driver, bound, world)
+    train_beside_oracle(oracle_model, oracle, driver, bound, world, steps)
     exact = _equal_values(bound.values(), _expected(oracle_model, bound))
     codebooks: list[Any] = [None] * world
     dist.all_gather_object(codebooks, save(bound.optimizer.codebook))

@@ -26,7 +26,7 @@ from gefen_core_scope_cases import (
     bind,
     binding,
     gefen_factory,
-    sync_driver,
+    train_beside_oracle,
 )
 from gefen_core_scope_failure_cases import closure, failing_at
 
@@ -258,13 +258,7 @@ def ragged_flattened_matches_one_process(rank: int, world: int, steps: int = 3) 
     oracle_model = RaggedVector()
     oracle = gefen_factory()(list(oracle_model.named_parameters()))
     bound = bind(driver, {"v": Spec("flat", (2048,))}, rank, world, gefen_factory(), scope=binding(rank, world))
-    for step in range(steps):
-        backward(oracle_model, step)
-        oracle.step()
-        backward(driver, step)
-        bound.feed(driver)
-        bound.optimizer.step()
-        sync_driver(driver, bound, world)
+    train_beside_oracle(oracle_model, oracle, driver, bound, world, steps, backward)
     piece = bound.pieces["v"]
     assert piece is not None
     return {
