@@ -337,3 +337,20 @@ def load_checkpoint(rank: int, world: int, data: bytes, at_two: bytes, mode: str
     train(opt, params, 2, 2, mesh)
     del shapes
     return {"final": save(full_values(params)), "owned": owned}
+
+
+def local_gradient_on_one_rank(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """A sharded matrix without a gradient this step (on every rank, so presence agrees) and a
+    plain matrix whose gradient exists on rank 0 only, before the codebook is learned: every
+    rank learns (an empty histogram adds nothing), so the next collective lines up."""
+    mesh = _mesh(world)
+    sharded = sharded_params([(8, 6)], mesh)
+    local = plain_params([(4, 4)])
+    opt = GefenMuon(named_pairs([*sharded, *local]), lr=1e-2, sharded_mode=mode)
+    if rank == 0:
+        local[0].grad = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+    opt.step()
+    after = torch.ones(8, dtype=torch.float64)
+    dist.all_reduce(after)  # the user's next collective: it met the learning's vote before
+    assert opt.codebook is not None
+    return {"codebook": save(opt.codebook), "after": float(after.sum())}

@@ -196,3 +196,12 @@ def test_two_rank_checkpoint_resumes_on_three_ranks(world: GlooWorld, world3: Gl
 def test_three_ranks_are_bit_identical_to_one_process(world3: GlooWorld, mode: str, case: str) -> None:
     for rank, result in enumerate(world3.run(cases.parity, mode, case, True)):
         assert result["bitwise"], f"rank {rank}: max abs diff {result['max_abs']:.3e}"
+
+
+@pytest.mark.parametrize("mode", ["exact", "distributed"])  # approx learns locally: no collective
+def test_a_plain_matrix_with_a_gradient_on_one_rank_learns_on_every_rank(world: GlooWorld, mode: str) -> None:
+    """Only the ranks with an active matrix used to learn the codebook: the others returned from
+    step() and met the learning's vote with their next collective (gloo SIGABRT)."""
+    rank0, rank1 = world.run(cases.local_gradient_on_one_rank, mode)
+    assert rank0["after"] == rank1["after"] == 16.0
+    assert torch.equal(cases.load(rank0["codebook"]), cases.load(rank1["codebook"]))

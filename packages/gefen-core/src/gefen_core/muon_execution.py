@@ -102,7 +102,10 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
         periods = learned.periods
         if learned.codebook is not None:
             optimizer._codebook, optimizer._codebook_copies = learned.codebook, {}
-    elif optimizer._codebook is None and active:
+    elif optimizer._codebook is None and (active or plan.scope is not None):
+        # with a scope every member learns (its collectives run on every member): a plain or
+        # approx matrix can have a gradient on some members only, and a member without one
+        # skipping the learning would leave the others in its vote (an empty histogram adds nothing)
         learned = learn_codebook(active, plan.scope, optimizer._dispatch, deterministic=optimizer._deterministic)
         periods = learned.periods
         if any(item.mode == DISTRIBUTED for item in active):
