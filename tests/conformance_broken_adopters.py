@@ -150,6 +150,17 @@ class ShapeLiar(ContractedSGD):
         return _declared_as("momentum_buffer", geometry=StateGeometry.ROW)
 
 
+class RankLiar(ContractedSGD):
+    """Claims every parameter rank (``supported_parameter_ranks=None``) but steps 1-D and 2-D only."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() not in (1, 2):
+                    raise RuntimeError(f"only 1-D and 2-D parameters, got a {p.dim()}-D one")
+        return super().step(closure)
+
+
 class UndeclaredStateKey(ContractedSGD):
     """Keeps a per-parameter key its contract never declares."""
 
@@ -262,6 +273,7 @@ refuses_with_runtime_error_factory = _factory(RefusesWithRuntimeError)
 undeclared_checkpoint_key_factory = _factory(UndeclaredCheckpointKey)
 geometry_liar_factory = _factory(GeometryLiar)
 shape_liar_factory = _factory(ShapeLiar)
+rank_liar_factory = _factory(RankLiar)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -282,4 +294,5 @@ EXPECTED_FAILURES = {
     "undeclared_checkpoint_key_factory": ("state.declared_variants", "in state_dict(): group 0 slot 0"),
     "geometry_liar_factory": ("state.declared_variants", "'momentum_buffer' holds float32, declared bfloat16"),
     "shape_liar_factory": ("state.declared_variants", "its row geometry gives"),
+    "rank_liar_factory": ("training.parameter_ranks", "ranks:0 is claimed but a 0-D parameter raised RuntimeError"),
 }

@@ -25,6 +25,14 @@ def precision_claim(precision: str) -> str:
     return f"precision:{precision}"
 
 
+#: The ranks exercised when a contract supports every rank (``supported_parameter_ranks=None``).
+ANY_RANKS = (0, 1, 2, 3, 4)
+
+
+def rank_claim(rank: int) -> str:
+    return f"ranks:{rank}"
+
+
 def checkpoint_claim(transport: str, layout: str) -> str:
     return f"checkpoint:{transport}:{layout}"
 
@@ -48,6 +56,8 @@ def enumerate_claims(contract: OptimizerContract) -> frozenset[str]:
         claims.add(training_claim(training.layout.value, training.mode_tags))
     for precision in capabilities.precisions:
         claims.add(precision_claim(precision.value))
+    ranks = capabilities.supported_parameter_ranks
+    claims.update(rank_claim(rank) for rank in (ANY_RANKS if ranks is None else ranks))
     for entry in capabilities.checkpoints:
         transport = entry.transport.value
         for layout in entry.same_topology:

@@ -10,7 +10,7 @@ from .contract import ContractHonestyCheck, ContractNoCollectivesCheck, Contract
 from .identity import FlattenedCheckpointsCheck, FlattenedTrainingCheck, PostShardingCheck, SealedLayoutGuardCheck
 from .negative import NegativeClaimsCheck
 from .state import StateDeclarationCheck
-from .training import PrecisionsCheck, ReplicatedTrainingCheck
+from .training import ParameterRanksCheck, PrecisionsCheck, ReplicatedTrainingCheck
 
 __all__ = ["BUILTIN_CHECKS", "builtin_checks"]
 
@@ -25,6 +25,7 @@ def builtin_checks() -> tuple[ConformanceCheck, ...]:
         NegativeClaimsCheck(),
         ReplicatedTrainingCheck(),
         PrecisionsCheck(),
+        ParameterRanksCheck(),
         NativeRoundTripCheck(),
         AtomicLoadCheck(),
         PostShardingCheck(),

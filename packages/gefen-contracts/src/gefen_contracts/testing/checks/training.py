@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from ...enums import CheckpointTransport, ParameterLayout
-from ..claims import checkpoint_claim, training_claim
+from ..claims import checkpoint_claim, rank_claim, training_claim
 from ..context import CheckContext
 from .checkpoint import assert_trees_equal
 
-__all__ = ["PrecisionsCheck", "ReplicatedTrainingCheck"]
+__all__ = ["ParameterRanksCheck", "PrecisionsCheck", "ReplicatedTrainingCheck"]
+
+#: One parameter shape of each rank the kit exercises (``ranks:N`` claims).
+RANK_SHAPES = {0: (), 1: (6,), 2: (4, 6), 3: (2, 3, 4), 4: (2, 2, 3, 2)}
 
 _NATIVE_CLAIMS = frozenset(
     checkpoint_claim(t.value, ParameterLayout.REPLICATED.value)
@@ -82,3 +85,40 @@ class PrecisionsCheck:
         context.train(twin_model, twin, steps, start=steps)
         context.assert_models_bitwise_equal(model, twin_model, f"{dtype} continuation after a native round trip")
         assert_trees_equal(optimizer.state_dict(), twin.state_dict(), f"{dtype} state_dict after continuation")
+
+
+class ParameterRanksCheck:
+    """Every claimed parameter rank trains: a parameter of that rank (its own optimizer, from
+    the target's factory) moves and stays finite over the target's steps. The kit model has
+    1-D and 2-D parameters only, so without this a contract claiming every rank was never
+    held to it."""
+
+    name = "training.parameter_ranks"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return frozenset(c for c in claims if c.startswith("ranks:"))
+
+    def run(self, context: CheckContext) -> None:
+        problems = []
+        ranks = sorted(rank for rank, _ in RANK_SHAPES.items() if rank_claim(rank) in context.claims)
+        for rank in ranks:
+            generator = torch.Generator().manual_seed(100 + rank)
+            parameter = torch.nn.Parameter(torch.randn(RANK_SHAPES[rank], generator=generator))
+            initial = parameter.detach().clone()
+            try:
+                optimizer = context.target.factory([(f"rank{rank}.weight", parameter)])
+                for _ in range(context.target.steps):
+                    optimizer.zero_grad(set_to_none=True)
+                    parameter.grad = torch.randn(RANK_SHAPES[rank], generator=generator)
+                    optimizer.step()
+            except Exception as exc:
+                problems.append(
+                    f"{rank_claim(rank)} is claimed but a {rank}-D parameter raised {type(exc).__name__}: {exc}"
+                )
+                continue
+            if not torch.isfinite(parameter.detach()).all():
+                problems.append(f"a {rank}-D parameter became non-finite")
+            elif torch.equal(parameter.detach(), initial):
+                problems.append(f"a {rank}-D parameter did not move")
+        assert not problems, "; ".join(problems)
+        context.notes.append(f"parameters of ranks {ranks} stepped")
