@@ -69,3 +69,10 @@ def test_pytest_plugin_runs_the_kit_from_the_command_line(tmp_path: Path) -> Non
     )  # fmt: skip
     assert bad.returncode != 0
     assert "contract.deterministic_and_pure" in bad.stdout
+
+
+def test_a_rank_claim_the_kit_cannot_exercise_stays_unverified() -> None:
+    from gefen_contracts.testing.checks.training import ParameterRanksCheck
+
+    # a 5-D claim has no shape in the kit: covering it would count it executed without running it
+    assert ParameterRanksCheck().covers(frozenset({"ranks:5", "ranks:2", "contract"})) == {"ranks:2"}

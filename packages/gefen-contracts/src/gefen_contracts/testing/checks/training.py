@@ -96,11 +96,12 @@ class ParameterRanksCheck:
     name = "training.parameter_ranks"
 
     def covers(self, claims: frozenset[str]) -> frozenset[str]:
-        return frozenset(c for c in claims if c.startswith("ranks:"))
+        # a rank without a shape here (5-D and up) stays unverified rather than covered unexecuted
+        return frozenset(rank_claim(rank) for rank in RANK_SHAPES) & claims
 
     def run(self, context: CheckContext) -> None:
         problems = []
-        ranks = sorted(rank for rank, _ in RANK_SHAPES.items() if rank_claim(rank) in context.claims)
+        ranks = sorted(rank for rank in RANK_SHAPES if rank_claim(rank) in context.claims)
         for rank in ranks:
             generator = torch.Generator().manual_seed(100 + rank)
             parameter = torch.nn.Parameter(torch.randn(RANK_SHAPES[rank], generator=generator))
