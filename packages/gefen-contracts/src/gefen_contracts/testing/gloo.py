@@ -86,8 +86,7 @@ def _worker(
     os.environ.update(env)
     # file descriptor 2 itself, so what C++ (gloo's terminate message) and C print is kept too
     log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
-    os.dup2(log.fileno(), 2)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.dup2(log.fileno(), 2)  # sys.stderr writes to descriptor 2 already
     faulthandler.enable(file=sys.stderr, all_threads=True)
     if hasattr(signal, "SIGUSR1"):  # what a hung rank is doing, asked for before it is killed
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
