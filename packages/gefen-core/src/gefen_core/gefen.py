@@ -319,10 +319,9 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         plan = gefen_step.plan(self)
         # a generator: without a scaler the gradients are not walked at all
         unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
-        for work in plan.works:
-            if work.state_device_differs:
-                gefen_step.move_state(work)
-        stats = gefen_step.factored_stats(self, plan.works)
+        for work in plan.moving:
+            gefen_step.move_state(work)
+        stats = gefen_step.factored_stats(self, plan)
         gefen_step.publish(self, plan, gefen_step.decide(self, plan), stats)
         return loss
 

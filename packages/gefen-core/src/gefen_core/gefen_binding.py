@@ -122,7 +122,7 @@ class GefenBinding:
         identity = optimizer._identity
         presence = b"" if identity is None else bytes(int(t.grad is not None) for t in identity.shared)
         needs = NEEDS_GRAD if plan.works else 0
-        if any(w.needs_state for w in plan.works):
+        if plan.starting:
             needs |= NEEDS_START
         if optimizer._codebook is None and any(gefen_step.locally_nonzero(w) for w in plan.works):
             needs |= NEEDS_NONZERO
@@ -169,8 +169,8 @@ class GefenBinding:
 
     def stage(self, optimizer: Gefen, plan: ScopePlan, outcome: LearningOutcome) -> StepDecision:
         inner: StepPlan = plan.inner
-        starting = [w for w in inner.works if w.needs_state and self.key(optimizer, w) in outcome.starting]
-        idle = [w for w in inner.works if w.needs_state and self.key(optimizer, w) not in outcome.starting]
+        starting = [w for w in inner.starting if self.key(optimizer, w) in outcome.starting]
+        idle = [w for w in inner.starting if self.key(optimizer, w) not in outcome.starting]
         periods = {w.slot: outcome.periods[self.key(optimizer, w)] for w in starting}
         codebook = outcome.codebook if outcome.codebook is not None else optimizer._codebook
         return gefen_step.stage_decision(optimizer, starting, idle, periods, codebook, [])
@@ -182,13 +182,12 @@ class GefenBinding:
     def publish(self, optimizer: Gefen, plan: ScopePlan, staged: Any, requantized: Any, amp: AmpReading) -> None:
         inner: StepPlan = plan.inner
         unscale_gradients(optimizer, plan.grads)
-        for work in inner.works:
-            if work.state_device_differs:
-                gefen_step.move_state(work)
-        stats = gefen_step.factored_stats(optimizer, inner.works)
+        for work in inner.moving:
+            gefen_step.move_state(work)
+        stats = gefen_step.factored_stats(optimizer, inner)
         decision = staged if isinstance(staged, StepDecision) else None
         if decision is None:
-            decision = StepDecision(idle=[w for w in inner.works if w.needs_state], codebook=optimizer._codebook)
+            decision = StepDecision(idle=list(inner.starting), codebook=optimizer._codebook)
         if requantized:
             decision.refreshed = requantized
         gefen_step.publish(optimizer, inner, decision, stats)

@@ -85,7 +85,7 @@ def decide(optimizer: Gefen, plan: StepPlan) -> StepDecision:
     """Learn what this step needs from local gradients (periods of starting parameters, the
     codebook, a due refresh) and stage it; nothing of the optimizer is touched."""
     works = plan.works
-    starting = [w for w in works if w.needs_state]
+    starting = plan.starting
     periods = {
         w.slot: period_policy(optimizer.param_groups[w.group_index]).resolve(
             w.name, tuple(w.param.shape), w.grad.numel(), row_sharded=w.row_sharded
@@ -142,11 +142,11 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         state[INDICES].copy_(indices)
     for work in decision.idle:
         decay_only(work.local, optimizer.param_groups[work.group_index])
-    buckets: dict[tuple[int, str, torch.device], list[ParamWork]] = {}
-    for work in plan.works:
-        if work.state:
-            buckets.setdefault((work.group_index, work.variant, work.local.device), []).append(work)
-    for (group_index, _, device), works in buckets.items():
+    for (group_index, _, device), works in plan.buckets.items():
+        if decision.idle:  # stateless parameters only decayed (above)
+            works = [work for work in works if work.state]
+            if not works:
+                continue
         update_parameters(
             works,
             optimizer.param_groups[group_index],
@@ -179,13 +179,16 @@ def move_state(work: ParamWork) -> None:
             work.state[key] = value.to(work.local.device)
 
 
-def factored_stats(optimizer: Gefen, works: list[ParamWork]) -> Stats:
+def factored_stats(optimizer: Gefen, plan: StepPlan) -> Stats:
     """Row/column sums of ``g^2`` of the row-sharded factored parameters, their column sums
     all-reduced (every rank's update needs them first). The other
     factored parameters' sums are taken just before their own update, while the gradient is
     still in cache, by ``gefen::factored_moments.v3`` (the statistics and the ``v_row``/``v_col``
     update in one call for the bucket)."""
     stats: Stats = {}
+    if not plan.row_sharded:  # (no DTensor row shards: the common case walks nothing)
+        return stats
+    works = plan.works
     by_device: dict[torch.device, list[ParamWork]] = {}
     for work in works:
         if work.variant == FACTORED and work.row_sharded:

@@ -33,6 +33,7 @@ from .param_state import (
 from .periods import RAGGED_PERIOD
 
 __all__ = [
+    "BucketKey",
     "ParamWork",
     "StepDecision",
     "StepPlan",
@@ -61,7 +62,6 @@ class ParamWork:
     row_sharded: bool
     state: dict[str, Any] | None
     local_nonzero: bool | None
-    state_device_differs: bool = False
     position: int = 0  # in its group's params (for messages)
 
     def where(self) -> str:
@@ -69,19 +69,28 @@ class ParamWork:
         return _place(self.group_index, self.position, self.name)
 
     @property
-    def needs_state(self) -> bool:
-        return not self.state
-
-    @property
     def global_rows(self) -> int:
         return int(self.param.shape[0])
+
+
+#: A bucket of a step: one group's parameters of one second-moment variant on one device,
+#: which every op updates in one call.
+BucketKey = tuple[int, str, torch.device]
 
 
 @dataclass(slots=True)
 class StepPlan:
     works: list[ParamWork] = field(default_factory=list)
+    #: ``works`` by bucket, in the order of their first parameter (filled by the plan's one pass)
+    buckets: dict[BucketKey, list[ParamWork]] = field(default_factory=dict)
     refresh_due: bool = False
     has_dtensors: bool = False  # whether a stepping parameter is a DTensor
+    #: buckets holding a row-sharded parameter (whose statistics take ``factored_stats``)
+    row_sharded: set[BucketKey] = field(default_factory=set)
+    #: works whose parameter has no state yet (the step starts it)
+    starting: list[ParamWork] = field(default_factory=list)
+    #: works whose state lives on another device than the parameter (moved before the update)
+    moving: list[ParamWork] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -190,6 +199,7 @@ def plan_step(
         raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
     plan = StepPlan(refresh_due=refresh_due)
     works = plan.works
+    buckets = plan.buckets
     slot = -1
     for group_index, group in enumerate(param_groups):
         check_group_options(group, group_index)
@@ -218,14 +228,15 @@ def plan_step(
             live = state.get(param)
             variant = second_moment_variant(shape, group)
             work = ParamWork(
-                group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None, False, position
+                group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None, position
             )
             if live:
-                work.state_device_differs = check_state(live, local, work.where)
-                if work.state_device_differs and capturable:
-                    raise CaptureError(
-                        f"{work.where()}: state lives on another device; capturable steps cannot move it"
-                    )
+                if check_state(live, local, work.where):
+                    if capturable:
+                        raise CaptureError(
+                            f"{work.where()}: state lives on another device; capturable steps cannot move it"
+                        )
+                    plan.moving.append(work)
                 # a refresh relearns the codebook from every gradient's histogram: a NaN would
                 # crash the reference's bincount and silently skew the kernels' counts
                 if refresh_due and local_grad.numel() and finite_bounds(local_grad) is None:
@@ -234,6 +245,7 @@ def plan_step(
                         "(codebook_refresh_every); the codebook cannot be relearned from it"
                     )
             else:
+                plan.starting.append(work)
                 if in_capture:
                     raise CaptureError(f"{work.where()}: has no state yet; run one eager step before capturing")
                 if local_grad.numel():
@@ -246,6 +258,14 @@ def plan_step(
                         )
                     work.local_nonzero = bounds != (0.0, 0.0)
             works.append(work)
+            key = (group_index, variant, local.device)
+            bucket = buckets.get(key)
+            if bucket is None:
+                buckets[key] = [work]
+            else:
+                bucket.append(work)
+            if row_sharded:
+                plan.row_sharded.add(key)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
     if dispatch.fused is True:
@@ -264,10 +284,14 @@ def update_ops(variant: str, *, row_sharded: bool = False) -> tuple[str, ...]:
 def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
     """``fused=True``: every op this step runs must have a kernel for its parameter's device."""
     needed: set[tuple[str, torch.device]] = set()
-    for work in plan.works:
-        device = work.local.device
+    for key in plan.buckets:  # a few buckets, not every parameter
+        _, variant, device = key
         if learns:
             needed.add((HISTOGRAM, device))
-        needed.update((op, device) for op in update_ops(work.variant, row_sharded=work.row_sharded))
+        sharded = key in plan.row_sharded
+        if sharded:
+            needed.update((op, device) for op in update_ops(variant, row_sharded=True))
+        if not sharded or not all(work.row_sharded for work in plan.buckets[key]):
+            needed.update((op, device) for op in update_ops(variant))
     for op, device in sorted(needed, key=str):
         dispatch.require(op, device)
