@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -383,3 +384,81 @@ def test_the_allocation_limit_is_checked_before_anything_is_allocated(
     live = GefenDCPState(optimizer)._session(0, "0" * 32)
     with pytest.raises(CheckpointLayoutError, match="max_fragment_tensor_bytes"):
         LoadSession(path=("optim",), live=live, metadata=metadata, limits=PortableStateLimits())
+
+
+def test_a_reused_writer_names_each_save_afresh(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    """DCP refreshes a writer's ``save_id`` only with a ``checkpoint_id``: a writer saving again
+    must still pick new file names, or a failed second save truncates the committed files."""
+    model, optimizer = trained
+    writer = GefenFileSystemWriter(tmp_path)
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+    dcp.save(state, storage_writer=writer, planner=GefenSavePlanner())
+    expected = _momenta(optimizer)
+    expected_params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    train(model, optimizer, 3, 2)
+    writer.fault_hook = _fail_after_first_item
+    with pytest.raises(CheckpointException):
+        dcp.save(
+            {"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
+            storage_writer=writer,
+            planner=GefenSavePlanner(),
+        )
+    restored_model, restored = build(1)
+    _load(restored_model, restored, tmp_path)
+    assert all(torch.equal(v, expected[k]) for k, v in _momenta(restored).items())
+    assert all(torch.equal(p, expected_params[n]) for n, p in restored_model.named_parameters())
+
+
+def test_two_saves_in_flight_into_one_directory_leave_the_last_commit_whole(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    """An async save still writing while a synchronous one commits into the same directory: each
+    commit removes only the files of finished saves, so the last commit loads, whole."""
+    model, optimizer = trained
+    (tmp_path / "__notes.distcp").write_bytes(b"not a checkpoint file")  # not the writer's name pattern
+    reached, gate = threading.Event(), threading.Event()
+
+    def hold(written: int) -> None:
+        if written == 1:
+            reached.set()
+            assert gate.wait(60)
+
+    state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
+    future = dcp.async_save(
+        state, storage_writer=GefenFileSystemWriter(tmp_path, fault_hook=hold), planner=GefenSavePlanner()
+    )
+    try:
+        assert reached.wait(60)
+        expected = _momenta(optimizer)  # the async save holds the state at its call
+        expected_params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        train(model, optimizer, 2, 2)
+        _save(model, optimizer, tmp_path)  # commits while the first save is still writing
+    finally:
+        gate.set()
+    future.result()  # the async save commits last
+    restored_model, restored = build(1)
+    _load(restored_model, restored, tmp_path)
+    assert all(torch.equal(v, expected[k]) for k, v in _momenta(restored).items())
+    assert all(torch.equal(p, expected_params[n]) for n, p in restored_model.named_parameters())
+    referenced = {info.relative_path for info in FileSystemReader(tmp_path).read_metadata().storage_data.values()}
+    assert set(os.listdir(tmp_path)) == referenced | {".metadata", "__notes.distcp"}
+
+
+def test_a_nested_gefen_dcp_state_is_refused_with_a_clear_error(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    """DCP calls ``state_dict()`` only on top-level values: a nested ``GefenDCPState`` would be
+    pickled whole (optimizer and parameters) into a checkpoint no load accepts."""
+    model, optimizer = trained
+    nested = {"train": {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}}
+    with pytest.raises((CheckpointException, PlannerRequiredError)) as caught:
+        dcp.save(nested, storage_writer=GefenFileSystemWriter(tmp_path / "sync"), planner=GefenSavePlanner())
+    assert "top level" in str(caught.value)
+    with pytest.raises(TypeError, match="top level"):
+        dcp.async_save(
+            nested, storage_writer=GefenFileSystemWriter(tmp_path / "async"), planner=GefenSavePlanner()
+        ).result()
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(GefenDCPState(optimizer))

@@ -108,6 +108,13 @@ def _placement(key: str, tensor: Any, parameters: tuple[Any, ...], geometry: dic
     return LIKE_PARAMETER if rows_follow else PLAIN
 
 
+_NESTED = (
+    "put GefenDCPState at the top level of the state dict given to dcp.save / dcp.load (e.g. "
+    "{'optimizer': GefenDCPState(opt)}); DCP calls state_dict() only on top-level Stateful values and would "
+    "pickle a nested one whole"
+)
+
+
 class GefenDCPState(Stateful):
     """A ``torch.distributed.checkpoint.stateful.Stateful`` over an optimizer's native state.
 
@@ -161,6 +168,14 @@ class GefenDCPState(Stateful):
             entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement, members)
         envelope = DcpStateEnvelope(implementation, skeleton, entries, save_id)
         return SaveSession(envelope=envelope, tensors=stored, parameters=parameters, writer=writer, limits=self.limits)
+
+    # DCP calls state_dict() only on a Stateful at the top level of the dict it saves; a nested
+    # one would be pickled whole (optimizer and parameters) as one opaque item no load accepts
+    def __create_write_items__(self, key: str, obj: object) -> list[Any]:
+        raise PlannerRequiredError(f"{key}: {_NESTED}")
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise TypeError(f"a GefenDCPState cannot be pickled: {_NESTED}")
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict DCP saves (collective; see the class docstring). Nothing is copied but

@@ -7,11 +7,20 @@
   (about 340 bytes of framing instead of about 1.6 KB), which DCP's stock reader loads with
   ``torch.load(weights_only=True)`` like any item: a Gefen checkpoint of a few hundred small
   state tensors stays near its 1 B/param of state.
-* **Crash-safe.** Data files of every save get fresh names (``__<rank>_<save>_<n>.distcp``);
-  the previous checkpoint's files are untouched until the new ``.metadata`` replaces the old
-  one by one atomic ``os.replace`` (the stock writer deletes the old ``.metadata`` first).
-  Only after that commit are data files no longer referenced removed. A save killed at any
-  point leaves the previous checkpoint loadable.
+* **Crash-safe.** Data files of every save get fresh names (``__<rank>_<save>_<n>.distcp``,
+  a new random ``<save>`` token per save, also when one writer saves again); the previous
+  checkpoint's files are untouched until the new ``.metadata`` replaces the old one by one
+  atomic ``os.replace`` (the stock writer deletes the old ``.metadata`` first). Only after
+  that commit are data files no longer referenced removed. A save killed at any point leaves
+  the previous checkpoint loadable.
+* **Concurrent saves to one directory.** The coordinator holds an advisory lock
+  (``.gefen_save.<save>.lock``, ``flock``) from planning to its commit. A commit removes only
+  the files of saves that no longer hold their lock (finished, crashed or failed and
+  released), so two saves in flight into one directory (an ``async_save`` and a synchronous
+  one) do not delete each other's files: the last to commit is the checkpoint, complete.
+  Names that are not this writer's pattern (``__<rank>_<16 hex>_<n>.distcp``) are never
+  touched. Where ``flock`` is unavailable (Windows, some network file systems) every stale
+  save counts as finished.
 * **Async-safe.** ``stage()`` (used by ``dcp.async_save``) freezes every
   :class:`~gefen_dcp.GefenDCPState` entry at the moment of the call (CPU copies of its state
   tensors, about 1 byte per parameter for Gefen) and stages everything else like the stock
@@ -27,10 +36,12 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import filesystem
@@ -46,6 +57,15 @@ __all__ = ["DATA_SUFFIX", "GefenFileSystemWriter"]
 
 DATA_SUFFIX = ".distcp"
 _METADATA = ".metadata"
+#: A save's files, each naming its save's token: data, uncommitted metadata, the save's lock.
+_DATA_NAME = re.compile(r"__\d+_([0-9a-f]{16})_\d+\.distcp")
+_TMP_NAME = re.compile(r"\.metadata\.([0-9a-f]{16})\.tmp")
+_LOCK_NAME = re.compile(r"\.gefen_save\.([0-9a-f]{16})\.lock")
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - no advisory locks (Windows): every stale save counts as finished
+    fcntl = None  # type: ignore[assignment]
 
 #: Called after each item is written with the number of items this rank has written so far
 #: (a fault-injection seam for tests).
@@ -79,6 +99,39 @@ def _buckets(items: Sequence[WriteItem], count: int) -> list[list[WriteItem]]:
         assigned[target].append((position, item))
         sizes[target] += max(1, _item_nbytes(item))
     return [[item for _, item in sorted(bucket, key=lambda pair: pair[0])] for bucket in assigned if bucket]
+
+
+def _hold_lock(path: Path) -> BinaryIO | None:
+    """An exclusive advisory lock on ``path`` (created), held while the returned file is open
+    (closed, also by garbage collection, it is released)."""
+    if fcntl is None:
+        return None
+    lock = open(path, "ab")  # noqa: SIM115 - held open across the save, closed by _release_lock
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without flock: no lock, as without fcntl
+        lock.close()
+        return None
+    return lock
+
+
+def _released(path: Path) -> bool:
+    """Whether the save owning the lock at ``path`` is over (no lock file, or nobody holds it)."""
+    if fcntl is None:
+        return True
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return True
 
 
 def _fsync_directory(path: Path) -> None:
@@ -124,6 +177,8 @@ class GefenFileSystemWriter(FileSystemWriter):
             overwrite=overwrite,
         )
         self.fault_hook = fault_hook
+        self._token = ""  # this save's file-name token (the coordinator's, from its global plan)
+        self._lock: BinaryIO | None = None  # the open file holding this save's lock (coordinator)
 
     # -- planning --------------------------------------------------------------------
 
@@ -141,7 +196,12 @@ class GefenFileSystemWriter(FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        token = self.save_id.replace("-", "")[:16]
+        # a fresh token per save: DCP refreshes save_id only when given a checkpoint_id, and a
+        # reused name would truncate the committed checkpoint's files
+        self._release_lock()  # left by a save of this writer that failed before its commit
+        token = uuid.uuid4().hex[:16]
+        self._token = token
+        self._lock = _hold_lock(Path(self.path) / f".gefen_save.{token}.lock")
         return [dataclasses.replace(plan, storage_data=_SavePrefix(f"__{i}_{token}_")) for i, plan in enumerate(plans)]
 
     # -- writing ---------------------------------------------------------------------
@@ -187,10 +247,14 @@ class GefenFileSystemWriter(FileSystemWriter):
         run()
         for thread in threads:
             thread.join()
-        if errors:
-            raise errors[0]
-        if last:
-            results.extend(self._write_file(names[-1], last, planner, lock, counter))
+        try:
+            if errors:
+                raise errors[0]
+            if last:
+                results.extend(self._write_file(names[-1], last, planner, lock, counter))
+        except BaseException:
+            self._release_lock()  # this save will not commit: a later one may remove its files
+            raise
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -246,7 +310,8 @@ class GefenFileSystemWriter(FileSystemWriter):
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         directory = Path(self.path)
-        tmp = directory / f"{_METADATA}.{self.save_id}.tmp"
+        token = self._token
+        tmp = directory / f"{_METADATA}.{token}.tmp"
         with open(tmp, "wb") as stream:
             pickle.dump(metadata, stream)
             if self.sync_files:
@@ -256,12 +321,27 @@ class GefenFileSystemWriter(FileSystemWriter):
         if self.sync_files:
             _fsync_directory(directory)
         referenced = {info.relative_path for info in storage.values()}
+        finished: dict[str, bool] = {token: True}
         for entry in directory.iterdir():
             name = entry.name
-            stale_data = name.startswith("__") and name.endswith(DATA_SUFFIX) and name not in referenced
-            stale_tmp = name.startswith(f"{_METADATA}.") and name.endswith(".tmp")
-            if entry.is_file() and (stale_data or stale_tmp):
+            match = _DATA_NAME.fullmatch(name) or _TMP_NAME.fullmatch(name) or _LOCK_NAME.fullmatch(name)
+            if match is None or name in referenced or not entry.is_file():
+                continue
+            owner = match.group(1)
+            if owner not in finished:
+                finished[owner] = _released(directory / f".gefen_save.{owner}.lock")
+            if finished[owner] and not (owner == token and name.endswith(".lock")):
                 entry.unlink(missing_ok=True)
+        self._release_lock(directory / f".gefen_save.{token}.lock")
+
+    def _release_lock(self, path: Path | None = None) -> None:
+        """Release this save's lock (closing the file releases it), removing it at ``path``."""
+        lock = self._lock
+        if lock is not None:
+            if path is not None:
+                path.unlink(missing_ok=True)
+            lock.close()
+            self._lock = None
 
     # -- async staging ---------------------------------------------------------------
 
