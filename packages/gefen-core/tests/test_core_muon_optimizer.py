@@ -96,7 +96,8 @@ def test_schedules_normalise_into_the_group() -> None:
     opt = GefenMuon(_matrices((4, 6)), ns_schedule="tuned3")
     group = opt.param_groups[0]
     assert group["ns_steps"] == 3 and group["ns_coefficients"] == NS_SCHEDULES["tuned3"]
-    assert group["ns_schedule"] == "tuned3" and opt.defaults["ns_steps"] == 3
+    # the defaults keep what was passed (what groups inherit), the group its resolution
+    assert group["ns_schedule"] == "tuned3" and opt.defaults["ns_steps"] == 5
     plain = GefenMuon(_matrices((4, 6)), ns_schedule="standard", ns_steps=3)
     assert plain.param_groups[0]["ns_steps"] == 3 and plain.param_groups[0]["ns_coefficients"] == (
         3.4445,
@@ -407,3 +408,56 @@ def test_matrices_without_rows_or_columns_step_with_the_others(adjust_lr_fn: str
         optimizer.step()
         reference.step()
     assert torch.equal(full, alone) and optimizer.global_step == 2
+
+
+def test_an_overflow_on_the_first_step_skips_it_instead_of_refusing_the_gradient() -> None:
+    """AMP's overflow skips the whole step: an ``inf`` in a matrix's first gradient on such a
+    step is the scaler's business, not a ``GradientError`` (Gefen skips before its plan too)."""
+    params = _matrices((8, 12))
+    opt = GefenMuon(params, fused=False)
+    params[0].grad = torch.randn(8, 12)
+    params[0].grad[0, 0] = float("inf")  # type: ignore[index]
+    opt.found_inf = torch.ones(1)  # type: ignore[attr-defined]
+    opt.grad_scale = torch.full((1,), 4.0)  # type: ignore[attr-defined]
+    before = deep_snapshot(opt, *params)
+    opt.step()
+    assert not snapshot_diff(before, opt, *params) and opt.global_step == 0
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_a_non_finite_gradient_is_refused_while_the_codebook_is_unlearned(fused: bool | None) -> None:
+    """A matrix whose first gradient was all zero has a state but no codebook yet: the next
+    step learns it from that gradient, so a NaN must be refused there too (it crashed the
+    reference's ``bincount`` and skewed the kernels' histogram into a codebook, silently)."""
+    params = _matrices((8, 12))
+    opt = GefenMuon(params, fused=fused)
+    params[0].grad = torch.zeros(8, 12)
+    opt.step()
+    assert opt.state[params[0]] and opt.codebook is None
+    params[0].grad = torch.randn(8, 12)
+    params[0].grad[2, 3] = float("nan")  # type: ignore[index]
+    before = deep_snapshot(opt, *params)
+    with pytest.raises(GradientError, match="codebook is still unlearned"):
+        opt.preflight_step()
+    with pytest.raises(GradientError, match="codebook is still unlearned"):
+        opt.step()
+    assert not snapshot_diff(before, opt, *params)
+
+
+def test_groups_inherit_the_constructors_schedule_options_not_their_resolution() -> None:
+    """A named schedule resolves into each group's triples, but a group returning to
+    ``"standard"`` (or giving its own triple) must get the constructor's own coefficients and
+    step count, not the named schedule's triples (torch.optim.Muon's groups inherit what was
+    passed)."""
+    matrices = _matrices((8, 16), (8, 16), (8, 16))
+    groups: list[dict[str, Any]] = [
+        {"params": [matrices[0]]},
+        {"params": [matrices[1]], "ns_schedule": "standard"},
+        {"params": [matrices[2]], "ns_schedule": None},
+    ]
+    opt = GefenMuon(groups, ns_schedule="tuned3")
+    schedules = [resolve_schedule(g["ns_coefficients"], g["ns_steps"], g["ns_schedule"]) for g in opt.param_groups]
+    assert schedules == [NS_SCHEDULES["tuned3"], resolve_schedule(), resolve_schedule()]
+    listed = GefenMuon(_matrices((8, 16)), ns_coefficients=[(3.0, -4.0, 2.0), (3.0, -4.0, 2.0)])
+    listed.add_param_group({"params": _matrices((8, 16), seed=1), "ns_coefficients": (3.4445, -4.775, 2.0315)})
+    assert listed.param_groups[0]["ns_steps"] == 2 and listed.param_groups[1]["ns_steps"] == 5

@@ -111,3 +111,26 @@ def test_a_non_finite_gradient_at_a_refresh_is_refused_before_anything_changes(f
     with pytest.raises(GradientError, match="not finite at a codebook refresh"):
         opt.step()
     assert snapshot_diff(before, opt, *params) == []
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_a_non_finite_gradient_is_refused_while_the_codebook_is_unlearned(fused: bool | None) -> None:
+    """All-zero first gradients start states but learn no codebook; the next step learns it
+    from every gradient, so a NaN there is refused like on a first step (it crashed the
+    reference's ``bincount`` and, through the kernels, froze a codebook from skewed counts)."""
+    from gefen_core import GradientError
+
+    params = _params()
+    opt = Gefen(params, lr=1e-2, fused=fused)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    opt.step()
+    assert opt.codebook is None and all(opt.state[p] for p in params)
+    _feed(params, 1)
+    params[1].grad[3] = float("nan")  # type: ignore[index]
+    before = deep_snapshot(opt, *params)
+    with pytest.raises(GradientError, match="while the codebook is unlearned"):
+        opt.preflight_step()
+    with pytest.raises(GradientError, match="while the codebook is unlearned"):
+        opt.step()
+    assert snapshot_diff(before, opt, *params) == []

@@ -38,7 +38,7 @@ from .muon_native_state import (
 from .muon_options import MUON_GROUP_OPTIONS, normalize_muon_options
 from .muon_plan import MuonPlan, check_entry, check_matrix
 from .native_records import GROUP_MIRROR
-from .newton_schulz import DEFAULT_COEFFICIENTS
+from .newton_schulz import DEFAULT_COEFFICIENTS, normalize_coefficients
 from .ops import MUON_DISPATCHED_OPS, Kernels
 from .optimizer_support import (
     NativeCheckpoint,
@@ -212,6 +212,13 @@ class GefenMuon(
         self._version = 0
         self._fp8_warned = False
         self._identity = None
+        # the groups inherit what was passed, not its resolution: a named or listed schedule
+        # rewrites ns_coefficients / ns_steps (a group runs the resolved triples), but a group
+        # that returns to ns_schedule="standard" or gives its own triple must get the
+        # constructor's own ns_coefficients / ns_steps, not the other schedule's triples
+        if "ns_coefficients" in defaults and defaults["ns_coefficients"] != ns_coefficients:
+            defaults["ns_coefficients"] = normalize_coefficients(ns_coefficients)
+            defaults["ns_steps"] = ns_steps
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
             for device in sorted({p.device for group in self.param_groups for p in group["params"]}, key=str):

@@ -146,8 +146,11 @@ def plan_muon_step(
     *,
     dispatch: Kernels,
     codebook_ready: bool,
+    overflowed: bool = False,
 ) -> MuonPlan:
-    """Validate everything a step needs and describe its work (see the module docstring)."""
+    """Validate everything a step needs and describe its work (see the module docstring).
+    ``overflowed``: the grad scaler found an overflow, so the step is skipped and its
+    gradients are not learned from (their finiteness is not an error)."""
     items = check_entry(param_groups)
     scope = build_scope([(item.param, item.mode) for item in items], [item.where for item in items])
     seen: dict[tuple[str, tuple[int, ...], torch.dtype], str] = {}
@@ -167,13 +170,17 @@ def plan_muon_step(
             item.grad = grad
         if item.state is not None:
             check_muon_state(item.state, item.state_numel, item.where)
-        if grad is not None and item.state is None:
+        if grad is not None and item.state is None and item.local_grad.numel():
+            refuse_meta(item.local_grad, item.where)
+        # the codebook is learned from every active gradient while it is unlearned (also after
+        # all-zero first gradients gave states): a NaN would skew or crash the histogram
+        learns = item.state is None or not codebook_ready
+        if grad is not None and learns and not overflowed:
             local_grad = item.local_grad
-            if local_grad.numel():
-                refuse_meta(local_grad, item.where)
             if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
+                first = "first gradient" if item.state is None else "gradient (the codebook is still unlearned)"
                 raise GradientError(
-                    f"{item.where}: the first gradient is not finite; the period and the codebook cannot be learned from it"
+                    f"{item.where}: the {first} is not finite; the period and the codebook cannot be learned from it"
                 )
     _assign_owners(items, scope)
     plan = MuonPlan(items, scope)

@@ -237,12 +237,17 @@ def plan_step(
                             f"{work.where()}: state lives on another device; capturable steps cannot move it"
                         )
                     plan.moving.append(work)
-                # a refresh relearns the codebook from every gradient's histogram: a NaN would
-                # crash the reference's bincount and silently skew the kernels' counts
-                if refresh_due and local_grad.numel() and finite_bounds(local_grad) is None:
+                # a refresh, or a codebook still unlearned after all-zero gradients, learns from
+                # every gradient's histogram: a NaN would crash the reference's bincount and
+                # silently skew the kernels' counts
+                if (refresh_due or not codebook_ready) and local_grad.numel() and finite_bounds(local_grad) is None:
+                    when = (
+                        "at a codebook refresh (codebook_refresh_every)"
+                        if refresh_due
+                        else "while the codebook is unlearned"
+                    )
                     raise GradientError(
-                        f"{work.where()}: the gradient is not finite at a codebook refresh "
-                        "(codebook_refresh_every); the codebook cannot be relearned from it"
+                        f"{work.where()}: the gradient is not finite {when}; the codebook cannot be learned from it"
                     )
             else:
                 plan.starting.append(work)
