@@ -150,3 +150,17 @@ def test_histogram_points_validation() -> None:
         histogram_points(np.array([1, -1, 0, 0]))
     positions, weights, bins = histogram_points(np.array([2, 0, 0, 5]))
     assert positions.tolist() == [-3, 3] and weights.tolist() == [2, 5] and bins == 4
+
+
+def test_a_histogram_beyond_the_exact_int64_range_still_solves() -> None:
+    """A histogram summed over a mesh or scope counts the whole model: above about 2.7e11
+    elements the exact sums would overflow int64. The counts are halved (every occupied bin
+    kept) until they fit; a histogram twice as heavy everywhere gives the same codebook."""
+    counts = torch.zeros(4096, dtype=torch.int64)
+    counts[::8] = 3
+    counts[2048] += 2**38
+    counts[1000:1100] += 2**30
+    huge = codebook_from_counts(counts)
+    assert huge is not None and huge.shape == (256,)
+    assert float(huge[0]) == -1.0 and float(huge[-1]) == 1.0 and bool((huge[1:] >= huge[:-1]).all())
+    assert torch.equal(codebook_from_counts(counts * 2), huge)  # a second halving of the doubled counts

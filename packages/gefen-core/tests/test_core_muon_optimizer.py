@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from gefen_contracts import StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import GefenMuon, GefenOptionError, GefenOptionTypeError, GradientError, ParameterError
 from gefen_core.momentum_codec import dequantize
@@ -461,3 +462,22 @@ def test_groups_inherit_the_constructors_schedule_options_not_their_resolution()
     listed = GefenMuon(_matrices((8, 16)), ns_coefficients=[(3.0, -4.0, 2.0), (3.0, -4.0, 2.0)])
     listed.add_param_group({"params": _matrices((8, 16), seed=1), "ns_coefficients": (3.4445, -4.775, 2.0315)})
     assert listed.param_groups[0]["ns_steps"] == 2 and listed.param_groups[1]["ns_steps"] == 5
+
+
+def test_a_checkpoint_of_the_other_optimizer_is_refused_naming_its_format() -> None:
+    """Gefen's and GefenMuon's formats share the ``gefen_format_version`` key: a Gefen checkpoint
+    into GefenMuon was blamed on its version ("re-save it with the version that wrote it")."""
+    from gefen_core import Gefen
+
+    muon_params, gefen_params = _matrices((8, 12)), _matrices((8, 12))
+    muon, gefen = GefenMuon(muon_params, fused=False), Gefen(gefen_params, fused=False)
+    _train(muon, muon_params, 1)
+    _train(gefen, gefen_params, 1)
+    for source, target, params, saved, wanted in (
+        (gefen, muon, muon_params, "gefen.native_state", "gefen.muon_native_state"),
+        (muon, gefen, gefen_params, "gefen.muon_native_state", "gefen.native_state"),
+    ):
+        before = deep_snapshot(target, *params)
+        with pytest.raises(StateValidationError, match=rf"'{saved}' checkpoint; \w+ reads '{wanted}'"):
+            target.load_state_dict(source.state_dict())
+        assert not snapshot_diff(before, target, *params)

@@ -7,6 +7,7 @@ import copy
 import io
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from gefen_contracts import FEATURE_COLLECTIVE_SCOPE, StaleTransactionError, StateValidationError
@@ -332,3 +333,25 @@ def test_preflight_refuses_what_torch_refuses_only_after_stepping_earlier_groups
     with pytest.raises(ValueError, match="beta1 as a Tensor"):
         multi.step()
     assert not snapshot_diff(before, multi, real, other)
+
+
+@pytest.mark.parametrize("rate", [np.float32(3e-3), torch.tensor(3e-3)], ids=["numpy", "tensor"])
+def test_a_rate_set_mid_run_as_a_numpy_scalar_or_a_tensor_resumes_like_torch(rate: object) -> None:
+    """A trainer may set ``param_groups[i]['lr']`` to a numpy scalar or a tensor between steps;
+    torch's AdamW steps and resumes with it. The optimizer's own checkpoint must load into one
+    built with a float (the rate arrives in the live option's form), and back."""
+    model, optimizer = _trained()
+    optimizer.param_groups[0]["lr"] = rate
+    _train(model, optimizer, 1, start=2)
+    twin_model, twin = _trained(1)
+    twin_model.load_state_dict(model.state_dict())
+    twin.load_state_dict(optimizer.state_dict())
+    assert type(twin.param_groups[0]["lr"]) is float and twin.param_groups[0]["lr"] == pytest.approx(3e-3)
+    _train(model, optimizer, 2, start=3)
+    _train(twin_model, twin, 2, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    tensor_model = _model()
+    tensor_rate = ContractedAdamW(_groups(tensor_model), lr=torch.tensor(1e-2))
+    tensor_rate.load_state_dict(optimizer.state_dict())  # numbers into a tensor-rate optimizer
+    assert isinstance(tensor_rate.param_groups[0]["lr"], torch.Tensor)
+    assert float(tensor_rate.param_groups[0]["lr"]) == pytest.approx(float(torch.as_tensor(rate)))

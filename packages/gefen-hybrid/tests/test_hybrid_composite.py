@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -267,3 +268,20 @@ def test_repr_and_children_and_routing() -> None:
     assert list(routing) == sorted(routing) and len(routing) == 17
     with pytest.raises(TypeError):
         optimizer.child_optimizers()["muon"] = None  # type: ignore[index]
+
+
+def test_a_copy_leaves_hooks_and_a_schedulers_step_wrapper_behind_like_torch() -> None:
+    """An LR scheduler wraps ``optimizer.step`` on the instance (a weak reference to the
+    original) and hooks may be lambdas: torch's optimizers drop both on copy and pickling.
+    A copied composite stepped the original, and pickling it failed."""
+    model, optimizer = _build()
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: None)
+    _train(model, optimizer, 1)
+    before = _values(model, optimizer)
+    twin_model, twin = copy.deepcopy((model, optimizer))
+    _train(twin_model, twin, 1, start=1)
+    _assert_equal(_values(model, optimizer), before)  # the original did not move
+    assert not twin._optimizer_step_post_hooks and "step" not in vars(twin)
+    restored = pickle.loads(pickle.dumps(optimizer))
+    assert isinstance(restored, CompositeOptimizer) and not restored._optimizer_step_post_hooks

@@ -63,10 +63,28 @@ def gradient_histogram(
     return total
 
 
+#: The largest histogram total the exact DP's int64 sums hold (weights times squared positions
+#: of up to ``HISTOGRAM_BINS``), less one count per bin for the rounding of :func:`_in_exact_range`.
+_EXACT_TOTAL = (2**62 - 1) // HISTOGRAM_BINS**2 - HISTOGRAM_BINS
+
+
+def _in_exact_range(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``counts`` halved as often as the exact DP needs (about 2.7e11 elements: a histogram summed
+    over a mesh or scope of a very large model), every occupied bin kept occupied. The counts are
+    the same on every rank, so is the result; the solve is then optimal for weights rounded to
+    about 38 bits."""
+    if total <= _EXACT_TOTAL:
+        return counts
+    shift = (total // _EXACT_TOTAL).bit_length()
+    return torch.where(counts > 0, (counts >> shift).clamp(min=1), counts)
+
+
 def codebook_from_counts(counts: torch.Tensor) -> torch.Tensor | None:
     """The optimal fp32 CPU codebook for a histogram, or ``None`` when it is empty."""
-    if int(counts.sum()) == 0:
+    total = int(counts.sum())
+    if total == 0:
         return None
+    counts = _in_exact_range(counts, total)
     positions, weights, bins = histogram_points(counts.numpy())
     solution = solve_pinned_codebook(positions, weights, CODEBOOK_SIZE, scale=bins)
     codebook = torch.from_numpy(solution.codebook).to(torch.float32)

@@ -276,6 +276,7 @@ def check_top_level(state_dict: object, fmt: NativeFormat, live_groups: int) -> 
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise fail(f"state_dict lacks {key!r}")
+    _refuse_other_format(state_dict, fmt)
     unknown = set(state_dict) - {"state", "param_groups", *fmt.top_level_keys}
     if unknown:
         raise fail(f"state_dict has unknown top-level keys {sorted(map(str, unknown))}")
@@ -284,6 +285,24 @@ def check_top_level(state_dict: object, fmt: NativeFormat, live_groups: int) -> 
         count = len(groups) if isinstance(groups, list) else "no"
         raise fail(f"state_dict has {count} parameter groups, the optimizer has {live_groups}")
     return groups
+
+
+def _refuse_other_format(state_dict: Mapping[str, Any], fmt: NativeFormat) -> None:
+    """Name a checkpoint of another native format (Gefen's into GefenMuon, or back) by what its
+    first group mirror says it is, before any check that would blame its version or its keys."""
+    groups = state_dict["param_groups"]
+    first = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else {}
+    raw = first.get(GROUP_MIRROR)
+    if type(raw) is not str:
+        return
+    try:
+        saved = json.loads(raw).get("format")
+    except (ValueError, AttributeError, RecursionError):
+        return  # malformed: reconcile_record says how
+    if isinstance(saved, str) and saved != fmt.name:
+        raise fail(
+            f"the checkpoint is a {saved!r} checkpoint; {fmt.optimizer} reads {fmt.name!r} (another optimizer wrote it)"
+        )
 
 
 def reconcile_record(sd: Mapping[str, Any], fmt: NativeFormat) -> dict[str, Any]:

@@ -22,6 +22,7 @@ checkpoint, as torch does.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -182,19 +183,24 @@ def _check_names(where: str, saved: Mapping[str, Any], live: Mapping[str, Any], 
 
 
 def _number_or_tensor(value: object, live: object, where: str, *, upper: float | None) -> object:
-    """A finite number ``>= 0`` (and ``< upper``), or a 1-element tensor where the live option is one."""
-    if isinstance(live, torch.Tensor):
-        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-            _fail(f"{where} must be a 1-element floating tensor like the live option, got {value!r}")
-        number = float(value.detach().reshape(-1)[0].item())
-        _check_range(number, where, upper)
-        return value.detach().to(device=live.device, dtype=live.dtype, copy=True).reshape(live.shape)
+    """The checkpoint's finite number ``>= 0`` (and ``< upper``), a real number or a 1-element
+    floating tensor, in the live option's form: a tensor where the live option is one (its dtype
+    and device), else a number. (A rate set mid-run as a tensor or a numpy scalar, as a trainer
+    may, still loads into an optimizer built with a float.)"""
     if isinstance(value, torch.Tensor):
-        _fail(f"{where} is a tensor in the checkpoint but a number here")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value.numel() != 1 or not value.is_floating_point():
+            _fail(f"{where} must be a number or a 1-element floating tensor, got {value!r}")
+        number = float(value.detach().reshape(-1)[0].item())
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         _fail(f"{where} must be a number (bool rejected), got {type(value).__name__}")
-    _check_range(float(value), where, upper)
-    return value
+    else:
+        number = float(value)
+    _check_range(number, where, upper)
+    if isinstance(live, torch.Tensor):
+        if isinstance(value, torch.Tensor):
+            return value.detach().to(device=live.device, dtype=live.dtype, copy=True).reshape(live.shape)
+        return torch.full_like(live, number)
+    return value if type(value) in (int, float) else number
 
 
 def _check_range(number: float, where: str, upper: float | None) -> None:

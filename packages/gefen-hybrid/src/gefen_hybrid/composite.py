@@ -540,11 +540,17 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # The model is held weakly and not copied along: a copy routes add_param_group by
-        # names and shapes only. torch drops the children's hooks on copy; they are re-added.
-        return {**self.__dict__, "_model_ref": None}
+        # names and shapes only. As torch's optimizers, a copy leaves behind the hooks and an
+        # instance-patched step (an LR scheduler's wrapper, bound to the original); torch drops
+        # the children's hooks on copy too, and the watch hooks are re-added.
+        state = {key: value for key, value in self.__dict__.items() if key not in _INSTANCE_ONLY}
+        state["_model_ref"] = None
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        for name in _HOOK_DICTS:
+            self.__dict__.setdefault(name, OrderedDict())
         self._watch_children()
 
     def __repr__(self) -> str:
@@ -553,6 +559,18 @@ class CompositeOptimizer(torch.optim.Optimizer):
             count = sum(len(g["params"]) for g in child.param_groups)
             parts.append(f"{role}={type(child).__name__}({count} parameters)")
         return f"{type(self).__name__}({', '.join(parts)})"
+
+
+#: The hooks torch's optimizers keep per instance (a copy starts without them, as torch's).
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+_INSTANCE_ONLY = frozenset({*_HOOK_DICTS, "step"})
 
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
