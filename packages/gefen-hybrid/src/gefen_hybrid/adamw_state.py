@@ -200,7 +200,7 @@ def _number_or_tensor(value: object, live: object, where: str, *, upper: float |
         if isinstance(value, torch.Tensor):
             return value.detach().to(device=live.device, dtype=live.dtype, copy=True).reshape(live.shape)
         return torch.full_like(live, number)
-    return value if type(value) in (int, float) else number
+    return value if isinstance(value, (int, float)) else number
 
 
 def _check_range(number: float, where: str, upper: float | None) -> None:
