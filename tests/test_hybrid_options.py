@@ -128,6 +128,12 @@ def test_bad_options_raise_errors_that_name_them(options: dict[str, Any], error:
         GefenMuonHybrid(seeded(TinyLlama), lr=LR, **options)
 
 
+def test_no_decay_substrings_are_checked_when_nothing_goes_to_the_backup() -> None:
+    only_matrices = torch.nn.Linear(8, 8, bias=False)
+    with pytest.raises(TypeError, match="not a single str"):
+        GefenMuonHybrid(only_matrices, lr=LR, no_decay_substrings="bias")
+
+
 def test_lr_is_required_and_muon_native_scaling_warns() -> None:
     with pytest.raises(TypeError, match="lr"):
         GefenMuonHybrid(seeded(TinyLlama))  # type: ignore[call-arg]

@@ -65,6 +65,15 @@ BAD_VALUES = [
     (["find-lr", "--threads", "-1"], "--threads must be >= 0"),
     (["find-lr", "--weight-decay", "-1"], "cannot build the optimizer 'gefen'"),
     (["find-lr", "--optimizer", "os:getcwd"], "cannot build the optimizer 'os:getcwd'"),
+    # a repeated entry names two rows alike: refused before the work, not after it
+    (["demo", "--optimizers", "adamw,adamw"], "optimizers lists 'adamw' more than once"),
+    (["bench", "memory", "--models", "tiny,tiny"], "models lists 'tiny' more than once"),
+    (["bench", "memory", "--optimizers", "nosuch"], "unknown optimizer 'nosuch'"),
+    (["bench", "quality", "--tasks", "char-tiny,char-tiny"], "tasks lists 'char-tiny' more than once"),
+    (["bench", "dcp", "--ranks", "1,1"], "ranks lists '1' more than once"),
+    (["bench", "portable", "--models", "tiny,tiny"], "models lists 'tiny' more than once"),
+    (["bench", "step", "--arms", "gefen-fused,gefen-fused"], "arms lists 'gefen-fused' more than once"),
+    (["bench", "dp", "--bruteforce-bins", "4096"], "bruteforce_bins must be in [256, 4096)"),
 ]
 
 
@@ -94,6 +103,67 @@ def test_an_output_folder_that_is_a_file_is_refused_before_the_run(
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "dp", "--out", str(afile)])
     assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_an_output_folder_below_a_file_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "dp", "--out", str(afile / "sub" / "dir")])
+    assert exit_info.value.code == 2 and f"({afile} is a file)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_without_a_cuda_device_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["bench", "step", "--device", "cuda"], ["bench", "quality", "--device", "cuda"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(command)
+        assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_unavailable_optimizers_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from gefen.bench.optimizers import unavailable_reason
+
+    missing = next((n for n in ("adamw-4bit", "adamw-8bit") if unavailable_reason(n) is not None), None)
+    if missing is None:
+        pytest.skip("every optional optimizer is installed here")
+    for command, message in (
+        (["demo", "--optimizers", missing], "no optimizer can run here"),
+        (["find-lr", "--optimizer", missing], "is not available here"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(command)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_recipe_arm_that_cannot_be_built_is_reported_as_such() -> None:
+    from gefen.bench.checkpoint_arms import build_status
+
+    assert build_status("gefen") is None
+    assert "cannot be built here" in (build_status("nosuch") or "")
+
+
+@pytest.mark.slow
+def test_a_diverged_arm_is_a_note_not_a_crash(tmp_path: Path) -> None:
+    """A diverged run's losses are inf, which the report schema refuses: the demo and the
+    quality benchmark crashed after all their runs and wrote nothing."""
+    code = main(
+        ["demo", "--steps", "3", "--model-size", "tiny", "--batch-size", "4", "--threads", "1",
+         "--lr", "adamw=1e30", "--out", str(tmp_path / "demo")]
+    )  # fmt: skip
+    assert code == 0
+    demo = read_report(tmp_path / "demo" / "demo.json")
+    assert "adamw diverged at lr 1e+30 (a non-finite loss): no test_loss row" in demo.notes
+    assert demo.row("gefen", "test_loss").baseline is None  # no baseline loss to compare with
+    code = main(
+        ["bench", "quality", "--tasks", "char-tiny", "--optimizers", "adamw,gefen", "--lr-grid", "1e30",
+         "--seeds", "1", "--steps", "3", "--workers", "1", "--out", str(tmp_path / "quality")]
+    )  # fmt: skip
+    assert code == 0
+    quality = read_report(tmp_path / "quality" / "quality.json")
+    assert any(note.startswith("char-tiny/adamw diverged at lr 1e+30") for note in quality.notes)
 
 
 def _check_files(out: Path, stem: str) -> dict[str, object]:
@@ -388,8 +458,8 @@ def test_bench_guard_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert "gefen/guard-pass" in gefen_rows
         counted = report.row("gefen/scoped-step-counted", "collectives_per_step")
         assert (
-            counted.baseline == "gefen/scoped-step"
-            and 1 <= counted.value <= report.row("gefen/scoped-step", "collectives_per_step").value
+            counted.baseline == "gefen/scoped-step-budget"
+            and 1 <= counted.value <= report.row("gefen/scoped-step-budget", "collectives_per_step").value
         )
     else:
         assert not gefen_rows and any(note.startswith("gefen: guard not measured") for note in report.notes)

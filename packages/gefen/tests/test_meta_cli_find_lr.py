@@ -167,3 +167,35 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
             main(argv)
         assert exit_info.value.code == 2
         assert fragment in capsys.readouterr().err
+
+
+def empty_target() -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    return _LossModel(), []
+
+
+class _NegativeLossModel(_LossModel):
+    """A loss that is negative and falls (an ELBO-style objective): -20 plus a squared error."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return super().forward(batch) - 20.0
+
+
+def negative_loss_target() -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    return _NegativeLossModel(), [torch.zeros(3)] * 40
+
+
+def test_a_negative_loss_does_not_count_as_divergence() -> None:
+    """``current > factor * best`` holds at the first step when ``best < 0``: the test stopped
+    there and suggested a rate below its own start."""
+    model, batches = negative_loss_target()
+    options = RangeTestOptions(start_lr=1e-4, end_lr=1e-2, num_iter=40)
+    result = lr_range_test(model, batches, _sgd, lambda m, b: m(b), options)
+    assert result.stopped == "completed" and len(result.lrs) == 40
+    assert result.suggested_lr >= options.start_lr
+
+
+def test_no_finite_loss_is_a_usage_error_naming_why(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["find-lr", f"{__name__}:empty_target", "--steps", "5", "--optimizer", "adamw"])
+    assert exit_info.value.code == 2
+    assert "no finite loss: the batches ran out before the first step" in capsys.readouterr().err

@@ -74,6 +74,12 @@ def test_batches_are_next_token_windows() -> None:
     assert torch.equal(a, b) and a[0, 0] == 0 and a[-1, -1] == 1000 - 2
     with pytest.raises(ValueError, match="too short"):
         sample_batch(torch.arange(10), 1, 16, torch.Generator())
+    exact = torch.arange(17)  # context + 1 tokens: exactly one window fits
+    x, y = sample_batch(exact, 2, 16, torch.Generator())
+    assert torch.equal(x[0], exact[:16]) and torch.equal(y[1], exact[1:])
+    assert torch.equal(eval_windows(exact, 3, 16)[0], exact[:16].expand(3, 16))
+    with pytest.raises(ValueError, match="too short"):
+        eval_windows(torch.arange(16), 1, 16)
 
 
 def test_pydoc_bytes_is_real_text_split_by_topic() -> None:

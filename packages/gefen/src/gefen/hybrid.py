@@ -222,6 +222,7 @@ class GefenMuonHybrid(CompositeOptimizer):
                 UserWarning,
                 stacklevel=2,
             )
+        fragments = _no_decay_fragments(no_decay_substrings)  # checked also when nothing goes to the backup
         children: dict[str, torch.optim.Optimizer] = {}
         if muon_named:
             children[ROLE_MUON] = GefenMuon(
@@ -250,7 +251,7 @@ class GefenMuonHybrid(CompositeOptimizer):
                 **extra_muon,
             )
         if backup_named:
-            groups = _backup_groups(backup_named, no_decay_substrings)
+            groups = _backup_groups(backup_named, fragments)
             common: dict[str, Any] = {
                 "lr": lr if backup_lr is None else backup_lr,
                 "betas": betas,
@@ -406,13 +407,17 @@ def _check_materialized(routed: RoutedParameters) -> None:
         )
 
 
-def _backup_groups(named: list[NamedParameter], no_decay_substrings: Sequence[str]) -> list[dict[str, Any]]:
+def _no_decay_fragments(no_decay_substrings: Sequence[str]) -> tuple[str, ...]:
     if isinstance(no_decay_substrings, str) or not isinstance(no_decay_substrings, Iterable):
         raise TypeError("no_decay_substrings must be a sequence of str (e.g. ('bias', 'norm')), not a single str")
     fragments = tuple(no_decay_substrings)
     for index, fragment in enumerate(fragments):
         if type(fragment) is not str or not fragment:
             raise TypeError(f"no_decay_substrings[{index}] must be a non-empty str, got {fragment!r}")
+    return fragments
+
+
+def _backup_groups(named: list[NamedParameter], fragments: tuple[str, ...]) -> list[dict[str, Any]]:
     lowered = tuple(fragment.lower() for fragment in fragments)
     exempt = [(n, p) for n, p in named if any(fragment in n.lower() for fragment in lowered)]
     decayed = [(n, p) for n, p in named if not any(fragment in n.lower() for fragment in lowered)]

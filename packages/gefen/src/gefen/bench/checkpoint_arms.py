@@ -16,7 +16,7 @@ import torch
 from gefen_contracts.protocols import ContractProvider
 from gefen_contracts.testing import import_attribute
 
-__all__ = ["EXTRA_ARMS", "build_arm", "claim_status"]
+__all__ = ["EXTRA_ARMS", "build_arm", "build_status", "claim_status"]
 
 NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
 
@@ -61,13 +61,26 @@ def build_arm(name: str, named: NamedParameters) -> torch.optim.Optimizer:
     return build_optimizer(name, named, lr=1e-3, weight_decay=0.01)
 
 
-def claim_status(name: str, feature: str) -> str | None:
-    """``None`` when arm ``name``'s contract claims ``feature``; otherwise why not."""
+def _toy_build(name: str) -> torch.optim.Optimizer | str:
+    """Arm ``name`` built over a toy model, or why it cannot be built here."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     try:
-        optimizer = build_arm(name, list(model.named_parameters()))
+        return build_arm(name, list(model.named_parameters()))
     except Exception as exc:
         return f"cannot be built here ({type(exc).__name__}: {exc})"
+
+
+def build_status(name: str) -> str | None:
+    """``None`` when arm ``name`` can be built here; otherwise why not."""
+    built = _toy_build(name)
+    return built if isinstance(built, str) else None
+
+
+def claim_status(name: str, feature: str) -> str | None:
+    """``None`` when arm ``name``'s contract claims ``feature``; otherwise why not."""
+    optimizer = _toy_build(name)
+    if isinstance(optimizer, str):
+        return optimizer
     if not isinstance(optimizer, ContractProvider):
         return "it publishes no optimizer contract"
     status = optimizer.optimizer_contract().capabilities.feature(feature)

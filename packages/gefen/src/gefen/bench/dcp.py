@@ -35,12 +35,12 @@ from typing import Any
 
 from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE
 
-from .checkpoint_arms import claim_status
-from .dcp_worker import TORCH_ARM, through_torch_recipe
+from .checkpoint_arms import build_status, claim_status
+from .dcp_worker import RECIPE_PREFIX, TORCH_ARM, through_torch_recipe
 from .model_sizes import bench_decoder
 from .plot import Panel, Series
 from .rank_processes import MALLOC_ENV, run_ranks
-from .schema import BenchmarkReport, ReportBuilder
+from .schema import BenchmarkReport, ReportBuilder, require_distinct
 
 __all__ = ["DEFAULT_ARMS", "OPERATIONS", "TORCH_ARM", "DcpOptions", "dcp_panels", "run_dcp"]
 
@@ -65,6 +65,8 @@ class DcpOptions:
         bench_decoder(self.model)  # raises on an unknown model
         if not self.ranks or any(type(n) is not int or n < 1 for n in self.ranks):
             raise ValueError(f"DcpOptions.ranks must be positive ints, got {list(self.ranks)!r}")
+        require_distinct(self.ranks, "DcpOptions.ranks")
+        require_distinct(self.arms, "DcpOptions.arms")
         if not self.arms or TORCH_ARM in self.arms:
             raise ValueError(f"DcpOptions.arms must name at least one arm besides the baseline {TORCH_ARM!r}")
         for name in ("threads", "batch_size", "sequence_length"):
@@ -82,7 +84,10 @@ def run_dcp(options: DcpOptions, *, progress: Callable[[str], None] | None = Non
     )
     arms = []
     for arm in options.arms:
-        reason = None if through_torch_recipe(arm) else claim_status(arm, FEATURE_PARAMETER_SHAPED_STATE)
+        if through_torch_recipe(arm):  # torch's recipe takes any optimizer that can be built
+            reason = build_status(arm.removeprefix(RECIPE_PREFIX))
+        else:
+            reason = claim_status(arm, FEATURE_PARAMETER_SHAPED_STATE)
         if reason is None:
             arms.append(arm)
         else:

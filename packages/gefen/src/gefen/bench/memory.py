@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 from .fresh_process import run_fresh
 from .memory_probe import ProbeResult, ProbeSpec
-from .optimizers import unavailable_reason
+from .optimizers import get_optimizer, unavailable_reason
 from .plot import Panel, Series
-from .schema import BenchmarkReport, ReportBuilder
+from .schema import BenchmarkReport, ReportBuilder, require_distinct
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -62,8 +62,12 @@ class MemoryOptions:
             raise ValueError("models must name at least one model preset")
         from ..demo.model import preset
 
+        require_distinct(self.models, "models")
+        require_distinct(self.optimizers, "optimizers")
         for model in self.models:
             preset(model)  # an unknown preset is the options' error, before anything runs
+        for name in self.optimizers:
+            get_optimizer(name)  # an unknown optimizer too
         if type(self.threads) is not int or self.threads < 0:
             raise ValueError(f"threads must be an int >= 0, got {self.threads!r}")
 

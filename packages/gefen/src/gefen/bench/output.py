@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,11 +32,19 @@ class EmittedFiles:
 
 
 def _output_folder(text: str) -> Path:
-    """``--out``: refused at parse time when it names an existing file (the run would end in a
-    ``FileExistsError`` after all its work)."""
+    """``--out``: refused at parse time when it, or the nearest of its folders that exists, is a
+    file or not writable (the run would fail on writing, after all its work)."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "" if existing == path else f" ({existing} is a file)"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be a folder{where}" if where else f"{text!r} is a file, not a folder"
+        )
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {existing} is not writable")
     return path
 
 

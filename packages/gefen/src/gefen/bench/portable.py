@@ -37,7 +37,7 @@ from .model_sizes import bench_decoder
 from .plot import Panel, Series
 from .portable_worker import OPERATIONS, TORCH_ARM
 from .rank_processes import MALLOC_ENV, run_ranks
-from .schema import BenchmarkReport, ReportBuilder
+from .schema import BenchmarkReport, ReportBuilder, require_distinct
 
 __all__ = ["DEFAULT_ARMS", "OPERATIONS", "TORCH_ARM", "PortableOptions", "portable_panels", "run_portable"]
 
@@ -62,6 +62,9 @@ class PortableOptions:
             bench_decoder(model)  # raises on an unknown model
         if not self.ranks or any(type(n) is not int or n < 1 for n in self.ranks):
             raise ValueError(f"PortableOptions.ranks must be positive ints, got {list(self.ranks)!r}")
+        require_distinct(self.models, "PortableOptions.models")
+        require_distinct(self.ranks, "PortableOptions.ranks")
+        require_distinct(self.arms, "PortableOptions.arms")
         if not self.arms or TORCH_ARM in self.arms:
             raise ValueError(f"PortableOptions.arms must name at least one arm besides the baseline {TORCH_ARM!r}")
         for name in ("threads", "batch_size", "sequence_length"):

@@ -36,7 +36,7 @@ from ..demo.train import TrainConfig
 from .intervals import PairedRatio, paired_ratio
 from .optimizers import get_optimizer, optimizer_names, unavailable_reason
 from .plot import Panel, Series
-from .schema import BenchmarkReport, ReportBuilder
+from .schema import BenchmarkReport, ReportBuilder, require_distinct
 from .training_pool import TrainJob, run_jobs
 
 __all__ = [
@@ -122,6 +122,7 @@ class QualityOptions:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        require_distinct(self.tasks, "tasks")
         for name in self.tasks:
             if name not in QUALITY_TASKS:
                 raise ValueError(f"unknown quality task {name!r}; known: {', '.join(QUALITY_TASKS)}")
@@ -144,6 +145,11 @@ class QualityOptions:
             raise ValueError(f"steps must be a positive int or None, got {self.steps!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device is 'cuda' but torch sees no CUDA device here")
 
     def task(self, name: str) -> QualityTask:
         task = QUALITY_TASKS[name]
@@ -307,8 +313,32 @@ def _add_rows(
     name = f"{task.name}/{outcome.optimizer}"
     base = f"{task.name}/{baseline_name}" if baseline is not None else None
     values = [outcome.test_by_seed[seed] for seed in sorted(outcome.test_by_seed)]
+    if not math.isfinite(outcome.test_mean):  # a diverged seed: no loss row (the schema holds finite numbers)
+        seeds = [seed for seed in sorted(outcome.test_by_seed) if not math.isfinite(outcome.test_by_seed[seed])]
+        builder.note(f"{name} diverged at lr {outcome.best_lr:g} on seed(s) {seeds}: no test_loss row")
+    else:
+        _add_test_loss(
+            builder, task, outcome, values, base if baseline is None or math.isfinite(baseline.test_mean) else None
+        )
+    if baseline is not None:
+        ratio = paired_ratio(outcome.test_by_seed, baseline.test_by_seed)
+        if math.isfinite(ratio.mean):
+            builder.add(
+                name,
+                "paired_loss_ratio",
+                ratio.mean,
+                "x",
+                detail={"low": ratio.low, "high": ratio.high, "seeds": ratio.n, "versus": base},
+            )
+    builder.add(name, "best_lr", outcome.best_lr, "lr", baseline=base)
+    builder.add(name, "tokens_per_s", outcome.tokens_per_s, "tokens/s", baseline=base)
+
+
+def _add_test_loss(
+    builder: ReportBuilder, task: QualityTask, outcome: OptimizerOutcome, values: list[float], base: str | None
+) -> None:
     builder.add(
-        name,
+        f"{task.name}/{outcome.optimizer}",
         "test_loss",
         outcome.test_mean,
         "nats/token",
@@ -325,18 +355,6 @@ def _add_rows(
             "tokens": task.tokens(),
         },
     )
-    if baseline is not None:
-        ratio = paired_ratio(outcome.test_by_seed, baseline.test_by_seed)
-        if math.isfinite(ratio.mean):
-            builder.add(
-                name,
-                "paired_loss_ratio",
-                ratio.mean,
-                "x",
-                detail={"low": ratio.low, "high": ratio.high, "seeds": ratio.n, "versus": base},
-            )
-    builder.add(name, "best_lr", outcome.best_lr, "lr", baseline=base)
-    builder.add(name, "tokens_per_s", outcome.tokens_per_s, "tokens/s", baseline=base)
 
 
 def _add_verdicts(

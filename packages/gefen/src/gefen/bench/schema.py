@@ -42,6 +42,7 @@ __all__ = [
     "render_pivot",
     "render_table",
     "report_from_json",
+    "require_distinct",
     "report_to_json",
     "validate_report",
     "write_report",
@@ -178,6 +179,14 @@ class BenchmarkReport:
             if row.name == name and row.metric == metric:
                 return row
         raise KeyError(f"no row named {name!r} with metric {metric!r} in benchmark {self.benchmark!r}")
+
+
+def require_distinct(values: Sequence[object], what: str) -> None:
+    """Row names are unique, so a list that names rows (models, optimizers, tasks, ranks, arms)
+    must not repeat an entry: ``ValueError`` before anything runs, not after all the work."""
+    repeated = sorted({str(value) for value in values if values.count(value) > 1})
+    if repeated:
+        raise ValueError(f"{what} lists {', '.join(repr(value) for value in repeated)} more than once")
 
 
 def _check_rows(rows: Sequence[BenchmarkRow]) -> None:

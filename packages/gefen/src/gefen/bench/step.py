@@ -47,7 +47,7 @@ from gefen_contracts.testing import import_attribute
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .plot import Panel, Series
-from .schema import BenchmarkReport, ReportBuilder
+from .schema import BenchmarkReport, ReportBuilder, require_distinct
 
 __all__ = ["BASELINE", "StepOptions", "decoder_shapes", "model_shapes", "run_step", "step_panels", "step_table"]
 
@@ -94,8 +94,11 @@ class StepOptions:
             raise ValueError(f"StepOptions.d_model must be divisible by 4 (grouped k/v), got {self.d_model}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"StepOptions.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("StepOptions.device is 'cuda' but torch sees no CUDA device here")
         if type(self.arms) is not tuple or any(type(a) is not str or not a for a in self.arms):
             raise ValueError(f"StepOptions.arms must be a tuple of non-empty arm names, got {self.arms!r}")
+        require_distinct(self.arms, "StepOptions.arms")
         if self.model not in ("", "demo"):
             raise ValueError(
                 f"StepOptions.model must be '' (the decoder of d_model/layers/vocab) or 'demo', got {self.model!r}"

@@ -91,6 +91,8 @@ def run_jobs(
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
-                future.result()  # re-raise a failed run here, with its traceback
+                if future.exception() is not None:  # re-raise a failed run now, not after the queue
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    future.result()
                 notify(jobs[futures[future]])
         return [future.result() for future in sorted(futures, key=futures.__getitem__)]

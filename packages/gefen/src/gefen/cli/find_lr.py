@@ -64,7 +64,7 @@ def register(sub: Any) -> None:
 def _factory(name: str, weight_decay: float) -> Any:
     from gefen_contracts.testing import import_attribute
 
-    from ..bench.optimizers import build_optimizer, get_optimizer
+    from ..bench.optimizers import build_optimizer, get_optimizer, unavailable_reason
 
     if ":" in name:
         try:
@@ -76,6 +76,9 @@ def _factory(name: str, weight_decay: float) -> Any:
         get_optimizer(name)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    missing = unavailable_reason(name)
+    if missing is not None:
+        raise UsageError(f"optimizer {name!r} is not available here: {missing}")
     return lambda named, lr: build_optimizer(name, named, lr=lr, weight_decay=weight_decay)
 
 
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench.output import emit
     from ..find_lr import (
+        NoFiniteLossError,
         RangeTestOptions,
         TargetError,
         load_target,
@@ -119,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     with progress_bar(options.num_iter, "find-lr", "step") as advance:
-        result = lr_range_test(target.model, target.batches, build, target.loss_fn, options, progress=advance)
+        try:
+            result = lr_range_test(target.model, target.batches, build, target.loss_fn, options, progress=advance)
+        except NoFiniteLossError as exc:
+            raise UsageError(str(exc)) from None
     config = {
         "target": target.name,
         "optimizer": args.optimizer,

@@ -182,8 +182,8 @@ def sample_batch(
     tokens: torch.Tensor, batch_size: int, context: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows: inputs ``[B, context]`` and next-token targets ``[B, context]``."""
-    limit = tokens.numel() - context - 1
-    if limit <= 0:
+    limit = tokens.numel() - context - 1  # the last window starts here (context + 1 tokens fit one)
+    if limit < 0:
         raise ValueError(f"a split of {tokens.numel()} tokens is too short for context {context}")
     starts = torch.randint(0, limit + 1, (batch_size,), generator=generator)
     offsets = torch.arange(context + 1)
@@ -193,8 +193,8 @@ def sample_batch(
 
 def eval_windows(tokens: torch.Tensor, count: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` evenly spaced windows (the same for every run): inputs and targets ``[count, context]``."""
-    limit = tokens.numel() - context - 1
-    if limit <= 0:
+    limit = tokens.numel() - context - 1  # the last window starts here (context + 1 tokens fit one)
+    if limit < 0:
         raise ValueError(f"a split of {tokens.numel()} tokens is too short for context {context}")
     starts = torch.linspace(0, limit, count).round().to(torch.int64)
     offsets = torch.arange(context + 1)

@@ -23,10 +23,16 @@ def build_demo_report(
     builder = ReportBuilder("demo", config=dict(config))
     ordered = sorted(arms, key=lambda arm: arm.optimizer != baseline)  # baseline rows first
     has_baseline = any(arm.optimizer == baseline for arm in arms)
+    # a diverged arm's losses are inf: no loss row (the schema holds finite numbers), a note
+    loss_baseline = any(arm.optimizer == baseline and not arm.diverged for arm in arms)
     for arm in ordered:
         base = baseline if has_baseline and arm.optimizer != baseline else None
-        detail = {"lr": arm.lr, "parameters": arm.parameters, "valid_loss": arm.valid_loss, "diverged": arm.diverged}
-        builder.add(arm.optimizer, "test_loss", arm.test_loss, "nats/token", baseline=base, detail=detail)
+        if arm.diverged:
+            builder.note(f"{arm.optimizer} diverged at lr {arm.lr:g} (a non-finite loss): no test_loss row")
+        else:
+            detail = {"lr": arm.lr, "parameters": arm.parameters, "valid_loss": arm.valid_loss}
+            loss_base = base if loss_baseline else None
+            builder.add(arm.optimizer, "test_loss", arm.test_loss, "nats/token", baseline=loss_base, detail=detail)
         builder.add(arm.optimizer, "tokens_per_s", arm.tokens_per_s, "tokens/s", baseline=base)
         builder.add(
             arm.optimizer,

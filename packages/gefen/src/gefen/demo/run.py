@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 
 from ..bench.optimizers import get_optimizer, unavailable_reason
-from ..bench.schema import BenchmarkReport
+from ..bench.schema import BenchmarkReport, require_distinct
 from .arm import ArmResult, ArmSpec, run_arm
 from .model import preset
 from .report import build_demo_report
@@ -42,8 +42,12 @@ class DemoOptions:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
         if not self.optimizers:
             raise ValueError("optimizers must name at least one optimizer")
+        require_distinct(self.optimizers, "optimizers")
         for name in self.optimizers:
             get_optimizer(name)  # raises on an unknown name
+        missing = {name: unavailable_reason(name) for name in self.optimizers}
+        if all(reason is not None for reason in missing.values()):
+            raise ValueError("no optimizer can run here: " + "; ".join(f"{k}: {v}" for k, v in missing.items()))
         preset(self.model_size)
         if self.tokenization not in ("char", "word"):
             raise ValueError(f"tokenization must be 'char' or 'word', got {self.tokenization!r}")
@@ -88,8 +92,6 @@ def run_demo(options: DemoOptions) -> DemoOutcome:
             skipped[name] = reason
             continue
         arms.append(run_arm(replace(template, optimizer=name, lr=options.lr_of(name))))
-    if not arms:
-        raise RuntimeError("no optimizer could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     config = {key: value for key, value in asdict(template).items() if key not in ("optimizer", "lr")}
     config["learning_rates"] = {arm.optimizer: arm.lr for arm in arms}
     config["data"] = f"tinylang {options.tokenization}-level, generated (no download)"

@@ -7,13 +7,14 @@ and a loss function; :func:`load_target` loads a user's ``MODULE:FUNCTION`` retu
 
 from __future__ import annotations
 
-from .range_test import RangeTestOptions, RangeTestResult, lr_range_test, ramp, suggest_lr
+from .range_test import NoFiniteLossError, RangeTestOptions, RangeTestResult, lr_range_test, ramp, suggest_lr
 from .report import range_test_panels, range_test_report, range_test_table
 from .target import DEFAULT_TARGET, LRTestTarget, TargetError, default_loss, demo_target, load_target
 
 __all__ = [
     "DEFAULT_TARGET",
     "LRTestTarget",
+    "NoFiniteLossError",
     "RangeTestOptions",
     "RangeTestResult",
     "TargetError",

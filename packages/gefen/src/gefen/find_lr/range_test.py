@@ -5,7 +5,8 @@ The optimizer takes ``num_iter`` steps while its learning rate grows geometrical
 composite's children keep theirs). The loss of each step is recorded before the step, at the
 rate that step then uses, and smoothed by a bias-corrected exponential moving average
 (``smooth_beta``). The test stops early when the loss is not finite or the smoothed loss
-exceeds ``diverge_factor`` times the best seen so far.
+exceeds ``diverge_factor`` times the best seen so far (for a loss that can be negative: rises
+above the best by ``diverge_factor - 1`` times the best's magnitude).
 
 The suggestion is the centre of the steepest descent of the smoothed loss against
 ``log(lr)``, measured over windows spanning a factor of 3 in rate and searched only up to
@@ -24,7 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RangeTestOptions", "RangeTestResult", "lr_range_test", "ramp", "suggest_lr"]
+__all__ = ["NoFiniteLossError", "RangeTestOptions", "RangeTestResult", "lr_range_test", "ramp", "suggest_lr"]
+
+
+class NoFiniteLossError(ValueError):
+    """The range test ended before any finite loss (no batches, or a non-finite first loss)."""
+
 
 OptimizerFactory = Callable[[list[tuple[str, torch.nn.Parameter]], float], torch.optim.Optimizer]
 LossFunction = Callable[[torch.nn.Module, object], torch.Tensor]
@@ -150,7 +156,8 @@ def lr_range_test(
             current = average / (1 - options.smooth_beta ** (step + 1))
             smoothed.append(current)
             best = min(best, current)
-            if current > options.diverge_factor * best:
+            # current > factor * best for positive losses, and a sensible rise for negative ones
+            if current - best > (options.diverge_factor - 1) * abs(best):
                 stopped = "diverged"
                 break
             loss.backward()  # type: ignore[no-untyped-call]
@@ -160,5 +167,8 @@ def lr_range_test(
         if options.restore:
             with torch.no_grad():
                 model.load_state_dict(snapshot)
+    if not any(math.isfinite(value) for value in smoothed):
+        why = "the batches ran out before the first step" if not lrs else f"the first loss was {losses[0]}"
+        raise NoFiniteLossError(f"the range test recorded no finite loss: {why}")
     suggested, at_minimum, rule = suggest_lr(lrs, smoothed)
     return RangeTestResult(tuple(lrs), tuple(losses), tuple(smoothed), stopped, suggested, at_minimum, rule)
