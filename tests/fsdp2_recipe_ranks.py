@@ -60,6 +60,10 @@ FACTORIES: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "gefen": _gefen,
     "contracted_adamw": lambda m: ContractedAdamW(m.parameters(), lr=1e-2, weight_decay=0.01),
     "gefen_muon": lambda m: GefenMuon([(n, p) for n, p in m.named_parameters() if p.ndim == 2], lr=1e-2),
+    # each matrix's state on its owner rank only (not in the resharding matrix: see its own test)
+    "gefen_muon_distributed": lambda m: GefenMuon(
+        [(n, p) for n, p in m.named_parameters() if p.ndim == 2], lr=1e-2, sharded_mode="distributed"
+    ),
     "hybrid_gefen": lambda m: GefenMuonHybrid(m.named_parameters(), lr=1e-2),
     "hybrid_adamw": lambda m: GefenMuonHybrid(m.named_parameters(), lr=1e-2, backup_optimizer="adamw"),
 }

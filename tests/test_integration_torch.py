@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts import StaleTransactionError
 from hybrid_models import TinyLlama, seeded, train
 from torch import nn
 from torch.optim import lr_scheduler
@@ -209,7 +210,7 @@ def test_a_compiled_gefen_step_matches_the_eager_step_bit_for_bit(fused: bool | 
     assert not torch.equal(next(eager_model.parameters()), next(_gefen_model().parameters()))
 
 
-@pytest.mark.parametrize("fused", [None, False], ids=["fused-auto", "reference"])
+@pytest.mark.parametrize("fused", [None, True, False], ids=["fused-auto", "fused", "reference"])
 def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: bool | None) -> None:
     """``capturable=True`` with a tensor learning rate: TorchDynamo traces the steady step whole
     (the ops are custom ops with fake implementations), a schedule's in-place updates of the rate
@@ -224,7 +225,7 @@ def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: boo
         return Gefen(model.named_parameters(), lr=torch.tensor(1e-2), weight_decay=0.01, capturable=True, fused=fused)
 
     eager, compiled = build(eager_model), build(compiled_model)
-    assert compiled.traceable()
+    assert not compiled.traceable()  # a learning step (no codebook, no state yet) runs eagerly
 
     def run(step: int, model: nn.Module, optimizer_step: Any) -> None:
         inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
@@ -235,6 +236,7 @@ def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: boo
     for step in range(2):  # the first step learns the codebook (host code), then one steady step
         run(step, eager_model, eager.step)
         run(step, compiled_model, compiled.step)
+    assert compiled.traceable()
     compiled_step = torch.compile(compiled.step, backend="eager")
     torch._dynamo.utils.counters.clear()
     for step in range(2, 7):
@@ -247,6 +249,39 @@ def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: boo
     assert counters["stats"]["unique_graphs"] == 1 and counters["frames"]["total"] == 1, dict(counters["frames"])
     for a, b in zip(eager_model.parameters(), compiled_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_capturable_gefen_step_compiled_from_the_first_step_equals_eager() -> None:
+    """TorchDynamo does not keep attribute writes on an optimizer: a traced learning step lost
+    the codebook it learned (every later step relearned it and drifted from eager), and traced
+    steps lost the step count a staged load's staleness check reads. Learning steps now run
+    eagerly; the count lives on the device."""
+    torch._dynamo.reset()
+    eager_model = _gefen_model()
+    compiled_model = copy.deepcopy(eager_model)
+
+    def build(model: nn.Module) -> Gefen:
+        return Gefen(model.named_parameters(), lr=torch.tensor(1e-2), weight_decay=0.01, capturable=True)
+
+    eager, compiled = build(eager_model), build(compiled_model)
+    compiled_step = torch.compile(compiled.step, backend="eager")
+
+    def run(step: int, model: nn.Module, optimizer_step: Any) -> None:
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        model.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer_step()
+
+    for step in range(4):
+        run(step, eager_model, eager.step)
+        run(step, compiled_model, compiled_step)
+        assert all(torch.equal(a, b) for a, b in zip(eager_model.parameters(), compiled_model.parameters())), step
+        assert compiled.global_step == eager.global_step == step + 1
+        assert compiled.codebook is not None and torch.equal(compiled.codebook, eager.codebook)  # type: ignore[arg-type]
+    staged = compiled.stage_state_dict(compiled.state_dict())
+    run(4, compiled_model, compiled_step)  # a traced steady step
+    with pytest.raises(StaleTransactionError):
+        compiled.commit_staged_state_dict(staged)
 
 
 def test_a_traceable_gefen_step_inside_a_compiled_training_step_is_functionalised() -> None:

@@ -120,3 +120,16 @@ def test_lookup_lower_bound_equals_binary_search() -> None:
         assert torch.equal(lower_bound(codebook, z), torch.searchsorted(codebook, z, out_int32=True))
     crowded = torch.cat([torch.tensor([-1.0]), torch.full((3,), 0.1), torch.linspace(0.2, 1.0, 252)])
     assert not bucket_occupancy_ok(crowded)
+
+
+def test_the_uniform_reference_has_the_shape_and_layout_of_its_fake_and_kernels() -> None:
+    """``gefen::stochastic_uniform.v1`` returns an index-shaped contiguous tensor (its fake's
+    ``index.new_empty(index.shape)``); the reference broadcast the ``[1]`` seed, giving a 0-d
+    index a ``[1]`` result, and kept a transposed index's strides."""
+    import gefen_core.ops  # noqa: F401  (registers the op)
+
+    seed = torch.tensor([12345], dtype=torch.int64)
+    for index in (torch.tensor(7, dtype=torch.int64), torch.arange(6, dtype=torch.int64).reshape(2, 3).T):
+        out = stochastic_uniform_reference(seed, index)
+        assert out.shape == index.shape and out.is_contiguous() and out.dtype is torch.float32
+        torch.library.opcheck(torch.ops.gefen.stochastic_uniform.v1, (seed, index))

@@ -129,7 +129,7 @@ class CanonicalRole:
     Each optimizer class owns one (``Gefen``'s :data:`gefen_core.gefen_binding.CANONICAL`,
     ``GefenMuon``'s :data:`gefen_core.muon_binding.CANONICAL`) and its three methods delegate
     to it; the role holds no state of its own, every method takes the optimizer, which
-    provides ``_identity``, ``_version``, ``_global_step``, ``_codebook``,
+    provides ``_identity``, ``_version``, ``global_step``, ``_codebook``,
     ``_identity_implementation``, ``_identity_readiness()``, ``_verify_layout(where)`` and
     ``_native`` (its :class:`~gefen_core.optimizer_support.NativeCheckpoint`, which stages and
     publishes).
@@ -198,7 +198,7 @@ class CanonicalRole:
     def _freshness(optimizer: Any) -> Hashable:
         return (
             optimizer._version,
-            optimizer._global_step,
+            optimizer.global_step,
             id(optimizer._codebook),
             id(optimizer.state),
             state_version_token(optimizer.param_groups, optimizer.state),
@@ -208,7 +208,7 @@ class CanonicalRole:
     def _common(optimizer: Any) -> dict[str, Any]:
         identity = optimizer._identity
         scope = None if identity is None or identity.scope is None else identity.scope.scope_record()
-        return {"global_step": optimizer._global_step, "codebook": optimizer._codebook, "codebook_scope": scope}
+        return {"global_step": optimizer.global_step, "codebook": optimizer._codebook, "codebook_scope": scope}
 
     # -- export ---------------------------------------------------------------------------------
 

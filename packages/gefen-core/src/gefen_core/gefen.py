@@ -326,12 +326,23 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         return loss
 
     def traceable(self) -> bool:
-        """Whether TorchDynamo traces ``step()``: with ``capturable=True`` and every group's
-        learning rate a tensor, nothing it would specialise on changes between steps (counters
-        and step scalars live on the device; a schedule updates the rate in place), so a compiled
-        steady step has no graph break and does not recompile. With Python-float rates or int
-        counters it would recompile at every change of their values, so it runs eagerly."""
-        return self._capturable and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
+        """Whether TorchDynamo traces ``step()``: a steady step (the codebook learned, every
+        parameter with a gradient already holding state, no codebook scope) with
+        ``capturable=True`` and every group's learning rate a tensor. Then nothing it would
+        specialise on changes between steps (counters and step scalars live on the device; a
+        schedule updates the rate in place), so a compiled steady step has no graph break and
+        does not recompile. With Python-float rates or int counters it would recompile at every
+        change of their values, so it runs eagerly; so do learning steps, whose new codebook
+        and states are assignments a traced step would not keep (TorchDynamo does not replay
+        attribute writes on an optimizer), and a scope's collectives."""
+        identity = self._identity
+        return (
+            self._capturable
+            and self._codebook is not None
+            and (identity is None or identity.scope is None)
+            and all(isinstance(group["lr"], torch.Tensor) for group in self.param_groups)
+            and all(p in self.state for group in self.param_groups for p in group["params"] if p.grad is not None)
+        )
 
     _OWN_ATTRIBUTES = (
         "_dispatch",

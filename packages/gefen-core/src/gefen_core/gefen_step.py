@@ -256,10 +256,14 @@ def _seeds(optimizer: Gefen, works: list[ParamWork], device: torch.device) -> to
 
 
 def _device_step(optimizer: Gefen, device: torch.device) -> torch.Tensor:
-    counter = optimizer._device_global_steps.get(device)
+    counters = optimizer._device_global_steps
+    counter = counters.get(device)
     if counter is None:
-        counter = torch.tensor(optimizer._global_step, dtype=torch.int64, device=device)
-        optimizer._device_global_steps[device] = counter
+        if counters:  # the device count is the truth: a traced step advances only it
+            counter = next(iter(counters.values())).to(device, copy=True)
+        else:
+            counter = torch.tensor(optimizer._global_step, dtype=torch.int64, device=device)
+        counters[device] = counter
     return counter
 
 
@@ -269,5 +273,7 @@ def _advance_global_step(optimizer: Gefen, works: list[ParamWork]) -> None:
             _device_step(optimizer, device)  # created from the host count before it advances
         for counter in optimizer._device_global_steps.values():
             counter.add_(1)
+    # (under TorchDynamo these two writes are not kept: a traced step's count is the device
+    # counters', read by global_step, and the staged-load token reads global_step too)
     optimizer._global_step += 1
     optimizer._version += 1

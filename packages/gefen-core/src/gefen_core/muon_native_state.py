@@ -238,7 +238,9 @@ class StagedMuonState:
     global_step: int
 
 
-def _check_owners(owners: object, layouts: Sequence[SlotLayout], initialized: set[int]) -> None:
+def _check_owners(
+    owners: object, layouts: Sequence[SlotLayout], initialized: set[int], scope: MuonScope | None
+) -> None:
     if owners is None:
         return
     where = "the owner manifest (gefen_muon_owners)"
@@ -270,6 +272,15 @@ def _check_owners(owners: object, layouts: Sequence[SlotLayout], initialized: se
         if exact_int(entry["owner"], f"{label} owner", 0) != index % world:
             raise fail(f"{label} owner {entry['owner']} breaks the rule owner = index mod world_size ({index % world})")
         if type(entry["initialized"]) is not bool or entry["initialized"] != (slot in initialized):
+            if entry["initialized"] is True and scope is not None and layout.owner != scope.rank:
+                # torch's flattened recipe rebuilds each entry from this rank's live state keys,
+                # and a rank holds no state for a matrix it does not own
+                raise fail(
+                    f"{label}: the checkpoint holds no state for {layout.name!r}, which another rank owns; "
+                    "sharded_mode='distributed' state cannot go through torch's flattened recipe "
+                    "(flatten_optimizer_state_dict=True): use the nested recipe, GefenDCPState, or the "
+                    "native state_dict()"
+                )
             raise fail(f"{label} says initialized={entry['initialized']!r} but the checkpoint disagrees")
 
 
@@ -359,7 +370,7 @@ def stage_muon_state_dict(
         staged = _stage_entry(entry, layouts[slot], where, global_step)
         if staged is not None:
             staged_slots[slot] = staged
-    _check_owners(record["owners"], layouts, set(staged_slots))
+    _check_owners(record["owners"], layouts, set(staged_slots), scope)
     if any(bool(s[MAGNITUDE].ne(0).any()) for s in staged_slots.values()) and codebook is None:
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
     # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"

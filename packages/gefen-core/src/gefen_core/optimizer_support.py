@@ -119,6 +119,13 @@ def publish_groups_and_state(
     optimizer.state = fresh
 
 
+def _staleness_token(optimizer: Any) -> tuple[int, int]:
+    """What a staged native load must find unchanged at its commit: the optimizer's version and
+    its global step (a traced capturable step advances only the device count, which
+    ``global_step`` reads)."""
+    return optimizer._version, optimizer.global_step
+
+
 @dataclass(frozen=True, slots=True)
 class NativeCheckpoint:
     """The native ``state_dict`` role of Gefen and GefenMuon, written once: torch's hooks around
@@ -146,11 +153,11 @@ class NativeCheckpoint:
     def stage_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> StagedTransaction:
         verify_layout(optimizer, "load_state_dict")
         payload = self.stage(optimizer, split_identity_guard(state_dict, bound_layout(optimizer)))  # type: ignore[arg-type]
-        return StagedTransaction(optimizer, kind=self.kind, token=optimizer._version, payload=payload)
+        return StagedTransaction(optimizer, kind=self.kind, token=_staleness_token(optimizer), payload=payload)
 
     def commit_staged_state_dict(self, optimizer: Any, staged: StagedTransaction) -> None:
         verify_layout(optimizer, "load_state_dict")
-        self.publish(optimizer, staged.claim(optimizer, kind=self.kind, current_token=optimizer._version))
+        self.publish(optimizer, staged.claim(optimizer, kind=self.kind, current_token=_staleness_token(optimizer)))
 
     def load_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> None:
         load_with_hooks(

@@ -563,5 +563,6 @@ def histogram_tensor(grad: torch.Tensor, period: int, counts: torch.Tensor, *, d
 
 
 def stochastic_uniform_reference(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``gefen::stochastic_uniform.v1``: the SplitMix64 uniforms for int64 ``index`` (fp32)."""
-    return splitmix_uniform(seed, index)
+    """``gefen::stochastic_uniform.v1``: the SplitMix64 uniforms for int64 ``index`` (fp32),
+    shaped like ``index`` and contiguous, as the fake and the kernels (a 0-d index too)."""
+    return splitmix_uniform(seed.reshape(()), index.contiguous())

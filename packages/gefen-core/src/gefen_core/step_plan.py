@@ -273,7 +273,9 @@ def plan_step(
                 plan.row_sharded.add(key)
     if in_capture and (not codebook_ready or refresh_due):
         raise CaptureError("the codebook must be learned (and not refreshed) outside graph capture")
-    if dispatch.fused is True:
+    # (a traced step is a steady one: the eager steps before it checked the kernels, and the
+    # dispatcher query would break the graph)
+    if dispatch.fused is True and not torch.compiler.is_compiling():
         _check_kernels(plan, dispatch, learns=not codebook_ready or refresh_due)
     return plan
 
