@@ -462,3 +462,19 @@ def test_a_nested_gefen_dcp_state_is_refused_with_a_clear_error(
         ).result()
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(GefenDCPState(optimizer))
+
+
+def test_a_writer_pickles_while_it_holds_its_save_lock(
+    trained: tuple[torch.nn.Module, Int8MomentumSGD], tmp_path: Path
+) -> None:
+    """A process-based async save pickles its writer; mid-save the writer holds its lock file
+    open, which a copy must not carry (nor could copy: an open file does not pickle)."""
+    model, optimizer = trained
+    copies: list[GefenFileSystemWriter] = []
+    writer = GefenFileSystemWriter(tmp_path, fault_hook=lambda written: copies.append(copy.deepcopy(writer)))
+    dcp.save(
+        {"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
+        storage_writer=writer,
+        planner=GefenSavePlanner(),
+    )
+    assert copies and all(copy_._lock is None and copy_.path == writer.path for copy_ in copies)

@@ -334,6 +334,10 @@ class GefenFileSystemWriter(FileSystemWriter):
                 entry.unlink(missing_ok=True)
         self._release_lock(directory / f".gefen_save.{token}.lock")
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (a process-based async save pickles its writer) holds no lock of this one's
+        return {**self.__dict__, "_lock": None}
+
     def _release_lock(self, path: Path | None = None) -> None:
         """Release this save's lock (closing the file releases it), removing it at ``path``."""
         lock = self._lock
