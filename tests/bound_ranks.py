@@ -92,6 +92,10 @@ class Kind:
 KINDS = {
     "gefen": Kind(Net, lambda named: Gefen(named, lr=1e-2, fused=False, factored_v_2d=False)),
     "muon": Kind(Matrices, lambda named: GefenMuon(named, lr=2e-2, fused=False)),
+    # a flattened piece of a matrix is 1-D, but the step forces period 1 by the matrix's rank
+    "gefen_forced_1d": Kind(
+        Net, lambda named: Gefen(named, lr=1e-2, fused=False, factored_v_2d=False, force_1d_period_one=True)
+    ),
 }
 
 
@@ -157,7 +161,7 @@ def reshard(rank: int, world: int, kind: str, source: tuple[int, str], target: t
     def spec(members: int, name: str) -> Spec | None:
         if members == 1:
             return None
-        return gefen_layout(members) if kind == "gefen" else MUON_LAYOUTS[name]
+        return gefen_layout(members) if kind.startswith("gefen") else MUON_LAYOUTS[name]
 
     (src_size, src_name), (tgt_size, tgt_name) = source, target
     in_source, in_target = rank < src_size, rank < tgt_size

@@ -30,6 +30,13 @@ def test_gefen_between_one_process_and_two_flattened_members(
     assert_members_resume(world2.run(ranks.reshard, "gefen", (source, ""), (target, "")), exact=exact)
 
 
+def test_force_1d_period_one_spares_the_flattened_pieces_of_matrices(world2: GlooWorld) -> None:
+    """``force_1d_period_one`` forces 1-D parameters, not 1-D pieces of matrices: the step keeps
+    a flattened matrix piece's own period, and so must the import (it forced period 1 by the
+    piece's rank, re-encoding every matrix per element and drifting 1.6e-2 from the run)."""
+    assert_members_resume(world2.run(ranks.reshard, "gefen_forced_1d", (1, ""), (2, "")), exact=True)
+
+
 @pytest.mark.parametrize("source", [1, 2])
 def test_gefen_re_blocks_onto_three_flattened_members(world3: GlooWorld, source: int) -> None:
     assert_members_resume(world3.run(ranks.reshard, "gefen", (source, ""), (3, "")), exact=False)

@@ -459,7 +459,10 @@ def native_from_records(
         assert slot.live_index is not None
         if record.block_fields:  # the piece is the fragment that exported it: keep its own blocks
             name = live_name(optimizer.param_groups, slot)
-            forced = period_policy(options).forces_period_one(name, tensor.dim())
+            # the parameter's own rank, not the piece's: a flattened shard of a matrix is 1-D,
+            # and a step forces period 1 by the matrix's rank (force_1d_period_one spares it)
+            ndim = len(record.layout.shard.parameter.global_shape)
+            forced = period_policy(options).forces_period_one(name, ndim)
             kept = own_blocks_entry(record, param=tensor, target=target, forced_one=forced, global_step=global_step)
             if kept is not None:
                 entries[(slot.group_index, slot.live_index)] = kept
@@ -487,7 +490,7 @@ def native_from_records(
             search_shape=tuple(tensor.shape),
             policy=period_policy(options),
             name=live_name(optimizer.param_groups, slot),
-            ndim=tensor.dim(),
+            ndim=len(piece.global_shape),  # (the parameter's rank, as above; the rule on the piece reinfers)
             codebook=codebook,
         )
         factors = complete_factors(piece, *tensor.shape) if target == FACTORED else None

@@ -276,10 +276,10 @@ def _check_owners(
                 # torch's flattened recipe rebuilds each entry from this rank's live state keys,
                 # and a rank holds no state for a matrix it does not own
                 raise fail(
-                    f"{label}: the checkpoint holds no state for {layout.name!r}, which another rank owns; "
-                    "sharded_mode='distributed' state cannot go through torch's flattened recipe "
-                    "(flatten_optimizer_state_dict=True): use the nested recipe, GefenDCPState, or the "
-                    "native state_dict()"
+                    f"{label} says initialized=True but the checkpoint holds no state for {layout.name!r}, "
+                    "which another rank owns: sharded_mode='distributed' state cannot go through torch's "
+                    "flattened recipe (flatten_optimizer_state_dict=True), which rebuilds entries from this "
+                    "rank's own state; use the nested recipe, GefenDCPState, or the native state_dict()"
                 )
             raise fail(f"{label} says initialized={entry['initialized']!r} but the checkpoint disagrees")
 
