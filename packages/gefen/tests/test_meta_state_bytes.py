@@ -80,9 +80,10 @@ def test_wrapper_subclasses_are_opened_through_tensor_flatten() -> None:
         def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
             self.codes = codes
             self.scale = scale
+            self.mesh = object()  # not a tensor: as a DTensor names its device mesh
 
         def __tensor_flatten__(self) -> tuple[list[str], None]:
-            return ["codes", "scale"], None
+            return ["codes", "scale", "mesh"], None
 
         @classmethod
         def __torch_dispatch__(cls, func: object, types: object, args: object = (), kwargs: object = None) -> object:

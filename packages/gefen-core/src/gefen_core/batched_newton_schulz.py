@@ -87,7 +87,7 @@ def newton_schulz_batched(stack: torch.Tensor, schedule: Schedule, eps: float) -
     """
     if stack.dim() != 3:
         raise ValueError(f"newton_schulz_batched needs a [batch, rows, cols] stack, got shape {tuple(stack.shape)}")
-    x = stack.to(dtype=torch.bfloat16, copy=True)
+    x = stack.to(dtype=torch.bfloat16)  # (no copy: the division below writes a new tensor)
     tall = x.size(1) > x.size(2)
     if tall:
         x = x.transpose(1, 2)

@@ -270,12 +270,13 @@ def _step_batched(
     for members in by_group.values():  # one momentum call per group (momentum, Nesterov)
         items, grads, states = (list(column) for column in zip(*members, strict=True))
         matrices.update(zip((i.slot for i in items), _momenta(optimizer, items, grads, states), strict=True))
-    ready = [(item, grad, state, matrices[item.slot]) for item, grad, state in started]
-    if not ready:
+    if not started:
         return
-    group = optimizer.param_groups[ready[0][0].group_index]
-    stack = newton_schulz_batched(torch.stack([matrix for *_, matrix in ready]), group_schedule(group), group["eps"])
-    for (item, grad, state, _), update in zip(ready, stack):
+    inputs = torch.stack([matrices[item.slot] for item, _, _ in started])
+    matrices.clear()  # the stack holds them now: W(B) models one copy of the inputs, not two
+    group = optimizer.param_groups[started[0][0].group_index]
+    stack = newton_schulz_batched(inputs, group_schedule(group), group["eps"])
+    for (item, grad, state), update in zip(started, stack):
         _apply(optimizer, item, finish_update(update, grad, state, optimizer.param_groups[item.group_index]), lrs)
 
 

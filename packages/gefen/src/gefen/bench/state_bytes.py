@@ -62,6 +62,8 @@ def _leaf_tensors(tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
     names, _ = flatten(tensor)
     for name in names:
         inner = getattr(tensor, name)
+        if not isinstance(inner, torch.Tensor):  # a DTensor also names its device mesh
+            continue
         for suffix, leaf in _leaf_tensors(inner):
             yield f".{name}{suffix}", leaf
 
