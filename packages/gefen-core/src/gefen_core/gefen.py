@@ -107,9 +107,11 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         clip_threshold: Adafactor's update clipping of factored matrices (``None``: off; it
             trades one task against another, README "Update clipping"; :mod:`.second_moment`).
         force_1d_period_one, force_2d_period_one, period_one_substrings: per-element blocks
-            (9 bytes/element: AdamW's exact moments) for 1-D parameters, 2-D parameters, or
-            names containing a substring (needs named parameters). A bound flattened element
-            shard is a 1-D tensor to these overrides (it steps like an optimizer built on it).
+            (a scale per element: 9 bytes/element with a per-element ``v``, about 5 with a
+            matrix's factored ``v``) for 1-D parameters, 2-D parameters, or names containing a
+            substring (needs named parameters). A bound flattened element shard whose cut falls
+            on its parameter's blocks keeps the parameter's period; any other is a 1-D tensor
+            to these overrides (it steps like an optimizer built on it).
         codebook_refresh_every: relearn the codebook every N steps (0: never).
         stochastic_round: unbiased stochastic rounding of momentum codes.
         deterministic: ask kernels for fixed reduction orders; recorded in checkpoints.

@@ -229,7 +229,8 @@ _REGISTRY: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry(
             "gefen-dense-embed",
-            "ablation: Gefen with per-element v and exact momentum for the embeddings and the output head",
+            "ablation: Gefen with exact momentum (per-element blocks) for the embeddings and the output head; "
+            "their v stays factored (per-element only with factored_v_2d=False)",
             _gefen_builder(period_one_substrings=("embedding", "head")),
             _always_available,
         ),
