@@ -297,3 +297,21 @@ def test_kernels_read_only_the_globals_a_compiled_kernel_may_read() -> None:
                 if not allowed:
                     refused.append(f"{module.__name__}.{name} reads {looked_up} = {value!r}")
     assert not refused, refused
+
+
+def test_triton_histogram_bounds_its_columns_by_the_gradient_not_the_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A period beyond the gradient is one ragged block of it (the reference's and the C
+    kernel's reading). The kernel's column loops ran to the period, masked past the end: a
+    period of 2**40 over 3 elements hung. The launch now carries the gradient's length."""
+    grad = torch.tensor([0.5, -1.0, 0.25], device=DEVICE)
+    compare_histogram(T.histogram, grad, 64)  # (a period above the gradient, cheap either way)
+    launched: list[torch.Tensor] = []
+
+    class Recorder:
+        def __getitem__(self, grid: object) -> object:
+            return lambda table, *args, **kwargs: launched.append(table.cpu())
+
+    monkeypatch.setattr(T.S, "histogram_list_kernel", Recorder())
+    T.histogram([grad], [2**40], torch.zeros(4096, dtype=torch.int64, device=DEVICE), deterministic=False)
+    _pointer, blocks, period, numel = launched[0].tolist()
+    assert (blocks, period, numel) == (1, 3, 3)

@@ -449,6 +449,9 @@ def histogram(grads: list[torch.Tensor], periods: list[int], counts: torch.Tenso
     groups: dict[tuple[torch.dtype, int, int], list[tuple[torch.Tensor, int, int]]] = {}
     for grad, period in zip(grads, periods, strict=True):
         if grad.numel():
+            # a period beyond the gradient is one (ragged) block of it: the kernel's column
+            # loops run to the period, masked past the end (2**30 empty passes for 2**40)
+            period = min(period, grad.numel())
             blocks = triton_cdiv(grad.numel(), period)  # the last block may be ragged
             rows, cols = _tile(blocks, period)
             groups.setdefault((grad.dtype, rows, cols), []).append((grad, blocks, period))
