@@ -95,24 +95,16 @@ def test_a_negative_parameter_count_for_inspect_is_a_usage_error(capsys: pytest.
     assert exit_info.value.code == 2 and "expected an int >= 0" in capsys.readouterr().err
 
 
-def test_an_output_folder_that_is_a_file_is_refused_before_the_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("below", ["", "sub/dir"], ids=["the-file", "below-it"])
+def test_an_output_folder_that_is_or_lies_below_a_file_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], below: str
 ) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "dp", "--out", str(afile)])
-    assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
-
-
-def test_an_output_folder_below_a_file_is_refused_before_the_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    afile = tmp_path / "afile"
-    afile.write_text("")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "dp", "--out", str(afile / "sub" / "dir")])
-    assert exit_info.value.code == 2 and f"({afile} is a file)" in capsys.readouterr().err
+        main(["bench", "dp", "--out", str(afile / below if below else afile)])
+    message = f"({afile} is a file)" if below else "is a file, not a folder"
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")

@@ -264,11 +264,7 @@ def plan_step(
                     work.local_nonzero = bounds != (0.0, 0.0)
             works.append(work)
             key = (group_index, variant, local.device)
-            bucket = buckets.get(key)
-            if bucket is None:
-                buckets[key] = [work]
-            else:
-                bucket.append(work)
+            buckets.setdefault(key, []).append(work)
             if row_sharded:
                 plan.row_sharded.add(key)
     if in_capture and (not codebook_ready or refresh_due):
@@ -295,10 +291,8 @@ def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
         _, variant, device = key
         if learns:
             needed.add((HISTOGRAM, device))
-        sharded = key in plan.row_sharded
-        if sharded:
+        needed.update((op, device) for op in update_ops(variant))
+        if key in plan.row_sharded:  # (the statistics op too; a kernel package registers both)
             needed.update((op, device) for op in update_ops(variant, row_sharded=True))
-        if not sharded or not all(work.row_sharded for work in plan.buckets[key]):
-            needed.update((op, device) for op in update_ops(variant))
     for op, device in sorted(needed, key=str):
         dispatch.require(op, device)

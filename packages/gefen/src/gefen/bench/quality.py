@@ -317,8 +317,24 @@ def _add_rows(
         seeds = [seed for seed in sorted(outcome.test_by_seed) if not math.isfinite(outcome.test_by_seed[seed])]
         builder.note(f"{name} diverged at lr {outcome.best_lr:g} on seed(s) {seeds}: no test_loss row")
     else:
-        _add_test_loss(
-            builder, task, outcome, values, base if baseline is None or math.isfinite(baseline.test_mean) else None
+        loss_base = base if baseline is None or math.isfinite(baseline.test_mean) else None  # no diverged baseline
+        builder.add(
+            name,
+            "test_loss",
+            outcome.test_mean,
+            "nats/token",
+            baseline=loss_base,
+            detail={
+                "std": outcome.test_std,
+                "min": min(values),
+                "max": max(values),
+                "per_seed": values,
+                "best_lr": outcome.best_lr,
+                "valid_by_lr": {
+                    f"{lr:g}": (loss if math.isfinite(loss) else None) for lr, loss in outcome.valid_by_lr.items()
+                },
+                "tokens": task.tokens(),
+            },
         )
     if baseline is not None:
         ratio = paired_ratio(outcome.test_by_seed, baseline.test_by_seed)
@@ -332,29 +348,6 @@ def _add_rows(
             )
     builder.add(name, "best_lr", outcome.best_lr, "lr", baseline=base)
     builder.add(name, "tokens_per_s", outcome.tokens_per_s, "tokens/s", baseline=base)
-
-
-def _add_test_loss(
-    builder: ReportBuilder, task: QualityTask, outcome: OptimizerOutcome, values: list[float], base: str | None
-) -> None:
-    builder.add(
-        f"{task.name}/{outcome.optimizer}",
-        "test_loss",
-        outcome.test_mean,
-        "nats/token",
-        baseline=base,
-        detail={
-            "std": outcome.test_std,
-            "min": min(values),
-            "max": max(values),
-            "per_seed": values,
-            "best_lr": outcome.best_lr,
-            "valid_by_lr": {
-                f"{lr:g}": (loss if math.isfinite(loss) else None) for lr, loss in outcome.valid_by_lr.items()
-            },
-            "tokens": task.tokens(),
-        },
-    )
 
 
 def _add_verdicts(
