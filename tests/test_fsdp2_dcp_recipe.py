@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fsdp2_recipe_ranks as ranks
 import pytest
@@ -45,8 +46,26 @@ def _gap(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], st
     return float(diff / moved)
 
 
-@pytest.mark.parametrize("mode", ["nested", "flattened", "fqn_native", "gefen_dcp_state"])
-@pytest.mark.parametrize("name", sorted(set(ranks.FACTORIES) - {"gefen_muon_distributed"}))
+def _comparable(state: dict[str, Any], name: str) -> dict[str, Any]:
+    """What must survive the reshard bit for bit. Distributed GefenMuon's owner manifest (and so
+    its mirrors and layout digest) follows the live world size, so its state entries, codebook
+    and step count are compared."""
+    if name != "gefen_muon_distributed":
+        return state
+    return {key: state[key] for key in ("state", "gefen_codebook", "gefen_global_step")}
+
+
+#: Distributed GefenMuon keeps each matrix's state on its owner: the flattened recipe is refused
+#: (below) and GefenDCPState's parameter-shaped state does not apply (README).
+CASES = [
+    (name, mode)
+    for name in sorted(ranks.FACTORIES)
+    for mode in ("nested", "flattened", "fqn_native", "gefen_dcp_state")
+    if name != "gefen_muon_distributed" or mode in ("nested", "fqn_native")
+]
+
+
+@pytest.mark.parametrize(("name", "mode"), CASES)
 def test_the_recipe_reshards_two_ranks_to_one_and_three_bit_exactly(
     tmp_path: Path, world1: GlooWorld, world2: GlooWorld, world3: GlooWorld, name: str, mode: str
 ) -> None:
@@ -56,7 +75,7 @@ def test_the_recipe_reshards_two_ranks_to_one_and_three_bit_exactly(
     for label, world in (("2->1", world1), ("2->3", world3)):
         loaded = world.run(ranks.load, name, path, mode)[0]
         assert loaded["template_step_moved_nothing"], label
-        assert_trees_equal(saved["state"], loaded["state"], f"{label} state")
+        assert_trees_equal(_comparable(saved["state"], name), _comparable(loaded["state"], name), f"{label} state")
         gap = _gap(loaded["params"], saved["params"], checkpoint_weights)
         dropped = _gap(loaded["dropped_params"], saved["params"], checkpoint_weights)
         assert gap <= RESUME_BOUND, f"{label}: resumed run {gap:.2e} away from the uninterrupted one"
@@ -78,17 +97,11 @@ def test_gefen_reshards_from_one_and_three_ranks_to_two(
     assert gap <= RESUME_BOUND, f"{source}->2: resumed run {gap:.2e} away from the uninterrupted one"
 
 
-def test_distributed_muon_state_takes_the_nested_recipe_and_refuses_the_flattened_one(
-    tmp_path: Path, world2: GlooWorld
-) -> None:
+def test_distributed_muon_state_refuses_the_flattened_recipe(tmp_path: Path, world2: GlooWorld) -> None:
     """``sharded_mode="distributed"`` keeps each matrix's state on its owner rank only; torch's
     flattened recipe rebuilds every entry from this rank's live state, so the entries of the
     matrices other ranks own arrive empty. That load is refused naming the recipe (it was blamed
-    on the owner manifest); the nested recipe restores the state bit for bit."""
-    nested = str(tmp_path / "nested")
-    saved = world2.run(ranks.save, "gefen_muon_distributed", nested, "nested")[0]
-    loaded = world2.run(ranks.load, "gefen_muon_distributed", nested, "nested")[0]
-    assert_trees_equal(saved["state"], loaded["state"], "nested 2->2 state")
+    on the owner manifest)."""
     flattened = str(tmp_path / "flattened")
     world2.run(ranks.save, "gefen_muon_distributed", flattened, "flattened")
     outcomes = world2.run_outcomes(ranks.load, "gefen_muon_distributed", flattened, "flattened")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from typing import Any
 from unittest import mock
 
@@ -290,16 +291,25 @@ def manifest_corruptions(rank: int, world: int) -> dict[str, str]:
     valid = load(save(opt.state_dict()))
 
     def edit(apply: Any) -> Any:
-        """Apply to the owner manifest at the top level and in every group's mirror."""
+        """Apply to the owner manifest (a JSON string) at the top level and in every group's mirror."""
+
+        def edited(raw: str) -> str:
+            manifest = json.loads(raw)
+            apply(manifest)
+            return json.dumps(manifest)
 
         def run(sd: dict[str, Any]) -> None:
-            apply(sd["gefen_muon_owners"])
+            sd["gefen_muon_owners"] = edited(sd["gefen_muon_owners"])
             for group in sd["param_groups"]:
-                manifest = mirror_of(group)["owners"]
-                apply(manifest)
-                edit_mirror(group, owners=manifest)
+                edit_mirror(group, owners=edited(mirror_of(group)["owners"]))
 
         return run
+
+    def as_dict(sd: dict[str, Any]) -> None:
+        """Version 6's form: the manifest as a dict (DCP keys its leaves by the world size)."""
+        sd["gefen_muon_owners"] = json.loads(sd["gefen_muon_owners"])
+        for group in sd["param_groups"]:
+            edit_mirror(group, owners=sd["gefen_muon_owners"])
 
     corruptions = {
         "not consolidated": edit(lambda m: m.__setitem__("consolidated", False)),
@@ -310,6 +320,7 @@ def manifest_corruptions(rank: int, world: int) -> dict[str, str]:
         "initialized": lambda sd: sd["state"].pop(1),
         "world_size": edit(lambda m: m.__setitem__("world_size", 0)),
         "disagree on owners": lambda sd: edit_mirror(sd["param_groups"][0], owners=None),
+        "must be the JSON string": as_dict,
     }
     results = {}
     for expected, corrupt in corruptions.items():

@@ -17,7 +17,7 @@ from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen, GefenMuon
 from gefen_core_test_support import edit_mirror, edit_mirrors, mirror_of, single_threaded_torch  # noqa: F401  (autouse fixture)
 
-GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v6.pt"
+GOLDEN = Path(__file__).parent / "golden" / "muon_native_state_v7.pt"
 
 
 def _named(dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
@@ -208,7 +208,7 @@ def test_golden_native_state_dict() -> None:
     if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
-    assert golden["gefen_format_version"] == 6 and golden["gefen_muon_owners"] is None
+    assert golden["gefen_format_version"] == 7 and golden["gefen_muon_owners"] is None
     assert mirror_of(golden["param_groups"][0])["format"] == "gefen.muon_native_state"
     assert_trees_equal(produced, golden, "golden muon native state dict")
     named = _named()

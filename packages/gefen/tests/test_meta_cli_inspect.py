@@ -132,6 +132,37 @@ def test_native_muon_and_torch_state_dicts_are_described(checkpoints: dict[str, 
     assert adamw.parameters[0].variant == "exp_avg+exp_avg_sq+step"
 
 
+def _with_owner_manifest(state_dict: dict[str, Any], manifest: str) -> dict[str, Any]:
+    """A GefenMuon state dict carrying ``manifest`` where a multi-rank save writes it (the top
+    level and every group's mirror), its state digest recomputed over it."""
+    from gefen_core.muon_native_state import FORMAT
+    from gefen_core.native_records import GROUP_MIRROR, with_state_digest
+
+    state_dict = with_state_digest(FORMAT, {**state_dict, "gefen_muon_owners": manifest})
+    for group in state_dict["param_groups"]:
+        mirror = {
+            **json.loads(group[GROUP_MIRROR]),
+            "owners": manifest,
+            "state_digest": state_dict["gefen_state_digest"],
+        }
+        group[GROUP_MIRROR] = json.dumps(mirror, sort_keys=True, separators=(",", ":"))
+    return state_dict
+
+
+def test_a_muon_owner_manifest_is_described_and_a_malformed_one_named(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    saved = torch.load(checkpoints["muon"], weights_only=True)
+    manifest = {"ownership": "stable_index_mod_world", "consolidated": True, "world_size": 2, "entries": []}
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save(_with_owner_manifest(saved, json.dumps(manifest)), good)
+    torch.save(_with_owner_manifest(saved, "{not json"), bad)
+    described = inspect_checkpoint(good)
+    assert described.ok and ("owners", "stable_index_mod_world, saved on 2 rank(s)") in described.facts
+    broken = inspect_checkpoint(bad)
+    assert not broken.ok and [p.where for p in broken.problems] == ["gefen_muon_owners"], broken.problems
+
+
 def test_portable_document_and_dcp_folder_are_verified(checkpoints: dict[str, Path]) -> None:
     document = inspect_checkpoint(checkpoints["portable"])
     assert document.ok and document.format == "gefen.portable_state" and document.implementation == IMPLEMENTATION

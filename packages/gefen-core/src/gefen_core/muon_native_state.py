@@ -1,4 +1,4 @@
-"""GefenMuon's native state dict (``gefen.muon_native_state`` v6): export and staged loading.
+"""GefenMuon's native state dict (``gefen.muon_native_state`` v7): export and staged loading.
 
 ::
 
@@ -8,20 +8,22 @@
                       ["normuon_v": fp32[R, 1], "normuon_step": int]}},
       "param_groups": [{"params": [pid, ...], <the GefenMuon options>, ["param_names"],
                         "_gefen_checkpoint_metadata": <mirror of the record: one JSON string>}],
-      "gefen_format_version": 6,
+      "gefen_format_version": 7,
       "gefen_global_step": int,
       "gefen_codebook": fp32[256],                 # zeros until one is learned
       "gefen_codebook_learned": bool,
       "gefen_deterministic": bool,
       "gefen_topology": None | [None | {"mesh_size", "coordinate", "placement", "global_shape",
                                         "local_shape"} per slot],          # "approx" DTensors only
-      "gefen_muon_owners": None | <owner manifest>,
+      "gefen_muon_owners": None | <owner manifest: one JSON string>,
       "gefen_state_digest": {"layout": str, "content": str | None},  # v2 had none
     }
 
 Only tensors and primitives appear (``torch.load(weights_only=True)`` reads it). The block
-period ``P`` is the codes' width (version 5 held the mirror as a dict, whose every leaf DCP
-writes as an item of its own; version 4 named the codes ``m_codebook``, version 3 also stored the
+period ``P`` is the codes' width (version 6 held the owner manifest as a dict at the top
+level, whose leaves DCP keys by the number of distributed matrices, so a checkpoint saved on
+several ranks found no such keys in a one-process template; version 5 held the mirror as a
+dict, whose every leaf DCP writes as an item of its own; version 4 named the codes ``m_codebook``, version 3 also stored the
 period as ``automatic_period``; each is refused naming both versions). Which state a
 slot holds, and what it depends on:
 
@@ -30,7 +32,8 @@ slot holds, and what it depends on:
 * ``"approx"`` slots hold local rows: their topology record must match the live one;
 * ``"distributed"`` slots hold state on their owner only, so ``state_dict()`` is **collective**
   (every rank must call it): it first gives every rank every owner's state
-  (:func:`gefen_core.muon_transport.consolidate_states`) and records the *owner manifest*::
+  (:func:`gefen_core.muon_transport.consolidate_states`) and records the *owner manifest*, the
+  canonical JSON (sorted keys, no whitespace) of::
 
       {"ownership": "stable_index_mod_world", "consolidated": True, "world_size": W,
        "entries": [{"slot": int, "name": str, "shape": [R, C], "owner": int, "initialized": bool}]}
@@ -38,13 +41,16 @@ slot holds, and what it depends on:
   Loading checks the manifest (owners follow the rule, names and shapes match the live
   parameters, a slot has state exactly when it was initialized) and keeps on each rank only
   the state of the matrices it owns under the **live** world size, which may differ from
-  ``W`` (one process included).
+  ``W`` (one process included). Being one string, the manifest is one DCP item whatever the
+  world size, so torchtitan's FQN-keyed ``dcp.save(optimizer.state_dict())`` of a
+  multi-rank run loads into a one-process template, whose manifest is ``None``.
 
 Group options come from the checkpoint, as in torch; the live parameters' names must match.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +69,7 @@ from .native_records import (
     check_state_digest,
     check_state_tensor,
     check_top_level,
+    decode_mirror,
     exact_int,
     fail,
     native_state_dict,
@@ -87,7 +94,7 @@ __all__ = [
 
 FORMAT = NativeFormat(
     "gefen.muon_native_state",
-    6,
+    7,
     (
         ("global_step", "gefen_global_step"),
         ("codebook", "gefen_codebook"),
@@ -171,10 +178,10 @@ def export_muon_state_dict(
     """The native state dict; ``states`` are per slot, already consolidated for distributed slots."""
     entries = {layout.slot: _entry(state) for layout, state in zip(layouts, states) if state}
     owned = [layout for layout in layouts if layout.mode == DISTRIBUTED]
-    owners = None
+    owners: str | None = None
     if owned:
         assert scope is not None
-        owners = {
+        manifest = {
             "ownership": OWNERSHIP,
             "consolidated": True,
             "world_size": scope.world,
@@ -189,6 +196,7 @@ def export_muon_state_dict(
                 for layout in owned
             ],
         }
+        owners = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     record = {
         "global_step": global_step,
         "codebook": codebook,
@@ -244,14 +252,15 @@ def _check_owners(
     if owners is None:
         return
     where = "the owner manifest (gefen_muon_owners)"
-    if not isinstance(owners, Mapping) or set(owners) != {"ownership", "consolidated", "world_size", "entries"}:
+    manifest = decode_mirror(owners, where)
+    if set(manifest) != {"ownership", "consolidated", "world_size", "entries"}:
         raise fail(f"{where} must hold exactly ownership, consolidated, world_size and entries")
-    if owners["ownership"] != OWNERSHIP:
-        raise fail(f"{where} uses ownership {owners['ownership']!r}; GefenMuon reads {OWNERSHIP!r}")
-    if owners["consolidated"] is not True:
+    if manifest["ownership"] != OWNERSHIP:
+        raise fail(f"{where} uses ownership {manifest['ownership']!r}; GefenMuon reads {OWNERSHIP!r}")
+    if manifest["consolidated"] is not True:
         raise fail(f"{where} is not consolidated: it holds one rank's share, not every owner's state")
-    world = exact_int(owners["world_size"], f"{where} world_size", 1)
-    entries = owners["entries"]
+    world = exact_int(manifest["world_size"], f"{where} world_size", 1)
+    entries = manifest["entries"]
     if not isinstance(entries, list):
         raise fail(f"{where} entries must be a list")
     by_slot = {layout.slot: layout for layout in layouts}

@@ -271,8 +271,13 @@ def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tu
     if isinstance(topology, list):
         meshes = {str(entry.get("mesh_size")) for entry in topology if isinstance(entry, Mapping)}
         facts.append(("topology", f"rank-local DTensor state, mesh size {sorted(meshes)}"))
-    owners = state_dict.get("gefen_muon_owners")
-    if isinstance(owners, Mapping):
+    raw_owners = state_dict.get("gefen_muon_owners")
+    if raw_owners is not None:
+        try:
+            owners = _parsed_mirror(raw_owners, "gefen_muon_owners")
+        except StateValidationError as exc:
+            check.fail("gefen_muon_owners", str(exc).removeprefix("gefen_muon_owners").lstrip(": "))
+            return facts
         facts.append(("owners", f"{owners.get('ownership')}, saved on {owners.get('world_size')} rank(s)"))
     return facts
 
