@@ -118,6 +118,33 @@ def test_the_entry_point_registers_gefen_kernels_for_cpu() -> None:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"), op
 
 
+def test_a_cuda_kernel_runs_with_its_first_tensors_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on the current CUDA device and torch's dispatcher sets no device guard for
+    a kernel registered from Python, so ``register`` wraps each CUDA kernel in
+    ``on_its_device``: the first tensor's (or first listed tensor's) device is made current. The
+    guard is recorded here on CPU tensors (a no-op guard); for ``cuda:1`` it is torch's
+    ``torch.cuda.device(1)``."""
+    from gefen_kernels import registration
+
+    real = registration.device_guard
+    entered: list[torch.device] = []
+
+    def recording(device: torch.device) -> Any:
+        entered.append(device)
+        return real(device)
+
+    monkeypatch.setattr(registration, "device_guard", recording)
+    calls: list[tuple[Any, ...]] = []
+    kernel = registration.on_its_device(lambda *args, **kwargs: calls.append(args) or "done")
+    tensor = torch.zeros(2)
+    assert kernel([tensor], tensor, flag=True) == "done" and entered == [tensor.device]
+    assert kernel(tensor) == "done" and entered == [tensor.device] * 2
+    assert kernel([]) == "done" and len(entered) == 2 and len(calls) == 3  # nothing to launch: no guard
+    guard = real(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert not isinstance(real(torch.device("cpu")), torch.cuda.device)
+
+
 @pytest.mark.parametrize("stochastic_round", [False, True])
 def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round: bool) -> None:
     with counting_kernels() as calls:
