@@ -9,6 +9,7 @@ import pytest
 import torch
 from gefen_contracts.protocols import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
+from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
 from gefen_core.param_state import period_of
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
@@ -383,3 +384,37 @@ def test_a_parameter_on_the_meta_device_is_refused_at_its_first_step_by_name() -
         with pytest.raises(ParameterError, match=r"'w'.*meta device.*to_empty"):
             optimizer.step()
         assert not optimizer.state
+
+
+def _strided(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in a non-contiguous tensor of its shape (every other element of a buffer)."""
+    buffer = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype)
+    strided = buffer[::2].view(tensor.shape) if tensor.dim() < 2 else buffer.view(*tensor.shape, 2)[..., 0]
+    strided.copy_(tensor)
+    assert not strided.is_contiguous() and torch.equal(strided, tensor)
+    return strided
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_state_left_strided_between_steps_steps_as_if_contiguous(fused: bool | None) -> None:
+    """torch's optimizers take state of any strides. Gefen's kernels need contiguous state, and a
+    strided tensor was refused mid-step: after earlier buckets had stepped and the failing
+    bucket's counters had advanced. The step now makes it contiguous, equal to an untouched twin."""
+    torch.manual_seed(0)
+    shapes = [(256, 256), (64,), (16, 32)]  # factored, block and per-element second moments
+    edited = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in edited]
+    optimizers = [Gefen(params, lr=1e-2, fused=fused, min_dim_size_to_factor=128) for params in (edited, twin)]
+    for step in range(3):
+        for params, optimizer in zip((edited, twin), optimizers):
+            for index, param in enumerate(params):
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * step + index))
+            optimizer.step()
+        if step == 1:
+            for state in optimizers[0].state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1:
+                        state[key] = _strided(value)
+    for mine, other in zip(edited, twin):
+        assert torch.equal(mine, other)
+    assert_trees_equal(optimizers[0].state_dict(), optimizers[1].state_dict(), "state after the edit")

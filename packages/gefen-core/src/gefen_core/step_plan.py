@@ -156,7 +156,10 @@ def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) ->
 
 
 def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], str]) -> bool:
-    """Validate a live state against its parameter; return whether its tensors must move device."""
+    """Validate a live state against its parameter; return whether its tensors must move device.
+    A state tensor left strided (edited between steps) is made contiguous, as the kernels need
+    and as torch's optimizers accept any strides: it was refused mid-step, after other buckets
+    had stepped."""
     indices = state[INDICES]
     numel = local.numel()
     codes = indices.numel()
@@ -175,11 +178,19 @@ def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], 
         shape = local.shape
         if len(shape) != 2 or state[V_ROW].numel() != shape[0] or state[V_COL].numel() != shape[1]:
             raise ParameterError(f"{where()}: the factored second moment does not fit the parameter's shape")
+        strided = not (state[V_ROW].is_contiguous() and state[V_COL].is_contiguous())
     elif V in state:
         if state[V].shape != local.shape:
             raise ParameterError(f"{where()}: the per-element second moment does not fit the parameter's shape")
+        strided = not state[V].is_contiguous()
     elif state[VMEAN].shape != state[MAGNITUDE].shape:
         raise ParameterError(f"{where()}: vmean does not match the block count")
+    else:
+        strided = not state[VMEAN].is_contiguous()
+    if strided or not (indices.is_contiguous() and state[MAGNITUDE].is_contiguous()):
+        for key in (INDICES, MAGNITUDE, V_ROW, V_COL, V, VMEAN):
+            if key in state:
+                state[key] = state[key].contiguous()
     return bool(indices.device != local.device)
 
 
