@@ -10,7 +10,7 @@ import torch
 from gefen_contracts.protocols import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
-from gefen_core import Gefen, GefenOptionError, GefenOptionTypeError, ParameterError
+from gefen_core import Gefen, GefenMuon, GefenOptionError, GefenOptionTypeError, ParameterError
 from gefen_core.param_state import period_of
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
@@ -395,16 +395,25 @@ def _strided(tensor: torch.Tensor) -> torch.Tensor:
     return strided
 
 
+#: Gefen's factored, block and per-element second moments; GefenMuon's matrices (NorMuon's ``v``).
+_STRIDED_CASES = {
+    "gefen": ([(256, 256), (64,), (16, 32)], lambda params, fused: Gefen(params, lr=1e-2, fused=fused)),
+    "muon": ([(32, 64), (16, 48)], lambda params, fused: GefenMuon(params, lr=1e-2, fused=fused, normuon=True)),
+}
+
+
 @pytest.mark.parametrize("fused", [None, False])
-def test_state_left_strided_between_steps_steps_as_if_contiguous(fused: bool | None) -> None:
-    """torch's optimizers take state of any strides. Gefen's kernels need contiguous state, and a
-    strided tensor was refused mid-step: after earlier buckets had stepped and the failing
-    bucket's counters had advanced. The step now makes it contiguous, equal to an untouched twin."""
+@pytest.mark.parametrize("name", sorted(_STRIDED_CASES))
+def test_state_left_strided_between_steps_steps_as_if_contiguous(name: str, fused: bool | None) -> None:
+    """torch's optimizers take state of any strides. The kernels need contiguous state, and a
+    strided tensor was refused mid-step: after earlier buckets (matrices) had stepped and the
+    failing one's counters had advanced. The step now makes it contiguous, equal to an
+    untouched twin."""
     torch.manual_seed(0)
-    shapes = [(256, 256), (64,), (16, 32)]  # factored, block and per-element second moments
+    shapes, build = _STRIDED_CASES[name]
     edited = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     twin = [torch.nn.Parameter(p.detach().clone()) for p in edited]
-    optimizers = [Gefen(params, lr=1e-2, fused=fused, min_dim_size_to_factor=128) for params in (edited, twin)]
+    optimizers = [build(params, fused) for params in (edited, twin)]
     for step in range(3):
         for params, optimizer in zip((edited, twin), optimizers):
             for index, param in enumerate(params):
