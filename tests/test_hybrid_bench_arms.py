@@ -7,8 +7,8 @@ import pytest
 import torch
 from gefen import GefenMuonHybrid
 from gefen.bench.optimizers import build_optimizer, optimizer_names
-from gefen.bench.state_bytes import count_state_bytes
 from gefen.demo.model import TinyDecoder, preset
+from gefen_contracts.torch_support import count_state_bytes
 
 ARMS = {"gefen-muon-hybrid": "gefen", "gefen-muon-hybrid-adamw": "adamw"}
 

@@ -35,7 +35,6 @@ from .optimizer_support import (
     run_eagerly,
 )
 from .param_groups import check_parameters, normalize_group_options
-from .param_state import storage_bytes
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 from .step_plan import capturing
@@ -259,17 +258,6 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         # agrees on one overflow decision in its step header.
         identity = self._identity
         return (identity is not None and identity.communicates) or has_fp16_gradients(self.param_groups)
-
-    def state_bytes(self) -> int:
-        """Bytes of every tensor storage reachable from the optimizer's state (codebook included)."""
-        tensors: list[torch.Tensor] = [
-            v for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-        ]
-        if self._codebook is not None:
-            tensors.append(self._codebook)
-        tensors.extend(self._codebook_copies.values())
-        tensors.extend(self._device_global_steps.values())
-        return storage_bytes(tensors)
 
     # -- contract and preflight ---------------------------------------------------------
 

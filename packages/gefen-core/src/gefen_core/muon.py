@@ -46,7 +46,6 @@ from .optimizer_support import (
     publish_groups_and_state,
     run_eagerly,
 )
-from .param_state import storage_bytes
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 
@@ -268,14 +267,6 @@ class GefenMuon(
     def _step_supports_amp_scaling(self) -> bool:
         identity = self._identity
         return (identity is not None and identity.communicates) or has_fp16_gradients(self.param_groups)
-
-    def state_bytes(self) -> int:
-        """Bytes of every tensor storage reachable from this rank's optimizer state (codebook included)."""
-        tensors = [v for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        if self._codebook is not None:
-            tensors.append(self._codebook)
-        tensors.extend(self._codebook_copies.values())
-        return storage_bytes(tensors)
 
     def state_mode_tags(self, parameter: Any) -> frozenset[str]:
         """``{"gefen.muon.sharded_mode=<mode>"}`` of ``parameter``'s group (``ModeTaggedState``)."""

@@ -7,7 +7,9 @@ for the digest grammar, and the generic identity machinery every ``IdentityBinda
 the owned sealed layout and its guard (:class:`SealedLayout`), the
 ``gefen.bound_state`` envelope (:func:`build_bound_state`, :func:`parse_bound_state`) and the
 version-counter freshness token of prepared transactions (:func:`state_version_token`), and
-the expansion of a portable record's block fields (:func:`expand_blocks`, :func:`as_imported`).
+the expansion of a portable record's block fields (:func:`expand_blocks`, :func:`as_imported`),
+and the bytes an optimizer holds (:func:`count_state_bytes`: every storage reachable from it,
+parameters and gradients excluded; any optimizer, so Gefen is measured as AdamW is).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .rebinding_plan import (
     staged_groups,
 )
 from .sealed_layout import SealedLayout
+from .state_bytes import StateBytes, count_state_bytes, parameter_count
 from .tensors import (
     dtype_from_name,
     dtype_name,
@@ -65,6 +68,7 @@ __all__ = [
     "RebindingPlan",
     "SealedLayout",
     "SlotRebinding",
+    "StateBytes",
     "agree",
     "agree_digest",
     "as_imported",
@@ -74,6 +78,7 @@ __all__ = [
     "group_params",
     "check_tensor_lr",
     "compatibility_names",
+    "count_state_bytes",
     "failure_vote",
     "failure_vote_on_group",
     "has_internal_overlap",
@@ -92,6 +97,7 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "on_device",
+    "parameter_count",
     "storage_overlap",
     "tensor_digest",
     "tensor_leaf",

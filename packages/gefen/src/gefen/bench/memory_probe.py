@@ -56,12 +56,12 @@ def _trim_heap() -> None:
 
 def _main(spec_path: str, result_path: str) -> int:
     import torch
+    from gefen_contracts.torch_support import count_state_bytes
 
     from ..demo.data import load_tinylang, sample_batch
     from ..demo.model import TinyDecoder, preset
     from .optimizers import build_optimizer
     from .rss import ResidentMemory
-    from .state_bytes import count_state_bytes
 
     spec = ProbeSpec(**json.loads(Path(spec_path).read_text(encoding="utf-8")))
     if spec.threads:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from gefen_contracts.torch_support import count_state_bytes
 from gefen_core import GefenMuon
 from gefen_core.fp8_newton_schulz import (
     ScaledMatmul,
@@ -131,9 +132,7 @@ def _variants(kernels: bool) -> dict[str, Factory]:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    if isinstance(optimizer, GefenMuon):
-        return optimizer.state_bytes()
-    return sum(v.nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return count_state_bytes(optimizer).total
 
 
 def _time_steps(

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from gefen_contracts.torch_support import count_state_bytes
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from ..bench.optimizers import build_optimizer
-from ..bench.state_bytes import count_state_bytes
 from .data import SPLITS, TokenSplits, eval_windows, sample_batch
 from .model import DecoderConfig, TinyDecoder
 

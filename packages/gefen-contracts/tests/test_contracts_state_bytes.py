@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from gefen.bench.state_bytes import count_state_bytes, parameter_count
+from gefen_contracts.torch_support import count_state_bytes, parameter_count
 
 
 def _model() -> torch.nn.Module:
