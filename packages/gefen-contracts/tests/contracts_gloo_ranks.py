@@ -118,3 +118,39 @@ def plain_all_reduce(rank: int, world_size: int) -> int:
     tensor = torch.tensor([rank + 1])
     dist.all_reduce(tensor)
     return int(tensor.item())
+
+
+def dtensor_parameter_facts(rank: int, world_size: int) -> dict[str, object]:
+    """What the freshness token and the digest make of an FSDP2-style parameter (a DTensor
+    marked as a parameter): whether each in-place write through the DTensor changes the token,
+    and the digest's error type."""
+    from gefen_contracts.torch_support import state_version_token, tensor_digest
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    optimizer.step()
+
+    def copy_into_parameter() -> None:
+        with torch.no_grad():  # what model.load_state_dict does
+            param.copy_(distribute_tensor(torch.full((4, 2), 5.0), mesh, [Shard(0)]))
+
+    writes = {
+        "step": optimizer.step,
+        "state": lambda: optimizer.state[param]["momentum_buffer"].mul_(0),
+        "copy_": copy_into_parameter,
+    }
+    changed = {}
+    for name, write in writes.items():
+        before = state_version_token(optimizer.param_groups, optimizer.state)
+        write()
+        changed[name] = state_version_token(optimizer.param_groups, optimizer.state) != before
+    try:
+        tensor_digest(param)
+        digest_error = "none"
+    except Exception as exc:  # the type is the fact under test
+        digest_error = type(exc).__name__
+    return {"changed": changed, "digest_error": digest_error}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from contract_builders import GROUP, flat_shard, replicated
@@ -127,6 +128,22 @@ def test_targets_must_be_storage_disjoint_and_not_steal_slots() -> None:
             ],
             manifest,
         )
+    spaced = torch.zeros(20)  # a strided view whose span lies past the other target's: disjoint
+    plan(
+        groups,
+        [
+            ParameterRebinding(a, spaced[:6].view(2, 3), manifest.shards[0]),
+            ParameterRebinding(b, spaced[8::3], manifest.shards[1]),
+        ],
+        manifest,
+    )
+    array = np.zeros(16, dtype=np.float32)  # two torch storages over one buffer
+    aliased = [
+        ParameterRebinding(a, torch.from_numpy(array[:6]).view(2, 3), manifest.shards[0]),
+        ParameterRebinding(b, torch.from_numpy(array[4:8]), manifest.shards[1]),
+    ]
+    with pytest.raises(ContractError, match="overlap in storage"):
+        plan(groups, aliased, manifest)
     c = torch.nn.Parameter(torch.zeros(4))
     groups3 = [{"params": [a]}, {"params": [b, c]}]
     manifest3 = ShardingManifest((replicated("m.a", (2, 3)), replicated("m.b", (4,)), replicated("m.c", (4,))))

@@ -112,6 +112,15 @@ def test_agreement_and_collective_counter(world: GlooWorld) -> None:
 
 
 @pytest.mark.distributed
+def test_writes_through_a_dtensor_parameter_change_the_token_and_its_digest_is_refused(world: GlooWorld) -> None:
+    """An FSDP2 parameter is a DTensor marked as a parameter. In-place ops through it bump the
+    DTensor's version counter, not its local shard's, which the token read alone: a step, a
+    state write or a ``copy_`` went unseen by a staged commit. Its digest raised torch's
+    ``RuntimeError`` (``.numpy()`` of a subclass) where a DTensor's raises ``CodecError``."""
+    for facts in world.run("contracts_gloo_ranks:dtensor_parameter_facts"):
+        assert facts == {"changed": {"step": True, "state": True, "copy_": True}, "digest_error": "CodecError"}
+
+
 def test_a_hanging_case_times_out_and_a_dead_rank_is_reported() -> None:
     # 4 s flaked under a loaded full run (a live rank answered late)
     with GlooWorld(2, gloo_timeout_s=10, case_timeout_s=8) as world:

@@ -34,12 +34,14 @@ __all__ = ["state_version_token", "tensor_version_token"]
 def tensor_version_token(tensor: torch.Tensor) -> tuple[Hashable, ...]:
     """Identity, version counter, storage address, dtype, shape and device of ``tensor``.
 
-    A DTensor is described by its local shard (no collective). Inference-mode tensors have no
+    A DTensor is described by its local shard (no collective), with both version counters: an
+    in-place op through the DTensor (an FSDP2 parameter's ``copy_``, torch's optimizers) bumps
+    the DTensor's own, a write to the local shard the shard's. Inference-mode tensors have no
     version counter; they are immutable outside inference mode, so they use ``-1``.
     """
     local = local_tensor(tensor)
     try:
-        version = int(local._version)
+        version: Hashable = int(local._version) if local is tensor else (int(tensor._version), int(local._version))
     except RuntimeError:  # inference tensors do not track versions
         version = -1
     address = 0

@@ -5,7 +5,6 @@ put on a device without synchronising it (:func:`on_device`)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -130,8 +129,10 @@ class _TensorLeaf:
 
 
 def tensor_leaf(value: object) -> DigestLeaf | None:
-    """A digest leaf for a plain strided tensor of a supported dtype (``None`` otherwise)."""
-    if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+    """A digest leaf for a plain strided tensor of a supported dtype (``None`` otherwise). A
+    parameter over a tensor subclass (an FSDP2 parameter is a DTensor marked as a parameter,
+    not an ``nn.Parameter`` subclass) is not plain."""
+    if type(value) is not torch.Tensor and not issubclass(type(value), torch.nn.Parameter):
         return None
     tensor: torch.Tensor = value
     if tensor.layout is not torch.strided or tensor.is_meta:
@@ -156,30 +157,33 @@ def on_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, devic
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _byte_range(tensor: torch.Tensor) -> tuple[tuple[str, int], int, int]:
-    storage = tensor.untyped_storage()
-    start = int(storage.data_ptr() + tensor.storage_offset() * tensor.element_size())
-    # keyed by storage (device, base pointer); the range is in bytes, so mixed dtypes compare
-    return (str(tensor.device), int(storage.data_ptr())), start, start + int(tensor.numel() * tensor.element_size())
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``tensor`` can touch, ``[first, last + 1)``: the hull of a strided view."""
+    start = int(tensor.data_ptr())
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (int(last) + 1) * tensor.element_size()
 
 
 def storage_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     """Why two of the ``(label, tensor)`` pairs may share memory, or ``None`` when they cannot
-    (empty tensors never do). Contiguous tensors compare by byte range; a non-contiguous one
-    sharing its storage with another is reported too, since strided views can interleave."""
-    by_storage: dict[tuple[str, int], list[tuple[int, int, str, bool]]] = {}
+    (empty tensors never do). Tensors compare by the bytes they span on their device, so two
+    storages over one buffer (``torch.from_numpy`` of overlapping arrays) are compared too; a
+    non-contiguous tensor's span is its hull, so interleaved views are reported, conservatively."""
+    by_device: dict[str, list[tuple[int, int, str, bool]]] = {}
     for label, tensor in labelled:
         if tensor.numel() == 0:
             continue
-        key, start, end = _byte_range(tensor)
-        by_storage.setdefault(key, []).append((start, end, label, tensor.is_contiguous()))
-    for ranges in by_storage.values():
-        if len(ranges) < 2:
-            continue
-        if not all(contiguous for *_, contiguous in ranges):
-            return f"{', '.join(sorted(label for _, _, label, _ in ranges))}: a non-contiguous tensor shares its storage with another"
-        ranges.sort()
-        for first, second in itertools.pairwise(ranges):
-            if second[0] < first[1]:
-                return f"{first[2]} and {second[2]} overlap in storage"
+        start, end = _byte_span(tensor)
+        by_device.setdefault(str(tensor.device), []).append((start, end, label, tensor.is_contiguous()))
+    for spans in by_device.values():
+        spans.sort()
+        reach = spans[0]  # the span reaching furthest so far
+        for span in spans[1:]:
+            if span[0] < reach[1]:
+                first, second = sorted((reach[2], span[2]))
+                if reach[3] and span[3]:
+                    return f"{first} and {second} overlap in storage"
+                return f"{first} and {second}: a non-contiguous tensor shares its memory with another"
+            if span[1] > reach[1]:
+                reach = span
     return None
