@@ -132,9 +132,11 @@ def tensor_leaf(value: object) -> DigestLeaf | None:
     """A digest leaf for a plain strided tensor of a supported dtype (``None`` otherwise). A
     parameter over a tensor subclass (an FSDP2 parameter is a DTensor marked as a parameter,
     not an ``nn.Parameter`` subclass) is not plain."""
-    if type(value) is not torch.Tensor and not issubclass(type(value), torch.nn.Parameter):
+    if not isinstance(value, torch.Tensor) or not (
+        type(value) is torch.Tensor or issubclass(type(value), torch.nn.Parameter)
+    ):
         return None
-    tensor: torch.Tensor = value
+    tensor = value
     if tensor.layout is not torch.strided or tensor.is_meta:
         raise CodecError("only materialized strided tensors can be digested")
     if tensor.dtype not in _NAMES:
