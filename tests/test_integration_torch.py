@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -96,6 +97,62 @@ def test_reduce_on_plateau_lowers_both_halves() -> None:
     scheduler.step(1.0)
     scheduler.step(2.0)  # worse: reduce
     assert _rates(optimizer) == pytest.approx([5e-4, 1.25e-4])
+
+
+@pytest.mark.parametrize("no_decay", [(), ("norm",)])
+def test_a_tensor_rate_is_rescaled_once_per_schedule_step_in_every_hybrid_group(no_decay: tuple[str, ...]) -> None:
+    """torch's schedulers rescale each group's tensor ``lr`` in place; the hybrid gave every
+    group it builds the one tensor passed, so a plateau halved it once per group (a quarter
+    or an eighth). Each group now holds its own copy, as one AdamW group holds one rate."""
+    optimizer = GefenMuonHybrid(seeded(TinyLlama), lr=torch.tensor(1e-3), no_decay_substrings=no_decay)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+    scheduler.step(1.0)
+    scheduler.step(2.0)  # worse: reduce
+    assert len(optimizer.param_groups) == 2 + len(no_decay)
+    assert _rates(optimizer) == pytest.approx([5e-4] * len(optimizer.param_groups))
+
+
+def _sharing_optimizers() -> dict[str, Callable[[nn.Module, torch.Tensor], torch.optim.Optimizer]]:
+    from gefen_hybrid import CompositeOptimizer, ContractedAdamW
+
+    def split(model: nn.Module) -> list[dict[str, Any]]:
+        named = list(model.named_parameters())
+        matrices = [(n, p) for n, p in named if p.ndim == 2 and "embed" not in n]
+        return [{"params": matrices[:2]}, {"params": matrices[2:]}]
+
+    def composite(model: nn.Module, lr: torch.Tensor) -> torch.optim.Optimizer:
+        return CompositeOptimizer.from_factories(
+            model,
+            {"muon": lambda named: GefenMuon(named, lr=lr), "backup": lambda named: Gefen(named, lr=lr)},
+        )
+
+    return {
+        "gefen": lambda model, lr: Gefen(split(model), lr=lr),
+        "gefen-muon": lambda model, lr: GefenMuon(split(model), lr=lr),
+        "contracted-adamw": lambda model, lr: ContractedAdamW(split(model), lr=lr),
+        "composite": composite,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_sharing_optimizers()))
+def test_a_tensor_rate_shared_by_groups_stays_shared_through_a_load(name: str) -> None:
+    """torch's load deep-copies the saved groups in one call, so a tensor ``lr`` several groups
+    held stays one tensor and a resumed schedule rescales it as the uninterrupted run does. The
+    Gefen loads copied it group by group (a resumed plateau then halved it once, not once per
+    group); the composite's children each load their half."""
+    build = _sharing_optimizers()[name]
+    model = seeded(TinyLlama)
+    optimizer = build(model, torch.tensor(1e-3))
+    train(model, optimizer, steps=1)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    fresh_model = seeded(TinyLlama)
+    fresh = build(fresh_model, torch.tensor(1e-3))
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    rates = [group["lr"] for group in fresh.param_groups]
+    assert len(rates) >= 2 and all(rate is rates[0] for rate in rates), name
+    assert all(rate is not group["lr"] for rate, group in zip(rates, optimizer.param_groups))  # copies, as torch
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {

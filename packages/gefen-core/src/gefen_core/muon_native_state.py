@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import FeatureStatus
+from gefen_contracts.torch_support import share_options, shared_tensor_options
 
 from .distributed import local_tensor, topology_record
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, build_scope, execution_mode
@@ -362,6 +363,7 @@ def stage_muon_state_dict(
         new, ids = stage_group(saved, live, index, required=MUON_GROUP_OPTIONS, normalize=normalize_muon_options)
         new_groups.append(new)
         saved_ids.append(ids)
+    share_options(new_groups, shared_tensor_options(groups))
     layouts, scope = slot_layouts(new_groups)
     global_step, codebook = check_common_record(
         record, deterministic=deterministic, topology=_topology(layouts), optimizer="GefenMuon"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateGeometry
-from gefen_contracts.torch_support import block_count
+from gefen_contracts.torch_support import block_count, share_options, shared_tensor_options
 
 from . import native_format as F
 from .distributed import local_tensor
@@ -185,6 +185,7 @@ def stage_state_dict(
         new, ids = _stage_group(saved, live, index)
         new_groups.append(new)
         saved_ids.append(ids)
+    share_options(new_groups, shared_tensor_options(groups))
     by_id = parameter_slots(saved_ids, param_groups)
     saved_state = state_dict["state"]
     if not isinstance(saved_state, Mapping):

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import share_options, shared_tensor_options
 
 from .tensor_checks import is_dtensor, local_tensor, same_placement, tensor_kind
 
@@ -74,6 +75,7 @@ def stage_adamw_state(live_groups: Sequence[Mapping[str, Any]], state_dict: obje
     groups = []
     for index, (saved, live) in enumerate(zip(saved_groups, live_groups)):
         groups.append(_stage_group(index, saved, live, by_id))
+    share_options(groups, shared_tensor_options(saved_groups))
     saved_state = state_dict["state"]
     if not isinstance(saved_state, Mapping):
         _fail(f"'state' must be a mapping, got {type(saved_state).__name__}")

@@ -506,10 +506,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
         loaded or gained a group."""
         token = checkpoint.load_token(self)
         payload = require_transaction(staged).claim(self, kind=checkpoint.LOAD_KIND, current_token=token)
-        assert isinstance(payload, dict)
-        for role, child in self._children:
-            child.commit_staged_state_dict(payload[role])  # type: ignore[attr-defined]
-        self._changes.bump()
+        checkpoint.commit(self, payload)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks; validate the envelope; each child's load pre-hooks and stage; publish

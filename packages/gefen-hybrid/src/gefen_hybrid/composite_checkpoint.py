@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD
 from gefen_contracts.protocols import StagedNativeLoad
-from gefen_contracts.torch_support import state_version_token
+from gefen_contracts.torch_support import share_options, shared_tensor_options, state_version_token
 from gefen_contracts.transactions import StagedTransaction
 
 from .composite_format import children_of_state_dict
@@ -71,6 +71,13 @@ def run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
     return current
 
 
+def _shared_options(state_dict: object) -> tuple[Any, ...]:
+    """The tensor options the saved groups share across children (one tensor ``lr`` given to
+    the hybrid is held by both children's groups), which each child's load alone cannot keep."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    return shared_tensor_options(groups) if isinstance(groups, list) else ()
+
+
 def stage(composite: CompositeOptimizer, state_dict: object, *, run_child_hooks: bool) -> StagedTransaction:
     """Validate the flat dict and stage every child (its load pre-hooks first when asked)."""
     subs = _children_of(composite, state_dict)
@@ -78,7 +85,19 @@ def stage(composite: CompositeOptimizer, state_dict: object, *, run_child_hooks:
     for role, child in composite._children:
         sub = run_load_pre_hooks(child, subs[role]) if run_child_hooks else subs[role]
         staged[role] = child.stage_state_dict(sub)  # type: ignore[attr-defined]
-    return StagedTransaction(composite, kind=LOAD_KIND, token=load_token(composite), payload=staged)
+    payload = (staged, _shared_options(state_dict))
+    return StagedTransaction(composite, kind=LOAD_KIND, token=load_token(composite), payload=payload)
+
+
+def commit(composite: CompositeOptimizer, payload: object) -> None:
+    """Publish every child's staged load (:func:`stage`'s payload), then share the options
+    the checkpoint's groups shared."""
+    assert isinstance(payload, tuple)
+    staged, shared = payload
+    for role, child in composite._children:
+        child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]
+    share_options(composite.param_groups, shared)
+    composite._changes.bump()
 
 
 def load_partially_staged(composite: CompositeOptimizer, state_dict: object) -> list[torch.optim.Optimizer]:
@@ -96,5 +115,6 @@ def load_partially_staged(composite: CompositeOptimizer, state_dict: object) -> 
     for role, child in composite._children:
         if role in staged:
             child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]
+    share_options(composite.param_groups, _shared_options(state_dict))
     composite._changes.bump()
     return [child for role, child in composite._children if role in staged]

@@ -227,7 +227,7 @@ class GefenMuonHybrid(CompositeOptimizer):
         if muon_named:
             children[ROLE_MUON] = GefenMuon(
                 muon_named,
-                lr=lr if muon_lr is None else muon_lr,
+                lr=_own_copy(lr if muon_lr is None else muon_lr),
                 weight_decay=weight_decay if muon_weight_decay is None else muon_weight_decay,
                 momentum=momentum,
                 nesterov=nesterov,
@@ -252,6 +252,8 @@ class GefenMuonHybrid(CompositeOptimizer):
             )
         if backup_named:
             groups = _backup_groups(backup_named, fragments)
+            for group in groups:
+                group["lr"] = _own_copy(lr if backup_lr is None else backup_lr)
             common: dict[str, Any] = {
                 "lr": lr if backup_lr is None else backup_lr,
                 "betas": betas,
@@ -415,6 +417,13 @@ def _no_decay_fragments(no_decay_substrings: Sequence[str]) -> tuple[str, ...]:
         if type(fragment) is not str or not fragment:
             raise TypeError(f"no_decay_substrings[{index}] must be a non-empty str, got {fragment!r}")
     return fragments
+
+
+def _own_copy(lr: Any) -> Any:
+    """A tensor ``lr`` copied for one group the hybrid builds: torch's schedulers rescale each
+    group's tensor ``lr`` in place (``ReduceLROnPlateau``, ``StepLR``, ...), so one tensor held
+    by every group was rescaled once per group, two or three times per step of the schedule."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def _backup_groups(named: list[NamedParameter], fragments: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -28,7 +28,14 @@ from .bound_state import (
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .freshness import state_version_token, tensor_version_token
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
-from .param_groups import check_new_group, check_tensor_lr, group_params
+from .param_groups import (
+    SharedOption,
+    check_new_group,
+    check_tensor_lr,
+    group_params,
+    share_options,
+    shared_tensor_options,
+)
 from .rebinding_plan import (
     RebindingPlan,
     SlotRebinding,
@@ -67,6 +74,7 @@ __all__ = [
     "ProcessGroupBinding",
     "RebindingPlan",
     "SealedLayout",
+    "SharedOption",
     "SlotRebinding",
     "StateBytes",
     "agree",
@@ -99,6 +107,8 @@ __all__ = [
     "on_device",
     "parameter_count",
     "storage_overlap",
+    "share_options",
+    "shared_tensor_options",
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",

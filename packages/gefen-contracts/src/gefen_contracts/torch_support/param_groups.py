@@ -4,7 +4,9 @@ and again before each step: no parameter twice, and a tensor ``lr`` where the st
 torch only warns about a parameter listed twice in one group, and the result then differs
 from listing it once (it is updated twice per step); a tensor ``lr`` on a device that is
 neither the CPU nor the parameters' fails deep inside the first ``step()``, after state was
-created. Both are refused here with ``ValueError`` before anything changes.
+created. Both are refused here with ``ValueError`` before anything changes. And a loaded
+checkpoint keeps a tensor option that several saved groups shared as one tensor, as torch's
+load does (:func:`shared_tensor_options`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_new_group", "check_tensor_lr", "group_params"]
+__all__ = [
+    "SharedOption",
+    "check_new_group",
+    "check_tensor_lr",
+    "group_params",
+    "share_options",
+    "shared_tensor_options",
+]
 
 
 def group_params(params: object) -> list[object]:
@@ -63,3 +72,35 @@ def check_new_group(params: Sequence[object], index: int, groups: Sequence[Mappi
             raise ValueError(f"{here} is the same parameter as {seen[id(tensor)]}; list each parameter once")
         seen[id(tensor)] = here
     check_tensor_lr(lr, params, f"param_groups[{index}]")
+
+
+#: ``(group, key, first group, first key)``: group ``group``'s option ``key`` is the tensor that
+#: group ``first group`` holds under ``first key``.
+SharedOption = tuple[int, str, int, str]
+
+
+def shared_tensor_options(saved_groups: Sequence[object]) -> tuple[SharedOption, ...]:
+    """Where ``saved_groups`` hold one tensor object in more than one group (a tensor ``lr``
+    given once for several groups). torch's load deep-copies the saved groups in one call, so
+    such a tensor stays one tensor after the load and an in-place schedule
+    (``ReduceLROnPlateau`` fills a tensor ``lr``) moves it as before the save; a loader that
+    copies group by group restores that with :func:`share_options`."""
+    first: dict[int, tuple[int, str]] = {}
+    shared: list[SharedOption] = []
+    for index, group in enumerate(saved_groups):
+        if not isinstance(group, Mapping):
+            continue  # the loader names it
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor):
+                origin = first.setdefault(id(value), (index, str(key)))
+                if origin[0] != index:
+                    shared.append((index, str(key), *origin))
+    return tuple(shared)
+
+
+def share_options(groups: Sequence[dict[str, Any]], shared: Sequence[SharedOption]) -> None:
+    """Point each shared option of ``groups`` (new or live group dicts, in the saved order) at
+    its first group's object (:func:`shared_tensor_options`)."""
+    for index, key, first, first_key in shared:
+        if key in groups[index] and first_key in groups[first]:
+            groups[index][key] = groups[first][first_key]
