@@ -471,3 +471,45 @@ def test_dynamo_guards_a_parameter_reached_through_a_work_item() -> None:
     for k, param in enumerate(params):
         apply(_WorkItem(param), torch.full_like(param, float(k + 1)))
     assert [p.tolist() for p in params] == [[-1.0, -1.0], [-2.0, -2.0], [-3.0, -3.0]]
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon", "contracted-adamw"])
+def test_the_group_dict_passed_is_the_group_registered(name: str) -> None:
+    """torch registers the caller's group dict (``param_groups[-1] is group``), so code that
+    keeps it and edits it (``group["lr"] = 0.0`` to freeze a head) steers the step. Gefen and
+    GefenMuon registered a merged copy, and the edit was silently ignored."""
+    from gefen_hybrid import ContractedAdamW
+
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon, "contracted-adamw": ContractedAdamW}[name]
+    torch.manual_seed(0)
+    first, second, third = (nn.Parameter(torch.randn(8, 16)) for _ in range(3))
+    head = {"params": [second], "lr": 1e-2}
+    optimizer = cls([{"params": [first]}, head], lr=1e-2)
+    added = {"params": [third]}
+    optimizer.add_param_group(added)
+    assert optimizer.param_groups[1] is head and optimizer.param_groups[2] is added
+    head["lr"] = added["lr"] = 0.0
+    before = [second.detach().clone(), third.detach().clone()]
+    for param in (first, second, third):
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    assert torch.equal(second, before[0]) and torch.equal(third, before[1])
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
+def test_a_load_pre_hook_edits_a_copy_of_the_callers_dict(name: str) -> None:
+    """torch hands load pre-hooks a shallow copy of the state dict, so a hook that pops its own
+    metadata key leaves the caller's checkpoint whole (it can be loaded again)."""
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon}[name]
+    param = nn.Parameter(torch.randn(8, 16))
+    optimizer = cls([param], lr=1e-2)
+    param.grad = torch.randn_like(param)
+    optimizer.step()
+    checkpoint = {**optimizer.state_dict(), "my_metadata": 1}
+
+    def drop_metadata(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        del state_dict["my_metadata"]
+
+    optimizer.register_load_state_dict_pre_hook(drop_metadata)
+    optimizer.load_state_dict(checkpoint)
+    assert checkpoint["my_metadata"] == 1

@@ -226,7 +226,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         if not listed:
             raise ValueError(f"param_groups[{index}] has an empty parameter list")
         check_parameters(listed, index)
-        merged = {**param_group, **options, "params": listed}
+        merged = {**param_group, **options}
         check_new_group(listed, index, self.param_groups, merged.get("lr", self.defaults["lr"]))
         substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
         named = all(isinstance(p, tuple) for p in listed)
@@ -235,7 +235,9 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
                 f"param_groups[{index}]: period_one_substrings needs named parameters "
                 "(pass model.named_parameters() or (name, tensor) pairs)"
             )
-        super().add_param_group(merged)
+        # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)
+        param_group.update(options, params=listed)
+        super().add_param_group(param_group)
         self._version += 1
 
     # -- small queries ------------------------------------------------------------------

@@ -246,7 +246,9 @@ class GefenMuon(
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
             check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")
         check_new_group(listed, index, self.param_groups, options["lr"])
-        super().add_param_group({**param_group, **options, "params": listed})
+        # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)
+        param_group.update(options, params=listed)
+        super().add_param_group(param_group)
         self._version += 1
         if hasattr(self, "_fp8_warned"):
             muon_execution.warn_fp8_at_construction(self)

@@ -61,7 +61,10 @@ def load_with_hooks(
     state_dict: Mapping[str, Any],
     load: Callable[[Mapping[str, Any]], None],
 ) -> None:
-    """``load_state_dict()`` semantics: pre-hooks (which may replace the dict), ``load``, post-hooks."""
+    """``load_state_dict()`` semantics: pre-hooks (which may replace the dict, or edit a shallow
+    copy of it: the caller's dict is never changed, as in torch), ``load``, post-hooks."""
+    if isinstance(state_dict, Mapping):
+        state_dict = dict(state_dict)
     for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
         replaced = pre_hook(optimizer, state_dict)  # type: ignore[arg-type]
         if replaced is not None:

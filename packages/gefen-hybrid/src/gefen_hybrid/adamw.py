@@ -309,9 +309,9 @@ class ContractedAdamW(torch.optim.AdamW):
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
             listed = group_params(params)
-            param_group = {**param_group, "params": listed}
             lr = param_group.get("lr", self.defaults.get("lr"))
             check_new_group(listed, len(self.param_groups), self.param_groups, lr)
+            param_group["params"] = listed  # the caller's dict is the group, as torch registers it
         super().add_param_group(param_group)
         self._version = getattr(self, "_version", 0) + 1
 
