@@ -66,7 +66,7 @@ def load_with_hooks(
     if isinstance(state_dict, Mapping):
         state_dict = dict(state_dict)
     for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
-        replaced = pre_hook(optimizer, state_dict)  # type: ignore[arg-type]
+        replaced = pre_hook(optimizer, state_dict)
         if replaced is not None:
             state_dict = replaced
     load(state_dict)
