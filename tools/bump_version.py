@@ -5,7 +5,7 @@
 
 Updates ``packages/<name>/pyproject.toml``, ``src/<module>/_version.py`` and moves the
 ``[Unreleased]`` entries of ``CHANGELOG.md`` under a new version heading. It refuses a
-version that does not increase. Run ``tools/check_pins.py`` afterwards: the meta-package's
+version that does not increase. Run ``uv run python tools/release.py check-pins`` afterwards: the meta-package's
 pins must still admit every sibling's version.
 """
 

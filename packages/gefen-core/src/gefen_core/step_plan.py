@@ -113,11 +113,11 @@ def capturing() -> bool:
 
 
 def refuse_meta(grad: torch.Tensor, where: str) -> None:
-    """A first gradient on the meta device holds no values to learn periods and a codebook from."""
+    """A first gradient on the meta device holds no values to learn the codebook from."""
     if grad.is_meta:
         raise ParameterError(
-            f"{where}: the parameter is on the meta device; its first step learns block periods and the "
-            "codebook from the gradient's values, so materialise the model first (e.g. module.to_empty(device=...))"
+            f"{where}: the parameter is on the meta device; its first step learns the codebook from the "
+            "gradient's values, so materialise the model first (e.g. module.to_empty(device=...))"
         )
 
 
