@@ -196,6 +196,22 @@ def test_add_param_group_routes_new_parameters_by_the_same_rules() -> None:
     assert backup.param_groups[-1]["param_names"] == ["extra.proj.bias", "extra_embed.weight"]
 
 
+def test_add_param_group_keeps_frozen_parameters_so_they_train_once_unfrozen() -> None:
+    """torch's ``add_param_group`` keeps a frozen layer; it trains once unfrozen. The composite
+    routed only trainable tensors, so a frozen layer added now was silently left out."""
+    model = make_tiny_llama()
+    opt = CompositeOptimizer.from_factories(model, FACTORIES)
+    layer = nn.Linear(8, 8).requires_grad_(False)
+    opt.add_param_group({"params": [("extra.weight", layer.weight), ("extra.bias", layer.bias)]})
+    roles = _roles(opt.parameter_routing())
+    assert roles["extra.weight"] == "muon" and roles["extra.bias"] == "backup"
+    layer.requires_grad_(True)
+    before = layer.weight.detach().clone()
+    layer(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    assert not torch.equal(layer.weight, before)
+
+
 def test_add_param_group_refuses_before_adding_anything() -> None:
     model = make_tiny_llama()
     opt = CompositeOptimizer.from_factories(model, FACTORIES)

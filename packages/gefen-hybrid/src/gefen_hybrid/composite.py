@@ -438,7 +438,10 @@ class CompositeOptimizer(torch.optim.Optimizer):
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             embedding_ids = backup_module_weight_ids(model, self._rules.embedding_types)
-        routed = route_named_parameters(params, self._rules, embedding_ids=embedding_ids, check_overrides=False)
+        # frozen parameters stay: a layer added now and unfrozen later trains, as with torch's add_param_group
+        routed = route_named_parameters(
+            params, self._rules, embedding_ids=embedding_ids, check_overrides=False, keep_frozen=True
+        )
         taken = dict(self.parameter_routing())
         for name, _ in routed.routing():
             if name in taken:

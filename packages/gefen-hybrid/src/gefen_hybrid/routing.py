@@ -158,8 +158,9 @@ class RoutedParameters:
         return tuple(sorted((name, role) for role in ROLES for name, _ in self.by_role[role]))
 
 
-def named_parameter_list(params: object, what: str = "params") -> list[NamedParameter]:
-    """Validate ``(name, tensor)`` pairs: trainable only, tied tensors once, names unique.
+def named_parameter_list(params: object, what: str = "params", *, keep_frozen: bool = False) -> list[NamedParameter]:
+    """Validate ``(name, tensor)`` pairs: trainable only (frozen ones too with ``keep_frozen``),
+    tied tensors once, names unique.
 
     Raises ``TypeError`` for unnamed parameters (with how to pass names) and ``ValueError``
     for one name given to two different tensors.
@@ -188,7 +189,7 @@ def named_parameter_list(params: object, what: str = "params") -> list[NamedPara
             raise ValueError(f"{what}[{index}] has name {name!r}; names must be non-empty, without outer spaces")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what}[{index}] ({name!r}) holds a {type(tensor).__name__}, not a tensor")
-        if not tensor.requires_grad:
+        if not (tensor.requires_grad or keep_frozen):
             continue
         if id(tensor) in seen_tensors:
             continue  # a tied weight: routed once, under its first name
@@ -301,13 +302,15 @@ def route_named_parameters(
     *,
     embedding_ids: frozenset[int] = frozenset(),
     check_overrides: bool = True,
+    keep_frozen: bool = False,
 ) -> RoutedParameters:
     """Route ``(name, parameter)`` pairs by name and shape. No module types are known, so only
     ``embedding_ids`` (:func:`backup_module_weight_ids` of the model, when the caller has it)
     identifies embeddings and heads; without them, unclassifiable muon names are reported in
-    a :class:`RoutingWarning` (module docstring)."""
+    a :class:`RoutingWarning` (module docstring). Frozen parameters are skipped unless
+    ``keep_frozen`` (a group added explicitly keeps them, as torch's ``add_param_group`` does)."""
     rules = checked_rules(rules)
-    named = named_parameter_list(params)
+    named = named_parameter_list(params, keep_frozen=keep_frozen)
     if check_overrides:
         _check_overrides_known(named, rules)
         _reject_placeholders(named)
