@@ -98,3 +98,19 @@ def test_the_hybrid_preflight_refuses_a_faulty_backup_before_any_child_steps(
     with pytest.raises((RuntimeError, ValueError, TypeError)):
         optimizer.step()
     assert snapshot_diff(before, optimizer, model) == []
+
+
+@pytest.mark.parametrize("backup", ["adamw", "gefen"])
+def test_a_bad_backup_option_is_refused_before_any_child_steps_and_placed_in_the_composite(backup: str) -> None:
+    """A ``None`` weight decay in the AdamW backup's group reached torch's arithmetic only after
+    the Muon child had stepped (its global step advanced, the backup's counters too). The
+    preflight refuses it first; the error, naming the child's group index, carries a note
+    mapping it to the composite's."""
+    model, optimizer = _hybrid(backup)
+    last = len(optimizer.param_groups) - 1
+    optimizer.param_groups[last]["weight_decay"] = None
+    before = deep_snapshot(optimizer, model)
+    with pytest.raises(TypeError, match="weight_decay") as raised:
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, model) == []
+    assert any(f"this composite's param_groups[{last}..{last}]" in note for note in raised.value.__notes__)

@@ -10,6 +10,7 @@ anything changes.
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -77,6 +78,24 @@ def _torch_adam_step() -> Callable[..., Any]:
     while getattr(step, "hooked", False):
         step = step.__wrapped__
     return step  # type: ignore[no-any-return]
+
+
+def _is_rate(value: object) -> bool:
+    """A real number (not a bool) or a 1-element tensor: what torch's AdamW arithmetic takes."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_option_types(group: Mapping[str, Any], index: int) -> None:
+    for key in ("lr", "eps", "weight_decay"):
+        if not _is_rate(group[key]):
+            raise TypeError(
+                f"param_groups[{index}]['{key}'] must be a real number or a 1-element tensor, got {group[key]!r}"
+            )
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_is_rate(b) for b in betas):
+        raise TypeError(f"param_groups[{index}]['betas'] must be two real numbers or 1-element tensors, got {betas!r}")
 
 
 def _fused_device_check() -> Callable[[torch.Tensor], None] | None:
@@ -226,7 +245,10 @@ class ContractedAdamW(torch.optim.AdamW):
     def preflight_step(self) -> None:
         """Raise the error ``step()`` would raise for the attached gradients; change nothing.
 
-        Checks: sparse gradients, a gradient whose kind (DTensor or not), shape, dtype or
+        Checks: each group's ``lr``, ``eps`` and ``weight_decay`` a real number or a 1-element
+        tensor and ``betas`` two of them (torch's step raises a ``TypeError`` for a ``None``
+        only in its arithmetic, after the groups before it stepped: a composite with this
+        backup would step its other child first), sparse gradients, a gradient whose kind (DTensor or not), shape, dtype or
         device differs from its parameter, state whose shape no longer matches its (resized)
         parameter, parameters the fused kernel cannot take, a tensor ``lr`` on a device that
         is neither the CPU nor the parameters', a tensor ``lr`` with ``foreach=True`` and
@@ -239,6 +261,7 @@ class ContractedAdamW(torch.optim.AdamW):
         fused_check = _fused_device_check()
         capturable_devices = _get_capturable_supported_devices()
         for index, group in enumerate(self.param_groups):
+            _check_option_types(group, index)
             if group["foreach"] and not group["capturable"]:
                 # torch's multi-tensor Adam refuses these only after stepping the groups before
                 if isinstance(group["lr"], torch.Tensor):

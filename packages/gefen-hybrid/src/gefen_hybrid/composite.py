@@ -359,10 +359,21 @@ class CompositeOptimizer(torch.optim.Optimizer):
     # -- stepping -------------------------------------------------------------------------------
 
     def preflight_step(self) -> None:
-        """Every child's ``preflight_step()`` (children without one are skipped); no closure, no vote."""
-        for _, child in self._children:
+        """Every child's ``preflight_step()`` (children without one are skipped); no closure, no
+        vote. A child's error names its own group indices; a note maps them to this composite's."""
+        offset = 0
+        for role, child in self._children:
             if isinstance(child, StepPreflight):
-                child.preflight_step()
+                try:
+                    child.preflight_step()
+                except Exception as exc:
+                    count = len(child.param_groups)
+                    exc.add_note(
+                        f"raised by the {role!r} child, whose param_groups[0..{count - 1}] are this composite's "
+                        f"param_groups[{offset}..{offset + count - 1}]"
+                    )
+                    raise
+            offset += len(child.param_groups)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Pre-hooks, closure (once, under ``enable_grad``), preflight, vote, then each child's step.
