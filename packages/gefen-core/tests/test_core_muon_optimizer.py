@@ -15,7 +15,7 @@ from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import count_state_bytes
 from gefen_core import GefenMuon, GefenOptionError, GefenOptionTypeError, GradientError, ParameterError
 from gefen_core.momentum_codec import dequantize
-from gefen_core.muon_options import lr_ratio
+from gefen_core.muon_options import group_schedule, lr_ratio
 from gefen_core.newton_schulz import NS_SCHEDULES, newton_schulz, resolve_schedule
 from gefen_core.normuon import cautious_mask, normuon_rescale
 from gefen_core.ops import MUON_MOMENTUM
@@ -106,6 +106,30 @@ def test_schedules_normalise_into_the_group() -> None:
         -4.775,
         2.0315,
     )
+
+
+def test_a_schedule_edited_in_a_live_group_takes_effect_or_is_refused() -> None:
+    """A named schedule's group holds its triples and their count; ``ns_steps`` edited alone on
+    such a group was silently ignored (the group said 5, the step ran 3). It is refused before
+    anything changes; the schedule's fields set together take effect."""
+    params = _matrices((8, 12))
+    opt = GefenMuon(params, lr=1e-2, fused=False, ns_schedule="tuned3")
+    _train(opt, params, 1)
+    opt.param_groups[0]["ns_steps"] = 5
+    _grads(params, torch.Generator().manual_seed(2))
+    before = deep_snapshot(opt, *params)
+    with pytest.raises(GefenOptionError, match="ns_steps is 5 but the group's schedule"):
+        opt.step()
+    assert snapshot_diff(before, opt, *params) == []
+    switched, unedited = _matrices((8, 12)), _matrices((8, 12))
+    editing, twin = GefenMuon(switched, lr=1e-2, fused=False), GefenMuon(unedited, lr=1e-2, fused=False)
+    _train(editing, switched, 1)
+    _train(twin, unedited, 1)
+    editing.param_groups[0].update(ns_schedule="tuned3", ns_steps=3)
+    _train(editing, switched, 1, seed=2)
+    _train(twin, unedited, 1, seed=2)
+    assert group_schedule(editing.param_groups[0]) == NS_SCHEDULES["tuned3"]
+    assert not torch.equal(switched[0], unedited[0])
 
 
 def test_add_param_group_validates_everything_before_registering() -> None:

@@ -165,11 +165,22 @@ def normalize_muon_options(
 
 
 def check_muon_group(group: Mapping[str, Any], index: int) -> None:
-    """Re-validate a live group (for example after a scheduler or a user edited it)."""
+    """Re-validate a live group (for example after a scheduler or a user edited it). An
+    ``ns_steps`` that the group's schedule does not run (edited on a group whose named or
+    explicit schedule fixes the count) is refused rather than silently ignored."""
     missing = [name for name in MUON_GROUP_OPTIONS if name not in group]
     if missing:
         raise GefenOptionError(f"param_groups[{index}] is missing options {missing}")
-    normalize_muon_options(group, index, read_tensor_lr=False)
+    normalized = normalize_muon_options(group, index, read_tensor_lr=False)
+    steps = normalized.get("ns_steps", group["ns_steps"])
+    if steps != group["ns_steps"]:
+        raise GefenOptionError(
+            f"param_groups[{index}]: ns_steps is {group['ns_steps']!r} but the group's schedule "
+            f"(ns_schedule={group['ns_schedule']!r}, {steps} coefficient triples in ns_coefficients) runs {steps}; "
+            "ns_steps counts repeats of one triple only: change a schedule by setting its fields together "
+            "(ns_schedule='tuned3' with ns_steps=3; back to standard: ns_schedule='standard', "
+            "ns_coefficients=gefen_core.newton_schulz.DEFAULT_COEFFICIENTS, ns_steps=5)"
+        )
 
 
 @lru_cache(maxsize=256)
