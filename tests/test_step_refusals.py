@@ -114,3 +114,20 @@ def test_a_bad_backup_option_is_refused_before_any_child_steps_and_placed_in_the
         optimizer.step()
     assert snapshot_diff(before, optimizer, model) == []
     assert any(f"this composite's param_groups[{last}..{last}]" in note for note in raised.value.__notes__)
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
+def test_a_tensor_appended_to_a_named_group_is_refused_naming_add_param_group(name: str) -> None:
+    """A tensor appended to a named group's ``params`` by hand has no name; the step indexed the
+    names past their end (a bare ``IndexError``)."""
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon}[name]
+    first, second = nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(8, 16))
+    optimizer = cls([("first", first)], lr=1e-2)
+    first.grad = torch.randn_like(first)
+    optimizer.step()
+    optimizer.param_groups[0]["params"].append(second)
+    first.grad, second.grad = torch.randn_like(first), torch.randn_like(second)
+    before = deep_snapshot(optimizer, first, second)
+    with pytest.raises(ValueError, match="2 parameters but 1 param_names; add parameters with add_param_group"):
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, first, second) == []

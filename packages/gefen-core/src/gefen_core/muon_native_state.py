@@ -78,6 +78,7 @@ from .native_records import (
     reconcile_record,
     stage_group,
 )
+from .param_groups import check_names
 from .param_state import INDICES, MAGNITUDE, STEP
 from .periods import shape_period
 
@@ -134,7 +135,8 @@ class SlotLayout:
 def slot_layouts(param_groups: Sequence[Mapping[str, Any]]) -> tuple[list[SlotLayout], MuonScope | None]:
     """Every slot's layout under ``param_groups`` (their ``sharded_mode``), and the scope."""
     raw: list[tuple[torch.Tensor, str, str]] = []
-    for group in param_groups:
+    for index, group in enumerate(param_groups):
+        check_names(group, index)
         names = group.get("param_names")
         for position, param in enumerate(group["params"]):
             name = str(names[position]) if names is not None else f"param_{len(raw)}"

@@ -29,7 +29,7 @@ from .newton_schulz import (
     normalize_coefficients,
     resolve_schedule,
 )
-from .param_groups import flag_option, lr_option, real_option, where_prefix
+from .param_groups import check_names, flag_option, lr_option, real_option, where_prefix
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -171,6 +171,7 @@ def check_muon_group(group: Mapping[str, Any], index: int) -> None:
     missing = [name for name in MUON_GROUP_OPTIONS if name not in group]
     if missing:
         raise GefenOptionError(f"param_groups[{index}] is missing options {missing}")
+    check_names(group, index)
     normalized = normalize_muon_options(group, index, read_tensor_lr=False)
     steps = normalized.get("ns_steps", group["ns_steps"])
     if steps != group["ns_steps"]:

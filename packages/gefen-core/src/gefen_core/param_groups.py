@@ -178,7 +178,19 @@ def check_group_options(group: Mapping[str, Any], index: int) -> None:
     missing = [name for name in GROUP_OPTIONS if name not in group]
     if missing:
         raise GefenOptionError(f"param_groups[{index}] is missing options {missing}")
+    check_names(group, index)
     normalize_group_options(group, index, read_tensor_lr=False)
+
+
+def check_names(group: Mapping[str, Any], index: int) -> None:
+    """A named group must name each of its parameters (a tensor appended to its ``params`` list
+    by hand has no name: the step read past the names with an ``IndexError``)."""
+    names = group.get("param_names")
+    if names is not None and len(names) != len(group["params"]):
+        raise ParameterError(
+            f"param_groups[{index}] lists {len(group['params'])} parameters but {len(names)} param_names; "
+            "add parameters with add_param_group (a named group needs a name for each)"
+        )
 
 
 def check_parameters(params: list[Any], group: int | None = None, *, optimizer: str = "Gefen") -> None:
