@@ -275,6 +275,8 @@ def test_bound_state_documents_round_trip_and_reject_corruption() -> None:
         ({**doc, "format_version": True}, "format_version"),
         ({**doc, "implementation": "y.Opt"}, "implementation"),
         ({**doc, "policy": {"p": [1]}}, "policy"),
+        ({**doc, "policy": {"p": [True, 2]}}, "policy"),  # compared exactly: True is not 1
+        ({**doc, "common": {"c": torch.ones(2, dtype=torch.uint16)}}, "uint16 tensors are not allowed"),
         ({**doc, "extra": 1}, "keys"),
         ({**doc, 1: "stray"}, "keys"),  # a non-str key: the message sorted mixed keys (TypeError)
         ({**doc, "common": {"c": torch.tensor([float("nan")])}}, "non-finite"),

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from gefen_contracts import ContractError, ContractTypeError, StaleTransactionError
 from gefen_contracts.kernels import run_kernel_plugins
@@ -16,6 +18,11 @@ def test_limits_rules() -> None:
     assert limits.max_metadata_bytes == 64 << 20
     small = PortableStateLimits(max_collective_metadata_bytes=1 << 20)
     assert small.max_metadata_bytes == 1 << 20
+    # replace() carries the resolved value: lowering the collective bound below it needs 0 again
+    with pytest.raises(ContractError, match="max_metadata_bytes must not exceed"):
+        dataclasses.replace(limits, max_collective_metadata_bytes=1 << 20)
+    lowered = dataclasses.replace(limits, max_collective_metadata_bytes=1 << 20, max_metadata_bytes=0)
+    assert lowered.max_metadata_bytes == 1 << 20
     with pytest.raises(ContractError):
         PortableStateLimits(chunk_bytes=0)
     with pytest.raises(ContractTypeError):

@@ -21,7 +21,10 @@ class PortableStateLimits:
     All fields are exact ints in ``[1, 2**64 - 1]``. ``max_fragment_tensor_bytes`` bounds one
     member's tensor bytes, ``max_collective_tensor_bytes`` the sum over members; likewise for
     metadata. Unlike the reference, ``max_metadata_bytes`` defaults to
-    ``min(64 MiB, max_collective_metadata_bytes)``, so lowering only the collective limit works.
+    ``min(64 MiB, max_collective_metadata_bytes)``, so lowering only the collective limit works
+    in the constructor. The instance holds the resolved value, so ``dataclasses.replace`` of an
+    existing instance carries it: lowering the collective limit below it there needs
+    ``max_metadata_bytes`` too (or ``max_metadata_bytes=0``, which resolves again).
     """
 
     max_fragment_tensor_bytes: int = 64 * _GIB

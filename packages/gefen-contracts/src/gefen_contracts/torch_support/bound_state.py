@@ -26,9 +26,11 @@ from typing import Any
 import torch
 
 from ..codec import from_primitive, to_primitive
+from ..digest import canonical_digest
 from ..errors import CodecError, StateValidationError
 from ..identity import ShardIdentity
 from ..manifest import ShardingManifest
+from .tensors import DIGESTED_DTYPES
 
 __all__ = [
     "BOUND_STATE_COVERAGE",
@@ -94,8 +96,8 @@ def _clone_value(value: Any, path: str, *, tensors: bool, depth: int = 0) -> Any
     if tensors and kind is torch.Tensor:
         if value.layout is not torch.strided or value.is_meta or value.is_quantized or value.is_nested:
             raise StateValidationError(f"{path}: only plain strided tensors are allowed")
-        if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise StateValidationError(f"{path}: float8 tensors are not allowed")
+        if value.dtype not in DIGESTED_DTYPES:  # float8/float4, unsigned wide ints, complex32, ...
+            raise StateValidationError(f"{path}: {value.dtype} tensors are not allowed")
         if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
             raise StateValidationError(f"{path}: tensor holds non-finite values")
         data = value.detach()
@@ -184,7 +186,12 @@ def parse_bound_state(
     saved_policy = _clone_value(document["policy"], "policy", tensors=False)
     _require(type(saved_policy) is dict, "policy must be a dict")
     # the union of keys: a key only one side has is a difference too (get() gives None)
-    differing = sorted(str(key) for key in set(saved_policy) | set(policy) if saved_policy.get(key) != policy.get(key))
+    # compared exactly: True is not 1, nor 1 1.0 (the encoding the digests use)
+    differing = sorted(
+        str(key)
+        for key in set(saved_policy) | set(policy)
+        if canonical_digest(saved_policy.get(key)) != canonical_digest(policy.get(key))
+    )
     _require(
         not differing,
         "the document's policy differs from the optimizer's: "

@@ -15,6 +15,7 @@ from ..digest import DigestLeaf, canonical_digest
 from ..errors import CodecError
 
 __all__ = [
+    "DIGESTED_DTYPES",
     "dtype_from_name",
     "dtype_name",
     "finite_bounds",
@@ -44,6 +45,8 @@ _NAMES = {
 
 
 _DTYPES = {name: dtype for dtype, name in _NAMES.items()}
+#: The dtypes the digest grammar names (and so the only ones a digested document may hold).
+DIGESTED_DTYPES = frozenset(_NAMES)
 
 
 def is_dtensor(value: object) -> bool:
