@@ -131,3 +131,18 @@ def test_a_tensor_appended_to_a_named_group_is_refused_naming_add_param_group(na
     with pytest.raises(ValueError, match="2 parameters but 1 param_names; add parameters with add_param_group"):
         optimizer.step()
     assert snapshot_diff(before, optimizer, first, second) == []
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
+def test_fused_true_on_a_meta_model_constructs_and_its_first_step_names_the_meta_device(name: str) -> None:
+    """``fused=True`` asks the dispatcher whether the parameters' device has a kernel; for the
+    meta device it asked for the key "META", which the dispatcher cannot parse (a bare
+    ``RuntimeError`` at construction; torch's fused AdamW constructs there). It constructs, and
+    the first step refuses the meta parameters as documented."""
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon}[name]
+    with torch.device("meta"):
+        model = nn.Linear(16, 8)
+    optimizer = cls([model.weight], lr=1e-2, fused=True)
+    model.weight.grad = torch.zeros_like(model.weight)
+    with pytest.raises(ValueError, match="meta"):
+        optimizer.step()

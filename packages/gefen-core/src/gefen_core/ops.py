@@ -280,13 +280,20 @@ def warn_on_partial_kernels() -> list[str]:
 
 
 def _dispatch_key(device: torch.device) -> str:
-    return {"cpu": "CPU", "cuda": "CUDA"}.get(device.type, device.type.upper())
+    # torch's own spelling ("CPU", "CUDA", "Meta", "PrivateUse1"...): upper-casing the device
+    # type made "META", which the dispatcher cannot parse (fused=True on a meta model crashed)
+    return str(torch._C._dispatch_key_for_device(device.type))
 
 
 def kernel_registered(op: str, device: torch.device) -> bool:
-    """Whether a kernel package registered ``op`` for ``device``'s type (plugins load first)."""
+    """Whether a kernel package registered ``op`` for ``device``'s type (plugins load first).
+    On the meta device the op's fake implementation answers: a model built there and
+    materialised later (``to_empty``) is checked again on its real device at its first step."""
     _load_plugins()
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, _dispatch_key(device)))
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, _dispatch_key(device)))
+    except RuntimeError:  # a device type the dispatcher has no key for
+        return False
 
 
 class Kernels:
