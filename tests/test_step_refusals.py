@@ -146,3 +146,21 @@ def test_fused_true_on_a_meta_model_constructs_and_its_first_step_names_the_meta
     model.weight.grad = torch.zeros_like(model.weight)
     with pytest.raises(ValueError, match="meta"):
         optimizer.step()
+
+
+def test_distinct_parameters_sharing_memory_are_refused_by_gefen() -> None:
+    """A transposed tie (``Parameter(w.data.t())`` beside ``w``): Gefen stepped the strided one
+    through a copy written back after the bucket's op, over ``w``'s update, so one update was
+    lost (torch applies both). Such parameters are refused at construction, naming both; a
+    meta model (no memory) and one tensor reached twice (refused as listed twice) are not this."""
+    weight = nn.Parameter(torch.randn(16, 12))
+    transposed = nn.Parameter(weight.data.t())
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] and .*\['params'\]\[1\].*tie weights by sharing one"):
+        Gefen([weight, transposed], lr=1e-2)
+    optimizer = Gefen([weight], lr=1e-2)
+    with pytest.raises(ValueError, match="must not share memory"):
+        optimizer.add_param_group({"params": [nn.Parameter(weight.data[:4])]})
+    assert len(optimizer.param_groups) == 1
+    with torch.device("meta"):
+        meta = nn.Linear(4, 4)
+    Gefen(meta.parameters(), lr=1e-2)

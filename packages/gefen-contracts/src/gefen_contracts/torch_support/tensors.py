@@ -176,7 +176,7 @@ def storage_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     non-contiguous tensor's span is its hull, so interleaved views are reported, conservatively."""
     by_device: dict[str, list[tuple[int, int, str, bool]]] = {}
     for label, tensor in labelled:
-        if tensor.numel() == 0:
+        if tensor.numel() == 0 or tensor.is_meta:  # a meta tensor has no memory (its address is 0)
             continue
         start, end = _byte_span(tensor)
         by_device.setdefault(str(tensor.device), []).append((start, end, label, tensor.is_contiguous()))
