@@ -333,6 +333,16 @@ def test_preflight_refuses_what_torch_refuses_only_after_stepping_earlier_groups
     with pytest.raises(ValueError, match="beta1 as a Tensor"):
         multi.step()
     assert not snapshot_diff(before, multi, real, other)
+    # the model moved to float64 after a step: torch fails on the float32 state mid-step
+    moved = ContractedAdamW([{"params": [("a", real)]}, {"params": [("b", other)]}], lr=1e-2, foreach=False)
+    real.grad, other.grad = torch.ones(3), torch.ones(3)
+    moved.step()
+    other.data = other.data.double()
+    real.grad, other.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
+    before = deep_snapshot(moved, real, other)
+    with pytest.raises(RuntimeError, match="float64 parameter on cpu holds exp_avg as torch.float32"):
+        moved.step()
+    assert not snapshot_diff(before, moved, real, other)
 
 
 @pytest.mark.parametrize("rate", [np.float32(3e-3), torch.tensor(3e-3)], ids=["numpy", "tensor"])

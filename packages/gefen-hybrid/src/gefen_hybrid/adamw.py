@@ -279,6 +279,15 @@ class ContractedAdamW(torch.optim.AdamW):
                             f"param group {index}: a parameter of shape {tuple(parameter.shape)} holds {key} of "
                             f"shape {tuple(held.shape)} (was it resized after its first step?)"
                         )
+                    if isinstance(held, torch.Tensor) and (
+                        held.dtype != parameter.dtype or held.device != parameter.device
+                    ):
+                        # torch's step fails on it in its arithmetic, after earlier groups stepped
+                        raise RuntimeError(
+                            f"param group {index}: a {parameter.dtype} parameter on {parameter.device} holds {key} "
+                            f"as {held.dtype} on {held.device} (the model moved to another dtype or device after "
+                            "its first step; move the model before the first step, or build a new optimizer)"
+                        )
                 grad = parameter.grad
                 if grad is None:
                     continue
