@@ -340,7 +340,7 @@ def test_preflight_refuses_what_torch_refuses_only_after_stepping_earlier_groups
     other.data = other.data.double()
     real.grad, other.grad = torch.ones(3), torch.ones(3, dtype=torch.float64)
     before = deep_snapshot(moved, real, other)
-    with pytest.raises(RuntimeError, match="float64 parameter on cpu holds exp_avg as torch.float32"):
+    with pytest.raises(RuntimeError, match=r"float64 parameter on cpu holds exp_avg as torch\.float32"):
         moved.step()
     assert not snapshot_diff(before, moved, real, other)
 
