@@ -147,6 +147,12 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         (GefenOptionTypeError, "seeds must be an int64 tensor", {"seeds": [1, 2, 3]}),
         (GradientError, r"grads\[1\] must be a tensor", {"grads": [grads[0], None, grads[2]]}),
         (ParameterError, r"params\[0\] must be a tensor", {"params": [3.0, *tensors[1:]]}),
+        # a parameter dtype the class refuses when a group is added: the first entry had stepped
+        (
+            ParameterError,
+            r"params\[2\]: dtype torch.int32 is not supported",
+            {"params": [*tensors[:2], tensors[2].to(torch.int32)], "grads": [*grads[:2], grads[2].to(torch.int32)]},
+        ),
         # the kernels step entries concurrently: one listed twice raced (results varied run to run)
         (
             ParameterError,

@@ -27,7 +27,7 @@ from .codebook import validate_codebook
 from .distributed import is_dtensor
 from .errors import GefenOptionError, GefenOptionTypeError, GradientError, ParameterError
 from .ops import Kernels
-from .param_groups import normalize_group_options
+from .param_groups import check_parameters, normalize_group_options
 from .param_state import INDICES, MAGNITUDE, PARAMETER_FIELDS, VARIANT_FIELDS, state_variant
 from .parameter_update import update_parameters
 from .step_plan import ParamWork, check_gradient, check_state, update_ops
@@ -92,6 +92,7 @@ def gefen(
     group = normalize_group_options({**options, "clip_threshold": clip_threshold})
     table = validate_codebook(codebook, "gefen: codebook")
     dispatch = Kernels(fused)
+    check_parameters(list(params))  # dtype and layout, as the class checks them when a group is added
     buckets: dict[tuple[str, torch.device], list[ParamWork]] = {}
     for slot, (param, grad, state) in enumerate(zip(params, grads, states)):
         where = f"gefen: params[{slot}]"
