@@ -365,3 +365,36 @@ def test_a_rate_set_mid_run_as_a_numpy_scalar_or_a_tensor_resumes_like_torch(rat
     tensor_rate.load_state_dict(optimizer.state_dict())  # numbers into a tensor-rate optimizer
     assert isinstance(tensor_rate.param_groups[0]["lr"], torch.Tensor)
     assert float(tensor_rate.param_groups[0]["lr"]) == pytest.approx(float(torch.as_tensor(rate)))
+
+
+def test_a_fused_capturable_group_on_the_cpu_steps_as_torch_steps_it() -> None:
+    """torch asserts a capturable device in its single-tensor and foreach paths only; its fused
+    kernel steps on the CPU. The preflight refused every capturable group off CUDA."""
+    torch.manual_seed(0)
+    mine, theirs = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    theirs.data.copy_(mine.data)
+    ours = ContractedAdamW([mine], lr=1e-2, fused=True, capturable=True)
+    reference = torch.optim.AdamW([theirs], lr=1e-2, fused=True, capturable=True)
+    for _ in range(2):
+        mine.grad, theirs.grad = torch.ones(3), torch.ones(3)
+        ours.step()
+        reference.step()
+    assert torch.equal(mine, theirs)
+
+
+def test_a_compiled_step_is_traced_as_torchs_without_abandoned_frames() -> None:
+    """Dynamo traces every group as capturable; the preflight's capturable device check then
+    raised inside the traced step and dynamo fell back to eager for those frames."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = nn.Linear(4, 3)
+    optimizer = ContractedAdamW(model.parameters(), lr=1e-2)
+    step = torch.compile(lambda: optimizer.step())
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).square().mean().backward()
+        step()
+    abandoned = [key for key in counters["unimplemented"] if "Observed exception" in key]
+    assert abandoned == [], abandoned

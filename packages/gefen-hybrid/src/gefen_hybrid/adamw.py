@@ -252,8 +252,9 @@ class ContractedAdamW(torch.optim.AdamW):
         device differs from its parameter, state whose shape no longer matches its (resized)
         parameter, parameters the fused kernel cannot take, a tensor ``lr`` on a device that
         is neither the CPU nor the parameters', a tensor ``lr`` with ``foreach=True`` and
-        ``capturable=False``, and ``capturable=True`` on a device torch cannot capture on (torch
-        asserts that only after creating the state); first of all, the sealed layout.
+        ``capturable=False``, and an unfused ``capturable=True`` group on a device torch cannot
+        capture on (torch asserts that only after creating the state; its fused kernel takes any
+        device); first of all, the sealed layout.
         """
         from torch.optim.optimizer import _get_capturable_supported_devices
 
@@ -310,7 +311,14 @@ class ContractedAdamW(torch.optim.AdamW):
                 # every parameter, state or not: a loaded state does not make a complex one fusable
                 if group["fused"] and fused_check is not None:
                     fused_check(parameter)
-                if group["capturable"] and parameter.device.type not in capturable_devices:
+                # torch asserts the device in its single-tensor and foreach paths only (the fused
+                # kernel takes any), and dynamo traces every group as capturable: not then
+                if (
+                    group["capturable"]
+                    and not group["fused"]
+                    and parameter.device.type not in capturable_devices
+                    and not torch.compiler.is_compiling()
+                ):
                     raise RuntimeError(
                         f"param group {index}: capturable=True needs parameters on {sorted(capturable_devices)}, "
                         f"got one on {parameter.device}"
