@@ -186,9 +186,10 @@ def _check_names(where: str, saved: Mapping[str, Any], live: Mapping[str, Any], 
 
 def _number_or_tensor(value: object, live: object, where: str, *, upper: float | None) -> object:
     """The checkpoint's finite number ``>= 0`` (and ``< upper``), a real number or a 1-element
-    floating tensor, in the live option's form: a tensor where the live option is one (its dtype
-    and device), else a number. (A rate set mid-run as a tensor or a numpy scalar, as a trainer
-    may, still loads into an optimizer built with a float.)"""
+    floating tensor: in the live option's form where that is a tensor (its dtype and device, so
+    a capturable or compiled step keeps its tensor rate), else as saved (a tensor copied), as
+    torch's load adopts it. (A rate set mid-run as a tensor or a numpy scalar, as a trainer
+    may, so resumes bit for bit with torch.)"""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or not value.is_floating_point():
             _fail(f"{where} must be a number or a 1-element floating tensor, got {value!r}")
@@ -202,7 +203,9 @@ def _number_or_tensor(value: object, live: object, where: str, *, upper: float |
         if isinstance(value, torch.Tensor):
             return value.detach().to(device=live.device, dtype=live.dtype, copy=True).reshape(live.shape)
         return torch.full_like(live, number)
-    return value if isinstance(value, (int, float)) else number
+    # torch adopts the saved value as it is: a tensor or numpy rate computes in its own
+    # precision, so converting it to a float changed the resumed run's last bits
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _check_range(number: float, where: str, upper: float | None) -> None:
