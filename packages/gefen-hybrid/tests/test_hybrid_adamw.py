@@ -311,6 +311,28 @@ def test_a_torch_2_6_checkpoint_without_decoupled_weight_decay_loads_as_torch_lo
     assert all(group["decoupled_weight_decay"] is True for group in target.param_groups)
 
 
+def test_a_checkpoint_of_an_older_torch_layout_loads_as_torch_loads_it() -> None:
+    """torch before 1.13 saved no ``differentiable``/``fused`` (earlier still no ``capturable``,
+    ``foreach`` or ``maximize``) and a number for ``step``; torch's ``__setstate__`` fills the
+    defaults and makes the step a tensor. Such a checkpoint was refused for its missing keys."""
+    _, source = _trained()
+    state = copy.deepcopy(source.state_dict())
+    for group in state["param_groups"]:
+        for key in ("differentiable", "fused", "capturable", "foreach", "maximize", "decoupled_weight_decay"):
+            del group[key]
+    for entry in state["state"].values():
+        entry["step"] = int(entry["step"])
+    model, target = _trained()
+    reference_model, _ = _trained()
+    reference = torch.optim.AdamW(_groups(reference_model), lr=1e-2)
+    target.load_state_dict(copy.deepcopy(state))
+    reference.load_state_dict(copy.deepcopy(state))
+    assert all(isinstance(entry["step"], torch.Tensor) for entry in target.state.values())
+    _train(model, target, 2, start=2)
+    _train(reference_model, reference, 2, start=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference_model.parameters()))
+
+
 def test_preflight_refuses_what_torch_refuses_only_after_stepping_earlier_groups() -> None:
     torch.manual_seed(0)
     real, other = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))

@@ -39,6 +39,18 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 MATH_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
 EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _REQUIRED_GROUP_KEYS = frozenset((*HYPERPARAMETERS, *MATH_FLAGS, *EXECUTION_FLAGS, "params"))
+#: What torch's ``AdamW.__setstate__`` fills in for a group saved by an older torch (before 2.7
+#: no ``decoupled_weight_decay``, before 1.13 no ``differentiable``/``fused``, earlier still no
+#: ``capturable``, ``foreach`` or ``maximize``), so such a checkpoint loads as torch loads it.
+_LEGACY_GROUP_DEFAULTS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _FLOAT_STEP_DTYPES = (torch.float32, torch.float64)
 
@@ -99,9 +111,7 @@ def _stage_group(
     where = f"param group {index}"
     if not isinstance(saved, Mapping):
         _fail(f"{where} must be a mapping, got {type(saved).__name__}")
-    if "decoupled_weight_decay" not in saved:
-        # torch < 2.7 wrote no such key; AdamW always decouples (its __setstate__ sets True)
-        saved = {**saved, "decoupled_weight_decay": True}
+    saved = {**_LEGACY_GROUP_DEFAULTS, **saved}
     missing = sorted(_REQUIRED_GROUP_KEYS - set(saved))
     if missing:
         _fail(f"{where} lacks the keys {missing}")
@@ -267,13 +277,16 @@ def _scalar_dtype(group: Mapping[str, Any]) -> torch.dtype:
 
 
 def _stage_step(value: object, parameter: torch.Tensor, group: Mapping[str, Any], where: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or is_dtensor(value):
-        _fail(f"{where} must be a 0-dim tensor, got {type(value).__name__}")
-    if value.dim() != 0 or value.dtype not in _FLOAT_STEP_DTYPES:
-        _fail(f"{where} must be a 0-dim float32/float64 tensor, got {value.dtype}{tuple(value.shape)}")
-    if value.is_meta:
-        _fail(f"{where} is on the meta device: it holds no value to load")
-    number = float(value.item())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)  # an older torch saved a number, which its __setstate__ converts
+    else:
+        if not isinstance(value, torch.Tensor) or is_dtensor(value):
+            _fail(f"{where} must be a 0-dim tensor or a number, got {type(value).__name__}")
+        if value.dim() != 0 or value.dtype not in _FLOAT_STEP_DTYPES:
+            _fail(f"{where} must be a 0-dim float32/float64 tensor, got {value.dtype}{tuple(value.shape)}")
+        if value.is_meta:
+            _fail(f"{where} is on the meta device: it holds no value to load")
+        number = float(value.item())
     if not math.isfinite(number) or number < 1 or number != math.floor(number):
         _fail(f"{where} must be a whole number >= 1, got {number!r}")
     if group["fused"] or group["capturable"]:
