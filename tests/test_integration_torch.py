@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import io
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -513,3 +514,36 @@ def test_a_load_pre_hook_edits_a_copy_of_the_callers_dict(name: str) -> None:
     optimizer.register_load_state_dict_pre_hook(drop_metadata)
     optimizer.load_state_dict(checkpoint)
     assert checkpoint["my_metadata"] == 1
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_plain_dcp_of_the_native_state_dict_resumes_bit_for_bit(name: str, tmp_path: Any) -> None:
+    """``dcp.save({"optim": optimizer.state_dict()})``, then a fresh optimizer's template step,
+    ``dcp.load`` and ``load_state_dict``: DCP writes the int step counters back under string
+    ids ("0") beside the int-keyed entries it loaded tensors into, and the load refused the
+    string ids. The halves are rejoined; the run resumes as the uninterrupted one."""
+    import torch.distributed.checkpoint as dcp
+
+    model = seeded(TinyLlama)
+    optimizer = OPTIMIZERS[name](model)
+    train(model, optimizer, steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process: DCP warns that it assumes so
+        dcp.save({"optim": optimizer.state_dict()}, checkpoint_id=str(tmp_path))
+        resumed_model = seeded(TinyLlama)
+        resumed_model.load_state_dict(model.state_dict())
+        resumed = OPTIMIZERS[name](resumed_model)
+        for param in resumed_model.parameters():  # torchtitan's template: a zero-gradient lr=0 step
+            param.grad = torch.zeros_like(param)
+        rates = [group["lr"] for group in resumed.param_groups]
+        for group in resumed.param_groups:
+            group["lr"] = 0.0
+        resumed.step()
+        for group, rate in zip(resumed.param_groups, rates):
+            group["lr"] = rate
+        template = {"optim": resumed.state_dict()}
+        dcp.load(template, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(template["optim"])
+    train(model, optimizer, steps=2, start=2)
+    train(resumed_model, resumed, steps=2, start=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import FeatureStatus
-from gefen_contracts.torch_support import share_options, shared_tensor_options
+from gefen_contracts.torch_support import share_options, shared_tensor_options, with_rejoined_state
 
 from .distributed import local_tensor, topology_record
 from .muon_distributed import APPROX, DISTRIBUTED, MuonScope, build_scope, execution_mode
@@ -356,6 +356,7 @@ def stage_muon_state_dict(
     deterministic: bool,
 ) -> StagedMuonState:
     """Validate ``state_dict`` against the live optimizer and stage this rank's share (no collective)."""
+    state_dict = with_rejoined_state(state_dict)  # a plain dcp.load split each entry's counters off
     groups = check_top_level(state_dict, FORMAT, len(param_groups))
     assert isinstance(state_dict, Mapping)
     record = reconcile_record(state_dict, FORMAT)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateGeometry
-from gefen_contracts.torch_support import block_count, share_options, shared_tensor_options
+from gefen_contracts.torch_support import block_count, share_options, shared_tensor_options, with_rejoined_state
 
 from . import native_format as F
 from .distributed import local_tensor
@@ -175,6 +175,7 @@ def stage_state_dict(
     capturable: bool,
 ) -> StagedNativeState:
     """Validate ``state_dict`` against the live optimizer and stage the new groups and state."""
+    state_dict = with_rejoined_state(state_dict)  # a plain dcp.load split each entry's counters off
     groups = check_top_level(state_dict, F.FORMAT, len(param_groups))
     assert isinstance(state_dict, Mapping)
     common = reconcile_record(state_dict, F.FORMAT)

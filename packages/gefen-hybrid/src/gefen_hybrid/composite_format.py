@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import with_rejoined_state
 
 from .roles import ROLES
 
@@ -104,6 +105,7 @@ def children_of_state_dict(
     """
     if not isinstance(state_dict, Mapping):
         _fail(f"must be a mapping, got {type(state_dict).__name__}")
+    state_dict = with_rejoined_state(state_dict)  # a plain dcp.load split each entry's counters off
     keys = set(state_dict)
     if keys & set(ROLES):
         _fail(

@@ -26,6 +26,7 @@ from .bound_state import (
     parse_bound_state,
 )
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
+from .dcp_keys import with_rejoined_state
 from .freshness import state_version_token, tensor_version_token
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import (
@@ -112,4 +113,5 @@ __all__ = [
     "tensor_digest",
     "tensor_leaf",
     "tensor_version_token",
+    "with_rejoined_state",
 ]
