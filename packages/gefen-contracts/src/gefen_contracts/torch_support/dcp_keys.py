@@ -12,7 +12,7 @@ this; an optimizer whose counters are ints rejoins the halves before validating 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 __all__ = ["with_rejoined_state"]
 
