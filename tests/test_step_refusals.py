@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts import StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_hybrid import ContractedAdamW
 from torch import nn
@@ -164,3 +165,28 @@ def test_distinct_parameters_sharing_memory_are_refused_by_gefen() -> None:
     with torch.device("meta"):
         meta = nn.Linear(4, 4)
     Gefen(meta.parameters(), lr=1e-2)
+
+
+def test_state_put_into_optimizer_state_without_its_codebook_is_refused() -> None:
+    """torch's ZeroRedundancyOptimizer consolidates ``state`` and its own groups and loads them
+    by writing ``optimizer.state`` directly: the codes arrive without their codebook, and the
+    step learned a new one, misreading them (the resumed run drifted, no error). A checkpoint's
+    parameter-shaped codes written there were blamed on a resized parameter."""
+    torch.manual_seed(0)
+    matrix, vector = nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.randn(64))
+    source = Gefen([matrix, vector], lr=1e-2)
+    for _ in range(2):
+        matrix.grad, vector.grad = torch.randn_like(matrix), torch.randn_like(vector)
+        source.step()
+    fresh = Gefen([matrix, vector], lr=1e-2)
+    fresh.state[matrix] = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                           for key, value in source.state[matrix].items()}  # fmt: skip
+    before = deep_snapshot(fresh, matrix, vector)
+    with pytest.raises(StateValidationError, match="quantised momentum but no codebook"):
+        fresh.step()
+    assert snapshot_diff(before, fresh, matrix, vector) == []
+    checkpoint_layout = source.state_dict()["state"][1]  # the vector's codes, shaped like it
+    fresh.state.clear()
+    fresh.state[vector] = dict(checkpoint_layout)
+    with pytest.raises(ValueError, match=r"m_codes have shape \(64,\), not \[blocks, period\]"):
+        fresh.step()

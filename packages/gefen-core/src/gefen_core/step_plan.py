@@ -167,7 +167,13 @@ def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], 
     # the codes cover the elements exactly, in a 2-D [blocks, period] tensor
     if codes != numel or indices.dim() != 2 or not codes:
         shape = indices.shape
-        period = shape[-1] if shape else 0
+        if len(shape) != 2:
+            raise ParameterError(
+                f"{where()}: the optimizer state's m_codes have shape {tuple(shape)}, not [blocks, period]: the "
+                "state was put into optimizer.state without load_state_dict (a checkpoint's parameter-shaped "
+                "layout; torch's ZeroRedundancyOptimizer loads state that way)"
+            )
+        period = shape[-1]
         # or (block path) ragged blocks with their padding
         if len(shape) != 2 or period < 1 or not (codes == numel or _ragged_cover(state, period, codes, numel)):
             raise ParameterError(
