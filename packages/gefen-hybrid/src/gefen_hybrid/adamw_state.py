@@ -237,8 +237,8 @@ def _copy_extra(value: object, where: str, depth: int = 0) -> object:
     """Copy a group's extra value (primitives, containers, tensors) so nothing aliases the caller."""
     if depth > 32:
         _fail(f"{where} is nested too deeply")
-    if value is None or type(value) in (bool, int, float, str):
-        return value
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, numbers.Number):
+        return value  # numbers are immutable (a numpy scalar a scheduler wrote included)
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (list, tuple)):
@@ -291,7 +291,8 @@ def _stage_step(value: object, parameter: torch.Tensor, group: Mapping[str, Any]
         _fail(f"{where} must be a whole number >= 1, got {number!r}")
     if group["fused"] or group["capturable"]:
         return torch.tensor(number, dtype=torch.float32, device=local_tensor(parameter).device)
-    return torch.tensor(number, dtype=_scalar_dtype(group))
+    # as torch keeps it: a saved tensor's dtype (float64 counts past 2**24 exactly), a number's the default
+    return torch.tensor(number, dtype=value.dtype if isinstance(value, torch.Tensor) else _scalar_dtype(group))
 
 
 def _stage_moment(value: object, parameter: torch.Tensor, key: str, where: str) -> torch.Tensor:
