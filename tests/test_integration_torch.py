@@ -104,12 +104,15 @@ def test_reduce_on_plateau_lowers_both_halves() -> None:
 def test_a_tensor_rate_is_rescaled_once_per_schedule_step_in_every_hybrid_group(no_decay: tuple[str, ...]) -> None:
     """torch's schedulers rescale each group's tensor ``lr`` in place; the hybrid gave every
     group it builds the one tensor passed, so a plateau halved it once per group (a quarter
-    or an eighth). Each group now holds its own copy, as one AdamW group holds one rate."""
+    or an eighth). Each group now holds its own copy, as one AdamW group holds one rate, groups
+    added later included."""
     optimizer = GefenMuonHybrid(seeded(TinyLlama), lr=torch.tensor(1e-3), no_decay_substrings=no_decay)
+    extra = nn.Linear(8, 8)
+    optimizer.add_param_group({"params": [("extra.weight", extra.weight), ("extra.bias", extra.bias)]})
     scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
     scheduler.step(1.0)
     scheduler.step(2.0)  # worse: reduce
-    assert len(optimizer.param_groups) == 2 + len(no_decay)
+    assert len(optimizer.param_groups) == 4 + len(no_decay)
     assert _rates(optimizer) == pytest.approx([5e-4] * len(optimizer.param_groups))
 
 
@@ -547,3 +550,25 @@ def test_plain_dcp_of_the_native_state_dict_resumes_bit_for_bit(name: str, tmp_p
     train(model, optimizer, steps=2, start=2)
     train(resumed_model, resumed, steps=2, start=2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_a_childs_load_pre_hook_keeps_the_rate_it_sets_in_a_composite() -> None:
+    """The composite re-shares the options its children's saved groups shared; it read them
+    from the checkpoint before the children's load pre-hooks ran, so a hook's new rate for one
+    child was pointed back at the other child's tensor."""
+    build = _sharing_optimizers()["composite"]
+    model = seeded(TinyLlama)
+    optimizer = build(model, torch.tensor(1e-3))
+    train(model, optimizer, steps=1)
+    checkpoint = optimizer.state_dict()
+    fresh = build(seeded(TinyLlama), torch.tensor(1e-3))
+    backup = fresh.child_optimizers()["backup"]
+
+    def new_rate(_: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        groups = [{**group, "lr": torch.tensor(5e-4)} for group in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+
+    backup.register_load_state_dict_pre_hook(new_rate)
+    fresh.load_state_dict(checkpoint)
+    assert float(backup.param_groups[0]["lr"]) == pytest.approx(5e-4)
+    assert float(fresh.child_optimizers()["muon"].param_groups[0]["lr"]) == pytest.approx(1e-3)

@@ -152,19 +152,31 @@ def test_fused_true_on_a_meta_model_constructs_and_its_first_step_names_the_meta
 def test_distinct_parameters_sharing_memory_are_refused_by_gefen() -> None:
     """A transposed tie (``Parameter(w.data.t())`` beside ``w``): Gefen stepped the strided one
     through a copy written back after the bucket's op, over ``w``'s update, so one update was
-    lost (torch applies both). Such parameters are refused at construction, naming both; a
-    meta model (no memory) and one tensor reached twice (refused as listed twice) are not this."""
+    lost (torch applies both). Such parameters are refused at the next step, before anything
+    changes, naming both; disjoint column halves of one buffer, and a fake-tensor model, are not
+    this."""
     weight = nn.Parameter(torch.randn(16, 12))
     transposed = nn.Parameter(weight.data.t())
+    optimizer = Gefen([weight, transposed], lr=1e-2)
+    weight.grad, transposed.grad = torch.randn_like(weight), torch.randn_like(transposed)
+    before = deep_snapshot(optimizer, weight)
     with pytest.raises(ValueError, match=r"\['params'\]\[0\] and .*\['params'\]\[1\].*tie weights by sharing one"):
-        Gefen([weight, transposed], lr=1e-2)
-    optimizer = Gefen([weight], lr=1e-2)
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, weight) == []
+    single = Gefen([weight], lr=1e-2)
+    single.add_param_group({"params": [nn.Parameter(weight.data[:4])]})
     with pytest.raises(ValueError, match="must not share memory"):
-        optimizer.add_param_group({"params": [nn.Parameter(weight.data[:4])]})
-    assert len(optimizer.param_groups) == 1
-    with torch.device("meta"):
-        meta = nn.Linear(4, 4)
-    Gefen(meta.parameters(), lr=1e-2)
+        single.step()
+    buffer = torch.randn(8, 16)
+    left, right = nn.Parameter(buffer[:, :8]), nn.Parameter(buffer[:, 8:])
+    halves = Gefen([left, right], lr=1e-2)
+    left.grad, right.grad = torch.randn_like(left), torch.randn_like(right)
+    halves.step()  # disjoint elements of one buffer: both update, as with torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        Gefen(fake.parameters(), lr=1e-2).preflight_step()  # fake tensors have no addresses to compare
 
 
 def test_state_put_into_optimizer_state_without_its_codebook_is_refused() -> None:

@@ -147,6 +147,12 @@ def test_bad_input_is_refused_before_anything_changes() -> None:
         (GefenOptionTypeError, "seeds must be an int64 tensor", {"seeds": [1, 2, 3]}),
         (GradientError, r"grads\[1\] must be a tensor", {"grads": [grads[0], None, grads[2]]}),
         (ParameterError, r"params\[0\] must be a tensor", {"params": [3.0, *tensors[1:]]}),
+        # a strided state tensor: the functional form updates the caller's tensors in place
+        (
+            ParameterError,
+            "must be contiguous",
+            {"states": [*states[:2], {**states[2], "m_codes": states[2]["m_codes"].t().contiguous().t()}]},
+        ),
         # a parameter dtype the class refuses when a group is added: the first entry had stepped
         (
             ParameterError,

@@ -108,7 +108,10 @@ def gefen(
             raise ParameterError(f"{where} has no state; make one with a Gefen step or param_state.new_state")
         _check_fields(state, variant, where)
         if check_state(state, param, functools.partial(str, where)):  # formatted only on failure
-            raise ParameterError(f"{where}: its state lives on another device than the parameter")
+            raise ParameterError(
+                f"{where}: its state must be contiguous and on the parameter's device (the functional form "
+                "updates the given tensors in place)"
+            )
         work = ParamWork(0, slot, param, param, grad, None, variant, False, state, None)
         buckets.setdefault((variant, param.device), []).append(work)
     # the kernels step a list's entries concurrently: an entry that shares memory with another

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.torch_support import check_new_group, group_params, local_tensor, storage_overlap
+from gefen_contracts.torch_support import check_new_group, group_params
 
 from . import gefen_step
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
 from .contract import IMPLEMENTATION, gefen_contract
 from .convention_methods import ConventionMethods
-from .errors import CaptureError, GefenOptionError, GefenOptionTypeError, ParameterError
+from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import CANONICAL, GefenBinding
 from .gefen_exchange import live_piece, native_from_records
 from .identity import bound_layout, identity_readiness, refuse_when_sealed, verify_layout
@@ -202,6 +202,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         self._global_step = 0
         self._device_global_steps: dict[torch.device, torch.Tensor] = {}
         self._version = 0
+        self._memory_checked = False  # distinct parameters sharing memory: checked at the next step
         self._identity = None
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
@@ -228,7 +229,6 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         check_parameters(listed, index)
         merged = {**param_group, **options}
         check_new_group(listed, index, self.param_groups, merged.get("lr", self.defaults["lr"]))
-        _refuse_shared_memory(self.param_groups, listed, index)
         substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
         named = all(isinstance(p, tuple) for p in listed)
         if substrings and not named:
@@ -240,6 +240,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         param_group.update(options, params=listed)
         super().add_param_group(param_group)
         self._version += 1
+        self._memory_checked = False
 
     # -- small queries ------------------------------------------------------------------
 
@@ -348,6 +349,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         "_global_step",
         "_device_global_steps",
         "_version",
+        "_memory_checked",
     )
 
 
@@ -361,29 +363,6 @@ def _step_eagerly(optimizer: Gefen, closure: Callable[[], Any] | None) -> Any:
     """``Gefen.step`` outside TorchDynamo (one graph break) when it is not :meth:`Gefen.traceable`;
     a function of its own so that the traced path keeps no extra frame."""
     return _STEP_BODY(optimizer, closure)
-
-
-def _refuse_shared_memory(groups: list[dict[str, Any]], listed: list[Any], index: int) -> None:
-    """Distinct parameters that share memory (``Parameter(w.data.t())`` beside ``w``) are
-    refused: a bucket's op updates them together, and a strided one steps through a copy
-    written back after, over the other's update (torch steps them one after another). Tie
-    weights by sharing one ``Parameter``."""
-    labelled = [
-        (f"param_groups[{g}]['params'][{i}]", local_tensor(p))
-        for g, group in enumerate(groups)
-        for i, p in enumerate(group["params"])
-    ]
-    new = [(i, p[1] if isinstance(p, tuple) else p) for i, p in enumerate(listed)]
-    # (a non-tensor is refused by torch's add_param_group after this)
-    labelled += [
-        (f"param_groups[{index}]['params'][{i}]", local_tensor(p)) for i, p in new if isinstance(p, torch.Tensor)
-    ]
-    overlap = storage_overlap(labelled)
-    if overlap is not None:
-        raise ParameterError(
-            f"{overlap}: distinct parameters must not share memory (Gefen updates a bucket of parameters in one "
-            "call, so one's update would overwrite the other's); tie weights by sharing one Parameter"
-        )
 
 
 def _refuse_amsgrad(amsgrad: object, where: str) -> None:

@@ -133,13 +133,15 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
 
 
 def move_state(item: MuonItem) -> None:
-    """Move a state that lives on another device than its matrix to the matrix's."""
+    """Move a state that lives on another device than its matrix to the matrix's, and make a
+    tensor left strided between steps contiguous (as the kernels need; torch's optimizers take
+    any strides, and the kernels refused it mid-step, after other matrices had stepped)."""
     if not item.state:
         return
     device = item.local.device
     for key, value in list(item.state.items()):
-        if isinstance(value, torch.Tensor) and value.device != device:
-            item.state[key] = value.to(device)
+        if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
+            item.state[key] = value.to(device).contiguous()
 
 
 # -- one matrix -----------------------------------------------------------------------

@@ -53,10 +53,7 @@ def new_muon_state(numel: int, period: int, device: torch.device) -> dict[str, A
 
 
 def check_muon_state(state: dict[str, Any], numel: int, where: str) -> None:
-    """A live state must still describe ``numel`` elements (``ParameterError`` otherwise). A
-    state tensor left strided (edited between steps) is made contiguous, as the kernels need and
-    as torch's optimizers accept any strides (it was refused mid-step, after other matrices had
-    stepped)."""
+    """A live state must still describe ``numel`` elements (``ParameterError`` otherwise)."""
     period = period_of(state)
     indices = state[INDICES]
     if period < 1 or numel % period or tuple(indices.shape) != (numel // period, period):
@@ -64,9 +61,3 @@ def check_muon_state(state: dict[str, Any], numel: int, where: str) -> None:
             f"{where}: the optimizer state was created for {indices.numel()} elements in blocks of {period}, "
             f"but the parameter now needs {numel}; the parameter was replaced or resized after its first step"
         )
-    if not (indices.is_contiguous() and state[MAGNITUDE].is_contiguous()) or (
-        NORMUON_V in state and not state[NORMUON_V].is_contiguous()
-    ):
-        for key in (INDICES, MAGNITUDE, NORMUON_V):
-            if key in state:
-                state[key] = state[key].contiguous()

@@ -239,8 +239,9 @@ def blocked_codes(codes: torch.Tensor, period: int) -> torch.Tensor:
 
 
 def element_codes(codes: torch.Tensor, numel: int) -> torch.Tensor:
-    """The ``numel`` codes of live blocked codes, flat: a view without the padding."""
-    return codes.view(-1)[:numel]
+    """The ``numel`` codes of live blocked codes, flat: a view without the padding (a copy when
+    the codes were left strided between steps)."""
+    return codes.reshape(-1)[:numel]
 
 
 def zero_padding(codes: torch.Tensor, numel: int) -> None:

@@ -156,10 +156,10 @@ def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) ->
 
 
 def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], str]) -> bool:
-    """Validate a live state against its parameter; return whether its tensors must move device.
-    A state tensor left strided (edited between steps) is made contiguous, as the kernels need
-    and as torch's optimizers accept any strides: it was refused mid-step, after other buckets
-    had stepped."""
+    """Validate a live state against its parameter; return whether its tensors must be moved to
+    the parameter's device or made contiguous (:func:`gefen_core.gefen_step.move_state`, when the
+    step mutates): a state tensor left strided between steps, as torch's optimizers take any
+    strides, was refused by the kernels mid-step, after other buckets had stepped."""
     indices = state[INDICES]
     numel = local.numel()
     codes = indices.numel()
@@ -169,9 +169,9 @@ def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], 
         shape = indices.shape
         if len(shape) != 2:
             raise ParameterError(
-                f"{where()}: the optimizer state's m_codes have shape {tuple(shape)}, not [blocks, period]: the "
-                "state was put into optimizer.state without load_state_dict (a checkpoint's parameter-shaped "
-                "layout; torch's ZeroRedundancyOptimizer loads state that way)"
+                f"{where()}: the optimizer state's m_codes have shape {tuple(shape)}, not [blocks, period] (a "
+                "checkpoint's parameter-shaped layout: was the state put into optimizer.state without "
+                "load_state_dict, as torch's ZeroRedundancyOptimizer does?)"
             )
         period = shape[-1]
         # or (block path) ragged blocks with their padding
@@ -193,11 +193,8 @@ def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], 
         raise ParameterError(f"{where()}: vmean does not match the block count")
     else:
         strided = not state[VMEAN].is_contiguous()
-    if strided or not (indices.is_contiguous() and state[MAGNITUDE].is_contiguous()):
-        for key in (INDICES, MAGNITUDE, V_ROW, V_COL, V, VMEAN):
-            if key in state:
-                state[key] = state[key].contiguous()
-    return bool(indices.device != local.device)
+    strided = strided or not (indices.is_contiguous() and state[MAGNITUDE].is_contiguous())
+    return strided or bool(indices.device != local.device)
 
 
 def plan_step(
@@ -249,7 +246,7 @@ def plan_step(
             )
             if live:
                 if check_state(live, local, work.where):
-                    if capturable:
+                    if capturable and live[INDICES].device != local.device:
                         raise CaptureError(
                             f"{work.where()}: state lives on another device; capturable steps cannot move it"
                         )
@@ -275,8 +272,7 @@ def plan_step(
                     bounds = finite_bounds(local_grad)
                     if bounds is None:
                         raise GradientError(
-                            f"{work.where()}: the first gradient is not finite; periods and the codebook cannot be "
-                            "learned from it"
+                            f"{work.where()}: the first gradient is not finite; the codebook cannot be learned from it"
                         )
                     work.local_nonzero = bounds != (0.0, 0.0)
             works.append(work)

@@ -280,8 +280,10 @@ class ContractedAdamW(torch.optim.AdamW):
                             f"param group {index}: a parameter of shape {tuple(parameter.shape)} holds {key} of "
                             f"shape {tuple(held.shape)} (was it resized after its first step?)"
                         )
-                    if isinstance(held, torch.Tensor) and (
-                        held.dtype != parameter.dtype or held.device != parameter.device
+                    if (
+                        isinstance(held, torch.Tensor)
+                        and parameter.grad is not None  # torch never reads the state of one without
+                        and (held.dtype != parameter.dtype or held.device != parameter.device)
                     ):
                         # torch's step fails on it in its arithmetic, after earlier groups stepped
                         raise RuntimeError(

@@ -71,21 +71,31 @@ def run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
     return current
 
 
-def _shared_options(state_dict: object) -> tuple[Any, ...]:
-    """The tensor options the saved groups share across children (one tensor ``lr`` given to
-    the hybrid is held by both children's groups), which each child's load alone cannot keep."""
-    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-    return shared_tensor_options(groups) if isinstance(groups, list) else ()
+def _shared_options(composite: CompositeOptimizer, subs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The tensor options the children's parts (after their load pre-hooks) share across
+    children (one tensor ``lr`` given to both factories), which each child's load alone cannot
+    keep; groups in the composite's order. A hook's new value is its own, not shared."""
+    groups: list[object] = []
+    for role, _ in composite._children:
+        sub = subs.get(role)
+        part = sub.get("param_groups") if isinstance(sub, Mapping) else None
+        if not isinstance(part, list):
+            return ()  # the child's load names the problem
+        groups += part
+    return shared_tensor_options(groups)
 
 
 def stage(composite: CompositeOptimizer, state_dict: object, *, run_child_hooks: bool) -> StagedTransaction:
     """Validate the flat dict and stage every child (its load pre-hooks first when asked)."""
     subs = _children_of(composite, state_dict)
+    hooked = {
+        role: run_load_pre_hooks(child, subs[role]) if run_child_hooks else subs[role]
+        for role, child in composite._children
+    }
     staged: dict[str, StagedTransaction] = {}
     for role, child in composite._children:
-        sub = run_load_pre_hooks(child, subs[role]) if run_child_hooks else subs[role]
-        staged[role] = child.stage_state_dict(sub)  # type: ignore[attr-defined]
-    payload = (staged, _shared_options(state_dict))
+        staged[role] = child.stage_state_dict(hooked[role])  # type: ignore[attr-defined]
+    payload = (staged, _shared_options(composite, hooked))
     return StagedTransaction(composite, kind=LOAD_KIND, token=load_token(composite), payload=payload)
 
 
@@ -104,8 +114,12 @@ def load_partially_staged(composite: CompositeOptimizer, state_dict: object) -> 
     """Stage the staged-capable children, load the others with their own ``load_state_dict``
     (their hooks included), then publish the staged ones; return those."""
     subs = _children_of(composite, state_dict)
+    hooked = {
+        role: run_load_pre_hooks(child, subs[role]) if staged_capable(child) else subs[role]
+        for role, child in composite._children
+    }
     staged = {
-        role: child.stage_state_dict(run_load_pre_hooks(child, subs[role]))  # type: ignore[attr-defined]
+        role: child.stage_state_dict(hooked[role])  # type: ignore[attr-defined]
         for role, child in composite._children
         if staged_capable(child)
     }
@@ -115,6 +129,6 @@ def load_partially_staged(composite: CompositeOptimizer, state_dict: object) -> 
     for role, child in composite._children:
         if role in staged:
             child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]
-    share_options(composite.param_groups, _shared_options(state_dict))
+    share_options(composite.param_groups, _shared_options(composite, hooked))
     composite._changes.bump()
     return [child for role, child in composite._children if role in staged]

@@ -226,7 +226,8 @@ class GefenMuonHybrid(CompositeOptimizer):
         children: dict[str, torch.optim.Optimizer] = {}
         if muon_named:
             children[ROLE_MUON] = GefenMuon(
-                muon_named,
+                # the group's rate and the default (for groups added later) are copies of their own
+                [{"params": muon_named, "lr": _own_copy(lr if muon_lr is None else muon_lr)}],
                 lr=_own_copy(lr if muon_lr is None else muon_lr),
                 weight_decay=weight_decay if muon_weight_decay is None else muon_weight_decay,
                 momentum=momentum,
@@ -255,7 +256,7 @@ class GefenMuonHybrid(CompositeOptimizer):
             for group in groups:
                 group["lr"] = _own_copy(lr if backup_lr is None else backup_lr)
             common: dict[str, Any] = {
-                "lr": lr if backup_lr is None else backup_lr,
+                "lr": _own_copy(lr if backup_lr is None else backup_lr),
                 "betas": betas,
                 "eps": eps,
                 "weight_decay": weight_decay if backup_weight_decay is None else backup_weight_decay,
@@ -281,6 +282,21 @@ class GefenMuonHybrid(CompositeOptimizer):
                 children[ROLE_BACKUP] = ContractedAdamW(groups, **common, **extra_backup)
         self._backup_optimizer = backup_optimizer
         super().__init__(children, implementation=IMPLEMENTATION, rules=routing_rules, model=model)
+
+    def add_param_group(
+        self, param_group: dict[str, Any], *, role_options: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        """The composite's ``add_param_group``; a group without its own ``lr`` gets a copy of
+        each child's tensor default rate (as the constructor's groups do), not the one tensor
+        the child's other groups could share."""
+        if "lr" not in param_group:
+            extra = {role: dict(options) for role, options in (role_options or {}).items()}
+            for role, child in self.child_optimizers().items():
+                default = child.defaults.get("lr")
+                if isinstance(default, torch.Tensor) and "lr" not in extra.get(role, {}):
+                    extra.setdefault(role, {})["lr"] = _own_copy(default)
+            role_options = extra
+        super().add_param_group(param_group, role_options=role_options)
 
     @classmethod
     def from_model(cls, model: nn.Module, **options: Any) -> GefenMuonHybrid:
@@ -421,7 +437,7 @@ def _no_decay_fragments(no_decay_substrings: Sequence[str]) -> tuple[str, ...]:
 
 def _own_copy(lr: Any) -> Any:
     """A tensor ``lr`` copied for one group the hybrid builds: torch's schedulers rescale each
-    group's tensor ``lr`` in place (``ReduceLROnPlateau``, ``StepLR``, ...), so one tensor held
+    group's tensor ``lr`` in place (``ReduceLROnPlateau`` one group after another), so one tensor held
     by every group was rescaled once per group, two or three times per step of the schedule."""
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 

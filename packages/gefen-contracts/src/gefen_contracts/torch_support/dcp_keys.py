@@ -27,7 +27,11 @@ def with_rejoined_state(state_dict: T) -> T:
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
         return state_dict
     state = state_dict["state"]
-    split = [key for key in state if type(key) is str and key.isdigit() and str(int(key)) == key and int(key) in state]
+    split = [
+        key
+        for key in state
+        if type(key) is str and key.isascii() and key.isdecimal() and str(int(key)) == key and int(key) in state
+    ]
     if not split:
         return state_dict
     rejoined = {key: value for key, value in state.items() if key not in split}

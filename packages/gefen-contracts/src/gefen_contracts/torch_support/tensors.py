@@ -169,26 +169,57 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (int(last) + 1) * tensor.element_size()
 
 
+#: Above this many elements between two strided tensors' hulls, their overlap is not marked
+#: element by element and counts as one (conservatively).
+_MARKED_ELEMENTS = 1 << 28
+
+
+def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose hulls overlap share an element: ``a``'s elements are marked in
+    a scratch mask over both hulls and ``b``'s read back. Mixed element sizes, misaligned
+    offsets or very large hulls count as an overlap."""
+    size = a.element_size()
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    start, end = min(a_start, b_start), max(a_end, b_end)
+    if b.element_size() != size or (a_start - start) % size or (b_start - start) % size:
+        return True
+    count = (end - start) // size
+    if count > _MARKED_ELEMENTS:
+        return True
+    mask = torch.zeros(count, dtype=torch.bool)
+    torch.as_strided(mask, a.shape, a.stride(), (a_start - start) // size).fill_(True)
+    return bool(torch.as_strided(mask, b.shape, b.stride(), (b_start - start) // size).any())
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """A plain tensor (or parameter) with an address: a fake, meta or wrapper-subclass tensor
+    (torchao's, a FakeTensor model's) says nothing about memory through ``data_ptr()``."""
+    plain = type(tensor) is torch.Tensor or issubclass(type(tensor), torch.nn.Parameter)
+    return plain and not tensor.is_meta and tensor.numel() > 0 and tensor.data_ptr() != 0
+
+
 def storage_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> str | None:
-    """Why two of the ``(label, tensor)`` pairs may share memory, or ``None`` when they cannot
-    (empty tensors never do). Tensors compare by the bytes they span on their device, so two
-    storages over one buffer (``torch.from_numpy`` of overlapping arrays) are compared too; a
-    non-contiguous tensor's span is its hull, so interleaved views are reported, conservatively."""
-    by_device: dict[str, list[tuple[int, int, str, bool]]] = {}
+    """Why two of the ``(label, tensor)`` pairs share memory, or ``None`` when they do not
+    (empty, meta, fake and wrapper-subclass tensors are skipped). Tensors compare by the bytes
+    they span on their device, so two storages over one buffer (``torch.from_numpy`` of
+    overlapping arrays) are compared too; where a non-contiguous tensor's hull overlaps another,
+    their elements are compared exactly (disjoint column halves of one buffer do not overlap)."""
+    by_device: dict[str, list[tuple[int, int, str, torch.Tensor]]] = {}
     for label, tensor in labelled:
-        if tensor.numel() == 0 or tensor.is_meta:  # a meta tensor has no memory (its address is 0)
+        if not _has_memory(tensor):
             continue
         start, end = _byte_span(tensor)
-        by_device.setdefault(str(tensor.device), []).append((start, end, label, tensor.is_contiguous()))
+        by_device.setdefault(str(tensor.device), []).append((start, end, label, tensor))
     for spans in by_device.values():
-        spans.sort()
-        reach = spans[0]  # the span reaching furthest so far
-        for span in spans[1:]:
-            if span[0] < reach[1]:
-                first, second = sorted((reach[2], span[2]))
-                if reach[3] and span[3]:
+        spans.sort(key=lambda span: (span[0], span[1]))
+        active: list[tuple[int, int, str, torch.Tensor]] = []  # spans still open at this start
+        for span in spans:
+            active = [other for other in active if other[1] > span[0]]
+            for other in active:
+                first, second = sorted((other[2], span[2]))
+                if other[3].is_contiguous() and span[3].is_contiguous():
                     return f"{first} and {second} overlap in storage"
-                return f"{first} and {second}: a non-contiguous tensor shares its memory with another"
-            if span[1] > reach[1]:
-                reach = span
+                if other[3].device.type != "cpu" or _elements_overlap(other[3], span[3]):
+                    return f"{first} and {second}: a non-contiguous tensor shares its memory with another"
+            active.append(span)
     return None
