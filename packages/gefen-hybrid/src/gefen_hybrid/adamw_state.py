@@ -291,8 +291,7 @@ def _stage_step(value: object, parameter: torch.Tensor, group: Mapping[str, Any]
         _fail(f"{where} must be a whole number >= 1, got {number!r}")
     if group["fused"] or group["capturable"]:
         return torch.tensor(number, dtype=torch.float32, device=local_tensor(parameter).device)
-    # as torch keeps it: a saved tensor's dtype (float64 counts past 2**24 exactly), a number's the default
-    return torch.tensor(number, dtype=value.dtype if isinstance(value, torch.Tensor) else _scalar_dtype(group))
+    return torch.tensor(number, dtype=_scalar_dtype(group))
 
 
 def _stage_moment(value: object, parameter: torch.Tensor, key: str, where: str) -> torch.Tensor:
