@@ -10,7 +10,6 @@ anything changes.
 
 from __future__ import annotations
 
-import numbers
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -57,7 +56,7 @@ from .adamw_identity import (
     state_blockers,
 )
 from .adamw_portable import portable_blockers
-from .adamw_state import StagedAdamWState, stage_adamw_state
+from .adamw_state import StagedAdamWState, is_rate, stage_adamw_state
 from .tensor_checks import is_dtensor
 
 __all__ = ["ContractedAdamW"]
@@ -80,21 +79,14 @@ def _torch_adam_step() -> Callable[..., Any]:
     return step  # type: ignore[no-any-return]
 
 
-def _is_rate(value: object) -> bool:
-    """A real number (not a bool) or a 1-element tensor: what torch's AdamW arithmetic takes."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_option_types(group: Mapping[str, Any], index: int) -> None:
     for key in ("lr", "eps", "weight_decay"):
-        if not _is_rate(group[key]):
+        if not is_rate(group[key]):
             raise TypeError(
                 f"param_groups[{index}]['{key}'] must be a real number or a 1-element tensor, got {group[key]!r}"
             )
     betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(_is_rate(b) for b in betas):
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(is_rate(b) for b in betas):
         raise TypeError(f"param_groups[{index}]['betas'] must be two real numbers or 1-element tensors, got {betas!r}")
 
 

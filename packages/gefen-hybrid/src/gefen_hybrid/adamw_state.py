@@ -200,14 +200,10 @@ def _number_or_tensor(value: object, live: object, where: str, *, upper: float |
     a capturable or compiled step keeps its tensor rate), else as saved (a tensor copied), as
     torch's load adopts it. (A rate set mid-run as a tensor or a numpy scalar, as a trainer
     may, so resumes bit for bit with torch.)"""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            _fail(f"{where} must be a number or a 1-element floating tensor, got {value!r}")
-        number = float(value.detach().reshape(-1)[0].item())
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(f"{where} must be a number (bool rejected), got {type(value).__name__}")
-    else:
-        number = float(value)
+    if not is_rate(value):
+        shown = repr(value) if isinstance(value, torch.Tensor) else type(value).__name__
+        _fail(f"{where} must be a number (bool rejected) or a 1-element floating tensor, got {shown}")
+    number = float(value.detach().reshape(-1)[0].item()) if isinstance(value, torch.Tensor) else float(value)  # type: ignore[arg-type]
     _check_range(number, where, upper)
     if isinstance(live, torch.Tensor):
         if isinstance(value, torch.Tensor):
@@ -216,6 +212,14 @@ def _number_or_tensor(value: object, live: object, where: str, *, upper: float |
     # torch adopts the saved value as it is: a tensor or numpy rate computes in its own
     # precision, so converting it to a float changed the resumed run's last bits
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def is_rate(value: object) -> bool:
+    """A real number (bool rejected) or a 1-element floating tensor: what a rate, beta, eps or
+    weight decay may be, in a checkpoint (checked here) and in a live group (the preflight)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_range(number: float, where: str, upper: float | None) -> None:
