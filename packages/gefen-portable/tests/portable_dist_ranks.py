@@ -252,10 +252,10 @@ def _fault(name: str, active: bool, target: PortableSGD | None) -> Iterator[None
         return
     patches = {
         "export.prepare": None,
-        "export.announce": "gefen_portable.transport.encode_wire",
-        "export.metadata": "gefen_portable.transport.parse_wire",
-        "export.allocate": "gefen_portable.transport._allocate",
-        "export.verify": "gefen_portable.transport.reconstruct_wire",
+        "export.announce": "gefen_portable.collectives.encode_wire",
+        "export.metadata": "gefen_portable.collectives.parse_wire",
+        "export.allocate": "gefen_portable.collectives._allocate",
+        "export.verify": "gefen_portable.collectives.reconstruct_wire",
         "export.finalize": "gefen_portable.export.assemble_catalog",
         "import.fetch": "gefen_portable.projection.copy_overlap",
         "import.prepare": None,

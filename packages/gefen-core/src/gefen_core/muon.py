@@ -5,7 +5,7 @@ construction, the step's orchestration (entry checks, preflight, votes), checkpo
 contract; the execution of a planned step (codebook learning, the local, exact, approx,
 batched and distributed paths) lives in :mod:`gefen_core.muon_execution`, the numerics in
 :mod:`gefen_core.muon_update` and the modules it calls, the collectives in
-:mod:`gefen_core.muon_distributed` and :mod:`gefen_core.muon_transport`.
+:mod:`gefen_core.muon_distributed` and :mod:`gefen_core.muon_owners`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
 from .muon_plan import MuonItem, MuonPlan, batched_chunks, plan_muon_step
 from .muon_state import new_muon_state
-from .muon_transport import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
+from .muon_owners import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on

@@ -10,7 +10,7 @@ What contributes, and where:
 * local matrices (plain tensors, replicated DTensors) and ``"approx"`` shards: this rank's
   own gradient;
 * ``"exact"`` and ``"distributed"`` DTensors: the **full** gradient, brought to one rank (the
-  matrix's owner, :func:`gefen_core.muon_transport.gather_to_owners`), which computes its period
+  matrix's owner, :func:`gefen_core.muon_owners.gather_to_owners`), which computes its period
   and histogram. Each matrix is counted once, on one rank, so the summed histogram equals a
   single process's on the same gradients (the reference all-gathered every matrix to every
   rank instead).
@@ -32,7 +32,7 @@ import torch
 from .codebook import codebook_from_counts, gradient_histogram
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, vote
 from .muon_plan import MuonItem
-from .muon_transport import BucketItem, gather_to_owners, owner_buckets
+from .muon_owners import BucketItem, gather_to_owners, owner_buckets
 from .ops import HISTOGRAM, Kernels
 from .periods import shape_period
 from .reference_ops import HISTOGRAM_BINS

@@ -32,7 +32,7 @@ slot holds, and what it depends on:
 * ``"approx"`` slots hold local rows: their topology record must match the live one;
 * ``"distributed"`` slots hold state on their owner only, so ``state_dict()`` is **collective**
   (every rank must call it): it first gives every rank every owner's state
-  (:func:`gefen_core.muon_transport.consolidate_states`) and records the *owner manifest*, the
+  (:func:`gefen_core.muon_owners.consolidate_states`) and records the *owner manifest*, the
   canonical JSON (sorted keys, no whitespace) of::
 
       {"ownership": "stable_index_mod_world", "consolidated": True, "world_size": W,
@@ -219,7 +219,7 @@ def muon_state_dict(
     deterministic: bool,
 ) -> dict[str, Any]:
     """A live optimizer's native state dict; collective (consolidation) with distributed slots."""
-    from .muon_transport import consolidate_states
+    from .muon_owners import consolidate_states
 
     layouts, scope = slot_layouts(param_groups)
     states: list[Mapping[str, Any] | None] = [state.get(layout.param) or None for layout in layouts]

@@ -17,7 +17,7 @@ from .local_export import LocalExport, build_local_export, check_layout
 from .protocol import Session
 from .runtime import context_digest, open_session, require_adapter
 from .state import PortableState
-from .transport import share_values
+from .collectives import share_values
 
 __all__ = ["export_on_session", "export_portable_state"]
 

@@ -19,7 +19,7 @@ from .projection import Projection, check_target
 from .protocol import Session
 from .runtime import check_transitions, context_digest, manifest_digest, open_session, require_adapter
 from .state import PortableState
-from .transport import fetch_fragments
+from .collectives import fetch_fragments
 from .values import clone_tree
 
 __all__ = ["PreparedImport", "commit_on_session", "import_portable_state", "prepare_on_session"]

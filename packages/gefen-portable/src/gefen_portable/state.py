@@ -22,7 +22,7 @@ from .document import build_document, parse_document
 from .errors import PortableIntegrityError, PortableStateError
 from .fragments import PortableFragment, check_fragment_shape, verify_fragment
 from .protocol import Session
-from .transport import fetch_fragments
+from .collectives import fetch_fragments
 from .values import clone_tree
 from .wire import require_limits
 

@@ -63,7 +63,7 @@ DTYPE_CODES: dict[torch.dtype, WireDtype] = {row.dtype: row for row in _TABLE}
 def require_little_endian() -> None:
     """Raise unless the host is little-endian (wire bytes are the native little-endian bytes)."""
     if sys.byteorder != "little":
-        raise PortableStateError("gefen-portable's wire codec and transport need a little-endian host")
+        raise PortableStateError("gefen-portable's wire codec and collectives need a little-endian host")
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
