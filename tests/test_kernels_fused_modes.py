@@ -145,6 +145,43 @@ def test_a_cuda_kernel_runs_with_its_first_tensors_device_current(monkeypatch: p
     assert not isinstance(real(torch.device("cpu")), torch.cuda.device)
 
 
+def test_register_wraps_every_cuda_kernel_in_the_device_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``register`` itself applies ``on_its_device`` to each CUDA kernel and to no CPU one
+    (a stand-in CUDA backend, since CI has no GPU; registering for the CUDA key needs none)."""
+    from types import SimpleNamespace
+
+    from gefen_kernels import registration
+
+    guarded: list[str] = []
+
+    def marking(kernel: Any) -> Any:
+        guarded.append(kernel.__name__)
+        return kernel
+
+    names = sorted({op.split("::")[1].split(".")[0] for op in GEFEN_OPS})
+    stand_in = SimpleNamespace(**{name: _named_kernel(name) for name in names})
+    monkeypatch.setattr(registration, "on_its_device", marking)
+    monkeypatch.setattr(registration, "_cuda_backend", lambda: (stand_in, None))
+    try:
+        assert registration.register() == {}
+        assert registration.registered_devices() == ("cpu", "cuda")
+        assert sorted(guarded) == sorted(op.split("::")[1].split(".")[0] for op in GEFEN_OPS)
+        for op in GEFEN_OPS:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+    finally:
+        monkeypatch.undo()
+        registration.register()  # the real registration again, for the tests that follow
+    assert "cuda" not in registration.registered_devices() or torch.cuda.is_available()
+
+
+def _named_kernel(name: str) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a stand-in CUDA kernel never runs")
+
+    kernel.__name__ = name
+    return kernel
+
+
 @pytest.mark.parametrize("stochastic_round", [False, True])
 def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round: bool) -> None:
     with counting_kernels() as calls:
