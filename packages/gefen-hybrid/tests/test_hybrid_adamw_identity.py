@@ -450,3 +450,17 @@ def test_a_loaded_checkpoint_without_state_for_some_parameters_still_steps() -> 
     _train(model, optimizer, 2, start=1)
     _train(twin_model, twin, 2, start=1)  # torch-style lazy state creation still works after a load
     assert _equal(model, twin_model)
+
+
+def test_a_non_finite_option_keeps_adamw_out_of_canonical_documents() -> None:
+    """The one option-record rule set (``gefen_contracts.torch_support.option_records``): a
+    non-finite float option is refused by canonical documents as by portable state (the
+    canonical check of ContractedAdamW's own copy let it through)."""
+    _, optimizer = _bound()
+    assert optimizer.optimizer_contract().capabilities.supports(FEATURE_CANONICAL_LOCAL_STATE)
+    optimizer.param_groups[0]["eps_floor"] = float("inf")
+    status = optimizer.optimizer_contract().capabilities.feature(FEATURE_CANONICAL_LOCAL_STATE)
+    assert not status.supported
+    assert "param_groups[0] option 'eps_floor' holds a non-finite float" in status.reasons[0]
+    with pytest.raises(NotSupportedError, match="eps_floor"):
+        optimizer.export_local_state()

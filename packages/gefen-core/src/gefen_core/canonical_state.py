@@ -35,7 +35,6 @@ primitives or plain tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ from gefen_contracts.digest import canonical_digest
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.state_layout import match_variants
 from gefen_contracts.torch_support import BoundParameter, build_bound_state, parse_bound_state, state_version_token
+from gefen_contracts.torch_support.option_records import option_blockers, options_equal, recorded_options
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .identity import IdentityRecord, identity_readiness, verify_layout
@@ -68,49 +68,6 @@ _COMMON_KEYS = frozenset({"global_step", "codebook", "codebook_scope"})
 
 def _fail(message: str) -> StateValidationError:
     return StateValidationError(f"canonical local state: {message}")
-
-
-def _primitive_kind(value: object, depth: int = 0) -> str | None:
-    """``None`` when ``value`` can be written into a document, else the offending type."""
-    if value is None or type(value) in (bool, int, str):
-        return None
-    if type(value) is float:
-        return None if math.isfinite(value) else "non-finite float"
-    if type(value) is torch.Tensor:
-        return None if value.layout is torch.strided and not value.is_meta else "non-strided tensor"
-    if depth < 8 and isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return next((k for v in value if (k := _primitive_kind(v, depth + 1))), None)
-    if depth < 8 and isinstance(value, dict) and type(value) is dict:
-        if any(type(key) is not str for key in value):
-            return "dict with non-str keys"
-        return next((k for v in value.values() if (k := _primitive_kind(v, depth + 1))), None)
-    return type(value).__name__
-
-
-def _listify(value: Any) -> Any:
-    if type(value) in (list, tuple):
-        return [_listify(v) for v in value]
-    if type(value) is dict:
-        return {k: _listify(v) for k, v in value.items()}
-    return value
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
-        )
-    if type(a) is not type(b):
-        return False
-    if type(a) is list:
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 def _int_counter(value: object, where: str) -> int:
@@ -175,16 +132,7 @@ class CanonicalRole:
                     f"canonical local documents cover {allowed} shards; this member also holds {other} shards (their "
                     "state is not local to one member: use portable state)"
                 )
-        for index, group in enumerate(optimizer.param_groups):
-            for key, value in group.items():
-                if key in _NOT_EXPORTED:
-                    continue
-                kind = _primitive_kind(value)
-                if kind is not None:
-                    reasons.append(
-                        f"param group {index} option {key!r} holds a {kind}; canonical documents hold primitives and "
-                        "plain tensors only"
-                    )
+        reasons.extend(option_blockers(optimizer.param_groups, "canonical", excluded=_NOT_EXPORTED, tensors=True))
         return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
 
     def _require(self, optimizer: Any, where: str) -> IdentityRecord:
@@ -240,7 +188,7 @@ class CanonicalRole:
         sealed = identity.sealed
         parameters: dict[str, BoundParameter] = {}
         for index, group in enumerate(optimizer.param_groups):
-            options = {key: _listify(value) for key, value in group.items() if key not in _NOT_EXPORTED}
+            options = recorded_options(group, _NOT_EXPORTED)
             names = sealed.compatibility_names(index)
             for position, tensor in enumerate(group["params"]):
                 shard = sealed.shard_identity(tensor)
@@ -307,7 +255,7 @@ class CanonicalRole:
                 group_options = dict(entry.group_options)
                 if options is None:
                     options = (shard.fqn, group_options)
-                elif not _equal(options[1], group_options):
+                elif not options_equal(options[1], group_options):
                     raise _fail(
                         f"param group {index} holds {options[0]!r} and {shard.fqn!r}, whose document group options "
                         "differ; regroup the target so that each group's parameters share their options"

@@ -33,6 +33,8 @@ from gefen_contracts import StateValidationError
 from gefen_contracts.exchange import PortableSlotState
 from gefen_contracts.identity import LogicalSlice
 from gefen_contracts.torch_support import as_imported, block_count
+from gefen_contracts.torch_support.option_records import plain_options
+from gefen_contracts.torch_support.portable_slots import NamedSlot
 
 from . import native_format as F
 from .compact_piece import (
@@ -74,7 +76,7 @@ from .parameter_update import placeholder_codebook
 from .periods import PeriodPolicy, aligned_period, cuts, period_policy
 from .reblocking import PeriodChoice, block_means, choose_period, encode_momentum
 from .state_placement import export_tensors
-from .transport_slots import NamedSlot, adopted_groups, plain_options, positional_state
+from .transport_slots import adopted_groups, positional_state
 
 __all__ = [
     "PRISTINE",

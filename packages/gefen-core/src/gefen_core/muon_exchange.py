@@ -26,6 +26,8 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_contracts.exchange import PortableSlotState
 from gefen_contracts.torch_support import as_imported
+from gefen_contracts.torch_support.option_records import plain_options
+from gefen_contracts.torch_support.portable_slots import NamedSlot
 
 from .compact_piece import (
     MOMENTUM_CODES,
@@ -42,7 +44,7 @@ from .param_state import INDICES, MAGNITUDE, STEP, period_of
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 from .reblocking import PeriodChoice, choose_period
-from .transport_slots import NamedSlot, adopted_groups, plain_options
+from .transport_slots import adopted_groups
 
 __all__ = [
     "EXECUTION_OPTIONS",

@@ -25,9 +25,9 @@ from .momentum_codec import stochastic_seed
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, shard_rows, vote
 from .muon_learning import LearningResult, learn_codebook
 from .muon_options import group_schedule, lr_ratio
+from .muon_owners import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_plan import MuonItem, MuonPlan, batched_chunks, plan_muon_step
 from .muon_state import new_muon_state
-from .muon_owners import BucketItem, gather_to_owners, owner_buckets, scatter_from_owners
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on

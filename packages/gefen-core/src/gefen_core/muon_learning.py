@@ -31,8 +31,8 @@ import torch
 
 from .codebook import codebook_from_counts, gradient_histogram
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, vote
-from .muon_plan import MuonItem
 from .muon_owners import BucketItem, gather_to_owners, owner_buckets
+from .muon_plan import MuonItem
 from .ops import HISTOGRAM, Kernels
 from .periods import shape_period
 from .reference_ops import HISTOGRAM_BINS

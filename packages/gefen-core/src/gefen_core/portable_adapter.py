@@ -21,11 +21,11 @@ What a ``gefen.portable_state`` document holds for either optimizer:
 * ``common``: ``{"global_step": int, "codebook": fp32[256] | None}``, identical on every
   member of the checkpoint group: a multi-member layout needs one codebook on all members
   (an explicit codebook scope, or the codebook of an imported document);
-* per slot: the group's options (:func:`gefen_core.transport_slots.transport_options`)
+* per slot: the group's options (:func:`gefen_contracts.torch_support.option_records.recorded_options`)
   and the variant, counters and fields of :mod:`gefen_core.gefen_exchange` (about one byte
   per element) or :mod:`gefen_core.muon_exchange`.
 
-Layouts (:mod:`gefen_core.transport_slots`): the sealed ``post_sharding`` layout (Gefen:
+Layouts (:mod:`gefen_contracts.torch_support.portable_slots`): the sealed ``post_sharding`` layout (Gefen:
 ``REPLICATED`` and ``FLATTENED_ELEMENT_SHARD``; GefenMuon: ``REPLICATED`` and
 ``WHOLE_PARAMETER_OWNER``, where the owner exports and imports the whole matrix and
 non-owners hold nothing), or before it the implicit one, an ungrouped ``REPLICATED`` shard
@@ -51,22 +51,21 @@ import torch
 from gefen_contracts import FEATURE_PORTABLE_STATE, FeatureStatus, StateValidationError
 from gefen_contracts.enums import ParameterLayout
 from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
+from gefen_contracts.naming import param_group_naming_blockers
+from gefen_contracts.torch_support.option_records import option_blockers, recorded_options
+from gefen_contracts.torch_support.portable_slots import NamedSlot, named_slots, portable_layout_of
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .distributed import is_dtensor
 from .gefen_exchange import PRISTINE
 from .identity import bound_layout, verify_layout, with_identity_guard
-from .transport_records import check_common, check_policy, portable_common, portable_layout_of, portable_policy
-from .transport_slots import (
-    NamedSlot,
-    named_slots,
-    naming_blockers,
-    option_blockers,
-    require_feature,
-    transport_options,
-)
+from .transport_records import check_common, check_policy, portable_common, portable_policy
+from .transport_slots import require_feature
 
 __all__ = ["PortableRole"]
+
+#: Group keys that are not options (the rest travel with each slot).
+_NOT_OPTIONS = frozenset({"params", "param_names"})
 
 Pairs = list[tuple[NamedSlot, PortableSlotState]]
 
@@ -104,7 +103,7 @@ class PortableRole:
         reasons: list[str] = []
         sealed = bound_layout(optimizer)
         if sealed is None:
-            reasons.extend(naming_blockers(optimizer.param_groups))
+            reasons.extend(param_group_naming_blockers(optimizer.param_groups, optimizer="the optimizer"))
             dtensors = sum(1 for group in optimizer.param_groups for p in group["params"] if is_dtensor(p))
             if dtensors:
                 reasons.append(
@@ -117,12 +116,14 @@ class PortableRole:
                 covered = " and ".join(sorted(x.value for x in self.layouts))
                 name = self.implementation.removeprefix("gefen.")
                 reasons.append(f"{name}'s portable state covers the {covered} layouts, not {others}")
-        reasons.extend(option_blockers(optimizer.param_groups, "portable"))
+        reasons.extend(option_blockers(optimizer.param_groups, "portable", excluded=_NOT_OPTIONS))
         return FeatureStatus.no(*reasons) if reasons else FeatureStatus.yes()
 
     def layout(self, optimizer: Any) -> PortableLayout:
         """The local target layout: the sealed one, or the implicit one (no state, no tensors)."""
-        return portable_layout_of(optimizer.param_groups, bound_layout(optimizer), self.implementation)
+        return portable_layout_of(
+            optimizer.param_groups, bound_layout(optimizer), self.implementation, optimizer="the optimizer"
+        )
 
     def export(self, optimizer: Any) -> PortableExport:
         """This member's compact state: fresh CPU copies, nothing aliasing live state.
@@ -132,7 +133,7 @@ class PortableRole:
         layout = self.layout(optimizer)
         exported = []
         for slot, slot_layout in zip(named_slots(optimizer.param_groups, bound_layout(optimizer)), layout.slots):
-            options = transport_options(optimizer.param_groups[slot.group_index])
+            options = recorded_options(optimizer.param_groups[slot.group_index], _NOT_OPTIONS)
             state = None if slot.tensor is None else optimizer.state.get(slot.tensor)
             shape = () if slot.tensor is None else tuple(slot.tensor.shape)
             variant, counters, piece = self.live_piece(state, shape, optimizer._codebook)

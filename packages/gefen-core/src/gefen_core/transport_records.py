@@ -16,30 +16,23 @@ Schema 2 (both records): Gefen's ``momentum`` field is the EMA of the preconditi
 ``g / (sqrt(V) + eps)`` (native format v4); under schema 1 it was the EMA of ``g``. The two are
 different quantities, so a schema-1 record is refused, not converted. GefenMuon's fields did not
 change; its records carry the same version because the records are shared.
-
-:func:`portable_layout_of` builds the local target layout both optimizers describe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
-from gefen_contracts.exchange import PortableLayout, PortableSlotLayout
-from gefen_contracts.manifest import ShardingManifest
-from gefen_contracts.torch_support import SealedLayout
 
 from .codebook import validate_codebook
-from .transport_slots import implicit_shard, named_slots
 
 __all__ = [
     "POLICY_SCHEMA_VERSION",
     "check_common",
     "check_policy",
     "portable_common",
-    "portable_layout_of",
     "portable_policy",
 ]
 
@@ -96,22 +89,3 @@ def check_common(common: Mapping[str, Any], who: str) -> tuple[int, torch.Tensor
     if codebook is not None:
         codebook = validate_codebook(codebook, f"{who}: common codebook").clone()
     return step, codebook
-
-
-def portable_layout_of(
-    param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout | None, implementation: str
-) -> PortableLayout:
-    """The local target layout: the sealed one, or the implicit one (one ungrouped replicated
-    shard per named parameter); no state, no tensors."""
-    shards = []
-    slots = []
-    for slot in named_slots(param_groups, sealed):
-        if slot.shard is not None:
-            shard = slot.shard
-        else:
-            assert slot.tensor is not None
-            shard = implicit_shard(slot.fqn, slot.tensor)
-        shards.append(shard)
-        slots.append(PortableSlotLayout(shard, slot.position, slot.compatibility_name))
-    manifest = sealed.manifest if sealed is not None else ShardingManifest(tuple(shards))
-    return PortableLayout(implementation, manifest, tuple(slots))

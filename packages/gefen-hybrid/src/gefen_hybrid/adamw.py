@@ -43,10 +43,11 @@ from gefen_contracts.torch_support import (
     split_identity_guard,
     state_version_token,
 )
+from gefen_contracts.torch_support.option_records import option_blockers
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from . import adamw_exchange
-from .adamw_canonical import export_adamw_document, native_state_from_document, option_blockers
+from .adamw_canonical import export_adamw_document, native_state_from_document
 from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
 from .adamw_identity import (
     StagedBinding,
@@ -56,6 +57,7 @@ from .adamw_identity import (
     state_blockers,
 )
 from .adamw_portable import portable_blockers
+from .adamw_records import NOT_OPTIONS
 from .adamw_state import StagedAdamWState, is_rate, stage_adamw_state
 from .tensor_checks import is_dtensor
 
@@ -200,7 +202,7 @@ class ContractedAdamW(torch.optim.AdamW):
             except LayoutTamperedError as exc:
                 broken = FeatureStatus.no(str(exc))
                 return AdamWReadiness(FeatureStatus.yes(), broken, broken, layouts, broken, broken)
-            options = option_blockers(self.param_groups)
+            options = option_blockers(self.param_groups, "canonical", excluded=NOT_OPTIONS, tensors=True)
             post, identity = FeatureStatus.yes(), FeatureStatus.yes()
             canonical = FeatureStatus.no(*options) if options else FeatureStatus.yes()
         portable = portable_blockers(self.param_groups, sealed)

@@ -33,57 +33,24 @@ import torch
 from gefen_contracts import StateValidationError
 from gefen_contracts.state_layout import match_variants
 from gefen_contracts.torch_support import BoundParameter, SealedLayout, build_bound_state, parse_bound_state
+from gefen_contracts.torch_support.option_records import recorded_options
 
 from .adamw_contract import ADAMW_IMPLEMENTATION, ADAMW_STATE_LAYOUT
-from .adamw_records import NO_STATE_VARIANT, AdamWRecord, document_options, native_state_dict, step_count
-from .adamw_state import EXECUTION_FLAGS
+from .adamw_records import NO_STATE_VARIANT, NOT_OPTIONS, AdamWRecord, native_state_dict, step_count
 
 __all__ = [
     "ADAMW_POLICY",
     "NO_STATE_VARIANT",
     "export_adamw_document",
     "native_state_from_document",
-    "option_blockers",
 ]
 
 #: ContractedAdamW's policy record: empty (see the module docstring).
 ADAMW_POLICY: dict[str, Any] = {}
-_NOT_EXPORTED = frozenset({"params", "param_names", *EXECUTION_FLAGS})
 
 
 def _fail(message: str) -> StateValidationError:
     return StateValidationError(f"ContractedAdamW canonical state: {message}")
-
-
-def _primitive_kind(value: object, depth: int = 0) -> str | None:
-    """``None`` when ``value`` can be written into a document, else the offending type."""
-    if value is None or type(value) in (bool, int, float, str):
-        return None
-    if type(value) is torch.Tensor:
-        return None if value.layout is torch.strided and not value.is_meta else "non-strided tensor"
-    if depth < 8 and type(value) in (list, tuple) and isinstance(value, (list, tuple)):
-        return next((k for v in value if (k := _primitive_kind(v, depth + 1))), None)
-    if depth < 8 and type(value) is dict and isinstance(value, dict):
-        if any(type(key) is not str for key in value):
-            return "dict with non-str keys"
-        return next((k for v in value.values() if (k := _primitive_kind(v, depth + 1))), None)
-    return type(value).__name__
-
-
-def option_blockers(param_groups: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
-    """Why the group options cannot be written into a document (cheap: types only)."""
-    reasons = []
-    for index, group in enumerate(param_groups):
-        for key, value in group.items():
-            if key in _NOT_EXPORTED:
-                continue
-            kind = _primitive_kind(value)
-            if kind is not None:
-                reasons.append(
-                    f"param group {index} option {key!r} holds a {kind}; canonical documents hold primitives and plain "
-                    "tensors only"
-                )
-    return tuple(reasons)
 
 
 def _variant_of(keys: Sequence[str], layout: Any, rank: int, where: str) -> str:
@@ -114,7 +81,7 @@ def export_adamw_document(
     """The ``gefen.bound_state`` document of a finalized ContractedAdamW (owned CPU copies)."""
     parameters: dict[str, BoundParameter] = {}
     for index, group in enumerate(param_groups):
-        options = document_options(group)
+        options = recorded_options(group, NOT_OPTIONS)
         names = sealed.compatibility_names(index)
         for slot, tensor in enumerate(group["params"]):
             shard = sealed.shard_identity(tensor)

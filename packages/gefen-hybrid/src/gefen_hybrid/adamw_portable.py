@@ -29,25 +29,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gefen_contracts import StateValidationError
-from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotLayout, PortableSlotState
-from gefen_contracts.identity import LogicalSlice, ParameterIdentity, ShardIdentity
-from gefen_contracts.manifest import ShardingManifest
+from gefen_contracts.exchange import PortableExport, PortableLayout, PortableSlotState
+from gefen_contracts.naming import param_group_naming_blockers
 from gefen_contracts.torch_support import SealedLayout
+from gefen_contracts.torch_support.option_records import option_blockers, plain_options, recorded_options
+from gefen_contracts.torch_support.portable_slots import portable_layout_of as slot_layout
 
 from .adamw_contract import ADAMW_IMPLEMENTATION
 from .adamw_records import (
+    NOT_OPTIONS,
     AdamWRecord,
-    document_options,
     dtype_blockers,
     incoming_entry,
     live_record,
     native_state_dict,
-    plain_options,
-    primitive_option_blockers,
     to_dense_fp32,
 )
-from .adamw_slots import named_slots, naming_blockers
 from .tensor_checks import is_dtensor
 
 __all__ = ["native_state_from_portable", "portable_blockers", "portable_export_of", "portable_layout_of"]
@@ -61,7 +58,7 @@ def portable_blockers(param_groups: Sequence[Mapping[str, Any]], sealed: SealedL
     """Why ``portable_state`` is not supported now (cheap: names, kinds, dtypes, option types)."""
     reasons: list[str] = []
     if sealed is None:
-        reasons.extend(naming_blockers(param_groups))
+        reasons.extend(param_group_naming_blockers(param_groups, optimizer="ContractedAdamW"))
         dtensors = sum(1 for group in param_groups for p in group["params"] if is_dtensor(p))
         if dtensors:
             reasons.append(
@@ -70,25 +67,13 @@ def portable_blockers(param_groups: Sequence[Mapping[str, Any]], sealed: SealedL
                 "or flattened local tensors with post_sharding"
             )
     reasons.extend(dtype_blockers(param_groups, "portable element"))
-    reasons.extend(primitive_option_blockers(param_groups, "portable"))
+    reasons.extend(option_blockers(param_groups, "portable", excluded=NOT_OPTIONS))
     return tuple(reasons)
-
-
-def _implicit_shard(name: str, tensor: Any) -> ShardIdentity:
-    identity = ParameterIdentity(name, tuple(tensor.shape))
-    return ShardIdentity(identity, ParameterLayout.REPLICATED, LogicalSlice.full(identity))
 
 
 def portable_layout_of(param_groups: Sequence[Mapping[str, Any]], sealed: SealedLayout | None) -> PortableLayout:
     """The local target layout: the sealed one, or the implicit one (see the module docstring)."""
-    slots = []
-    shards = []
-    for slot in named_slots(param_groups, sealed):
-        shard = slot.shard if slot.shard is not None else _implicit_shard(slot.fqn, slot.tensor)
-        shards.append(shard)
-        slots.append(PortableSlotLayout(shard, (slot.group_index, slot.slot_index), slot.compatibility_name))
-    manifest = sealed.manifest if sealed is not None else ShardingManifest(tuple(shards))
-    return PortableLayout(ADAMW_IMPLEMENTATION, manifest, tuple(slots))
+    return slot_layout(param_groups, sealed, ADAMW_IMPLEMENTATION, optimizer="ContractedAdamW")
 
 
 def portable_export_of(
@@ -98,7 +83,7 @@ def portable_export_of(
     exported = []
     slots = iter(layout.slots)
     for group in param_groups:
-        options = document_options(group)
+        options = recorded_options(group, NOT_OPTIONS)
         for tensor in group["params"]:
             slot = next(slots)
             record = live_record(group, state.get(tensor), f"parameter {slot.fqn!r}")

@@ -24,26 +24,24 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support.option_records import options_equal
 
 from .adamw_state import EXECUTION_FLAGS
 from .tensor_checks import is_dtensor, local_tensor
 
 __all__ = [
     "AMSGRAD_VARIANT",
+    "NOT_OPTIONS",
     "NO_STATE_VARIANT",
     "PLAIN_VARIANT",
     "TRANSPORTABLE_DTYPES",
     "AdamWRecord",
     "LiveRecord",
-    "document_options",
     "dtype_blockers",
     "incoming_entry",
     "live_record",
     "moment_names",
     "native_state_dict",
-    "options_equal",
-    "plain_options",
-    "primitive_option_blockers",
     "step_count",
     "to_dense_fp32",
     "variant_for",
@@ -55,7 +53,8 @@ NO_STATE_VARIANT = "uninitialized"
 PLAIN_VARIANT = "adamw"
 #: The variant of a stepped parameter of a group with ``amsgrad=True``.
 AMSGRAD_VARIANT = "adamw_amsgrad"
-_NOT_OPTIONS = frozenset({"params", "param_names", *EXECUTION_FLAGS})
+#: Group keys that are not recorded options (the execution flags are the target's own choice).
+NOT_OPTIONS = frozenset({"params", "param_names", *EXECUTION_FLAGS})
 
 
 def moment_names(amsgrad: bool) -> tuple[str, ...]:
@@ -66,74 +65,6 @@ def moment_names(amsgrad: bool) -> tuple[str, ...]:
 def variant_for(amsgrad: bool) -> str:
     """The variant of a stepped parameter of a group with this ``amsgrad`` flag."""
     return AMSGRAD_VARIANT if amsgrad else PLAIN_VARIANT
-
-
-def _listify(value: Any) -> Any:
-    if type(value) in (list, tuple):
-        return [_listify(v) for v in value]
-    if type(value) is dict or (isinstance(value, Mapping) and not isinstance(value, torch.Tensor)):
-        return {k: _listify(v) for k, v in value.items()}
-    return value
-
-
-def document_options(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A group's options as a record holds them (see the module docstring)."""
-    return {key: _listify(value) for key, value in group.items() if key not in _NOT_OPTIONS}
-
-
-def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Options handed back by a transport (frozen mappings, tuples) as plain dicts and lists."""
-    return {key: _listify(value) for key, value in options.items()}
-
-
-def _primitive_kind(value: object, depth: int = 0) -> str | None:
-    """``None`` when ``value`` is a primitive tree without tensors, else the offending type."""
-    if value is None or type(value) in (bool, int, str):
-        return None
-    if type(value) is float:
-        return None if math.isfinite(value) else "non-finite float"
-    if depth < 8 and type(value) in (list, tuple):
-        return next((k for v in value if (k := _primitive_kind(v, depth + 1))), None)  # type: ignore[attr-defined]
-    if depth < 8 and type(value) is dict:
-        if any(type(key) is not str for key in value):
-            return "dict with non-str keys"
-        return next((k for v in value.values() if (k := _primitive_kind(v, depth + 1))), None)
-    return type(value).__name__
-
-
-def primitive_option_blockers(param_groups: Sequence[Mapping[str, Any]], transport: str) -> tuple[str, ...]:
-    """Why the group options cannot travel in a ``transport`` record (primitives only, no tensors)."""
-    reasons = []
-    for index, group in enumerate(param_groups):
-        for key, value in group.items():
-            if key in _NOT_OPTIONS:
-                continue
-            kind = _primitive_kind(value)
-            if kind is not None:
-                reasons.append(
-                    f"param group {index} option {key!r} holds a {kind}; {transport} records hold primitive options "
-                    "only (use a float lr, not a tensor)"
-                )
-    return tuple(reasons)
-
-
-def options_equal(a: Any, b: Any) -> bool:
-    """Exact equality of option trees (types included; tensors compared by dtype, shape, values)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and bool(torch.equal(a, b))
-        )
-    if type(a) is not type(b):
-        return False
-    if type(a) is list:
-        return len(a) == len(b) and all(options_equal(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return a.keys() == b.keys() and all(options_equal(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 def step_count(value: object, where: str) -> int:

@@ -10,6 +10,7 @@ from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .assembly import assemble_catalog
+from .collectives import share_values
 from .errors import PortableLimitError, PortableStateError
 from .fragments import PortableFragment
 from .freshness import live_storages, optimizer_token
@@ -17,7 +18,6 @@ from .local_export import LocalExport, build_local_export, check_layout
 from .protocol import Session
 from .runtime import context_digest, open_session, require_adapter
 from .state import PortableState
-from .collectives import share_values
 
 __all__ = ["export_on_session", "export_portable_state"]
 

@@ -12,6 +12,7 @@ from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
+from .collectives import fetch_fragments
 from .errors import PortableStateError
 from .freshness import optimizer_token
 from .local_export import check_layout
@@ -19,7 +20,6 @@ from .projection import Projection, check_target
 from .protocol import Session
 from .runtime import check_transitions, context_digest, manifest_digest, open_session, require_adapter
 from .state import PortableState
-from .collectives import fetch_fragments
 from .values import clone_tree
 
 __all__ = ["PreparedImport", "commit_on_session", "import_portable_state", "prepare_on_session"]

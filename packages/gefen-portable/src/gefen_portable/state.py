@@ -18,11 +18,11 @@ from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .catalog import Catalog, parse_catalog
+from .collectives import fetch_fragments
 from .document import build_document, parse_document
 from .errors import PortableIntegrityError, PortableStateError
 from .fragments import PortableFragment, check_fragment_shape, verify_fragment
 from .protocol import Session
-from .collectives import fetch_fragments
 from .values import clone_tree
 from .wire import require_limits
 
