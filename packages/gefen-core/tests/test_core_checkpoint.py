@@ -15,7 +15,7 @@ import torch
 from gefen_contracts import StaleTransactionError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
-from gefen_core import Gefen
+from gefen_core import Gefen, GefenMuon
 from gefen_core_test_support import MIRROR, edit_mirror, edit_mirrors, mirror_of, single_threaded_torch  # noqa: F401  (autouse fixture)
 
 GOLDEN = Path(__file__).parent / "golden" / "native_state_v10.pt"
@@ -125,6 +125,27 @@ def test_load_leaves_the_callers_dict_alone_and_can_repeat() -> None:
     assert_trees_equal(saved, reference)
     live = twin.state[next(iter(twin.state))]["m_codes"]
     assert live.data_ptr() != saved["state"][0]["m_codes"].data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+def test_a_loaded_group_shares_no_mutable_option_with_the_saved_one(kind: str) -> None:
+    """torch's load deep-copies the saved groups; so does this one: a caller editing its state
+    dict (or the optimizer it came from) after the load does not edit the loaded groups."""
+    build: Callable[[], torch.optim.Optimizer] = (
+        (lambda: Gefen(_net().parameters(), lr=1e-2))
+        if kind == "gefen"
+        else (lambda: GefenMuon([p for p in _net().parameters() if p.dim() == 2], lr=1e-2))
+    )
+    source = build()
+    source.param_groups[0]["warmup"] = {"steps": 10}
+    source.param_groups[0]["lr"] = torch.tensor(0.01)
+    saved = source.state_dict()
+    target = build()
+    target.load_state_dict(saved)
+    saved["param_groups"][0]["warmup"]["steps"] = 99
+    source.param_groups[0]["lr"].fill_(0.5)
+    assert target.param_groups[0]["warmup"] == {"steps": 10}
+    assert float(target.param_groups[0]["lr"]) == pytest.approx(0.01)
 
 
 def test_torch_dcp_state_dict_helpers_round_trip() -> None:

@@ -122,6 +122,46 @@ def test_a_scale_not_shaped_by_the_parameter_is_a_problem(checkpoints: dict[str,
     ]
 
 
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+@pytest.mark.parametrize("keep", ["mirrors", "top level"])
+def test_a_record_kept_one_way_only_is_ok_as_the_load_finds_it(
+    checkpoints: dict[str, Path], tmp_path: Path, kind: str, keep: str
+) -> None:
+    """torch's DCP helpers keep only the group mirrors; a load reads the record from either
+    (or both, agreeing), and so does inspect (it called a mirror-only state dict CORRUPT)."""
+    stored = torch.load(checkpoints[kind], weights_only=True)
+    if keep == "mirrors":
+        stored = {key: value for key, value in stored.items() if not key.startswith("gefen_")}
+    else:
+        for group in stored["param_groups"]:
+            del group["_gefen_checkpoint_metadata"]
+    path = tmp_path / "one_way.pt"
+    torch.save(stored, path)
+    description = inspect_checkpoint(path)
+    assert description.ok, description.format_text()
+    assert dict(description.facts)["global step"] == "2"
+    if kind == "muon":
+        return
+    optimizer = Gefen(_parameters())
+    optimizer.load_state_dict(torch.load(path, weights_only=True))  # what the load accepts
+    del stored["param_groups"][0]["_gefen_checkpoint_metadata" if keep == "mirrors" else "lr"]
+    torch.save(stored, path)
+    assert not inspect_checkpoint(path).ok
+
+
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
+def test_a_group_without_a_required_option_is_corrupt(checkpoints: dict[str, Path], tmp_path: Path, kind: str) -> None:
+    """The saved groups are checked by the load's own rule (they were never checked: a state
+    dict the optimizer refuses, lacking ``lr``, was OK)."""
+    stored = torch.load(checkpoints[kind], weights_only=True)
+    del stored["param_groups"][0]["lr"]
+    path = tmp_path / "no_lr.pt"
+    torch.save(stored, path)
+    description = inspect_checkpoint(path)
+    assert not description.ok
+    assert [(p.where, p.message) for p in description.problems] == [("param_groups[0]", "lacks options ['lr']")]
+
+
 def test_native_muon_and_torch_state_dicts_are_described(checkpoints: dict[str, Path]) -> None:
     muon = inspect_checkpoint(checkpoints["muon"])
     assert muon.ok and muon.format == "gefen.muon_native_state" and muon.implementation == "gefen.GefenMuon"

@@ -91,6 +91,7 @@ __all__ = [
     "muon_state_dict",
     "parameter_shaped_status",
     "slot_layouts",
+    "stage_muon_group",
     "stage_muon_state_dict",
 ]
 
@@ -349,6 +350,12 @@ def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int
     return staged
 
 
+def stage_muon_group(saved: object, live: Mapping[str, Any], index: int) -> tuple[dict[str, Any], list[object]]:
+    """A new group dict for live group ``index`` from its saved copy, and its saved parameter ids
+    (every option GefenMuon requires, validated; ``gefen inspect`` applies the same rule)."""
+    return stage_group(saved, live, index, required=MUON_GROUP_OPTIONS, normalize=normalize_muon_options)
+
+
 def stage_muon_state_dict(
     state_dict: object,
     *,
@@ -363,7 +370,7 @@ def stage_muon_state_dict(
     new_groups: list[dict[str, Any]] = []
     saved_ids: list[list[object]] = []
     for index, (saved, live) in enumerate(zip(groups, param_groups)):
-        new, ids = stage_group(saved, live, index, required=MUON_GROUP_OPTIONS, normalize=normalize_muon_options)
+        new, ids = stage_muon_group(saved, live, index)
         new_groups.append(new)
         saved_ids.append(ids)
     share_options(new_groups, shared_tensor_options(groups))

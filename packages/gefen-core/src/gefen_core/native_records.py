@@ -26,6 +26,7 @@ checkpoints, and the load validates them.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -453,11 +454,15 @@ def stage_group(
         options = normalize(saved, index)
     except (GefenOptionError, GefenOptionTypeError) as exc:
         raise fail(f"invalid hyperparameter in the checkpoint: {exc}") from None
-    new = {key: value for key, value in saved.items() if key not in ("params", GROUP_MIRROR)}
+    new = {key: value for key, value in saved.items() if key not in ("params", "param_names", GROUP_MIRROR)}
     new.update(options)
+    # copies, as torch's load deep-copies the saved groups: a mutable option (a dict, a list,
+    # a tensor lr) must not stay shared with the caller's state dict or the optimizer it came from
+    new = {
+        key: value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        for key, value in new.items()
+    }
     new[GROUP_MIRROR] = None
-    if isinstance(new.get("lr"), torch.Tensor):
-        new["lr"] = new["lr"].detach().clone()
     live_names = live.get("param_names")
     if live_names is not None:
         if "param_names" in saved and list(saved["param_names"]) != list(live_names):

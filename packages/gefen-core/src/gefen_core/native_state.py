@@ -47,7 +47,7 @@ from .param_state import (
 )
 from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales, state_dtype
 
-__all__ = ["StagedNativeState", "export_state_dict", "stage_state_dict"]
+__all__ = ["StagedNativeState", "export_state_dict", "stage_native_group", "stage_state_dict"]
 
 _DECLARED_PARAM_KEYS = frozenset().union(*VARIANT_KEYS.values())
 
@@ -160,7 +160,9 @@ def _stage_entry(
     return staged
 
 
-def _stage_group(saved: object, live: Mapping[str, Any], index: int) -> tuple[dict[str, Any], list[object]]:
+def stage_native_group(saved: object, live: Mapping[str, Any], index: int) -> tuple[dict[str, Any], list[object]]:
+    """A new group dict for live group ``index`` from its saved copy, and its saved parameter ids
+    (every option Gefen requires, validated; ``gefen inspect`` applies the same rule)."""
     new, ids = stage_group(saved, live, index, required=GROUP_OPTIONS, normalize=normalize_group_options)
     if new["period_one_substrings"] and "param_names" not in new:
         raise fail(f"param_groups[{index}] period_one_substrings needs named parameters")
@@ -183,7 +185,7 @@ def stage_state_dict(
     new_groups: list[dict[str, Any]] = []
     saved_ids: list[list[object]] = []
     for index, (saved, live) in enumerate(zip(groups, param_groups)):
-        new, ids = _stage_group(saved, live, index)
+        new, ids = stage_native_group(saved, live, index)
         new_groups.append(new)
         saved_ids.append(ids)
     share_options(new_groups, shared_tensor_options(groups))

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from gefen_contracts import StateValidationError
 from gefen_core.muon_native_state import FORMAT as MUON_FORMAT
+from gefen_core.muon_native_state import stage_muon_group
 from gefen_core.native_format import FORMAT as GEFEN_FORMAT
+from gefen_core.native_state import stage_native_group
 from gefen_core.param_state import AGE_KEYS
 from gefen_core.state_placement import expected_shapes, period_from_scales, state_dtype
 from gefen_hybrid import FORMAT_VERSION as COMPOSITE_VERSION
@@ -36,7 +38,8 @@ _COMPOSITE = "gefen.composite_native_state"
 _MIRROR = "_gefen_checkpoint_metadata"
 _FORMATS = {fmt.name: fmt for fmt in (GEFEN_FORMAT, MUON_FORMAT)}
 _RECORD_KEYS = {fmt.name: tuple(key for _, key in fmt.records) for fmt in _FORMATS.values()}
-_MIRROR_FIELDS = {key: name for fmt in _FORMATS.values() for name, key in fmt.records}
+#: How the load stages each format's saved groups (the options it requires and validates).
+_GROUP_RULES = {_GEFEN: stage_native_group, _MUON: stage_muon_group}
 _IMPLEMENTATIONS = {_GEFEN: "gefen.Gefen", _MUON: "gefen.GefenMuon"}
 
 
@@ -209,85 +212,67 @@ def _mirror_format(raw: object) -> object:
         return None
 
 
-def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> list[tuple[str, str]]:
-    """Check the optimizer-wide record and its per-group mirrors; return facts."""
-    from gefen_contracts import StateValidationError
+def _record(check: _Checker, state_dict: Mapping[str, Any], fmt: str) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Check the optimizer-wide record by the load's own rule (the top-level ``gefen_*`` keys,
+    every group's mirror, or both, agreeing: torch's DCP helpers keep only the mirrors) and
+    each saved group's options as the load stages them; return facts and the record (empty
+    when it cannot be read)."""
     from gefen_core.codebook import validate_codebook
+    from gefen_core.native_records import reconcile_record
 
-    keys = _RECORD_KEYS[fmt]
-    expected = _FORMATS[fmt].version
-    version = state_dict.get("gefen_format_version")
-    if version != expected or type(version) is not int:
-        check.fail(
-            "gefen_format_version",
-            f"must be the int {expected} (the version this library reads), got {version!r}",
-        )
-    missing = [key for key in keys if key not in state_dict]
-    if missing:
-        check.fail("top level", f"missing {missing}")
-    step = state_dict.get("gefen_global_step")
+    try:
+        record = reconcile_record(state_dict, _FORMATS[fmt])
+    except StateValidationError as exc:
+        check.fail("gefen record", str(exc))
+        return [], {}
+    groups = state_dict.get("param_groups")
+    for index, group in enumerate(groups if isinstance(groups, list) else []):
+        ids = group.get("params") if isinstance(group, Mapping) else None
+        # a stand-in live group that matches the saved one: only the options are checked here
+        live: dict[str, Any] = {"params": list(ids) if isinstance(ids, list) else []}
+        if isinstance(group, Mapping) and "param_names" in group:
+            live["param_names"] = group["param_names"]
+        try:
+            _GROUP_RULES[fmt](group, live, index)
+        except StateValidationError as exc:
+            check.fail(f"param_groups[{index}]", str(exc).removeprefix(f"param_groups[{index}] "))
+    step = record["global_step"]
     if not _is_count(step):
         check.fail("gefen_global_step", f"must be a non-negative int, got {step!r}")
-    learned = state_dict.get("gefen_codebook_learned")
-    if type(learned) is not bool:
-        check.fail("gefen_codebook_learned", f"must be a bool, got {learned!r}")
-    codebook = state_dict.get("gefen_codebook") if learned else None
+    codebook = record["codebook"] if record["codebook_learned"] is True else None
     if codebook is not None:
         try:
             validate_codebook(codebook, "gefen_codebook")
         except StateValidationError as exc:
             check.fail("gefen_codebook", str(exc).removeprefix("gefen_codebook "))
-    if type(state_dict.get("gefen_deterministic")) is not bool:
-        check.fail("gefen_deterministic", f"must be a bool, got {state_dict.get('gefen_deterministic')!r}")
-    groups = state_dict.get("param_groups")
-    for index, group in enumerate(groups if isinstance(groups, list) else []):
-        raw = group.get(_MIRROR) if isinstance(group, Mapping) else None
-        where = f"param_groups[{index}].{_MIRROR}"
-        if raw is None:
-            check.fail(where, "is missing (every group mirrors the optimizer-wide record)")
-            continue
-        try:
-            mirror = _parsed_mirror(raw, where)
-        except StateValidationError as exc:
-            check.fail(where, str(exc).removeprefix(where).lstrip(": "))
-            continue
-        if mirror.get("format") != fmt or mirror.get("format_version") != expected:
-            check.fail(
-                where,
-                f"names format {mirror.get('format')!r} v{mirror.get('format_version')!r}, not {fmt} v{expected}",
-            )
-        for key in keys:
-            field = _MIRROR_FIELDS[key]
-            mine, top = mirror.get(field), state_dict.get(key)
-            same = (isinstance(mine, torch.Tensor) and isinstance(top, torch.Tensor) and torch.equal(mine, top)) or (
-                not isinstance(mine, torch.Tensor) and not isinstance(top, torch.Tensor) and mine == top
-            )
-            if not same:
-                check.fail(f"{where}.{field}", f"disagrees with the top-level {key}")
+    if type(record["deterministic"]) is not bool:
+        check.fail("gefen_deterministic", f"must be a bool, got {record['deterministic']!r}")
     facts = [("global step", str(step))]
     facts.append(("codebook", "none (not learned yet)" if codebook is None else "256 entries"))
-    facts.append(("deterministic", str(state_dict.get("gefen_deterministic"))))
-    topology = state_dict.get("gefen_topology")
+    facts.append(("deterministic", str(record["deterministic"])))
+    topology = record.get("topology")
     if isinstance(topology, list):
         meshes = {str(entry.get("mesh_size")) for entry in topology if isinstance(entry, Mapping)}
         facts.append(("topology", f"rank-local DTensor state, mesh size {sorted(meshes)}"))
-    raw_owners = state_dict.get("gefen_muon_owners")
+    raw_owners = record.get("owners")
     if raw_owners is not None:
         try:
             owners = _parsed_mirror(raw_owners, "gefen_muon_owners")
         except StateValidationError as exc:
             check.fail("gefen_muon_owners", str(exc).removeprefix("gefen_muon_owners").lstrip(": "))
-            return facts
+            return facts, record
         facts.append(("owners", f"{owners.get('ownership')}, saved on {owners.get('world_size')} rank(s)"))
-    return facts
+    return facts, record
 
 
-def _check_digest(check: _Checker, state_dict: Mapping[str, Any], fmt: Any, ids: list[list[Any]]) -> None:
+def _check_digest(
+    check: _Checker, state_dict: Mapping[str, Any], fmt: Any, ids: list[list[Any]], record: Mapping[str, Any]
+) -> None:
     """Last, once the structure is sound: the record's state digest against the content."""
     from gefen_core.native_records import check_state_digest
 
     try:
-        check_state_digest(fmt, ids, state_dict["state"], {name: state_dict.get(key) for name, key in fmt.records})
+        check_state_digest(fmt, ids, state_dict["state"], record)
     except StateValidationError as exc:
         check.fail("gefen_state_digest", str(exc))
 
@@ -341,9 +326,10 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
         if pid not in names:
             check.fail(f"state[{pid!r}]", "belongs to no parameter of param_groups")
     facts: list[tuple[str, str]] = []
+    record: dict[str, Any] = {}
     if fmt in _RECORD_KEYS:
-        facts = _record(check, state_dict, fmt)
-        learned = state_dict.get("gefen_codebook_learned") is True
+        facts, record = _record(check, state_dict, fmt)
+        learned = record.get("codebook_learned") is True
         if state and not learned and any(_moving(e) for e in state.values()):
             check.fail(
                 "gefen_codebook", "is not learned but non-zero momentum exists (its indices would be meaningless)"
@@ -369,7 +355,7 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
             detail = f"step {entry.get('step')}" if "step" in entry else ""
         parameters.append(ParameterSummary(names[pid], shape, variant, _tensor_bytes(entry), detail))
     if fmt in _RECORD_KEYS and not check.problems:
-        _check_digest(check, state_dict, _FORMATS[fmt], [list(g.get("params", [])) for g in groups])
+        _check_digest(check, state_dict, _FORMATS[fmt], [list(g.get("params", [])) for g in groups], record)
     if fmt in _RECORD_KEYS:
         kind, implementation, version = "native optimizer state dict", _IMPLEMENTATIONS[fmt], _FORMATS[fmt].version
     else:
