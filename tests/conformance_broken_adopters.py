@@ -252,6 +252,59 @@ def offset_zero_identity_factory(named_parameters: list[tuple[str, torch.nn.Para
     return OffsetZeroIdentity(named_parameters, lr=1e-2, weight_decay=0.01)
 
 
+class KeepsItsOwnRates(ContractedSGD):
+    """Loads the state but keeps the live learning rates (a resumed schedule restarts); passed
+    while the kit loaded into twins built with the source's rates."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        groups = [{**saved, "lr": live["lr"]} for saved, live in zip(state_dict["param_groups"], self.param_groups)]
+        return super().stage_state_dict({**state_dict, "param_groups": groups})
+
+
+class WritesSavedRatesFirst(ContractedSGD):
+    """Publishes the saved learning rates before the load is validated (unseen while the
+    source's rates equalled the target's)."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        for live, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            if isinstance(saved, dict) and type(saved.get("lr")) is float:
+                live["lr"] = saved["lr"]
+        super().load_state_dict(state_dict)
+
+
+class Float32OnlyInFloat32(ContractedSGD):
+    """Declares a float32 momentum buffer but keeps it in the parameter's dtype, and claims no
+    native checkpoint: only the state check under each claimed precision can see it."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        declared = _declared_as("momentum_buffer", dtype="float32")
+        features = {**declared.capabilities.features, FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.no("no checkpoints")}
+        capabilities = dataclasses.replace(declared.capabilities, checkpoints=(), features=features)
+        return dataclasses.replace(declared, capabilities=capabilities)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for parameter, state in self.state.items():
+            state["momentum_buffer"] = state["momentum_buffer"].to(parameter.dtype)
+        return loss
+
+
+class FlatBufferAboveTwoDimensions(ContractedSGD):
+    """Declares a buffer shaped like the parameter but keeps a flat one for 3-D and larger
+    parameters, which the kit model (1-D and 2-D) never holds."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for parameter, state in self.state.items():
+            state["momentum_buffer"] = state["momentum_buffer"].reshape(parameter.shape)
+        loss = super().step(closure)
+        for parameter, state in self.state.items():
+            if parameter.dim() >= 3:
+                state["momentum_buffer"] = state["momentum_buffer"].reshape(-1)
+        return loss
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -274,6 +327,10 @@ undeclared_checkpoint_key_factory = _factory(UndeclaredCheckpointKey)
 geometry_liar_factory = _factory(GeometryLiar)
 shape_liar_factory = _factory(ShapeLiar)
 rank_liar_factory = _factory(RankLiar)
+keeps_its_own_rates_factory = _factory(KeepsItsOwnRates)
+writes_saved_rates_first_factory = _factory(WritesSavedRatesFirst)
+float32_only_in_float32_factory = _factory(Float32OnlyInFloat32)
+flat_buffer_above_two_dimensions_factory = _factory(FlatBufferAboveTwoDimensions)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -295,4 +352,10 @@ EXPECTED_FAILURES = {
     "geometry_liar_factory": ("state.declared_variants", "'momentum_buffer' holds float32, declared bfloat16"),
     "shape_liar_factory": ("state.declared_variants", "its row geometry gives"),
     "rank_liar_factory": ("training.parameter_ranks", "ranks:0 is claimed but a 0-D parameter raised RuntimeError"),
+    # each passed the kit before its loads came from a source whose rates were scheduled, and
+    # before the state was checked under every claimed precision and parameter rank
+    "keeps_its_own_rates_factory": ("checkpoint.native_roundtrip", "state_dict after load"),
+    "writes_saved_rates_first_factory": ("checkpoint.native_atomic_load", "a rejected load_state_dict"),
+    "float32_only_in_float32_factory": ("training.precisions", "'momentum_buffer' holds bfloat16, declared float32"),
+    "flat_buffer_above_two_dimensions_factory": ("training.parameter_ranks", "its parameter geometry gives (2, 3, 4)"),
 }

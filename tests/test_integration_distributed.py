@@ -198,6 +198,39 @@ def rank_fsdp2_hybrid_resumes_and_refuses_corruption(rank: int, world_size: int,
     return {"refused": refused, "continuation_equal": same, "state_equal": same_state}
 
 
+def rank_zero_redundancy_with_a_group_a_rank_does_not_own(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    """torch's ZeroRedundancyOptimizer hands a rank an empty group whenever it owns none of a
+    group's parameters (Gefen and GefenMuon refused empty groups on that rank only, and the
+    other ranks hung in ZeRO's broadcast)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    optimizer_class = {"gefen": Gefen, "gefen-muon": GefenMuon}[name]
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((16, 32), (32, 16), (16, 16))]
+    zero = ZeroRedundancyOptimizer(
+        [{"params": params[:2]}, {"params": params[2:]}], optimizer_class=optimizer_class, lr=1e-2
+    )
+    local_groups = [list(group["params"]) for group in zero.optim.param_groups]
+    # the one-process twin: the same optimizer over the parameters this rank owns
+    twins = {id(p): nn.Parameter(p.detach().clone()) for group in local_groups for p in group}
+    reference = optimizer_class([{"params": [twins[id(p)] for p in group]} for group in local_groups], lr=1e-2)
+    for step in range(2):
+        grads = [
+            torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)) for i, p in enumerate(params)
+        ]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+            if id(param) in twins:
+                twins[id(param)].grad = grad.clone()
+        zero.step()
+        reference.step()
+    owned = [p for group in local_groups for p in group]
+    return {
+        "group_sizes": [len(group) for group in local_groups],
+        "matches": all(torch.equal(p.detach(), twins[id(p)].detach()) for p in owned),
+    }
+
+
 # -- tests -------------------------------------------------------------------------------------------
 
 
@@ -216,6 +249,13 @@ def test_ddp_replicas_and_optimizer_state_stay_bit_identical(world: GlooWorld, n
         assert result["identical"], name
         assert result["moved"], name
         assert all(torch.isfinite(torch.tensor(result["losses"]))), result["losses"]
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
+def test_zero_redundancy_builds_and_steps_with_a_group_a_rank_does_not_own(world: GlooWorld, name: str) -> None:
+    results = world.run(rank_zero_redundancy_with_a_group_a_rank_does_not_own, name)
+    assert any(0 in result["group_sizes"] for result in results), results  # the case happened
+    assert all(result["matches"] for result in results), results
 
 
 def test_fsdp2_adamw_backed_hybrid_trains_bit_identically_to_one_process(world: GlooWorld) -> None:

@@ -202,3 +202,23 @@ def test_state_put_into_optimizer_state_without_its_codebook_is_refused() -> Non
     fresh.state[vector] = dict(checkpoint_layout)
     with pytest.raises(ValueError, match=r"m_codes have shape \(64,\), not \[blocks, period\]"):
         fresh.step()
+
+
+def test_muon_state_put_into_optimizer_state_without_its_codebook_is_refused() -> None:
+    """GefenMuon learned a new codebook over codes loaded the ZeroRedundancyOptimizer way (around
+    its load_state_dict) and resumed 3e-4 away from the saved run, silently; it now refuses
+    before anything changes, as Gefen does."""
+    torch.manual_seed(0)
+    matrix = nn.Parameter(torch.randn(16, 32))
+    source = GefenMuon([matrix], lr=1e-2)
+    for _ in range(2):
+        matrix.grad = torch.randn_like(matrix)
+        source.step()
+    fresh = GefenMuon([matrix], lr=1e-2)
+    fresh.state[matrix] = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                           for key, value in source.state[matrix].items()}  # fmt: skip
+    before = deep_snapshot(fresh, matrix)
+    with pytest.raises(StateValidationError, match="quantised momentum but no codebook"):
+        fresh.step()
+    assert snapshot_diff(before, fresh, matrix) == []
+    assert fresh.codebook is None

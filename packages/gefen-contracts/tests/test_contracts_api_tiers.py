@@ -61,8 +61,10 @@ def _submodule_rows() -> dict[tuple[str, ...], list[str]]:
         cells = line.split(" | ")
         if not line.startswith("| `gefen_contracts.") or len(cells) < 2:
             continue
-        modules = tuple(re.findall(r"`(gefen_contracts\.[a-z_]+)`", cells[0]))
-        if any(m in ("gefen_contracts.torch_support", "gefen_contracts.testing") for m in modules):
+        modules = tuple(re.findall(r"`(gefen_contracts(?:\.[a-z_]+)+)`", cells[0]))
+        if not modules or any(
+            m.startswith(("gefen_contracts.torch_support", "gefen_contracts.testing")) for m in modules
+        ):
             continue
         names = re.findall(r"`([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)`", " | ".join(cells[1:]))
         rows[modules] = [name for name in names if name not in ("None", "True", "False")]

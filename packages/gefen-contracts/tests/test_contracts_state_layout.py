@@ -14,7 +14,7 @@ from gefen_contracts import (
     StateVariant,
 )
 from gefen_contracts.enums import ParameterLayout, ParameterStateRole, StateExtent, StateKeyMatch
-from gefen_contracts.state_layout import match_variants
+from gefen_contracts.state_layout import match_variants, parameter_state_shape
 
 REPL = frozenset({ParameterLayout.REPLICATED})
 
@@ -103,3 +103,15 @@ def test_match_variants_roles_ranks_and_tags() -> None:
     assert match_variants(
         layout, ["m"], parameter_layout=ParameterLayout.REPLICATED, parameter_rank=2, mode_tags={"x.mode=a"}
     ) == (matrix,)
+
+
+def test_row_and_column_geometries_need_a_matrix() -> None:
+    """ROW and COLUMN shapes follow a two-dimensional parameter alone: any other rank is a
+    ``ContractError`` naming the geometry (ROW raised IndexError on a scalar and gave
+    ``[shape[0]]`` for a 3-D parameter, so the kit passed a wrong declaration)."""
+    assert parameter_state_shape(StateGeometry.ROW, (4, 6)) == (4,)
+    assert parameter_state_shape(StateGeometry.COLUMN, (4, 6)) == (6,)
+    for geometry in (StateGeometry.ROW, StateGeometry.COLUMN):
+        for shape in ((), (6,), (2, 3, 4)):
+            with pytest.raises(ContractError, match=f"a {geometry.name} state needs a two-dimensional"):
+                parameter_state_shape(geometry, shape)

@@ -275,12 +275,10 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
     dims = tuple(int(d) for d in shape)
     if geometry is StateGeometry.PARAMETER:
         return dims
-    if geometry is StateGeometry.ROW:
-        return (dims[0],)
-    if geometry is StateGeometry.COLUMN:
+    if geometry in (StateGeometry.ROW, StateGeometry.COLUMN):
         if len(dims) != 2:
-            raise ContractError(f"a COLUMN state needs a two-dimensional parameter, got shape {dims}")
-        return (dims[1],)
+            raise ContractError(f"a {geometry.name} state needs a two-dimensional parameter, got shape {dims}")
+        return (dims[0],) if geometry is StateGeometry.ROW else (dims[1],)
     if geometry is StateGeometry.BLOCK:
         if period < 1:
             raise ContractError(f"a BLOCK state needs a period >= 1, got {period}")

@@ -223,9 +223,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
             _refuse_amsgrad(param_group["amsgrad"], f"param_groups[{index}]: ")
         options = normalize_group_options(param_group, index)
         params = param_group["params"]
-        listed = group_params(params)
-        if not listed:
-            raise ValueError(f"param_groups[{index}] has an empty parameter list")
+        listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
         check_parameters(listed, index)
         merged = {**param_group, **options}
         check_new_group(listed, index, self.param_groups, merged.get("lr", self.defaults["lr"]))

@@ -239,9 +239,7 @@ class GefenMuon(
         given = {key: value for key, value in param_group.items() if key in MUON_GROUP_OPTIONS}
         options = normalize_muon_options({**self.defaults, **given}, index)
         params = param_group["params"]
-        listed = group_params(params)
-        if not listed:
-            raise ValueError(f"param_groups[{index}] has an empty parameter list")
+        listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
         for position, param in enumerate(listed):
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
             check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")

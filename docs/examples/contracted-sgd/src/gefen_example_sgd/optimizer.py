@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -77,8 +78,8 @@ class ContractedSGD(torch.optim.Optimizer):
         id_to_param: dict[int, torch.Tensor] = {}
         new_groups = []
         for index, (saved, live) in enumerate(zip(groups, self.param_groups)):
-            if not isinstance(saved, dict) or set(saved) != set(live):
-                raise StateValidationError(f"param group {index} has keys {sorted(saved)}, expected {sorted(live)}")
+            if not isinstance(saved, dict) or any(key not in saved for key in ("params", *_OPTIONS)):
+                raise StateValidationError(f"param group {index} must hold 'params' and the options {list(_OPTIONS)}")
             ids = saved["params"]
             if type(ids) is not list or len(ids) != len(live["params"]) or any(type(i) is not int for i in ids):
                 raise StateValidationError(f"param group {index} must list {len(live['params'])} int parameter ids")
@@ -90,7 +91,9 @@ class ContractedSGD(torch.optim.Optimizer):
                 if pid in id_to_param:
                     raise StateValidationError(f"parameter id {pid} appears twice")
                 id_to_param[pid] = param
-            new_groups.append({**live, **{k: saved[k] for k in _OPTIONS}})
+            # other saved keys (a scheduler's ``initial_lr``) come along, as torch's load carries them
+            extra = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", *_OPTIONS)}
+            new_groups.append({**live, **extra, **{k: saved[k] for k in _OPTIONS}})
         saved_state = state_dict["state"]
         if not isinstance(saved_state, Mapping):
             raise StateValidationError("'state' must be a mapping")

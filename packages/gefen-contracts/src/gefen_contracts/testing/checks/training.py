@@ -8,6 +8,7 @@ from ...enums import CheckpointTransport, ParameterLayout
 from ..claims import checkpoint_claim, rank_claim, training_claim
 from ..context import CheckContext
 from .checkpoint import assert_trees_equal
+from .state import check_state_matches
 
 __all__ = ["ParameterRanksCheck", "PrecisionsCheck", "ReplicatedTrainingCheck"]
 
@@ -44,7 +45,8 @@ class ReplicatedTrainingCheck:
 
 class PrecisionsCheck:
     """Every claimed precision is exercised: the kit model in that dtype trains (parameters
-    move, stay finite and keep the dtype) and, where native checkpoints are claimed, a
+    move, stay finite and keep the dtype; the state matches its declared variants, dtypes
+    and shapes in that precision too) and, where native checkpoints are claimed, a
     weights-only save loads into a twin of that dtype that continues bit for bit."""
 
     name = "training.precisions"
@@ -75,6 +77,7 @@ class PrecisionsCheck:
         for name, parameter in model.named_parameters():
             assert parameter.dtype == dtype, f"parameter {name!r} is {parameter.dtype} after training"
             assert torch.isfinite(parameter.detach().float()).all(), f"parameter {name!r} became non-finite"
+        check_state_matches(optimizer, f"{dtype} training")
         if not native:
             return
         saved = context.weights_only_roundtrip(optimizer.state_dict())
@@ -89,7 +92,8 @@ class PrecisionsCheck:
 
 class ParameterRanksCheck:
     """Every claimed parameter rank trains: a parameter of that rank (its own optimizer, from
-    the target's factory) moves and stays finite over the target's steps. The kit model has
+    the target's factory) moves and stays finite over the target's steps, and its state
+    matches the declared variants, dtypes and shapes at that rank. The kit model has
     1-D and 2-D parameters only, so without this a contract claiming every rank was never
     held to it."""
 
@@ -112,6 +116,7 @@ class ParameterRanksCheck:
                     optimizer.zero_grad(set_to_none=True)
                     parameter.grad = torch.randn(RANK_SHAPES[rank], generator=generator)
                     optimizer.step()
+                check_state_matches(optimizer, f"a {rank}-D parameter")
             except Exception as exc:
                 problems.append(
                     f"{rank_claim(rank)} is claimed but a {rank}-D parameter raised {type(exc).__name__}: {exc}"
