@@ -165,3 +165,29 @@ def test_an_import_onto_the_exporting_layout_keeps_each_fragments_own_blocks(tmp
         for key, value in optimizer.state[param].items():
             for loaded in (twin.state[twin_param][key], other.state[other_param][key]):
                 assert torch.equal(loaded, value) if isinstance(value, torch.Tensor) else loaded == value, key
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (1, 7), (16, 32)], ids=["six", "seven", "zero-momentum"])
+def test_muon_state_of_small_and_still_matrices_round_trips_bit_for_bit(shape: tuple[int, int]) -> None:
+    """GefenMuon's import took Gefen's period search: period 1 for a matrix under 8 elements and
+    a whole-matrix block for all-zero momentum, neither of which GefenMuon's state holds, so the
+    import of its own export was refused. It takes the shape rule a step takes."""
+    generator = torch.Generator().manual_seed(0)
+    still = shape == (16, 32)  # its gradients are all zero: momentum exists and is zero
+    named = [("w", torch.nn.Parameter(torch.randn(shape, generator=generator)))]
+    named.append(("v", torch.nn.Parameter(torch.randn(8, 8, generator=generator))))
+    source = GefenMuon(named, lr=1e-2, fused=False)
+    for _ in range(2):
+        named[0][1].grad = torch.zeros(shape) if still else torch.randn(shape, generator=generator)
+        named[1][1].grad = torch.randn(8, 8, generator=generator)
+        source.step()
+    limits = PortableStateLimits()
+    document = export_portable_state(
+        source, checkpoint_process_group=_binding(), transaction_id="out", limits=limits
+    ).materialize()
+    twin = GefenMuon([(n, torch.nn.Parameter(p.detach().clone())) for n, p in named], lr=1e-2, fused=False)
+    import_portable_state(twin, document, checkpoint_process_group=_binding(), transaction_id="in", limits=limits)
+    for mine, theirs in zip(source.state.values(), twin.state.values()):
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            assert torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key], key

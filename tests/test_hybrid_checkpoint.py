@@ -172,3 +172,17 @@ def test_a_hybrid_with_one_half_round_trips_and_refuses_a_two_half_checkpoint() 
     with pytest.raises(StateValidationError):
         muon_only.load_state_dict(both.state_dict())
     assert snapshot_diff(before, muon_only) == []
+
+
+@pytest.mark.parametrize("reader", ["gefen", "muon"])
+def test_a_hybrid_checkpoint_loaded_into_one_optimizer_is_named_as_the_composites(reader: str) -> None:
+    """The refusal named the format of the envelope's first group, one child's (loading a
+    hybrid checkpoint into Gefen said it was a GefenMuon one)."""
+    from gefen_core import Gefen, GefenMuon
+
+    model, hybrid = _trained("gefen", steps=1)
+    saved = hybrid.state_dict()
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    single = Gefen(model.parameters()) if reader == "gefen" else GefenMuon(matrices)
+    with pytest.raises(StateValidationError, match="the checkpoint is a 'gefen.composite_native_state' checkpoint"):
+        single.load_state_dict(saved)

@@ -105,13 +105,14 @@ def test_match_variants_roles_ranks_and_tags() -> None:
     ) == (matrix,)
 
 
-def test_row_and_column_geometries_need_a_matrix() -> None:
-    """ROW and COLUMN shapes follow a two-dimensional parameter alone: any other rank is a
-    ``ContractError`` naming the geometry (ROW raised IndexError on a scalar and gave
-    ``[shape[0]]`` for a 3-D parameter, so the kit passed a wrong declaration)."""
+def test_row_follows_the_first_dimension_and_column_needs_a_matrix() -> None:
+    """ROW is one value per first-dimension row at any rank but 0 (a scalar raised IndexError);
+    COLUMN needs a two-dimensional parameter. Both refuse with ``ContractError``."""
     assert parameter_state_shape(StateGeometry.ROW, (4, 6)) == (4,)
+    assert parameter_state_shape(StateGeometry.ROW, (2, 3, 4)) == (2,)
     assert parameter_state_shape(StateGeometry.COLUMN, (4, 6)) == (6,)
-    for geometry in (StateGeometry.ROW, StateGeometry.COLUMN):
-        for shape in ((), (6,), (2, 3, 4)):
-            with pytest.raises(ContractError, match=f"a {geometry.name} state needs a two-dimensional"):
-                parameter_state_shape(geometry, shape)
+    with pytest.raises(ContractError, match="a ROW state needs a parameter of at least one dimension"):
+        parameter_state_shape(StateGeometry.ROW, ())
+    for shape in ((), (6,), (2, 3, 4)):
+        with pytest.raises(ContractError, match="a COLUMN state needs a two-dimensional"):
+            parameter_state_shape(StateGeometry.COLUMN, shape)

@@ -280,3 +280,27 @@ def load_after_crash(rank: int, world_size: int, path: str) -> bool:
     return all(torch.equal(momentum[k], v) for k, v in reference["momentum"].items()) and all(
         torch.equal(params[k], v) for k, v in reference["params"].items()
     )
+
+
+def replica_divergence_found(rank: int, world_size: int) -> list[str]:
+    """A stand-in optimizer whose replicated state is equal, rank-local or sharded on purpose:
+    only the replicated entries that differ are reported."""
+    from types import SimpleNamespace
+
+    from gefen_dcp.conformance_ranks import replica_divergence
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {
+        "same_plain": torch.arange(3.0),
+        "own_plain": torch.full((3,), float(rank)),  # DCP would keep one rank's copy
+        "same_replicated": distribute_tensor(torch.ones(3), mesh, [Replicate()]),
+        "rows": distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)]),  # sharded: not compared
+        "counter": 3,
+    }
+    local_column = distribute_tensor(torch.zeros(3), mesh, [Replicate()])
+    local_column.to_local().fill_(rank)  # a column statistic reduced over this rank's rows only
+    state["local_column"] = local_column
+    optimizer = SimpleNamespace(state_dict=lambda: {"state": {0: state}, "param_groups": [{"params": [0]}]})
+    return replica_divergence(optimizer)

@@ -43,6 +43,17 @@ def saved_on_two(world2: GlooWorld, tmp_path_factory: pytest.TempPathFactory) ->
     return path, losses[0]
 
 
+def test_the_kit_names_replicated_state_that_differs_between_ranks(world2: GlooWorld) -> None:
+    """``dcp.parameter_shaped_reshard`` compared losses only: a "replicated" column statistic
+    computed from each rank's own rows passed at a small learning rate. It now compares every
+    replicated entry across ranks (sharded ones and Python values aside)."""
+    expected = [
+        "state_dict()['state'][0]['local_column'] (replicated) differs between ranks",
+        "state_dict()['state'][0]['own_plain'] (replicated) differs between ranks",
+    ]
+    assert world2.run("dcp_fsdp_ranks:replica_divergence_found") == [expected, expected]
+
+
 def _relative(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
 

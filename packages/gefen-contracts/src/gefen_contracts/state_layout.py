@@ -265,7 +265,9 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
     tensor shaped by its parameter (scalars, tables, opaque values).
 
     * ``PARAMETER``: the parameter's shape;
-    * ``ROW`` / ``COLUMN``: ``[rows]`` / ``[columns]`` (two-dimensional parameters);
+    * ``ROW``: ``[shape[0]]``, one value per row along the first dimension (any rank but 0: it
+      shards with the rows under FSDP2's ``Shard(0)``);
+    * ``COLUMN``: ``[columns]`` (two-dimensional parameters only);
     * ``BLOCK``: one value per block of ``period`` elements along the last dimensions:
       ``[rows, row_length / period]`` when the blocks tile every row (so they shard with the rows),
       ``[ceil(numel / period)]`` otherwise (one-dimensional parameters, and blocks that cross
@@ -275,10 +277,14 @@ def parameter_state_shape(geometry: StateGeometry, shape: Sequence[int], period:
     dims = tuple(int(d) for d in shape)
     if geometry is StateGeometry.PARAMETER:
         return dims
-    if geometry in (StateGeometry.ROW, StateGeometry.COLUMN):
+    if geometry is StateGeometry.ROW:
+        if not dims:
+            raise ContractError("a ROW state needs a parameter of at least one dimension, got a scalar")
+        return (dims[0],)
+    if geometry is StateGeometry.COLUMN:
         if len(dims) != 2:
-            raise ContractError(f"a {geometry.name} state needs a two-dimensional parameter, got shape {dims}")
-        return (dims[0],) if geometry is StateGeometry.ROW else (dims[1],)
+            raise ContractError(f"a COLUMN state needs a two-dimensional parameter, got shape {dims}")
+        return (dims[1],)
     if geometry is StateGeometry.BLOCK:
         if period < 1:
             raise ContractError(f"a BLOCK state needs a period >= 1, got {period}")

@@ -43,7 +43,7 @@ from .muon_state import NORMUON_STEP, NORMUON_V
 from .param_state import INDICES, MAGNITUDE, STEP, period_of
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
-from .reblocking import PeriodChoice, choose_period
+from .reblocking import PeriodChoice, exact_encoding, source_encoding
 from .transport_slots import adopted_groups
 
 __all__ = [
@@ -167,17 +167,20 @@ def check_incoming_muon(
 def plan_muon_piece(
     piece: IncomingMuonPiece, *, search_shape: tuple[int, int], codebook: torch.Tensor | None
 ) -> PeriodChoice:
-    """The target period (:func:`gefen_core.reblocking.choose_period`; re-inference is the shape
-    rule a first step applies)."""
-    return choose_period(
-        piece.momentum,
-        shape=search_shape,
-        second_moment=None,
-        codebook=codebook,
-        forced_one=False,
-        reinfer=lambda: shape_period(search_shape, piece.momentum.numel()),
-        source=piece.source,
-    )
+    """The target period: always the shape rule a first step applies, the only period a
+    GefenMuon state holds (its load refuses any other). Gefen's period search chose period 1
+    for a matrix under 8 elements, and a whole-matrix block for all-zero momentum (every
+    period re-encodes zeros exactly), so those imports were refused. The momentum is exact when
+    the source's codes re-encode to themselves at that period (no search)."""
+    numel = piece.momentum.numel()
+    period = shape_period(search_shape, numel)
+    encoded = None
+    if codebook is not None and numel:
+        if piece.source is not None:
+            encoded = source_encoding(piece.source[0], piece.source[1], period, codebook)
+        else:
+            encoded = exact_encoding(piece.momentum, period, codebook)
+    return PeriodChoice(period, encoded is not None, True, "exact" if encoded is not None else "reinferred", encoded)
 
 
 def muon_entry(

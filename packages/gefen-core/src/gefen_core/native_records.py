@@ -290,7 +290,14 @@ def check_top_level(state_dict: object, fmt: NativeFormat, live_groups: int) -> 
 
 def _refuse_other_format(state_dict: Mapping[str, Any], fmt: NativeFormat) -> None:
     """Name a checkpoint of another native format (Gefen's into GefenMuon, or back) by what its
-    first group mirror says it is, before any check that would blame its version or its keys."""
+    first group mirror says it is, before any check that would blame its version or its keys.
+    An envelope that names its format (the composite's) is named by that: its first group is
+    one child's."""
+    envelope = state_dict.get("format")
+    if isinstance(envelope, str) and envelope != fmt.name:
+        raise fail(
+            f"the checkpoint is a {envelope!r} checkpoint; {fmt.optimizer} reads {fmt.name!r} (another optimizer wrote it)"
+        )
     groups = state_dict["param_groups"]
     first = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], Mapping) else {}
     raw = first.get(GROUP_MIRROR)

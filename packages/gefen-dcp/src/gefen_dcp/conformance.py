@@ -13,7 +13,9 @@ claims of an optimizer's contract through real DCP with :class:`~gefen_dcp.Gefen
 * ``dcp.parameter_shaped_reshard`` - with an importable target (``MODULE:FACTORY``), FSDP2
   ``fully_shard`` on gloo: replicated -> 2 ranks (when that transition is claimed), 2 -> 3
   ranks and 2 ranks -> replicated,
-  each continuing within :data:`LOSS_RTOL` of its uninterrupted run (the first also
+  each continuing within :data:`LOSS_RTOL` of its uninterrupted run, with every replicated
+  state tensor (a plain tensor, or a DTensor replicated on its mesh) equal on every rank
+  (DCP keeps one copy of it, so a rank's own value would be lost unseen) (the first also
   executes ``training:dtensor_1d_default_world``: sharded training tracks the replicated
   run), and a corrupted 2-rank load refused on both ranks with nothing changed.
 
@@ -165,11 +167,14 @@ class ParameterShapedReshardCheck:
             from_replicated = _losses(context, model, optimizer, steps, steps)
             to_sharded = _TO_SHARDED in context.claims
             with GlooWorld(2) as world:
-                uninterrupted = world.run(ranks.save_sharded, spec, str(sharded), steps)[0]
-                resumed_on_two = world.run(ranks.load_sharded, spec, str(replicated), steps)[0] if to_sharded else []
+                saved = world.run(ranks.save_sharded, spec, str(sharded), steps)
+                on_two = world.run(ranks.load_sharded, spec, str(replicated), steps) if to_sharded else []
                 refused = world.run(ranks.refuse_corrupted, spec, str(sharded), steps)
             with GlooWorld(3) as world:
-                resumed_on_three = world.run(ranks.load_sharded, spec, str(sharded), steps)[0]
+                on_three = world.run(ranks.load_sharded, spec, str(sharded), steps)
+            uninterrupted = saved[0]["losses"]
+            resumed_on_two = on_two[0]["losses"] if on_two else []
+            resumed_on_three = on_three[0]["losses"]
             twin_model, twin = context.fresh()
             ranks.load_state(twin_model, twin, sharded, with_model=True)
             resumed_replicated = _losses(context, twin_model, twin, steps, steps)
@@ -182,6 +187,8 @@ class ParameterShapedReshardCheck:
             f"{k}: continuation differs by {v:.2e} (limit {LOSS_RTOL})" for k, v in gaps.items() if v > LOSS_RTOL
         ]
         problems += [f"rank {r}: {outcome}" for r, outcome in enumerate(refused) if outcome != "refused unchanged"]
+        for label, results in (("2 ranks", saved), ("replicated -> 2 ranks", on_two), ("2 -> 3 ranks", on_three)):
+            problems += [f"{label}: {problem}" for problem in (results[0]["replicas"] if results else [])]
         assert not problems, "; ".join(problems)
         context.notes.append(", ".join(f"{k} within {v:.1e}" for k, v in gaps.items()))
 

@@ -28,6 +28,7 @@ __all__ = [
     "load_sharded",
     "load_state",
     "refuse_corrupted",
+    "replica_divergence",
     "save_sharded",
     "save_state",
 ]
@@ -131,19 +132,57 @@ def _train(target: Any, model: Any, optimizer: Any, start: int, steps: int) -> l
     return losses
 
 
-def save_sharded(rank: int, world_size: int, spec: str, path: str, steps: int) -> list[float]:
-    """Train ``steps``, save model + optimizer, return the next ``steps`` losses (uninterrupted)."""
+def replica_divergence(optimizer: Any) -> list[str]:
+    """The tensors of ``optimizer.state_dict()`` that DCP keeps one copy of (plain tensors, and
+    DTensors replicated on every mesh dimension) and that differ between ranks: a reshard keeps
+    one rank's copy and drops the rest, and a loss comparison may not see it (a column
+    statistic reduced over this rank's rows only). Every rank must call it (object
+    collectives over the default group)."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    digests: dict[str, str] = {}
+
+    def visit(value: object, path: str) -> None:
+        if isinstance(value, DTensor):
+            if all(isinstance(p, Replicate) for p in value.placements):
+                visit(value.to_local(), path)
+        elif isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            digests[path] = hashlib.sha256(data).hexdigest()
+        elif isinstance(value, dict):
+            for key in sorted(value, key=repr):
+                visit(value[key], f"{path}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                visit(item, f"{path}[{index}]")
+
+    visit(optimizer.state_dict(), "state_dict()")
+    gathered: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, digests)
+    names = sorted(set().union(*gathered))
+    return [f"{name} (replicated) differs between ranks" for name in names if len({d.get(name) for d in gathered}) > 1]
+
+
+def save_sharded(rank: int, world_size: int, spec: str, path: str, steps: int) -> dict[str, list[Any]]:
+    """Train ``steps``, save model + optimizer, train the next ``steps``: their losses
+    (uninterrupted) and the replicated state that differs between ranks."""
     target, model, optimizer = _build(spec, world_size)
     _train(target, model, optimizer, 0, steps)
     save_state(model, optimizer, Path(path))
-    return _train(target, model, optimizer, steps, steps)
+    losses = _train(target, model, optimizer, steps, steps)
+    return {"losses": losses, "replicas": replica_divergence(optimizer)}
 
 
-def load_sharded(rank: int, world_size: int, spec: str, path: str, steps: int) -> list[float]:
-    """Load model + optimizer into a fresh sharded run and return its next ``steps`` losses."""
+def load_sharded(rank: int, world_size: int, spec: str, path: str, steps: int) -> dict[str, list[Any]]:
+    """Load model + optimizer into a fresh sharded run: its next ``steps`` losses and the
+    replicated state that differs between ranks."""
     target, model, optimizer = _build(spec, world_size)
     load_state(model, optimizer, Path(path), with_model=True)
-    return _train(target, model, optimizer, steps, steps)
+    losses = _train(target, model, optimizer, steps, steps)
+    return {"losses": losses, "replicas": replica_divergence(optimizer)}
 
 
 def refuse_corrupted(rank: int, world_size: int, spec: str, path: str, steps: int) -> str:
