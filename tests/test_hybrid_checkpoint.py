@@ -184,5 +184,5 @@ def test_a_hybrid_checkpoint_loaded_into_one_optimizer_is_named_as_the_composite
     saved = hybrid.state_dict()
     matrices = [p for p in model.parameters() if p.dim() == 2]
     single = Gefen(model.parameters()) if reader == "gefen" else GefenMuon(matrices)
-    with pytest.raises(StateValidationError, match="the checkpoint is a 'gefen.composite_native_state' checkpoint"):
+    with pytest.raises(StateValidationError, match=r"the checkpoint is a 'gefen\.composite_native_state' checkpoint"):
         single.load_state_dict(saved)
