@@ -141,8 +141,6 @@ def test_add_param_group_is_all_or_nothing() -> None:
         opt.add_param_group([model[0].bias])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'params' key"):
         opt.add_param_group({"lr": 0.1})
-    with pytest.raises(ValueError, match="empty"):
-        opt.add_param_group({"params": []})
     with pytest.raises(ParameterError, match="complex"):
         opt.add_param_group({"params": [model[0].bias, torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]})
     with pytest.raises(GefenOptionError, match="weight_decay"):
@@ -154,6 +152,8 @@ def test_add_param_group_is_all_or_nothing() -> None:
     assert not snapshot_diff(before, opt)
     opt.add_param_group({"params": model[0].bias, "lr": 0.5})
     assert opt.param_groups[1]["lr"] == 0.5 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+    opt.add_param_group({"params": []})  # kept, as torch keeps it (ZeroRedundancyOptimizer builds them)
+    assert opt.param_groups[2]["params"] == []
 
 
 def test_closure_runs_first_and_training_reduces_the_loss() -> None:
