@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from gefen_contracts import StateValidationError
 from gefen_contracts.torch_support import on_device, storage_overlap
 
 from .codebook import codebook_from_counts, gradient_histogram, requantize
@@ -25,7 +24,15 @@ from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
 from .optimizer_support import codebook_on
-from .param_state import FACTORED, INDICES, MAGNITUDE, new_state, period_of, zero_padding
+from .param_state import (
+    FACTORED,
+    INDICES,
+    new_state,
+    period_of,
+    place_state,
+    refuse_codes_without_codebook,
+    zero_padding,
+)
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import period_policy
 from .step_plan import ParamWork, StepDecision, StepPlan, plan_step
@@ -110,14 +117,9 @@ def decide(optimizer: Gefen, plan: StepPlan) -> StepDecision:
         return stage_decision(optimizer, starting, [], periods, new_codebook, refreshed)
     learners = [w for w in works if w.state or w.slot in periods]
     if old_codebook is None:
-        # (only until the codebook is learned) codes without their codebook: relearning one would
-        # misread them; a load restores both, so this state came around load_state_dict
-        if any(bool(w.state[MAGNITUDE].ne(0).any()) for w in works if w.state):
-            raise StateValidationError(
-                "the optimizer state holds quantised momentum but no codebook: it was put into optimizer.state "
-                "without Gefen's load_state_dict (torch's ZeroRedundancyOptimizer consolidates and loads state "
-                "that way, without the codebook); load the state dict with Gefen.load_state_dict"
-            )
+        for w in works:  # (only until the codebook is learned)
+            if w.state:
+                refuse_codes_without_codebook(w.state, "Gefen", f"{w.where()}: ")
         contributing = [(w, work_period(w)) for w in learners if locally_nonzero(w)]
         if contributing or mesh is not None:
             new_codebook = _learn(optimizer, contributing, mesh)
@@ -207,12 +209,9 @@ def refuse_shared_memory(param_groups: list[dict[str, Any]]) -> None:
 
 
 def move_state(work: ParamWork) -> None:
-    """Move a state that lives on another device than its parameter to the parameter's, and
-    make a tensor left strided contiguous (as the kernels need)."""
+    """The parameter's state placed on its device, dense (:func:`~gefen_core.param_state.place_state`)."""
     assert work.state is not None
-    for key, value in list(work.state.items()):
-        if isinstance(value, torch.Tensor):
-            work.state[key] = value.to(work.local.device).contiguous()
+    place_state(work.state, work.local.device)
 
 
 def factored_stats(optimizer: Gefen, plan: StepPlan) -> Stats:

@@ -31,6 +31,7 @@ from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on
+from .param_state import place_state
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 
@@ -133,15 +134,9 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
 
 
 def move_state(item: MuonItem) -> None:
-    """Move a state that lives on another device than its matrix to the matrix's, and make a
-    tensor left strided between steps contiguous (as the kernels need; torch's optimizers take
-    any strides, and the kernels refused it mid-step, after other matrices had stepped)."""
-    if not item.state:
-        return
-    device = item.local.device
-    for key, value in list(item.state.items()):
-        if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
-            item.state[key] = value.to(device).contiguous()
+    """The matrix's state placed on its device, dense (:func:`~gefen_core.param_state.place_state`)."""
+    if item.state:
+        place_state(item.state, item.local.device)
 
 
 # -- one matrix -----------------------------------------------------------------------

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gefen_contracts import StateValidationError
 from gefen_contracts.torch_support import check_tensor_lr
 
 from .batched_newton_schulz import chunk_capacity, plan_chunks, shape_eligible
@@ -25,7 +24,7 @@ from .muon_options import check_muon_group, group_schedule
 from .muon_state import check_muon_state
 from .ops import HISTOGRAM, MUON_MOMENTUM, Kernels
 from .param_groups import SUPPORTED_DTYPES
-from .param_state import MAGNITUDE
+from .param_state import refuse_codes_without_codebook
 from .step_plan import capturing, check_gradient, refuse_meta
 
 __all__ = ["MuonItem", "MuonPlan", "batched_chunks", "check_entry", "check_matrix", "plan_muon_step"]
@@ -172,15 +171,8 @@ def plan_muon_step(
             item.grad = grad
         if item.state is not None:
             check_muon_state(item.state, item.state_numel, item.where)
-            # codes without their codebook: learning a new one would misread them (a load restores
-            # both, so this state came around load_state_dict, as ZeroRedundancyOptimizer loads)
-            if not codebook_ready and bool(item.state[MAGNITUDE].ne(0).any()):
-                raise StateValidationError(
-                    f"{item.where}: the optimizer state holds quantised momentum but no codebook: it was put into "
-                    "optimizer.state without GefenMuon's load_state_dict (torch's ZeroRedundancyOptimizer "
-                    "consolidates and loads state that way, without the codebook); load the state dict with "
-                    "GefenMuon.load_state_dict"
-                )
+            if not codebook_ready:
+                refuse_codes_without_codebook(item.state, "GefenMuon", f"{item.where}: ")
         if grad is not None and item.state is None and item.local_grad.numel():
             refuse_meta(item.local_grad, item.where)
         # the codebook is learned from every active gradient while it is unlearned (also after

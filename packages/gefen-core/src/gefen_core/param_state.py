@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts import StateField, StateGeometry, StateRole, StateScope
+from gefen_contracts import StateField, StateGeometry, StateRole, StateScope, StateValidationError
 from gefen_contracts.torch_support import block_count
 
 from .periods import cuts
@@ -76,6 +76,8 @@ __all__ = [
     "element_codes",
     "make_counter",
     "new_state",
+    "place_state",
+    "refuse_codes_without_codebook",
     "period_of",
     "second_moment_variant",
     "state_nbytes",
@@ -275,3 +277,24 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def state_nbytes(state: dict[str, Any]) -> int:
     """Bytes of every tensor storage the state holds (counters as tensors included)."""
     return storage_bytes(value for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def place_state(state: dict[str, Any], device: torch.device) -> None:
+    """Move the state's tensors to ``device`` and make a tensor left strided contiguous, in
+    place (the kernels need dense state on the parameter's device; torch's optimizers take any
+    strides, and the kernels refused them mid-step, after other parameters had stepped)."""
+    for key, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and (value.device != device or not value.is_contiguous()):
+            state[key] = value.to(device).contiguous()
+
+
+def refuse_codes_without_codebook(state: Mapping[str, Any], optimizer: str, where: str = "") -> None:
+    """``StateValidationError`` for non-zero quantised momentum while no codebook is learned:
+    learning one would misread the codes, and a load restores both, so this state came around
+    ``load_state_dict`` (as torch's ``ZeroRedundancyOptimizer`` loads it)."""
+    if bool(state[MAGNITUDE].ne(0).any()):
+        raise StateValidationError(
+            f"{where}the optimizer state holds quantised momentum but no codebook: it was put into optimizer.state "
+            f"without {optimizer}'s load_state_dict (torch's ZeroRedundancyOptimizer consolidates and loads state "
+            f"that way, without the codebook); load the state dict with {optimizer}.load_state_dict"
+        )
