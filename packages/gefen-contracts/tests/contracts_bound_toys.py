@@ -1,6 +1,6 @@
 """``BoundSGD``: a small adopter of the identity Protocols built on the generic machinery
-(``plan_rebinding``, ``SealedLayout``, the ``gefen.bound_state`` envelope and
-``state_version_token``), and broken variants that each lie about one promise.
+(the ``IdentityBinding`` role, the ``gefen.bound_state`` envelope and ``state_version_token``),
+and broken variants that each lie about one promise.
 
 Importable by the kit (module-level factories only).
 """
@@ -44,10 +44,10 @@ from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
     BoundParameter,
+    IdentityBinding,
     SealedLayout,
     build_bound_state,
     parse_bound_state,
-    plan_rebinding,
     state_version_token,
 )
 from gefen_contracts.transactions import StagedTransaction
@@ -102,8 +102,12 @@ class BoundSGD(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 0.05, momentum: float = 0.9) -> None:
         self._version = 0
-        self._sealed: SealedLayout | None = None
+        self._binding = IdentityBinding("BoundSGD", _accept_layout)
         super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @property
+    def _sealed(self) -> SealedLayout | None:
+        return self._binding.sealed
 
     # contract
 
@@ -116,8 +120,7 @@ class BoundSGD(torch.optim.Optimizer):
         )
 
     def _verify(self, where: str) -> None:
-        if self._sealed is not None:
-            self._sealed.verify(self.param_groups, self.state, where=where)
+        self._binding.verify(self, where)
 
     def _token(self) -> Hashable:
         return (self._version, id(self.state), state_version_token(self.param_groups, self.state))
@@ -154,8 +157,9 @@ class BoundSGD(torch.optim.Optimizer):
         self._verify("step")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_sealed", None) is not None:
-            raise RuntimeError("add_param_group: the layout is sealed")
+        binding = getattr(self, "_binding", None)  # torch's __init__ adds the first groups
+        if binding is not None:
+            binding.refuse_new_group()
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,39 +173,18 @@ class BoundSGD(torch.optim.Optimizer):
 
     # IdentityBindable
 
-    def _pristine(self) -> None:
-        if any(self.state.values()):
-            raise NotSupportedError(FEATURE_POST_SHARDING, ("state exists",))
+    def _blockers(self) -> tuple[str, ...]:
+        return ("state exists",) if any(self.state.values()) else ()
 
     def prepare_post_sharding(
         self, rebindings: Sequence[ParameterRebinding], *, manifest: ShardingManifest, scope: object | None = None
     ) -> StagedTransaction:
-        if self._sealed is not None:
-            raise RuntimeError("already finalized")
-        self._pristine()
-        plan = plan_rebinding(
-            self.param_groups,
-            rebindings,
-            manifest=manifest,
-            scope=scope,
-            name_of=lambda g, s, t: "",
-            check_layout=_accept_layout,
-        )
-        groups = [
-            {**group, "params": params}
-            for group, params in zip(self.param_groups, plan.group_params(len(self.param_groups)))
-        ]
-        return StagedTransaction(
-            self, kind="bind", token=self._token(), payload=(groups, SealedLayout(plan, len(groups)))
+        return self._binding.prepare(
+            self, rebindings, manifest=manifest, scope=scope, blockers=self._blockers(), token=self._token()
         )
 
     def commit_post_sharding(self, staged: StagedTransaction) -> None:
-        groups, sealed = staged.claim(self, kind="bind", current_token=self._token())  # type: ignore[misc]
-        for live, new in zip(self.param_groups, groups):
-            live.clear()
-            live.update(new)
-        self.state = defaultdict(dict)
-        self._sealed = sealed
+        self._binding.commit(self, staged, token=self._token())
         self._version += 1
 
     def post_sharding(
@@ -210,17 +193,13 @@ class BoundSGD(torch.optim.Optimizer):
         self.commit_post_sharding(self.prepare_post_sharding(rebindings, manifest=manifest, scope=scope))
 
     def sharding_manifest(self) -> ShardingManifest | None:
-        self._verify("sharding_manifest")
-        return None if self._sealed is None else self._sealed.manifest
+        return self._binding.manifest(self)
 
     def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
-        self._verify("shard_bindings")
-        return () if self._sealed is None else self._sealed.bindings
+        return self._binding.bindings(self)
 
     def shard_identity(self, parameter: Any) -> ShardIdentity:
-        if self._sealed is None:
-            raise KeyError("not finalized")
-        return self._sealed.shard_identity(parameter)
+        return self._binding.shard_identity(self, parameter)
 
     # CanonicalLocalState
 
@@ -317,8 +296,8 @@ class MutatingPrepare(BoundSGD):
 class BindsAfterSteps(BoundSGD):
     """Accepts ``post_sharding`` on an optimizer that already has state."""
 
-    def _pristine(self) -> None:
-        return None
+    def _blockers(self) -> tuple[str, ...]:
+        return ()
 
     def optimizer_contract(self) -> OptimizerContract:
         contract = super().optimizer_contract()

@@ -32,8 +32,8 @@ from gefen_contracts.testing import (
     snapshot_diff,
 )
 from gefen_contracts.torch_support import CodebookProcessGroupBinding
+from gefen_contracts.torch_support import identity_binding as binding_module
 from gefen_hybrid import ContractedAdamW
-from gefen_hybrid import adamw as adamw_module
 from hybrid_toys import single_threaded_torch  # noqa: F401 (autouse fixture)
 from torch import nn
 
@@ -294,8 +294,10 @@ def test_rebinding_stays_atomic_under_injected_faults(where: str, monkeypatch: p
         if calls["n"] == len(plan.rebindings):  # the last slot: everything before it passed
             boom()
 
-    name = {"plan": "plan_rebinding", "stage": "stage_binding", "layout_check": "check_adamw_layout"}[where]
-    monkeypatch.setattr(adamw_module, name, late_layout_fault if where == "layout_check" else boom)
+    if where == "layout_check":
+        monkeypatch.setattr(optimizer._identity_binding, "_check_layout", late_layout_fault)
+    else:
+        monkeypatch.setattr(binding_module, {"plan": "plan_rebinding", "stage": "staged_groups"}[where], boom)
     _snapshot_refusal(
         optimizer,
         (model, plan.targets),
@@ -415,8 +417,9 @@ def test_queries_of_a_finalized_optimizer() -> None:
         optimizer.shard_identity(torch.zeros(1))
     with pytest.raises(KeyError, match="post_sharding"):
         _adamw(_net()).shard_identity(torch.zeros(1))
-    assert optimizer._sealed is not None
-    assert optimizer._sealed.compatibility_names(0) == ("Encoder.weight", "Encoder.bias")
+    sealed = optimizer._identity_binding.sealed
+    assert sealed is not None
+    assert sealed.compatibility_names(0) == ("Encoder.weight", "Encoder.bias")
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from gefen_contracts import (
     FEATURE_CANONICAL_LOCAL_STATE,
-    FEATURE_COLLECTIVE_SCOPE,
-    FEATURE_POST_SHARDING,
+    ContractError,
     FeatureStatus,
     LayoutTamperedError,
     NotSupportedError,
@@ -31,16 +30,11 @@ from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
-    IDENTITY_KEY,
+    IdentityBinding,
     SealedLayout,
     check_new_group,
     check_tensor_lr,
-    compatibility_names,
     group_params,
-    identity_guard,
-    plan_rebinding,
-    publish_binding,
-    split_identity_guard,
     state_version_token,
 )
 from gefen_contracts.torch_support.option_records import option_blockers
@@ -48,14 +42,7 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from . import adamw_exchange
 from .adamw_canonical import export_adamw_document, native_state_from_document
-from .adamw_contract import COLLECTIVE_SCOPE_REASON, FRESH_READINESS, AdamWReadiness, adamw_contract
-from .adamw_identity import (
-    StagedBinding,
-    check_adamw_layout,
-    rebuild_sealed_layout,
-    stage_binding,
-    state_blockers,
-)
+from .adamw_contract import FRESH_READINESS, AdamWReadiness, adamw_contract
 from .adamw_portable import portable_blockers
 from .adamw_records import NOT_OPTIONS
 from .adamw_state import StagedAdamWState, is_rate, stage_adamw_state
@@ -64,7 +51,6 @@ from .tensor_checks import is_dtensor
 __all__ = ["ContractedAdamW"]
 
 _LOAD_KIND = "gefen.ContractedAdamW.native_load"
-_BIND_KIND = "gefen.ContractedAdamW.post_sharding"
 _IMPORT_KIND = "gefen.ContractedAdamW.local_import"
 
 
@@ -90,6 +76,30 @@ def _check_option_types(group: Mapping[str, Any], index: int) -> None:
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(is_rate(b) for b in betas):
         raise TypeError(f"param_groups[{index}]['betas'] must be two real numbers or 1-element tensors, got {betas!r}")
+
+
+#: The layouts ``post_sharding`` binds: AdamW is elementwise, so a flattened element shard
+#: trains exactly like the same elements of the full tensor.
+BINDABLE_LAYOUTS = frozenset({ParameterLayout.REPLICATED, ParameterLayout.FLATTENED_ELEMENT_SHARD})
+
+
+def _check_layout(shard: ShardIdentity, target: torch.Tensor | None) -> None:
+    if shard.layout not in BINDABLE_LAYOUTS:
+        allowed = ", ".join(sorted(layout.value for layout in BINDABLE_LAYOUTS))
+        raise ContractError(
+            f"post_sharding: ContractedAdamW binds {allowed} shards; {shard.fqn!r} is {shard.layout.value}"
+        )
+
+
+def _state_blockers(state: Mapping[Any, Any]) -> tuple[str, ...]:
+    # AdamW creates all of a parameter's state at its first step: pristine means none has any
+    stepped = sum(1 for entry in state.values() if entry)
+    if stepped:
+        return (
+            f"{stepped} parameter(s) already have AdamW state: post_sharding binds a pristine optimizer, "
+            "before its first step",
+        )
+    return ()
 
 
 def _fused_device_check() -> Callable[[torch.Tensor], None] | None:
@@ -150,7 +160,7 @@ class ContractedAdamW(torch.optim.AdamW):
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         self._version = 0
-        self._sealed: SealedLayout | None = None
+        self._identity_binding = IdentityBinding("ContractedAdamW", _check_layout)
         super().__init__(
             params,
             lr,
@@ -169,15 +179,16 @@ class ContractedAdamW(torch.optim.AdamW):
         # torch keeps only defaults, state and param_groups; the sealed layout travels as its
         # tensor-free record and is rebuilt around the copied tensors.
         state: dict[str, Any] = super().__getstate__()
-        sealed = self.__dict__.get("_sealed")
-        state["_identity_record"] = None if sealed is None else (sealed.manifest, sealed.slots)
+        binding = self.__dict__.get("_identity_binding")
+        state["_identity_record"] = None if binding is None else binding.record()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         record = state.pop("_identity_record", None)
         super().__setstate__(state)
         self.__dict__.setdefault("_version", 0)
-        self._sealed = None if record is None else rebuild_sealed_layout(self.param_groups, *record)
+        self._identity_binding = IdentityBinding("ContractedAdamW", _check_layout)
+        self._identity_binding.restore(self.param_groups, record)
 
     # -- ContractProvider ----------------------------------------------------------------
 
@@ -189,10 +200,10 @@ class ContractedAdamW(torch.optim.AdamW):
         return adamw_contract(self._readiness())
 
     def _readiness(self) -> AdamWReadiness:
-        sealed = self._sealed
+        sealed = self._identity_binding.sealed
         layouts: frozenset[ParameterLayout] = frozenset()
         if sealed is None:
-            blockers = state_blockers(self.state)
+            blockers = _state_blockers(self.state)
             post = FeatureStatus.no(*blockers) if blockers else FeatureStatus.yes()
             identity, canonical = FRESH_READINESS.identity, FRESH_READINESS.canonical
         else:
@@ -225,9 +236,7 @@ class ContractedAdamW(torch.optim.AdamW):
 
     def _verify_layout(self, where: str) -> None:
         """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""
-        sealed = self._sealed
-        if sealed is not None:
-            sealed.verify(self.param_groups, self.state, where=where)
+        self._identity_binding.verify(self, where)
 
     def _freshness(self) -> Hashable:
         """The freshness token of prepared transactions: this optimizer's mutation counter, the
@@ -337,11 +346,9 @@ class ContractedAdamW(torch.optim.AdamW):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``; refused (``RuntimeError``) once ``post_sharding`` sealed the layout."""
-        if getattr(self, "_sealed", None) is not None:
-            raise RuntimeError(
-                "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
-                "parameter group before calling post_sharding"
-            )
+        binding = getattr(self, "_identity_binding", None)  # torch's __init__ adds the first groups
+        if binding is not None:
+            binding.refuse_new_group()
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
             listed = group_params(params)
@@ -355,17 +362,14 @@ class ContractedAdamW(torch.optim.AdamW):
         """torch's ``state_dict`` after verifying the sealed layout; once bound by
         ``post_sharding``, with the shard-identity guard (``IDENTITY_KEY``) of the convention."""
         self._verify_layout("state_dict")
-        exported = super().state_dict()
-        if self._sealed is not None:
-            exported[IDENTITY_KEY] = identity_guard(self._sealed)
-        return exported
+        return self._identity_binding.guard(super().state_dict())
 
     # -- StagedNativeLoad -------------------------------------------------------------------
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate ``state_dict`` completely and stage it on fresh containers (no hooks, no mutation)."""
         self._verify_layout("load_state_dict")
-        unguarded = split_identity_guard(state_dict, self._sealed)
+        unguarded = self._identity_binding.unguard(state_dict)
         if not isinstance(unguarded, Mapping):
             raise StateValidationError(f"a state dict must be a mapping, got {type(unguarded).__name__}")
         staged = stage_adamw_state(self.param_groups, unguarded)
@@ -417,23 +421,14 @@ class ContractedAdamW(torch.optim.AdamW):
         ``plan_rebinding`` for an invalid request; layouts other than ``REPLICATED`` and
         ``FLATTENED_ELEMENT_SHARD`` are refused.
         """
-        if self._sealed is not None:
-            raise RuntimeError("post_sharding: this ContractedAdamW is already finalized (its layout is sealed)")
-        blockers = state_blockers(self.state)
-        if blockers:
-            raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
-        if scope is not None:
-            raise NotSupportedError(FEATURE_COLLECTIVE_SCOPE, (COLLECTIVE_SCOPE_REASON,))
-        plan = plan_rebinding(
-            self.param_groups,
+        return self._identity_binding.prepare(
+            self,
             rebindings,
             manifest=manifest,
-            scope=None,
-            name_of=compatibility_names(self.param_groups),
-            check_layout=check_adamw_layout,
+            scope=scope,
+            blockers=_state_blockers(self.state),
+            token=self._freshness(),
         )
-        staged = stage_binding(self.param_groups, plan)
-        return StagedTransaction(self, kind=_BIND_KIND, token=self._freshness(), payload=staged)
 
     def commit_post_sharding(self, staged: StagedTransaction) -> None:
         """Publish a staged binding by swaps that cannot raise, and seal the layout.
@@ -441,10 +436,7 @@ class ContractedAdamW(torch.optim.AdamW):
         ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
         transaction (this optimizer, its parameters, options or state changed since prepare).
         """
-        payload = require_transaction(staged).claim(self, kind=_BIND_KIND, current_token=self._freshness())
-        assert isinstance(payload, StagedBinding)
-        publish_binding(self, payload.groups)
-        self._sealed = payload.sealed
+        self._identity_binding.commit(self, staged, token=self._freshness())
         self._version += 1
 
     def post_sharding(
@@ -459,20 +451,15 @@ class ContractedAdamW(torch.optim.AdamW):
 
     def sharding_manifest(self) -> ShardingManifest | None:
         """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
-        self._verify_layout("sharding_manifest")
-        return None if self._sealed is None else self._sealed.manifest
+        return self._identity_binding.manifest(self)
 
     def shard_bindings(self) -> tuple[tuple[Any | None, ShardIdentity], ...]:
         """``(tensor, shard)`` for every local slot, sorted by ``sort_key`` (``()`` before post_sharding)."""
-        self._verify_layout("shard_bindings")
-        return () if self._sealed is None else self._sealed.bindings
+        return self._identity_binding.bindings(self)
 
     def shard_identity(self, parameter: Any) -> ShardIdentity:
         """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
-        self._verify_layout("shard_identity")
-        if self._sealed is None:
-            raise KeyError("no shard identity is bound: call post_sharding first")
-        return self._sealed.shard_identity(parameter)
+        return self._identity_binding.shard_identity(self, parameter)
 
     # -- PortableAdapter (:mod:`gefen_hybrid.adamw_exchange`) -----------------------------------
 
@@ -507,9 +494,10 @@ class ContractedAdamW(torch.optim.AdamW):
     def _require_canonical(self, where: str) -> SealedLayout:
         self._verify_layout(where)
         status = self._readiness().canonical
-        if not status.supported or self._sealed is None:
+        sealed = self._identity_binding.sealed
+        if not status.supported or sealed is None:
             raise NotSupportedError(FEATURE_CANONICAL_LOCAL_STATE, status.reasons)
-        return self._sealed
+        return sealed
 
     def export_local_state(self) -> dict[str, Any]:
         """This optimizer's ``gefen.bound_state`` document (owned, tight, finite CPU copies; no collectives).

@@ -58,14 +58,14 @@ def portable_layout(optimizer: ContractedAdamW) -> PortableLayout:
     """The local target layout: the sealed one after ``post_sharding``, else one ungrouped
     ``REPLICATED`` shard per parameter keyed by its torch name (no state, no collective)."""
     _require(optimizer, FEATURE_PORTABLE_STATE, "portable_layout")
-    return portable_layout_of(optimizer.param_groups, optimizer._sealed)
+    return portable_layout_of(optimizer.param_groups, optimizer._identity_binding.sealed)
 
 
 def portable_export(optimizer: ContractedAdamW) -> PortableExport:
     """Every local slot's options, variant, ``step`` and fp32 moments (fresh CPU copies; no
     collective, nothing mutated)."""
     _require(optimizer, FEATURE_PORTABLE_STATE, "portable_export")
-    layout = portable_layout_of(optimizer.param_groups, optimizer._sealed)
+    layout = portable_layout_of(optimizer.param_groups, optimizer._identity_binding.sealed)
     return portable_export_of(optimizer.param_groups, optimizer.state, layout)
 
 
@@ -84,7 +84,7 @@ def portable_prepare_import(
     only when that is exact; ``StateValidationError`` names the first problem.
     """
     _require(optimizer, FEATURE_PORTABLE_STATE, "portable_prepare_import")
-    layout = portable_layout_of(optimizer.param_groups, optimizer._sealed)
+    layout = portable_layout_of(optimizer.param_groups, optimizer._identity_binding.sealed)
     native = native_state_from_portable(
         optimizer.param_groups, layout, implementation=implementation, policy=policy, common=common, slots=slots
     )

@@ -6,7 +6,8 @@ for the digest grammar, and the generic identity machinery every ``IdentityBinda
 ``CanonicalLocalState`` optimizer shares: request validation (:func:`plan_rebinding`),
 the owned sealed layout and its guard (:class:`SealedLayout`), the
 ``gefen.bound_state`` envelope (:func:`build_bound_state`, :func:`parse_bound_state`) and the
-version-counter freshness token of prepared transactions (:func:`state_version_token`), and
+version-counter freshness token of prepared transactions (:func:`state_version_token`), the
+``IdentityBindable`` role as one object an optimizer owns (:class:`IdentityBinding`), and
 the expansion of a portable record's block fields (:func:`expand_blocks`, :func:`as_imported`),
 and the bytes an optimizer holds (:func:`count_state_bytes`: every storage reachable from it,
 parameters and gradients excluded; any optimizer, so Gefen is measured as AdamW is).
@@ -28,6 +29,7 @@ from .bound_state import (
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .dcp_keys import with_rejoined_state
 from .freshness import state_version_token, tensor_version_token
+from .identity_binding import IdentityBinding
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import (
     SharedOption,
@@ -68,6 +70,7 @@ __all__ = [
     "BoundParameter",
     "IDENTITY_FORMAT",
     "IDENTITY_KEY",
+    "IdentityBinding",
     "BoundStateDocument",
     "CheckpointProcessGroupBinding",
     "CodebookProcessGroupBinding",
