@@ -36,8 +36,8 @@ from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.testing import deep_snapshot, install_parameters, replicated_copy_plan, snapshot_diff
 from gefen_contracts.torch_support import CodebookProcessGroupBinding
+from gefen_contracts.torch_support import identity_binding as binding_module
 from gefen_core import Gefen, GefenMuon
-from gefen_core import identity as identity_module
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 from torch import nn
 
@@ -287,15 +287,17 @@ def test_rebinding_stays_atomic_under_injected_faults(where: str, monkeypatch: p
         calls = {"n": 0}
         check = optimizer._binding.check_layout
 
-        def late(binding: Any, shard: Any, target: Any) -> None:
+        def late(shard: Any, target: Any) -> None:
             calls["n"] += 1
             if calls["n"] == len(plan.rebindings):  # the last slot: every other one passed
                 boom()
             check(shard, target)
 
-        monkeypatch.setattr(type(optimizer._binding), "check_layout", late)
-    else:
-        monkeypatch.setattr(identity_module, {"plan": "plan_rebinding", "record": "_record"}[where], boom)
+        monkeypatch.setattr(optimizer._identity_binding, "_check_layout", late)
+    elif where == "plan":
+        monkeypatch.setattr(binding_module, "plan_rebinding", boom)
+    else:  # the record derived from the seal while staging
+        monkeypatch.setattr(optimizer._identity_binding, "_derive", boom)
     _refused(
         optimizer,
         (model, plan.targets),

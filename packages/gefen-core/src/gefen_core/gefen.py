@@ -24,7 +24,7 @@ from .convention_methods import ConventionMethods
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
 from .gefen_binding import CANONICAL, GefenBinding
 from .gefen_exchange import live_piece, native_from_records
-from .identity import bound_layout, identity_readiness, refuse_when_sealed, verify_layout
+from .identity import IdentityRecord, bound_layout, identity_binding, identity_readiness, verify_layout
 from .native_records import GROUP_MIRROR
 from .native_state import StagedNativeState, export_state_dict, stage_state_dict
 from .ops import Kernels
@@ -203,7 +203,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         self._device_global_steps: dict[torch.device, torch.Tensor] = {}
         self._version = 0
         self._memory_checked = False  # distinct parameters sharing memory: checked at the next step
-        self._identity = None
+        self._identity: IdentityRecord | None = None
+        self._identity_binding = identity_binding(self)
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
         if fused is True:
             gefen_step.require_kernels(self)
@@ -213,7 +214,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate the whole group (options and parameters) first, then register it
         (``RuntimeError`` once ``post_sharding`` sealed the layout)."""
-        refuse_when_sealed(self)
+        self._identity_binding.refuse_new_group()
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:

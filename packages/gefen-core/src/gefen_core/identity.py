@@ -3,8 +3,9 @@
 :func:`prepare_post_sharding` and its siblings are functions of the optimizer; both
 optimizers' ``IdentityBindable`` and ``CollectiveScoped`` methods delegate to them (one
 concept: binding every slot to its live local tensor and stable shard identity, sealing the
-layout, and exposing the codebook scope). The request itself is validated by the generic
-``gefen_contracts.torch_support.plan_rebinding``; the optimizer adds what is its own:
+layout, and exposing the codebook scope). The binding itself is every optimizer's role,
+``gefen_contracts.torch_support.IdentityBinding`` (:func:`identity_binding` builds Gefen's and
+GefenMuon's); the optimizer adds what is its own:
 
 * the layouts it binds (its ``_binding.check_layout``): ``Gefen`` replicated and flattened element
   shards, ``GefenMuon`` replicated and whole-parameter owner (2-D parameters);
@@ -13,10 +14,10 @@ layout, and exposing the codebook scope). The request itself is validated by the
 * a multi-member ``scope``: every manifest shard names the scope's process group, and
   ``capturable=False`` (the scope protocol synchronises with the host).
 
-``prepare_post_sharding`` stages new group dicts and an immutable :class:`IdentityRecord`
-(the sealed layout of ``gefen_contracts.torch_support.SealedLayout``, the scope and the
-scope fingerprint every member compares in its step headers) without touching anything;
-``commit_post_sharding`` publishes them by swaps that cannot raise. Afterwards
+``prepare_post_sharding`` stages new group dicts and the sealed layout without touching
+anything; ``commit_post_sharding`` publishes them by swaps that cannot raise and derives the
+immutable :class:`IdentityRecord` (the seal, the scope and the scope fingerprint every member
+compares in its step headers). Afterwards
 ``add_param_group`` and a second ``post_sharding`` raise, and every entry point (``step``
 before and after its closure, ``preflight_step``, checkpoints, canonical state, the scope
 operations, the identity queries) verifies the sealed layout against the public
@@ -27,12 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from gefen_contracts import (
     FEATURE_COLLECTIVE_SCOPE,
-    FEATURE_POST_SHARDING,
     ContractError,
     FeatureStatus,
     LayoutTamperedError,
@@ -44,19 +44,15 @@ from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
     IDENTITY_KEY,
+    IdentityBinding,
     ProcessGroupBinding,
     RebindingPlan,
     SealedLayout,
-    compatibility_names,
     identity_guard,
-    plan_rebinding,
-    publish_binding,
-    rebuilt_plan,
-    staged_groups,
     state_version_token,
     tensor_digest,
 )
-from gefen_contracts.transactions import StagedTransaction, require_transaction
+from gefen_contracts.transactions import StagedTransaction
 
 from .codebook_scope import digest_words
 
@@ -67,7 +63,7 @@ __all__ = [
     "pickled_identity",
     "prepare_post_sharding",
     "refresh_collective_state",
-    "restored_identity",
+    "restore_identity",
     "shard_bindings",
     "shard_identity",
     "sharding_manifest",
@@ -75,13 +71,11 @@ __all__ = [
     "IdentityRecord",
     "bound_layout",
     "identity_readiness",
-    "refuse_when_sealed",
+    "identity_binding",
     "scope_fingerprint",
     "verify_layout",
     "with_identity_guard",
 ]
-
-_BIND_KIND = "gefen.post_sharding"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -141,38 +135,21 @@ def scope_fingerprint(
     return tuple(digest_words(bytes.fromhex(tensor_digest(record))))
 
 
-def _record(plan: RebindingPlan, group_count: int, implementation: str, policy: Mapping[str, object]) -> IdentityRecord:
-    sealed = SealedLayout(plan, group_count)
+def _record(optimizer: Any, sealed: SealedLayout) -> IdentityRecord:
+    """The scope facts of a seal (staged with it, so a commit cannot fail computing them)."""
     shared = tuple(
         tensor
         for tensor, shard in sealed.bindings
         if tensor is not None and shard.layout is not ParameterLayout.WHOLE_PARAMETER_OWNER
     )
-    return IdentityRecord(
-        sealed,
-        plan.scope,
-        scope_fingerprint(implementation, plan.scope, plan.manifest, policy),
-        plan.manifest.fqns,
-        shared,
-    )
+    policy = optimizer._binding.scope_policy(optimizer)
+    fingerprint = scope_fingerprint(optimizer._identity_implementation, sealed.scope, sealed.manifest, policy)
+    return IdentityRecord(sealed, sealed.scope, fingerprint, sealed.manifest.fqns, shared)
 
 
-def _rebuild(
-    param_groups: Sequence[Mapping[str, Any]],
-    manifest: ShardingManifest,
-    slots: Sequence[Any],
-    scope: ProcessGroupBinding | None,
-    implementation: str,
-    policy: Mapping[str, object],
-) -> IdentityRecord:
-    """The record of a copied optimizer (``gefen_contracts.torch_support.rebuilt_plan``)."""
-    return _record(rebuilt_plan(param_groups, manifest, slots, scope), len(param_groups), implementation, policy)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _StagedBinding:
-    groups: tuple[dict[str, Any], ...]
-    record: IdentityRecord
+def identity_binding(optimizer: Any) -> IdentityBinding:
+    """The post-sharding role of a Gefen or GefenMuon (its layouts and its scope checks)."""
+    return IdentityBinding(type(optimizer).__name__, optimizer._binding.check_layout, _check_scope, _record)
 
 
 # -- the sealed layout and readiness, read by every role of the optimizer -----------------------
@@ -180,18 +157,7 @@ class _StagedBinding:
 
 def verify_layout(optimizer: Any, where: str) -> None:
     """Raise ``LayoutTamperedError`` if the sealed layout was changed (no-op before post_sharding)."""
-    identity = optimizer._identity
-    if identity is not None:
-        identity.sealed.verify(optimizer.param_groups, optimizer.state, where=where)
-
-
-def refuse_when_sealed(optimizer: Any) -> None:
-    """``RuntimeError`` once ``post_sharding`` sealed the layout (``add_param_group`` calls it first)."""
-    if getattr(optimizer, "_identity", None) is not None:
-        raise RuntimeError(
-            "add_param_group: the parameter layout was sealed by post_sharding; build the optimizer with every "
-            "parameter group before calling post_sharding"
-        )
+    optimizer._identity_binding.verify(optimizer, where)
 
 
 def bound_layout(optimizer: Any) -> SealedLayout | None:
@@ -287,28 +253,14 @@ def prepare_post_sharding(
     ``gefen_contracts.torch_support.plan_rebinding``. ``scope`` is a
     ``CodebookProcessGroupBinding`` (its runtime is validated here, with local queries).
     """
-    if optimizer._identity is not None:
-        raise RuntimeError("post_sharding: this optimizer is already finalized (its layout is sealed)")
-    blockers = optimizer._binding.pristine_blockers(optimizer)
-    if blockers:
-        raise NotSupportedError(FEATURE_POST_SHARDING, blockers)
-    plan = plan_rebinding(
-        optimizer.param_groups,
+    return optimizer._identity_binding.prepare(  # type: ignore[no-any-return]
+        optimizer,
         rebindings,
         manifest=manifest,
         scope=scope,
-        name_of=compatibility_names(optimizer.param_groups),
-        check_layout=optimizer._binding.check_layout,
+        blockers=optimizer._binding.pristine_blockers(optimizer),
+        token=_identity_freshness(optimizer),
     )
-    _check_scope(optimizer, plan)
-    record = _record(
-        plan,
-        len(optimizer.param_groups),
-        optimizer._identity_implementation,
-        optimizer._binding.scope_policy(optimizer),
-    )
-    payload = _StagedBinding(staged_groups(optimizer.param_groups, plan), record)
-    return StagedTransaction(optimizer, kind=_BIND_KIND, token=_identity_freshness(optimizer), payload=payload)
 
 
 def commit_post_sharding(optimizer: Any, staged: StagedTransaction) -> None:
@@ -317,35 +269,26 @@ def commit_post_sharding(optimizer: Any, staged: StagedTransaction) -> None:
     ``StaleTransactionError`` (nothing changed) for a foreign, consumed or stale
     transaction (the optimizer, its parameters, options or state changed since prepare).
     """
-    payload = require_transaction(staged).claim(
-        optimizer, kind=_BIND_KIND, current_token=_identity_freshness(optimizer)
-    )
-    assert isinstance(payload, _StagedBinding)
-    publish_binding(optimizer, payload.groups)
-    optimizer._identity = payload.record
+    binding = optimizer._identity_binding
+    binding.commit(optimizer, staged, token=_identity_freshness(optimizer))
+    optimizer._identity = binding.derived  # the record staged with the seal (see _record)
     optimizer._version += 1
 
 
 def sharding_manifest(optimizer: Any) -> ShardingManifest | None:
     """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
-    verify_layout(optimizer, "sharding_manifest")
-    return None if optimizer._identity is None else optimizer._identity.manifest
+    return optimizer._identity_binding.manifest(optimizer)  # type: ignore[no-any-return]
 
 
 def shard_bindings(optimizer: Any) -> tuple[tuple[Any | None, ShardIdentity], ...]:
     """``(tensor or None, shard)`` per local slot sorted by ``sort_key`` (pruned non-owners
     carry ``None``; ``()`` before ``post_sharding``)."""
-    verify_layout(optimizer, "shard_bindings")
-    return () if optimizer._identity is None else optimizer._identity.sealed.bindings
+    return optimizer._identity_binding.bindings(optimizer)  # type: ignore[no-any-return]
 
 
 def shard_identity(optimizer: Any, parameter: Any) -> ShardIdentity:
     """The shard bound to ``parameter`` (``KeyError`` for an unbound tensor or before post_sharding)."""
-    verify_layout(optimizer, "shard_identity")
-    record: IdentityRecord | None = optimizer._identity
-    if record is None:
-        raise KeyError("no shard identity is bound: call post_sharding first")
-    return record.sealed.shard_identity(parameter)
+    return optimizer._identity_binding.shard_identity(optimizer, parameter)  # type: ignore[no-any-return]
 
 
 # -- CollectiveScoped --------------------------------------------------------------------
@@ -380,20 +323,12 @@ def refresh_collective_state(optimizer: Any) -> bool:
 def pickled_identity(optimizer: Any) -> object:
     """The tensor-free record a pickled or deep-copied optimizer carries of its sealed layout
     (the layout holds tensors by identity; it is rebuilt around the copied tensors)."""
-    identity = optimizer.__dict__.get("_identity")
-    return None if identity is None else (identity.manifest, identity.sealed.slots, identity.scope)
+    binding = optimizer.__dict__.get("_identity_binding")
+    return None if binding is None else binding.record()
 
 
-def restored_identity(optimizer: Any, record: object) -> IdentityRecord | None:
-    """The sealed layout of a copied optimizer from :func:`pickled_identity`'s record."""
-    if record is None:
-        return None
-    manifest, slots, scope = cast(tuple[ShardingManifest, Sequence[Any], "ProcessGroupBinding | None"], record)
-    return _rebuild(
-        optimizer.param_groups,
-        manifest,
-        slots,
-        scope,
-        optimizer._identity_implementation,
-        optimizer._binding.scope_policy(optimizer),
-    )
+def restore_identity(optimizer: Any, record: object) -> None:
+    """Give a copied optimizer its role and seal from :func:`pickled_identity`'s record."""
+    binding = optimizer._identity_binding = identity_binding(optimizer)
+    binding.restore(optimizer, record)
+    optimizer._identity = binding.derived

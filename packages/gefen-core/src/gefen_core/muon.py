@@ -23,7 +23,7 @@ from .amp import has_fp16_gradients, unscale_gradients
 from .batched_newton_schulz import DEFAULT_WORKSPACE_BYTES
 from .convention_methods import ConventionMethods
 from .errors import GefenOptionError, GefenOptionTypeError
-from .identity import bound_layout, identity_readiness, refuse_when_sealed, verify_layout
+from .identity import IdentityRecord, bound_layout, identity_binding, identity_readiness, verify_layout
 from .muon_binding import CANONICAL, MuonBinding
 from .muon_contract import IMPLEMENTATION, mode_tag, muon_contract
 from .muon_distributed import MuonScope, ScopeEntry, agree_step, vote
@@ -210,7 +210,8 @@ class GefenMuon(
         self._global_step = 0
         self._version = 0
         self._fp8_warned = False
-        self._identity = None
+        self._identity: IdentityRecord | None = None
+        self._identity_binding = identity_binding(self)
         # the groups inherit what was passed, not its resolution: a named or listed schedule
         # rewrites ns_coefficients / ns_steps (a group runs the resolved triples), but a group
         # that returns to ns_schedule="standard" or gives its own triple must get the
@@ -230,7 +231,7 @@ class GefenMuon(
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate the whole group (every option and every parameter) first, then register it
         (``RuntimeError`` once ``post_sharding`` sealed the layout)."""
-        refuse_when_sealed(self)
+        self._identity_binding.refuse_new_group()
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:

@@ -13,7 +13,7 @@ import torch
 from gefen_contracts.torch_support import split_identity_guard
 from gefen_contracts.transactions import StagedTransaction
 
-from .identity import bound_layout, pickled_identity, restored_identity, verify_layout, with_identity_guard
+from .identity import bound_layout, pickled_identity, restore_identity, verify_layout, with_identity_guard
 
 __all__ = [
     "NativeCheckpoint",
@@ -93,7 +93,7 @@ class OwnAttributesPickling:
         super().__setstate__(state)  # type: ignore[misc]
         for name, value in own.items():
             setattr(self, name, value)
-        self._identity = restored_identity(self, record)
+        restore_identity(self, record)
 
 
 def codebook_on(codebook: torch.Tensor, copies: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -31,13 +31,16 @@ lines::
 The request is validated by :func:`~gefen_contracts.torch_support.plan_rebinding`; a commit
 publishes by swaps that cannot raise (:func:`~gefen_contracts.torch_support.publish_binding`)
 and seals the layout in a :class:`~gefen_contracts.torch_support.SealedLayout`. An optimizer
-that learns state across processes (a codebook scope) needs more than this role: Gefen's and
-GefenMuon's binding adds the scope's checks and fingerprint (``gefen_core.identity``).
+that learns state across processes takes a ``scope`` too: it passes ``check_scope``, which
+sees the validated plan (Gefen and GefenMuon check their codebook scope there); without it a
+scope is refused. What an optimizer derives from its seal (Gefen's scope fingerprint) is
+computed by ``derive`` while staging, so a commit never fails half-way, and kept beside the
+seal as :attr:`IdentityBinding.derived`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -47,9 +50,11 @@ from ..identity import ShardIdentity
 from ..manifest import ShardingManifest
 from ..rebinding import LogicalSlotBinding, ParameterRebinding
 from ..transactions import StagedTransaction, require_transaction
+from .bindings import ProcessGroupBinding
 from .native_identity import IDENTITY_KEY, identity_guard, split_identity_guard
 from .rebinding_plan import (
     LayoutCheck,
+    RebindingPlan,
     compatibility_names,
     plan_rebinding,
     publish_binding,
@@ -58,27 +63,44 @@ from .rebinding_plan import (
 )
 from .sealed_layout import SealedLayout
 
-__all__ = ["IdentityBinding"]
+__all__ = ["Derive", "IdentityBinding", "ScopeCheck"]
+
+#: ``(optimizer, plan) -> None``: raises for a plan whose scope the optimizer cannot take.
+ScopeCheck = Callable[[Any, RebindingPlan], None]
+#: ``(optimizer, sealed) -> what the optimizer keeps beside its seal``.
+Derive = Callable[[Any, SealedLayout], object]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _StagedSeal:
     groups: tuple[dict[str, Any], ...]
     sealed: SealedLayout
+    derived: object
 
 
 class IdentityBinding:
     """Post-sharding binding and the sealed layout of one torch optimizer (``owner`` names it in
-    errors; ``check_layout`` raises ``ContractError`` for a shard it does not bind)."""
+    errors; ``check_layout`` raises ``ContractError`` for a shard it does not bind;
+    ``check_scope``, when given, admits a ``scope``; ``derive`` computes :attr:`derived`)."""
 
-    __slots__ = ("_check_layout", "_kind", "owner", "sealed")
+    __slots__ = ("_check_layout", "_check_scope", "_derive", "_kind", "derived", "owner", "sealed")
 
-    def __init__(self, owner: str, check_layout: LayoutCheck) -> None:
+    def __init__(
+        self,
+        owner: str,
+        check_layout: LayoutCheck,
+        check_scope: ScopeCheck | None = None,
+        derive: Derive | None = None,
+    ) -> None:
         self.owner = owner
         self._check_layout = check_layout
+        self._check_scope = check_scope
+        self._derive = derive
         self._kind = f"{owner}.post_sharding"
         #: the finalized layout (``None`` until a commit)
         self.sealed: SealedLayout | None = None
+        #: what ``derive`` computed from the seal (``None`` until a commit, or without ``derive``)
+        self.derived: object = None
 
     # -- IdentityBindable ---------------------------------------------------------------
 
@@ -95,14 +117,14 @@ class IdentityBinding:
         """Validate a request and stage the new groups and sealed layout; nothing is mutated.
 
         ``RuntimeError`` when already finalized; ``NotSupportedError`` when ``blockers`` (the
-        optimizer's reasons it is not pristine) are given, or for a ``scope`` (this role keeps
-        no state shared across processes); then ``plan_rebinding``'s errors.
+        optimizer's reasons it is not pristine) are given, or for a ``scope`` without
+        ``check_scope``; then ``plan_rebinding``'s errors and ``check_scope``'s.
         """
         if self.sealed is not None:
             raise RuntimeError(f"post_sharding: this {self.owner} is already finalized (its layout is sealed)")
         if blockers:
             raise NotSupportedError(FEATURE_POST_SHARDING, tuple(blockers))
-        if scope is not None:
+        if scope is not None and self._check_scope is None:
             raise NotSupportedError(
                 FEATURE_COLLECTIVE_SCOPE, (f"{self.owner} learns nothing collectively; it takes no scope",)
             )
@@ -111,11 +133,15 @@ class IdentityBinding:
             groups,
             rebindings,
             manifest=manifest,
-            scope=None,
+            scope=scope,
             name_of=compatibility_names(groups),
             check_layout=self._check_layout,
         )
-        payload = _StagedSeal(staged_groups(groups, plan), SealedLayout(plan, len(groups)))
+        if self._check_scope is not None:
+            self._check_scope(optimizer, plan)
+        sealed = SealedLayout(plan, len(groups))
+        derived = None if self._derive is None else self._derive(optimizer, sealed)
+        payload = _StagedSeal(staged_groups(groups, plan), sealed, derived)
         return StagedTransaction(optimizer, kind=self._kind, token=token, payload=payload)
 
     def commit(self, optimizer: Any, staged: StagedTransaction, *, token: Hashable) -> None:
@@ -127,7 +153,7 @@ class IdentityBinding:
         payload = require_transaction(staged).claim(optimizer, kind=self._kind, current_token=token)
         assert isinstance(payload, _StagedSeal)
         publish_binding(optimizer, payload.groups)
-        self.sealed = payload.sealed
+        self.sealed, self.derived = payload.sealed, payload.derived
 
     def manifest(self, optimizer: Any) -> ShardingManifest | None:
         """The finalized manifest (``None`` before ``post_sharding``); verifies the layout first."""
@@ -176,12 +202,16 @@ class IdentityBinding:
 
     def record(self) -> object:
         """The tensor-free record a pickled or deep-copied optimizer carries of its seal."""
-        return None if self.sealed is None else (self.sealed.manifest, self.sealed.slots)
+        return None if self.sealed is None else (self.sealed.manifest, self.sealed.slots, self.sealed.scope)
 
-    def restore(self, param_groups: Sequence[Mapping[str, Any]], record: object) -> None:
-        """Rebuild the seal of a copy from :meth:`record`, around the copy's own tensors."""
+    def restore(self, optimizer: Any, record: object) -> None:
+        """Rebuild the seal of a copy (``optimizer``) from :meth:`record`, around its own tensors."""
         if record is None:
-            self.sealed = None
+            self.sealed = self.derived = None
             return
-        manifest, slots = cast(tuple[ShardingManifest, Sequence[LogicalSlotBinding]], record)
-        self.sealed = SealedLayout(rebuilt_plan(param_groups, manifest, slots, None), len(param_groups))
+        manifest, slots, scope = cast(
+            tuple[ShardingManifest, Sequence[LogicalSlotBinding], "ProcessGroupBinding | None"], record
+        )
+        groups = optimizer.param_groups
+        self.sealed = SealedLayout(rebuilt_plan(groups, manifest, slots, scope), len(groups))
+        self.derived = None if self._derive is None else self._derive(optimizer, self.sealed)
