@@ -17,6 +17,7 @@ import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
 from gefen_contracts import StaleTransactionError
+from gefen_hybrid import CompositeOptimizer, ContractedAdamW
 from hybrid_models import TinyLlama, seeded, train
 from torch import nn
 from torch.optim import lr_scheduler
@@ -194,6 +195,77 @@ def test_grad_scaler_unscales_exactly_and_an_overflow_skips_the_whole_step(name:
     assert scaler.get_scale() == scale / 2
     assert all(torch.equal(a, b) for a, b in zip(parameters, model.parameters()))
     assert _same(state, optimizer.state_dict())  # neither half stepped
+
+
+def _scaled_fp16_step(model: nn.Module, step: int, scaler: torch.amp.GradScaler) -> None:
+    for parameter in model.parameters():
+        parameter.grad = None
+    scaler.scale(model.loss(step).float()).backward()
+
+
+@pytest.mark.parametrize("backup", ["gefen", "adamw"])
+def test_the_hybrid_takes_the_scalers_protocol_on_fp16_gradients_as_its_halves_do(backup: str) -> None:
+    # GradScaler refuses to unscale fp16 gradients itself: Gefen and GefenMuon take its optimizer
+    # protocol instead, and so must a hybrid of them (it refused every fp16 step)
+    model = seeded(TinyLlama).half()
+    twin = copy.deepcopy(model)
+    hybrid, control = _hybrid(model, backup), _hybrid(twin, backup)
+    scaler, control_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
+    if backup == "adamw":  # ContractedAdamW (unfused) does not take it: refused before either half steps
+        _scaled_fp16_step(model, 0, scaler)
+        parameters = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"unscale FP16 gradients.*'backup'"):
+            scaler.step(hybrid)
+        assert all(torch.equal(a, b) for a, b in zip(parameters, model.parameters()))
+        return
+    for step in range(3):  # the control steps each half through one scaler, as two optimizers
+        _scaled_fp16_step(model, step, scaler)
+        scaler.step(hybrid)
+        scaler.update()
+        _scaled_fp16_step(twin, step, control_scaler)
+        for child in control.child_optimizers().values():
+            control_scaler.step(child)
+        control_scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    _scaled_fp16_step(model, 3, scaler)
+    next(iter(hybrid.child_optimizers()["backup"].param_groups[0]["params"])).grad.reshape(-1)[0] = math.inf
+    parameters = [p.detach().clone() for p in model.parameters()]
+    scaler.step(hybrid)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(parameters, model.parameters()))  # neither half stepped
+    assert scaler.get_scale() == 2.0**9
+
+
+def test_a_child_outside_the_scalers_protocol_is_unscaled_by_the_composite_as_the_scaler_would() -> None:
+    # fp16 matrices (GefenMuon takes the protocol) and fp32 vectors (unfused AdamW does not):
+    # the composite does for the AdamW half what GradScaler does for it as its own optimizer
+    def build() -> tuple[list[nn.Parameter], list[nn.Parameter], torch.optim.Optimizer, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        matrices = [nn.Parameter(torch.randn(8, 8).half()) for _ in range(2)]
+        vectors = [nn.Parameter(torch.randn(8)) for _ in range(2)]
+        named_m = [(f"m{i}", p) for i, p in enumerate(matrices)]
+        named_v = [(f"v{i}", p) for i, p in enumerate(vectors)]
+        return matrices, vectors, GefenMuon(named_m, lr=1e-2), ContractedAdamW(named_v, lr=1e-2)
+
+    *params, muon, adamw = build()
+    composite = CompositeOptimizer({"muon": muon, "backup": adamw})
+    *control_params, control_muon, control_adamw = build()
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        gradients = [torch.randn(8, 8) for _ in range(2)] + [torch.randn(8) for _ in range(2)]
+        for group, scaler in zip((params, control_params), scalers):
+            scale = scaler.scale(torch.ones(())).item()
+            for parameter, gradient in zip([*group[0], *group[1]], gradients):
+                parameter.grad = (gradient * scale).to(parameter.dtype)
+        scalers[0].step(composite)
+        scalers[1].step(control_muon)
+        scalers[1].step(control_adamw)
+        for scaler in scalers:
+            scaler.update()
+    mine = [p for group in params for p in group]
+    theirs = [p for group in control_params for p in group]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
 def _same(a: object, b: object) -> bool:

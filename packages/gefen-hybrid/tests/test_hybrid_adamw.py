@@ -230,6 +230,20 @@ def test_load_takes_hyperparameters_and_extras_keeps_execution_flags_and_never_a
     assert loaded["state"][0]["exp_avg"].data_ptr() != saved["state"][0]["exp_avg"].data_ptr()
 
 
+@pytest.mark.parametrize("rate", ["lr", "betas"])
+def test_a_tensor_rate_is_refused_by_a_foreach_load_that_could_not_step_it(rate: str) -> None:
+    # the execution flags stay this process's, so a checkpoint's tensor rate meets foreach=True,
+    # which preflight_step (as torch's foreach step) refuses: refuse the load, not every step
+    rates = {"lr": torch.tensor(1e-3)} if rate == "lr" else {"betas": (torch.tensor(0.9), torch.tensor(0.999))}
+    source_model = _model(0)
+    source = ContractedAdamW(_groups(source_model), **rates)  # type: ignore[arg-type]
+    _train(source_model, source, 2)
+    _refused(source.state_dict(), f"checkpoint's {rate} hold tensors.*foreach=False", foreach=True)
+    capturable_model, capturable = _trained(1, foreach=False)
+    capturable.load_state_dict(source.state_dict())  # the same checkpoint loads and steps without foreach
+    _train(capturable_model, capturable, 1, start=5)
+
+
 def test_resume_is_bit_exact_through_a_weights_only_file() -> None:
     model, optimizer = _trained()
     buffer = io.BytesIO()

@@ -188,7 +188,7 @@ class ContractedAdamW(torch.optim.AdamW):
         super().__setstate__(state)
         self.__dict__.setdefault("_version", 0)
         self._identity_binding = IdentityBinding("ContractedAdamW", _check_layout)
-        self._identity_binding.restore(self.param_groups, record)
+        self._identity_binding.restore(self, record)
 
     # -- ContractProvider ----------------------------------------------------------------
 

@@ -102,6 +102,12 @@ def stage_adamw_state(live_groups: Sequence[Mapping[str, Any]], state_dict: obje
     return StagedAdamWState(tuple(groups), state)
 
 
+def _holds_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+    )
+
+
 def _stage_group(
     index: int,
     saved: object,
@@ -150,6 +156,15 @@ def _stage_group(
         allowed = (bool, type(None)) if flag in ("foreach", "fused") else (bool,)
         if type(value) not in allowed:
             _fail(f"{where} option {flag!r} must be {' or '.join(t.__name__ for t in allowed)}, got {value!r}")
+    if live["foreach"] and not live["capturable"]:
+        # the execution flags stay this process's: a tensor rate from the checkpoint would load
+        # into a group that preflight_step (and torch's foreach step) then refuses
+        tensors = [key for key in ("lr", "betas") if _holds_tensor(staged[key])]
+        if tensors:
+            _fail(
+                f"{where}: the checkpoint's {' and '.join(tensors)} hold tensors, which foreach=True takes only with "
+                "capturable=True; build this ContractedAdamW with foreach=False (or None) or capturable=True to load it"
+            )
     extras = {
         key: _copy_extra(value, f"{where} key {key!r}")
         for key, value in saved.items()

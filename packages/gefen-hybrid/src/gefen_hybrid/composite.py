@@ -38,6 +38,7 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
 from torch import nn
 
+from . import composite_amp as amp
 from . import composite_binding as binding
 from . import composite_checkpoint as checkpoint
 from .composite_binding import ChangeCounter
@@ -109,7 +110,9 @@ class CompositeOptimizer(torch.optim.Optimizer):
       ``StagedNativeLoad``: both halves are validated and staged before either is published.
     * ``param_groups`` is a new list of the children's live group dicts on every access
       (muon groups first), so schedulers keep each child's lr ratio.
-    * GradScaler unscales through ``param_groups`` and skips the whole step on overflow.
+    * GradScaler unscales through ``param_groups`` and skips the whole step on overflow; when
+      a child takes the scaler's optimizer protocol (Gefen and GefenMuon with fp16 gradients),
+      the composite takes it and passes it on (:mod:`gefen_hybrid.composite_amp`).
     * ``post_sharding`` validates one request against both children, partitions it by the
       routing, prepares every child before committing any (a child that refuses leaves both
       untouched) and seals the composite; afterwards routing is by canonical FQN.
@@ -124,7 +127,10 @@ class CompositeOptimizer(torch.optim.Optimizer):
       ``load_portable_dcp``), which stage every child before one vote.
     """
 
-    _step_supports_amp_scaling = False
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # any child that takes the scaler's protocol (fp16 gradients) makes the composite take it
+        return amp.supports_amp_scaling(child for _, child in self._children)
 
     def __init__(
         self,
@@ -374,6 +380,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
                     )
                     raise
             offset += len(child.param_groups)
+        amp.check_scalable(self, self._children)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Pre-hooks, closure (once, under ``enable_grad``), preflight, vote, then each child's step.
@@ -400,7 +407,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 error = exc
             vote_failure(groups, STEP_PHASE, error)
             for _, child in self._children:
-                child.step()
+                amp.step_child(self, child)
             for post_hook in list(self._optimizer_step_post_hooks.values()):
                 post_hook(self, args, kwargs)
         return loss
