@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 from gefen_contracts import ContractError, ContractTypeError, StaleTransactionError
@@ -72,3 +74,17 @@ def test_kernel_plugins_report_what_they_could_not_serve_and_never_raise() -> No
     assert reports[1].reason("cuda") == "CUDA is not available" and reports[1].reason("cpu") is None
     assert reports[2].reason("cpu") == "ImportError: missing library"
     assert reports[3].error is not None and "mapping" in reports[3].error
+
+
+def test_import_attribute_finds_a_module_in_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `pytest --gefen-conformance MODULE:FACTORY` runs the `pytest` script, which (unlike
+    # `python -m`) does not put the current directory on sys.path: the spec was not found
+    from gefen_contracts.testing import import_attribute
+
+    (tmp_path / "cwd_factory_module.py").write_text("def factory():\n    return 'found'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_factory_module", raising=False)
+    assert import_attribute("cwd_factory_module:factory")() == "found"

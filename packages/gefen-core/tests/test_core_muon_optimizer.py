@@ -168,7 +168,7 @@ def test_add_param_group_validates_everything_before_registering() -> None:
     assert torch.equal(opt.codebook, frozen)  # type: ignore[arg-type]  # learned once, then frozen
 
 
-@pytest.mark.parametrize("adjust", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("adjust", [None, "original", "match_rms_adamw", "spectral_unclamped"])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("shape", [(12, 40), (40, 12)])
 def test_first_step_is_decay_then_scaled_newton_schulz_of_the_quantized_momentum(
@@ -192,13 +192,15 @@ def test_first_step_is_decay_then_scaled_newton_schulz_of_the_quantized_momentum
     expected.mul_(1 - lr * wd).add_(update, alpha=-(lr * lr_ratio(adjust, *shape)))
     assert torch.equal(p.detach(), expected)
     rows, cols = shape
-    assert lr_ratio(adjust, rows, cols) == pytest.approx(
-        0.2 * max(rows, cols) ** 0.5 if adjust == "match_rms_adamw" else max(1.0, rows / cols) ** 0.5
-    )
+    expected_ratio = {"match_rms_adamw": 0.2 * max(rows, cols) ** 0.5, "spectral_unclamped": (rows / cols) ** 0.5}
+    assert lr_ratio(adjust, rows, cols) == pytest.approx(expected_ratio.get(str(adjust), max(1.0, rows / cols) ** 0.5))
     torch.testing.assert_close(decoded, grad * (1 - beta), rtol=0, atol=float(grad.abs().max()) * (1 - beta) * 0.02)
 
 
-@pytest.mark.parametrize("options", [{}, {"nesterov": False}, {"adjust_lr_fn": "match_rms_adamw"}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"nesterov": False}, {"adjust_lr_fn": "match_rms_adamw"}, {"adjust_lr_fn": "spectral_unclamped"}],
+)
 def test_training_follows_torch_muon_within_the_codec_error(options: dict[str, Any]) -> None:
     movements = []
     for make in (
@@ -417,7 +419,7 @@ def test_verbose_logs_the_step_choices(caplog: pytest.LogCaptureFixture) -> None
     assert "learned the codebook" in text and "batched NS (8, 8): chunks [8]" in text
 
 
-@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
 def test_matrices_without_rows_or_columns_step_with_the_others(adjust_lr_fn: str | None) -> None:
     """An ``8 x 0`` or ``0 x 8`` matrix (a disabled adapter) has nothing to update; the other
     matrices of the step update as without it (Muon's ``sqrt(rows / cols)`` must not divide by

@@ -49,6 +49,8 @@ def test_the_reader_reads_what_torch_reads(tmp_path: Path) -> None:
     assert ours.state_dict_metadata == theirs.state_dict_metadata
     assert ours.storage_data == theirs.storage_data
     assert ours.planner_data == theirs.planner_data
+    folder = read_dcp_metadata(tmp_path)  # the checkpoint folder, as the file-system reader takes it
+    assert folder.state_dict_metadata == theirs.state_dict_metadata
 
 
 def test_small_items_are_read_whole_and_large_ones_through_torchs_view(tmp_path: Path) -> None:

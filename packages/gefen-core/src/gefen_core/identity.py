@@ -43,12 +43,10 @@ from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.manifest import ShardingManifest
 from gefen_contracts.rebinding import ParameterRebinding
 from gefen_contracts.torch_support import (
-    IDENTITY_KEY,
     IdentityBinding,
     ProcessGroupBinding,
     RebindingPlan,
     SealedLayout,
-    identity_guard,
     state_version_token,
     tensor_digest,
 )
@@ -74,7 +72,6 @@ __all__ = [
     "identity_binding",
     "scope_fingerprint",
     "verify_layout",
-    "with_identity_guard",
 ]
 
 
@@ -163,15 +160,7 @@ def verify_layout(optimizer: Any, where: str) -> None:
 def bound_layout(optimizer: Any) -> SealedLayout | None:
     """The sealed layout the transports (portable state) read; ``None`` before
     ``post_sharding`` (the implicit layout: one replicated shard per named parameter)."""
-    identity = optimizer._identity
-    return None if identity is None else identity.sealed
-
-
-def with_identity_guard(optimizer: Any, native: dict[str, Any]) -> dict[str, Any]:
-    """A native state dict the transports built for the live layout, with the live
-    shard-identity guard when bound (the transport matched every slot by shard identity)."""
-    identity = optimizer._identity
-    return native if identity is None else {**native, IDENTITY_KEY: identity_guard(identity.sealed)}
+    return optimizer._identity_binding.sealed  # type: ignore[no-any-return]
 
 
 def _identity_freshness(optimizer: Any) -> Hashable:

@@ -103,8 +103,9 @@ class GefenMuon(
         ns_coefficients, ns_steps, eps: the Newton-Schulz quintic, its repetitions and the floor
             of the input normalisation (an explicit list of triples is a schedule).
         ns_schedule: ``None``/``"standard"``, ``"tuned3"``, ``"tuned4"`` or a list of triples.
-        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``) or
-            ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``).
+        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, rows/cols))``),
+            ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``) or ``"spectral_unclamped"``
+            (``sqrt(rows/cols)``), as ``torch.optim.Muon`` has them.
         fused: ``None`` runs the kernels registered for the parameters' device (else the reference),
             ``True`` requires one, ``False`` always runs the PyTorch reference.
         sharded_mode: ``"exact"``, ``"approx"`` or ``"distributed"`` for FSDP2 ``Shard(0)``

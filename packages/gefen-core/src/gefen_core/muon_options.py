@@ -15,6 +15,7 @@ Newton-Schulz options are normalised as the reference does: a named schedule oth
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
@@ -42,7 +43,7 @@ __all__ = [
     "normalize_muon_options",
 ]
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 SHARDED_MODES = ("exact", "approx", "distributed")
 
 #: Every per-group option and its default.
@@ -203,11 +204,14 @@ def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
 
     ``None`` / ``"original"``: ``sqrt(max(1, rows / cols))`` (Muon's own scaling);
     ``"match_rms_adamw"``: ``0.2 * sqrt(max(rows, cols))`` (the update RMS of AdamW, so an
-    AdamW learning rate transfers).
+    AdamW learning rate transfers); ``"spectral_unclamped"``: ``sqrt(rows / cols)`` (Bernstein's
+    scaling, as ``torch.optim.Muon`` computes it).
     """
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         # a matrix without columns has no elements to update: any finite ratio will do
         return float(max(1.0, rows / cols) ** 0.5) if cols else 1.0
     if adjust_lr_fn == "match_rms_adamw":
         return float(0.2 * max(rows, cols) ** 0.5)
+    if adjust_lr_fn == "spectral_unclamped":
+        return math.sqrt(rows / cols) if cols else 1.0
     raise GefenOptionError(f"adjust_lr_fn must be one of {list(ADJUST_LR_FNS)}, got {adjust_lr_fn!r}")

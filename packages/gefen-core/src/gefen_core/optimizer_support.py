@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
-from gefen_contracts.torch_support import split_identity_guard
 from gefen_contracts.transactions import StagedTransaction
 
-from .identity import bound_layout, pickled_identity, restore_identity, verify_layout, with_identity_guard
+from .identity import pickled_identity, restore_identity, verify_layout
 
 __all__ = [
     "NativeCheckpoint",
@@ -149,13 +148,13 @@ class NativeCheckpoint:
     def state_dict(self, optimizer: Any) -> dict[str, Any]:
         def build() -> dict[str, Any]:
             verify_layout(optimizer, "state_dict")
-            return with_identity_guard(optimizer, self.export(optimizer))
+            return optimizer._identity_binding.guard(self.export(optimizer))  # type: ignore[no-any-return]
 
         return export_with_hooks(optimizer, build)
 
     def stage_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> StagedTransaction:
         verify_layout(optimizer, "load_state_dict")
-        payload = self.stage(optimizer, split_identity_guard(state_dict, bound_layout(optimizer)))  # type: ignore[arg-type]
+        payload = self.stage(optimizer, optimizer._identity_binding.unguard(state_dict))
         return StagedTransaction(optimizer, kind=self.kind, token=_staleness_token(optimizer), payload=payload)
 
     def commit_staged_state_dict(self, optimizer: Any, staged: StagedTransaction) -> None:

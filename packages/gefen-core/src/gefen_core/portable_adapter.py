@@ -58,7 +58,7 @@ from gefen_contracts.transactions import StagedTransaction, require_transaction
 
 from .distributed import is_dtensor
 from .gefen_exchange import PRISTINE
-from .identity import bound_layout, verify_layout, with_identity_guard
+from .identity import bound_layout, verify_layout
 from .transport_records import check_common, check_policy, portable_common, portable_policy
 from .transport_slots import require_feature
 
@@ -179,7 +179,8 @@ class PortableRole:
             pairs.append((slot, record))
         native = self.native_from_records(optimizer, global_step, codebook, pairs)
         try:
-            inner = optimizer.stage_state_dict(with_identity_guard(optimizer, native))
+            # the transport matched every slot by shard identity: the live guard is the right one
+            inner = optimizer.stage_state_dict(optimizer._identity_binding.guard(native))
         except StateValidationError as exc:
             raise self._fail(str(exc)) from None
         return StagedTransaction(optimizer, kind=self._import_kind, token=optimizer._version, payload=inner)

@@ -104,7 +104,8 @@ def read_dcp_metadata(
     source: str | os.PathLike[str] | bytes, *, max_bytes: int = DEFAULT_MAX_METADATA_BYTES
 ) -> Metadata:
     """DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` from a ``.metadata``
-    file (or its bytes), read through the three gates of the module docstring.
+    file, a checkpoint folder (its ``.metadata``, as ``GefenFileSystemReader`` takes it) or the
+    file's bytes, read through the three gates of the module docstring.
 
     Raises :class:`~gefen_dcp.MetadataFormatError` for a file over ``max_bytes``, a
     malformed pickle, a class outside the allow-list, or a result that is not ``Metadata``.
@@ -118,6 +119,8 @@ def read_dcp_metadata(
         data = source
     else:
         where = os.fspath(source)
+        if os.path.isdir(where):
+            where = os.path.join(where, ".metadata")
         with open(where, "rb") as stream:
             size = os.fstat(stream.fileno()).st_size
             if size > max_bytes:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +58,17 @@ class ConformanceTarget:
 def import_attribute(spec: str) -> Any:
     """The object ``"MODULE:ATTRIBUTE"`` names (``ATTRIBUTE`` may be dotted).
 
-    ``ValueError`` for a spec that is not of that form; the import's own ``ImportError`` or
+    The current directory is importable, as for ``python -m``, so a module next to the user's
+    script is found by ``gefen conformance``, ``pytest --gefen-conformance`` (whose ``pytest``
+    script does not put it on ``sys.path``) and the kit's rank processes alike. ``ValueError``
+    for a spec that is not of that form; the import's own ``ImportError`` or
     ``AttributeError`` otherwise (callers turn them into their usage errors).
     """
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise ValueError(f"expected MODULE:ATTRIBUTE, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     obj: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
         obj = getattr(obj, part)

@@ -31,7 +31,7 @@ def register(sub: Any) -> None:
         description=(
             "For each task and optimizer: sweep the task's learning-rate grid (shared by every optimizer) at the sweep "
             "seeds and choose the rate with the lowest mean validation loss, then train the next N seeds at that rate "
-            "and report the mean held-out test loss, the paired per-seed loss ratio to AdamW with its 95 %% interval, "
+            "and report the mean held-out test loss, the paired per-seed loss ratio to AdamW with its 95 % interval, "
             "and the best-LR ratio. 'ladder' in --optimizers adds every rung of the quality ladder. About 2.5 hours on 2 CPU cores "
             "with the defaults; word-medium (the long task) alone takes longer."
         ),

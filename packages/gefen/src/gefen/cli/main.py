@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -58,10 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the exit status is the command's (2 for a usage error).
 
-    The current directory is importable, as for ``python -m``, so ``MODULE:FUNCTION`` finds a
-    module next to the user's script without ``PYTHONPATH=.``."""
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    ``MODULE:FUNCTION`` arguments resolve through ``gefen_contracts.testing.import_attribute``,
+    which makes the current directory importable (a module next to the user's script is found
+    without ``PYTHONPATH=.``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
