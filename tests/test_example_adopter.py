@@ -3,6 +3,9 @@ adopters copy it."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from gefen_contracts import StateValidationError
@@ -25,3 +28,20 @@ def test_the_example_adopter_loads_a_checkpoint_with_a_schedulers_group_key() ->
     saved["param_groups"][0].pop("momentum")
     with pytest.raises(StateValidationError, match="must hold 'params' and the options"):
         target.load_state_dict(saved)
+
+
+def test_a_copy_of_the_example_adopter_steps_as_the_original_does() -> None:
+    # torch's __getstate__ keeps defaults, state and groups only: the copy lacked its counter
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = ContractedSGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    for duplicate in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
+        twin_model, twin = duplicate((model, optimizer))
+        for m, o in ((model, optimizer), (twin_model, twin)):
+            o.zero_grad()
+            m(torch.ones(4, 3)).sum().backward()
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+        twin_model.load_state_dict(model.state_dict())

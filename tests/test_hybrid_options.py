@@ -137,7 +137,7 @@ def test_no_decay_substrings_are_checked_when_nothing_goes_to_the_backup() -> No
 def test_lr_is_required_and_muon_native_scaling_warns() -> None:
     with pytest.raises(TypeError, match="lr"):
         GefenMuonHybrid(seeded(TinyLlama))  # type: ignore[call-arg]
-    for adjust in (None, "original"):
+    for adjust in (None, "original", "spectral_unclamped"):
         with pytest.warns(UserWarning, match="mis-scales an AdamW-scale learning rate"):
             GefenMuonHybrid(seeded(TinyLlama), lr=LR, adjust_lr_fn=adjust)
     with warnings.catch_warnings():

@@ -236,36 +236,60 @@ def test_the_hybrid_takes_the_scalers_protocol_on_fp16_gradients_as_its_halves_d
     assert scaler.get_scale() == 2.0**9
 
 
-def test_a_child_outside_the_scalers_protocol_is_unscaled_by_the_composite_as_the_scaler_would() -> None:
-    # fp16 matrices (GefenMuon takes the protocol) and fp32 vectors (unfused AdamW does not):
-    # the composite does for the AdamW half what GradScaler does for it as its own optimizer
-    def build() -> tuple[list[nn.Parameter], list[nn.Parameter], torch.optim.Optimizer, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        matrices = [nn.Parameter(torch.randn(8, 8).half()) for _ in range(2)]
-        vectors = [nn.Parameter(torch.randn(8)) for _ in range(2)]
-        named_m = [(f"m{i}", p) for i, p in enumerate(matrices)]
-        named_v = [(f"v{i}", p) for i, p in enumerate(vectors)]
-        return matrices, vectors, GefenMuon(named_m, lr=1e-2), ContractedAdamW(named_v, lr=1e-2)
+Halves = tuple[list[nn.Parameter], list[nn.Parameter], GefenMuon, ContractedAdamW]
 
-    *params, muon, adamw = build()
-    composite = CompositeOptimizer({"muon": muon, "backup": adamw})
-    *control_params, control_muon, control_adamw = build()
+
+def _fp16_muon_fp32_adamw() -> Halves:
+    # fp16 matrices (GefenMuon takes the scaler's protocol) and fp32 vectors (unfused AdamW does not)
+    torch.manual_seed(0)
+    matrices = [nn.Parameter(torch.randn(8, 8).half()) for _ in range(2)]
+    vectors = [nn.Parameter(torch.randn(8)) for _ in range(2)]
+    named_m = [(f"m{i}", p) for i, p in enumerate(matrices)]
+    named_v = [(f"v{i}", p) for i, p in enumerate(vectors)]
+    return matrices, vectors, GefenMuon(named_m, lr=1e-2), ContractedAdamW(named_v, lr=1e-2)
+
+
+def _scaled_gradients(halves: Halves, scaler: torch.amp.GradScaler, step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    scale = scaler.scale(torch.ones(())).item()
+    for parameter in [*halves[0], *halves[1]]:
+        parameter.grad = (torch.randn(parameter.shape, generator=generator) * scale).to(parameter.dtype)
+
+
+def test_a_child_outside_the_scalers_protocol_is_unscaled_by_the_composite_as_the_scaler_would() -> None:
+    # the composite does for the AdamW half what GradScaler does for it as its own optimizer
+    mine, control = _fp16_muon_fp32_adamw(), _fp16_muon_fp32_adamw()
+    composite = CompositeOptimizer({"muon": mine[2], "backup": mine[3]})
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     for step in range(3):
-        torch.manual_seed(100 + step)
-        gradients = [torch.randn(8, 8) for _ in range(2)] + [torch.randn(8) for _ in range(2)]
-        for group, scaler in zip((params, control_params), scalers):
-            scale = scaler.scale(torch.ones(())).item()
-            for parameter, gradient in zip([*group[0], *group[1]], gradients):
-                parameter.grad = (gradient * scale).to(parameter.dtype)
+        _scaled_gradients(mine, scalers[0], step)
+        _scaled_gradients(control, scalers[1], step)
         scalers[0].step(composite)
-        scalers[1].step(control_muon)
-        scalers[1].step(control_adamw)
+        scalers[1].step(control[2])
+        scalers[1].step(control[3])
         for scaler in scalers:
             scaler.update()
-    mine = [p for group in params for p in group]
-    theirs = [p for group in control_params for p in group]
-    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert all(torch.equal(a, b) for a, b in zip([*mine[0], *mine[1]], [*control[0], *control[1]]))
+
+
+def test_a_refused_scaled_step_leaves_no_scale_behind_for_the_retry() -> None:
+    # GradScaler removes grad_scale/found_inf only after step() returns and multiplies a leftover
+    # grad_scale into the next step's: a refused composite step must drop them
+    refused, clean = _fp16_muon_fp32_adamw(), _fp16_muon_fp32_adamw()
+    optimizers = [CompositeOptimizer({"muon": h[2], "backup": h[3]}) for h in (refused, clean)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    _scaled_gradients(refused, scalers[0], 0)
+    refused[3].param_groups[0]["lr"] = None  # the preflight refuses the step, nothing changes
+    with pytest.raises(TypeError, match="lr"):
+        scalers[0].step(optimizers[0])
+    assert not hasattr(optimizers[0], "grad_scale") and not hasattr(optimizers[0], "found_inf")
+    refused[3].param_groups[0]["lr"] = 1e-2
+    scalers[1].scale(torch.ones(()))  # the clean run's scaler starts where the refused one did
+    for halves, optimizer, scaler in zip((refused, clean), optimizers, scalers):
+        scaler.update(2.0**8)  # the same scale for both (and a fresh per-optimizer state)
+        _scaled_gradients(halves, scaler, 1)
+        scaler.step(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip([*refused[0], *refused[1]], [*clean[0], *clean[1]]))
 
 
 def _same(a: object, b: object) -> bool:

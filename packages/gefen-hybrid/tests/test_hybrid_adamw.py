@@ -238,10 +238,32 @@ def test_a_tensor_rate_is_refused_by_a_foreach_load_that_could_not_step_it(rate:
     source_model = _model(0)
     source = ContractedAdamW(_groups(source_model), **rates)  # type: ignore[arg-type]
     _train(source_model, source, 2)
-    _refused(source.state_dict(), f"checkpoint's {rate} hold tensors.*foreach=False", foreach=True)
+    _refused(source.state_dict(), f"checkpoint holds {rate} as tensors.*foreach=False", foreach=True)
     capturable_model, capturable = _trained(1, foreach=False)
     capturable.load_state_dict(source.state_dict())  # the same checkpoint loads and steps without foreach
     _train(capturable_model, capturable, 1, start=5)
+
+
+def test_foreach_none_is_judged_as_torch_resolves_it_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU twin of CUDA parameters: torch's default turns foreach on for them (and back off
+    # for a tensor lr without capturable, but not for tensor betas)
+    source_model = _model(0)
+    source = ContractedAdamW(_groups(source_model), betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    _train(source_model, source, 2)
+    tensor_lr_model = _model(0)
+    tensor_lr = ContractedAdamW(_groups(tensor_lr_model), lr=torch.tensor(1e-3))
+    _train(tensor_lr_model, tensor_lr, 2)
+    import torch.optim.optimizer as torch_optimizer
+
+    monkeypatch.setattr(torch_optimizer, "_default_to_fused_or_foreach", lambda *args, **kwargs: (False, True))
+    _refused(source.state_dict(), "checkpoint holds betas as tensors.*foreach=False")  # foreach=None
+    _, optimizer = _trained(1)
+    optimizer.load_state_dict(tensor_lr.state_dict())  # torch runs a tensor lr single-tensor: it steps
+    optimizer.preflight_step()
+    optimizer.param_groups[0]["lr"] = 1e-3  # a float lr: torch keeps the multi-tensor path
+    optimizer.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    with pytest.raises(ValueError, match="beta1 as a Tensor"):  # refused before any group steps
+        optimizer.preflight_step()
 
 
 def test_resume_is_bit_exact_through_a_weights_only_file() -> None:

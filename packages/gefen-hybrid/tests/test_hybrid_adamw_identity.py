@@ -440,6 +440,18 @@ def test_a_copy_of_a_finalized_optimizer_stays_sealed(duplicate: Any) -> None:
     assert _equal(model, twin_model)
 
 
+def test_a_pickle_written_before_the_record_carried_a_scope_still_loads_sealed() -> None:
+    # ContractedAdamW pickled its seal as (manifest, slots) before IdentityBinding added the scope
+    model, optimizer = _bound()
+    state = optimizer.__getstate__()
+    state["_identity_record"] = state["_identity_record"][:2]
+    older = pickle.loads(pickle.dumps((model, state)))
+    twin = ContractedAdamW.__new__(ContractedAdamW)
+    twin.__setstate__(older[1])
+    assert twin.sharding_manifest() == optimizer.sharding_manifest()
+    assert [shard for _, shard in twin.shard_bindings()] == [shard for _, shard in optimizer.shard_bindings()]
+
+
 def test_a_loaded_checkpoint_without_state_for_some_parameters_still_steps() -> None:
     model, optimizer = _bound()
     optimizer.zero_grad()

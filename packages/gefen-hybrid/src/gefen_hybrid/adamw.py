@@ -45,7 +45,7 @@ from .adamw_canonical import export_adamw_document, native_state_from_document
 from .adamw_contract import FRESH_READINESS, AdamWReadiness, adamw_contract
 from .adamw_portable import portable_blockers
 from .adamw_records import NOT_OPTIONS
-from .adamw_state import StagedAdamWState, is_rate, stage_adamw_state
+from .adamw_state import StagedAdamWState, is_rate, runs_foreach, stage_adamw_state
 from .tensor_checks import is_dtensor
 
 __all__ = ["ContractedAdamW"]
@@ -266,7 +266,7 @@ class ContractedAdamW(torch.optim.AdamW):
         capturable_devices = _get_capturable_supported_devices()
         for index, group in enumerate(self.param_groups):
             _check_option_types(group, index)
-            if group["foreach"] and not group["capturable"]:
+            if not group["capturable"] and runs_foreach(group, group["lr"]):
                 # torch's multi-tensor Adam refuses these only after stepping the groups before
                 if isinstance(group["lr"], torch.Tensor):
                     raise RuntimeError("lr as a Tensor is not supported for capturable=False and foreach=True")

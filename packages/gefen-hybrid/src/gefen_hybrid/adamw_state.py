@@ -33,7 +33,15 @@ from gefen_contracts.torch_support import share_options, shared_tensor_options
 
 from .tensor_checks import is_dtensor, local_tensor, same_placement, tensor_kind
 
-__all__ = ["EXECUTION_FLAGS", "HYPERPARAMETERS", "MATH_FLAGS", "StagedAdamWState", "stage_adamw_state"]
+__all__ = [
+    "EXECUTION_FLAGS",
+    "HYPERPARAMETERS",
+    "MATH_FLAGS",
+    "StagedAdamWState",
+    "runs_foreach",
+    "stage_adamw_state",
+    "tensor_rate_refusal",
+]
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 MATH_FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
@@ -108,6 +116,31 @@ def _holds_tensor(value: object) -> bool:
     )
 
 
+def runs_foreach(group: Mapping[str, Any], lr: object) -> bool:
+    """Whether torch's AdamW runs this group's multi-tensor path with ``lr``: ``foreach=True``,
+    or neither flag set where torch defaults to it (CUDA parameters), unless ``lr`` is a tensor
+    and ``capturable=False`` (then torch falls back to the single-tensor loop)."""
+    if group["foreach"] is not None or group["fused"] is not None:
+        return bool(group["foreach"])
+    from torch.optim import optimizer as torch_optimizer  # looked up per call: its device rule
+
+    _, foreach = torch_optimizer._default_to_fused_or_foreach(list(group["params"]), False, use_fused=False)
+    return bool(foreach) and not (isinstance(lr, torch.Tensor) and not group["capturable"])
+
+
+def tensor_rate_refusal(group: Mapping[str, Any], lr: object, betas: object) -> str | None:
+    """Why torch's multi-tensor AdamW would refuse these rates for ``group`` (``None``: it takes them)."""
+    if group["capturable"] or not runs_foreach(group, lr):
+        return None
+    tensors = [key for key, value in (("lr", lr), ("betas", betas)) if _holds_tensor(value)]
+    if not tensors:
+        return None
+    return (
+        f"{' and '.join(tensors)} as tensors, which torch's multi-tensor (foreach) AdamW takes only with "
+        "capturable=True"
+    )
+
+
 def _stage_group(
     index: int,
     saved: object,
@@ -156,15 +189,14 @@ def _stage_group(
         allowed = (bool, type(None)) if flag in ("foreach", "fused") else (bool,)
         if type(value) not in allowed:
             _fail(f"{where} option {flag!r} must be {' or '.join(t.__name__ for t in allowed)}, got {value!r}")
-    if live["foreach"] and not live["capturable"]:
-        # the execution flags stay this process's: a tensor rate from the checkpoint would load
-        # into a group that preflight_step (and torch's foreach step) then refuses
-        tensors = [key for key in ("lr", "betas") if _holds_tensor(staged[key])]
-        if tensors:
-            _fail(
-                f"{where}: the checkpoint's {' and '.join(tensors)} hold tensors, which foreach=True takes only with "
-                "capturable=True; build this ContractedAdamW with foreach=False (or None) or capturable=True to load it"
-            )
+    # the execution flags stay this process's: a tensor rate from the checkpoint would load into
+    # a group that preflight_step (and torch's foreach step) then refuses
+    refusal = tensor_rate_refusal(live, staged["lr"], staged["betas"])
+    if refusal is not None:
+        _fail(
+            f"{where}: the checkpoint holds {refusal}; build this ContractedAdamW with foreach=False or "
+            "capturable=True to load it"
+        )
     extras = {
         key: _copy_extra(value, f"{where} key {key!r}")
         for key, value in saved.items()

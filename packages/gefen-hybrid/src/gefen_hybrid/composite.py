@@ -392,24 +392,28 @@ class CompositeOptimizer(torch.optim.Optimizer):
         """
         args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            groups = step_vote_groups([child for _, child in self._children])
-            loss = None
-            error: Exception | None = None
-            try:
-                args, kwargs = self._run_step_pre_hooks(args, kwargs)
-                step_closure = _closure_of(args, kwargs)
-                if step_closure is not None:
-                    with torch.enable_grad():
-                        loss = step_closure()
-                self.preflight_step()
-            except Exception as exc:
-                error = exc
-            vote_failure(groups, STEP_PHASE, error)
-            for _, child in self._children:
-                amp.step_child(self, child)
-            for post_hook in list(self._optimizer_step_post_hooks.values()):
-                post_hook(self, args, kwargs)
+        try:
+            with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+                groups = step_vote_groups([child for _, child in self._children])
+                loss = None
+                error: Exception | None = None
+                try:
+                    args, kwargs = self._run_step_pre_hooks(args, kwargs)
+                    step_closure = _closure_of(args, kwargs)
+                    if step_closure is not None:
+                        with torch.enable_grad():
+                            loss = step_closure()
+                    self.preflight_step()
+                except Exception as exc:
+                    error = exc
+                vote_failure(groups, STEP_PHASE, error)
+                for _, child in self._children:
+                    amp.step_child(self, child)
+                for post_hook in list(self._optimizer_step_post_hooks.values()):
+                    post_hook(self, args, kwargs)
+        except BaseException:
+            amp.forget_scaler_state(self)  # else a retry is unscaled by the product of two scales
+            raise
         return loss
 
     def _run_step_pre_hooks(

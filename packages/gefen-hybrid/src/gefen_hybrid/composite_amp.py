@@ -10,7 +10,9 @@ it on (:func:`step_child`): a child that advertises it gets the two attributes f
 step; for one that does not, the composite does what the scaler would have done for that
 child alone (the scaler's unscale op, and no step on overflow). fp16 gradients of a child
 that does not advertise the protocol are refused before any child steps
-(:func:`check_scalable`), with the scaler's own error.
+(:func:`check_scalable`), with the scaler's own error. The scaler removes the two attributes
+only after ``step()`` returns, and multiplies a ``grad_scale`` it finds into the next one, so
+a refused step drops them (:func:`forget_scaler_state`): a retry is unscaled once, not twice.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_scalable", "step_child", "supports_amp_scaling"]
+__all__ = ["check_scalable", "forget_scaler_state", "step_child", "supports_amp_scaling"]
 
 _ATTRIBUTES = ("grad_scale", "found_inf")
 
@@ -49,6 +51,12 @@ def check_scalable(composite: Any, children: Sequence[tuple[str, Any]]) -> None:
                 f"Attempting to unscale FP16 gradients: the {role!r} child ({type(child).__name__}) does not take "
                 "the gradient scaler's optimizer protocol, and the scaler refuses to unscale fp16 gradients for it"
             )
+
+
+def forget_scaler_state(composite: Any) -> None:
+    """Drop what the scaler set on ``composite`` for a step that raised (nothing else does)."""
+    for name in _ATTRIBUTES:
+        composite.__dict__.pop(name, None)
 
 
 def step_child(composite: Any, child: Any) -> None:

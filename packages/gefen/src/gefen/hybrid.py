@@ -214,7 +214,7 @@ class GefenMuonHybrid(CompositeOptimizer):
 
         muon_named = routed.for_role(ROLE_MUON)
         backup_named = routed.for_role(ROLE_BACKUP)
-        if muon_named and adjust_lr_fn in (None, "original"):
+        if muon_named and adjust_lr_fn in (None, "original", "spectral_unclamped"):
             warnings.warn(
                 f"GefenMuonHybrid(adjust_lr_fn={adjust_lr_fn!r}) uses Muon-native update scaling, which mis-scales an "
                 "AdamW-scale learning rate shared with the backup; use adjust_lr_fn='match_rms_adamw' (the default) "

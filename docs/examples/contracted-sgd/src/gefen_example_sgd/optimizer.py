@@ -39,6 +39,11 @@ class ContractedSGD(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self._version = 0
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch pickles (and deep-copies) only defaults, state and groups: a copy counts anew
+        super().__setstate__(state)
+        self._version = 0
+
     def optimizer_contract(self) -> OptimizerContract:
         return CONTRACT
 

@@ -26,7 +26,9 @@ lines::
 
         # post_sharding, sharding_manifest, shard_bindings, shard_identity delegate alike;
         # step() and state_dict() call self._binding.verify(self, where) first, state_dict()
-        # adds self._binding.guard(), and a load passes the dict through self._binding.unguard().
+        # adds self._binding.guard(), and a load passes the dict through self._binding.unguard();
+        # __getstate__ adds self._binding.record() (torch keeps only defaults, state and groups)
+        # and __setstate__ builds a new IdentityBinding and restore()s it on the copy.
 
 The request is validated by :func:`~gefen_contracts.torch_support.plan_rebinding`; a commit
 publishes by swaps that cannot raise (:func:`~gefen_contracts.torch_support.publish_binding`)
@@ -209,8 +211,11 @@ class IdentityBinding:
         if record is None:
             self.sealed = self.derived = None
             return
+        fields = cast(tuple[Any, ...], record)
+        if len(fields) == 2:  # ContractedAdamW's record before it carried the scope (it has none)
+            fields = (*fields, None)
         manifest, slots, scope = cast(
-            tuple[ShardingManifest, Sequence[LogicalSlotBinding], "ProcessGroupBinding | None"], record
+            tuple[ShardingManifest, Sequence[LogicalSlotBinding], "ProcessGroupBinding | None"], fields
         )
         groups = optimizer.param_groups
         self.sealed = SealedLayout(rebuilt_plan(groups, manifest, slots, scope), len(groups))
