@@ -14,10 +14,10 @@ GefenMuon's); the optimizer adds what is its own:
 * a multi-member ``scope``: every manifest shard names the scope's process group, and
   ``capturable=False`` (the scope protocol synchronises with the host).
 
-``prepare_post_sharding`` stages new group dicts and the sealed layout without touching
-anything; ``commit_post_sharding`` publishes them by swaps that cannot raise and derives the
-immutable :class:`IdentityRecord` (the seal, the scope and the scope fingerprint every member
-compares in its step headers). Afterwards
+``prepare_post_sharding`` stages new group dicts, the sealed layout and the immutable
+:class:`IdentityRecord` derived from it (the seal, the scope and the scope fingerprint every
+member compares in its step headers) without touching anything; ``commit_post_sharding``
+publishes them by swaps that cannot raise. Afterwards
 ``add_param_group`` and a second ``post_sharding`` raise, and every entry point (``step``
 before and after its closure, ``preflight_step``, checkpoints, canonical state, the scope
 operations, the identity queries) verifies the sealed layout against the public
