@@ -3,7 +3,10 @@ embeddings, a CNN) and a deterministic training loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from gefen import Gefen, GefenMuon, GefenMuonHybrid
 from torch import nn
 
 
@@ -140,3 +143,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, start:
 def tiny_llama() -> nn.Module:
     """A seeded :class:`TinyLlama` (a ``MODULE:FUNCTION`` target for ``gefen routing``)."""
     return seeded(TinyLlama)
+
+
+#: Gefen, GefenMuon and the hybrid with each backup, at one rate (integration tests share them).
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "gefen": lambda model: Gefen(model.named_parameters(), lr=1e-3),
+    "gefen-muon": lambda model: GefenMuon(
+        [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n], lr=1e-3
+    ),
+    "hybrid": lambda model: GefenMuonHybrid(model, lr=1e-3),
+    "hybrid-adamw": lambda model: GefenMuonHybrid(model, lr=1e-3, backup_optimizer="adamw"),
+}
