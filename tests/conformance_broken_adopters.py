@@ -305,6 +305,15 @@ class FlatBufferAboveTwoDimensions(ContractedSGD):
         return loss
 
 
+class CountsOnlyInInit(ContractedSGD):
+    """Sets its mutation counter in ``__init__`` only: torch's ``__setstate__`` restores
+    defaults, state and groups, so a deep copy or an unpickled optimizer cannot step (the
+    example adopter shipped this until 2026-12-06)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        torch.optim.Optimizer.__setstate__(self, state)
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -331,6 +340,7 @@ keeps_its_own_rates_factory = _factory(KeepsItsOwnRates)
 writes_saved_rates_first_factory = _factory(WritesSavedRatesFirst)
 float32_only_in_float32_factory = _factory(Float32OnlyInFloat32)
 flat_buffer_above_two_dimensions_factory = _factory(FlatBufferAboveTwoDimensions)
+counts_only_in_init_factory = _factory(CountsOnlyInInit)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -358,4 +368,5 @@ EXPECTED_FAILURES = {
     "writes_saved_rates_first_factory": ("checkpoint.native_atomic_load", "a rejected load_state_dict"),
     "float32_only_in_float32_factory": ("training.precisions", "'momentum_buffer' holds bfloat16, declared float32"),
     "flat_buffer_above_two_dimensions_factory": ("training.parameter_ranks", "its parameter geometry gives (2, 3, 4)"),
+    "counts_only_in_init_factory": ("training.copies", "cannot step after copy.deepcopy: AttributeError"),
 }

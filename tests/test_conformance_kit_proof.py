@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conformance_broken_adopters import EXPECTED_FAILURES
 from gefen_contracts.testing import CheckStatus, ConformanceTarget, assert_conformant, run_conformance
 from gefen_example_sgd import ContractedSGD, conformance_factory
@@ -76,3 +77,19 @@ def test_a_rank_claim_the_kit_cannot_exercise_stays_unverified() -> None:
 
     # a 5-D claim has no shape in the kit: covering it would count it executed without running it
     assert ParameterRanksCheck().covers(frozenset({"ranks:5", "ranks:2", "contract"})) == {"ranks:2"}
+
+
+def test_copies_check_runs_the_deep_copy_when_the_target_model_does_not_pickle() -> None:
+    from gefen_contracts.testing.checks import CopiesCheck
+    from gefen_contracts.testing.model import make_kit_model
+
+    def unpicklable_model(seed: int) -> torch.nn.Module:
+        model = make_kit_model(seed)
+        model.scale = lambda x: x  # a local lambda: pickle refuses the model, deepcopy takes it
+        return model
+
+    target = ConformanceTarget(factory=conformance_factory, name="sgd", model_builder=unpicklable_model)
+    report = run_conformance(target, checks=[CopiesCheck()])
+    (result,) = [r for r in report.results if r.name == "training.copies"]
+    assert result.status is CheckStatus.PASSED, result.detail
+    assert "pickle not exercised" in result.detail and "copy.deepcopy continued bit for bit" in result.detail

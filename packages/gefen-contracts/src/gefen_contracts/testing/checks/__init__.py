@@ -10,7 +10,7 @@ from .contract import ContractHonestyCheck, ContractNoCollectivesCheck, Contract
 from .identity import FlattenedCheckpointsCheck, FlattenedTrainingCheck, PostShardingCheck, SealedLayoutGuardCheck
 from .negative import NegativeClaimsCheck
 from .state import StateDeclarationCheck
-from .training import ParameterRanksCheck, PrecisionsCheck, ReplicatedTrainingCheck
+from .training import CopiesCheck, ParameterRanksCheck, PrecisionsCheck, ReplicatedTrainingCheck
 
 __all__ = ["BUILTIN_CHECKS", "builtin_checks"]
 
@@ -24,6 +24,7 @@ def builtin_checks() -> tuple[ConformanceCheck, ...]:
         StateDeclarationCheck(),
         NegativeClaimsCheck(),
         ReplicatedTrainingCheck(),
+        CopiesCheck(),
         PrecisionsCheck(),
         ParameterRanksCheck(),
         NativeRoundTripCheck(),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import torch
 
 from ...enums import CheckpointTransport, ParameterLayout
@@ -10,7 +13,7 @@ from ..context import CheckContext
 from .checkpoint import assert_trees_equal
 from .state import check_state_matches
 
-__all__ = ["ParameterRanksCheck", "PrecisionsCheck", "ReplicatedTrainingCheck"]
+__all__ = ["CopiesCheck", "ParameterRanksCheck", "PrecisionsCheck", "ReplicatedTrainingCheck"]
 
 #: One parameter shape of each rank the kit exercises (``ranks:N`` claims).
 RANK_SHAPES = {0: (), 1: (6,), 2: (4, 6), 3: (2, 3, 4), 4: (2, 2, 3, 2)}
@@ -41,6 +44,51 @@ class ReplicatedTrainingCheck:
         for name, parameter in model.named_parameters():
             assert torch.isfinite(parameter.detach().float()).all(), f"parameter {name!r} became non-finite"
         context.assert_models_bitwise_equal(model, twin_model, "two identical training runs")
+
+
+class CopiesCheck:
+    """A trained optimizer survives ``copy.deepcopy`` and a pickle round trip, taken with its
+    model as torch's optimizers are (EMA and lookahead copies, ``torch.save(optimizer)``):
+    each copy continues bit for bit as an uncopied twin does, its parameter groups hold the
+    copied model's parameters, and the original, stepped after its copies, still matches the
+    twin (they share no storage). torch keeps only ``defaults``, ``state`` and
+    ``param_groups`` through a copy, so an attribute set in ``__init__`` and read by ``step``
+    is lost unless ``__getstate__``/``__setstate__`` carry or rebuild it."""
+
+    name = "training.copies"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return ReplicatedTrainingCheck().covers(claims)
+
+    def run(self, context: CheckContext) -> None:
+        steps = context.target.steps
+        model, optimizer = context.trained()
+        copies = {"copy.deepcopy": copy.deepcopy((model, optimizer))}
+        try:
+            pickled = pickle.dumps((model, optimizer))
+        except Exception as exc:
+            # the model is the target's own: a model pickle cannot take is no finding against
+            # the optimizer, and deepcopy (above) still exercises the optimizer's own state
+            pickled = None
+            context.notes.append(f"pickle not exercised: the model or optimizer does not pickle ({exc!r})")
+        if pickled is not None:
+            copies["a pickle round trip"] = pickle.loads(pickled)
+        twin_model, twin = context.trained()
+        context.train(twin_model, twin, steps, start=steps)
+        for how, (copied_model, copied) in copies.items():
+            held = {id(p) for group in copied.param_groups for p in group["params"]}
+            assert held == {id(p) for p in copied_model.parameters()}, (
+                f"after {how} the optimizer's groups do not hold the copied model's parameters"
+            )
+            try:
+                context.train(copied_model, copied, steps, start=steps)
+            except Exception as exc:
+                raise AssertionError(f"the optimizer cannot step after {how}: {type(exc).__name__}: {exc}") from exc
+            context.assert_models_bitwise_equal(copied_model, twin_model, f"continuation after {how}")
+            assert_trees_equal(copied.state_dict(), twin.state_dict(), f"state_dict after {how} and continuation")
+        context.train(model, optimizer, steps, start=steps)
+        context.assert_models_bitwise_equal(model, twin_model, "the original, stepped after its copies were")
+        context.notes.append(f"{' and '.join(copies)} continued bit for bit")
 
 
 class PrecisionsCheck:
