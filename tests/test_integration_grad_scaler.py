@@ -158,3 +158,31 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return bool(a == b)
+
+
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
+def test_a_lone_optimizer_refusing_a_scaled_step_leaves_no_scale_behind(name: str) -> None:
+    # fp16 parameters: Gefen and GefenMuon take the scaler's protocol; a step refused for a bad
+    # rate, retried once the rate is mended, must equal a run whose rate was never bad
+    from gefen_core import Gefen
+
+    def run(refuse: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 4, bias=False)).half()
+        optimizer = (Gefen if name == "gefen" else GefenMuon)(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for step in range(3):
+            inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).half()
+            optimizer.zero_grad()
+            scaler.scale(model(inputs).float().square().mean()).backward()
+            if refuse and step == 1:
+                optimizer.param_groups[0]["lr"] = -1.0
+                with pytest.raises(ValueError, match="learning rate"):
+                    scaler.step(optimizer)
+                assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+                optimizer.param_groups[0]["lr"] = 1e-2
+            scaler.step(optimizer)
+            scaler.update()
+        return [p.detach() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))

@@ -216,12 +216,17 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
             return torch.zeros(())
 
     before = deep_snapshot(opt, *params)
+    found_inf = getattr(opt, "found_inf", None)
     try:
         with patches:
             opt.step(closure)
         outcome = {"error": None, "message": ""}
     except Exception as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}
+    # a raising step drops the gradient scaler's input (forget_scaler_state); the rest is state
+    outcome["scaler_dropped"] = found_inf is not None and not hasattr(opt, "found_inf")
+    if found_inf is not None:
+        opt.found_inf = found_inf  # type: ignore[attr-defined]
     outcome["unchanged"] = not snapshot_diff(before, opt, *params)
     dist.barrier()
     return outcome

@@ -33,6 +33,8 @@ from gefen_core.param_state import period_of
 
 LR = 1e-2
 AXIS = "dp"
+#: What ``torch.amp.GradScaler`` sets on an optimizer for one step (inputs, not state).
+SCALER_ATTRIBUTES = ("grad_scale", "found_inf")
 
 
 def members(world: int) -> tuple[str, ...]:
@@ -385,6 +387,7 @@ def collective_counts(rank: int, world: int) -> dict[str, Any]:
 
 def _outcome(action: Callable[[], object], roots: Sequence[Any]) -> dict[str, Any]:
     before = deep_snapshot(*roots)
+    scaler = {name: getattr(roots[0], name) for name in SCALER_ATTRIBUTES if hasattr(roots[0], name)}
     try:
         action()
         result: dict[str, Any] = {"raised": None}
@@ -392,6 +395,11 @@ def _outcome(action: Callable[[], object], roots: Sequence[Any]) -> dict[str, An
         result = {"raised": "CollectiveFailureError", "local": exc.local, "phase": exc.phase, "message": str(exc)}
     except Exception as exc:
         result = {"raised": type(exc).__name__, "message": str(exc)}
+    # a raising step drops the gradient scaler's inputs (forget_scaler_state): put them back
+    # so that the snapshot compares the optimizer's own state
+    result["scaler_dropped"] = [name for name in scaler if not hasattr(roots[0], name)]
+    for name, value in scaler.items():
+        setattr(roots[0], name, value)
     result["diffs"] = snapshot_diff(before, *roots)[:3]
     return result
 

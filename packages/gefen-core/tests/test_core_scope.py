@@ -95,6 +95,7 @@ def test_amp_found_inf_disagreement_raises_and_an_agreed_overflow_skips(world: G
     for result in world.run(failure_cases.amp_disagreement):
         assert result["supports_amp"]
         assert result["divergent"]["raised"] == "ShardAgreementError" and result["divergent"]["diffs"] == []
+        assert result["divergent"]["scaler_dropped"] == ["grad_scale", "found_inf"]  # a retry unscales once
         assert "gradient-scaler" in result["divergent"]["message"]
         assert result["overflow"]["raised"] is None and result["skipped"]
         assert result["stepped"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.torch_support import check_new_group, group_params
+from gefen_contracts.torch_support import check_new_group, forget_scaler_state, group_params
 
 from . import gefen_step
 from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
@@ -297,26 +297,30 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         """
         if torch.compiler.is_compiling() and not self.traceable():
             return _step_eagerly(self, closure)
-        identity = self._identity
-        if identity is not None and identity.scope is not None:
-            return scoped_step(self, closure)
-        if capturing() and not self._capturable:
-            raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
-        loss = None
-        if closure is not None:
-            verify_layout(self, "step")
-            with torch.enable_grad():
-                loss = closure()
-        if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
+        try:
+            identity = self._identity
+            if identity is not None and identity.scope is not None:
+                return scoped_step(self, closure)
+            if capturing() and not self._capturable:
+                raise CaptureError("this step is being captured in a CUDA graph; construct Gefen with capturable=True")
+            loss = None
+            if closure is not None:
+                verify_layout(self, "step")
+                with torch.enable_grad():
+                    loss = closure()
+            if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
+                return loss
+            plan = gefen_step.plan(self)
+            # a generator: without a scaler the gradients are not walked at all
+            unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
+            for work in plan.moving:
+                gefen_step.move_state(work)
+            stats = gefen_step.factored_stats(self, plan)
+            gefen_step.publish(self, plan, gefen_step.decide(self, plan), stats)
             return loss
-        plan = gefen_step.plan(self)
-        # a generator: without a scaler the gradients are not walked at all
-        unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
-        for work in plan.moving:
-            gefen_step.move_state(work)
-        stats = gefen_step.factored_stats(self, plan)
-        gefen_step.publish(self, plan, gefen_step.decide(self, plan), stats)
-        return loss
+        except BaseException:
+            forget_scaler_state(self)  # the scaler keeps them past a raise; a retry would unscale twice
+            raise
 
     def traceable(self) -> bool:
         """Whether TorchDynamo traces ``step()``: a steady step (the codebook learned, every

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.torch_support import check_new_group, group_params
+from gefen_contracts.torch_support import check_new_group, forget_scaler_state, group_params
 
 from . import muon_execution
 from .amp import has_fp16_gradients, unscale_gradients
@@ -319,45 +319,49 @@ class GefenMuon(
         red when torch fixes it. The step is dominated by the kernels and Newton-Schulz GEMMs,
         which tracing does not speed up.
         """
-        blocker = self._binding.whole_owner_blocker(self)
-        if blocker is not None:
-            raise RuntimeError(f"GefenMuon.step: {blocker}")
-        identity = self._identity
-        if identity is not None and identity.scope is not None:
-            return scoped_step(self, closure)
-        error: BaseException | None = None
-        scope: MuonScope | None = None
         try:
-            verify_layout(self, "step")  # before anything reads the (possibly tampered) groups
-            scope = slot_layouts(self.param_groups)[1]
-            check_entry(self.param_groups)
-        except Exception as exc:
-            error = exc
-        loss = None
-        if closure is not None:
-            vote(scope, "entry checks", error)
+            blocker = self._binding.whole_owner_blocker(self)
+            if blocker is not None:
+                raise RuntimeError(f"GefenMuon.step: {blocker}")
+            identity = self._identity
+            if identity is not None and identity.scope is not None:
+                return scoped_step(self, closure)
+            error: BaseException | None = None
+            scope: MuonScope | None = None
             try:
-                with torch.enable_grad():
-                    loss = closure()
+                verify_layout(self, "step")  # before anything reads the (possibly tampered) groups
+                scope = slot_layouts(self.param_groups)[1]
+                check_entry(self.param_groups)
             except Exception as exc:
                 error = exc
-        plan: MuonPlan | None = None
-        if error is None:
-            try:
-                plan = muon_execution.plan(self)
-            except Exception as exc:
-                error = exc
-        vote(scope, "step preflight", error)
-        assert plan is not None
-        entries = [
-            ScopeEntry(item.name, tuple(item.param.shape), item.param.dtype, item.grad is not None)
-            for item in plan.scope_items()
-        ]
-        if agree_step(plan.scope, entries, self, self._codebook).skip:
+            loss = None
+            if closure is not None:
+                vote(scope, "entry checks", error)
+                try:
+                    with torch.enable_grad():
+                        loss = closure()
+                except Exception as exc:
+                    error = exc
+            plan: MuonPlan | None = None
+            if error is None:
+                try:
+                    plan = muon_execution.plan(self)
+                except Exception as exc:
+                    error = exc
+            vote(scope, "step preflight", error)
+            assert plan is not None
+            entries = [
+                ScopeEntry(item.name, tuple(item.param.shape), item.param.dtype, item.grad is not None)
+                for item in plan.scope_items()
+            ]
+            if agree_step(plan.scope, entries, self, self._codebook).skip:
+                return loss
+            unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
+            muon_execution.execute(self, plan)
             return loss
-        unscale_gradients(self, [item.grad for item in plan.active if item.grad is not None])
-        muon_execution.execute(self, plan)
-        return loss
+        except BaseException:
+            forget_scaler_state(self)  # the scaler keeps them past a raise; a retry would unscale twice
+            raise
 
     _OWN_ATTRIBUTES = (
         "_dispatch",

@@ -34,6 +34,7 @@ from gefen_contracts.protocols import (
     StepPreflight,
 )
 from gefen_contracts.rebinding import ParameterRebinding
+from gefen_contracts.torch_support import forget_scaler_state
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
 from torch import nn
@@ -412,7 +413,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 for post_hook in list(self._optimizer_step_post_hooks.values()):
                     post_hook(self, args, kwargs)
         except BaseException:
-            amp.forget_scaler_state(self)  # else a retry is unscaled by the product of two scales
+            forget_scaler_state(self)  # else a retry is unscaled by the product of two scales
             raise
         return loss
 

@@ -12,7 +12,7 @@ child alone (the scaler's unscale op, and no step on overflow). fp16 gradients o
 that does not advertise the protocol are refused before any child steps
 (:func:`check_scalable`), with the scaler's own error. The scaler removes the two attributes
 only after ``step()`` returns, and multiplies a ``grad_scale`` it finds into the next one, so
-a refused step drops them (:func:`forget_scaler_state`): a retry is unscaled once, not twice.
+a refused step drops them (``gefen_contracts.torch_support.forget_scaler_state``): a retry is unscaled once, not twice.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from gefen_contracts.torch_support import forget_scaler_state
 
-__all__ = ["check_scalable", "forget_scaler_state", "step_child", "supports_amp_scaling"]
-
-_ATTRIBUTES = ("grad_scale", "found_inf")
+__all__ = ["check_scalable", "step_child", "supports_amp_scaling"]
 
 
 def _advertises(optimizer: Any) -> bool:
@@ -53,12 +52,6 @@ def check_scalable(composite: Any, children: Sequence[tuple[str, Any]]) -> None:
             )
 
 
-def forget_scaler_state(composite: Any) -> None:
-    """Drop what the scaler set on ``composite`` for a step that raised (nothing else does)."""
-    for name in _ATTRIBUTES:
-        composite.__dict__.pop(name, None)
-
-
 def step_child(composite: Any, child: Any) -> None:
     """Step ``child`` under the protocol the scaler started on ``composite`` (or plainly, without one)."""
     if not hasattr(composite, "found_inf"):
@@ -70,8 +63,7 @@ def step_child(composite: Any, child: Any) -> None:
         try:
             child.step()
         finally:
-            for name in _ATTRIBUTES:
-                delattr(child, name)
+            forget_scaler_state(child)  # the child's own step may have dropped them already
         return
     # what GradScaler.step does for an optimizer without the protocol: skip on overflow, else
     # unscale (by the reciprocal it computes in double) and step

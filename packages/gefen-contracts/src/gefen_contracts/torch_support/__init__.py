@@ -10,7 +10,9 @@ version-counter freshness token of prepared transactions (:func:`state_version_t
 ``IdentityBindable`` role as one object an optimizer owns (:class:`IdentityBinding`), and
 the expansion of a portable record's block fields (:func:`expand_blocks`, :func:`as_imported`),
 and the bytes an optimizer holds (:func:`count_state_bytes`: every storage reachable from it,
-parameters and gradients excluded; any optimizer, so Gefen is measured as AdamW is).
+parameters and gradients excluded; any optimizer, so Gefen is measured as AdamW is), and
+what a step that takes ``GradScaler``'s protocol and raises must undo
+(:func:`forget_scaler_state`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .bound_state import (
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .dcp_keys import with_rejoined_state
 from .freshness import state_version_token, tensor_version_token
+from .grad_scaler import forget_scaler_state
 from .identity_binding import IdentityBinding
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import (
@@ -106,6 +109,7 @@ __all__ = [
     "dtype_name",
     "expand_blocks",
     "finite_bounds",
+    "forget_scaler_state",
     "is_dtensor",
     "local_tensor",
     "on_device",
