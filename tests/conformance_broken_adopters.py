@@ -314,6 +314,121 @@ class CountsOnlyInInit(ContractedSGD):
         torch.optim.Optimizer.__setstate__(self, state)
 
 
+class AliasingLoad(ContractedSGD):
+    """Its staged load keeps the caller's momentum tensors (no copy): every later step rewrites
+    the checkpoint dict it was loaded from."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        staged = super().stage_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        saved = {params[k]: state_dict["state"][pid] for k, pid in enumerate(ids) if pid in state_dict["state"]}
+        for param, entry in staged._payload[1].items():
+            entry["momentum_buffer"] = saved[param]["momentum_buffer"]
+        return staged
+
+
+class RestoresOnlyTheRate(ContractedSGD):
+    """Loads ``lr`` but keeps its live momentum and weight decay (a scheduled momentum, as
+    ``OneCycleLR`` cycles it, restarts)."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        staged = super().stage_state_dict(state_dict)
+        for new, live in zip(staged._payload[0], self.param_groups):
+            new.update(momentum=live["momentum"], weight_decay=live["weight_decay"])
+        return staged
+
+
+class DropsSchedulerKeys(ContractedSGD):
+    """Loads its own options only and drops any other saved group key (``initial_lr``: a
+    scheduler resumed with ``last_epoch`` raises ``KeyError``)."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        staged = super().stage_state_dict(state_dict)
+        groups = staged._payload[0]
+        for index, new in enumerate(groups):
+            groups[index] = {key: new[key] for key in ("params", "lr", "momentum", "weight_decay")}
+        return staged
+
+
+class MergingCommit(ContractedSGD):
+    """Merges the loaded state into the live state: a parameter without saved state keeps its
+    old momentum (a rollback to a step-0 checkpoint does not roll back)."""
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        groups, state = staged.claim(self, kind="native_load", current_token=self._version)  # type: ignore[misc]
+        for live, new in zip(self.param_groups, groups):
+            live.update(new)
+        self.state.update(state)
+        self._version += 1
+
+
+class RequiresFullState(ContractedSGD):
+    """Refuses a checkpoint in which a parameter has no state (saved before the first step, or
+    a parameter that never had a gradient): valid torch checkpoints."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        if any(i not in state_dict["state"] for i in ids):
+            raise ValueError("a parameter has no saved state")
+        return super().stage_state_dict(state_dict)
+
+
+class CommitKeepsToken(ContractedSGD):
+    """A commit does not change its freshness token: a load staged before another load was
+    committed commits too, replacing the newer one."""
+
+    def commit_staged_state_dict(self, staged: StagedTransaction) -> None:
+        version = self._version
+        super().commit_staged_state_dict(staged)
+        self._version = version
+
+
+class SkipsLoadHooks(ContractedSGD):
+    """Stages and commits without torch's load hooks (a pre-hook that migrates old checkpoints
+    never runs)."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.commit_staged_state_dict(self.stage_state_dict(state_dict))
+
+
+class UncheckedOptions(ContractedSGD):
+    """Validates the state but takes the saved group options unchecked: a checkpoint with
+    ``lr=nan`` loads, and the next step makes every parameter NaN."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        options = ("lr", "momentum", "weight_decay")
+        plain = [{**group, **dict.fromkeys(options, 0.5)} for group in state_dict["param_groups"]]
+        staged = super().stage_state_dict({**state_dict, "param_groups": plain})
+        for new, saved in zip(staged._payload[0], state_dict["param_groups"]):
+            new.update({key: saved[key] for key in options})
+        return staged
+
+
+class WritesEntriesInTurn(ContractedSGD):
+    """Validates the groups, then validates and copies each state entry into the live buffers
+    in turn: a checkpoint bad in its last entry is refused with the others already written."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        staged_groups = ContractedSGD.stage_state_dict(self, {**state_dict, "state": {}})
+        params = dict(zip([i for g in state_dict["param_groups"] for i in g["params"]], self._params()))
+        for pid, entry in state_dict["state"].items():
+            ContractedSGD.stage_state_dict(self, {**state_dict, "state": {pid: entry}})  # this entry only
+            live = self.state.get(params[pid])
+            if live:
+                live["momentum_buffer"].copy_(entry["momentum_buffer"])
+                live["step"] = entry["step"]
+            else:
+                self.state[params[pid]] = {"momentum_buffer": entry["momentum_buffer"].clone(), "step": entry["step"]}
+        groups, _ = staged_groups.claim(self, kind="native_load", current_token=self._version)  # type: ignore[misc]
+        for live, new in zip(self.param_groups, groups):
+            live.update(new)
+        self._version += 1
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -341,6 +456,15 @@ writes_saved_rates_first_factory = _factory(WritesSavedRatesFirst)
 float32_only_in_float32_factory = _factory(Float32OnlyInFloat32)
 flat_buffer_above_two_dimensions_factory = _factory(FlatBufferAboveTwoDimensions)
 counts_only_in_init_factory = _factory(CountsOnlyInInit)
+aliasing_load_factory = _factory(AliasingLoad)
+restores_only_the_rate_factory = _factory(RestoresOnlyTheRate)
+drops_scheduler_keys_factory = _factory(DropsSchedulerKeys)
+merging_commit_factory = _factory(MergingCommit)
+requires_full_state_factory = _factory(RequiresFullState)
+commit_keeps_token_factory = _factory(CommitKeepsToken)
+skips_load_hooks_factory = _factory(SkipsLoadHooks)
+unchecked_options_factory = _factory(UncheckedOptions)
+writes_entries_in_turn_factory = _factory(WritesEntriesInTurn)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -369,4 +493,14 @@ EXPECTED_FAILURES = {
     "float32_only_in_float32_factory": ("training.precisions", "'momentum_buffer' holds bfloat16, declared float32"),
     "flat_buffer_above_two_dimensions_factory": ("training.parameter_ranks", "its parameter geometry gives (2, 3, 4)"),
     "counts_only_in_init_factory": ("training.copies", "cannot step after copy.deepcopy: AttributeError"),
+    # each passed the kit before its 2026-12-06 mutation review
+    "aliasing_load_factory": ("checkpoint.native_roundtrip", "after the loaded optimizer stepped"),
+    "restores_only_the_rate_factory": ("checkpoint.native_roundtrip", "['momentum']"),
+    "drops_scheduler_keys_factory": ("checkpoint.native_roundtrip", "initial_lr"),
+    "merging_commit_factory": ("checkpoint.native_roundtrip", "after loading a step-0 checkpoint"),
+    "requires_full_state_factory": ("checkpoint.native_roundtrip", "saved before the first step was refused"),
+    "commit_keeps_token_factory": ("checkpoint.native_atomic_load", "before another load was committed"),
+    "skips_load_hooks_factory": ("checkpoint.native_roundtrip", "load hooks as []"),
+    "unchecked_options_factory": ("checkpoint.native_atomic_load", "(non_finite_option)"),
+    "writes_entries_in_turn_factory": ("checkpoint.native_atomic_load", "(last_entry_non_finite) changed"),
 }

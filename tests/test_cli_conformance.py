@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conformance_broken_adopters import EXPECTED_FAILURES
@@ -30,3 +31,16 @@ def test_json_report_and_unimportable_factory(capsys: pytest.CaptureFixture[str]
         with pytest.raises(SystemExit) as exit_info:
             main(["conformance", target])
         assert exit_info.value.code == 2 and target.partition(":")[0] in capsys.readouterr().err
+
+
+def test_a_target_module_raising_while_imported_is_named_with_its_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a ContractError (a ValueError) raised while the adopter's module builds its contract was
+    # reported as "a conformance target must be given as MODULE:FACTORY"
+    (tmp_path / "adopter_with_bad_contract.py").write_text("raise ValueError('declared field m has no geometry')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["conformance", "adopter_with_bad_contract:factory"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "declared field m has no geometry" in err and "MODULE:FACTORY" not in err

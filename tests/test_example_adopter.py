@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from gefen_contracts import StateValidationError
+from gefen_contracts import StaleTransactionError, StateValidationError
 from gefen_example_sgd import ContractedSGD
 
 
@@ -45,3 +45,12 @@ def test_a_copy_of_the_example_adopter_steps_as_the_original_does() -> None:
             o.step()
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
         twin_model.load_state_dict(model.state_dict())
+
+
+def test_a_load_staged_before_a_new_param_group_is_stale() -> None:
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optimizer = ContractedSGD(first.parameters(), lr=0.1)
+    staged = optimizer.stage_state_dict(optimizer.state_dict())
+    optimizer.add_param_group({"params": list(second.parameters())})
+    with pytest.raises(StaleTransactionError):
+        optimizer.commit_staged_state_dict(staged)

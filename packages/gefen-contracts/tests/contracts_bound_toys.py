@@ -105,6 +105,16 @@ class BoundSGD(torch.optim.Optimizer):
         self._binding = IdentityBinding("BoundSGD", _accept_layout)
         super().__init__(params, {"lr": lr, "momentum": momentum})
 
+    def __getstate__(self) -> dict[str, Any]:  # torch keeps only defaults, state and groups
+        return {**super().__getstate__(), "_identity_record": self._binding.record()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        record = state.pop("_identity_record", None)
+        super().__setstate__(state)
+        self._version = 0
+        self._binding = IdentityBinding("BoundSGD", _accept_layout)
+        self._binding.restore(self, record)
+
     @property
     def _sealed(self) -> SealedLayout | None:
         return self._binding.sealed

@@ -9,6 +9,7 @@ replicated run: a checkpoint saved on N members and loaded on M can be compared 
 from __future__ import annotations
 
 import zlib
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -228,9 +229,8 @@ class PieceSGD(torch.optim.Optimizer):
 
     def portable_commit_import(self, staged: StagedTransaction) -> None:
         payload = staged.claim(self, kind="portable_import", current_token=self._version)
-        fresh: Any = type(self.state)()
-        fresh.update(payload)  # type: ignore[call-overload]
-        self.state = fresh
+        # torch's state is a defaultdict(dict): a parameter without saved state gets an entry at its step
+        self.state = defaultdict(dict, payload)
         self._version += 1
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -43,6 +44,11 @@ class ContractedSGD(torch.optim.Optimizer):
         # torch pickles (and deep-copies) only defaults, state and groups: a copy counts anew
         super().__setstate__(state)
         self._version = 0
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if "_version" in self.__dict__:  # torch's __init__ adds the first groups before the counter exists
+            self._version += 1  # a load staged before this group no longer matches the groups
 
     def optimizer_contract(self) -> OptimizerContract:
         return CONTRACT
@@ -128,9 +134,8 @@ class ContractedSGD(torch.optim.Optimizer):
         groups, state = payload  # type: ignore[misc]
         for live, new in zip(self.param_groups, groups):
             live.update(new)
-        fresh: Any = type(self.state)()
-        fresh.update(state)
-        self.state = fresh
+        # torch's state is a defaultdict(dict): a parameter without saved state gets an entry at its step
+        self.state = defaultdict(dict, state)
         self._version += 1
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

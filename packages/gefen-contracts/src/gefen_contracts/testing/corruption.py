@@ -164,6 +164,52 @@ def _bool_for_int(sd: StateDict) -> bool:
     return False
 
 
+def _last_entry(sd: StateDict) -> dict[str, Any] | None:
+    states = _param_states(sd)
+    return states[-1][1] if len(states) > 1 else None
+
+
+def _last_entry_non_finite(sd: StateDict) -> bool:
+    # the other classes land on the first or the largest entry, before a loader that validates
+    # and writes one entry at a time has written anything: this one is seen only after it has
+    entry = _last_entry(sd)
+    floats = [
+        k for k, v in (entry or {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
+    ]
+    if entry is None or not floats:
+        return False
+    key = max(floats, key=lambda k: entry[k].numel())
+    value = entry[key].clone()
+    value.reshape(-1)[-1] = math.nan
+    entry[key] = value
+    return True
+
+
+def _group_float_option(sd: StateDict) -> tuple[dict[str, Any], str] | None:
+    for group in sd.get("param_groups", []):
+        if isinstance(group, dict):
+            for key, value in group.items():
+                if type(value) is float and math.isfinite(value):
+                    return group, key
+    return None
+
+
+def _non_finite_option(sd: StateDict) -> bool:
+    found = _group_float_option(sd)
+    if found is None:
+        return False
+    found[0][found[1]] = math.nan
+    return True
+
+
+def _str_for_float_option(sd: StateDict) -> bool:
+    found = _group_float_option(sd)
+    if found is None:
+        return False
+    found[0][found[1]] = repr(found[0][found[1]])
+    return True
+
+
 def _truncated_tensor(sd: StateDict) -> bool:
     found = _prefer_large(sd, lambda t: t.numel() >= 2)
     if found is None:
@@ -184,6 +230,9 @@ CORRUPTIONS: tuple[Corruption, ...] = (
     Corruption("missing_param_group", _missing_param_group),
     Corruption("bool_for_int", _bool_for_int),
     Corruption("truncated_tensor", _truncated_tensor),
+    Corruption("last_entry_non_finite", _last_entry_non_finite),
+    Corruption("non_finite_option", _non_finite_option),
+    Corruption("str_for_float_option", _str_for_float_option),
 )
 
 

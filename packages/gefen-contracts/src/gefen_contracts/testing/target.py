@@ -82,10 +82,10 @@ def load_target(spec: str) -> ConformanceTarget:
     carry ``conformance_model_builder`` / ``conformance_loss`` / ``conformance_waive``
     attributes to customise the target.
     """
-    try:
-        obj = import_attribute(spec)
-    except ValueError:
-        raise ValueError(f"a conformance target must be given as MODULE:FACTORY, got {spec!r}") from None
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:  # checked here: the import's own ValueError is the user's
+        raise ValueError(f"a conformance target must be given as MODULE:FACTORY, got {spec!r}")
+    obj = import_attribute(spec)
     if isinstance(obj, ConformanceTarget):
         return obj if obj.spec is not None else _respec(obj, spec)
     if not callable(obj):

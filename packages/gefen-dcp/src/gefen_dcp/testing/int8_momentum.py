@@ -14,6 +14,7 @@ author writes to get verified, resharding DCP checkpoints.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -157,6 +158,14 @@ def _expected(param: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     return {"momentum": (torch.float32, shape)}
 
 
+def _check_options(values: Mapping[str, object], who: str, error: type[Exception]) -> None:
+    for name, value in values.items():
+        if type(value) is not float or not math.isfinite(value) or value < 0:
+            raise error(f"{who}: {name} must be a finite float >= 0, got {value!r}")
+    if values["momentum"] >= 1.0:  # type: ignore[operator]
+        raise error(f"{who}: momentum must be < 1, got {values['momentum']}")
+
+
 class Int8MomentumSGD(torch.optim.Optimizer):
     """SGD with int8-row momentum over named parameters (see the module docstring).
 
@@ -171,14 +180,15 @@ class Int8MomentumSGD(torch.optim.Optimizer):
         weight_decay: float = 0.0,
     ) -> None:
         named = list(named_parameters)
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            if type(value) is not float or not math.isfinite(value) or value < 0:
-                raise ValueError(f"Int8MomentumSGD: {name} must be a finite float >= 0, got {value!r}")
-        if momentum >= 1.0:
-            raise ValueError(f"Int8MomentumSGD: momentum must be < 1, got {momentum}")
+        _check_options({"lr": lr, "momentum": momentum, "weight_decay": weight_decay}, "Int8MomentumSGD", ValueError)
         if not named or any(type(n) is not str or not isinstance(p, torch.Tensor) for n, p in named):
             raise ValueError("Int8MomentumSGD needs a non-empty list of (name, parameter) pairs")
         super().__init__(named, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+        self._version = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch pickles (and deep-copies) only defaults, state and groups: a copy counts anew
+        super().__setstate__(state)
         self._version = 0
 
     def optimizer_contract(self) -> OptimizerContract:
@@ -232,12 +242,14 @@ class Int8MomentumSGD(torch.optim.Optimizer):
         options: list[dict[str, object]] = []
         index = 0
         for live, group in zip(self.param_groups, groups):
-            if type(group) is not dict or any(type(group.get(k)) is not float for k in _OPTIONS):
-                raise _fail(f"every group must hold float options {list(_OPTIONS)}")
+            if type(group) is not dict:
+                raise _fail("every param group must be a dict")
+            _check_options({k: group.get(k) for k in _OPTIONS}, "Int8MomentumSGD checkpoint", StateValidationError)
             if group.get("params") != list(range(index, index + len(live["params"]))):
                 raise _fail("the groups' parameter numbering differs from this optimizer's")
             index += len(live["params"])
-            options.append({k: group[k] for k in _OPTIONS})
+            # every saved key but the numbering (a scheduler's initial_lr too) is the group's
+            options.append({k: v for k, v in group.items() if k != "params"})
         if type(saved) is not dict or not set(saved) <= set(range(len(params))):
             raise _fail(f"state must be keyed by parameter numbers 0..{len(params) - 1}")
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
@@ -269,13 +281,18 @@ class Int8MomentumSGD(torch.optim.Optimizer):
         options, state = payload  # type: ignore[misc]
         for live, values in zip(self.param_groups, options, strict=True):
             live.update(values)
-        fresh: Any = type(self.state)()
-        fresh.update(state)
-        self.state = fresh
+        # torch's state is a defaultdict(dict): a parameter without saved state gets an entry at its step
+        self.state = defaultdict(dict, state)
         self._version += 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch's load runs them
+            result = pre_hook(self, dict(state_dict))
+            if result is not None:
+                state_dict = result
         self.commit_staged_state_dict(self.stage_state_dict(state_dict))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def conformance_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Int8MomentumSGD:

@@ -46,19 +46,30 @@ def assert_trees_equal(a: Any, b: Any, path: str = "state_dict") -> None:
     assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
 
 
+#: A key torch's ``LRScheduler`` writes into every group; a load must carry it like any option.
+SCHEDULER_KEY = "initial_lr"
+
+
 def _scheduled(optimizer: Any) -> Any:
-    """``optimizer`` with each float ``lr`` scaled by 0.75, as a scheduler would: a checkpoint
-    then carries rates its loading twin (built by the same factory) does not have, so a load
-    that keeps its own options, or writes them (or a multiple) before it refuses, is seen."""
+    """``optimizer`` with every non-zero float option scaled by 0.75 and a scheduler's
+    :data:`SCHEDULER_KEY` in each group, as schedulers leave them (``OneCycleLR`` cycles the
+    momentum too): a checkpoint then carries options its loading twin (built by the same
+    factory) does not have, so a load that keeps some of its own, drops a key it does not
+    know, or writes them (or a multiple) before it refuses, is seen."""
     for group in optimizer.param_groups:
+        for key, value in list(group.items()):
+            if type(value) is float and value != 0.0:
+                group[key] = value * 0.75
         if type(group.get("lr")) is float:
-            group["lr"] = group["lr"] * 0.75
+            group.setdefault(SCHEDULER_KEY, group["lr"] / 0.75)
     return optimizer
 
 
 class NativeRoundTripCheck:
     """Same-topology native checkpoints: save (weights-only), load into a fresh twin whose
-    options differ (the source's rates were scheduled), continue bit-exactly."""
+    options differ (the source's options were scheduled) through torch's load hooks, continue
+    bit-exactly; a staged loader keeps no reference to the caller's tensors; a checkpoint
+    saved before the first step replaces a trained optimizer's state."""
 
     name = "checkpoint.native_roundtrip"
 
@@ -77,13 +88,41 @@ class NativeRoundTripCheck:
         twin_model, twin = context.fresh()
         context.copy_parameters(model, twin_model)
         reference = context.weights_only_roundtrip(saved)
+        hooks: list[str] = []
+        twin.register_load_state_dict_pre_hook(lambda *_: hooks.append("pre"))
+        twin.register_load_state_dict_post_hook(lambda *_: hooks.append("post"))
         twin.load_state_dict(saved)
+        assert hooks == ["pre", "post"], f"load_state_dict ran torch's load hooks as {hooks}, not ['pre', 'post']"
         assert_trees_equal(saved, reference, "caller's state dict after load_state_dict")
         assert_trees_equal(optimizer.state_dict(), twin.state_dict(), "state_dict after load")
         context.train(model, optimizer, steps, start=steps)
         context.train(twin_model, twin, steps, start=steps)
         context.assert_models_bitwise_equal(model, twin_model, "continuation after a native round trip")
         assert_trees_equal(optimizer.state_dict(), twin.state_dict(), "state_dict after continuation")
+        if isinstance(twin, StagedNativeLoad):  # a staged load builds on fresh tensors (torch's aliases)
+            assert_trees_equal(saved, reference, "caller's state dict after the loaded optimizer stepped")
+        self._step_zero_into_trained(context)
+
+    @staticmethod
+    def _step_zero_into_trained(context: CheckContext) -> None:
+        # a checkpoint taken before the first step (state for no parameter) is valid: loading it
+        # into a trained optimizer replaces its state (a merge keeps the old state, silently)
+        source_model, source = context.fresh()
+        saved = context.weights_only_roundtrip(source.state_dict())
+        model, trained = context.trained()
+        context.copy_parameters(source_model, model)
+        try:
+            trained.load_state_dict(saved)
+        except Exception as exc:
+            raise AssertionError(
+                f"a checkpoint saved before the first step was refused: {type(exc).__name__}: {exc}"
+            ) from exc
+        assert_trees_equal(
+            source.state_dict(), trained.state_dict(), "a trained optimizer after loading a step-0 checkpoint"
+        )
+        context.train(source_model, source, 1)
+        context.train(model, trained, 1)
+        context.assert_models_bitwise_equal(source_model, model, "continuation after loading a step-0 checkpoint")
 
 
 class AtomicLoadCheck:
@@ -156,6 +195,14 @@ class AtomicLoadCheck:
         try:
             optimizer.commit_staged_state_dict(fresh)
             problems.append("a staged load was committed twice")
+        except StaleTransactionError:
+            pass
+        # two loads staged from the same state: committing one makes the other stale
+        first, second = optimizer.stage_state_dict(valid), optimizer.stage_state_dict(valid)
+        optimizer.commit_staged_state_dict(second)
+        try:
+            optimizer.commit_staged_state_dict(first)
+            problems.append("a load staged before another load was committed was committed too")
         except StaleTransactionError:
             pass
         # stage + commit publishes what load_state_dict publishes
