@@ -11,8 +11,12 @@ from gefen_contracts import (
     FeatureStatus,
     OptimizerCapabilities,
     OptimizerContract,
+    StateField,
     StateGeometry,
+    StateRole,
+    StateScope,
 )
+from gefen_contracts.enums import LoadAtomicity
 from gefen_contracts.identity import ShardIdentity
 from gefen_contracts.transactions import StagedTransaction
 from gefen_example_sgd import CONTRACT, ContractedSGD
@@ -148,6 +152,33 @@ class ShapeLiar(ContractedSGD):
 
     def optimizer_contract(self) -> OptimizerContract:
         return _declared_as("momentum_buffer", geometry=StateGeometry.ROW)
+
+
+_WITH_A_CACHE = dataclasses.replace(
+    CONTRACT,
+    state_layout=dataclasses.replace(
+        CONTRACT.state_layout,
+        fields=(
+            *CONTRACT.state_layout.fields,
+            StateField("momentum_norm", StateScope.PARAMETER, StateRole.CACHE, StateGeometry.SCALAR, dtype="float32"),
+        ),
+    ),
+)
+
+
+class CacheLiar(ContractedSGD):
+    """Declares a per-parameter ``momentum_norm`` a cache (rebuilt, never checkpointed) and
+    writes it into every checkpoint: a transport trusting the declaration drops it, a loader
+    that does not know it refuses the checkpoint."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        return _WITH_A_CACHE
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = super().state_dict()
+        for entry in saved["state"].values():
+            entry["momentum_norm"] = entry["momentum_buffer"].norm()
+        return saved
 
 
 class RankLiar(ContractedSGD):
@@ -405,6 +436,45 @@ class UncheckedOptions(ContractedSGD):
         return staged
 
 
+class FirstGroupOptionsEverywhere(ContractedSGD):
+    """Loads the first saved group's options into every group (unseen while the factory built
+    one group)."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        staged = super().stage_state_dict(state_dict)
+        first = {k: v for k, v in staged._payload[0][0].items() if k != "params"}
+        for group in staged._payload[0][1:]:
+            group.update(first)
+        return staged
+
+
+_NON_ATOMIC = dataclasses.replace(
+    CONTRACT,
+    capabilities=dataclasses.replace(
+        CONTRACT.capabilities,
+        checkpoints=tuple(
+            dataclasses.replace(c, atomicity=LoadAtomicity.NONE) for c in CONTRACT.capabilities.checkpoints
+        ),
+        features={
+            **CONTRACT.capabilities.features,
+            FEATURE_STAGED_NATIVE_LOAD: FeatureStatus.no("torch's own load_state_dict"),
+        },
+    ),
+)
+
+
+class LaxNonAtomicLoad(ContractedSGD):
+    """Claims native checkpoints without atomicity and loads through torch's own
+    ``load_state_dict``, which takes a buffer of the wrong shape or dtype, or a NaN, silently
+    (every corruption check was gated on an atomic claim)."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        return _NON_ATOMIC
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+
+
 class WritesEntriesInTurn(ContractedSGD):
     """Validates the groups, then validates and copies each state entry into the live buffers
     in turn: a checkpoint bad in its last entry is refused with the others already written."""
@@ -465,6 +535,9 @@ commit_keeps_token_factory = _factory(CommitKeepsToken)
 skips_load_hooks_factory = _factory(SkipsLoadHooks)
 unchecked_options_factory = _factory(UncheckedOptions)
 writes_entries_in_turn_factory = _factory(WritesEntriesInTurn)
+cache_liar_factory = _factory(CacheLiar)
+first_group_options_everywhere_factory = _factory(FirstGroupOptionsEverywhere)
+lax_non_atomic_load_factory = _factory(LaxNonAtomicLoad)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -503,4 +576,7 @@ EXPECTED_FAILURES = {
     "skips_load_hooks_factory": ("checkpoint.native_roundtrip", "load hooks as []"),
     "unchecked_options_factory": ("checkpoint.native_atomic_load", "(non_finite_option)"),
     "writes_entries_in_turn_factory": ("checkpoint.native_atomic_load", "(last_entry_non_finite) changed"),
+    "cache_liar_factory": ("state.declared_variants", "'momentum_norm' is declared a cache"),
+    "first_group_options_everywhere_factory": ("checkpoint.native_roundtrip", "two-group state_dict after load"),
+    "lax_non_atomic_load_factory": ("checkpoint.native_refusals", "accepted a corrupted checkpoint"),
 }

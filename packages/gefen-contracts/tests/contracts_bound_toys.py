@@ -7,6 +7,7 @@ Importable by the kit (module-level factories only).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -178,8 +179,30 @@ class BoundSGD(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._verify("load_state_dict")
+        self._check_saved(state_dict)  # torch's load would take a wrong shape, dtype or a NaN
         super().load_state_dict(dict(state_dict))
         self._version += 1
+
+    def _check_saved(self, state_dict: Mapping[str, Any]) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError("BoundSGD state dict: its param groups differ from this optimizer's")
+        ids = [i for group in groups for i in group["params"]]
+        by_id = dict(zip(ids, params))
+        if len(ids) != len(params) or len(by_id) != len(params):
+            raise ValueError("BoundSGD state dict: its parameter numbering differs from this optimizer's")
+        for group in groups:
+            for key in ("lr", "momentum"):
+                if type(group.get(key)) is not float or not math.isfinite(group[key]):
+                    raise ValueError(f"BoundSGD state dict: group option {key} must be a finite float")
+        for number, entry in state_dict["state"].items():
+            param = by_id.get(number)
+            buffer = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+            if param is None or set(entry) != {"momentum_buffer"} or not isinstance(buffer, torch.Tensor):
+                raise ValueError(f"BoundSGD state dict: entry {number!r} must hold exactly its momentum_buffer")
+            if buffer.dtype != param.dtype or buffer.shape != param.shape or not bool(torch.isfinite(buffer).all()):
+                raise ValueError(f"BoundSGD state dict: entry {number!r} must be finite and shaped like its parameter")
 
     # IdentityBindable
 

@@ -210,7 +210,7 @@ class SignMomentum(torch.optim.Optimizer):
         by_id: dict[int, torch.Tensor] = {}
         new_groups = []
         for index, (saved, live) in enumerate(zip(groups, self.param_groups)):
-            if not isinstance(saved, Mapping) or set(saved) != set(live):
+            if not isinstance(saved, Mapping) or not set(live) <= set(saved):  # a scheduler adds keys
                 raise StateValidationError(f"SignMomentum param group {index} keys differ")
             ids = saved["params"]
             if not isinstance(ids, list) or len(ids) != len(live["params"]) or any(type(i) is not int for i in ids):
@@ -222,7 +222,7 @@ class SignMomentum(torch.optim.Optimizer):
                 if pid in by_id:
                     raise StateValidationError(f"SignMomentum parameter id {pid} appears twice")
                 by_id[pid] = parameter
-            new_groups.append({**live, "lr": saved["lr"], "momentum": saved["momentum"]})
+            new_groups.append({**saved, "params": live["params"]})  # every saved key (initial_lr too)
         state: dict[torch.Tensor, dict[str, Any]] = {}
         saved_state = state_dict["state"]
         if not isinstance(saved_state, Mapping):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..context import ConformanceCheck
 from .canonical import CanonicalLocalCheck
-from .checkpoint import AtomicLoadCheck, NativeRoundTripCheck
+from .checkpoint import AtomicLoadCheck, NativeRefusalsCheck, NativeRoundTripCheck
 from .composite import CompositeRulesCheck
 from .contract import ContractHonestyCheck, ContractNoCollectivesCheck, ContractValidityCheck, ProtocolDeclarationCheck
 from .identity import FlattenedCheckpointsCheck, FlattenedTrainingCheck, PostShardingCheck, SealedLayoutGuardCheck
@@ -29,6 +29,7 @@ def builtin_checks() -> tuple[ConformanceCheck, ...]:
         ParameterRanksCheck(),
         NativeRoundTripCheck(),
         AtomicLoadCheck(),
+        NativeRefusalsCheck(),
         PostShardingCheck(),
         SealedLayoutGuardCheck(),
         CanonicalLocalCheck(),

@@ -14,7 +14,7 @@ from ..context import CheckContext
 from ..corruption import corrupted_variants
 from ..snapshot import deep_snapshot, snapshot_diff
 
-__all__ = ["AtomicLoadCheck", "NativeRoundTripCheck", "assert_trees_equal"]
+__all__ = ["AtomicLoadCheck", "NativeRefusalsCheck", "NativeRoundTripCheck", "assert_trees_equal", "corrupted_loads"]
 
 _REPL = ParameterLayout.REPLICATED.value
 _NATIVE = (CheckpointTransport.NATIVE_OPTIMIZER.value, CheckpointTransport.COMPOSITE_NATIVE.value)
@@ -102,6 +102,44 @@ class NativeRoundTripCheck:
         if isinstance(twin, StagedNativeLoad):  # a staged load builds on fresh tensors (torch's aliases)
             assert_trees_equal(saved, reference, "caller's state dict after the loaded optimizer stepped")
         self._step_zero_into_trained(context)
+        self._two_groups(context)
+
+    @staticmethod
+    def _two_groups(context: CheckContext) -> None:
+        # the factory's optimizer over half the parameters, the rest added as a second group
+        # with other options: a load that gives every group the first group's options is seen
+        # even when the factory builds one group
+        def build() -> tuple[Any, Any]:
+            torch.manual_seed(0)
+            model = context.target.model_builder(0)
+            named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            cut = max(1, len(named) // 2)
+            optimizer = context.target.factory(named[:cut])
+            options = {k: v for k, v in optimizer.param_groups[-1].items() if k != "params"}
+            if "param_names" in options:
+                options["param_names"] = [name for name, _ in named[cut:]]
+            optimizer.add_param_group({**options, "params": [p for _, p in named[cut:]]})
+            return model, optimizer
+
+        try:
+            model, source = build()
+        except Exception as exc:  # add_param_group is torch's, but an optimizer may refuse it
+            context.notes.append(f"two-group round trip not exercised: add_param_group raised {type(exc).__name__}")
+            return
+        for key, value in list(source.param_groups[-1].items()):
+            if type(value) is float and value != 0.0:
+                source.param_groups[-1][key] = value * 0.5
+        steps = context.target.steps
+        context.train(model, source, steps)
+        saved = context.weights_only_roundtrip(source.state_dict())
+        twin_model, twin = build()
+        context.copy_parameters(model, twin_model)
+        twin.load_state_dict(saved)
+        assert_trees_equal(source.state_dict(), twin.state_dict(), "two-group state_dict after load")
+        context.train(model, source, steps, start=steps)
+        context.train(twin_model, twin, steps, start=steps)
+        context.assert_models_bitwise_equal(model, twin_model, "two-group continuation after a native round trip")
+        context.notes.append("two groups round-tripped")
 
     @staticmethod
     def _step_zero_into_trained(context: CheckContext) -> None:
@@ -136,30 +174,8 @@ class AtomicLoadCheck:
         return frozenset(wanted) & claims
 
     def run(self, context: CheckContext) -> None:
-        steps = context.target.steps
-        # the source is trained further than every target: a load that writes part of a
-        # checkpoint before it refuses changes bytes (an identically trained source would
-        # write the bytes already there, and no snapshot could see it)
-        _source_model, source = context.trained(steps + 2)
-        valid = _scheduled(source).state_dict()
-        problems: list[str] = []
-        tried = 0
-        for name, corrupted in corrupted_variants(valid):
-            tried += 1
-            model, optimizer = context.trained(steps)
-            loads: list[tuple[str, Any]] = [("load_state_dict", optimizer.load_state_dict)]
-            if isinstance(optimizer, StagedNativeLoad):
-                loads.append(("stage_state_dict", optimizer.stage_state_dict))
-            for what, load in loads:
-                before = deep_snapshot(optimizer, model)
-                problem = _refusal_problem(load, corrupted, f"{what} ({name})")
-                diffs = snapshot_diff(before, optimizer, model)
-                if problem:
-                    problems.append(problem)
-                elif diffs:
-                    problems.append(f"a rejected {what} ({name}) changed the optimizer: " + "; ".join(diffs[:3]))
-        assert tried > 0, "no corruption class applied to this optimizer's state dict"
-        model, optimizer = context.trained(steps)
+        valid, problems, tried = corrupted_loads(context, unchanged=True)
+        model, optimizer = context.trained(context.target.steps)
         if isinstance(optimizer, StagedNativeLoad):
             problems.extend(self._staged(context, model, optimizer, valid))
         assert not problems, "; ".join(problems)
@@ -213,6 +229,53 @@ class AtomicLoadCheck:
         except AssertionError as exc:
             problems.append(f"stage_state_dict + commit_staged_state_dict did not publish the checkpoint: {exc}")
         return problems
+
+
+class NativeRefusalsCheck:
+    """A native load claimed without atomicity still refuses every corruption class (a
+    non-atomic claim licenses a partial change on a refused load, not accepting garbage)."""
+
+    name = "checkpoint.native_refusals"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return (
+            frozenset(c for c in (checkpoint_claim(t, _REPL) for t in _NATIVE) if c + ":atomic" not in claims) & claims
+        )
+
+    def run(self, context: CheckContext) -> None:
+        _valid, problems, tried = corrupted_loads(context, unchanged=False)
+        assert not problems, "; ".join(problems)
+        context.notes.append(f"{tried} corrupted loads rejected")
+
+
+def corrupted_loads(context: CheckContext, *, unchanged: bool) -> tuple[dict[str, Any], list[str], int]:
+    """Every corruption class through ``load_state_dict`` (and ``stage_state_dict``): the valid
+    state dict, the problems (a load accepted, or raising another type; with ``unchanged``, a
+    refused load that changed the optimizer) and how many corruptions applied."""
+    steps = context.target.steps
+    # the source is trained further than every target: a load that writes part of a
+    # checkpoint before it refuses changes bytes (an identically trained source would
+    # write the bytes already there, and no snapshot could see it)
+    _source_model, source = context.trained(steps + 2)
+    valid = _scheduled(source).state_dict()
+    problems: list[str] = []
+    tried = 0
+    for name, corrupted in corrupted_variants(valid):
+        tried += 1
+        model, optimizer = context.trained(steps)
+        loads: list[tuple[str, Any]] = [("load_state_dict", optimizer.load_state_dict)]
+        if isinstance(optimizer, StagedNativeLoad):
+            loads.append(("stage_state_dict", optimizer.stage_state_dict))
+        for what, load in loads:
+            before = deep_snapshot(optimizer, model)
+            problem = _refusal_problem(load, corrupted, f"{what} ({name})")
+            diffs = snapshot_diff(before, optimizer, model) if unchanged else []
+            if problem:
+                problems.append(problem)
+            elif diffs:
+                problems.append(f"a rejected {what} ({name}) changed the optimizer: " + "; ".join(diffs[:3]))
+    assert tried > 0, "no corruption class applied to this optimizer's state dict"
+    return valid, problems, tried
 
 
 #: What a refused native load raises (``StagedNativeLoad``: a ValueError, TypeError or KeyError naming the problem).

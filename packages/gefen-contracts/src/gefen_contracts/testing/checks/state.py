@@ -59,6 +59,7 @@ def _check_declared_values(
     aside), its shape."""
     for key, value in state.items():
         declared = layout.field(str(key))
+        assert declared.checkpointed, f"{where}: {key!r} is declared a cache (never checkpointed) but is written"
         tensor = value if isinstance(value, torch.Tensor) else None
         if declared.dtype in _TENSOR_DTYPES:
             found = str(tensor.dtype).removeprefix("torch.") if tensor is not None else type(value).__name__
@@ -126,6 +127,7 @@ def check_native_keys(optimizer: torch.optim.Optimizer, where: str) -> None:
         assert declared.scope is not StateScope.PARAMETER, (
             f"{where}: top-level native key {key!r} is declared as per-parameter state"
         )
+        assert declared.checkpointed, f"{where}: native state_dict key {key!r} is declared a cache (never checkpointed)"
 
 
 class StateDeclarationCheck:
