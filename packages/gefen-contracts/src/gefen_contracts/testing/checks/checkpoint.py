@@ -69,7 +69,8 @@ class NativeRoundTripCheck:
     """Same-topology native checkpoints: save (weights-only), load into a fresh twin whose
     options differ (the source's options were scheduled) through torch's load hooks, continue
     bit-exactly; a staged loader keeps no reference to the caller's tensors; a checkpoint
-    saved before the first step replaces a trained optimizer's state."""
+    saved before the first step replaces a trained optimizer's state; two groups (the second
+    added by ``add_param_group`` under other options) round-trip."""
 
     name = "checkpoint.native_roundtrip"
 
