@@ -3,8 +3,9 @@ embeddings, a CNN) and a deterministic training loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
 from torch import nn
@@ -154,3 +155,18 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "hybrid": lambda model: GefenMuonHybrid(model, lr=1e-3),
     "hybrid-adamw": lambda model: GefenMuonHybrid(model, lr=1e-3, backup_optimizer="adamw"),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_torch() -> Iterator[None]:
+    """One torch thread for a module's tests (import it there: the bit-exact comparisons of
+    these modules do not depend on it, their run time on 2 cores does)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def build_hybrid(model: nn.Module, backup: str = "gefen") -> GefenMuonHybrid:
+    """The hybrid these integration tests step: AdamW-scale rates, the given backup."""
+    return GefenMuonHybrid(model, lr=1e-3, backup_lr=2.5e-4, backup_optimizer=backup)

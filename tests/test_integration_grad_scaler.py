@@ -6,26 +6,20 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-from gefen import GefenMuon, GefenMuonHybrid
+from gefen import GefenMuon
 from gefen_hybrid import CompositeOptimizer, ContractedAdamW
-from hybrid_models import OPTIMIZERS, TinyLlama, seeded, train
+from hybrid_models import (
+    OPTIMIZERS,
+    TinyLlama,
+    build_hybrid,
+    seeded,
+    single_threaded_torch,  # noqa: F401  (an autouse fixture: one thread per module)
+    train,
+)
 from torch import nn
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded_torch() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _hybrid(model: nn.Module, backup: str = "gefen") -> GefenMuonHybrid:
-    return GefenMuonHybrid(model, lr=1e-3, backup_lr=2.5e-4, backup_optimizer=backup)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -67,7 +61,7 @@ def test_the_hybrid_takes_the_scalers_protocol_on_fp16_gradients_as_its_halves_d
     # protocol instead, and so must a hybrid of them (it refused every fp16 step)
     model = seeded(TinyLlama).half()
     twin = copy.deepcopy(model)
-    hybrid, control = _hybrid(model, backup), _hybrid(twin, backup)
+    hybrid, control = build_hybrid(model, backup), build_hybrid(twin, backup)
     scaler, control_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
     if backup == "adamw":  # ContractedAdamW (unfused) does not take it: refused before either half steps
         _scaled_fp16_step(model, 0, scaler)

@@ -10,7 +10,7 @@ import dataclasses
 import io
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,21 +18,16 @@ import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
 from gefen_contracts import StaleTransactionError
 from gefen_hybrid import CompositeOptimizer, ContractedAdamW
-from hybrid_models import OPTIMIZERS, TinyLlama, seeded, train
+from hybrid_models import (
+    OPTIMIZERS,
+    TinyLlama,
+    build_hybrid,
+    seeded,
+    single_threaded_torch,  # noqa: F401  (an autouse fixture: one thread per module)
+    train,
+)
 from torch import nn
 from torch.optim import lr_scheduler
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded_torch() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _hybrid(model: nn.Module, backup: str = "gefen") -> GefenMuonHybrid:
-    return GefenMuonHybrid(model, lr=1e-3, backup_lr=2.5e-4, backup_optimizer=backup)
 
 
 def _rates(optimizer: torch.optim.Optimizer) -> list[float]:
@@ -42,7 +37,7 @@ def _rates(optimizer: torch.optim.Optimizer) -> list[float]:
 @pytest.mark.parametrize("backup", ["gefen", "adamw"])
 def test_a_multiplicative_scheduler_keeps_the_muon_backup_ratio(backup: str) -> None:
     model = seeded(TinyLlama)
-    optimizer = _hybrid(model, backup)
+    optimizer = build_hybrid(model, backup)
     scheduler = lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
     train(model, optimizer, 1)
     scheduler.step()
@@ -69,7 +64,7 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler
 def test_schedulers_drive_both_halves_and_resume_with_the_optimizer(name: str) -> None:
     """A scheduler on the hybrid sets each child's rates; both resume from their state dicts."""
     model = seeded(TinyLlama)
-    optimizer = _hybrid(model)
+    optimizer = build_hybrid(model)
     scheduler = SCHEDULERS[name](optimizer)
     seen = []
     for step in range(3):
@@ -79,7 +74,7 @@ def test_schedulers_drive_both_halves_and_resume_with_the_optimizer(name: str) -
     assert len({tuple(rates) for rates in seen}) > 1, "the scheduler changed nothing"
     checkpoint = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     twin_model = copy.deepcopy(model)
-    twin = _hybrid(twin_model)
+    twin = build_hybrid(twin_model)
     twin_scheduler = SCHEDULERS[name](twin)
     twin.load_state_dict(checkpoint["optimizer"])
     twin_scheduler.load_state_dict(checkpoint["scheduler"])
@@ -94,7 +89,7 @@ def test_schedulers_drive_both_halves_and_resume_with_the_optimizer(name: str) -
 
 def test_reduce_on_plateau_lowers_both_halves() -> None:
     model = seeded(TinyLlama)
-    optimizer = _hybrid(model)
+    optimizer = build_hybrid(model)
     scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
     scheduler.step(1.0)
     scheduler.step(2.0)  # worse: reduce
@@ -180,7 +175,7 @@ def test_a_compiled_forward_and_backward_trains_like_eager_with_an_eager_optimiz
     torch._dynamo.reset()
     eager_model = seeded(TinyLlama)
     compiled_model = copy.deepcopy(eager_model)
-    eager, compiled = _hybrid(eager_model, backup), _hybrid(compiled_model, backup)
+    eager, compiled = build_hybrid(eager_model, backup), build_hybrid(compiled_model, backup)
     compiled_loss = torch.compile(_compile_loss(compiled_model))
     eager_loss = _compile_loss(eager_model)
     for step in range(4):
@@ -341,7 +336,7 @@ def test_a_compiled_training_step_with_the_optimizer_inside_trains_like_eager(na
     compiled_model = copy.deepcopy(eager_model)
 
     def build(model: nn.Module) -> torch.optim.Optimizer:
-        return Gefen(model.named_parameters(), lr=1e-3) if name == "gefen" else _hybrid(model)
+        return Gefen(model.named_parameters(), lr=1e-3) if name == "gefen" else build_hybrid(model)
 
     eager, compiled = build(eager_model), build(compiled_model)
 

@@ -45,6 +45,7 @@ from . import composite_checkpoint as checkpoint
 from .composite_binding import ChangeCounter
 from .composite_contract import derive_composite_contract
 from .composite_format import build_composite_state_dict
+from .composite_groups import new_group_parts
 from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
 from .failure_vote import step_vote_groups, vote_failure
@@ -53,7 +54,6 @@ from .routing import (
     NamedParameter,
     RoutedParameters,
     RoutingRules,
-    backup_module_weight_ids,
     checked_module,
     checked_rules,
     route_model,
@@ -452,47 +452,12 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 "add_param_group: the composite's layout was sealed by post_sharding; add every parameter group "
                 "before calling post_sharding"
             )
-        if not isinstance(param_group, Mapping) or "params" not in param_group:
-            raise TypeError("add_param_group takes a dict with 'params': [(name, parameter), ...] and options")
-        params = param_group["params"]
-        if isinstance(params, tuple) and len(params) == 2 and isinstance(params[1], torch.Tensor):
-            params = [params]
-        embedding_ids: frozenset[int] = frozenset()
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is not None:
-            embedding_ids = backup_module_weight_ids(model, self._rules.embedding_types)
-        # frozen parameters stay: a layer added now and unfrozen later trains, as with torch's add_param_group
-        routed = route_named_parameters(
-            params, self._rules, embedding_ids=embedding_ids, check_overrides=False, keep_frozen=True
-        )
-        taken = dict(self.parameter_routing())
-        for name, _ in routed.routing():
-            if name in taken:
-                raise ValueError(f"the name {name!r} is already used by role {taken[name]!r}")
-        for _, parameter in (item for role in ROLES for item in routed.by_role[role]):
-            if self._owner_of(parameter) is not None:
-                raise ValueError("a parameter of the new group is already optimized by this composite")
-        present = dict(self._children)
-        for role in routed.present_roles:
-            if role not in present:
-                names = [name for name, _ in routed.by_role[role]]
-                raise ValueError(f"parameters {names} route to {role!r}, but this composite has no {role!r} child")
-        options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
-        if role_options is not None and not isinstance(role_options, Mapping):
-            raise TypeError(f"role_options must map a role to its options, got {type(role_options).__name__}")
-        extra = {} if role_options is None else dict(role_options)
-        for role, given in extra.items():
-            check_role(role, "role_options key")
-            if not isinstance(given, Mapping):
-                raise TypeError(f"role_options[{role!r}] must be a mapping of options, got {type(given).__name__}")
-            # the routing decides each child's parameters: a role's options cannot replace them
-            if "params" in given or "param_names" in given:
-                raise ValueError(f"role_options[{role!r}] cannot set 'params' or 'param_names'; the routing does")
+        parts = new_group_parts(self, param_group, role_options)
         added: list[torch.optim.Optimizer] = []
         try:
             for role, child in self._children:
-                if routed.by_role[role]:
-                    child.add_param_group({"params": list(routed.by_role[role]), **options, **extra.get(role, {})})
+                if role in parts:
+                    child.add_param_group(parts[role])
                     added.append(child)
         except BaseException:
             for child in added:
