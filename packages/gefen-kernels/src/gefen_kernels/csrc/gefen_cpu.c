@@ -19,7 +19,10 @@
  * the later passes read from cache. Each tile is converted from
  * the parameter dtype into an fp32 buffer, processed by dtype-free loops written for the
  * auto-vectoriser (restrict pointers, scalars in locals, selects instead of branches),
- * and the parameter write converts back. Nearest rounding reads a threshold table derived
+ * and the parameter write converts back. The three hottest loops (the momentum pass, the
+ * block sum of squares, the threshold-table requantisation) are also written with AVX-512
+ * or AVX2+FMA intrinsics, taken when the compiler targets either; every set of loops gives
+ * the same bits (tests/test_kernels_cpu_portable_loops.py builds the others). Nearest rounding reads a threshold table derived
  * from the reference's rule (build_thresholds) when the codebook allows, else the
  * reference's bucket search; both give the reference's codes bit for bit.
  */
@@ -34,6 +37,14 @@
 #if defined(__AVX512F__) && !defined(GEFEN_NO_INTRINSICS)
 #include <immintrin.h>
 #define GEFEN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(GEFEN_NO_INTRINSICS)
+/* AVX2 with FMA (x86-64-v3: most AMD EPYC and Ryzen, Intel before AVX-512): the same loops
+ * eight lanes at a time, the same operations in the same order. */
+#include <immintrin.h>
+#define GEFEN_AVX2 1
+#endif
+#if defined(GEFEN_AVX512) || defined(GEFEN_AVX2)
+#define GEFEN_SIMD 1
 #endif
 
 #define GEFEN_ABI_VERSION 6
@@ -327,14 +338,19 @@ static void read_context(StepContext* ctx, const float* scalars, const float* co
 
 /* ---- dtype-free tile loops ----------------------------------------------------------- */
 
+#ifndef GEFEN_SIMD
 static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_t n) {
     for (int64_t j = 0; j < n; j++) out[j] = q[j];
 }
+#endif
 
-#ifdef GEFEN_AVX512
-/* Range of divisors a and dividends |u| for which quotient_avx512 needs no division. */
+#ifdef GEFEN_SIMD
+/* Range of divisors a and dividends |u| for which the vector quotients need no division. */
 #define QUOTIENT_MIN 0x1p-100f
 #define QUOTIENT_MAX 0x1p100f
+#endif
+
+#ifdef GEFEN_AVX512
 
 /* z = fl(u / a) for 16 lanes without the (slow) vector division, by Markstein's correction:
  * with y = fl(1 / a) correctly rounded and q0 = fl(u * y) within an ulp of u / a, the
@@ -361,6 +377,30 @@ static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
 }
 #endif
 
+#ifdef GEFEN_AVX2
+/* quotient_avx512 for 8 lanes: the same correction, the same lanes recomputed by division. */
+static inline __m256 quotient_avx2(__m256 u, __m256 a, __m256 y) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 q0 = _mm256_mul_ps(u, y);
+    __m256 r = _mm256_fnmadd_ps(q0, a, u);
+    __m256 q1 = _mm256_fmadd_ps(r, y, q0);
+    __m256 au = _mm256_andnot_ps(sign, u), aq = _mm256_andnot_ps(sign, q1);
+    __m256 slow = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(au, _mm256_set1_ps(QUOTIENT_MIN), _CMP_LT_OQ),
+                                            _mm256_cmp_ps(au, _mm256_set1_ps(QUOTIENT_MAX), _CMP_GT_OQ)),
+                               _mm256_or_ps(_mm256_cmp_ps(aq, _mm256_set1_ps(0x1p-124f), _CMP_LT_OQ),
+                                            _mm256_cmp_ps(aq, _mm256_set1_ps(0x1p126f), _CMP_GT_OQ)));
+    slow = _mm256_and_ps(slow, _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    if (!_mm256_testz_ps(slow, slow)) q1 = _mm256_blendv_ps(q1, _mm256_div_ps(u, a), slow);
+    return q1;
+}
+
+/* Eight codewords cb[q[0..7]] (scalar loads: AVX2 gathers are microcoded on AMD Zen and
+ * slowed by the gather-data-sampling mitigation on Intel). */
+static inline __m256 codewords_avx2(const float* cb, const uint8_t* q) {
+    return _mm256_setr_ps(cb[q[0]], cb[q[1]], cb[q[2]], cb[q[3]], cb[q[4]], cb[q[5]], cb[q[6]], cb[q[7]]);
+}
+#endif
+
 /* How momentum_tile preconditions the gradient: not at all (GefenMuon), by one denominator
  * (Gefen's block path) or by one per element (the factored path). */
 typedef struct {
@@ -369,6 +409,19 @@ typedef struct {
     const float* hs; /* PRE_ELEMENT: the tile's denominators */
 } Preconditioner;
 enum { PRE_NONE = 0, PRE_BLOCK = 1, PRE_ELEMENT = 2 };
+
+#ifdef GEFEN_AVX2
+/* One half (lanes 0-7 or 8-15) of momentum_tile's 16-lane step, at element j. */
+static inline __m256 momentum_avx2(const float* g, const float* hs, const uint8_t* q, int64_t j, const float* cb,
+                                   int kind, int markstein, __m256 vm, __m256 vb1, __m256 vo1, __m256 vh, __m256 vy) {
+    __m256 m = _mm256_mul_ps(codewords_avx2(cb, q + j), vm);
+    __m256 gv = _mm256_loadu_ps(g + j);
+    if (kind == PRE_ELEMENT) gv = _mm256_div_ps(gv, _mm256_loadu_ps(hs + j));
+    else if (markstein) gv = quotient_avx2(gv, vh, vy);
+    else if (kind == PRE_BLOCK) gv = _mm256_div_ps(gv, vh);
+    return _mm256_add_ps(_mm256_mul_ps(m, vb1), _mm256_mul_ps(gv, vo1));
+}
+#endif
 
 /* Momentum EMA of one tile, u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))) with
  * n = fl(g / h) (pre; the division overlaps the codeword gathers), kept in u_out, with max |u|
@@ -401,6 +454,33 @@ static void momentum_tile(const float* restrict g, const Preconditioner* pre, co
         _mm512_storeu_ps(amax, best);
         for (int k = 0; k < LANES; k++) nan[k] |= (bad >> k) & 1;
     }
+#elif defined(GEFEN_AVX2)
+    {
+        const __m256 vm = _mm256_set1_ps(m_old), vb1 = _mm256_set1_ps(beta1), vo1 = _mm256_set1_ps(omb1);
+        const __m256 vh = _mm256_set1_ps(pre->h), vy = _mm256_set1_ps(1.0f / pre->h);
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        const int markstein = pre->kind == PRE_BLOCK && pre->h >= QUOTIENT_MIN && pre->h <= QUOTIENT_MAX;
+        __m256 best0 = _mm256_loadu_ps(amax), best1 = _mm256_loadu_ps(amax + 8);
+        __m256 bad0 = _mm256_setzero_ps(), bad1 = bad0;
+        for (; j + LANES <= n; j += LANES) {
+            __m256 u0 = momentum_avx2(g, hs, q, j, cb, pre->kind, markstein, vm, vb1, vo1, vh, vy);
+            __m256 u1 = momentum_avx2(g, hs, q, j + 8, cb, pre->kind, markstein, vm, vb1, vo1, vh, vy);
+            _mm256_storeu_ps(u_out + j, u0);
+            _mm256_storeu_ps(u_out + j + 8, u1);
+            /* max(a, best) keeps best when a is NaN, as the portable loop does */
+            best0 = _mm256_max_ps(_mm256_andnot_ps(sign, u0), best0);
+            best1 = _mm256_max_ps(_mm256_andnot_ps(sign, u1), best1);
+            bad0 = _mm256_or_ps(bad0, _mm256_cmp_ps(u0, u0, _CMP_UNORD_Q));
+            bad1 = _mm256_or_ps(bad1, _mm256_cmp_ps(u1, u1, _CMP_UNORD_Q));
+        }
+        _mm256_storeu_ps(amax, best0);
+        _mm256_storeu_ps(amax + 8, best1);
+        int low = _mm256_movemask_ps(bad0), high = _mm256_movemask_ps(bad1);
+        for (int k = 0; k < 8; k++) {
+            nan[k] |= (low >> k) & 1;
+            nan[k + 8] |= (high >> k) & 1;
+        }
+    }
 #else
     {
         int32_t codes[TILE];
@@ -430,7 +510,7 @@ static void momentum_tile(const float* restrict g, const Preconditioner* pre, co
     }
 #endif
     for (; j < n; j++) {
-#ifdef GEFEN_AVX512
+#ifdef GEFEN_SIMD
         float m = cb[q[j]] * m_old;
         float x = pre->kind == PRE_NONE ? g[j] : g[j] / (pre->kind == PRE_ELEMENT ? hs[j] : pre->h);
         u_out[j] = m * beta1 + x * omb1;
@@ -456,6 +536,22 @@ static void sumsq_tile(const float* restrict x, int64_t n, double* restrict acc)
     }
     _mm512_storeu_pd(acc, lo);
     _mm512_storeu_pd(acc + 8, hi);
+#elif defined(GEFEN_AVX2)
+    __m256d a0 = _mm256_loadu_pd(acc), a1 = _mm256_loadu_pd(acc + 4);
+    __m256d a2 = _mm256_loadu_pd(acc + 8), a3 = _mm256_loadu_pd(acc + 12);
+    for (; j + LANES <= n; j += LANES) {
+        __m256 v = _mm256_loadu_ps(x + j), w = _mm256_loadu_ps(x + j + 8);
+        __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        __m256d b2 = _mm256_cvtps_pd(_mm256_castps256_ps128(w)), b3 = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(b0, b0));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(b1, b1));
+        a2 = _mm256_add_pd(a2, _mm256_mul_pd(b2, b2));
+        a3 = _mm256_add_pd(a3, _mm256_mul_pd(b3, b3));
+    }
+    _mm256_storeu_pd(acc, a0);
+    _mm256_storeu_pd(acc + 4, a1);
+    _mm256_storeu_pd(acc + 8, a2);
+    _mm256_storeu_pd(acc + 12, a3);
 #else
     for (; j + LANES <= n; j += LANES)
         for (int k = 0; k < LANES; k++) acc[k] += (double)x[j + k] * (double)x[j + k];
@@ -591,6 +687,47 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
             __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
             __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
             _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
+        }
+    }
+#elif defined(GEFEN_AVX2)
+    {
+        const __m256 vsafe = _mm256_set1_ps(safe), one = _mm256_set1_ps(1.0f);
+        const int divide = !(safe >= QUOTIENT_MIN && safe <= QUOTIENT_MAX);
+        const __m256 inv_safe = _mm256_set1_ps(1.0f / safe);
+        const __m256 scale = _mm256_set1_ps((float)(FINE_BUCKETS / 2));
+        const __m256 vm = _mm256_set1_ps(m_new), vlr = _mm256_set1_ps(lr);
+        const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(FINE_BUCKETS - 1);
+        /* the low byte of each 32-bit lane, gathered into the low 4 bytes of each 128-bit half */
+        const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                   0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        const long long* packed = (const long long*)t->packed;
+        for (; j + 8 <= n; j += 8) {
+            __m256 uv = _mm256_loadu_ps(u + j);
+            __m256 z = divide ? _mm256_div_ps(uv, vsafe) : quotient_avx2(uv, vsafe, inv_safe);
+            /* fine_bucket_of: truncating conversion (NaN -> INT32_MIN), then the integer clamp */
+            __m256i f = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(z, one), scale));
+            f = _mm256_min_epi32(_mm256_max_epi32(f, zero), top);
+            int32_t at[8];
+            _mm256_storeu_si256((__m256i*)at, f);
+            __m256 e0 = _mm256_castsi256_ps(_mm256_setr_epi64x(packed[at[0]], packed[at[1]], packed[at[2]], packed[at[3]]));
+            __m256 e1 = _mm256_castsi256_ps(_mm256_setr_epi64x(packed[at[4]], packed[at[5]], packed[at[6]], packed[at[7]]));
+            /* even 32-bit words are the thresholds, odd ones the bases; back in lane order */
+            __m256 threshold = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                _mm256_castps_pd(_mm256_shuffle_ps(e0, e1, _MM_SHUFFLE(2, 0, 2, 0))), _MM_SHUFFLE(3, 1, 2, 0)));
+            __m256i base = _mm256_castpd_si256(_mm256_permute4x64_pd(
+                _mm256_castps_pd(_mm256_shuffle_ps(e0, e1, _MM_SHUFFLE(3, 1, 3, 1))), _MM_SHUFFLE(3, 1, 2, 0)));
+            /* k = base + (z > threshold): the compare's all-ones lanes are -1 */
+            __m256i k = _mm256_sub_epi32(base, _mm256_castps_si256(_mm256_cmp_ps(z, threshold, _CMP_GT_OQ)));
+            __m256i bytes = _mm256_shuffle_epi8(k, low_bytes);
+            __m128i packed8 = _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+            _mm_storel_epi64((__m128i*)(q + j), packed8);
+        }
+        /* The codeword gather depends on the table gather: a second loop over the codes just
+         * written keeps each loop's iterations independent, so their gathers overlap. */
+        for (int64_t i = 0; i + 8 <= j; i += 8) {
+            __m256 mq = _mm256_mul_ps(codewords_avx2(cb, q + i), vm);
+            __m256 x = _mm256_mul_ps(mq, _mm256_loadu_ps(s + i));
+            _mm256_storeu_ps(d + i, _mm256_mul_ps(x, vlr));
         }
     }
 #endif
