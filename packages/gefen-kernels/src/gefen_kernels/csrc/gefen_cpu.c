@@ -189,6 +189,11 @@ typedef struct {
     /* The same two per fine bucket in one 64-bit word (threshold bits low, base high), so the
      * vector loop fetches both with one gather. */
     uint64_t packed[FINE_BUCKETS];
+#ifdef GEFEN_AVX2
+    /* Per fine bucket, for the AVX2 loop's one 16-byte load: its threshold, its base code (int32
+     * bits) and the two codewords it can choose, C[base] and C[min(base + 1, 255)]. */
+    float wide[FINE_BUCKETS][4];
+#endif
 } CodebookTable;
 
 int64_t gefen_table_bytes(void) { return (int64_t)sizeof(CodebookTable); }
@@ -264,6 +269,13 @@ static int32_t build_thresholds(CodebookTable* t, const int32_t* counts) {
         uint32_t bits;
         memcpy(&bits, &t->threshold[f], 4);
         t->packed[f] = (uint64_t)bits | ((uint64_t)t->base[f] << 32);
+#ifdef GEFEN_AVX2
+        int32_t code = t->base[f];
+        t->wide[f][0] = t->threshold[f];
+        memcpy(&t->wide[f][1], &code, 4);
+        t->wide[f][2] = c[code];
+        t->wide[f][3] = c[clamp_code(code + 1)];
+#endif
     }
     /* Check the table against the reference rule at every threshold and its neighbours. */
     for (int f = 0; f < FINE_BUCKETS; f++) {
@@ -700,7 +712,8 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         /* the low byte of each 32-bit lane, gathered into the low 4 bytes of each 128-bit half */
         const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                    0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-        const long long* packed = (const long long*)t->packed;
+        const float* wide = t->wide[0];
+        (void)cb;
         for (; j + 8 <= n; j += 8) {
             __m256 uv = _mm256_loadu_ps(u + j);
             __m256 z = divide ? _mm256_div_ps(uv, vsafe) : quotient_avx2(uv, vsafe, inv_safe);
@@ -709,25 +722,30 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
             f = _mm256_min_epi32(_mm256_max_epi32(f, zero), top);
             int32_t at[8];
             _mm256_storeu_si256((__m256i*)at, f);
-            __m256 e0 = _mm256_castsi256_ps(_mm256_setr_epi64x(packed[at[0]], packed[at[1]], packed[at[2]], packed[at[3]]));
-            __m256 e1 = _mm256_castsi256_ps(_mm256_setr_epi64x(packed[at[4]], packed[at[5]], packed[at[6]], packed[at[7]]));
-            /* even 32-bit words are the thresholds, odd ones the bases; back in lane order */
-            __m256 threshold = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                _mm256_castps_pd(_mm256_shuffle_ps(e0, e1, _MM_SHUFFLE(2, 0, 2, 0))), _MM_SHUFFLE(3, 1, 2, 0)));
-            __m256i base = _mm256_castpd_si256(_mm256_permute4x64_pd(
-                _mm256_castps_pd(_mm256_shuffle_ps(e0, e1, _MM_SHUFFLE(3, 1, 3, 1))), _MM_SHUFFLE(3, 1, 2, 0)));
+            /* row i holds the entries of elements i and i + 4; a 4 x 4 transpose in each half
+             * gives the thresholds, bases and both codewords of the eight elements in order */
+            __m256 r0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[0])),
+                                             _mm_loadu_ps(wide + 4 * at[4]), 1);
+            __m256 r1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[1])),
+                                             _mm_loadu_ps(wide + 4 * at[5]), 1);
+            __m256 r2 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[2])),
+                                             _mm_loadu_ps(wide + 4 * at[6]), 1);
+            __m256 r3 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[3])),
+                                             _mm_loadu_ps(wide + 4 * at[7]), 1);
+            __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1));
+            __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
+            __m256 threshold = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
+            __m256i base = _mm256_castpd_si256(_mm256_unpackhi_pd(t0, t2));
+            __m256 low = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3)), high = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
             /* k = base + (z > threshold): the compare's all-ones lanes are -1 */
-            __m256i k = _mm256_sub_epi32(base, _mm256_castps_si256(_mm256_cmp_ps(z, threshold, _CMP_GT_OQ)));
+            __m256 above = _mm256_cmp_ps(z, threshold, _CMP_GT_OQ);
+            __m256i k = _mm256_sub_epi32(base, _mm256_castps_si256(above));
             __m256i bytes = _mm256_shuffle_epi8(k, low_bytes);
-            __m128i packed8 = _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
-            _mm_storel_epi64((__m128i*)(q + j), packed8);
-        }
-        /* The codeword gather depends on the table gather: a second loop over the codes just
-         * written keeps each loop's iterations independent, so their gathers overlap. */
-        for (int64_t i = 0; i + 8 <= j; i += 8) {
-            __m256 mq = _mm256_mul_ps(codewords_avx2(cb, q + i), vm);
-            __m256 x = _mm256_mul_ps(mq, _mm256_loadu_ps(s + i));
-            _mm256_storeu_ps(d + i, _mm256_mul_ps(x, vlr));
+            _mm_storel_epi64((__m128i*)(q + j),
+                             _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)));
+            __m256 mq = _mm256_mul_ps(_mm256_blendv_ps(low, high, above), vm);
+            __m256 x = _mm256_mul_ps(mq, _mm256_loadu_ps(s + j));
+            _mm256_storeu_ps(d + j, _mm256_mul_ps(x, vlr));
         }
     }
 #endif
