@@ -880,9 +880,24 @@ static inline int64_t stats_rows_ahead(int64_t cols, int64_t element_bytes) {
     return (65536 + row_bytes - 1) / row_bytes;
 }
 
-/* fp32 statistics, four rows at a time (AVX-512): float64 squares, two 8-lane accumulators per
- * row, the four rows' squares added into the column partials once. Returns the first row it
- * did not sum (the portable loops take the rest). */
+#ifdef GEFEN_AVX2
+/* The squares of four floats in float64. */
+static inline __m256d squares_avx2(__m128 x) {
+    __m256d d = _mm256_cvtps_pd(x);
+    return _mm256_mul_pd(d, d);
+}
+
+/* Horizontal sum of four doubles: (v0 + v2) + (v1 + v3). */
+static inline double lanes_total_avx2(__m256d v) {
+    __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+}
+#endif
+
+/* fp32 statistics, four rows at a time (AVX-512: 16 columns a step, two 8-lane accumulators
+ * per row; AVX2: 8 columns a step, two 4-lane accumulators per row): float64 squares, the four
+ * rows' squares added into the column partials once. Returns the first row it did not sum
+ * (the portable loops take the rest). */
 static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t rows, int64_t cols,
                                double* row_sums, double* partial) {
 #ifdef GEFEN_AVX512
@@ -931,6 +946,56 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         }
         double t0 = _mm512_reduce_add_pd(_mm512_add_pd(a0, b0)), t1 = _mm512_reduce_add_pd(_mm512_add_pd(a1, b1));
         double t2 = _mm512_reduce_add_pd(_mm512_add_pd(a2, b2)), t3 = _mm512_reduce_add_pd(_mm512_add_pd(a3, b3));
+        for (; j < cols; j++) {
+            double v0 = g[j], v1 = g[cols + j], v2 = g[2 * cols + j], v3 = g[3 * cols + j];
+            double s0 = v0 * v0, s1 = v1 * v1, s2 = v2 * v2, s3 = v3 * v3;
+            t0 += s0;
+            t1 += s1;
+            t2 += s2;
+            t3 += s3;
+            partial[j] += (s0 + s1) + (s2 + s3);
+        }
+        row_sums[r] = t0;
+        row_sums[r + 1] = t1;
+        row_sums[r + 2] = t2;
+        row_sums[r + 3] = t3;
+    }
+#elif defined(GEFEN_AVX2)
+    const int64_t ahead = stats_rows_ahead(cols, 4);
+    for (; r + 4 <= r1; r += 4) {
+        const float* g = grad + r * cols;
+        const float* f = g + ahead * cols;
+        const int prefetch = ahead > 0 && r + ahead + 4 <= rows;
+        __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int64_t j = 0;
+        for (; j + 8 <= cols; j += 8) {
+            if (prefetch && (j & 15) == 0) {
+                _mm_prefetch((const char*)(f + j), _MM_HINT_T0);
+                _mm_prefetch((const char*)(f + cols + j), _MM_HINT_T0);
+                _mm_prefetch((const char*)(f + 2 * cols + j), _MM_HINT_T0);
+                _mm_prefetch((const char*)(f + 3 * cols + j), _MM_HINT_T0);
+            }
+            __m256d x0 = squares_avx2(_mm_loadu_ps(g + j)), y0 = squares_avx2(_mm_loadu_ps(g + j + 4));
+            __m256d x1 = squares_avx2(_mm_loadu_ps(g + cols + j)), y1 = squares_avx2(_mm_loadu_ps(g + cols + j + 4));
+            __m256d x2 = squares_avx2(_mm_loadu_ps(g + 2 * cols + j));
+            __m256d y2 = squares_avx2(_mm_loadu_ps(g + 2 * cols + j + 4));
+            __m256d x3 = squares_avx2(_mm_loadu_ps(g + 3 * cols + j));
+            __m256d y3 = squares_avx2(_mm_loadu_ps(g + 3 * cols + j + 4));
+            a0 = _mm256_add_pd(a0, x0);
+            b0 = _mm256_add_pd(b0, y0);
+            a1 = _mm256_add_pd(a1, x1);
+            b1 = _mm256_add_pd(b1, y1);
+            a2 = _mm256_add_pd(a2, x2);
+            b2 = _mm256_add_pd(b2, y2);
+            a3 = _mm256_add_pd(a3, x3);
+            b3 = _mm256_add_pd(b3, y3);
+            __m256d c = _mm256_add_pd(_mm256_add_pd(x0, x1), _mm256_add_pd(x2, x3));
+            __m256d d = _mm256_add_pd(_mm256_add_pd(y0, y1), _mm256_add_pd(y2, y3));
+            _mm256_storeu_pd(partial + j, _mm256_add_pd(_mm256_loadu_pd(partial + j), c));
+            _mm256_storeu_pd(partial + j + 4, _mm256_add_pd(_mm256_loadu_pd(partial + j + 4), d));
+        }
+        double t0 = lanes_total_avx2(_mm256_add_pd(a0, b0)), t1 = lanes_total_avx2(_mm256_add_pd(a1, b1));
+        double t2 = lanes_total_avx2(_mm256_add_pd(a2, b2)), t3 = lanes_total_avx2(_mm256_add_pd(a3, b3));
         for (; j < cols; j++) {
             double v0 = g[j], v1 = g[cols + j], v2 = g[2 * cols + j], v3 = g[3 * cols + j];
             double s0 = v0 * v0, s1 = v1 * v1, s2 = v2 * v2, s3 = v3 * v3;
