@@ -661,7 +661,7 @@ static int32_t nearest_code_reference(const CodebookTable* t, float z) {
 
 
 /* Nearest rounding through the threshold table (z in [-1, 1]; see build_thresholds). */
-static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, const float* restrict s,
+static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict q, float s,
                                      float* restrict d, const CodebookTable* restrict t,
                                      const float* restrict cb, float m_new, float lr, int64_t n) {
     float safe = m_new > 0.0f ? m_new : 1.0f;
@@ -672,7 +672,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         const int divide = !(safe >= QUOTIENT_MIN && safe <= QUOTIENT_MAX);
         const __m512 inv_safe = _mm512_set1_ps(1.0f / safe);
         const __m512 scale = _mm512_set1_ps((float)(FINE_BUCKETS / 2));
-        const __m512 vm = _mm512_set1_ps(m_new), vlr = _mm512_set1_ps(lr);
+        const __m512 vm = _mm512_set1_ps(m_new), vlr = _mm512_set1_ps(lr), vs = _mm512_set1_ps(s);
         const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(FINE_BUCKETS - 1);
         const __m512i ione = _mm512_set1_epi32(1);
         const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -697,7 +697,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         for (int64_t i = 0; i + 16 <= j; i += 16) {
             __m512i k = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + i)));
             __m512 mq = _mm512_mul_ps(_mm512_i32gather_ps(k, cb, 4), vm);
-            __m512 x = _mm512_mul_ps(mq, _mm512_loadu_ps(s + i));
+            __m512 x = _mm512_mul_ps(mq, vs);
             _mm512_storeu_ps(d + i, _mm512_mul_ps(x, vlr));
         }
     }
@@ -707,7 +707,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         const int divide = !(safe >= QUOTIENT_MIN && safe <= QUOTIENT_MAX);
         const __m256 inv_safe = _mm256_set1_ps(1.0f / safe);
         const __m256 scale = _mm256_set1_ps((float)(FINE_BUCKETS / 2));
-        const __m256 vm = _mm256_set1_ps(m_new), vlr = _mm256_set1_ps(lr);
+        const __m256 vm = _mm256_set1_ps(m_new), vlr = _mm256_set1_ps(lr), vs = _mm256_set1_ps(s);
         const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(FINE_BUCKETS - 1);
         /* the low byte of each 32-bit lane, gathered into the low 4 bytes of each 128-bit half */
         const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -744,7 +744,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
             _mm_storel_epi64((__m128i*)(q + j),
                              _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)));
             __m256 mq = _mm256_mul_ps(_mm256_blendv_ps(low, high, above), vm);
-            __m256 x = _mm256_mul_ps(mq, _mm256_loadu_ps(s + j));
+            __m256 x = _mm256_mul_ps(mq, vs);
             _mm256_storeu_ps(d + j, _mm256_mul_ps(x, vlr));
         }
     }
@@ -761,15 +761,16 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         int32_t k = (int32_t)(word & 0xFFu) + (z > threshold[f]);
         codes[j] = k;
         float mq = cb[k] * m_new;
-        float x = mq * s[j];
+        float x = mq * s;
         d[j] = x * lr;
     }
     for (j = first; j < n; j++) q[j] = (uint8_t)codes[j];
 }
 
 /* Requantise one tile of momentum u (nearest codeword, ties low) and produce the updates
- * d = fl(fl(fl(C[q'] * M') * s) * lr); q is rewritten. */
-static void quantize_tile_nearest(const float* restrict u, uint8_t* restrict q, const float* restrict s,
+ * d = fl(fl(fl(C[q'] * M') * s) * lr), s one scale for the tile (1 / bc1, or 1 for GefenMuon); q
+ * is rewritten. */
+static void quantize_tile_nearest(const float* restrict u, uint8_t* restrict q, float s,
                                   float* restrict d, const CodebookTable* restrict t, float m_new, float lr,
                                   int64_t n) {
     float safe = m_new > 0.0f ? m_new : 1.0f;
@@ -782,7 +783,7 @@ static void quantize_tile_nearest(const float* restrict u, uint8_t* restrict q, 
         int take_lo = fabsf(z - clo) <= fabsf(z - chi);
         codes[j] = take_lo ? lo : hi;
         float mq = (take_lo ? clo : chi) * m_new;
-        float x = mq * s[j];
+        float x = mq * s;
         d[j] = x * lr;
     }
     for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)codes[j];
@@ -790,7 +791,7 @@ static void quantize_tile_nearest(const float* restrict u, uint8_t* restrict q, 
 
 /* The same with unbiased stochastic rounding: up = (clamp(z) - lo) / (hi - lo), choose hi
  * when U(seed, first + j) < up. */
-static void quantize_tile_stochastic(const float* restrict u, uint8_t* restrict q, const float* restrict s,
+static void quantize_tile_stochastic(const float* restrict u, uint8_t* restrict q, float s,
                                      float* restrict d, const CodebookTable* restrict t, float m_new, float lr,
                                      int64_t n, uint64_t seed, uint64_t first) {
     float safe = m_new > 0.0f ? m_new : 1.0f;
@@ -808,13 +809,13 @@ static void quantize_tile_stochastic(const float* restrict u, uint8_t* restrict 
         int take_hi = splitmix_uniform(seed, first + (uint64_t)j) < up;
         codes[j] = take_hi ? hi : lo;
         float mq = (take_hi ? chi : clo) * m_new;
-        float x = mq * s[j];
+        float x = mq * s;
         d[j] = x * lr;
     }
     for (int64_t j = 0; j < n; j++) q[j] = (uint8_t)codes[j];
 }
 
-static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, const float* s, float* d, float m_new,
+static void quantize_tile(const StepContext* ctx, const float* u, uint8_t* q, float s, float* d, float m_new,
                           int64_t n, uint64_t first) {
     if (ctx->stochastic)
         quantize_tile_stochastic(u, q, s, d, ctx->table, m_new, ctx->lr, n, ctx->seed, first);
@@ -1123,12 +1124,11 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     static void precondition_write_##SUF(const StepContext* ctx, PT* param, const PT* grad, uint8_t* indices, \
                                          float* magnitude, int64_t b, int64_t blocks, int64_t period, \
                                          int64_t n, const Denominator* den) {                    \
-        float ubuf[UBUF], sbuf[TILE], dbuf[TILE], scratch[TILE];                                 \
+        float ubuf[UBUF], dbuf[TILE], scratch[TILE];                                             \
         int64_t off = b * period;                                                                \
         float m_old = magnitude[b];                                                              \
         float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, n, ubuf, den, off, param + off); \
         magnitude[b] = m_new;                                                                    \
-        for (int64_t k = 0; k < (n < TILE ? n : TILE); k++) sbuf[k] = ctx->inv_bc1;              \
         for (int64_t t0 = 0; t0 < n; t0 += TILE) {                                               \
             int64_t len = n - t0 < TILE ? n - t0 : TILE;                                         \
             const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, n, t0, len, ubuf, \
@@ -1137,7 +1137,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                 prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));              \
                 prefetch_read(indices + off + period + t0, len);                                 \
             }                                                                                    \
-            quantize_tile(ctx, u, indices + off + t0, sbuf, dbuf, m_new, len, (uint64_t)(off + t0)); \
+            quantize_tile(ctx, u, indices + off + t0, ctx->inv_bc1, dbuf, m_new, len, (uint64_t)(off + t0)); \
             write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);         \
         }                                                                                        \
     }                                                                                            \
@@ -1204,13 +1204,12 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
      * the Newton-Schulz input C[q'] M' (Nesterov: fl(fl(C[q'] M' beta) + fl(g (1 - beta)))). */           \
     static void muon_block_##SUF(const StepContext* ctx, const PT* grad, uint8_t* indices, float* magnitude, \
                                  void* out, int out_bf16, int64_t b, int64_t blocks, int64_t period, int nesterov) { \
-            float ubuf[UBUF], ones[TILE], vbuf[TILE], gbuf[TILE], scratch[TILE];                               \
+            float ubuf[UBUF], vbuf[TILE], gbuf[TILE], scratch[TILE];                                           \
             int64_t off = b * period;                                                                          \
             float m_old = magnitude[b];                                                                        \
             float m_new = block_stats_##SUF(ctx, grad + off, indices + off, m_old, period, ubuf, NULL, off,    \
                                             (const PT*)NULL);                                                  \
             magnitude[b] = m_new;                                                                              \
-            for (int64_t k = 0; k < (period < TILE ? period : TILE); k++) ones[k] = 1.0f;                                                     \
             for (int64_t t0 = 0; t0 < period; t0 += TILE) {                                                    \
                 int64_t len = period - t0 < TILE ? period - t0 : TILE;                                         \
                 const float* u = tile_momentum_##SUF(ctx, grad + off, indices + off, m_old, period, t0, len,   \
@@ -1219,7 +1218,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                     prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
                     prefetch_read(indices + off + period + t0, len);                                           \
                 }                                                                                              \
-                quantize_tile(ctx, u, indices + off + t0, ones, vbuf, m_new, len, (uint64_t)(off + t0));       \
+                quantize_tile(ctx, u, indices + off + t0, 1.0f, vbuf, m_new, len, (uint64_t)(off + t0));       \
                 if (nesterov) {                                                                                \
                     load_tile_##SUF(grad + off + t0, gbuf, 1.0f, len);                                         \
                     nesterov_tile(vbuf, gbuf, ctx->beta1, ctx->omb1, len);                                     \
