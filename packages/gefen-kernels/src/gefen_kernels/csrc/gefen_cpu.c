@@ -713,7 +713,6 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                    0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
         const float* wide = t->wide[0];
-        (void)cb;
         for (; j + 8 <= n; j += 8) {
             __m256 uv = _mm256_loadu_ps(u + j);
             __m256 z = divide ? _mm256_div_ps(uv, vsafe) : quotient_avx2(uv, vsafe, inv_safe);
