@@ -880,6 +880,27 @@ static inline int64_t stats_rows_ahead(int64_t cols, int64_t element_bytes) {
     return (65536 + row_bytes - 1) / row_bytes;
 }
 
+#ifdef GEFEN_SIMD
+/* The columns [j, cols) of four rows after the vector loop, and the four rows' sums (t: their
+ * vector lanes' totals) into row_sums[0..3]. */
+static inline void stats_tail4(const float* g, int64_t j, int64_t cols, double t0, double t1, double t2, double t3,
+                               double* row_sums, double* partial) {
+    for (; j < cols; j++) {
+        double v0 = g[j], v1 = g[cols + j], v2 = g[2 * cols + j], v3 = g[3 * cols + j];
+        double s0 = v0 * v0, s1 = v1 * v1, s2 = v2 * v2, s3 = v3 * v3;
+        t0 += s0;
+        t1 += s1;
+        t2 += s2;
+        t3 += s3;
+        partial[j] += (s0 + s1) + (s2 + s3);
+    }
+    row_sums[0] = t0;
+    row_sums[1] = t1;
+    row_sums[2] = t2;
+    row_sums[3] = t3;
+}
+#endif
+
 #ifdef GEFEN_AVX2
 /* The squares of four floats in float64. */
 static inline __m256d squares_avx2(__m128 x) {
@@ -946,19 +967,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         }
         double t0 = _mm512_reduce_add_pd(_mm512_add_pd(a0, b0)), t1 = _mm512_reduce_add_pd(_mm512_add_pd(a1, b1));
         double t2 = _mm512_reduce_add_pd(_mm512_add_pd(a2, b2)), t3 = _mm512_reduce_add_pd(_mm512_add_pd(a3, b3));
-        for (; j < cols; j++) {
-            double v0 = g[j], v1 = g[cols + j], v2 = g[2 * cols + j], v3 = g[3 * cols + j];
-            double s0 = v0 * v0, s1 = v1 * v1, s2 = v2 * v2, s3 = v3 * v3;
-            t0 += s0;
-            t1 += s1;
-            t2 += s2;
-            t3 += s3;
-            partial[j] += (s0 + s1) + (s2 + s3);
-        }
-        row_sums[r] = t0;
-        row_sums[r + 1] = t1;
-        row_sums[r + 2] = t2;
-        row_sums[r + 3] = t3;
+        stats_tail4(g, j, cols, t0, t1, t2, t3, row_sums + r, partial);
     }
 #elif defined(GEFEN_AVX2)
     const int64_t ahead = stats_rows_ahead(cols, 4);
@@ -996,19 +1005,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         }
         double t0 = lanes_total_avx2(_mm256_add_pd(a0, b0)), t1 = lanes_total_avx2(_mm256_add_pd(a1, b1));
         double t2 = lanes_total_avx2(_mm256_add_pd(a2, b2)), t3 = lanes_total_avx2(_mm256_add_pd(a3, b3));
-        for (; j < cols; j++) {
-            double v0 = g[j], v1 = g[cols + j], v2 = g[2 * cols + j], v3 = g[3 * cols + j];
-            double s0 = v0 * v0, s1 = v1 * v1, s2 = v2 * v2, s3 = v3 * v3;
-            t0 += s0;
-            t1 += s1;
-            t2 += s2;
-            t3 += s3;
-            partial[j] += (s0 + s1) + (s2 + s3);
-        }
-        row_sums[r] = t0;
-        row_sums[r + 1] = t1;
-        row_sums[r + 2] = t2;
-        row_sums[r + 3] = t3;
+        stats_tail4(g, j, cols, t0, t1, t2, t3, row_sums + r, partial);
     }
 #else
     (void)grad, (void)r1, (void)rows, (void)cols, (void)row_sums, (void)partial;
