@@ -28,9 +28,10 @@ from kernels_parity_helpers import (
 SMALL_BLOCKS = [(0, 5), (1, 1), (7, 13), (33, 64)]  # (blocks, period)
 LARGE_BLOCKS = [(1, 1031), (2, 4099)]  # 4099 > the kernel's momentum buffer (recomputing path)
 SMALL_FACTORED = [(5, 7, 35), (6, 10, 4), (9, 33, 33), (0, 3, 1)]  # (rows, cols, period)
-#: The last: rows over 64 KiB; (130, 75, 75): 9 rows per statistics chunk, so the vector loops
-#: that sum four rows at a time run (and a row and three columns are left to the plain loops).
-LARGE_FACTORED = [(4, 1030, 515), (2, 5000, 10000), (6, 16411, 16411), (130, 75, 75)]
+#: The third: rows over 64 KiB; the last: 9 rows per statistics chunk, so the vector loops that
+#: sum four rows at a time run, with their prefetch (16 rows ahead), leaving a row and six
+#: columns to the plain loops.
+LARGE_FACTORED = [(4, 1030, 515), (2, 5000, 10000), (6, 16411, 16411), (130, 1030, 515)]
 BLOCK_CASES = [(d, s) for d in DTYPES for s in SMALL_BLOCKS] + [
     (d, s) for d in (torch.float32, torch.bfloat16) for s in LARGE_BLOCKS
 ]

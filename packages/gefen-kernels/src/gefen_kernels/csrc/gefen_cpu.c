@@ -371,8 +371,8 @@ static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_
  * against the division on 4e8 random and near-midpoint pairs). The theorem needs no
  * underflow or overflow: the caller keeps a in [QUOTIENT_MIN, QUOTIENT_MAX], and lanes with
  * |u| outside that range (infinities included), or a quotient below 2^-124 or above 2^126,
- * are recomputed with the IEEE division (u == 0 gives the signed zero either way; a NaN
- * stays NaN). Explicit FMAs: the result does not depend on the compiler's contraction,
+ * are recomputed with the IEEE division (a NaN stays NaN; u = -0 gives +0 where the division
+ * gives -0, which nothing downstream sees: z and u are only compared and taken |u| of). Explicit FMAs: the result does not depend on the compiler's contraction,
  * which stays off. */
 static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
     __m512 q0 = _mm512_mul_ps(u, y);
@@ -712,7 +712,7 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
         /* the low byte of each 32-bit lane, gathered into the low 4 bytes of each 128-bit half */
         const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                    0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-        const float* wide = t->wide[0];
+        const float(*wide)[4] = t->wide;
         for (; j + 8 <= n; j += 8) {
             __m256 uv = _mm256_loadu_ps(u + j);
             __m256 z = divide ? _mm256_div_ps(uv, vsafe) : quotient_avx2(uv, vsafe, inv_safe);
@@ -723,14 +723,14 @@ static void quantize_tile_thresholds(const float* restrict u, uint8_t* restrict 
             _mm256_storeu_si256((__m256i*)at, f);
             /* row i holds the entries of elements i and i + 4; a 4 x 4 transpose in each half
              * gives the thresholds, bases and both codewords of the eight elements in order */
-            __m256 r0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[0])),
-                                             _mm_loadu_ps(wide + 4 * at[4]), 1);
-            __m256 r1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[1])),
-                                             _mm_loadu_ps(wide + 4 * at[5]), 1);
-            __m256 r2 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[2])),
-                                             _mm_loadu_ps(wide + 4 * at[6]), 1);
-            __m256 r3 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide + 4 * at[3])),
-                                             _mm_loadu_ps(wide + 4 * at[7]), 1);
+            __m256 r0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide[at[0]])),
+                                             _mm_loadu_ps(wide[at[4]]), 1);
+            __m256 r1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide[at[1]])),
+                                             _mm_loadu_ps(wide[at[5]]), 1);
+            __m256 r2 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide[at[2]])),
+                                             _mm_loadu_ps(wide[at[6]]), 1);
+            __m256 r3 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(wide[at[3]])),
+                                             _mm_loadu_ps(wide[at[7]]), 1);
             __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r0, r1)), t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r0, r1));
             __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r2, r3)), t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r2, r3));
             __m256 threshold = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
