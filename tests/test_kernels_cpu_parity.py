@@ -8,6 +8,7 @@ import pytest
 import torch
 from gefen_contracts.kernels import load_kernel_plugins
 from gefen_core.momentum_codec import splitmix_uniform
+from gefen_core.reference_ops import block_step_reference, factored_stats_reference, factored_step_reference
 from gefen_kernels import KernelArgumentError, cpu_kernel_status, cpu_ops
 from kernels_parity_helpers import (
     DTYPES,
@@ -23,6 +24,7 @@ from kernels_parity_helpers import (
     random_state,
     scalars,
     shared_codebook,
+    update_factored_moments,
 )
 
 SMALL_BLOCKS = [(0, 5), (1, 1), (7, 13), (33, 64)]  # (blocks, period)
@@ -320,3 +322,45 @@ def test_a_ragged_last_block_steps_and_counts_as_the_reference(numel: int, dtype
     )
     grad[-min(numel, 5) :] = 0  # an all-zero ragged block when it is short
     compare_histogram(cpu_ops.histogram, grad, 2048)
+
+
+def _same_or_both_nan(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    a, b = expected.reshape(-1).float(), got.reshape(-1).float()
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", ["block", "factored"])
+def test_a_non_finite_gradient_steps_as_the_reference(value: float, path: str) -> None:
+    """One non-finite gradient element: the kernel's vector loops (whose NaN flags and maxima
+    the finite cases do not test) leave what the reference leaves, NaN where it has NaN."""
+    torch.manual_seed(5)
+    factored = path == "factored"
+    shape = (8, 64) if factored else (256,)
+    grad = torch.randn(shape)
+    grad.view(-1)[197] = value
+    state = random_state(shape, 64, torch.float32, "cpu", factored=factored)
+    ref, mine = state.clone(), state.clone()
+    sc = scalars("cpu", step=2, weight_decay=0.0, factored=factored)
+    flags = {"apply_decay": False, "maximize": False, "deterministic": True}
+    if factored:
+        rows, cols = factored_stats_reference([grad], deterministic=True)
+        got_rows, got_cols = cpu_ops.factored_stats([grad], deterministic=True)
+        assert _same_or_both_nan(rows, got_rows) and _same_or_both_nan(cols, got_cols), "statistics differ"
+        row_factor = update_factored_moments(ref.second[0], ref.second[1], rows, cols, shape[0], sc)
+        common = ([row_factor], [ref.second[1]], shared_codebook(), sc, None)
+        factored_step_reference([ref.param], [grad], [ref.indices], [ref.magnitude], *common, **flags)
+        cpu_ops.factored_step([mine.param], [grad], [mine.indices], [mine.magnitude], *common, **flags)
+    else:
+        common_block = (shared_codebook(), sc, None)
+        block_step_reference(
+            [ref.param], [grad], [ref.indices], [ref.magnitude], ref.second[:1], *common_block, **flags
+        )
+        cpu_ops.block_step(
+            [mine.param], [grad], [mine.indices], [mine.magnitude], mine.second[:1], *common_block, **flags
+        )
+        assert _same_or_both_nan(ref.second[0], mine.second[0]), "second moments differ"
+    assert torch.equal(ref.indices, mine.indices), "codes differ"
+    assert _same_or_both_nan(ref.magnitude, mine.magnitude), "block scales differ"
+    assert _same_or_both_nan(ref.param, mine.param), "parameters differ"
