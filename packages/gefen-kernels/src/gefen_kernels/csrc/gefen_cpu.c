@@ -19,12 +19,14 @@
  * the later passes read from cache. Each tile is converted from
  * the parameter dtype into an fp32 buffer, processed by dtype-free loops written for the
  * auto-vectoriser (restrict pointers, scalars in locals, selects instead of branches),
- * and the parameter write converts back. The three hottest loops (the momentum pass, the
- * block sum of squares, the threshold-table requantisation) are also written with AVX-512
- * or AVX2+FMA intrinsics, taken when the compiler targets either; every set of loops gives
- * the same bits (tests/test_kernels_cpu_portable_loops.py builds the others). Nearest rounding reads a threshold table derived
- * from the reference's rule (build_thresholds) when the codebook allows, else the
- * reference's bucket search; both give the reference's codes bit for bit.
+ * and the parameter write converts back. The hottest loops (the momentum pass, the block sum
+ * of squares, the threshold-table requantisation, the factored statistics) are also written
+ * with AVX-512 or AVX2+FMA intrinsics, taken when the compiler targets either; every set of
+ * loops gives the same bits (tests/test_kernels_cpu_portable_loops.py builds the others; the
+ * statistics may add their float64 squares in another order, as torch does). Nearest rounding
+ * reads a threshold table derived from the reference's rule (build_thresholds) when the
+ * codebook allows, else the reference's bucket search; both give the reference's codes bit
+ * for bit.
  */
 #include <float.h>
 #include <math.h>
@@ -372,8 +374,8 @@ static void widen_codes(const uint8_t* restrict q, int32_t* restrict out, int64_
  * underflow or overflow: the caller keeps a in [QUOTIENT_MIN, QUOTIENT_MAX], and lanes with
  * |u| outside that range (infinities included), or a quotient below 2^-124 or above 2^126,
  * are recomputed with the IEEE division (a NaN stays NaN; u = -0 gives +0 where the division
- * gives -0, which nothing downstream sees: z and u are only compared and taken |u| of). Explicit FMAs: the result does not depend on the compiler's contraction,
- * which stays off. */
+ * gives -0, which nothing downstream sees: z and u are only compared and taken |u| of).
+ * Explicit FMAs: the result does not depend on the compiler's contraction, which stays off. */
 static inline __m512 quotient_avx512(__m512 u, __m512 a, __m512 y) {
     __m512 q0 = _mm512_mul_ps(u, y);
     __m512 r = _mm512_fnmadd_ps(q0, a, u);
