@@ -7,21 +7,19 @@ cover the set this CPU builds by default; here the parity and quotient tests run
 child process whose compiler is a wrapper adding flags (with a cache of its own, so the
 library under test is the one the flags build): ``-DGEFEN_NO_INTRINSICS`` for the plain
 loops, and ``-mno-avx512f`` for the AVX2 loops on a CPU that would otherwise build AVX-512.
-A CPU without AVX-512 cannot run the AVX-512 loops; there they are compiled (warnings as
-errors), so a change that breaks them fails on every x86 machine.
+A CPU without AVX-512 cannot run the AVX-512 loops; gefen-kernels' build tests compile them
+there (``test_kernels_pkg_build.py``).
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from gefen_kernels.prebuilt import BASE_FLAGS, SOURCE, VARIANTS
 
 HERE = Path(__file__).parent
 
@@ -85,13 +83,3 @@ def test_each_build_of_the_loops_passes_the_cpu_parity_tests(tmp_path: Path, fla
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     built = list(cache.glob("*.so"))
     assert len(built) == 1, f"expected the {flag} library in the test's cache, found {built}"
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX-512 loops are x86-64 code")
-@pytest.mark.skipif("avx512f" in _FLAGS, reason="this CPU runs the AVX-512 loops in the main parity tests")
-def test_the_avx512_loops_compile_where_they_cannot_run(tmp_path: Path) -> None:
-    level = next(variant for variant in VARIANTS if variant.name == "x86-64-v4")
-    flags = [flag for flag in BASE_FLAGS if flag != "-shared"]
-    command = [_compiler(), *flags, *level.flags, "-fopenmp", "-Wall", "-Werror", "-c", "-o", str(tmp_path / "v4.o")]
-    result = subprocess.run([*command, str(SOURCE)], capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stderr[-4000:]

@@ -193,3 +193,25 @@ def test_a_prebuilt_library_is_loaded_first_and_a_broken_one_is_skipped(
     monkeypatch.setenv("GEFEN_KERNELS_PREBUILT", "0")
     reset_cpu_library()
     assert not cpu_kernel_status().prebuilt
+
+
+def test_the_avx512_loops_compile_where_they_cannot_run(tmp_path: Path) -> None:
+    """The AVX-512 loops run (and are tested) only on a CPU with AVX-512; elsewhere on x86 they
+    are compiled with warnings as errors, so a change that breaks them fails on every machine."""
+    import platform
+    import subprocess
+
+    from gefen_kernels.cpu_build import _cpu_features
+    from gefen_kernels.prebuilt import BASE_FLAGS, SOURCE, VARIANTS, find_compiler
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the AVX-512 loops are x86-64 code")
+    if "avx512f" in _cpu_features().split():
+        pytest.skip("this CPU runs the AVX-512 loops in the parity tests")
+    compiler = find_compiler()
+    assert compiler is not None, "no C compiler: the CPU kernel tests need one"
+    level = next(variant for variant in VARIANTS if variant.name == "x86-64-v4")
+    flags = [flag for flag in BASE_FLAGS if flag != "-shared"]
+    command = [*compiler, *flags, *level.flags, "-fopenmp", "-Wall", "-Werror", "-c", "-o", str(tmp_path / "v4.o")]
+    result = subprocess.run([*command, str(SOURCE)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
