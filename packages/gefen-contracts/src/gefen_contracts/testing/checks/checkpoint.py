@@ -192,36 +192,17 @@ class AtomicLoadCheck:
         if diffs:
             problems.append("stage_state_dict changed the optimizer: " + "; ".join(diffs[:3]))
         other_model, other = context.trained(context.target.steps)
-        other_before = deep_snapshot(other, other_model)
-        try:
-            other.commit_staged_state_dict(staged)
-            problems.append("a staged load committed on another optimizer")
-        except StaleTransactionError:
-            if snapshot_diff(other_before, other, other_model):
-                problems.append("refusing a foreign staged load changed the optimizer")
+        refusals = [_stale_refusal(other, other_model, staged, "a staged load on another optimizer")]
         context.step(model, optimizer, 10_000)
-        after_step = deep_snapshot(optimizer, model)
-        try:
-            optimizer.commit_staged_state_dict(staged)
-            problems.append("a stale staged load (the optimizer stepped after staging) was committed")
-        except StaleTransactionError:
-            if snapshot_diff(after_step, optimizer, model):
-                problems.append("refusing a stale staged load changed the optimizer")
+        refusals.append(_stale_refusal(optimizer, model, staged, "a staged load after the optimizer stepped"))
         fresh = optimizer.stage_state_dict(valid)
         optimizer.commit_staged_state_dict(fresh)
-        try:
-            optimizer.commit_staged_state_dict(fresh)
-            problems.append("a staged load was committed twice")
-        except StaleTransactionError:
-            pass
+        refusals.append(_stale_refusal(optimizer, model, fresh, "a staged load committed a second time"))
         # two loads staged from the same state: committing one makes the other stale
         first, second = optimizer.stage_state_dict(valid), optimizer.stage_state_dict(valid)
         optimizer.commit_staged_state_dict(second)
-        try:
-            optimizer.commit_staged_state_dict(first)
-            problems.append("a load staged before another load was committed was committed too")
-        except StaleTransactionError:
-            pass
+        refusals.append(_stale_refusal(optimizer, model, first, "a load staged before another load was committed"))
+        problems.extend(problem for problem in refusals if problem)
         # stage + commit publishes what load_state_dict publishes
         _loaded_model, loaded = context.trained(context.target.steps)
         loaded.load_state_dict(valid)
@@ -230,6 +211,17 @@ class AtomicLoadCheck:
         except AssertionError as exc:
             problems.append(f"stage_state_dict + commit_staged_state_dict did not publish the checkpoint: {exc}")
         return problems
+
+
+def _stale_refusal(optimizer: Any, model: Any, staged: Any, what: str) -> str | None:
+    """``None`` when committing ``staged`` raises ``StaleTransactionError`` and changes nothing;
+    else the problem, naming ``what``."""
+    before = deep_snapshot(optimizer, model)
+    try:
+        optimizer.commit_staged_state_dict(staged)
+    except StaleTransactionError:
+        return f"refusing {what} changed the optimizer" if snapshot_diff(before, optimizer, model) else None
+    return f"{what} was committed"
 
 
 class NativeRefusalsCheck:
