@@ -8,7 +8,12 @@ from gefen_contracts import CodecError, ContractError, ContractTypeError
 from gefen_contracts.digest import canonical_digest
 from gefen_contracts.identity import ProcessGroupIdentity
 from gefen_contracts.testing import GlooWorld, RankFailure
-from gefen_contracts.torch_support import CheckpointProcessGroupBinding, CodebookProcessGroupBinding, tensor_digest
+from gefen_contracts.torch_support import (
+    CheckpointProcessGroupBinding,
+    CodebookProcessGroupBinding,
+    load_with_hooks,
+    tensor_digest,
+)
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +176,26 @@ def test_expand_blocks_never_expands_past_the_piece_whatever_the_period() -> Non
     assert torch.equal(expand_blocks(torch.tensor([1.5]), 2**45, (3,)), torch.full((3,), 1.5))
     assert torch.equal(expand_blocks(torch.tensor([1.0, 2.0]), 2, (3,)), torch.tensor([1.0, 1.0, 2.0]))
     assert expand_blocks(torch.zeros(0), 2**45, (0, 4)).shape == (0, 4)
+
+
+def test_load_with_hooks_runs_torch_s_hooks_in_order_around_the_load_on_a_copy() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    calls: list[str] = []
+
+    def pre_edit(_: object, state_dict: dict[str, object]) -> None:
+        calls.append("pre-edit")
+        state_dict["edited"] = True  # edits the copy, never the caller's dict
+
+    def pre_replace(_: object, state_dict: dict[str, object]) -> dict[str, object]:
+        calls.append("pre-replace")
+        return {**state_dict, "replaced": True}
+
+    optimizer.register_load_state_dict_pre_hook(pre_edit)
+    optimizer.register_load_state_dict_pre_hook(pre_replace)
+    optimizer.register_load_state_dict_post_hook(lambda _: calls.append("post"))
+    caller = {"original": True}
+    loaded: list[dict[str, object]] = []
+    load_with_hooks(optimizer, caller, lambda state_dict: (calls.append("load"), loaded.append(state_dict)))
+    assert calls == ["pre-edit", "pre-replace", "load", "post"]
+    assert loaded == [{"original": True, "edited": True, "replaced": True}]
+    assert caller == {"original": True}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
+from gefen_contracts.torch_support import load_with_hooks
 from gefen_contracts.transactions import StagedTransaction
 
 from .identity import pickled_identity, restore_identity, verify_layout
@@ -19,7 +20,6 @@ __all__ = [
     "OwnAttributesPickling",
     "codebook_on",
     "export_with_hooks",
-    "load_with_hooks",
     "publish_groups_and_state",
     "run_eagerly",
 ]
@@ -53,24 +53,6 @@ def export_with_hooks(optimizer: torch.optim.Optimizer, build: Callable[[], dict
         if replaced is not None:
             result = replaced
     return result
-
-
-def load_with_hooks(
-    optimizer: torch.optim.Optimizer,
-    state_dict: Mapping[str, Any],
-    load: Callable[[Mapping[str, Any]], None],
-) -> None:
-    """``load_state_dict()`` semantics: pre-hooks (which may replace the dict, or edit a shallow
-    copy of it: the caller's dict is never changed, as in torch), ``load``, post-hooks."""
-    if isinstance(state_dict, Mapping):
-        state_dict = dict(state_dict)
-    for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
-        replaced = pre_hook(optimizer, state_dict)
-        if replaced is not None:
-            state_dict = replaced
-    load(state_dict)
-    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
-        post_hook(optimizer)
 
 
 class OwnAttributesPickling:

@@ -35,6 +35,7 @@ from gefen_contracts.torch_support import (
     check_new_group,
     check_tensor_lr,
     group_params,
+    load_with_hooks,
     state_version_token,
 )
 from gefen_contracts.torch_support.option_records import option_blockers
@@ -395,14 +396,7 @@ class ContractedAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load pre-hooks, stage (full validation), commit, load post-hooks."""
-        current: Mapping[str, Any] = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, current)  # type: ignore[arg-type]
-            if result is not None:
-                current = result
-        self.commit_staged_state_dict(self.stage_state_dict(current))
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        load_with_hooks(self, state_dict, lambda loaded: self.commit_staged_state_dict(self.stage_state_dict(loaded)))
 
     # -- IdentityBindable -------------------------------------------------------------------
 

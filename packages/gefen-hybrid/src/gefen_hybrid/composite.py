@@ -34,7 +34,7 @@ from gefen_contracts.protocols import (
     StepPreflight,
 )
 from gefen_contracts.rebinding import ParameterRebinding
-from gefen_contracts.torch_support import forget_scaler_state
+from gefen_contracts.torch_support import forget_scaler_state, run_load_post_hooks, run_load_pre_hooks
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
 from torch import nn
@@ -508,21 +508,15 @@ class CompositeOptimizer(torch.optim.Optimizer):
         ``load_state_dict`` after the others are staged and before they are published, so its
         failure leaves them unchanged but may leave it partially loaded.
         """
-        current: Any = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
-        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            result = pre_hook(self, current)
-            if result is not None:
-                current = result
+        current = run_load_pre_hooks(self, state_dict)
         if all(checkpoint.staged_capable(child) for _, child in self._children):
             self.commit_staged_state_dict(checkpoint.stage(self, current, run_child_hooks=True))
             staged_children = [child for _, child in self._children]
         else:
             staged_children = checkpoint.load_partially_staged(self, current)
         for child in staged_children:
-            for post_hook in list(getattr(child, "_optimizer_load_state_dict_post_hooks", {}).values()):
-                post_hook(child)
-        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            post_hook(self)
+            run_load_post_hooks(child)
+        run_load_post_hooks(self)
 
     # -- Python protocol ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from gefen_contracts import FEATURE_STAGED_NATIVE_LOAD
 from gefen_contracts.protocols import StagedNativeLoad
-from gefen_contracts.torch_support import share_options, shared_tensor_options, state_version_token
+from gefen_contracts.torch_support import run_load_pre_hooks, share_options, shared_tensor_options, state_version_token
 from gefen_contracts.transactions import StagedTransaction
 
 from .composite_format import children_of_state_dict
@@ -23,7 +23,7 @@ from .composite_format import children_of_state_dict
 if TYPE_CHECKING:
     from .composite import CompositeOptimizer
 
-__all__ = ["LOAD_KIND", "load_partially_staged", "load_token", "run_load_pre_hooks", "stage", "staged_capable"]
+__all__ = ["LOAD_KIND", "load_partially_staged", "load_token", "stage", "staged_capable"]
 
 #: The kind of a staged composite load (``StagedTransaction.kind``).
 LOAD_KIND = "gefen.CompositeOptimizer.native_load"
@@ -59,16 +59,6 @@ def _children_of(composite: CompositeOptimizer, state_dict: object) -> dict[str,
         routing=composite.parameter_routing(),
         group_counts={role: len(child.param_groups) for role, child in composite._children},
     )
-
-
-def run_load_pre_hooks(child: torch.optim.Optimizer, state_dict: Any) -> Any:
-    """``child``'s load pre-hooks over (a shallow copy of) its part of the state dict."""
-    current = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
-    for pre_hook in list(getattr(child, "_optimizer_load_state_dict_pre_hooks", {}).values()):
-        result = pre_hook(child, current)
-        if result is not None:
-            current = result
-    return current
 
 
 def _shared_options(composite: CompositeOptimizer, subs: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -12,7 +12,8 @@ the expansion of a portable record's block fields (:func:`expand_blocks`, :func:
 and the bytes an optimizer holds (:func:`count_state_bytes`: every storage reachable from it,
 parameters and gradients excluded; any optimizer, so Gefen is measured as AdamW is), and
 what a step that takes ``GradScaler``'s protocol and raises must undo
-(:func:`forget_scaler_state`).
+(:func:`forget_scaler_state`), and torch's load hooks around a load an optimizer implements
+itself (:func:`load_with_hooks`, :func:`run_load_pre_hooks`, :func:`run_load_post_hooks`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .dcp_keys import with_rejoined_state
 from .freshness import state_version_token, tensor_version_token
 from .grad_scaler import forget_scaler_state
 from .identity_binding import IdentityBinding
+from .load_hooks import load_with_hooks, run_load_post_hooks, run_load_pre_hooks
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import (
     SharedOption,
@@ -102,6 +104,8 @@ __all__ = [
     "plan_rebinding",
     "publish_binding",
     "rebuilt_plan",
+    "run_load_post_hooks",
+    "run_load_pre_hooks",
     "split_identity_guard",
     "staged_groups",
     "state_version_token",
@@ -111,6 +115,7 @@ __all__ = [
     "finite_bounds",
     "forget_scaler_state",
     "is_dtensor",
+    "load_with_hooks",
     "local_tensor",
     "on_device",
     "parameter_count",

@@ -51,6 +51,7 @@ from gefen_contracts.enums import (
     StateExtent,
     TopologyChange,
 )
+from gefen_contracts.torch_support import load_with_hooks
 from gefen_contracts.transactions import StagedTransaction
 
 __all__ = ["IMPLEMENTATION", "Int8MomentumSGD", "conformance_factory"]
@@ -286,13 +287,7 @@ class Int8MomentumSGD(torch.optim.Optimizer):
         self._version += 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch's load runs them
-            result = pre_hook(self, dict(state_dict))
-            if result is not None:
-                state_dict = result
-        self.commit_staged_state_dict(self.stage_state_dict(state_dict))
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        load_with_hooks(self, state_dict, lambda loaded: self.commit_staged_state_dict(self.stage_state_dict(loaded)))
 
 
 def conformance_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> Int8MomentumSGD:
