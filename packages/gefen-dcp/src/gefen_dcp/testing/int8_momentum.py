@@ -195,6 +195,11 @@ class Int8MomentumSGD(torch.optim.Optimizer):
     def optimizer_contract(self) -> OptimizerContract:
         return CONTRACT
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        # a load staged before the new group numbers its parameters without it: outdate it
+        self._version = getattr(self, "_version", 0) + 1  # (torch's __init__ adds the first groups)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None

@@ -210,7 +210,28 @@ class AtomicLoadCheck:
             assert_trees_equal(optimizer.state_dict(), loaded.state_dict(), "state_dict after stage + commit")
         except AssertionError as exc:
             problems.append(f"stage_state_dict + commit_staged_state_dict did not publish the checkpoint: {exc}")
+        # last, as it leaves the optimizer a group larger: a load staged before a group was
+        # added knows nothing of that group, so its commit must be refused too
+        staged = optimizer.stage_state_dict(valid)
+        if _added_group(context, optimizer):
+            refusal = _stale_refusal(optimizer, model, staged, "a load staged before add_param_group")
+            problems.extend([refusal] if refusal else [])
         return problems
+
+
+def _added_group(context: CheckContext, optimizer: Any) -> bool:
+    """Add a group of one new parameter with the last group's options (named when the groups
+    are); ``False`` (noted) when the optimizer refuses it, as it may."""
+    first = optimizer.param_groups[0]["params"][0]
+    options = {k: v for k, v in optimizer.param_groups[-1].items() if k not in ("params", "param_names")}
+    extra = torch.nn.Parameter(torch.zeros(4, dtype=first.dtype, device=first.device))
+    named = "param_names" in optimizer.param_groups[-1]
+    try:
+        optimizer.add_param_group({**options, "params": [("kit_added_group.weight", extra)] if named else [extra]})
+    except Exception as exc:
+        context.notes.append(f"staged load across add_param_group not exercised: it raised {type(exc).__name__}")
+        return False
+    return True
 
 
 def _stale_refusal(optimizer: Any, model: Any, staged: Any, what: str) -> str | None:
