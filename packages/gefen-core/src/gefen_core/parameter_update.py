@@ -23,8 +23,6 @@ from .param_state import (
     V_COL,
     V_ROW,
     VARIANT_MARKERS,
-    VMEAN,
-    V,
     switch_second_moment,
 )
 from .reference_ops import scalars_of
@@ -151,6 +149,8 @@ def update_parameters(
     grads: list[torch.Tensor] = []
     indices: list[torch.Tensor] = []
     magnitudes: list[torch.Tensor] = []
+    seconds: list[torch.Tensor] = []  # the second moment the op reads: vmean, v or v_row (the marker)
+    copied = False  # whether a strided parameter steps through a contiguous copy
     for work in works:
         state = work.state
         assert state is not None
@@ -161,10 +161,15 @@ def update_parameters(
             state[age_key] += 1
         states.append(state)
         local = work.local
-        targets.append(local if local.is_contiguous() else local.contiguous())
+        if local.is_contiguous():
+            targets.append(local)
+        else:
+            targets.append(local.contiguous())
+            copied = True
         grads.append(work.grad.contiguous())
         indices.append(state[INDICES])
         magnitudes.append(state[MAGNITUDE])
+        seconds.append(state[marker])
     if capturable:  # device counters, advanced in place by one op for the bucket
         torch._foreach_add_([s[STEP] for s in states] + [s[age_key] for s in states], 1)
     scalars = _scalars(states, group, variant, works[0].local.device, capturable)
@@ -179,20 +184,17 @@ def update_parameters(
         if stats and any(work.slot in stats for work in works):
             factors = _row_factors(works, grads, stats, scalars, dispatch=dispatch, deterministic=deterministic)
         else:
-            v_rows = [s[V_ROW] for s in states]
-            flat = dispatch.op(FACTORED_MOMENTS)(grads, v_rows, v_cols, scalars, deterministic=deterministic)
+            flat = dispatch.op(FACTORED_MOMENTS)(grads, seconds, v_cols, scalars, deterministic=deterministic)
             factors = list(flat.split([grad.shape[0] for grad in grads]))
         threshold = group["clip_threshold"]
         if threshold is not None:
             factors = _clip(works, grads, factors, scalars, threshold)
         step = dispatch.op(FACTORED_STEP)
         step(targets, grads, indices, magnitudes, factors, v_cols, codebook, scalars, seeds, **flags)
-    elif variant == ELEMENT:
-        vs = [s[V] for s in states]
-        dispatch.op(ELEMENT_STEP)(targets, grads, indices, magnitudes, vs, codebook, scalars, seeds, **flags)
     else:
-        vmeans = [s[VMEAN] for s in states]
-        dispatch.op(BLOCK_STEP)(targets, grads, indices, magnitudes, vmeans, codebook, scalars, seeds, **flags)
-    for work, target in zip(works, targets, strict=True):
-        if target is not work.local:
-            work.local.copy_(target)
+        op = ELEMENT_STEP if variant == ELEMENT else BLOCK_STEP
+        dispatch.op(op)(targets, grads, indices, magnitudes, seconds, codebook, scalars, seeds, **flags)
+    if copied:
+        for work, target in zip(works, targets, strict=True):
+            if target is not work.local:
+                work.local.copy_(target)

@@ -432,18 +432,10 @@ def block_step_reference(
     """
     for index, param in enumerate(params):
         block_step_tensor(
-            param.view(-1),
-            grads[index].view(-1),
-            indices[index],
-            magnitudes[index],
-            vmeans[index],
-            codebook,
-            scalars_of(scalars, index),
-            _seed_of(sr_seeds, index),
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        )
+            param.view(-1), grads[index].view(-1), indices[index], magnitudes[index], vmeans[index], codebook,
+            scalars_of(scalars, index), _seed_of(sr_seeds, index),
+            apply_decay=apply_decay, maximize=maximize, deterministic=deterministic,
+        )  # fmt: skip
 
 
 def factored_moments_reference(
@@ -485,19 +477,10 @@ def factored_step_reference(
     (``scalars`` and ``sr_seeds`` as in :func:`block_step_reference`)."""
     for index, param in enumerate(params):
         factored_step_tensor(
-            param,
-            grads[index],
-            indices[index],
-            magnitudes[index],
-            row_factors[index],
-            v_cols[index],
-            codebook,
-            scalars_of(scalars, index),
-            _seed_of(sr_seeds, index),
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        )
+            param, grads[index], indices[index], magnitudes[index], row_factors[index], v_cols[index], codebook,
+            scalars_of(scalars, index), _seed_of(sr_seeds, index),
+            apply_decay=apply_decay, maximize=maximize, deterministic=deterministic,
+        )  # fmt: skip
 
 
 def element_step_reference(
@@ -518,18 +501,10 @@ def element_step_reference(
     (``scalars`` and ``sr_seeds`` as in :func:`block_step_reference`)."""
     for index, param in enumerate(params):
         element_step_tensor(
-            param,
-            grads[index],
-            indices[index],
-            magnitudes[index],
-            vs[index],
-            codebook,
-            scalars_of(scalars, index),
-            _seed_of(sr_seeds, index),
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        )
+            param, grads[index], indices[index], magnitudes[index], vs[index], codebook,
+            scalars_of(scalars, index), _seed_of(sr_seeds, index),
+            apply_decay=apply_decay, maximize=maximize, deterministic=deterministic,
+        )  # fmt: skip
 
 
 def histogram_reference(

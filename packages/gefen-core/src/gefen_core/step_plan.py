@@ -219,6 +219,7 @@ def plan_step(
         check_group_options(group, group_index)
         check_tensor_lr(group["lr"], group["params"], f"param_groups[{group_index}]")
         names = group.get("param_names")
+        variants: dict[torch.Size, str] = {}  # by shape: a group's parameters share a few shapes
         for position, param in enumerate(group["params"]):
             slot += 1
             grad = param.grad
@@ -226,27 +227,31 @@ def plan_step(
                 continue
             name = names[position] if names is not None else None
             shape = param.shape
+            device = param.device
             if (
                 type(param) in _PLAIN  # neither a DTensor nor another subclass: the common case, checked inline
                 and type(grad) is torch.Tensor
                 and grad.layout is torch.strided
                 and grad.dtype is param.dtype  # never complex: complex parameters are refused when added
                 and grad.shape == shape
-                and grad.device == param.device
+                and grad.device == device
             ):
                 local, local_grad, row_sharded = param, grad, False
             else:
                 check_gradient(param, grad, _place(group_index, position, name))
                 local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
+                device = local.device
                 plan.has_dtensors = plan.has_dtensors or is_dtensor(param)
             live = state.get(param)
-            variant = second_moment_variant(shape, group)
+            variant = variants.get(shape)
+            if variant is None:
+                variant = variants[shape] = second_moment_variant(shape, group)
             work = ParamWork(
                 group_index, slot, param, local, local_grad, name, variant, row_sharded, live, None, position
             )
             if live:
                 if check_state(live, local, work.where):
-                    if capturable and live[INDICES].device != local.device:
+                    if capturable and live[INDICES].device != device:
                         raise CaptureError(
                             f"{work.where()}: state lives on another device; capturable steps cannot move it"
                         )
@@ -276,7 +281,7 @@ def plan_step(
                         )
                     work.local_nonzero = bounds != (0.0, 0.0)
             works.append(work)
-            key = (group_index, variant, local.device)
+            key = (group_index, variant, device)
             buckets.setdefault(key, []).append(work)
             if row_sharded:
                 plan.row_sharded.add(key)

@@ -223,6 +223,20 @@ def _precondition_write(
 
 
 @triton.jit
+def _step_scalars(sc_ptr, seed_ptr, STOCHASTIC: tl.constexpr):
+    """The packet's ``LR``, ``INV_BC1``, ``DECAY``, ``BETA1``, ``ONE_MINUS_BETA1`` and ``EPS``
+    (``gefen_core.step_scalars``), and the stochastic-rounding seed (0 for nearest rounding)."""
+    if STOCHASTIC:
+        seed = tl.load(seed_ptr).to(tl.uint64)
+    else:
+        seed = 0
+    lr = tl.load(sc_ptr + 0)
+    inv_bc1 = tl.load(sc_ptr + 1)
+    decay = tl.load(sc_ptr + 3)
+    return lr, inv_bc1, decay, tl.load(sc_ptr + 4), tl.load(sc_ptr + 5), tl.load(sc_ptr + 8), seed
+
+
+@triton.jit
 def _block_step(
     pid,
     p_ptr,
@@ -245,19 +259,10 @@ def _block_step(
 ):
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
-    lr = tl.load(sc_ptr + 0)
-    inv_bc1 = tl.load(sc_ptr + 1)
+    lr, inv_bc1, decay, beta1, omb1, eps, seed = _step_scalars(sc_ptr, seed_ptr, STOCHASTIC)
     bc2 = tl.load(sc_ptr + 2)
-    decay = tl.load(sc_ptr + 3)
-    beta1 = tl.load(sc_ptr + 4)
-    omb1 = tl.load(sc_ptr + 5)
     beta2 = tl.load(sc_ptr + 6)
     omb2 = tl.load(sc_ptr + 7)
-    eps = tl.load(sc_ptr + 8)
-    if STOCHASTIC:
-        seed = tl.load(seed_ptr).to(tl.uint64)
-    else:
-        seed = 0
     count = tl.minimum(numel - rows.to(tl.int64) * period, period)  # a ragged last block is shorter
     count = tl.where(row_ok, count, 1).to(tl.float64)
     mean = (_block_sumsq(g_ptr, rows, row_ok, period, numel, ROWS, COLS) / count).to(tl.float32)
@@ -266,34 +271,9 @@ def _block_step(
     h = tl.math.sqrt_rn(v) * bc2 + eps
     tl.store(v_ptr + rows, v, mask=row_ok)
     _precondition_write(
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        cb_ptr,
-        rows,
-        row_ok,
-        sign,
-        beta1,
-        omb1,
-        inv_bc1,
-        lr,
-        decay,
-        seed,
-        period,
-        numel,
-        h[:, None],
-        v_ptr,
-        v_ptr,
-        1,
-        eps,
-        ROWS,
-        COLS,
-        BLOCK_DENOMINATOR,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-    )
+        p_ptr, g_ptr, q_ptr, mag_ptr, cb_ptr, rows, row_ok, sign, beta1, omb1, inv_bc1, lr, decay, seed, period, numel,
+        h[:, None], v_ptr, v_ptr, 1, eps, ROWS, COLS, BLOCK_DENOMINATOR, STOCHASTIC, APPLY_DECAY, F64
+    )  # fmt: skip
 
 
 @triton.jit
@@ -334,16 +314,7 @@ def _factored_step(
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     numel = blocks.to(tl.int64) * period  # factored blocks tile the rows
-    lr = tl.load(sc_ptr + 0)
-    inv_bc1 = tl.load(sc_ptr + 1)
-    decay = tl.load(sc_ptr + 3)
-    beta1 = tl.load(sc_ptr + 4)
-    omb1 = tl.load(sc_ptr + 5)
-    eps = tl.load(sc_ptr + 8)
-    if STOCHASTIC:
-        seed = tl.load(seed_ptr).to(tl.uint64)
-    else:
-        seed = 0
+    lr, inv_bc1, decay, beta1, omb1, eps, seed = _step_scalars(sc_ptr, seed_ptr, STOCHASTIC)
     if ROW_BLOCKS:  # each block in one row: its row root and row start once per block
         row = rows.to(tl.int64) * period // ncols
         h_rows = tl.math.sqrt_rn(tl.load(rf_ptr + row, mask=row_ok, other=1.0))[:, None]
@@ -352,34 +323,10 @@ def _factored_step(
         h_rows = 1.0
         columns = ncols
     _precondition_write(
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        cb_ptr,
-        rows,
-        row_ok,
-        sign,
-        beta1,
-        omb1,
-        inv_bc1,
-        lr,
-        decay,
-        seed,
-        period,
-        numel,
-        h_rows,
-        rf_ptr,
-        vc_ptr,
-        columns,
-        eps,
-        ROWS,
-        COLS,
-        FACTORED_ROW_DENOMINATOR if ROW_BLOCKS else FACTORED_DENOMINATOR,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-    )
+        p_ptr, g_ptr, q_ptr, mag_ptr, cb_ptr, rows, row_ok, sign, beta1, omb1, inv_bc1, lr, decay, seed, period, numel,
+        h_rows, rf_ptr, vc_ptr, columns, eps, ROWS, COLS,
+        FACTORED_ROW_DENOMINATOR if ROW_BLOCKS else FACTORED_DENOMINATOR, STOCHASTIC, APPLY_DECAY, F64
+    )  # fmt: skip
 
 
 @triton.jit
@@ -418,45 +365,11 @@ def _element_step(
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < blocks
     numel = blocks.to(tl.int64) * period  # the blocks tile the parameter
-    lr = tl.load(sc_ptr + 0)
-    inv_bc1 = tl.load(sc_ptr + 1)
-    decay = tl.load(sc_ptr + 3)
-    beta1 = tl.load(sc_ptr + 4)
-    omb1 = tl.load(sc_ptr + 5)
-    eps = tl.load(sc_ptr + 8)
-    if STOCHASTIC:
-        seed = tl.load(seed_ptr).to(tl.uint64)
-    else:
-        seed = 0
+    lr, inv_bc1, decay, beta1, omb1, eps, seed = _step_scalars(sc_ptr, seed_ptr, STOCHASTIC)
     _precondition_write(
-        p_ptr,
-        g_ptr,
-        q_ptr,
-        mag_ptr,
-        cb_ptr,
-        rows,
-        row_ok,
-        sign,
-        beta1,
-        omb1,
-        inv_bc1,
-        lr,
-        decay,
-        seed,
-        period,
-        numel,
-        1.0,
-        v_ptr,
-        sc_ptr,
-        1,
-        eps,
-        ROWS,
-        COLS,
-        ELEMENT_DENOMINATOR,
-        STOCHASTIC,
-        APPLY_DECAY,
-        F64,
-    )
+        p_ptr, g_ptr, q_ptr, mag_ptr, cb_ptr, rows, row_ok, sign, beta1, omb1, inv_bc1, lr, decay, seed, period, numel,
+        1.0, v_ptr, sc_ptr, 1, eps, ROWS, COLS, ELEMENT_DENOMINATOR, STOCHASTIC, APPLY_DECAY, F64
+    )  # fmt: skip
 
 
 @triton.jit

@@ -236,23 +236,9 @@ def factored_step(
 ) -> None:
     """``gefen::factored_step.v4`` with Triton (phase 2 of the factored update; per-element
     stepsizes in registers): one launch per group of entries (:func:`_launch_list`)."""
-    _check(
-        arguments.check_factored_step(
-            params,
-            grads,
-            indices,
-            magnitudes,
-            row_factors,
-            v_cols,
-            codebook,
-            scalars,
-            sr_seeds,
-            apply_decay=apply_decay,
-            maximize=maximize,
-            deterministic=deterministic,
-        ),
-        *params[:1],
-    )
+    args = (params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds)
+    flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
+    _check(arguments.check_factored_step(*args, **flags), *params[:1])
     if params and not _capturing(params[0]):
         _launch_list(
             K.FACTORED_STEP.value, params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars,
@@ -267,27 +253,11 @@ def factored_step(
         rows, cols = _tile(blocks, period)
         seed = _seed_of(sr_seeds, index)
         K.factored_step_kernel[(triton_cdiv(blocks, rows),)](
-            param,
-            grads[index],
-            indices[index],
-            magnitudes[index],
-            row_factors[index],
-            v_cols[index],
-            codebook,
-            _scalars_of(scalars, index),
-            seed,
-            blocks,
-            period,
-            param.shape[1],
-            -1.0 if maximize else 1.0,
-            ROWS=rows,
-            COLS=cols,
-            STOCHASTIC=seed is not None,
-            APPLY_DECAY=apply_decay,
-            F64=param.dtype is torch.float64,
-            ROW_BLOCKS=param.shape[1] % period == 0,
-            enable_fp_fusion=False,
-        )
+            param, grads[index], indices[index], magnitudes[index], row_factors[index], v_cols[index], codebook,
+            _scalars_of(scalars, index), seed, blocks, period, param.shape[1], -1.0 if maximize else 1.0,
+            ROWS=rows, COLS=cols, STOCHASTIC=seed is not None, APPLY_DECAY=apply_decay,
+            F64=param.dtype is torch.float64, ROW_BLOCKS=param.shape[1] % period == 0, enable_fp_fusion=False,
+        )  # fmt: skip
     increment_version([*params, *indices, *magnitudes])
 
 

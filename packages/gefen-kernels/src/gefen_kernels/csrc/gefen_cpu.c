@@ -1441,6 +1441,14 @@ static void entry_context(StepContext* ctx, const ListCall* call, int64_t i) {
 }
 
 #define PTR(e, k) ((void*)(intptr_t)(e)[k])
+/* NAME_f32/_bf16/_f16/_f64(...) by a dtype code already checked (run_entries, or the caller). */
+#define BY_DTYPE(code, NAME, ...)                        \
+    switch (code) {                                      \
+        case DT_F32: NAME##_f32(__VA_ARGS__); break;     \
+        case DT_BF16: NAME##_bf16(__VA_ARGS__); break;   \
+        case DT_F16: NAME##_f16(__VA_ARGS__); break;     \
+        default: NAME##_f64(__VA_ARGS__); break;         \
+    }
 
 /* block step rows: dtype, numel, param, grad, indices, magnitude, vmean, blocks, period; the last
  * block holds numel - (blocks - 1) * period elements (ragged when that is below period). */
@@ -1450,15 +1458,8 @@ static int block_step_entry(const ListCall* call, int64_t i, int threads) {
     const int64_t* e = call->entries + i * BS_FIELDS;
     StepContext ctx;
     entry_context(&ctx, call, i);
-#define BLOCK_ARGS PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE), PTR(e, BS_VMEAN), \
-                   e[BS_BLOCKS], e[BS_PERIOD], e[1], threads
-    switch (e[0]) {
-        case DT_F32: block_step_f32(&ctx, BLOCK_ARGS); break;
-        case DT_BF16: block_step_bf16(&ctx, BLOCK_ARGS); break;
-        case DT_F16: block_step_f16(&ctx, BLOCK_ARGS); break;
-        default: block_step_f64(&ctx, BLOCK_ARGS); break;
-    }
-#undef BLOCK_ARGS
+    BY_DTYPE(e[0], block_step, &ctx, PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE),
+             PTR(e, BS_VMEAN), e[BS_BLOCKS], e[BS_PERIOD], e[1], threads)
     return 0;
 }
 
@@ -1479,15 +1480,8 @@ static int element_step_entry(const ListCall* call, int64_t i, int threads) {
     const int64_t* e = call->entries + i * BS_FIELDS;
     StepContext ctx;
     entry_context(&ctx, call, i);
-#define ELEMENT_ARGS PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE), PTR(e, BS_VMEAN), \
-                     e[BS_BLOCKS], e[BS_PERIOD], threads
-    switch (e[0]) {
-        case DT_F32: element_step_f32(&ctx, ELEMENT_ARGS); break;
-        case DT_BF16: element_step_bf16(&ctx, ELEMENT_ARGS); break;
-        case DT_F16: element_step_f16(&ctx, ELEMENT_ARGS); break;
-        default: element_step_f64(&ctx, ELEMENT_ARGS); break;
-    }
-#undef ELEMENT_ARGS
+    BY_DTYPE(e[0], element_step, &ctx, PTR(e, BS_PARAM), PTR(e, BS_GRAD), PTR(e, BS_INDICES), PTR(e, BS_MAGNITUDE),
+             PTR(e, BS_VMEAN), e[BS_BLOCKS], e[BS_PERIOD], threads)
     return 0;
 }
 
@@ -1513,15 +1507,8 @@ static int factored_step_entry(const ListCall* call, int64_t i, int threads) {
     for (int64_t j = 0; j < cols; j++) col_root[j] = sqrtf(v_col[j]);
     StepContext ctx;
     entry_context(&ctx, call, i);
-#define FACTORED_ARGS PTR(e, FS_PARAM), PTR(e, FS_GRAD), PTR(e, FS_INDICES), PTR(e, FS_MAGNITUDE), \
-                      (const float*)PTR(e, FS_ROW_FACTOR), col_root, e[FS_BLOCKS], e[FS_PERIOD], cols, threads
-    switch (e[0]) {
-        case DT_F32: factored_step_f32(&ctx, FACTORED_ARGS); break;
-        case DT_BF16: factored_step_bf16(&ctx, FACTORED_ARGS); break;
-        case DT_F16: factored_step_f16(&ctx, FACTORED_ARGS); break;
-        default: factored_step_f64(&ctx, FACTORED_ARGS); break;
-    }
-#undef FACTORED_ARGS
+    BY_DTYPE(e[0], factored_step, &ctx, PTR(e, FS_PARAM), PTR(e, FS_GRAD), PTR(e, FS_INDICES), PTR(e, FS_MAGNITUDE),
+             (const float*)PTR(e, FS_ROW_FACTOR), col_root, e[FS_BLOCKS], e[FS_PERIOD], cols, threads)
     free(col_root);
     return 0;
 }
@@ -1539,15 +1526,9 @@ int gefen_factored_step(int64_t n, const int64_t* entries, const float* codebook
  * not depend on the thread count. */
 int gefen_factored_stats(int dtype, const void* grad, int64_t rows, int64_t cols, double* row_sums, double* col_sums,
                          double* scratch, int64_t chunks, int threads) {
-#define STATS_ARGS grad, rows, cols, row_sums, col_sums, scratch, chunks, threads
-    switch (dtype) {
-        case DT_F32: factored_stats_f32(STATS_ARGS); return 0;
-        case DT_BF16: factored_stats_bf16(STATS_ARGS); return 0;
-        case DT_F16: factored_stats_f16(STATS_ARGS); return 0;
-        case DT_F64: factored_stats_f64(STATS_ARGS); return 0;
-        default: return -1;
-    }
-#undef STATS_ARGS
+    if (dtype < DT_F32 || dtype > DT_F64) return -1;
+    BY_DTYPE(dtype, factored_stats, grad, rows, cols, row_sums, col_sums, scratch, chunks, threads)
+    return 0;
 }
 
 /* The factored second moment's small part after the statistics (gefen.factored_moments/1):
@@ -1617,15 +1598,8 @@ static int muon_momentum_entry(const ListCall* call, int64_t i, int threads) {
     float packet[9] = {1.0f, 1.0f, 1.0f, 1.0f, scalars[0], scalars[1], 0.0f, 0.0f, 0.0f};
     StepContext ctx;
     read_context(&ctx, packet, call->codebook, call->table, call->seeds != NULL ? call->seeds + i : NULL, 0, 0);
-#define MUON_ARGS PTR(e, MM_GRAD), PTR(e, MM_INDICES), PTR(e, MM_MAGNITUDE), PTR(e, MM_OUT), (int)e[MM_OUT_BF16], \
-                  e[MM_BLOCKS], e[MM_PERIOD], call->nesterov, threads
-    switch (e[0]) {
-        case DT_F32: muon_momentum_f32(&ctx, MUON_ARGS); break;
-        case DT_BF16: muon_momentum_bf16(&ctx, MUON_ARGS); break;
-        case DT_F16: muon_momentum_f16(&ctx, MUON_ARGS); break;
-        default: muon_momentum_f64(&ctx, MUON_ARGS); break;
-    }
-#undef MUON_ARGS
+    BY_DTYPE(e[0], muon_momentum, &ctx, PTR(e, MM_GRAD), PTR(e, MM_INDICES), PTR(e, MM_MAGNITUDE), PTR(e, MM_OUT),
+             (int)e[MM_OUT_BF16], e[MM_BLOCKS], e[MM_PERIOD], call->nesterov, threads)
     return 0;
 }
 
@@ -1638,13 +1612,9 @@ int gefen_muon_momentum(int64_t n, const int64_t* entries, const float* codebook
 }
 
 int gefen_histogram(int dtype, const void* grad, int64_t numel, int64_t period, int64_t* counts, int threads) {
-    switch (dtype) {
-        case DT_F32: histogram_f32(grad, numel, period, counts, threads); return 0;
-        case DT_BF16: histogram_bf16(grad, numel, period, counts, threads); return 0;
-        case DT_F16: histogram_f16(grad, numel, period, counts, threads); return 0;
-        case DT_F64: histogram_f64(grad, numel, period, counts, threads); return 0;
-        default: return -1;
-    }
+    if (dtype < DT_F32 || dtype > DT_F64) return -1;
+    BY_DTYPE(dtype, histogram, grad, numel, period, counts, threads)
+    return 0;
 }
 
 int gefen_stochastic_uniform(const int64_t* seed, const int64_t* index, float* out, int64_t n, int threads) {
