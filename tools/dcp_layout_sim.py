@@ -7,7 +7,8 @@ integer as an item of its own (about 1.5-2 KB of framing and one ``torch.load`` 
 figure depends on how many entries each parameter's state has, not only on its bytes. This
 optimizer holds the layout a packed state would have, and nothing else: per parameter one
 ``uint8`` tensor sharded like the parameter (a matrix ``[R, C + 8]``: the codes and 8 bytes per
-row for its scale and ``v_row``; a vector ``[N]``), for a matrix ``v_col`` fp32 ``[C]``
+row for its scale and ``v_row``; a vector ``[N]``, its per-block scale and ``vmean`` left out:
+8 bytes a block of up to 2048), for a matrix ``v_col`` fp32 ``[C]``
 replicated, and one int64 ``[2]`` counter pair; the group options are Gefen's, its optimizer-wide
 record one JSON string. Its ``step`` only creates that state (it updates nothing) and its
 ``load_state_dict`` only copies the loaded tensors in (torch's would cast the codes to the
