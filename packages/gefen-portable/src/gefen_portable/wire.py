@@ -90,7 +90,6 @@ _METADATA_DOMAIN = b"gefen.portable_wire.metadata.v1\x00"
 _TRAILER = 32
 _HEADER = struct.Struct(">HHI")
 _U8 = struct.Struct(">B")
-_U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct(">d")
 _DESCRIPTOR_HEAD = struct.Struct(">HHI")
@@ -333,9 +332,6 @@ class _Reader:
 
     def u8(self, what: str) -> int:
         return int(_U8.unpack(self.take(1, what))[0])
-
-    def u16(self, what: str) -> int:
-        return int(_U16.unpack(self.take(2, what))[0])
 
     def u64(self, what: str) -> int:
         return int(_U64.unpack(self.take(8, what))[0])

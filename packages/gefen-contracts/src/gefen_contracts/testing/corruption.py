@@ -43,10 +43,6 @@ def _tensor_entries(sd: StateDict, predicate: Callable[[torch.Tensor], bool]) ->
                 yield entry, key
 
 
-def _first(iterator: Iterator[tuple[dict[str, Any], str]]) -> tuple[dict[str, Any], str] | None:
-    return next(iterator, None)
-
-
 def _prefer_large(sd: StateDict, predicate: Callable[[torch.Tensor], bool]) -> tuple[dict[str, Any], str] | None:
     candidates = list(_tensor_entries(sd, predicate))
     if not candidates:
