@@ -13,7 +13,8 @@ call that reaches torch's dispatcher, counted by a ``TorchDispatchMode`` on one 
 ``gefen_ops`` of them Gefen's own kernels), and the host time per tensor
 (``host_time_per_tensor``: the step's median on :data:`HOST_SHAPES`, 64 tensors so small
 that the arithmetic is negligible, divided by 64: what a step costs per tensor in Python and
-dispatch).
+dispatch; the whole-optimizer arms stepped round-robin too, :data:`HOST_ROUNDS_PER_REPEAT`
+rounds per timed round, with ratios to fused AdamW's).
 
 The first step is reported too (``first_step_time``, with its multiple of the arm's steady
 median in the detail): Gefen's creates its state, chooses its periods and solves its
@@ -55,6 +56,8 @@ BASELINE = "adamw-fused"
 #: Bytes per parameter the cheapest Gefen step must move (fp32 parameter and gradient read,
 #: uint8 index read, parameter and index written), the copy arm's size.
 MOVED_BYTES_PER_PARAM = 14
+#: Timed rounds of the host-time model per timed round of the model (one is about a millisecond).
+HOST_ROUNDS_PER_REPEAT = 5
 #: The host-time model: 32 matrices and 32 vectors of 128 and 16 elements.
 HOST_SHAPES: tuple[tuple[str, Shape], ...] = tuple(
     (f"{kind}{index}", shape) for index in range(32) for kind, shape in (("w", (8, 16)), ("b", (16,)))
@@ -295,20 +298,25 @@ def _count_ops(step: Callable[[], object]) -> Counter[str]:
     return counter.calls
 
 
-def _host_seconds_per_tensor(factory: StepFactory, options: StepOptions) -> float:
-    """The median step on :data:`HOST_SHAPES` over its tensor count."""
+def _host_seconds_per_tensor(factories: dict[str, StepFactory], options: StepOptions) -> dict[str, float]:
+    """Each arm's median step on :data:`HOST_SHAPES` over its tensor count, the arms stepped
+    round-robin (a noisy neighbour's burst then reaches every arm, not one arm's block)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step = factory(_parameters(list(HOST_SHAPES), options.device, options.seed))
-        timings = []
-        for round_index in range(options.warmup + options.repeats):
-            _sync(options.device)
-            started = time.perf_counter()
-            step()
-            _sync(options.device)
-            if round_index >= options.warmup:
-                timings.append(time.perf_counter() - started)
-    return statistics.median(timings) / len(HOST_SHAPES)
+        steps = {
+            name: factory(_parameters(list(HOST_SHAPES), options.device, options.seed))
+            for name, factory in factories.items()
+        }
+        timings: dict[str, list[float]] = {name: [] for name in steps}
+        for round_index in range(options.warmup + HOST_ROUNDS_PER_REPEAT * options.repeats):
+            for name, step in steps.items():
+                _sync(options.device)
+                started = time.perf_counter()
+                step()
+                _sync(options.device)
+                if round_index >= options.warmup:
+                    timings[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) / len(HOST_SHAPES) for name, values in timings.items()}
 
 
 def _sync(device: str) -> None:
@@ -406,12 +414,15 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
             if name.startswith("gefen-"):
                 detail["x_steady_without_codebook_solve"] = (first[name] - solve) / steady
             builder.add(name, "first_step_time", first[name] * 1e3, "ms", detail=detail)
-        for name in sorted(measured, key=lambda n: n != BASELINE):
+        ordered = sorted(measured, key=lambda n: n != BASELINE)
+        hosts = _host_seconds_per_tensor({name: factories[name] for name in ordered if name in _HOST_ARMS}, options)
+        for name in ordered:
             calls = _count_ops(steps[name])
             builder.add(name, "ops_per_step", float(sum(calls.values())), "calls", detail={"gefen_ops": calls["gefen"]})
-            if name in _HOST_ARMS:
-                host = _host_seconds_per_tensor(factories[name], options)
-                builder.add(name, "host_time_per_tensor", host * 1e6, "us", detail={"tensors": len(HOST_SHAPES)})
+        for name, host in hosts.items():  # (the baseline first, as the ratios need)
+            host_baseline = None if name == BASELINE or BASELINE not in hosts else BASELINE
+            detail = {"tensors": len(HOST_SHAPES)}
+            builder.add(name, "host_time_per_tensor", host * 1e6, "us", baseline=host_baseline, detail=detail)
         for note in notes:
             builder.note(note)
         builder.note(
@@ -457,14 +468,18 @@ def step_table(report: BenchmarkReport) -> str:
             rest_text = f"{rest:.2f}x" if isinstance(rest, float) else ""
             lines.append(f"{row.name:28s} {row.value:10.3f} {row.detail['x_steady']:9.2f}x {rest_text:>19s}")
     counts = {row.name: row for row in report.rows if row.metric == "ops_per_step"}
-    hosts = {row.name: row.value for row in report.rows if row.metric == "host_time_per_tensor"}
+    hosts = {row.name: row for row in report.rows if row.metric == "host_time_per_tensor"}
     if counts:
         lines.append(f"dispatch ({len(HOST_SHAPES)} small tensors for the host time)")
-        lines.append(f"{'name':28s} {'ops/step':>10s} {'gefen ops':>10s} {'host us/tensor':>15s}")
+        lines.append(
+            f"{'name':28s} {'ops/step':>10s} {'gefen ops':>10s} {'host us/tensor':>15s} {'vs ' + BASELINE:>15s}"
+        )
         for name, row in counts.items():
             gefen_ops = row.detail.get("gefen_ops")
-            host = f"{hosts[name]:.1f}" if name in hosts else ""
-            lines.append(f"{name:28s} {row.value:10.0f} {gefen_ops!s:>10s} {host:>15s}")
+            host = hosts.get(name)
+            value = "" if host is None else f"{host.value:.1f}"
+            ratio = "" if host is None or host.ratio is None else f"{host.ratio:.2f}x"
+            lines.append(f"{name:28s} {row.value:10.0f} {gefen_ops!s:>10s} {value:>15s} {ratio:>15s}")
     lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)
 
