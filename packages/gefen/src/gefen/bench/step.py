@@ -415,10 +415,10 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
                 detail["x_steady_without_codebook_solve"] = (first[name] - solve) / steady
             builder.add(name, "first_step_time", first[name] * 1e3, "ms", detail=detail)
         ordered = sorted(measured, key=lambda n: n != BASELINE)
-        hosts = _host_seconds_per_tensor({name: factories[name] for name in ordered if name in _HOST_ARMS}, options)
-        for name in ordered:
+        for name in ordered:  # before the host model steps: its steps would fill the step-scalar cache
             calls = _count_ops(steps[name])
             builder.add(name, "ops_per_step", float(sum(calls.values())), "calls", detail={"gefen_ops": calls["gefen"]})
+        hosts = _host_seconds_per_tensor({name: factories[name] for name in ordered if name in _HOST_ARMS}, options)
         for name, host in hosts.items():  # (the baseline first, as the ratios need)
             host_baseline = None if name == BASELINE or BASELINE not in hosts else BASELINE
             detail = {"tensors": len(HOST_SHAPES)}
