@@ -11,6 +11,7 @@ from gefen_contracts.testing import GlooWorld, RankFailure
 from gefen_contracts.torch_support import (
     CheckpointProcessGroupBinding,
     CodebookProcessGroupBinding,
+    export_with_hooks,
     load_with_hooks,
     tensor_digest,
 )
@@ -199,3 +200,14 @@ def test_load_with_hooks_runs_torch_s_hooks_in_order_around_the_load_on_a_copy()
     assert calls == ["pre-edit", "pre-replace", "load", "post"]
     assert loaded == [{"original": True, "edited": True, "replaced": True}]
     assert caller == {"original": True}
+
+
+def test_export_with_hooks_runs_torch_s_hooks_in_order_and_a_post_hook_may_replace_the_result() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    calls: list[str] = []
+    optimizer.register_state_dict_pre_hook(lambda _: calls.append("pre"))
+    optimizer.register_state_dict_post_hook(lambda _, state_dict: calls.append("post-keep"))
+    optimizer.register_state_dict_post_hook(lambda _, state_dict: {**state_dict, "replaced": True})
+    result = export_with_hooks(optimizer, lambda: (calls.append("build"), {"built": True})[1])
+    assert calls == ["pre", "build", "post-keep"]
+    assert result == {"built": True, "replaced": True}

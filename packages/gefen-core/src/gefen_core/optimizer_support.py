@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
-from gefen_contracts.torch_support import load_with_hooks
+from gefen_contracts.torch_support import export_with_hooks, load_with_hooks
 from gefen_contracts.transactions import StagedTransaction
 
 from .identity import pickled_identity, restore_identity, verify_layout
@@ -19,7 +19,6 @@ __all__ = [
     "NativeCheckpoint",
     "OwnAttributesPickling",
     "codebook_on",
-    "export_with_hooks",
     "publish_groups_and_state",
     "run_eagerly",
 ]
@@ -41,18 +40,6 @@ def run_eagerly(method: _F) -> _F:
     2.15): ``Gefen.step`` runs this eager path unless ``Gefen.traceable()`` (``capturable=True``
     and tensor learning rates)."""
     return cast(_F, torch.compiler.disable(method, reason=f"{method.__qualname__} runs eagerly"))  # type: ignore[no-untyped-call]
-
-
-def export_with_hooks(optimizer: torch.optim.Optimizer, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``state_dict()`` semantics: pre-hooks, ``build()``, post-hooks (which may replace the result)."""
-    for pre_hook in optimizer._optimizer_state_dict_pre_hooks.values():
-        pre_hook(optimizer)
-    result = build()
-    for post_hook in optimizer._optimizer_state_dict_post_hooks.values():
-        replaced = post_hook(optimizer, result)
-        if replaced is not None:
-            result = replaced
-    return result
 
 
 class OwnAttributesPickling:

@@ -34,7 +34,12 @@ from gefen_contracts.protocols import (
     StepPreflight,
 )
 from gefen_contracts.rebinding import ParameterRebinding
-from gefen_contracts.torch_support import forget_scaler_state, run_load_post_hooks, run_load_pre_hooks
+from gefen_contracts.torch_support import (
+    export_with_hooks,
+    forget_scaler_state,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+)
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
 from torch import nn
@@ -470,15 +475,12 @@ class CompositeOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The flat ``gefen.composite_native_state`` v2 dict (see :mod:`gefen_hybrid.composite_format`)."""
         binding.verify_identity(self, "state_dict")
-        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
-            pre_hook(self)
-        children = {role: child.state_dict() for role, child in self._children}
-        state = build_composite_state_dict(children, self._child_implementations, self.parameter_routing())
-        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
-            result = post_hook(self, state)
-            if result is not None:
-                state = result
-        return state
+
+        def build() -> dict[str, Any]:
+            children = {role: child.state_dict() for role, child in self._children}
+            return build_composite_state_dict(children, self._child_implementations, self.parameter_routing())
+
+        return export_with_hooks(self, build)
 
     def stage_state_dict(self, state_dict: Mapping[str, Any]) -> StagedTransaction:
         """Validate the envelope and stage every child (no hooks, no mutation).

@@ -12,8 +12,9 @@ the expansion of a portable record's block fields (:func:`expand_blocks`, :func:
 and the bytes an optimizer holds (:func:`count_state_bytes`: every storage reachable from it,
 parameters and gradients excluded; any optimizer, so Gefen is measured as AdamW is), and
 what a step that takes ``GradScaler``'s protocol and raises must undo
-(:func:`forget_scaler_state`), and torch's load hooks around a load an optimizer implements
-itself (:func:`load_with_hooks`, :func:`run_load_pre_hooks`, :func:`run_load_post_hooks`).
+(:func:`forget_scaler_state`), and torch's state-dict hooks around an export or a load an
+optimizer implements itself (:func:`export_with_hooks`, :func:`load_with_hooks`,
+:func:`run_load_pre_hooks`, :func:`run_load_post_hooks`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from .dcp_keys import with_rejoined_state
 from .freshness import state_version_token, tensor_version_token
 from .grad_scaler import forget_scaler_state
 from .identity_binding import IdentityBinding
-from .load_hooks import load_with_hooks, run_load_post_hooks, run_load_pre_hooks
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import (
     SharedOption,
@@ -56,6 +56,7 @@ from .rebinding_plan import (
 )
 from .sealed_layout import SealedLayout
 from .state_bytes import StateBytes, count_state_bytes, parameter_count
+from .state_dict_hooks import export_with_hooks, load_with_hooks, run_load_post_hooks, run_load_pre_hooks
 from .tensors import (
     dtype_from_name,
     dtype_name,
@@ -112,6 +113,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "expand_blocks",
+    "export_with_hooks",
     "finite_bounds",
     "forget_scaler_state",
     "is_dtensor",
