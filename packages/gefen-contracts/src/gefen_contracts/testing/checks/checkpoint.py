@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -116,10 +117,7 @@ class NativeRoundTripCheck:
             named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
             cut = max(1, len(named) // 2)
             optimizer = context.target.factory(named[:cut])
-            options = {k: v for k, v in optimizer.param_groups[-1].items() if k != "params"}
-            if "param_names" in options:
-                options["param_names"] = [name for name, _ in named[cut:]]
-            optimizer.add_param_group({**options, "params": [p for _, p in named[cut:]]})
+            _add_group_like_last(optimizer, named[cut:])
             return model, optimizer
 
         try:
@@ -219,15 +217,21 @@ class AtomicLoadCheck:
         return problems
 
 
+def _add_group_like_last(optimizer: Any, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """``add_param_group`` of ``named`` with the last group's options, as ``(name, parameter)``
+    pairs when its parameters are named (torch then records the names; a composite routes by them)."""
+    last = optimizer.param_groups[-1]
+    options = {k: v for k, v in last.items() if k not in ("params", "param_names")}
+    optimizer.add_param_group({**options, "params": list(named) if "param_names" in last else [p for _, p in named]})
+
+
 def _added_group(context: CheckContext, optimizer: Any) -> bool:
-    """Add a group of one new parameter with the last group's options (named when the groups
-    are); ``False`` (noted) when the optimizer refuses it, as it may."""
+    """Add a group of one new parameter (:func:`_add_group_like_last`); ``False`` (noted) when
+    the optimizer refuses it, as it may."""
     first = optimizer.param_groups[0]["params"][0]
-    options = {k: v for k, v in optimizer.param_groups[-1].items() if k not in ("params", "param_names")}
     extra = torch.nn.Parameter(torch.zeros(4, dtype=first.dtype, device=first.device))
-    named = "param_names" in optimizer.param_groups[-1]
     try:
-        optimizer.add_param_group({**options, "params": [("kit_added_group.weight", extra)] if named else [extra]})
+        _add_group_like_last(optimizer, [("kit_added_group.weight", extra)])
     except Exception as exc:
         context.notes.append(f"staged load across add_param_group not exercised: it raised {type(exc).__name__}")
         return False
