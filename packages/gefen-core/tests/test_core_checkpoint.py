@@ -438,10 +438,10 @@ def _golden_scenario() -> dict[str, Any]:
 def test_golden_native_state_dict() -> None:
     """The committed vector pins the format (keys, types, dtypes, shapes) and its values.
 
-    Regenerate deliberately with ``GEFEN_REGENERATE_GOLDEN=1`` when the format version changes.
+    Regenerate deliberately with ``GEFEN_REGEN_GOLDEN=1`` when the format version changes.
     """
     produced = _roundtrip(_golden_scenario())
-    if os.environ.get("GEFEN_REGENERATE_GOLDEN") == "1":
+    if os.environ.get("GEFEN_REGEN_GOLDEN") == "1":
         torch.save(produced, GOLDEN)
     golden = torch.load(GOLDEN, weights_only=True)
     assert golden["gefen_format_version"] == 10
