@@ -499,6 +499,20 @@ class WritesEntriesInTurn(ContractedSGD):
         return [p for group in self.param_groups for p in group["params"]]
 
 
+class DecaysWithoutTheRate(ContractedSGD):
+    """Claims torch's recipe (as the example does) but shrinks every parameter with a gradient by its weight decay
+    whatever the learning rate, so the recipe's zero-gradient ``lr=0`` template step moves the
+    model it loads into."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.mul_(1.0 - group["weight_decay"])
+        return super().step(closure)
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -538,6 +552,7 @@ writes_entries_in_turn_factory = _factory(WritesEntriesInTurn)
 cache_liar_factory = _factory(CacheLiar)
 first_group_options_everywhere_factory = _factory(FirstGroupOptionsEverywhere)
 lax_non_atomic_load_factory = _factory(LaxNonAtomicLoad)
+decays_without_the_rate_factory = _factory(DecaysWithoutTheRate)
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -579,4 +594,6 @@ EXPECTED_FAILURES = {
     "cache_liar_factory": ("state.declared_variants", "'momentum_norm' is declared a cache"),
     "first_group_options_everywhere_factory": ("checkpoint.native_roundtrip", "two-group state_dict after load"),
     "lax_non_atomic_load_factory": ("checkpoint.native_refusals", "accepted a corrupted checkpoint"),
+    # passed the kit before it ran torch's recipe (2026-12-06)
+    "decays_without_the_rate_factory": ("checkpoint.torch_recipe", "nested recipe (its template step)"),
 }

@@ -21,6 +21,7 @@ def test_example_adopter_passes_the_kit() -> None:
     assert_conformant(report)
     passed = {r.name for r in report.results if r.status is CheckStatus.PASSED}
     assert {"checkpoint.native_roundtrip", "checkpoint.native_atomic_load", "state.declared_variants"} <= passed
+    assert "checkpoint.torch_recipe" in passed  # torch's recipe, nested and flattened
 
 
 @pytest.mark.parametrize("factory", sorted(EXPECTED_FAILURES))

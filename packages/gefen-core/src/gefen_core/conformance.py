@@ -65,9 +65,6 @@ WAIVERS: dict[str, str] = {
         "a mis-shaped state tensor is refused by packages/gefen-core/tests/test_core_torch_dcp_recipe.py"
     ),
     "checkpoint:pytorch_rank_local:dtensor_1d_default_world": f"get/set_optimizer_state_dict resume {_DISTRIBUTED}",
-    "checkpoint:pytorch_rank_local:replicated": (
-        "get/set_optimizer_state_dict resume is executed by packages/gefen-core/tests/test_core_checkpoint.py"
-    ),
 }
 
 

@@ -86,14 +86,18 @@ class ContractedSGD(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if type(groups) is not list or len(groups) != len(self.param_groups):
             raise StateValidationError(f"expected {len(self.param_groups)} param groups")
-        id_to_param: dict[int, torch.Tensor] = {}
+        # ids are matched by position: ints from state_dict(), parameter names from torch's
+        # get_optimizer_state_dict (which re-keys the state by name)
+        id_to_param: dict[int | str, torch.Tensor] = {}
         new_groups = []
         for index, (saved, live) in enumerate(zip(groups, self.param_groups)):
             if not isinstance(saved, dict) or any(key not in saved for key in ("params", *_OPTIONS)):
                 raise StateValidationError(f"param group {index} must hold 'params' and the options {list(_OPTIONS)}")
             ids = saved["params"]
-            if type(ids) is not list or len(ids) != len(live["params"]) or any(type(i) is not int for i in ids):
-                raise StateValidationError(f"param group {index} must list {len(live['params'])} int parameter ids")
+            if type(ids) is not list or len(ids) != len(live["params"]) or any(type(i) not in (int, str) for i in ids):
+                raise StateValidationError(
+                    f"param group {index} must list {len(live['params'])} parameter ids (ints, or parameter names)"
+                )
             for option in _OPTIONS:
                 value = saved[option]
                 if type(value) is not float or not math.isfinite(value) or value < 0:
@@ -110,7 +114,7 @@ class ContractedSGD(torch.optim.Optimizer):
             raise StateValidationError("'state' must be a mapping")
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for pid, entry in saved_state.items():
-            param = id_to_param.get(pid) if type(pid) is int else None
+            param = id_to_param.get(pid) if type(pid) in (int, str) else None
             if param is None:
                 raise StateValidationError(f"state entry {pid!r} names no parameter")
             if not isinstance(entry, Mapping) or set(entry) != {"momentum_buffer", "step"}:

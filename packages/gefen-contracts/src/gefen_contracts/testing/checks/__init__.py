@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..context import ConformanceCheck
 from .canonical import CanonicalLocalCheck
-from .checkpoint import AtomicLoadCheck, NativeRefusalsCheck, NativeRoundTripCheck
+from .checkpoint import AtomicLoadCheck, NativeRefusalsCheck, NativeRoundTripCheck, TorchRecipeCheck
 from .composite import CompositeRulesCheck
 from .contract import ContractHonestyCheck, ContractNoCollectivesCheck, ContractValidityCheck, ProtocolDeclarationCheck
 from .identity import FlattenedCheckpointsCheck, FlattenedTrainingCheck, PostShardingCheck, SealedLayoutGuardCheck
@@ -28,6 +28,7 @@ def builtin_checks() -> tuple[ConformanceCheck, ...]:
         PrecisionsCheck(),
         ParameterRanksCheck(),
         NativeRoundTripCheck(),
+        TorchRecipeCheck(),
         AtomicLoadCheck(),
         NativeRefusalsCheck(),
         PostShardingCheck(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,10 +17,18 @@ from ..context import CheckContext
 from ..corruption import corrupted_variants
 from ..snapshot import deep_snapshot, snapshot_diff
 
-__all__ = ["AtomicLoadCheck", "NativeRefusalsCheck", "NativeRoundTripCheck", "assert_trees_equal", "corrupted_loads"]
+__all__ = [
+    "AtomicLoadCheck",
+    "NativeRefusalsCheck",
+    "NativeRoundTripCheck",
+    "TorchRecipeCheck",
+    "assert_trees_equal",
+    "corrupted_loads",
+]
 
 _REPL = ParameterLayout.REPLICATED.value
 _NATIVE = (CheckpointTransport.NATIVE_OPTIMIZER.value, CheckpointTransport.COMPOSITE_NATIVE.value)
+_RANK_LOCAL = CheckpointTransport.PYTORCH_RANK_LOCAL.value
 
 
 def assert_trees_equal(a: Any, b: Any, path: str = "state_dict") -> None:
@@ -160,6 +170,54 @@ class NativeRoundTripCheck:
         context.train(source_model, source, 1)
         context.train(model, trained, 1)
         context.assert_models_bitwise_equal(source_model, model, "continuation after loading a step-0 checkpoint")
+
+
+class TorchRecipeCheck:
+    """torch's checkpoint recipe in one process, nested and flattened (torchtitan's):
+    ``get_optimizer_state_dict`` -> ``dcp.save``; a fresh twin, its template from
+    ``get_optimizer_state_dict`` (which steps a stateless optimizer once with zero gradients) ->
+    ``dcp.load`` -> ``set_optimizer_state_dict``; the twin's ``state_dict()`` equals the
+    source's bit for bit and training continues bit-exactly.
+
+    The flattened recipe rebuilds each parameter's entry from the keys of the *live*
+    ``optimizer.state[param]``, so a native state dict whose per-parameter keys differ from the
+    live state's loses state there (a key only the checkpoint has is dropped, a key only the live
+    state has comes back as ``{}``); the recipe also re-keys state by parameter name and casts
+    nothing back, which a load that matches integer ids or trusts dtypes gets wrong."""
+
+    name = "checkpoint.torch_recipe"
+
+    def covers(self, claims: frozenset[str]) -> frozenset[str]:
+        return frozenset({checkpoint_claim(_RANK_LOCAL, _REPL)}) & claims
+
+    def run(self, context: CheckContext) -> None:
+        from torch.distributed.checkpoint import load, save
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        steps = context.target.steps
+        for flatten in (False, True):
+            recipe = f"torch's {'flattened' if flatten else 'nested'} recipe"
+            options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+            model, optimizer = context.trained(steps)
+            twin_model, twin = context.fresh()
+            context.copy_parameters(model, twin_model)
+            with tempfile.TemporaryDirectory() as path, warnings.catch_warnings():
+                # DCP warns that it runs in one process, which is the point here
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                save(get_optimizer_state_dict(model, optimizer, options=options), checkpoint_id=path)
+                template = get_optimizer_state_dict(twin_model, twin, options=options)
+                load(template, checkpoint_id=path)
+                set_optimizer_state_dict(twin_model, twin, template, options=options)
+            context.assert_models_bitwise_equal(model, twin_model, f"parameters after {recipe} (its template step)")
+            assert_trees_equal(optimizer.state_dict(), twin.state_dict(), f"state_dict after {recipe}")
+            context.train(model, optimizer, steps, start=steps)
+            context.train(twin_model, twin, steps, start=steps)
+            context.assert_models_bitwise_equal(model, twin_model, f"continuation after {recipe}")
+        context.notes.append("nested and flattened recipes round-tripped")
 
 
 class AtomicLoadCheck:
