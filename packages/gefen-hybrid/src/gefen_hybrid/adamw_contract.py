@@ -198,7 +198,8 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
 
     Static: training ``REPLICATED``, ``FLATTENED_ELEMENT_SHARD`` and ``DTENSOR_1D_DEFAULT_WORLD``
     (elementwise, no collective); atomic native checkpoints for ``REPLICATED`` and DTensor
-    layouts; ``staged_native_load``. Dynamic: ``FLATTENED_ELEMENT_SHARD`` joins the native
+    layouts, and torch's ``get/set_optimizer_state_dict`` recipe for both until
+    ``post_sharding`` binds it; ``staged_native_load``. Dynamic: ``FLATTENED_ELEMENT_SHARD`` joins the native
     entry once flattened shards are bound; the ``CANONICAL_LOCAL`` entry (same-topology over
     the bound local layouts, fail-before-mutation, no collective) exists exactly while
     ``canonical_local_state`` is supported, :data:`PORTABLE_SUPPORT` exactly while
@@ -215,6 +216,15 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
             LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
         )
     ]
+    if not readiness.local_layouts:
+        # torch's get/set_optimizer_state_dict (FQN-keyed, nested or flattened); its helpers keep
+        # only state and param_groups, so a bound optimizer's identity guard would be dropped. Not
+        # atomic: set_optimizer_state_dict steps a stateless optimizer once before it loads.
+        checkpoints.append(
+            CheckpointSupport(
+                CheckpointTransport.PYTORCH_RANK_LOCAL, native, ProcessGroupScope.NONE, LoadAtomicity.NONE
+            )
+        )
     if readiness.canonical.supported:
         checkpoints.append(
             CheckpointSupport(
