@@ -1,7 +1,8 @@
 """Third-party adopters of portable resharding for the kit's multi-process portable checks.
 
-``ThirdPartyAdamW`` is ``ContractedAdamW`` with a contract that leaves out the one claim no
-kit check executes (same-topology *native* checkpoints of DTensor parameters): everything it
+``ThirdPartyAdamW`` is ``ContractedAdamW`` with a contract that leaves out the claims no kit
+check executes (same-topology *native* checkpoints of DTensor parameters, and torch's recipe on
+them): everything it
 claims, portable resharding included, must pass the kit with zero waivers.
 ``ShardBlindImport`` lies about portable state on flattened shards: bound to them, it
 imports every moment as zeros, so the kit must name the flattened and transition claims.
@@ -25,13 +26,13 @@ _DTENSOR = ParameterLayout.DTENSOR_1D_DEFAULT_WORLD
 
 
 class ThirdPartyAdamW(ContractedAdamW):
-    """``ContractedAdamW`` without the native DTensor checkpoint claim (module docstring)."""
+    """``ContractedAdamW`` without its DTensor checkpoint claims (module docstring)."""
 
     def optimizer_contract(self) -> OptimizerContract:
         contract = super().optimizer_contract()
         kept = []
         for entry in contract.capabilities.checkpoints:
-            if entry.transport is CheckpointTransport.NATIVE_OPTIMIZER:
+            if entry.transport in (CheckpointTransport.NATIVE_OPTIMIZER, CheckpointTransport.PYTORCH_RANK_LOCAL):
                 same = entry.same_topology - {_DTENSOR}
                 transitions = tuple(t for t in entry.transitions if _DTENSOR not in t.source_layouts | t.target_layouts)
                 if not same and not transitions:
