@@ -191,12 +191,13 @@ class TorchRecipeCheck:
         return frozenset({checkpoint_claim(_RANK_LOCAL, _REPL)}) & claims
 
     def run(self, context: CheckContext) -> None:
-        from torch.distributed.checkpoint import load, save
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
             set_optimizer_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_loader import load
+        from torch.distributed.checkpoint.state_dict_saver import save
 
         steps = context.target.steps
         for flatten in (False, True):
