@@ -500,9 +500,9 @@ class WritesEntriesInTurn(ContractedSGD):
 
 
 class DecaysWithoutTheRate(ContractedSGD):
-    """Claims torch's recipe (as the example does) but shrinks every parameter with a gradient by its weight decay
-    whatever the learning rate, so the recipe's zero-gradient ``lr=0`` template step moves the
-    model it loads into."""
+    """Claims torch's recipe (as the example does) but shrinks every parameter with a gradient
+    by its weight decay whatever the learning rate, so the recipe's zero-gradient ``lr=0``
+    template step moves the model it loads into."""
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -182,8 +182,8 @@ class TorchRecipeCheck:
     The flattened recipe rebuilds each parameter's entry from the keys of the *live*
     ``optimizer.state[param]``, so a native state dict whose per-parameter keys differ from the
     live state's loses state there (a key only the checkpoint has is dropped, a key only the live
-    state has comes back as ``{}``); the recipe also re-keys state by parameter name and casts
-    nothing back, which a load that matches integer ids or trusts dtypes gets wrong."""
+    state has comes back as ``{}``); the recipe also re-keys the state by parameter name, which a
+    load that accepts only integer ids refuses (the example ``ContractedSGD`` did)."""
 
     name = "checkpoint.torch_recipe"
 
