@@ -163,6 +163,22 @@ class CheckpointSupport:
         object.__setattr__(self, "mode_tags", frozen_str_set(self.mode_tags, "CheckpointSupport.mode_tags"))
         exact_bool(self.requires_collective, "CheckpointSupport.requires_collective")
 
+    @classmethod
+    def torch_recipe(
+        cls, layouts: frozenset[ParameterLayout], mode_tags: frozenset[str] = frozenset()
+    ) -> CheckpointSupport:
+        """The claim of torch's ``get/set_optimizer_state_dict`` recipe (``PYTORCH_RANK_LOCAL``)
+        on ``layouts``: no collective of the optimizer's own, and never atomic, since
+        ``set_optimizer_state_dict`` steps a stateless optimizer once with zero gradients before
+        it calls ``load_state_dict``. The kit's ``checkpoint.torch_recipe`` runs it."""
+        return cls(
+            CheckpointTransport.PYTORCH_RANK_LOCAL,
+            layouts,
+            ProcessGroupScope.NONE,
+            LoadAtomicity.NONE,
+            mode_tags=mode_tags,
+        )
+
     @property
     def atomic_load(self) -> bool:
         """True when a failed load changes nothing locally (reference field name)."""

@@ -254,16 +254,7 @@ def _checkpoints(readiness: IdentityReadiness, canonical: FeatureStatus) -> tupl
         )
     ]
     if rank_local:
-        entries.append(
-            CheckpointSupport(
-                CheckpointTransport.PYTORCH_RANK_LOCAL,
-                rank_local,
-                ProcessGroupScope.NONE,
-                # torch's set_optimizer_state_dict steps a stateless optimizer once with zero
-                # gradients before it calls load_state_dict, so a failed load is not a no-op.
-                LoadAtomicity.NONE,
-            )
-        )
+        entries.append(CheckpointSupport.torch_recipe(rank_local))
     return (*entries, *canonical_local_entry(readiness, canonical, CANONICAL_LAYOUTS))
 
 

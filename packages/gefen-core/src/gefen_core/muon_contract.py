@@ -300,15 +300,7 @@ def muon_contract(
             LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
             mode_tags=tags,
         ),
-        # torch's get/set_optimizer_state_dict on replicated matrices, nested or flattened; not
-        # atomic: set_optimizer_state_dict steps a stateless optimizer once before it loads
-        CheckpointSupport(
-            CheckpointTransport.PYTORCH_RANK_LOCAL,
-            frozenset({_REPL}),
-            ProcessGroupScope.NONE,
-            LoadAtomicity.NONE,
-            mode_tags=tags,
-        ),
+        CheckpointSupport.torch_recipe(frozenset({_REPL}), tags),  # on replicated matrices
         CheckpointSupport(
             CheckpointTransport.NATIVE_OPTIMIZER,
             frozenset({_DTENSOR}),

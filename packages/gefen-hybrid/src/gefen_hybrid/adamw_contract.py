@@ -217,14 +217,8 @@ def adamw_contract(readiness: AdamWReadiness) -> OptimizerContract:
         )
     ]
     if not readiness.local_layouts:
-        # torch's get/set_optimizer_state_dict (FQN-keyed, nested or flattened); its helpers keep
-        # only state and param_groups, so a bound optimizer's identity guard would be dropped. Not
-        # atomic: set_optimizer_state_dict steps a stateless optimizer once before it loads.
-        checkpoints.append(
-            CheckpointSupport(
-                CheckpointTransport.PYTORCH_RANK_LOCAL, native, ProcessGroupScope.NONE, LoadAtomicity.NONE
-            )
-        )
+        # torch's helpers keep only state and param_groups: a bound optimizer's identity guard would be dropped
+        checkpoints.append(CheckpointSupport.torch_recipe(native))
     if readiness.canonical.supported:
         checkpoints.append(
             CheckpointSupport(

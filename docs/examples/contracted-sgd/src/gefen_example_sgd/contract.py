@@ -61,14 +61,7 @@ CONTRACT = OptimizerContract(
                 ProcessGroupScope.NONE,
                 LoadAtomicity.LOCAL_FAIL_BEFORE_MUTATION,
             ),
-            # torch's get/set_optimizer_state_dict (with dcp.save/load): set_optimizer_state_dict
-            # steps a stateless optimizer once with zero gradients before it loads, so not atomic
-            CheckpointSupport(
-                CheckpointTransport.PYTORCH_RANK_LOCAL,
-                frozenset({ParameterLayout.REPLICATED}),
-                ProcessGroupScope.NONE,
-                LoadAtomicity.NONE,
-            ),
+            CheckpointSupport.torch_recipe(frozenset({ParameterLayout.REPLICATED})),
         ),
         precisions=frozenset(Precision),
         supported_parameter_ranks=None,
