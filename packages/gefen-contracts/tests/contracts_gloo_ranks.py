@@ -154,3 +154,31 @@ def dtensor_parameter_facts(rank: int, world_size: int) -> dict[str, object]:
     except Exception as exc:  # the type is the fact under test
         digest_error = type(exc).__name__
     return {"changed": changed, "digest_error": digest_error}
+
+
+def dtensor_from_local_facts(rank: int, world_size: int) -> list[str]:
+    """Where ``dtensor_from_local`` and ``DTensor.from_local`` differ, for shards of a few global
+    shapes (uneven and empty trailing shards, a replicated piece, a piece that needs grad)."""
+    from gefen_contracts.torch_support import dtensor_from_local
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    differences = []
+    for shape, placement, grad in (((5, 3), Shard(0), False), ((1, 4), Shard(0), True), ((3, 0), Replicate(), False)):
+        rows = -(-shape[0] // world_size)
+        start = min(rank * rows, shape[0])
+        local_rows = shape[0] if placement.is_replicate() else min(rows, shape[0] - start)
+        local = torch.arange(local_rows * shape[1], dtype=torch.float32).reshape(local_rows, shape[1])
+        local.requires_grad_(grad)
+        fast = dtensor_from_local(local, mesh, (placement,), shape)
+        stride = torch.empty(shape, device="meta").stride()
+        slow = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride)
+        for fact in ("shape", "placements", "requires_grad", "dtype"):
+            if getattr(fast, fact) != getattr(slow, fact):
+                differences.append(f"{shape} {fact}: {getattr(fast, fact)} != {getattr(slow, fact)}")
+        if fast.stride() != slow.stride() or fast.device_mesh != slow.device_mesh:
+            differences.append(f"{shape} stride or mesh")
+        if fast.to_local().data_ptr() != local.data_ptr() or not torch.equal(fast.full_tensor(), slow.full_tensor()):
+            differences.append(f"{shape}: not the same storage, or another full tensor")
+    return differences

@@ -127,6 +127,14 @@ def test_writes_through_a_dtensor_parameter_change_the_token_and_its_digest_is_r
         assert facts == {"changed": {"step": True, "state": True, "copy_": True}, "digest_error": "CodecError"}
 
 
+@pytest.mark.distributed
+def test_dtensor_from_local_is_what_torch_from_local_returns(world: GlooWorld) -> None:
+    """The state dicts build their DTensors through ``dtensor_from_local`` (FSDP2's constructor,
+    no autograd function): the same global shape, strides, placements, mesh, storage and
+    ``requires_grad`` as ``DTensor.from_local`` for even, uneven, empty and replicated pieces."""
+    assert world.run("contracts_gloo_ranks:dtensor_from_local_facts") == [[], []]
+
+
 def test_a_hanging_case_times_out_and_a_dead_rank_is_reported() -> None:
     # 4 s flaked under a loaded full run (a live rank answered late)
     with GlooWorld(2, gloo_timeout_s=10, case_timeout_s=8) as world:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from gefen_contracts import StateGeometry
 from gefen_contracts.state_layout import follows_parameter_placement, parameter_state_shape
+from gefen_contracts.torch_support import dtensor_from_local
 
 from .distributed import is_dtensor, local_tensor
 from .native_records import check_state_tensor, fail
@@ -91,20 +92,10 @@ def export_tensors(param: torch.Tensor, state: Mapping[str, Any], variant: str) 
     out[INDICES] = element_codes(state[INDICES], local.numel()).view(local_shapes[INDICES])  # no padding
     if not is_dtensor(param):
         return out
-    from torch.distributed.tensor import DTensor
-
     global_shapes = expected_shapes(param.shape, period, variant)
     mesh = param.device_mesh  # type: ignore[attr-defined]
     return {
-        key: DTensor.from_local(
-            view,
-            mesh,
-            _placements(param, key),
-            run_check=False,
-            shape=torch.Size(global_shapes[key]),
-            stride=torch.empty(global_shapes[key], device="meta").stride(),
-        )
-        for key, view in out.items()
+        key: dtensor_from_local(view, mesh, _placements(param, key), global_shapes[key]) for key, view in out.items()
     }
 
 

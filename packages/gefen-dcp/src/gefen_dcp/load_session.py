@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.torch_support import dtensor_from_local
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
@@ -313,14 +314,11 @@ class LoadSession:
         parameter = self.live.parameters[index]
         if not is_dtensor(parameter):
             return local.to(parameter.device)
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import Replicate
 
         mesh = parameter.device_mesh
         placements = parameter.placements if placement == LIKE_PARAMETER else (Replicate(),) * mesh.ndim
-        shape = torch.Size(global_shape)
-        stride = torch.empty(shape, device="meta").stride()
-        device = parameter.to_local().device
-        return DTensor.from_local(local.to(device), mesh, placements, run_check=False, shape=shape, stride=stride)
+        return dtensor_from_local(local.to(parameter.to_local().device), mesh, placements, global_shape)
 
     def finish(self) -> tuple[DcpStateEnvelope, dict[str, Any]]:
         """Authenticate and match everything read; return the envelope and the native state dict."""

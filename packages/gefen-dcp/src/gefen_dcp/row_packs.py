@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from gefen_contracts import StateGeometry
+from gefen_contracts.torch_support import dtensor_from_local
 
 from .envelope import LIKE_PARAMETER
 from .geometry import is_dtensor, local_tensor
@@ -62,12 +63,7 @@ def _pack(members: list[str], tensors: Mapping[str, torch.Tensor]) -> torch.Tens
     packed = torch.cat(pieces, dim=1)
     if not is_dtensor(first):
         return packed
-    from torch.distributed.tensor import DTensor
-
-    shape = torch.Size((first.shape[0], packed.shape[1]))
-    stride = torch.empty(shape, device="meta").stride()
-    placements = first.placements  # type: ignore[attr-defined]
-    return DTensor.from_local(packed, first.device_mesh, placements, run_check=False, shape=shape, stride=stride)  # type: ignore[attr-defined]
+    return dtensor_from_local(packed, first.device_mesh, first.placements, (first.shape[0], packed.shape[1]))  # type: ignore[attr-defined]
 
 
 def pack_rows(

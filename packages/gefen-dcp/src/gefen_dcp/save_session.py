@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from gefen_contracts.limits import PortableStateLimits
+from gefen_contracts.torch_support import dtensor_from_local
 
 from .digest_table import ChunkKey, ChunkRecord, DigestTable, chunk_digest, encode_digest_table
 from .envelope import DcpStateEnvelope, encode_envelope
@@ -28,17 +29,8 @@ __all__ = ["SaveSession", "frozen_copy"]
 def frozen_copy(tensor: torch.Tensor) -> torch.Tensor:
     """An owned CPU copy of a state tensor, a DTensor kept a DTensor on the same mesh."""
     if is_dtensor(tensor):
-        from torch.distributed.tensor import DTensor
-
         local = tensor.to_local().detach().to("cpu", copy=True)  # type: ignore[attr-defined]
-        return DTensor.from_local(
-            local,
-            tensor.device_mesh,  # type: ignore[attr-defined]
-            tensor.placements,  # type: ignore[attr-defined]
-            run_check=False,
-            shape=tensor.shape,
-            stride=tensor.stride(),
-        )
+        return dtensor_from_local(local, tensor.device_mesh, tensor.placements, tensor.shape)  # type: ignore[attr-defined]
     return tensor.detach().to("cpu", copy=True)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import dtensor_from_local
 from gefen_contracts.torch_support.option_records import options_equal
 
 from .adamw_state import EXECUTION_FLAGS
@@ -216,17 +217,8 @@ def _as_parameter_state(field: object, parameter: torch.Tensor, where: str) -> t
             f"{where} holds values that {local.dtype} cannot represent exactly (the state would be rounded)"
         )
     if is_dtensor(parameter):
-        from torch.distributed.tensor import DTensor
-
         dtensor: Any = parameter
-        value = DTensor.from_local(
-            value,
-            dtensor.device_mesh,
-            dtensor.placements,
-            run_check=False,
-            shape=dtensor.shape,
-            stride=dtensor.stride(),
-        )
+        value = dtensor_from_local(value, dtensor.device_mesh, dtensor.placements, dtensor.shape)
     return value
 
 

@@ -58,6 +58,7 @@ from .sealed_layout import SealedLayout
 from .state_bytes import StateBytes, count_state_bytes, parameter_count
 from .state_dict_hooks import export_with_hooks, load_with_hooks, run_load_post_hooks, run_load_pre_hooks
 from .tensors import (
+    dtensor_from_local,
     dtype_from_name,
     dtype_name,
     finite_bounds,
@@ -110,6 +111,7 @@ __all__ = [
     "split_identity_guard",
     "staged_groups",
     "state_version_token",
+    "dtensor_from_local",
     "dtype_from_name",
     "dtype_name",
     "expand_blocks",

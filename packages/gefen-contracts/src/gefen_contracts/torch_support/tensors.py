@@ -1,6 +1,7 @@
 """Tensor leaves for the digest grammar (:mod:`gefen_contracts.digest`), dtype names, the
 one-pass finiteness check every state validator uses (:func:`finite_bounds`), the one
-DTensor test every package uses (:func:`is_dtensor`, :func:`local_tensor`), and host values
+DTensor test every package uses (:func:`is_dtensor`, :func:`local_tensor`), the one way a local
+piece becomes a DTensor (:func:`dtensor_from_local`), and host values
 put on a device without synchronising it (:func:`on_device`)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from ..errors import CodecError
 
 __all__ = [
     "DIGESTED_DTYPES",
+    "dtensor_from_local",
     "dtype_from_name",
     "dtype_name",
     "finite_bounds",
@@ -72,6 +75,30 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
             local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
         return local
     return value
+
+
+def dtensor_from_local(local: torch.Tensor, mesh: Any, placements: Sequence[Any], shape: Sequence[int]) -> torch.Tensor:
+    """``local`` as this rank's piece of a DTensor of global ``shape`` (contiguous strides) on
+    ``mesh`` with ``placements``: the same storage, no copy, no collective, no check that the
+    pieces agree (the caller derived ``shape`` from the placement).
+
+    This is what ``DTensor.from_local(..., run_check=False, shape=..., stride=...)`` returns,
+    built the way FSDP2 builds its parameters (``DTensor(local, spec)``): ``from_local`` goes
+    through an autograd function, and state dicts build hundreds of these per save and per
+    template (about 110 µs against 40 each on the 2-core VM). No autograd edge: ``local``'s
+    ``requires_grad`` is carried, as ``from_local`` carries it for a leaf."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    size = torch.Size(int(d) for d in shape)
+    stride: list[int] = []
+    step = 1
+    for dim in reversed(size):
+        stride.append(step)
+        step *= max(dim, 1)
+    meta = TensorMeta(size, tuple(reversed(stride)), local.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
 def finite_bounds(tensor: torch.Tensor) -> tuple[float, float] | None:

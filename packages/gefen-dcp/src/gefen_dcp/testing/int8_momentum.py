@@ -51,7 +51,7 @@ from gefen_contracts.enums import (
     StateExtent,
     TopologyChange,
 )
-from gefen_contracts.torch_support import load_with_hooks
+from gefen_contracts.torch_support import dtensor_from_local, load_with_hooks
 from gefen_contracts.transactions import StagedTransaction
 
 __all__ = ["IMPLEMENTATION", "Int8MomentumSGD", "conformance_factory"]
@@ -128,11 +128,7 @@ def _like(param: Any, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
     """``local`` as the optimizer holds it: a DTensor placed like a DTensor ``param``."""
     if not hasattr(param, "device_mesh"):
         return local
-    from torch.distributed.tensor import DTensor
-
-    size = torch.Size(shape)
-    stride = torch.empty(size, device="meta").stride()
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=size, stride=stride)
+    return dtensor_from_local(local, param.device_mesh, param.placements, shape)
 
 
 def _quantize(momentum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
