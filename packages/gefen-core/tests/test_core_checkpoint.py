@@ -127,6 +127,45 @@ def test_load_leaves_the_callers_dict_alone_and_can_repeat() -> None:
     assert live.data_ptr() != saved["state"][0]["m_codes"].data_ptr()
 
 
+@pytest.mark.parametrize("kind", ["tiled", "ragged", "muon"])
+def test_a_load_of_its_own_views_keeps_the_live_tensors(kind: str) -> None:
+    """A state dict whose tensors are this optimizer's own live state (its ``state_dict()``, or
+    torch's recipe's template after ``dcp.load`` wrote into it) loads without copying them:
+    the live tensors stay, padding of ragged codes included, and training goes on bit for bit.
+    A copy of them (equal values, other storage) is copied in, as a foreign state is."""
+    ragged = kind == "ragged"
+    shape = (4099,) if ragged else (16, 24)  # a prime length: ragged blocks of 2048, the last of 3
+    params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0))) for _ in range(2)]
+    opts: list[torch.optim.Optimizer] = [
+        GefenMuon([p], lr=1e-2)
+        if kind == "muon"
+        else Gefen([p], lr=1e-2, factored_v_2d=False, force_1d_period_one=False)
+        for p in params
+    ]
+
+    def step(index: int) -> None:
+        for param, opt in zip(params, opts):
+            opt.zero_grad()
+            (param * torch.randn(shape, generator=torch.Generator().manual_seed(index))).square().sum().backward()
+            opt.step()
+
+    step(0)
+    step(1)
+    (live,) = opts[0].state.values()
+    before = {key: value for key, value in live.items() if isinstance(value, torch.Tensor)}
+    opts[0].load_state_dict(opts[0].state_dict())
+    (after,) = opts[0].state.values()
+    assert all(after[key] is tensor for key, tensor in before.items()), "a load of its own views copied them"
+    assert not ragged or after["m_codes"].numel() > params[0].numel()  # the padded live codes were kept
+    copies = copy.deepcopy(opts[1].state_dict())
+    opts[1].load_state_dict(copies)
+    (loaded,) = opts[1].state.values()
+    assert all(loaded[key].data_ptr() != copies["state"][0][key].data_ptr() for key in before)
+    assert all(torch.equal(loaded[key], tensor) for key, tensor in before.items())
+    step(2)
+    assert torch.equal(params[0], params[1])
+
+
 @pytest.mark.parametrize("kind", ["gefen", "muon"])
 def test_a_loaded_group_shares_no_mutable_option_with_the_saved_one(kind: str) -> None:
     """torch's load deep-copies the saved groups; so does this one: a caller editing its state

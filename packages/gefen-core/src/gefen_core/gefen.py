@@ -66,6 +66,7 @@ def _stage_native(optimizer: Gefen, state_dict: Mapping[str, Any]) -> StagedNati
     return stage_state_dict(
         state_dict,
         param_groups=optimizer.param_groups,
+        live_state=optimizer.state,
         deterministic=optimizer._deterministic,
         capturable=optimizer._capturable,
     )

@@ -75,7 +75,10 @@ def _export_native(optimizer: GefenMuon) -> dict[str, Any]:
 
 def _stage_native(optimizer: GefenMuon, state_dict: Mapping[str, Any]) -> StagedMuonState:
     return stage_muon_state_dict(
-        state_dict, param_groups=optimizer.param_groups, deterministic=optimizer._deterministic
+        state_dict,
+        param_groups=optimizer.param_groups,
+        live_state=optimizer.state,
+        deterministic=optimizer._deterministic,
     )
 
 

@@ -73,6 +73,7 @@ from .native_records import (
     decode_mirror,
     exact_int,
     fail,
+    kept_live,
     native_state_dict,
     parameter_slots,
     reconcile_record,
@@ -297,7 +298,9 @@ def _check_owners(
             raise fail(f"{label} says initialized={entry['initialized']!r} but the checkpoint disagrees")
 
 
-def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int) -> dict[str, Any] | None:
+def _stage_entry(
+    entry: object, layout: SlotLayout, live_entry: Mapping[str, Any], where: str, global_step: int
+) -> dict[str, Any] | None:
     if not isinstance(entry, Mapping):
         raise fail(f"{where} must be a dict, got {type(entry).__name__}")
     if not entry:
@@ -345,8 +348,13 @@ def _stage_entry(entry: object, layout: SlotLayout, where: str, global_step: int
             raise fail(f"{where}[{NORMUON_STEP!r}] {normuon_step} exceeds step {step}")
         staged[NORMUON_STEP] = normuon_step
     for key, tensor in tensors.items():
+        kept = kept_live(tensor, live_entry.get(key), tuple(tensor.shape), device)
         # contiguous whatever the saved strides: the kernels take dense row-major state only
-        staged[key] = tensor.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
+        staged[key] = (
+            kept
+            if kept is not None
+            else tensor.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
+        )
     return staged
 
 
@@ -360,6 +368,7 @@ def stage_muon_state_dict(
     state_dict: object,
     *,
     param_groups: Sequence[Mapping[str, Any]],
+    live_state: Mapping[torch.Tensor, Mapping[str, Any]],
     deterministic: bool,
 ) -> StagedMuonState:
     """Validate ``state_dict`` against the live optimizer and stage this rank's share (no collective)."""
@@ -388,7 +397,7 @@ def stage_muon_state_dict(
         if found is None:
             raise fail(f"state entry {pid!r} names no parameter of this optimizer")
         slot, _, where = found
-        staged = _stage_entry(entry, layouts[slot], where, global_step)
+        staged = _stage_entry(entry, layouts[slot], live_state.get(layouts[slot].param, {}), where, global_step)
         if staged is not None:
             staged_slots[slot] = staged
     _check_owners(record["owners"], layouts, set(staged_slots), scope)

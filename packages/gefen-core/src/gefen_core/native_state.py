@@ -2,7 +2,8 @@
 
 :func:`export_state_dict` writes the format; :func:`stage_state_dict` validates a state dict
 completely against the live optimizer and builds the new groups and state on the side
-(copies, never views of the caller's tensors), raising
+(copies, never views of the caller's tensors, except a tensor that *is* the live one:
+:func:`~gefen_core.native_records.kept_live`), raising
 :class:`~gefen_contracts.StateValidationError` naming the problem. Nothing of the optimizer
 or of the caller's dict is touched; the optimizer publishes the result by swaps.
 """
@@ -25,6 +26,7 @@ from .native_records import (
     check_top_level,
     exact_int,
     fail,
+    kept_live,
     native_state_dict,
     parameter_slots,
     reconcile_record,
@@ -86,7 +88,12 @@ def export_state_dict(
 
 
 def _stage_entry(
-    entry: object, param: torch.Tensor, where: str, global_step: int, capturable: bool
+    entry: object,
+    param: torch.Tensor,
+    live_entry: Mapping[str, Any],
+    where: str,
+    global_step: int,
+    capturable: bool,
 ) -> dict[str, Any] | None:
     if not isinstance(entry, Mapping):
         raise fail(f"{where} must be a dict, got {type(entry).__name__}")
@@ -149,13 +156,18 @@ def _stage_entry(
             shape,
             finite_nonnegative=dtype.is_floating_point,
         )
+        live_shape: tuple[int, ...]
+        if key == INDICES:
+            live_shape = (block_count(local.numel(), period), period)
+        else:
+            live_shape = per_block if PARAMETER_FIELDS[key].geometry is StateGeometry.BLOCK else shape
+        kept = kept_live(tensor, live_entry.get(key), live_shape, device)
+        if kept is not None:
+            staged[key] = kept
+            continue
         # contiguous whatever the saved strides: the kernels take dense row-major state only
         copied = tensor.detach().to(device=device, copy=True, memory_format=torch.contiguous_format)
-        if key == INDICES:
-            staged[key] = blocked_codes(copied, period)
-        else:
-            live = per_block if PARAMETER_FIELDS[key].geometry is StateGeometry.BLOCK else shape
-            staged[key] = copied.reshape(live)
+        staged[key] = blocked_codes(copied, period) if key == INDICES else copied.reshape(live_shape)
     staged[age_key] = make_counter(age, device, capturable)
     return staged
 
@@ -173,6 +185,7 @@ def stage_state_dict(
     state_dict: object,
     *,
     param_groups: Sequence[Mapping[str, Any]],
+    live_state: Mapping[torch.Tensor, Mapping[str, Any]],
     deterministic: bool,
     capturable: bool,
 ) -> StagedNativeState:
@@ -200,7 +213,7 @@ def stage_state_dict(
         if found is None:
             raise fail(f"state entry {pid!r} names no parameter of this optimizer")
         _, param, where = found
-        staged = _stage_entry(entry, param, where, global_step, capturable)
+        staged = _stage_entry(entry, param, live_state.get(param, {}), where, global_step, capturable)
         if staged is not None:
             new_state[param] = staged
             moving = moving or bool(staged[MAGNITUDE].ne(0).any())
