@@ -281,8 +281,8 @@ def kept_live(
 
     Keeping it changes nothing a load promises: the caller's tensor is the optimizer's own, so
     their values are one; a write into it between stage and commit bumps the live tensor's
-    version and the commit is refused as stale. It saves a copy of the whole state (about
-    1 B/param of peak memory for Gefen) on every recipe load."""
+    version and the commit is refused as stale. It saves a transient copy of the whole state
+    (1 B/param for Gefen) on every recipe load."""
     if not isinstance(live, torch.Tensor) or tuple(live.shape) != shape or live.dtype != incoming.dtype:
         return None
     if live.device != device or not (live.is_contiguous() and incoming.is_contiguous()):
