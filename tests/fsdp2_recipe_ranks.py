@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
 from gefen_dcp import GefenDCPState, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
-from gefen_hybrid import ContractedAdamW
+from gefen_hybrid import CompositeOptimizer, ContractedAdamW
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -66,6 +66,12 @@ FACTORIES: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     ),
     "hybrid_gefen": lambda m: GefenMuonHybrid(m.named_parameters(), lr=1e-2),
     "hybrid_adamw": lambda m: GefenMuonHybrid(m.named_parameters(), lr=1e-2, backup_optimizer="adamw"),
+    # the composite class itself, over ContractedAdamW in both roles (it claims the recipe on
+    # DTensors because both children do)
+    "composite_adamw": lambda m: CompositeOptimizer.from_factories(
+        list(m.named_parameters()),
+        {"muon": lambda n: ContractedAdamW(n, lr=2e-2), "backup": lambda n: ContractedAdamW(n, lr=1e-2)},
+    ),
 }
 
 

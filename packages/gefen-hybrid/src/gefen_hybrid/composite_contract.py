@@ -13,8 +13,12 @@
 * Checkpoint claims: ``COMPOSITE_NATIVE`` for the nested state dict, over the layouts every
   child's ``NATIVE_OPTIMIZER`` entries share; its load is ``LOCAL_FAIL_BEFORE_MUTATION``
   only if every child implements ``StagedNativeLoad`` and claims it, else ``NONE`` (the
-  reason is the ``staged_native_load`` feature's). Other transports are claimed only for
-  features the composite itself implements, as the intersection of the children's entries.
+  reason is the ``staged_native_load`` feature's). torch's ``get/set_optimizer_state_dict``
+  recipe (``PYTORCH_RANK_LOCAL``) is claimed where every child claims it (the intersection of
+  their entries): the composite's native state dict is torch-shaped and keyed by parameter, and
+  a child that is bound (whose identity guard torch's helpers would drop) claims nothing. Other
+  transports are claimed only for features the composite itself implements, as the
+  intersection of the children's entries.
 * Features: ``composite`` is supported; any other feature only if every child supports it
   and the composite implements its Protocol, or (``portable_state``) is served through its
   children: the caller lists those in ``implemented_features``. For the features served by
@@ -111,6 +115,8 @@ def derive_composite_contract(
             if not common:
                 features[feature] = FeatureStatus.no(f"the children's {transport.value} claims share no layout")
             checkpoints += common
+    recipe = CheckpointTransport.PYTORCH_RANK_LOCAL
+    checkpoints += intersect_checkpoint_support(recipe, [_of(c, recipe) for _, _, c in entries])
     capabilities = OptimizerCapabilities(
         training=_training(entries, FEATURE_POST_SHARDING in implemented_features and _all_bindable(entries)),
         checkpoints=checkpoints,

@@ -24,14 +24,15 @@ from .routing import NamedParameter
 __all__ = ["DTENSOR_WAIVERS", "adamw_factory", "composite_factory"]
 
 _WHY = "executed by gefen-hybrid's gloo FSDP2 tests; the kit has no in-process DTensor check"
+_RECIPE_WHY = (
+    "torch's recipe under FSDP2 (2 -> 1 and 2 -> 3 ranks, bit-exact) is executed by tests/test_fsdp2_dcp_recipe.py"
+)
 #: The DTensor claims of ContractedAdamW that only a multi-process run can execute.
 DTENSOR_WAIVERS: dict[str, str] = {
     "training:dtensor_1d_default_world": _WHY,
     "checkpoint:native_optimizer:dtensor_1d_default_world": _WHY,
     "checkpoint:native_optimizer:dtensor_1d_default_world:atomic": _WHY,
-    "checkpoint:pytorch_rank_local:dtensor_1d_default_world": (
-        "torch's recipe under FSDP2 (2 -> 1 and 2 -> 3 ranks, bit-exact) is executed by tests/test_fsdp2_dcp_recipe.py"
-    ),
+    "checkpoint:pytorch_rank_local:dtensor_1d_default_world": _RECIPE_WHY,
 }
 
 
@@ -62,4 +63,5 @@ composite_factory.conformance_waive = {  # type: ignore[attr-defined]
     "training:dtensor_1d_default_world[gefen.role=backup]": _WHY,
     "checkpoint:composite_native:dtensor_1d_default_world": _WHY,
     "checkpoint:composite_native:dtensor_1d_default_world:atomic": _WHY,
+    "checkpoint:pytorch_rank_local:dtensor_1d_default_world": _RECIPE_WHY,
 }
