@@ -29,7 +29,8 @@ __all__ = ["SaveSession", "frozen_copy"]
 def frozen_copy(tensor: torch.Tensor) -> torch.Tensor:
     """An owned CPU copy of a state tensor, a DTensor kept a DTensor on the same mesh."""
     if is_dtensor(tensor):
-        local = tensor.to_local().detach().to("cpu", copy=True)  # type: ignore[attr-defined]
+        # contiguous, as dtensor_from_local's global strides say
+        local = tensor.to_local().detach().to("cpu", copy=True, memory_format=torch.contiguous_format)  # type: ignore[attr-defined]
         return dtensor_from_local(local, tensor.device_mesh, tensor.placements, tensor.shape)  # type: ignore[attr-defined]
     return tensor.detach().to("cpu", copy=True)
 
