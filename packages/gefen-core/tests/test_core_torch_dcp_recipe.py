@@ -7,7 +7,9 @@ optimizer the project ships, is ``tests/test_torch_dcp_recipe.py``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +50,42 @@ def test_a_zero_gradient_step_makes_state_but_learns_no_codebook(factory: Factor
     assert sd["gefen_codebook"].shape == (256,)
     _step(model, optimizer, 3)
     assert optimizer.state_dict()["gefen_codebook_learned"] is True
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("factory", [_gefen, _muon], ids=["gefen", "gefen_muon"])
+def test_a_template_made_with_gradients_allocated_is_refused_naming_the_fix(
+    tmp_path: Path, factory: Factory, flatten: bool
+) -> None:
+    """torch's ``_init_optim_state`` skips its zero-gradient step when any parameter already has a
+    gradient, so ``get_optimizer_state_dict`` returns a template without state and ``dcp.load``
+    fills only the groups: loading that would silently drop every state (torch AdamW's load
+    accepts it). The refusal names the cause and the fix, not a flipped bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = make_kit_model(0)
+    optimizer = factory(model)
+    for step in range(2):
+        _step(model, optimizer, step)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer, options=options)}, checkpoint_id=tmp_path)
+        twin_model = make_kit_model(0)
+        twin = factory(twin_model)
+        for param in twin_model.parameters():
+            param.grad = torch.zeros_like(param)  # a trainer that keeps its gradients allocated
+        template = get_optimizer_state_dict(twin_model, twin, options=options)
+        assert not template.get("state") and not [key for key in template if key.startswith("state.")]
+        dcp.load({"optim": template}, checkpoint_id=tmp_path)
+    with pytest.raises(StateValidationError, match=r"zero_grad\(set_to_none=True\) before get_optimizer_state_dict"):
+        set_optimizer_state_dict(twin_model, twin, template, options=options)
+    assert not any(twin.state.values())  # (torch's flattened path leaves empty entries behind)
 
 
 def test_an_older_native_format_is_refused_naming_both_versions() -> None:

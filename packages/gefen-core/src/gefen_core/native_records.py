@@ -205,6 +205,15 @@ def check_state_digest(
     except Exception as exc:  # a value the digest grammar cannot encode (a non-finite float, ...)
         raise fail(f"the state dict cannot be digested ({exc}); it was not written by {fmt.optimizer}") from None
     both_plain = None not in (digest["content"], saved["content"])
+    if digest["layout"] != saved["layout"] and not any(state.values()):
+        # torch's _init_optim_state skips its zero-gradient step when any gradient is allocated,
+        # so the template that dcp.load fills has no entries (the flattened recipe rebuilds them
+        # empty from the live state): a load that would drop every state
+        raise fail(
+            "the state dict holds no per-parameter state, but the checkpoint it came from did: with torch's "
+            "get_optimizer_state_dict as a template, torch creates the state only when no parameter has a "
+            "gradient; call optimizer.zero_grad(set_to_none=True) before get_optimizer_state_dict"
+        )
     if digest["layout"] != saved["layout"] or (both_plain and digest["content"] != saved["content"]):
         raise fail(
             f"the state dict's content does not match its state_digest (a flipped bit, a truncated or edited "
