@@ -205,10 +205,11 @@ def check_state_digest(
     except Exception as exc:  # a value the digest grammar cannot encode (a non-finite float, ...)
         raise fail(f"the state dict cannot be digested ({exc}); it was not written by {fmt.optimizer}") from None
     both_plain = None not in (digest["content"], saved["content"])
-    if digest["layout"] != saved["layout"] and not any(state.values()):
+    if digest["layout"] != saved["layout"] and not any(state.values()) and record.get("global_step"):
         # torch's _init_optim_state skips its zero-gradient step when any gradient is allocated,
         # so the template that dcp.load fills has no entries (the flattened recipe rebuilds them
-        # empty from the live state): a load that would drop every state
+        # empty from the live state) while the record says the optimizer stepped: a load that
+        # would drop every state
         raise fail(
             "the state dict holds no per-parameter state, but the checkpoint it came from did: with torch's "
             "get_optimizer_state_dict as a template, torch creates the state only when no parameter has a "
