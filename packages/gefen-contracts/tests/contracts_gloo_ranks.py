@@ -182,3 +182,7 @@ def dtensor_from_local_facts(rank: int, world_size: int) -> list[str]:
         if fast.to_local().data_ptr() != local.data_ptr() or not torch.equal(fast.full_tensor(), slow.full_tensor()):
             differences.append(f"{shape}: not the same storage, or another full tensor")
     return differences
+
+
+def environment_of(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}

@@ -161,6 +161,23 @@ def test_a_rank_killed_by_a_signal_is_reported_with_what_it_printed_and_its_stac
 
 
 @pytest.mark.distributed
+def test_ranks_see_the_environment_as_it_is_when_the_world_starts(
+    world: GlooWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the module's world has started the forkserver: a world started now must still see a variable
+    # set since, and not one removed since, as freshly spawned ranks would
+    monkeypatch.setenv("GEFEN_TEST_SET_LATER", "yes")
+    monkeypatch.delenv("HOME", raising=False)
+    with GlooWorld(2, env={"GEFEN_TEST_PASSED": "1"}) as fresh:
+        seen = fresh.run("contracts_gloo_ranks:environment_of", ["GEFEN_TEST_SET_LATER", "HOME", "GEFEN_TEST_PASSED"])
+    assert seen == [{"GEFEN_TEST_SET_LATER": "yes", "HOME": None, "GEFEN_TEST_PASSED": "1"}] * 2
+    assert (
+        world.run("contracts_gloo_ranks:environment_of", ["GEFEN_TEST_SET_LATER"])
+        == [{"GEFEN_TEST_SET_LATER": None}] * 2
+    )
+
+
+@pytest.mark.distributed
 def test_a_hung_rank_s_stack_is_in_the_timeout() -> None:
     with GlooWorld(2, case_timeout_s=8) as world, pytest.raises(TimeoutError) as raised:
         world.run("contracts_gloo_ranks:sleep_forever")
