@@ -38,9 +38,19 @@ from .target import import_attribute
 __all__ = ["GlooWorld", "RankFailure", "RankOutcome", "resolve_callable"]
 
 _MAX_GLOO_TIMEOUT_S = 60.0
-#: imported once by the forkserver, so a forked rank starts without importing them; nothing that
-#: reads the environment when imported (Triton, gefen-kernels) belongs here
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+#: imported once by the forkserver, so a forked rank starts without importing them (torch's
+#: distributed stack and TorchDynamo, which ``torch.compiler.disable`` imports: about 5 s of
+#: imports a rank). Only torch and numpy: a module the caller's environment can change when it
+#: is imported (Triton's interpreter switch, gefen-kernels' compiler) is imported by the rank.
+_FORKSERVER_PRELOAD = [
+    "numpy",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+]
 _DEATH_LINES = 40  # lines of a dead rank's standard error quoted in its outcome
 
 
