@@ -51,7 +51,8 @@ def test_an_unknown_name_raises_attribute_error() -> None:
 def test_import_gefen_does_not_import_torch_until_an_optimizer_is_used() -> None:
     probe = (
         "import sys, gefen; light = 'torch' not in sys.modules; "
-        "gefen.GefenMuonHybrid; print(light, 'torch' in sys.modules)"
+        "gefen.GefenMuonHybrid; print(light, 'torch' in sys.modules, 'torch._dynamo' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
-    assert result.stdout.split() == ["True", "True"]
+    # nor TorchDynamo until one is built: `gefen --help` and `gefen inspect` build none
+    assert result.stdout.split() == ["True", "True", "False"]

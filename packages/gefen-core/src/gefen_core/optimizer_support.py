@@ -28,7 +28,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def run_eagerly(method: _F) -> _F:
     """Exclude a method from TorchDynamo tracing: ``torch.compile`` then calls it eagerly (one
-    named graph break, at the call). Traced, GefenMuon's step applied one matrix's update to
+    graph break, at the call). Traced, GefenMuon's step applied one matrix's update to
     another: TorchDynamo (torch 2.15) names a parameter by the ``param_groups`` path it read
     first and guards only that path, not the work item it reached the parameter through, so a
     frame resumed after a graph break and compiled for one item runs for the next
@@ -39,7 +39,12 @@ def run_eagerly(method: _F) -> _F:
     recompiles at every change (``param_groups[0]['lr'] == 0.0033...`` under a schedule; torch
     2.15): ``Gefen.step`` runs this eager path unless ``Gefen.traceable()`` (``capturable=True``
     and tensor learning rates)."""
-    return cast(_F, torch.compiler.disable(method, reason=f"{method.__qualname__} runs eagerly"))  # type: ignore[no-untyped-call]
+    # torch.optim's lazy form of ``torch.compiler.disable``: TorchDynamo (2-4 s of imports) is
+    # imported at the first call, not with gefen-core, so `gefen --help` or `gefen inspect`, which
+    # build no optimizer (torch's add_param_group imports it), never import it
+    from torch._compile import _disable_dynamo
+
+    return cast(_F, _disable_dynamo(method))
 
 
 class OwnAttributesPickling:
