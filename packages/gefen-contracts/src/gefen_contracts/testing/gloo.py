@@ -39,8 +39,8 @@ __all__ = ["GlooWorld", "RankFailure", "RankOutcome", "resolve_callable"]
 
 _MAX_GLOO_TIMEOUT_S = 60.0
 #: imported once by the forkserver, so a forked rank starts without importing them (torch's
-#: distributed stack and TorchDynamo, which ``torch.compiler.disable`` imports: about 5 s of
-#: imports a rank). Only torch and numpy: a module the caller's environment can change when it
+#: distributed stack and TorchDynamo, which torch imports when any optimizer is built: about 5 s
+#: of imports a rank). Only torch and numpy: a module the caller's environment can change when it
 #: is imported (Triton's interpreter switch, gefen-kernels' compiler) is imported by the rank.
 _FORKSERVER_PRELOAD = [
     "numpy",
