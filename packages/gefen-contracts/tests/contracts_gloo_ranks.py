@@ -186,3 +186,7 @@ def dtensor_from_local_facts(rank: int, world_size: int) -> list[str]:
 
 def environment_of(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
     return {name: os.environ.get(name) for name in names}
+
+
+def parent_pid(rank: int, world_size: int) -> int:
+    return os.getppid()

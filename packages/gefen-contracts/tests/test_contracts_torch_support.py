@@ -178,6 +178,21 @@ def test_ranks_see_the_environment_as_it_is_when_the_world_starts(
 
 
 @pytest.mark.distributed
+def test_ranks_fork_from_the_forkserver_on_linux_and_are_spawned_elsewhere(
+    world: GlooWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import sys
+
+    forked = world.run("contracts_gloo_ranks:parent_pid")
+    assert os.getpid() not in forked and len(set(forked)) == 1  # the forkserver's children
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with GlooWorld(2) as spawned:
+        assert spawned.run("contracts_gloo_ranks:parent_pid") == [os.getpid()] * 2
+        assert spawned.run("contracts_gloo_ranks:echo", 3) == [(0, 2, 30), (1, 2, 30)]
+
+
+@pytest.mark.distributed
 def test_a_hung_rank_s_stack_is_in_the_timeout() -> None:
     with GlooWorld(2, case_timeout_s=8) as world, pytest.raises(TimeoutError) as raised:
         world.run("contracts_gloo_ranks:sleep_forever")

@@ -2,7 +2,7 @@
 
 Starting ranks costs seconds, so one :class:`GlooWorld` runs many cases: each
 :meth:`GlooWorld.run` sends ``fn(rank, world_size, *args, **kwargs)`` to every rank and
-collects the results. Where the platform has it, ranks are forked from a ``forkserver`` that
+collects the results. On Linux, ranks are forked from a ``forkserver`` that
 imported torch once (0.3-0.7 s to start and close a world of two or three, against 4.3-6.2 s
 for freshly spawned interpreters that each import torch); each rank then takes this process's environment and
 ``sys.path`` as they are when the world starts, as a spawned one would. Ranks use ``torch.set_num_threads(1)``, a gloo timeout of at most 60 s
@@ -157,8 +157,10 @@ def _tail(path: str, lines: int) -> str:
 
 
 def _rank_context() -> Any:
-    """``forkserver`` with torch preloaded where the platform has it, else ``spawn``."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """``forkserver`` with torch preloaded on Linux, else ``spawn``."""
+    # macOS has a forkserver, but forking a process whose imports started the Objective-C
+    # runtime (torch loads Metal) can crash the child: Python spawns there by default for this
+    if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # ignored once the server runs
