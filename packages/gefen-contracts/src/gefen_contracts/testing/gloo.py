@@ -2,11 +2,12 @@
 
 Starting ranks costs seconds, so one :class:`GlooWorld` runs many cases: each
 :meth:`GlooWorld.run` sends ``fn(rank, world_size, *args, **kwargs)`` to every rank and
-collects the results. On Linux, ranks are forked from a ``forkserver`` that
-imported torch once (0.3-0.7 s to start and close a world of two or three, against 4.3-6.2 s
-for freshly spawned interpreters that each import torch); each rank then takes this process's environment and
-``sys.path`` as they are when the world starts, as a spawned one would. Ranks use ``torch.set_num_threads(1)``, a gloo timeout of at most 60 s
-(so a hang fails a test instead of the run) and TCP rendezvous on 127.0.0.1. ``fn`` must be
+collects the results. On Linux, ranks are forked from a ``forkserver`` that imported torch
+once (0.3-0.7 s to start and close a world of two or three, against 4.3-6.2 s for freshly
+spawned interpreters that each import torch); each rank then takes this process's environment
+and ``sys.path`` as they are when the world starts, as a spawned one would. Ranks use
+``torch.set_num_threads(1)``, a gloo timeout of at most 60 s (so a hang fails a test instead
+of the run) and TCP rendezvous on 127.0.0.1. ``fn`` must be
 importable in a fresh interpreter: a module-level function, or ``"MODULE:FUNCTION"``.
 
 Each rank's standard error goes to a file (with :mod:`faulthandler` on it), copied to this
