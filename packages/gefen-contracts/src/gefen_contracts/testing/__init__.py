@@ -7,7 +7,7 @@ run and must stay inert); the public names below are resolved lazily.
   a :class:`ConformanceReport`; a claim the kit cannot execute is ``UNVERIFIED`` and fails
   the run unless waived by name, and a run that executed zero checks fails.
 * :func:`deep_snapshot` / :func:`snapshot_diff` are the "changed nothing" oracle.
-* :class:`GlooWorld` spawns a reusable gloo process group for multi-process checks.
+* :class:`GlooWorld` starts a reusable gloo process group for multi-process checks.
 * :func:`replicated_copy_plan` / :func:`flattened_plan` build the ``post_sharding`` requests the
   identity checks use (an adopter's own tests may reuse them), with :func:`install_parameters`,
   :func:`gather_flat` and :func:`scatter_flat_grads` to drive a simulated flattened layout.

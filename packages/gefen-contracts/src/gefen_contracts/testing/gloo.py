@@ -175,7 +175,7 @@ def _free_port() -> int:
 
 
 class GlooWorld:
-    """``world_size`` spawned ranks joined in one gloo process group, reused across cases."""
+    """``world_size`` rank processes joined in one gloo process group, reused across cases."""
 
     def __init__(
         self,
