@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -181,9 +183,6 @@ def test_ranks_see_the_environment_as_it_is_when_the_world_starts(
 def test_ranks_fork_from_the_forkserver_on_linux_and_are_spawned_elsewhere(
     world: GlooWorld, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import os
-    import sys
-
     forked = world.run("contracts_gloo_ranks:parent_pid")
     assert os.getpid() not in forked and len(set(forked)) == 1  # the forkserver's children
     monkeypatch.setattr(sys, "platform", "darwin")

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 import torch
 from gefen_contracts.torch_support import export_with_hooks, load_with_hooks
 from gefen_contracts.transactions import StagedTransaction
+from torch._compile import _disable_dynamo
 
 from .identity import pickled_identity, restore_identity, verify_layout
 
@@ -42,8 +43,6 @@ def run_eagerly(method: _F) -> _F:
     # torch.optim's lazy form of ``torch.compiler.disable``: TorchDynamo (2-4 s of imports) is
     # imported at the first call, not with gefen-core, so `gefen --help` or `gefen inspect`, which
     # build no optimizer (torch's add_param_group imports it), never import it
-    from torch._compile import _disable_dynamo
-
     return cast(_F, _disable_dynamo(method))
 
 

@@ -39,19 +39,11 @@ from .target import import_attribute
 __all__ = ["GlooWorld", "RankFailure", "RankOutcome", "resolve_callable"]
 
 _MAX_GLOO_TIMEOUT_S = 60.0
-#: imported once by the forkserver, so a forked rank starts without importing them (torch's
-#: distributed stack and TorchDynamo, which torch imports when any optimizer is built: about 5 s
-#: of imports a rank). Only torch and numpy: a module the caller's environment can change when it
-#: is imported (Triton's interpreter switch, gefen-kernels' compiler) is imported by the rank.
-_FORKSERVER_PRELOAD = [
-    "numpy",
-    "torch",
-    "torch._dynamo",
-    "torch.distributed",
-    "torch.distributed.checkpoint",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-]
+#: imported once by the forkserver (with torch, numpy, torch.distributed and DTensor, which they
+#: import), so a forked rank starts without them: TorchDynamo is imported when any optimizer is
+#: built, about 5 s of imports a rank. torch's only: a module the caller's environment can change
+#: when it is imported (Triton's interpreter switch, gefen-kernels' compiler) is the rank's own.
+_FORKSERVER_PRELOAD = ["torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
 _DEATH_LINES = 40  # lines of a dead rank's standard error quoted in its outcome
 
 
