@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +43,25 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: gefen") and len(out) > 200
+
+
+def test_help_and_version_print_without_importing_torch() -> None:
+    """A command adds its arguments (whose defaults and choices come from modules that import
+    torch) only when it is chosen, so ``gefen --help``, ``gefen bench --help`` and ``gefen
+    --version`` answer without torch's import (3.5 s on a quiet 2-core machine)."""
+    probe = (
+        "import sys\n"
+        "from gefen.cli.main import main\n"
+        "for argv in (['--help'], ['bench', '--help'], ['--version']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0, (argv, exc.code)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert "COMMAND" in result.stdout and "BENCHMARK" in result.stdout and "gefen-core " in result.stdout
+    assert result.stdout.splitlines()[-1] == "torch imported: False"
 
 
 def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:

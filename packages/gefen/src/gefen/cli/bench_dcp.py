@@ -23,11 +23,9 @@ def _ranks(text: str) -> tuple[int, ...]:
 
 
 def register(sub: Any) -> None:
-    from ..bench.dcp import DEFAULT_ARMS, DcpOptions
-
-    defaults = DcpOptions()
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "dcp",
+        _add_arguments,
         help="DCP save / async save / load seconds and per-rank peak memory vs torch DCP of AdamW (FSDP2, 1-3 ranks)",
         description=(
             "For each world size and arm, fresh processes (one per rank, gloo on 127.0.0.1) train the decoder under "
@@ -38,6 +36,12 @@ def register(sub: Any) -> None:
             "gefen_dcp.GefenDCPState and must claim parameter_shaped_state (others are skipped with their contract's reason)."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.dcp import DEFAULT_ARMS, DcpOptions
+
+    defaults = DcpOptions()
     parser.add_argument(
         "--model", default=defaults.model, help="a model preset or a size such as 100m (default %(default)s)"
     )

@@ -12,11 +12,9 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
-    from ..bench.guard import GuardOptions
-
-    defaults = GuardOptions()
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "guard",
+        _add_arguments,
         help="cost of the post_sharding layout guard: us per parameter tensor and %% of a step",
         description=(
             "After post_sharding every step verifies the optimizer's sealed layout. For many small parameter tensors "
@@ -26,6 +24,12 @@ def register(sub: Any) -> None:
             "count the collectives of a steady-state scoped step against its declared budget."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.guard import GuardOptions
+
+    defaults = GuardOptions()
     parser.add_argument("--tensors", type=int, default=defaults.tensors, help="parameter tensors (default %(default)s)")
     parser.add_argument("--numel", type=int, default=defaults.numel, help="elements per tensor (default %(default)s)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="steps per sample (default %(default)s)")

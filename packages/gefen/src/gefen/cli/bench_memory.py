@@ -20,11 +20,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def register(sub: Any) -> None:
-    from ..bench.memory import DEFAULT_MODELS, DEFAULT_OPTIMIZERS
-    from ..demo.model import MODEL_PRESETS
-
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "memory",
+        _add_arguments,
         help="optimizer-state bytes/param and step transient peak vs AdamW",
         description=(
             "For each model preset and optimizer, in a fresh process: take real steps, count the unique tensor storages "
@@ -33,6 +31,12 @@ def register(sub: Any) -> None:
             "installed are listed as notes."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.memory import DEFAULT_MODELS, DEFAULT_OPTIMIZERS
+    from ..demo.model import MODEL_PRESETS
+
     parser.add_argument(
         "--models",
         type=_names,

@@ -14,11 +14,9 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
-    from ..bench.portable import DEFAULT_ARMS, PortableOptions
-
-    defaults = PortableOptions()
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "portable",
+        _add_arguments,
         help="portable state export/import: per-rank peak memory and seconds vs torch's optimizer state-dict API",
         description=(
             "For each model size and world size, fresh processes (one per rank, gloo on 127.0.0.1) take one step, "
@@ -30,6 +28,12 @@ def register(sub: Any) -> None:
             "slices); others are skipped with their contract's reason."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.portable import DEFAULT_ARMS, PortableOptions
+
+    defaults = PortableOptions()
     parser.add_argument(
         "--models",
         type=_names,

@@ -23,10 +23,9 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def register(sub: Any) -> None:
-    from ..bench.quality import DEFAULT_OPTIMIZERS, DEFAULT_TASKS, QUALITY_TASKS
-
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "quality",
+        _add_arguments,
         help="held-out loss vs AdamW (and torchao 4-bit AdamW), each at its own best learning rate",
         description=(
             "For each task and optimizer: sweep the task's learning-rate grid (shared by every optimizer) at the sweep "
@@ -36,6 +35,11 @@ def register(sub: Any) -> None:
             "with the defaults; word-medium (the long task) alone takes longer."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.quality import DEFAULT_OPTIMIZERS, DEFAULT_TASKS, QUALITY_TASKS
+
     parser.add_argument(
         "--tasks",
         type=_names,

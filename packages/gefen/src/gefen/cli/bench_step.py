@@ -12,20 +12,24 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
+    sub.add_lazy_parser(
+        "step",
+        _add_arguments,
+        help="time of a whole optimizer step (Gefen reference and fused, GefenMuon momentum) vs fused AdamW",
+    )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..bench.step import StepOptions
 
     defaults = StepOptions()
-    parser = sub.add_parser(
-        "step",
-        help="time of a whole optimizer step (Gefen reference and fused, GefenMuon momentum) vs fused AdamW",
-        description=(
-            "Time one whole optimizer.step() per arm on the same fp32 parameters and gradients shaped like a decoder "
-            f"(default {defaults.d_model}-wide, {defaults.layers} layers, a {defaults.vocab}-token embedding: 23.6M "
-            "parameters). Arms are stepped round-robin; the median of the timed rounds after warm-up is reported, "
-            "with ratios to torch.optim.AdamW(fused=True) measured in the same run. Arms: AdamW fused and default, "
-            "a copy of the 14 bytes/param a Gefen step must move, Gefen reference and fused (factored and block v), "
-            "GefenMuon's quantised-momentum op, and torchao/bitsandbytes 8-bit and 4-bit AdamW when installed."
-        ),
+    parser.description = (
+        "Time one whole optimizer.step() per arm on the same fp32 parameters and gradients shaped like a decoder "
+        f"(default {defaults.d_model}-wide, {defaults.layers} layers, a {defaults.vocab}-token embedding: 23.6M "
+        "parameters). Arms are stepped round-robin; the median of the timed rounds after warm-up is reported, "
+        "with ratios to torch.optim.AdamW(fused=True) measured in the same run. Arms: AdamW fused and default, "
+        "a copy of the 14 bytes/param a Gefen step must move, Gefen reference and fused (factored and block v), "
+        "GefenMuon's quantised-momentum op, and torchao/bitsandbytes 8-bit and 4-bit AdamW when installed."
     )
     parser.add_argument(
         "--model",

@@ -23,13 +23,9 @@ def _learning_rate(text: str) -> tuple[str, float]:
 
 
 def register(sub: Any) -> None:
-    from ..bench.optimizers import optimizer_names
-    from ..demo.model import MODEL_PRESETS
-    from ..demo.run import DemoOptions
-
-    defaults = DemoOptions()
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "demo",
+        _add_arguments,
         help="train a small transformer with Gefen and with AdamW and compare them (about 2 minutes on CPU)",
         description=(
             "Train a small decoder-only transformer on tinylang, a synthetic language generated on the fly "
@@ -38,6 +34,14 @@ def register(sub: Any) -> None:
             "loss plot demo.png to the output folder."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.optimizers import optimizer_names
+    from ..demo.model import MODEL_PRESETS
+    from ..demo.run import DemoOptions
+
+    defaults = DemoOptions()
     parser.add_argument(
         "--steps", type=int, default=defaults.steps, help=f"training steps per optimizer (default {defaults.steps})"
     )

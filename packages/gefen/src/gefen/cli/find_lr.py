@@ -12,12 +12,9 @@ __all__ = ["register"]
 
 
 def register(sub: Any) -> None:
-    from ..bench.optimizers import optimizer_names
-    from ..find_lr import DEFAULT_TARGET, RangeTestOptions
-
-    defaults = RangeTestOptions()
-    parser = sub.add_parser(
+    sub.add_lazy_parser(
         "find-lr",
+        _add_arguments,
         help="learning-rate range test (exponential ramp, smoothed loss, a suggested rate) on any model",
         description=(
             "Take STEPS optimizer steps while the learning rate grows geometrically from --start-lr to --end-lr, "
@@ -29,6 +26,13 @@ def register(sub: Any) -> None:
             "Rough: use the suggestion to centre a sweep."
         ),
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.optimizers import optimizer_names
+    from ..find_lr import DEFAULT_TARGET, RangeTestOptions
+
+    defaults = RangeTestOptions()
     parser.add_argument(
         "target",
         nargs="?",

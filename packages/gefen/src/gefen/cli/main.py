@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from . import bench, conformance, demo, find_lr, inspect_checkpoint, routing
 from .errors import UsageError
+from .lazy_parsers import LazySubParsers
 
 __all__ = ["build_parser", "main", "versions"]
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Gefen: ~1 byte/param optimizers for PyTorch and the convention that makes them shardable.",
     )
     parser.add_argument("--version", action=_VersionAction)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", action=LazySubParsers)
     for command in _COMMANDS:
         command.register(sub)
     return parser

@@ -1,0 +1,46 @@
+"""Sub-commands whose arguments are added only when the sub-command is chosen.
+
+Most commands read their defaults and choices from modules that import torch (option
+dataclasses, model presets, optimizer registries): about 3.5 s before ``gefen --help`` could
+print a line. :class:`LazySubParsers` registers each such command with its name and one-line
+help only; the function that adds its arguments runs when argparse meets the command's name,
+just before it parses the command's own arguments (its ``--help`` included).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["LazySubParsers"]
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+
+
+class LazySubParsers(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """``add_subparsers(action=LazySubParsers)``: adds :meth:`add_lazy_parser`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: dict[str, AddArguments] = {}
+
+    def add_lazy_parser(self, name: str, add_arguments: AddArguments, **kwargs: Any) -> argparse.ArgumentParser:
+        """``add_parser(name, **kwargs)``; ``add_arguments(parser)`` runs once, when ``name`` is chosen."""
+        parser: argparse.ArgumentParser = self.add_parser(name, **kwargs)
+        self._pending[name] = add_arguments
+        return parser
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        # argparse has checked the name against the choices already, so it names a parser
+        name = values[0] if isinstance(values, Sequence) and values else None
+        add_arguments = self._pending.pop(name, None) if isinstance(name, str) else None
+        if add_arguments is not None:
+            add_arguments(self._name_parser_map[str(name)])
+        super().__call__(parser, namespace, values, option_string)
