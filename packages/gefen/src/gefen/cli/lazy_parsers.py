@@ -38,9 +38,8 @@ class LazySubParsers(argparse._SubParsersAction):  # type: ignore[type-arg]
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        # argparse has checked the name against the choices already, so it names a parser
-        name = values[0] if isinstance(values, Sequence) and values else None
-        add_arguments = self._pending.pop(name, None) if isinstance(name, str) else None
-        if add_arguments is not None:
-            add_arguments(self._name_parser_map[str(name)])
+        # values: the command's name, then its arguments; argparse has checked the name already
+        name = values[0] if isinstance(values, list) and values else None
+        if isinstance(name, str) and name in self._pending:
+            self._pending.pop(name)(self._name_parser_map[name])
         super().__call__(parser, namespace, values, option_string)
