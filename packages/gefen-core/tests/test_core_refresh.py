@@ -7,7 +7,8 @@ import pytest
 import torch
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_core import Gefen
-from gefen_core.codebook import requantize
+from gefen_core.codebook import codebook_from_counts, requantize
+from gefen_core.reference_ops import HISTOGRAM_BINS
 from gefen_core_test_support import single_threaded_torch  # noqa: F401  (autouse fixture)
 
 
@@ -56,6 +57,40 @@ def test_refresh_relearns_at_multiples_and_preserves_decoded_momentum() -> None:
     _feed(params, 3)
     opt.step()
     assert torch.equal(opt.codebook, refreshed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fused", [False, None], ids=["reference", "kernels"])
+def test_a_refresh_over_all_zero_gradients_keeps_the_codebook(fused: bool | None) -> None:
+    """From zeros alone a refresh would learn three codewords (-1, about 0, +1) and requantise
+    every live momentum into them until the next refresh. It keeps the codebook instead: the
+    run equals one that never refreshes, bit for bit."""
+    params = _params()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    refreshing = Gefen(params, lr=1e-2, codebook_refresh_every=2, fused=fused)
+    plain = Gefen(twins, lr=1e-2, fused=fused)
+    for step in range(4):  # global step 2 is a refresh step, and its gradients are all zero
+        for group, optimizer in ((params, refreshing), (twins, plain)):
+            _feed(group, step)
+            if step == 2:
+                for p in group:
+                    p.grad = torch.zeros_like(p)
+            optimizer.step()
+    assert torch.equal(refreshing.codebook, plain.codebook)  # type: ignore[arg-type]
+    assert len(refreshing.codebook.unique()) > 3  # type: ignore[union-attr]
+    for p, twin in zip(params, twins, strict=True):
+        assert torch.equal(p, twin)
+        for key, value in refreshing.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(plain.state[twin][key])), key
+
+
+def test_a_histogram_of_zeros_alone_learns_no_codebook() -> None:
+    """Every all-zero block lands in zero's bin; any other block puts its maximum in an end bin."""
+    zeros = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
+    zeros[HISTOGRAM_BINS // 2] = 1000
+    assert codebook_from_counts(zeros) is None
+    with_shape = zeros.clone()
+    with_shape[HISTOGRAM_BINS - 1] = 1
+    assert codebook_from_counts(with_shape) is not None
 
 
 def test_refresh_stages_every_index_before_committing() -> None:

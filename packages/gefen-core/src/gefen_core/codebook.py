@@ -80,9 +80,13 @@ def _in_exact_range(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def codebook_from_counts(counts: torch.Tensor) -> torch.Tensor | None:
-    """The optimal fp32 CPU codebook for a histogram, or ``None`` when it is empty."""
+    """The optimal fp32 CPU codebook for a histogram, or ``None`` when it holds no shape: empty,
+    or every count in zero's bin (every block it counted was all zero; a block with any non-zero
+    value puts its maximum in an end bin)."""
     total = int(counts.sum())
-    if total == 0:
+    # a refresh counts zero gradients too: from zeros alone it would learn {-1, ~0, +1} and
+    # requantise every live momentum into three levels
+    if total == 0 or int(counts[HISTOGRAM_BINS // 2]) == total:
         return None
     counts = _in_exact_range(counts, total)
     positions, weights, bins = histogram_points(counts.numpy())

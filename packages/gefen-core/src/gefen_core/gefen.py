@@ -112,7 +112,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
             substring (needs named parameters). A bound flattened element shard whose cut falls
             on its parameter's blocks keeps the parameter's period; any other is a 1-D tensor
             to these overrides (it steps like an optimizer built on it).
-        codebook_refresh_every: relearn the codebook every N steps (0: never).
+        codebook_refresh_every: relearn the codebook every N steps (0: never); a refresh whose
+            gradients are all zero keeps the codebook.
         stochastic_round: unbiased stochastic rounding of momentum codes.
         deterministic: ask kernels for fixed reduction orders; recorded in checkpoints.
         capturable: keep counters and scalars on device so a step can be captured in a CUDA
