@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
 import warnings
@@ -166,6 +167,20 @@ def test_add_param_group_validates_everything_before_registering() -> None:
     _train(opt, params[:2], 1)
     assert opt.state[params[1]]["step"] == 1 and not torch.equal(start, params[1])
     assert torch.equal(opt.codebook, frozen)  # type: ignore[arg-type]  # learned once, then frozen
+
+
+def test_torch_muons_positional_arguments_mean_the_same() -> None:
+    """A call written for ``torch.optim.Muon`` keeps its meaning: torch's parameters come first, in
+    its order (GefenMuon's own options are keyword-only)."""
+    ours = list(inspect.signature(GefenMuon.__init__).parameters.values())
+    theirs = list(inspect.signature(torch.optim.Muon.__init__).parameters.values())
+    assert [p.name for p in ours[: len(theirs)]] == [p.name for p in theirs]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
+    param = torch.nn.Parameter(torch.randn(8, 4))
+    positional = (2e-2, 0.05, 0.9, False, (3.4445, -4.7750, 2.0315), 1e-7, 5, "match_rms_adamw")
+    group = GefenMuon([param], *positional).param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["momentum"], group["nesterov"]) == positional[:4]
+    assert group["adjust_lr_fn"] == "match_rms_adamw" and group["ns_steps"] == 5
 
 
 @pytest.mark.parametrize("adjust", [None, "original", "match_rms_adamw", "spectral_unclamped"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -353,8 +354,15 @@ def test_adamw_defaults_and_keywords() -> None:
     for key in ("lr", "betas", "eps", "weight_decay", "maximize"):
         assert gefen.defaults[key] == adamw.defaults[key], key
     assert gefen.param_groups[0]["weight_decay"] == 1e-2
+    # every keyword of AdamW's signature, at its default, as a script written for AdamW passes it
+    signature = inspect.signature(torch.optim.AdamW.__init__).parameters.values()
+    Gefen(params, **{p.name: p.default for p in signature if p.default is not inspect.Parameter.empty})
     for foreach in (None, True, False):
         Gefen(params, foreach=foreach, amsgrad=False)  # foreach is a hint with nothing to choose here
+    with pytest.raises(GefenOptionError, match=r"differentiable=True.*carry no gradient"):
+        Gefen(params, differentiable=True)
+    with pytest.raises(GefenOptionTypeError, match="differentiable must be a bool"):
+        Gefen(params, differentiable=1)  # type: ignore[arg-type]
     with pytest.raises(GefenOptionTypeError, match="foreach"):
         Gefen(params, foreach="yes")  # type: ignore[arg-type]
     with pytest.raises(GefenOptionError, match=r"amsgrad=True.*ContractedAdamW"):

@@ -94,6 +94,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
             block-shared or factored ``v`` has no per-element maximum to keep.
         foreach: accepted for AdamW's signature; a performance hint that changes nothing here
             (``fused`` chooses between the kernels and the reference).
+        differentiable: ``False`` only (as AdamW's default); ``True`` raises ``GefenOptionError``:
+            codes into a learned codebook have no gradient to carry through the step.
         fused: ``None`` runs the kernels registered for the parameters' device (gefen-kernels:
             C on CPU, Triton on CUDA) and the PyTorch reference elsewhere, ``True`` requires
             them, ``False`` always runs the reference (:mod:`gefen_core.ops`).
@@ -157,8 +159,13 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         stochastic_round: bool = False,
         deterministic: bool = False,
         capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
-        for name, flag in (("deterministic", deterministic), ("stochastic_round", stochastic_round)):
+        for name, flag in (
+            ("deterministic", deterministic),
+            ("stochastic_round", stochastic_round),
+            ("differentiable", differentiable),
+        ):
             if type(flag) is not bool:
                 raise GefenOptionTypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if type(capturable) is not bool:
@@ -166,6 +173,11 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         if foreach is not None and type(foreach) is not bool:
             raise GefenOptionTypeError(f"foreach must be None, True or False, got {foreach!r}")
         _refuse_amsgrad(amsgrad, "")
+        if differentiable:
+            raise GefenOptionError(
+                "differentiable=True differentiates through the step, but Gefen's momentum is codes into a learned "
+                "codebook, which carry no gradient; use torch.optim.AdamW(differentiable=True)"
+            )
         if type(codebook_refresh_every) is not int:
             raise GefenOptionTypeError(
                 f"codebook_refresh_every must be an int, got {type(codebook_refresh_every).__name__}"
