@@ -15,6 +15,7 @@ from gefen_contracts.torch_support import (
     CodebookProcessGroupBinding,
     export_with_hooks,
     load_with_hooks,
+    names_mismatch,
     tensor_digest,
 )
 
@@ -250,3 +251,18 @@ def test_export_with_hooks_runs_torch_s_hooks_in_order_and_a_post_hook_may_repla
     result = export_with_hooks(optimizer, lambda: (calls.append("build"), {"built": True})[1])
     assert calls == ["pre", "build", "post-keep"]
     assert result == {"built": True, "replaced": True}
+
+
+def test_names_mismatch_says_whether_the_names_only_moved() -> None:
+    assert names_mismatch(("a", "b"), ["a", "b"]) is None
+    moved = names_mismatch(["a.weight", "b.weight"], ["b.weight", "a.weight"])
+    assert moved is not None and moved.startswith("the same names in another order")
+    assert "parameter 0 is 'a.weight' in the checkpoint but 'b.weight' here" in moved
+    assert "saving order" in moved
+    renamed = names_mismatch(["a", "b"], ["a", "c"])
+    assert (
+        renamed
+        == "parameter 1 is 'b' in the checkpoint but 'c' here; rename them with a load_state_dict pre-hook if the model really changed"
+    )
+    longer = names_mismatch(["a", "b"], ["a"])
+    assert longer is not None and longer.startswith("the checkpoint names 2 parameters, this group 1")

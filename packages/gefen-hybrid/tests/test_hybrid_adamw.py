@@ -184,7 +184,7 @@ def test_a_missing_step_is_refused_before_any_change() -> None:
         (lambda sd: sd["param_groups"][0].__setitem__("eps", float("nan")), "'eps'"),
         (lambda sd: sd["param_groups"][1].__setitem__("betas", (0.9, 1.0)), r"'betas'\[1\]"),
         (lambda sd: sd["param_groups"][0].__setitem__("lr", True), "bool rejected"),
-        (lambda sd: sd["param_groups"][0]["param_names"].reverse(), "named"),
+        (lambda sd: sd["param_groups"][0]["param_names"].reverse(), "names differ: the same names in another order"),
         (lambda sd: sd["state"].__setitem__(99, {}), "names no parameter"),
         (lambda sd: sd.__setitem__("extra", 1), "top-level keys"),
         (lambda sd: sd["state"][0].__setitem__("step", torch.empty((), device="meta")), "meta device"),

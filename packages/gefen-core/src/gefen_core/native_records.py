@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import StateValidationError
-from gefen_contracts.torch_support import dtype_name, finite_bounds, tensor_digest
+from gefen_contracts.torch_support import dtype_name, finite_bounds, names_mismatch, tensor_digest
 
 from .codebook import validate_codebook
 from .distributed import is_dtensor
@@ -504,8 +504,9 @@ def stage_group(
     new[GROUP_MIRROR] = None
     live_names = live.get("param_names")
     if live_names is not None:
-        if "param_names" in saved and list(saved["param_names"]) != list(live_names):
-            raise fail(f"param_groups[{index}] param_names differ from the live parameter names")
+        mismatch = names_mismatch(saved["param_names"], live_names) if "param_names" in saved else None
+        if mismatch is not None:
+            raise fail(f"param_groups[{index}] param_names differ from the live parameter names: {mismatch}")
         new["param_names"] = live_names
     elif "param_names" in saved:
         raise fail(f"param_groups[{index}] names its parameters but the live group is unnamed")

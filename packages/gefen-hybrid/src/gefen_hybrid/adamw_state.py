@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 import torch
 from gefen_contracts import StateValidationError
-from gefen_contracts.torch_support import share_options, shared_tensor_options
+from gefen_contracts.torch_support import names_mismatch, share_options, shared_tensor_options
 
 from .tensor_checks import is_dtensor, local_tensor, same_placement, tensor_kind
 
@@ -232,12 +232,9 @@ def _check_names(where: str, saved: Mapping[str, Any], live: Mapping[str, Any], 
         _fail(f"{where} 'param_names' must be a list of str")
     if len(saved_names) != count:
         _fail(f"{where} has {len(saved_names)} parameter names for {count} parameters")
-    if live_names is not None and list(saved_names) != list(live_names):
-        first = next(i for i, (a, b) in enumerate(zip(saved_names, live_names)) if a != b)
-        _fail(
-            f"{where} parameter {first} is named {saved_names[first]!r} in the checkpoint but {live_names[first]!r} "
-            "here; rename it with a load_state_dict pre-hook if the model really changed"
-        )
+    mismatch = names_mismatch(saved_names, live_names) if live_names is not None else None
+    if mismatch is not None:
+        _fail(f"{where} parameter names differ: {mismatch}")
     return list(saved_names)
 
 

@@ -41,6 +41,7 @@ from .param_groups import (
     check_new_group,
     check_tensor_lr,
     group_params,
+    names_mismatch,
     share_options,
     shared_tensor_options,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "build_bound_state",
     "check_new_group",
     "group_params",
+    "names_mismatch",
     "check_tensor_lr",
     "compatibility_names",
     "count_state_bytes",

@@ -21,6 +21,7 @@ __all__ = [
     "check_new_group",
     "check_tensor_lr",
     "group_params",
+    "names_mismatch",
     "share_options",
     "shared_tensor_options",
 ]
@@ -45,6 +46,33 @@ def group_params(params: object) -> list[object]:
 def _tensors(params: Iterable[object]) -> list[object]:
     """The tensors of a ``params`` list (``(name, tensor)`` pairs unwrapped; other items kept)."""
     return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+
+
+def names_mismatch(saved: Sequence[str], live: Sequence[str]) -> str | None:
+    """``None`` when a loaded group's ``param_names`` are the live group's, else what differs,
+    for the refusal's message.
+
+    A native load matches state to parameters by position, so the same names in another order
+    (a model that registers its parameters in another order) differ too: loaded by position,
+    each state would land on another parameter. torch's ``set_optimizer_state_dict`` maps
+    parameters by name but passes the checkpoint's ``param_names`` through in the saved order,
+    so it meets the same refusal.
+    """
+    saved, live = list(saved), list(live)
+    if saved == live:
+        return None
+    common = min(len(saved), len(live))
+    first = next((i for i in range(common) if saved[i] != live[i]), common)
+    if first < common:
+        where = f"parameter {first} is {saved[first]!r} in the checkpoint but {live[first]!r} here"
+    else:
+        where = f"the checkpoint names {len(saved)} parameters, this group {len(live)}"
+    if sorted(saved) == sorted(live):
+        return (
+            f"the same names in another order ({where}): the model registers its parameters in another order "
+            "than the one that saved; build the optimizer from them in the saving order"
+        )
+    return f"{where}; rename them with a load_state_dict pre-hook if the model really changed"
 
 
 def check_tensor_lr(lr: object, params: Iterable[object], where: str) -> None:
