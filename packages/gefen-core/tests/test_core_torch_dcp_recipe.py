@@ -7,6 +7,7 @@ optimizer the project ships, is ``tests/test_torch_dcp_recipe.py``.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,33 @@ def test_a_model_that_registers_its_parameters_in_another_order_is_refused_namin
         dcp.load({"optim": template}, checkpoint_id=tmp_path)
     with pytest.raises(StateValidationError, match=r"the same names in another order .*saving order"):
         set_optimizer_state_dict(twin_model, twin, template)
+
+
+def test_a_refusal_after_dcp_load_wrote_the_live_state_says_so(tmp_path: Path) -> None:
+    """The template's tensors are views of the live state, so ``dcp.load`` writes the checkpoint
+    into the optimizer before ``set_optimizer_state_dict`` can refuse it: the refusal says the
+    optimizer may hold part of it. A refused copy (no live tensor in it) changed nothing and
+    does not say so."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = make_kit_model(0)
+    optimizer = _gefen(model)
+    for step in range(2):
+        _step(model, optimizer, step)
+    copied = copy.deepcopy(optimizer.state_dict())
+    next(iter(copied["state"].values()))["m_codes"].view(-1)[0] ^= 1  # a flipped bit
+    with pytest.raises(StateValidationError) as refused:
+        optimizer.load_state_dict(copied)
+    assert "state_digest" in str(refused.value) and "part of the refused checkpoint" not in str(refused.value)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp_path)
+        template = get_optimizer_state_dict(model, optimizer)
+        dcp.load({"optim": template}, checkpoint_id=tmp_path)
+    next(iter(template["state"].values()))["m_codes"].view(-1)[0] ^= 1  # as a flipped bit on disk would
+    with pytest.raises(StateValidationError, match=r"may hold part of the refused checkpoint"):
+        set_optimizer_state_dict(model, optimizer, template)
 
 
 def test_an_older_native_format_is_refused_naming_both_versions() -> None:

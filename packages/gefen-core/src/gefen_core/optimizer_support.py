@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
-from gefen_contracts.torch_support import export_with_hooks, load_with_hooks
+from gefen_contracts import StateValidationError
+from gefen_contracts.torch_support import export_with_hooks, load_with_hooks, local_tensor
 from gefen_contracts.transactions import StagedTransaction
 from torch._compile import _disable_dynamo
 
@@ -101,6 +102,33 @@ def _staleness_token(optimizer: Any) -> tuple[int, int]:
     return optimizer._version, optimizer.global_step
 
 
+_WRITTEN_BEFORE = (
+    "Its tensors are this optimizer's live state: torch's get_optimizer_state_dict hands out views of it, and "
+    "dcp.load writes the checkpoint into them before set_optimizer_state_dict can check anything. So the "
+    "optimizer may hold part of the refused checkpoint: load a valid one, or build the optimizer anew, before "
+    "stepping"
+)
+
+
+def _holds_live_tensors(optimizer: Any, state_dict: object) -> bool:
+    """Whether a state dict's per-parameter tensors share memory with the optimizer's live state."""
+    live = {
+        local_tensor(value).data_ptr()
+        for entry in optimizer.state.values()
+        for value in entry.values()
+        if isinstance(value, torch.Tensor) and value.numel()
+    }
+    entries = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not live or not isinstance(entries, Mapping):
+        return False
+    return any(
+        isinstance(value, torch.Tensor) and value.numel() and local_tensor(value).data_ptr() in live
+        for entry in entries.values()
+        if isinstance(entry, Mapping)
+        for value in entry.values()
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class NativeCheckpoint:
     """The native ``state_dict`` role of Gefen and GefenMuon, written once: torch's hooks around
@@ -127,7 +155,15 @@ class NativeCheckpoint:
 
     def stage_state_dict(self, optimizer: Any, state_dict: Mapping[str, Any]) -> StagedTransaction:
         verify_layout(optimizer, "load_state_dict")
-        payload = self.stage(optimizer, optimizer._identity_binding.unguard(state_dict))
+        unguarded = optimizer._identity_binding.unguard(state_dict)
+        try:
+            payload = self.stage(optimizer, unguarded)
+        except StateValidationError as exc:
+            # a refusal changes nothing, but torch's recipe hands dcp.load views of the live state
+            # as its template, so the checkpoint is in the live tensors before this load is called
+            if exc.args and isinstance(exc.args[0], str) and _holds_live_tensors(optimizer, unguarded):
+                exc.args = (f"{exc.args[0]}. {_WRITTEN_BEFORE}", *exc.args[1:])
+            raise
         return StagedTransaction(optimizer, kind=self.kind, token=_staleness_token(optimizer), payload=payload)
 
     def commit_staged_state_dict(self, optimizer: Any, staged: StagedTransaction) -> None:
