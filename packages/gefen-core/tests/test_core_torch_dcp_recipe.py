@@ -136,6 +136,29 @@ def test_a_refusal_after_dcp_load_wrote_the_live_state_says_so(tmp_path: Path) -
         set_optimizer_state_dict(model, optimizer, template)
 
 
+def test_a_template_built_without_normuon_names_the_option_it_lacks(tmp_path: Path) -> None:
+    """normuon=True adds state entries, and torch's template is built from the loading optimizer,
+    so ``dcp.load`` leaves them out without an error: the refusal names the option, not a corruption."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def muon(model: nn.Module, normuon: bool) -> torch.optim.Optimizer:
+        return GefenMuon([(n, p) for n, p in model.named_parameters() if p.ndim == 2], lr=1e-2, normuon=normuon)
+
+    model = make_kit_model(0)
+    optimizer = muon(model, True)
+    _step(model, optimizer, 0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp_path)
+        twin_model = make_kit_model(0)
+        twin = muon(twin_model, False)
+        template = get_optimizer_state_dict(twin_model, twin)
+        dcp.load({"optim": template}, checkpoint_id=tmp_path)
+    with pytest.raises(StateValidationError, match=r"saved with normuon=True \(here False\).*checkpoint's options"):
+        set_optimizer_state_dict(twin_model, twin, template)
+
+
 def test_an_older_native_format_is_refused_naming_both_versions() -> None:
     model = make_kit_model(0)
     optimizer = _gefen(model)

@@ -77,6 +77,7 @@ from .native_records import (
     native_state_dict,
     parameter_slots,
     reconcile_record,
+    shaping_changes,
     stage_group,
 )
 from .param_groups import check_names
@@ -404,7 +405,10 @@ def stage_muon_state_dict(
     if any(bool(s[MAGNITUDE].ne(0).any()) for s in staged_slots.values()) and codebook is None:
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
     # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
-    check_state_digest(FORMAT, saved_ids, saved_state, record)
+    # normuon=True adds entries to normuon=False's, so torch's recipe can load a checkpoint of one into
+    # a template of the other without DCP noticing (a change of Gefen's second moment swaps keys: DCP refuses)
+    shaping = shaping_changes(groups, param_groups, ("normuon",))
+    check_state_digest(FORMAT, saved_ids, saved_state, record, shaping=shaping)
     new_state = {
         layouts[slot].param: staged
         for slot, staged in staged_slots.items()

@@ -192,11 +192,31 @@ def state_digest(
     return {"layout": layout, "content": content}
 
 
+def shaping_changes(
+    saved: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str, Any]], keys: Sequence[str]
+) -> dict[str, tuple[object, object]]:
+    """``{option: (checkpoint's, this optimizer's)}`` for the options among ``keys`` (those that
+    decide which state entries a parameter has) that differ between the saved and live groups."""
+    changes: dict[str, tuple[object, object]] = {}
+    for saved_group, live_group in zip(saved, live):
+        for key in keys:
+            if key in saved_group and key in live_group and saved_group[key] != live_group[key]:
+                changes.setdefault(key, (saved_group[key], live_group[key]))
+    return changes
+
+
 def check_state_digest(
-    fmt: NativeFormat, ids: Sequence[Sequence[object]], state: Mapping[Any, Any], record: Mapping[str, Any]
+    fmt: NativeFormat,
+    ids: Sequence[Sequence[object]],
+    state: Mapping[Any, Any],
+    record: Mapping[str, Any],
+    *,
+    shaping: Mapping[str, tuple[object, object]] | None = None,
 ) -> None:
     """Refuse a state dict whose record, layout or (where both sides hold plain tensors)
-    tensor values differ from what its ``state_digest`` was computed over."""
+    tensor values differ from what its ``state_digest`` was computed over. ``shaping``: the
+    options that decide a parameter's state entries and differ between the checkpoint and this
+    optimizer (:func:`shaping_changes`), named by the refusal as its likely cause."""
     saved = record[DIGEST_FIELD[0]]
     if not isinstance(saved, Mapping) or set(saved) != {"layout", "content"}:
         raise fail(f"state_digest must be a dict with 'layout' and 'content', got {type(saved).__name__}")
@@ -215,6 +235,15 @@ def check_state_digest(
             "get_optimizer_state_dict as a template, torch creates the state only when no parameter has a "
             "gradient; call optimizer.zero_grad(set_to_none=True) before get_optimizer_state_dict"
         )
+    if digest["layout"] != saved["layout"] and shaping:
+        # torch's recipe builds its load template from this optimizer, so entries that only the
+        # checkpoint's options create are not in it and dcp.load leaves them out
+        changes = ", ".join(f"{key}={old!r} (here {new!r})" for key, old, new in _triples(shaping))
+        raise fail(
+            f"the state dict's entries do not match its state_digest, and the checkpoint was saved with {changes}: "
+            f"torch's get_optimizer_state_dict builds a load template from this optimizer, and dcp.load fills only "
+            f"the entries the template has; build {fmt.optimizer} with the checkpoint's options to load it"
+        )
     if digest["layout"] != saved["layout"] or (both_plain and digest["content"] != saved["content"]):
         raise fail(
             f"the state dict's content does not match its state_digest (a flipped bit, a truncated or edited "
@@ -222,6 +251,10 @@ def check_state_digest(
             f"stepped on: like torch's, its tensors are views of the live state, so copy.deepcopy it to keep a "
             f"snapshot); {fmt.optimizer} refuses it"
         )
+
+
+def _triples(changes: Mapping[str, tuple[object, object]]) -> list[tuple[str, object, object]]:
+    return [(key, old, new) for key, (old, new) in sorted(changes.items())]
 
 
 def with_state_digest(fmt: NativeFormat, state_dict: Mapping[str, Any]) -> dict[str, Any]:
