@@ -77,7 +77,6 @@ from .native_records import (
     native_state_dict,
     parameter_slots,
     reconcile_record,
-    shaping_changes,
     stage_group,
 )
 from .param_groups import check_names
@@ -407,7 +406,9 @@ def stage_muon_state_dict(
     # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
     # normuon=True adds entries to normuon=False's, so torch's recipe can load a checkpoint of one into
     # a template of the other without DCP noticing (a change of Gefen's second moment swaps keys: DCP refuses)
-    shaping = shaping_changes(groups, param_groups, ("normuon",))
+    pairs = [(new["normuon"], live["normuon"]) for new, live in zip(new_groups, param_groups)]
+    changed = [pair for pair in pairs if pair[0] != pair[1]]
+    shaping = {"normuon": changed[0]} if changed else {}
     check_state_digest(FORMAT, saved_ids, saved_state, record, shaping=shaping)
     new_state = {
         layouts[slot].param: staged

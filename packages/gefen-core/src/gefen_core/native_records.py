@@ -192,19 +192,6 @@ def state_digest(
     return {"layout": layout, "content": content}
 
 
-def shaping_changes(
-    saved: Sequence[Mapping[str, Any]], live: Sequence[Mapping[str, Any]], keys: Sequence[str]
-) -> dict[str, tuple[object, object]]:
-    """``{option: (checkpoint's, this optimizer's)}`` for the options among ``keys`` (those that
-    decide which state entries a parameter has) that differ between the saved and live groups."""
-    changes: dict[str, tuple[object, object]] = {}
-    for saved_group, live_group in zip(saved, live):
-        for key in keys:
-            if key in saved_group and key in live_group and saved_group[key] != live_group[key]:
-                changes.setdefault(key, (saved_group[key], live_group[key]))
-    return changes
-
-
 def check_state_digest(
     fmt: NativeFormat,
     ids: Sequence[Sequence[object]],
@@ -214,9 +201,9 @@ def check_state_digest(
     shaping: Mapping[str, tuple[object, object]] | None = None,
 ) -> None:
     """Refuse a state dict whose record, layout or (where both sides hold plain tensors)
-    tensor values differ from what its ``state_digest`` was computed over. ``shaping``: the
-    options that decide a parameter's state entries and differ between the checkpoint and this
-    optimizer (:func:`shaping_changes`), named by the refusal as its likely cause."""
+    tensor values differ from what its ``state_digest`` was computed over. ``shaping``:
+    ``{option: (the checkpoint's, this optimizer's)}`` for options that decide which entries a
+    parameter's state holds and differ, named by the refusal as its likely cause."""
     saved = record[DIGEST_FIELD[0]]
     if not isinstance(saved, Mapping) or set(saved) != {"layout", "content"}:
         raise fail(f"state_digest must be a dict with 'layout' and 'content', got {type(saved).__name__}")
@@ -238,7 +225,7 @@ def check_state_digest(
     if digest["layout"] != saved["layout"] and shaping:
         # torch's recipe builds its load template from this optimizer, so entries that only the
         # checkpoint's options create are not in it and dcp.load leaves them out
-        changes = ", ".join(f"{key}={old!r} (here {new!r})" for key, old, new in _triples(shaping))
+        changes = ", ".join(f"{key}={old!r} (here {new!r})" for key, (old, new) in sorted(shaping.items()))
         raise fail(
             f"the state dict's entries do not match its state_digest, and the checkpoint was saved with {changes}: "
             f"torch's get_optimizer_state_dict builds a load template from this optimizer, and dcp.load fills only "
@@ -251,10 +238,6 @@ def check_state_digest(
             f"stepped on: like torch's, its tensors are views of the live state, so copy.deepcopy it to keep a "
             f"snapshot); {fmt.optimizer} refuses it"
         )
-
-
-def _triples(changes: Mapping[str, tuple[object, object]]) -> list[tuple[str, object, object]]:
-    return [(key, old, new) for key, (old, new) in sorted(changes.items())]
 
 
 def with_state_digest(fmt: NativeFormat, state_dict: Mapping[str, Any]) -> dict[str, Any]:
