@@ -166,9 +166,10 @@ def learn_over_scope(
     ``decide_starts``: decide which stateless parameters start and choose their periods.
     ``learn_codebook``: solve a codebook from the parameters that have state or start, with a
     non-zero gradient somewhere. ``refresh``: solve one from every such parameter with a
-    gradient (zero or not), with its stored period; ``None`` when every one is zero. ``items`` lists this member's parameters
-    in FQN order; ``fqns`` is the manifest's FQN list, the same on every member. ``failure``
-    is a local failure that happened before (it is voted at the first collective round).
+    gradient (zero or not), with its stored period; no codebook when every one is zero.
+    ``items`` lists this member's parameters in FQN order; ``fqns`` is the manifest's FQN list,
+    the same on every member. ``failure`` is a local failure that happened before (it is voted
+    at the first collective round).
     """
     assert decide_starts or not learn_codebook, "learning a codebook needs the non-zero decision"
     outcome = LearningOutcome()
