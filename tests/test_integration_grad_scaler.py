@@ -88,6 +88,26 @@ def test_the_hybrid_takes_the_scalers_protocol_on_fp16_gradients_as_its_halves_d
     assert scaler.get_scale() == 2.0**9
 
 
+def test_an_overflow_at_the_hybrids_first_step_is_skipped_as_its_halves_skip_it() -> None:
+    """A first gradient that is not finite is refused by GefenMuon's preflight, but under the
+    scaler's overflow no half steps: the composite skipped its children's preflight too late
+    and raised instead of skipping (the default ``init_scale`` overflows fp16 at the first step)."""
+    model = seeded(TinyLlama).half()
+    hybrid = build_hybrid(model, "gefen")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    _scaled_fp16_step(model, 0, scaler)
+    next(iter(hybrid.child_optimizers()["muon"].param_groups[0]["params"])).grad.reshape(-1)[0] = math.inf
+    parameters = [p.detach().clone() for p in model.parameters()]
+    scaler.step(hybrid)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(parameters, model.parameters()))
+    assert not any(child.state for child in hybrid.child_optimizers().values())
+    assert scaler.get_scale() == 2.0**9
+    _scaled_fp16_step(model, 1, scaler)  # and the next, finite, step trains
+    scaler.step(hybrid)
+    assert not all(torch.equal(a, b) for a, b in zip(parameters, model.parameters()))
+
+
 Halves = tuple[list[nn.Parameter], list[nn.Parameter], GefenMuon, ContractedAdamW]
 
 

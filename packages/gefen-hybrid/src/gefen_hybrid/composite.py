@@ -372,10 +372,13 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     def preflight_step(self) -> None:
         """Every child's ``preflight_step()`` (children without one are skipped); no closure, no
-        vote. A child's error names its own group indices; a note maps them to this composite's."""
+        vote. A child's error names its own group indices; a note maps them to this composite's.
+        After an overflow the scaler reported, no child steps, so none checks its gradients (a
+        first step's are not finite, and the scaler must skip it, not fail)."""
         offset = 0
+        checks = not amp.overflowed(self)
         for role, child in self._children:
-            if isinstance(child, StepPreflight):
+            if checks and isinstance(child, StepPreflight):
                 try:
                     child.preflight_step()
                 except Exception as exc:
