@@ -80,6 +80,12 @@ ENVELOPE_CORRUPTIONS: list[tuple[str, Edit, str]] = [
     ("fqn_missing", lambda sd: sd["routing"].pop(), "missing from the checkpoint's routing"),
     ("fqn_extra", lambda sd: sd["routing"].append(["zzz.weight", "muon"]), "no such parameter"),
     ("unsorted", lambda sd: sd["routing"].reverse(), "sorted"),
+    # the checkpoint of a composite built from torch.compile(model) (or a DDP-wrapped model)
+    (
+        "wrapped_model",
+        lambda sd: sd.__setitem__("routing", [["_orig_mod." + fqn, role] for fqn, role in sd["routing"]]),
+        r"the checkpoint's parameter names are the others' under the prefix '_orig_mod\.'.*torch\.compile",
+    ),
     ("not_pairs", lambda sd: sd["routing"].__setitem__(0, "embed"), r"'routing'\[0\]"),
 ]
 
@@ -190,3 +196,14 @@ def test_a_child_without_staged_load_makes_the_native_load_non_atomic_with_reaso
     with pytest.raises(StateValidationError):
         optimizer.load_state_dict(corrupted)
     assert snapshot_diff(before, optimizer, model) == []
+
+
+def test_a_wrapper_prefix_is_named_on_either_side() -> None:
+    from gefen_hybrid.composite_format import _prefixed
+
+    plain = {"a.weight": "muon", "b": "backup"}
+    wrapped = {"module." + fqn: role for fqn, role in plain.items()}
+    assert _prefixed(wrapped, plain) == "the checkpoint's parameter names are the others' under the prefix 'module.'"
+    assert _prefixed(plain, wrapped) == "this composite's parameter names are the others' under the prefix 'module.'"
+    assert _prefixed(plain, {"a.weight": "backup", "b": "backup"}) is None  # a role changed, no prefix
+    assert _prefixed({"x.a.weight": "muon", "b": "backup"}, plain) is None  # not every name
