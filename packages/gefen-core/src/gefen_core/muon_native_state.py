@@ -293,7 +293,8 @@ def _check_owners(
                     f"{label} says initialized=True but the checkpoint holds no state for {layout.name!r}, "
                     "which another rank owns: sharded_mode='distributed' state cannot go through torch's "
                     "flattened recipe (flatten_optimizer_state_dict=True), which rebuilds entries from this "
-                    "rank's own state; use the nested recipe, GefenDCPState, or the native state_dict()"
+                    "rank's own state; use the nested recipe or the native state_dict() (GefenDCPState "
+                    "refuses distributed mode too)"
                 )
             raise fail(f"{label} says initialized={entry['initialized']!r} but the checkpoint disagrees")
 
