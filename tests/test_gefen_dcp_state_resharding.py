@@ -5,7 +5,8 @@ A model trained on 2 ranks, saved, and loaded on 1 and on 3 ranks keeps training
 issue's bound (relative loss difference <= 5e-3 at every step over 20 steps against the
 uninterrupted run) and far below a run that drops the optimizer state; the same holds for a
 single-process checkpoint (built with ``force_1d_period_one=True``, FSDP2's rule for 1-D
-parameters) resumed on 2 ranks, and for GefenMuon 2 -> 3 ranks. An async save
+parameters) resumed on 2 ranks (GefenMuon's does not load yet: an expected failure, named at
+its test), and for GefenMuon 2 -> 3 ranks. An async save
 followed by more training holds the state at the call.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import gefen_dcp_state_ranks as ranks
 import pytest
-from gefen_contracts.testing import GlooWorld
+from gefen_contracts.testing import GlooWorld, RankFailure
 from resume_bounds import assert_resumes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -51,12 +52,26 @@ def test_an_fsdp2_checkpoint_of_two_ranks_resumes_on_other_world_sizes(
     assert_resumes(resumed, dropped, uninterrupted)
 
 
-def test_a_single_process_gefen_checkpoint_resumes_on_two_fsdp2_ranks(world2: GlooWorld, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "gefen",
+        # found by a probe: a single-process save records GefenMuon's codes as placed like the
+        # parameter (their declared geometry), so the load shards them like the FSDP2 parameter,
+        # but exact-mode GefenMuon keeps each matrix's whole state on every rank and refuses a
+        # DTensor. An XPASS means it was fixed: drop the mark.
+        pytest.param(
+            "muon",
+            marks=pytest.mark.xfail(strict=True, raises=RankFailure, reason="GefenMuon exact wants whole state"),
+        ),
+    ],
+)
+def test_a_single_process_checkpoint_resumes_on_two_fsdp2_ranks(world2: GlooWorld, tmp_path: Path, kind: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        uninterrupted = ranks.train_save_continue(0, None, "gefen", str(tmp_path))
-    resumed = world2.run(ranks.load_continue, "gefen", str(tmp_path), True)
-    dropped = world2.run(ranks.load_continue, "gefen", str(tmp_path), False)
+        uninterrupted = ranks.train_save_continue(0, None, kind, str(tmp_path))
+    resumed = world2.run(ranks.load_continue, kind, str(tmp_path), True)
+    dropped = world2.run(ranks.load_continue, kind, str(tmp_path), False)
     assert resumed[0] == resumed[1]
     assert_resumes(resumed[0], dropped[0], uninterrupted)
 
