@@ -100,13 +100,16 @@ def test_gefen_reshards_from_one_and_three_ranks_to_two(
     assert gap <= RESUME_BOUND, f"{source}->2: resumed run {gap:.2e} away from the uninterrupted one"
 
 
-def test_distributed_muon_state_refuses_the_flattened_recipe(tmp_path: Path, world2: GlooWorld) -> None:
+@pytest.mark.parametrize("source", [2, 1], ids=["2->2", "1->2"])
+def test_distributed_muon_state_refuses_the_flattened_recipe(
+    tmp_path: Path, world1: GlooWorld, world2: GlooWorld, source: int
+) -> None:
     """``sharded_mode="distributed"`` keeps each matrix's state on its owner rank only; torch's
     flattened recipe rebuilds every entry from this rank's live state, so the entries of the
     matrices other ranks own arrive empty. That load is refused naming the recipe (it was blamed
-    on the owner manifest)."""
+    on the owner manifest, and a one-process checkpoint's on a corrupted digest)."""
     flattened = str(tmp_path / "flattened")
-    world2.run(ranks.save, "gefen_muon_distributed", flattened, "flattened")
+    (world1 if source == 1 else world2).run(ranks.save, "gefen_muon_distributed", flattened, "flattened")
     outcomes = world2.run_outcomes(ranks.load, "gefen_muon_distributed", flattened, "flattened")
     for outcome in outcomes:
         assert not outcome.ok and outcome.error_type == "StateValidationError", outcome

@@ -134,6 +134,14 @@ class SlotLayout:
         return local_tensor(self.param).numel() if self.mode == APPROX else self.param.numel()
 
 
+_FLATTENED = (
+    "sharded_mode='distributed' state cannot go through torch's flattened recipe "
+    "(flatten_optimizer_state_dict=True), which rebuilds entries from this rank's own state, and a rank holds "
+    "only the matrices it owns; use the nested recipe or the native state_dict() (GefenDCPState refuses "
+    "distributed mode too)"
+)
+
+
 def slot_layouts(param_groups: Sequence[Mapping[str, Any]]) -> tuple[list[SlotLayout], MuonScope | None]:
     """Every slot's layout under ``param_groups`` (their ``sharded_mode``), and the scope."""
     raw: list[tuple[torch.Tensor, str, str]] = []
@@ -291,12 +299,33 @@ def _check_owners(
                 # and a rank holds no state for a matrix it does not own
                 raise fail(
                     f"{label} says initialized=True but the checkpoint holds no state for {layout.name!r}, "
-                    "which another rank owns: sharded_mode='distributed' state cannot go through torch's "
-                    "flattened recipe (flatten_optimizer_state_dict=True), which rebuilds entries from this "
-                    "rank's own state; use the nested recipe or the native state_dict() (GefenDCPState "
-                    "refuses distributed mode too)"
+                    f"which another rank owns: {_FLATTENED}"
                 )
             raise fail(f"{label} says initialized={entry['initialized']!r} but the checkpoint disagrees")
+
+
+def _entries_cause(
+    new_groups: Sequence[Mapping[str, Any]],
+    param_groups: Sequence[Mapping[str, Any]],
+    layouts: Sequence[SlotLayout],
+    scope: MuonScope | None,
+) -> str | None:
+    """Why a state dict's entries may differ from those its digest covers, as this optimizer
+    knows it: torch's recipe builds its load template from this optimizer, and ``dcp.load`` fills
+    only the entries the template has, without an error."""
+    # normuon=True adds entries to normuon=False's (a change of Gefen's second moment swaps keys,
+    # which DCP refuses itself)
+    changed = [(new["normuon"], live["normuon"]) for new, live in zip(new_groups, param_groups)]
+    changed = [pair for pair in changed if pair[0] != pair[1]]
+    if changed:
+        return (
+            f"the checkpoint was saved with normuon={changed[0][0]!r} (here {changed[0][1]!r}): torch's "
+            "get_optimizer_state_dict builds a load template from this optimizer, and dcp.load fills only the entries "
+            "the template has; build GefenMuon with the checkpoint's options to load it"
+        )
+    if scope is not None and scope.world > 1 and any(layout.mode == DISTRIBUTED for layout in layouts):
+        return f"if it came through torch's flattened recipe: {_FLATTENED}"
+    return None
 
 
 def _stage_entry(
@@ -405,12 +434,9 @@ def stage_muon_state_dict(
     if any(bool(s[MAGNITUDE].ne(0).any()) for s in staged_slots.values()) and codebook is None:
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
     # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
-    # normuon=True adds entries to normuon=False's, so torch's recipe can load a checkpoint of one into
-    # a template of the other without DCP noticing (a change of Gefen's second moment swaps keys: DCP refuses)
-    pairs = [(new["normuon"], live["normuon"]) for new, live in zip(new_groups, param_groups)]
-    changed = [pair for pair in pairs if pair[0] != pair[1]]
-    shaping = {"normuon": changed[0]} if changed else {}
-    check_state_digest(FORMAT, saved_ids, saved_state, record, shaping=shaping)
+    check_state_digest(
+        FORMAT, saved_ids, saved_state, record, cause=_entries_cause(new_groups, param_groups, layouts, scope)
+    )
     new_state = {
         layouts[slot].param: staged
         for slot, staged in staged_slots.items()

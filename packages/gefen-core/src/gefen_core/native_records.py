@@ -198,12 +198,12 @@ def check_state_digest(
     state: Mapping[Any, Any],
     record: Mapping[str, Any],
     *,
-    shaping: Mapping[str, tuple[object, object]] | None = None,
+    cause: str | None = None,
 ) -> None:
     """Refuse a state dict whose record, layout or (where both sides hold plain tensors)
-    tensor values differ from what its ``state_digest`` was computed over. ``shaping``:
-    ``{option: (the checkpoint's, this optimizer's)}`` for options that decide which entries a
-    parameter's state holds and differ, named by the refusal as its likely cause."""
+    tensor values differ from what its ``state_digest`` was computed over. ``cause``: what
+    the optimizer knows makes its entries differ (an option, a sharded mode), named by a
+    refusal for differing entries instead of corruption."""
     saved = record[DIGEST_FIELD[0]]
     if not isinstance(saved, Mapping) or set(saved) != {"layout", "content"}:
         raise fail(f"state_digest must be a dict with 'layout' and 'content', got {type(saved).__name__}")
@@ -222,15 +222,8 @@ def check_state_digest(
             "get_optimizer_state_dict as a template, torch creates the state only when no parameter has a "
             "gradient; call optimizer.zero_grad(set_to_none=True) before get_optimizer_state_dict"
         )
-    if digest["layout"] != saved["layout"] and shaping:
-        # torch's recipe builds its load template from this optimizer, so entries that only the
-        # checkpoint's options create are not in it and dcp.load leaves them out
-        changes = ", ".join(f"{key}={old!r} (here {new!r})" for key, (old, new) in sorted(shaping.items()))
-        raise fail(
-            f"the state dict's entries do not match its state_digest, and the checkpoint was saved with {changes}: "
-            f"torch's get_optimizer_state_dict builds a load template from this optimizer, and dcp.load fills only "
-            f"the entries the template has; build {fmt.optimizer} with the checkpoint's options to load it"
-        )
+    if digest["layout"] != saved["layout"] and cause:
+        raise fail(f"the state dict's entries do not match its state_digest: {cause}")
     if digest["layout"] != saved["layout"] or (both_plain and digest["content"] != saved["content"]):
         raise fail(
             f"the state dict's content does not match its state_digest (a flipped bit, a truncated or edited "
