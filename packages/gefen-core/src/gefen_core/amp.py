@@ -19,19 +19,11 @@ import torch
 
 from .distributed import local_tensor
 
-__all__ = ["has_fp16_gradients", "should_skip_step", "unscale_gradients"]
+__all__ = ["has_fp16_gradients", "unscale_gradients"]
 
 
 def has_fp16_gradients(param_groups: Iterable[dict[str, Any]]) -> bool:
     return any(p.grad is not None and p.grad.dtype is torch.float16 for group in param_groups for p in group["params"])
-
-
-def should_skip_step(optimizer: object) -> bool:
-    """True when the scaler reported an overflow for this step."""
-    found_inf = getattr(optimizer, "found_inf", None)
-    if found_inf is None:
-        return False
-    return bool(float(found_inf.sum().item()) > 0.0)
 
 
 def unscale_gradients(optimizer: object, grads: Iterable[torch.Tensor]) -> None:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from gefen_contracts import OptimizerContract
 from gefen_contracts.enums import ParameterLayout
-from gefen_contracts.torch_support import check_new_group, forget_scaler_state, group_params
+from gefen_contracts.torch_support import check_new_group, forget_scaler_state, group_params, scaler_overflowed
 
 from . import gefen_step
-from .amp import has_fp16_gradients, should_skip_step, unscale_gradients
+from .amp import has_fp16_gradients, unscale_gradients
 from .contract import IMPLEMENTATION, gefen_contract
 from .convention_methods import ConventionMethods
 from .errors import CaptureError, GefenOptionError, GefenOptionTypeError
@@ -322,7 +322,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
                 verify_layout(self, "step")
                 with torch.enable_grad():
                     loss = closure()
-            if should_skip_step(self):  # before the plan: an overflowed first gradient is not an error
+            if scaler_overflowed(self):  # before the plan: an overflowed first gradient is not an error
                 return loss
             plan = gefen_step.plan(self)
             # a generator: without a scaler the gradients are not walked at all

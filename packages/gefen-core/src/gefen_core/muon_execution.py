@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
+from gefen_contracts.torch_support import scaler_overflowed
 
-from .amp import should_skip_step
 from .batched_newton_schulz import newton_schulz_batched
 from .distributed import local_tensor
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
@@ -62,7 +62,7 @@ def plan(optimizer: Any) -> MuonPlan:
         optimizer.state,
         dispatch=optimizer._dispatch,
         codebook_ready=optimizer._codebook is not None,
-        overflowed=should_skip_step(optimizer),  # a skipped step learns nothing from its gradients
+        overflowed=scaler_overflowed(optimizer),  # a skipped step learns nothing from its gradients
     )
 
 

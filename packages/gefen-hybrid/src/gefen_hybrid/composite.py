@@ -39,6 +39,7 @@ from gefen_contracts.torch_support import (
     forget_scaler_state,
     run_load_post_hooks,
     run_load_pre_hooks,
+    scaler_overflowed,
 )
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 from gefen_contracts.validation import identity_name
@@ -376,7 +377,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
         After an overflow the scaler reported, no child steps, so none checks its gradients (a
         first step's are not finite, and the scaler must skip it, not fail)."""
         offset = 0
-        checks = not amp.overflowed(self)
+        checks = not scaler_overflowed(self)
         for role, child in self._children:
             if checks and isinstance(child, StepPreflight):
                 try:

@@ -21,9 +21,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from gefen_contracts.torch_support import forget_scaler_state
+from gefen_contracts.torch_support import forget_scaler_state, scaler_overflowed
 
-__all__ = ["check_scalable", "overflowed", "step_child", "supports_amp_scaling"]
+__all__ = ["check_scalable", "step_child", "supports_amp_scaling"]
 
 
 def _advertises(optimizer: Any) -> bool:
@@ -37,12 +37,6 @@ def supports_amp_scaling(children: Iterable[Any]) -> bool:
 
 def _grads(child: Any) -> list[torch.Tensor]:
     return [p.grad for group in child.param_groups for p in group["params"] if p.grad is not None]
-
-
-def overflowed(optimizer: Any) -> bool:
-    """Whether the scaler reported an overflow for this step (no child steps then)."""
-    found_inf = getattr(optimizer, "found_inf", None)
-    return found_inf is not None and float(found_inf.sum().item()) > 0.0
 
 
 def check_scalable(composite: Any, children: Sequence[tuple[str, Any]]) -> None:
@@ -73,7 +67,7 @@ def step_child(composite: Any, child: Any) -> None:
         return
     # what GradScaler.step does for an optimizer without the protocol: skip on overflow, else
     # unscale (by the reciprocal it computes in double) and step
-    if overflowed(composite):
+    if scaler_overflowed(composite):
         return
     if scale is not None:
         inverse = scale.double().reciprocal().float()

@@ -33,7 +33,7 @@ from .bound_state import (
 from .collectives import CollectiveCounter, agree, agree_digest, failure_vote, failure_vote_on_group
 from .dcp_keys import with_rejoined_state
 from .freshness import state_version_token, tensor_version_token
-from .grad_scaler import forget_scaler_state
+from .grad_scaler import forget_scaler_state, scaler_overflowed
 from .identity_binding import IdentityBinding
 from .native_identity import IDENTITY_FORMAT, IDENTITY_KEY, identity_guard, split_identity_guard
 from .param_groups import (
@@ -120,6 +120,7 @@ __all__ = [
     "export_with_hooks",
     "finite_bounds",
     "forget_scaler_state",
+    "scaler_overflowed",
     "is_dtensor",
     "load_with_hooks",
     "local_tensor",
