@@ -315,11 +315,11 @@ def _entries_cause(
     only the entries the template has, without an error."""
     # normuon=True adds entries to normuon=False's (a change of Gefen's second moment swaps keys,
     # which DCP refuses itself)
-    changed = [(new["normuon"], live["normuon"]) for new, live in zip(new_groups, param_groups)]
-    changed = [pair for pair in changed if pair[0] != pair[1]]
-    if changed:
+    for new, live in zip(new_groups, param_groups):
+        if new["normuon"] == live["normuon"]:
+            continue
         return (
-            f"the checkpoint was saved with normuon={changed[0][0]!r} (here {changed[0][1]!r}): torch's "
+            f"the checkpoint was saved with normuon={new['normuon']!r} (here {live['normuon']!r}): torch's "
             "get_optimizer_state_dict builds a load template from this optimizer, and dcp.load fills only the entries "
             "the template has; build GefenMuon with the checkpoint's options to load it"
         )
