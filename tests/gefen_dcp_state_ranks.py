@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from gefen import GefenMuonHybrid
 from gefen_core import Gefen, GefenMuon
 from gefen_dcp import GefenDCPState, GefenFileSystemWriter, GefenLoadPlanner, GefenSavePlanner
 from torch import nn
@@ -66,6 +67,8 @@ def build(kind: str, world_size: int | None) -> tuple[nn.Module, Any]:
         fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     if kind == "muon":
         return model, GefenMuon(model.named_parameters(), lr=2e-2)
+    if kind == "hybrid":  # GefenMuon (exact mode) on the hidden matrix, AdamW on the rest
+        return model, GefenMuonHybrid(model, lr=1e-2, backup_optimizer="adamw")
     # FSDP2 keeps one block per element of a sharded 1-D parameter; a single process with the
     # same rule holds the same state shapes, so its checkpoint reshards onto FSDP2 exactly.
     return model, Gefen(model.named_parameters(), lr=1e-2, force_1d_period_one=world_size is None)
@@ -107,6 +110,19 @@ def load_continue(rank: int, world_size: int | None, kind: str, path: str, keep_
     model, optimizer = build(kind, world_size)
     _load(model, optimizer, path, keep_state)
     return train(model, optimizer, BEFORE, AFTER)
+
+
+def loaded_state(rank: int, world_size: int | None, kind: str, path: str) -> dict[tuple[str, str], torch.Tensor]:
+    """Load the checkpoint and return the optimizer's state gathered to whole tensors
+    (a DTensor's ``full_tensor()``, a collective every rank calls in the same order)."""
+    model, optimizer = build(kind, world_size)
+    _load(model, optimizer, path)
+    return {
+        (str(number), name): (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+        for number, entry in optimizer.state_dict()["state"].items()
+        for name, value in entry.items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _dense_state(optimizer: Any) -> dict[tuple[str, str], torch.Tensor]:

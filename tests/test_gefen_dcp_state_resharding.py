@@ -5,8 +5,8 @@ A model trained on 2 ranks, saved, and loaded on 1 and on 3 ranks keeps training
 issue's bound (relative loss difference <= 5e-3 at every step over 20 steps against the
 uninterrupted run) and far below a run that drops the optimizer state; the same holds for a
 single-process checkpoint (built with ``force_1d_period_one=True``, FSDP2's rule for 1-D
-parameters) resumed on 2 ranks (GefenMuon's does not load yet: an expected failure, named at
-its test), and for GefenMuon 2 -> 3 ranks. An async save
+parameters) resumed on 2 ranks, whose gathered state is the checkpoint's bit for bit, and for
+GefenMuon 2 -> 3 ranks. An async save
 followed by more training holds the state at the call.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import gefen_dcp_state_ranks as ranks
 import pytest
-from gefen_contracts.testing import GlooWorld, RankFailure
+import torch
+from gefen_contracts.testing import GlooWorld
 from resume_bounds import assert_resumes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -52,24 +53,19 @@ def test_an_fsdp2_checkpoint_of_two_ranks_resumes_on_other_world_sizes(
     assert_resumes(resumed, dropped, uninterrupted)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "gefen",
-        # found by a probe: a single-process save records GefenMuon's codes as placed like the
-        # parameter (their declared geometry), so the load shards them like the FSDP2 parameter,
-        # but exact-mode GefenMuon keeps each matrix's whole state on every rank and refuses a
-        # DTensor. An XPASS means it was fixed: drop the mark.
-        pytest.param(
-            "muon",
-            marks=pytest.mark.xfail(strict=True, raises=RankFailure, reason="GefenMuon exact wants whole state"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("kind", ["gefen", "muon", "hybrid"])
 def test_a_single_process_checkpoint_resumes_on_two_fsdp2_ranks(world2: GlooWorld, tmp_path: Path, kind: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         uninterrupted = ranks.train_save_continue(0, None, kind, str(tmp_path))
+        whole = ranks.loaded_state(0, None, kind, str(tmp_path))
+    # the state loaded on two ranks, gathered, is the checkpoint's bit for bit (GefenMuon's
+    # exact mode reads its whole-matrix state whole on each rank though the save recorded it
+    # placed like the parameter)
+    for gathered in world2.run(ranks.loaded_state, kind, str(tmp_path)):
+        assert gathered.keys() == whole.keys()
+        for key, tensor in whole.items():
+            assert torch.equal(gathered[key], tensor), key
     resumed = world2.run(ranks.load_continue, kind, str(tmp_path), True)
     dropped = world2.run(ranks.load_continue, kind, str(tmp_path), False)
     assert resumed[0] == resumed[1]

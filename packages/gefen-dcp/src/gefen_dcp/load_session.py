@@ -171,6 +171,7 @@ class LoadSession:
         }
         self.stored: dict[str, list[StoredChunk]] = {}
         self.placements: dict[str, str] = {}
+        self.targets: dict[str, str] = {}
         self.boxes: dict[str, ShardGeometry] = {}
         self.keys: dict[str, str] = {}
         self.destinations: dict[str, torch.Tensor] = {}
@@ -181,6 +182,7 @@ class LoadSession:
             md = _tensor_md(metadata, key)
             size = tuple(int(d) for d in md.size)
             parameter = None
+            target = placement
             if placement != PLAIN:
                 index = parameter_index(name)
                 if index is None or index >= len(parameters):
@@ -189,13 +191,16 @@ class LoadSession:
                         f"{len(parameters)} parameters"
                     )
                 parameter = parameters[index]
-            box = local_box(size, parameter if placement == LIKE_PARAMETER else None, where=key)
+                if index in live.held_whole:
+                    target = PLAIN  # this optimizer keeps the parameter's state whole on every rank
+            box = local_box(size, parameter if target == LIKE_PARAMETER else None, where=key)
             chunks = _stored_chunks(md, key, limits)
             _check_chunks(key, size, chunks)
             total_chunks += len(chunks)
             total_bytes += box.numel * md.properties.dtype.itemsize
             self.stored[name] = chunks
             self.placements[name] = placement
+            self.targets[name] = target
             self.boxes[name] = box
             self.keys[key] = name
             if total_chunks > limits.max_tensors:
@@ -350,7 +355,7 @@ class LoadSession:
                 )
 
         # a row pack's members, cut out of the pack (each named once: the envelope's check)
-        members: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        members: dict[str, tuple[torch.Tensor, tuple[int, ...], str]] = {}
         for pack, entry in envelope.tensors.items():
             if entry.members:
                 rows = entry.shape[0]
@@ -360,14 +365,14 @@ class LoadSession:
                         raise EnvelopeFormatError(
                             f"row pack {pack!r} names member {key!r} twice or of another parameter"
                         )
-                    members[key] = (cut[key], (rows, *trailing))
+                    members[key] = (cut[key], (rows, *trailing), self.targets[pack])
 
         def tensor(name: str) -> torch.Tensor:
             if name in members:
-                local, global_shape = members[name]
-                return self._placed(name, local, LIKE_PARAMETER, global_shape)
+                local, global_shape, target = members[name]
+                return self._placed(name, local, target, global_shape)
             if name not in self.destinations or envelope.tensors[name].members:
                 raise EnvelopeFormatError(f"the skeleton names tensor {name!r}, which the checkpoint does not hold")
-            return self._placed(name, self.destinations[name], self.placements[name], self.boxes[name].global_shape)
+            return self._placed(name, self.destinations[name], self.targets[name], self.boxes[name].global_shape)
 
         return envelope, rebuild(envelope.skeleton, tensor)

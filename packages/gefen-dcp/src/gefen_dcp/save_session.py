@@ -1,7 +1,8 @@
 """The save side of one ``GefenDCPState.state_dict()`` result.
 
 A :class:`SaveSession` holds the agreed envelope, the optimizer's parameters in torch's
-state-dict numbering, its state tensors (by key,
+state-dict numbering (and which of them it keeps whole state for, ``held_whole``: what a load
+onto this optimizer reads whole), its state tensors (by key,
 as the optimizer holds them: DTensors placed like their parameters, or plain tensors),
 each tensor's local chunk, and the chunk digests computed while the writer consumes the
 chunks. DCP plans the tensors with its own machinery; :class:`~gefen_dcp.GefenSavePlanner`
@@ -47,8 +48,10 @@ class SaveSession:
         writer: int,
         limits: PortableStateLimits,
         frozen: bool = False,
+        held_whole: frozenset[int] = frozenset(),
     ) -> None:
         self.envelope = envelope
+        self.held_whole = held_whole
         self.envelope_bytes = encode_envelope(envelope, limits=limits)
         self.tensors = tensors
         self.parameters = parameters
@@ -148,6 +151,7 @@ class SaveSession:
                     writer=self.writer,
                     limits=self.limits,
                     frozen=True,
+                    held_whole=self.held_whole,
                 )
             return self._snapshot
 

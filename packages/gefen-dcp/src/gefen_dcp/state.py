@@ -27,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, StateGeometry, StateScope
+from gefen_contracts.enums import ParameterLayout, ParameterStateRole, StateExtent
 from gefen_contracts.limits import PortableStateLimits
-from gefen_contracts.protocols import ContractProvider, StagedNativeLoad
+from gefen_contracts.protocols import ContractProvider, ModeTaggedState, StagedNativeLoad
 from gefen_contracts.torch_support import failure_vote
 from gefen_contracts.transactions import StagedTransaction
 from torch.distributed.checkpoint.stateful import Stateful
@@ -68,6 +69,37 @@ def _field_geometry(optimizer: object) -> dict[str, str]:
                 geometry.setdefault(field.name, field.geometry.value)
         pending.extend(child.contract for child in contract.children if child.contract is not None)
     return geometry
+
+
+def _held_whole(optimizer: object, parameters: tuple[Any, ...]) -> frozenset[int]:
+    """The DTensor parameters (by index) whose state ``optimizer`` keeps whole on every rank.
+
+    Read from its contract: every state variant it declares for a DTensor parameter of that
+    rank, under the parameter's mode tags, describes the whole parameter (GefenMuon's
+    ``sharded_mode="exact"``). A load reads such a parameter's state whole, whatever placement
+    class the checkpoint recorded (a single-process save records the declared geometry's).
+    """
+    if not isinstance(optimizer, ContractProvider) or not any(is_dtensor(p) for p in parameters):
+        return frozenset()
+    variants = optimizer.optimizer_contract().state_layout.parameter_variants
+    whole = set()
+    for index, parameter in enumerate(parameters):
+        if not is_dtensor(parameter):
+            continue
+        tags = optimizer.state_mode_tags(parameter) if isinstance(optimizer, ModeTaggedState) else frozenset()
+        extents = {
+            v.extent
+            for v in variants
+            if v.accepts(
+                layout=ParameterLayout.DTENSOR_1D_DEFAULT_WORLD,
+                parameter_rank=parameter.dim(),
+                role=ParameterStateRole.ANY,
+                mode_tags=tags,
+            )
+        }
+        if extents == {StateExtent.GLOBAL_PARAMETER}:
+            whole.add(index)
+    return frozenset(whole)
 
 
 def _placement(key: str, tensor: Any, parameters: tuple[Any, ...], geometry: dict[str, str]) -> str:
@@ -167,7 +199,14 @@ class GefenDCPState(Stateful):
             placement = LIKE_PARAMETER if members else placements[key]
             entries[key] = TensorEntry(tensor.dtype, tuple(int(d) for d in tensor.shape), placement, members)
         envelope = DcpStateEnvelope(implementation, skeleton, entries, save_id)
-        return SaveSession(envelope=envelope, tensors=stored, parameters=parameters, writer=writer, limits=self.limits)
+        return SaveSession(
+            envelope=envelope,
+            tensors=stored,
+            parameters=parameters,
+            writer=writer,
+            limits=self.limits,
+            held_whole=_held_whole(optimizer, parameters),
+        )
 
     # DCP calls state_dict() only on a Stateful at the top level of the dict it saves; a nested
     # one would be pickled whole (optimizer and parameters) as one opaque item no load accepts
