@@ -7,7 +7,9 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from gefen_dcp.digest_table import ChunkRecord, DigestTable, chunk_digest, decod
 from gefen_dcp.envelope import DcpStateEnvelope, TensorEntry, decode_envelope, encode_envelope
 from gefen_dcp.geometry import ShardGeometry
 from gefen_dcp.load_session import StoredChunk, _check_chunks
+from gefen_dcp.portable_format import decode_chunk_table, decode_composite_envelope, decode_portable_envelope
 from gefen_dcp.skeleton import parameter_index, rebuild, split
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -119,7 +122,11 @@ def _mutated(change: object, *, resign: bool = False) -> bytes:
     [
         (lambda v: v["tensors"]["codebook"].update(placement="replicated"), False, "digest does not match"),
         (lambda v: v.update(format_version=5), False, "version 5"),
-        (lambda v: v.update(format="gefen.other"), False, "keys|format"),
+        (
+            lambda v: v.update(format="gefen.other"),
+            False,
+            r"'gefen\.other' version 4; this library reads 'gefen\.dcp_state'",
+        ),
         (lambda v: v.update(save_id="not hex"), False, "save_id"),
         (lambda v: v.pop("skeleton"), False, "keys"),
         (lambda v: v["tensors"]["codebook"].update(dtype="float7"), True, "float7"),
@@ -159,9 +166,34 @@ def test_version_1_envelope_is_refused_naming_both_versions() -> None:
     for version in (2, 3):
         previous = json.dumps({"format": "gefen.dcp_state", "format_version": version}, separators=(",", ":"))
         with pytest.raises(
-            EnvelopeFormatError, match=rf"'gefen\.dcp_state' version {version}; this library reads version 4"
+            EnvelopeFormatError,
+            match=rf"'gefen\.dcp_state' version {version}; this library reads 'gefen\.dcp_state' version 4",
         ):
             decode_envelope(previous.encode(), limits=LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("decode", "name", "version"),
+    [
+        (decode_envelope, "gefen.dcp_state", 4),
+        (decode_digest_table, "gefen.dcp_digests", 3),
+        (decode_portable_envelope, "gefen.portable_dcp", 2),
+        (decode_chunk_table, "gefen.portable_dcp_chunks", 1),
+        (decode_composite_envelope, "gefen.portable_dcp_composite", 1),
+    ],
+    ids=["dcp_state", "digests", "portable", "chunks", "composite"],
+)
+def test_every_record_of_another_version_is_refused_naming_both_versions(decode: Any, name: str, version: int) -> None:
+    """Checked before the keys: another version's record (whose keys differ too) is refused by
+    its version, not as a malformed record of this one."""
+    for other in (version - 1, version + 1):
+        record = json.dumps({"field_of_v9": 1, "format": name, "format_version": other}, separators=(",", ":"))
+        with pytest.raises(
+            EnvelopeFormatError,
+            match=rf"{re.escape(repr(name))} version {other}; this library reads "
+            rf"{re.escape(repr(name))} version {version}",
+        ):
+            decode(record.encode(), limits=LIMITS)
 
 
 @pytest.mark.parametrize(

@@ -509,3 +509,13 @@ def test_a_composite_of_adapters_round_trips_in_one_process() -> None:
                 target, broken, checkpoint_process_group=solo(), transaction_id="c", limits=LIMITS
             )
         assert not snapshot_diff(before, target.children["first"], target.children["second"]), name
+    from gefen_portable import COMPOSITE_FORMAT_VERSION
+
+    older = {**document, "format_version": COMPOSITE_FORMAT_VERSION - 1}
+    with pytest.raises(
+        PortableStateError,
+        match=rf"format_version is {COMPOSITE_FORMAT_VERSION - 1}; this library reads version {COMPOSITE_FORMAT_VERSION}",
+    ):
+        import_portable_composite_state(
+            target, older, checkpoint_process_group=solo(), transaction_id="c", limits=LIMITS
+        )

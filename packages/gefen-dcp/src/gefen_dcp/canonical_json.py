@@ -18,7 +18,7 @@ from gefen_contracts.limits import PortableStateLimits
 
 from .errors import EnvelopeFormatError
 
-__all__ = ["dump_canonical", "load_canonical"]
+__all__ = ["dump_canonical", "load_canonical", "load_document"]
 
 
 def _check_tree(value: object, path: str, depth: int, limits: PortableStateLimits, budget: list[int]) -> None:
@@ -94,4 +94,34 @@ def load_canonical(data: bytes, *, limits: PortableStateLimits, what: str) -> An
         raise EnvelopeFormatError(f"{what}: not valid JSON ({type(exc).__name__}: {exc})") from None
     if dump_canonical(value, limits=limits, what=what) != data:
         raise EnvelopeFormatError(f"{what}: bytes are not in canonical form")
+    return value
+
+
+def load_document(
+    data: bytes,
+    *,
+    limits: PortableStateLimits,
+    what: str,
+    format: str,
+    version: int,
+    keys: frozenset[str],
+    older: str = "",
+) -> dict[str, Any]:
+    """Parse a canonical record of ``format`` ``version`` whose keys are exactly ``keys``.
+
+    The format and version are checked before the keys, so a record of another version is
+    refused naming both versions (``older`` says what earlier versions held, or what to do),
+    whatever keys that version had.
+    """
+    value = load_canonical(data, limits=limits, what=what)
+    if type(value) is not dict:
+        raise EnvelopeFormatError(f"{what}: expected a JSON object, got {type(value).__name__}")
+    found, found_version = value.get("format"), value.get("format_version")
+    if found != format or type(found_version) is not int or found_version != version:
+        raise EnvelopeFormatError(
+            f"{what}: this is {found!r} version {found_version!r}; this library reads {format!r} version "
+            f"{version}{f' ({older})' if older else ''}"
+        )
+    if set(value) != keys:
+        raise EnvelopeFormatError(f"{what}: expected the keys {sorted(keys)}, got {sorted(value)}")
     return value

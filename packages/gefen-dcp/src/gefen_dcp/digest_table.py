@@ -30,7 +30,7 @@ import torch
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.validation import exact_int
 
-from .canonical_json import dump_canonical, load_canonical
+from .canonical_json import dump_canonical, load_document
 from .errors import EnvelopeFormatError
 
 __all__ = [
@@ -123,13 +123,14 @@ def _ints(value: object, where: str, limits: PortableStateLimits) -> tuple[int, 
 
 def decode_digest_table(data: bytes, *, limits: PortableStateLimits) -> DigestTable:
     """Parse a digest table (exact keys, format, version, record shapes, sorted records)."""
-    value = load_canonical(data, limits=limits, what="digest table")
-    if type(value) is not dict or set(value) != _KEYS:
-        raise EnvelopeFormatError(f"a digest table must be a dict with keys {sorted(_KEYS)}")
-    if value["format"] != DIGEST_TABLE_FORMAT:
-        raise EnvelopeFormatError(f"digest table format {value['format']!r} is not {DIGEST_TABLE_FORMAT!r}")
-    if type(value["format_version"]) is not int or value["format_version"] != DIGEST_TABLE_FORMAT_VERSION:
-        raise EnvelopeFormatError(f"digest table format_version {value['format_version']!r} is unsupported")
+    value = load_document(
+        data,
+        limits=limits,
+        what="digest table",
+        format=DIGEST_TABLE_FORMAT,
+        version=DIGEST_TABLE_FORMAT_VERSION,
+        keys=_KEYS,
+    )
     try:
         writer = exact_int(value["writer"], "digest table writer", minimum=0)
     except (TypeError, ValueError) as exc:

@@ -36,7 +36,7 @@ from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.torch_support import dtype_from_name, dtype_name
 from gefen_contracts.validation import exact_int, identity_name
 
-from .canonical_json import dump_canonical, load_canonical
+from .canonical_json import dump_canonical, load_document
 from .errors import EnvelopeFormatError
 
 __all__ = [
@@ -55,7 +55,10 @@ __all__ = [
 
 DCP_STATE_FORMAT = "gefen.dcp_state"
 DCP_STATE_FORMAT_VERSION = 4
-_OLD_FORMATS = {"gefen.dense_shard_state": 1}
+_OLDER = (
+    "'gefen.dense_shard_state' version 1 held dense fp32 fields, versions 2 and 3 neither row packs nor writers "
+    "bound to one save: load it with the gefen-dcp release that wrote it and save it again"
+)
 LIKE_PARAMETER = "like_parameter"
 REPLICATED = "replicated"
 PLAIN = "plain"
@@ -179,24 +182,15 @@ def _tensor_entry(key: object, record: object, limits: PortableStateLimits) -> T
 
 def decode_envelope(data: bytes, *, limits: PortableStateLimits) -> DcpStateEnvelope:
     """Parse and authenticate envelope bytes (format, version, exact keys, digest)."""
-    value = load_canonical(data, limits=limits, what="DCP state envelope")
-    if type(value) is dict and value.get("format") in _OLD_FORMATS and value.get("format_version") == 1:
-        raise _fail(
-            f"this checkpoint holds {value['format']!r} version {value['format_version']} (dense fp32 fields); "
-            f"this library reads {DCP_STATE_FORMAT!r} version {DCP_STATE_FORMAT_VERSION} (compact state); load it "
-            f"with the gefen-dcp release that wrote it"
-        )
-    if type(value) is dict and value.get("format") == DCP_STATE_FORMAT:
-        version = value.get("format_version")
-        if type(version) is not int or version != DCP_STATE_FORMAT_VERSION:
-            raise _fail(
-                f"this checkpoint holds {DCP_STATE_FORMAT!r} version {version!r}; this library reads version "
-                f"{DCP_STATE_FORMAT_VERSION} (row packs; every writer bound to one save): re-save it"
-            )
-    if type(value) is not dict or set(value) != _TOP_KEYS:
-        raise _fail(f"the DCP state envelope must be a dict with keys {sorted(_TOP_KEYS)}")
-    if value["format"] != DCP_STATE_FORMAT:
-        raise _fail(f"envelope format {value['format']!r} is not {DCP_STATE_FORMAT!r}")
+    value = load_document(
+        data,
+        limits=limits,
+        what="DCP state envelope",
+        format=DCP_STATE_FORMAT,
+        version=DCP_STATE_FORMAT_VERSION,
+        keys=_TOP_KEYS,
+        older=_OLDER,
+    )
     if not is_save_id(value["save_id"]):
         raise _fail(f"envelope save_id must be 32 lowercase hex digits, got {value['save_id']!r}")
     body = {k: v for k, v in value.items() if k != "digest"}

@@ -27,7 +27,7 @@ from gefen_contracts.digest import canonical_digest
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.validation import exact_int, identity_name
 
-from .canonical_json import dump_canonical, load_canonical
+from .canonical_json import dump_canonical, load_document
 from .errors import EnvelopeFormatError
 
 __all__ = [
@@ -133,16 +133,15 @@ def encode_portable_envelope(envelope: PortableEnvelope, *, limits: PortableStat
 
 def decode_portable_envelope(data: bytes, *, limits: PortableStateLimits) -> PortableEnvelope:
     """Parse and authenticate an envelope (exact keys, format, version, digest)."""
-    value = load_canonical(data, limits=limits, what="portable DCP envelope")
-    if type(value) is not dict or set(value) != _ENVELOPE_KEYS:
-        raise EnvelopeFormatError(f"the portable DCP envelope must have keys {sorted(_ENVELOPE_KEYS)}")
-    if value["format"] != PORTABLE_DCP_FORMAT:
-        raise EnvelopeFormatError(f"envelope format {value['format']!r} is not {PORTABLE_DCP_FORMAT!r}")
-    if type(value["format_version"]) is not int or value["format_version"] != PORTABLE_DCP_FORMAT_VERSION:
-        raise EnvelopeFormatError(
-            f"envelope format_version is {value['format_version']!r}; this library reads version "
-            f"{PORTABLE_DCP_FORMAT_VERSION} only (version 1 stored dense fp32 fields; save it again)"
-        )
+    value = load_document(
+        data,
+        limits=limits,
+        what="portable DCP envelope",
+        format=PORTABLE_DCP_FORMAT,
+        version=PORTABLE_DCP_FORMAT_VERSION,
+        keys=_ENVELOPE_KEYS,
+        older="version 1 stored dense fp32 fields; save it again",
+    )
     body = {k: v for k, v in value.items() if k != "digest"}
     if value["digest"] != canonical_digest(body):
         raise EnvelopeFormatError("the portable DCP envelope's digest does not match its content (corrupted)")
@@ -193,13 +192,14 @@ def encode_chunk_table(table: ChunkTable, *, limits: PortableStateLimits) -> byt
 
 def decode_chunk_table(data: bytes, *, limits: PortableStateLimits) -> ChunkTable:
     """Parse a chunk table (exact keys, format, version, record shapes, sorted and unique)."""
-    value = load_canonical(data, limits=limits, what="portable DCP chunk table")
-    if type(value) is not dict or set(value) != _TABLE_KEYS:
-        raise EnvelopeFormatError(f"a portable DCP chunk table must have keys {sorted(_TABLE_KEYS)}")
-    if value["format"] != CHUNK_TABLE_FORMAT:
-        raise EnvelopeFormatError(f"chunk table format {value['format']!r} is not {CHUNK_TABLE_FORMAT!r}")
-    if type(value["format_version"]) is not int or value["format_version"] != CHUNK_TABLE_FORMAT_VERSION:
-        raise EnvelopeFormatError(f"chunk table format_version {value['format_version']!r} is unsupported")
+    value = load_document(
+        data,
+        limits=limits,
+        what="portable DCP chunk table",
+        format=CHUNK_TABLE_FORMAT,
+        version=CHUNK_TABLE_FORMAT_VERSION,
+        keys=_TABLE_KEYS,
+    )
     records = value["chunks"]
     if type(records) is not list or len(records) > limits.max_tensors:
         raise EnvelopeFormatError(f"chunk table chunks must be a list of at most {limits.max_tensors} records")
@@ -295,13 +295,14 @@ def _names(value: object, where: str) -> tuple[str, ...]:
 
 def decode_composite_envelope(data: bytes, *, limits: PortableStateLimits) -> CompositeEnvelope:
     """Parse and authenticate a composite envelope (exact keys, format, version, digest, roles)."""
-    value = load_canonical(data, limits=limits, what="composite DCP envelope")
-    if type(value) is not dict or set(value) != _COMPOSITE_KEYS:
-        raise EnvelopeFormatError(f"the composite DCP envelope must have keys {sorted(_COMPOSITE_KEYS)}")
-    if value["format"] != COMPOSITE_DCP_FORMAT:
-        raise EnvelopeFormatError(f"composite envelope format {value['format']!r} is not {COMPOSITE_DCP_FORMAT!r}")
-    if type(value["format_version"]) is not int or value["format_version"] != COMPOSITE_DCP_FORMAT_VERSION:
-        raise EnvelopeFormatError(f"composite envelope format_version {value['format_version']!r} is unsupported")
+    value = load_document(
+        data,
+        limits=limits,
+        what="composite DCP envelope",
+        format=COMPOSITE_DCP_FORMAT,
+        version=COMPOSITE_DCP_FORMAT_VERSION,
+        keys=_COMPOSITE_KEYS,
+    )
     body = {k: v for k, v in value.items() if k != "digest"}
     if value["digest"] != canonical_digest(body):
         raise EnvelopeFormatError("the composite DCP envelope's digest does not match its content (corrupted)")

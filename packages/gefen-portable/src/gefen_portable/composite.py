@@ -166,7 +166,10 @@ class PortableCompositeState:
         if shallow["format"] != COMPOSITE_FORMAT or shallow["coverage"] != COMPOSITE_COVERAGE:
             raise PortableStateError(f"composite document format must be {COMPOSITE_FORMAT!r}")
         if type(shallow["format_version"]) is not int or shallow["format_version"] != COMPOSITE_FORMAT_VERSION:
-            raise PortableStateError(f"composite document format_version must be {COMPOSITE_FORMAT_VERSION}")
+            raise PortableStateError(
+                f"composite document format_version is {shallow['format_version']!r}; this library reads version "
+                f"{COMPOSITE_FORMAT_VERSION}"
+            )
         implementation = check_name(shallow["implementation"], "composite document.implementation")
         roles = shallow["roles"]
         if type(roles) is not list:
