@@ -19,7 +19,7 @@ from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding
 from gefen_core import Gefen, GefenMuon
 from gefen_dcp import GefenFileSystemWriter, load_portable_dcp, save_portable_dcp
-from gefen_portable import export_portable_state, import_portable_state
+from gefen_portable import export_portable_state, import_portable_state, reseal_document
 from torch.distributed.checkpoint import FileSystemReader
 
 LIMITS = PortableStateLimits(chunk_bytes=4096)  # several chunks per field even for small tensors
@@ -107,6 +107,27 @@ def test_a_document_of_the_other_implementation_is_refused_unchanged() -> None:
     with pytest.raises(StateValidationError, match=r"'gefen\.GefenMuon'"):
         import_portable_state(gefen, state, checkpoint_process_group=_binding(), transaction_id="import", limits=LIMITS)
     assert not snapshot_diff(before, gefen)
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "differentiable"])
+def test_an_import_whose_options_ask_for_what_gefen_refuses_is_refused_unchanged(flag: str) -> None:
+    """A document recording ``amsgrad=True`` (or ``differentiable=True``) for a parameter is
+    refused as the constructor refuses it; it used to land in the live group and be ignored."""
+    model, source = _build("gefen")
+    _train(model, source, 0, 2)
+    document = export_portable_state(
+        source, checkpoint_process_group=_binding(), transaction_id="export", limits=LIMITS
+    ).materialize()
+    for entry in document["parameters"].values():
+        entry["options"][flag] = True
+    reseal_document(document)
+    _, target = _build("gefen")
+    before = deep_snapshot(target)
+    with pytest.raises(StateValidationError, match=rf"'embed': invalid recorded option: {flag}=True"):
+        import_portable_state(
+            target, document, checkpoint_process_group=_binding(), transaction_id="import", limits=LIMITS
+        )
+    assert not snapshot_diff(before, target)
 
 
 @pytest.mark.parametrize("kind", ["gefen", "muon"])

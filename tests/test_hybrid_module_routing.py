@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from gefen import Gefen, GefenMuon, GefenMuonHybrid, ParameterError
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, GefenOptionError, ParameterError
 from hybrid_models import SmallCNN, TiedHeadFirst, TinyLlama, seeded, train
 from torch import nn
 
@@ -157,6 +157,18 @@ def test_add_param_group_routes_new_parameters_into_the_right_child_with_its_opt
     assert routing["extra.weight"] == "muon" and routing["extra.bias"] == "backup"
     new_muon_group = optimizer.muon.param_groups[-1]  # type: ignore[union-attr]
     assert new_muon_group["lr"] == 5e-4 and new_muon_group["ns_schedule"] == "tuned3" and new_muon_group["normuon"]
+    # a child's refusal numbers the child's groups: a note names the child (the muon part is removed again)
+    more = nn.Linear(16, 16)
+    groups = [len(child.param_groups) for child in optimizer.child_optimizers().values()]
+    with pytest.raises(GefenOptionError, match=r"param_groups\[2\]: amsgrad=True") as refused:
+        optimizer.add_param_group(
+            {"params": [("more.weight", more.weight), ("more.bias", more.bias)]},
+            role_options={"backup": {"amsgrad": True}},
+        )
+    assert refused.value.__notes__ == [
+        "refused by the composite's 'backup' child, for which this group's backup part would be its param_groups[2]"
+    ]
+    assert [len(child.param_groups) for child in optimizer.child_optimizers().values()] == groups
 
 
 def test_gefen_routing_prints_the_hybrids_routing_with_the_deciding_rule(capsys: pytest.CaptureFixture[str]) -> None:

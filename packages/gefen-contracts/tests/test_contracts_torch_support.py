@@ -266,3 +266,8 @@ def test_names_mismatch_says_whether_the_names_only_moved() -> None:
     )
     longer = names_mismatch(["a", "b"], ["a"])
     assert longer is not None and longer.startswith("the checkpoint names 2 parameters, this group 1")
+    # a checkpoint's param_names that are not names at all are said so (it was a bare TypeError)
+    assert names_mismatch(7, ["a"]) == "the checkpoint's param_names must be a list of str, got int 7"
+    assert (
+        names_mismatch(["a", 1], ["a", "b"]) == "the checkpoint's param_names must be a list of str, got list ['a', 1]"
+    )

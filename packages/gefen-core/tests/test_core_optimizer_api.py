@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from gefen_contracts import StateValidationError
 from gefen_contracts.protocols import ContractProvider, StagedNativeLoad, StepPreflight
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
@@ -378,6 +379,21 @@ def test_adamw_defaults_and_keywords() -> None:
         gefen.add_param_group({"params": [other], "amsgrad": 1})
     assert len(gefen.param_groups) == 1
     gefen.add_param_group({"params": [other], "amsgrad": False})
+    # refused wherever a group is read: a load of a checkpoint whose group asks for it (changing
+    # nothing), and a step after a user edited the group (tests/test_gefen_portable_state.py: an import)
+    trained = Gefen(params, lr=1e-2)
+    params[0].grad = torch.ones(4, 4)
+    trained.step()
+    saved = trained.state_dict()
+    saved["param_groups"][0]["amsgrad"] = True
+    fresh = Gefen(params)
+    before = deep_snapshot(fresh)
+    with pytest.raises(StateValidationError, match=r"param_groups\[0\]: amsgrad=True"):
+        fresh.load_state_dict(saved)
+    assert not snapshot_diff(before, fresh)
+    trained.param_groups[0]["differentiable"] = True
+    with pytest.raises(GefenOptionError, match=r"param_groups\[0\]: differentiable=True"):
+        trained.step()
     positional = (1e-3, (0.9, 0.999), 1e-8, 1e-2, False)  # AdamW's five positional options, amsgrad last
     assert Gefen(params, *positional).defaults["lr"] == torch.optim.AdamW(params, *positional).defaults["lr"]
 

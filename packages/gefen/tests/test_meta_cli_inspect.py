@@ -162,6 +162,36 @@ def test_a_group_without_a_required_option_is_corrupt(checkpoints: dict[str, Pat
     assert [(p.where, p.message) for p in description.problems] == [("param_groups[0]", "lacks options ['lr']")]
 
 
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["a", "b"], "holds 2 names for 3 parameters"),
+        (["a", "b", "a"], "repeats the name(s) ['a']"),
+        (7, "must be a list of str, got int"),
+    ],
+    ids=["short", "repeated", "not_a_list"],
+)
+def test_param_names_that_contradict_the_groups_are_corrupt(
+    checkpoints: dict[str, Path], tmp_path: Path, names: object, message: str
+) -> None:
+    """The load refuses them; inspect said OK (it labelled the parameters by position instead)."""
+    stored = torch.load(checkpoints["gefen"], weights_only=True)
+    stored["param_groups"][0]["param_names"] = names
+    torch.save(stored, tmp_path / "names.pt")
+    description = inspect_checkpoint(tmp_path / "names.pt")
+    assert ("param_groups[0].param_names", message) in [(p.where, p.message) for p in description.problems]
+    assert not description.ok
+
+
+def test_an_unreadable_record_is_one_problem(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Not two: an unreadable record used to read as "codebook not learned" beside its own problem."""
+    stored = torch.load(checkpoints["gefen"], weights_only=True)
+    stored["gefen_format_version"] = 9
+    torch.save(stored, tmp_path / "v9.pt")
+    problems = inspect_checkpoint(tmp_path / "v9.pt").problems
+    assert [p.where for p in problems] == ["gefen record"] and "version 9" in problems[0].message
+
+
 def test_native_muon_and_torch_state_dicts_are_described(checkpoints: dict[str, Path]) -> None:
     muon = inspect_checkpoint(checkpoints["muon"])
     assert muon.ok and muon.format == "gefen.muon_native_state" and muon.implementation == "gefen.GefenMuon"

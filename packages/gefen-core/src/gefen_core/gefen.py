@@ -161,23 +161,13 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        for name, flag in (
-            ("deterministic", deterministic),
-            ("stochastic_round", stochastic_round),
-            ("differentiable", differentiable),
-        ):
+        for name, flag in (("deterministic", deterministic), ("stochastic_round", stochastic_round)):
             if type(flag) is not bool:
                 raise GefenOptionTypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if type(capturable) is not bool:
             raise GefenOptionTypeError(f"capturable must be a bool, got {type(capturable).__name__}")
         if foreach is not None and type(foreach) is not bool:
             raise GefenOptionTypeError(f"foreach must be None, True or False, got {foreach!r}")
-        _refuse_amsgrad(amsgrad, "")
-        if differentiable:
-            raise GefenOptionError(
-                "differentiable=True differentiates through the step, but Gefen's momentum is codes into a learned "
-                "codebook, which carry no gradient; use torch.optim.AdamW(differentiable=True)"
-            )
         if type(codebook_refresh_every) is not int:
             raise GefenOptionTypeError(
                 f"codebook_refresh_every must be an int, got {type(codebook_refresh_every).__name__}"
@@ -204,6 +194,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
                 "force_1d_period_one": force_1d_period_one,
                 "force_2d_period_one": force_2d_period_one,
                 "period_one_substrings": substrings,
+                "amsgrad": amsgrad,
+                "differentiable": differentiable,
             }
         )
         self._dispatch = Kernels(fused)
@@ -234,8 +226,6 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         if "params" not in param_group:
             raise ValueError("param_group is missing the 'params' key")
         index = len(self.param_groups)
-        if "amsgrad" in param_group:  # torch's AdamW honours it per group: never ignore it silently
-            _refuse_amsgrad(param_group["amsgrad"], f"param_groups[{index}]: ")
         options = normalize_group_options(param_group, index)
         params = param_group["params"]
         listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
@@ -380,14 +370,3 @@ def _step_eagerly(optimizer: Gefen, closure: Callable[[], Any] | None) -> Any:
     """``Gefen.step`` outside TorchDynamo (one graph break) when it is not :meth:`Gefen.traceable`;
     a function of its own so that the traced path keeps no extra frame."""
     return _STEP_BODY(optimizer, closure)
-
-
-def _refuse_amsgrad(amsgrad: object, where: str) -> None:
-    if type(amsgrad) is not bool:
-        raise GefenOptionTypeError(f"{where}amsgrad must be a bool, got {type(amsgrad).__name__}")
-    if amsgrad:
-        raise GefenOptionError(
-            f"{where}amsgrad=True keeps each element's running maximum of v, but Gefen shares v across a block "
-            "(or factors it by rows and columns) at about 1 byte/param; use ContractedAdamW (gefen_hybrid) "
-            "or torch.optim.AdamW for AMSGrad"
-        )

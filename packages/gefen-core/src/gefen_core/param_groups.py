@@ -137,15 +137,34 @@ def _min_dim(value: object, group: int | None) -> int:
     return value
 
 
+#: AdamW's options that Gefen accepts only as ``False`` (torch's defaults), and why: refused
+#: wherever a group is read (the constructor, ``add_param_group``, a load, an import, a step
+#: after a user edited the group), so none is ever ignored silently.
+REFUSED_FLAGS = {
+    "amsgrad": (
+        "keeps each element's running maximum of v, but Gefen shares v across a block (or factors it by rows "
+        "and columns) at about 1 byte/param; use ContractedAdamW (gefen_hybrid) or torch.optim.AdamW for AMSGrad"
+    ),
+    "differentiable": (
+        "differentiates through the step, but Gefen's momentum is codes into a learned codebook, which carry no "
+        "gradient; use torch.optim.AdamW(differentiable=True)"
+    ),
+}
+
+
 def normalize_group_options(
     options: Mapping[str, Any], group: int | None = None, *, read_tensor_lr: bool = True
 ) -> dict[str, Any]:
     """Validate the group options present in ``options`` and return them normalised.
 
     Raises :class:`GefenOptionError` / :class:`GefenOptionTypeError` naming the group and
-    option. Only keys from :data:`GROUP_OPTIONS` are examined. A tensor ``lr``'s value is
-    read (a device synchronisation) only with ``read_tensor_lr``.
+    option. Only keys from :data:`GROUP_OPTIONS` are examined, and those of
+    :data:`REFUSED_FLAGS` refused unless ``False``. A tensor ``lr``'s value is read (a device
+    synchronisation) only with ``read_tensor_lr``.
     """
+    for flag, why in REFUSED_FLAGS.items():
+        if flag in options and flag_option(options[flag], flag, group):
+            raise GefenOptionError(f"{where_prefix(group)}{flag}=True {why}")
     out: dict[str, Any] = {}
     if "lr" in options:
         out["lr"] = lr_option(options["lr"], group, read_tensor_lr)

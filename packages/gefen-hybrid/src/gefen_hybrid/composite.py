@@ -463,15 +463,21 @@ class CompositeOptimizer(torch.optim.Optimizer):
             )
         parts = new_group_parts(self, param_group, role_options)
         added: list[torch.optim.Optimizer] = []
-        try:
-            for role, child in self._children:
-                if role in parts:
-                    child.add_param_group(parts[role])
-                    added.append(child)
-        except BaseException:
-            for child in added:
-                child.param_groups.pop()
-            raise
+        for role, child in self._children:
+            if role not in parts:
+                continue
+            try:
+                child.add_param_group(parts[role])
+            except BaseException as exc:
+                for done in added:
+                    done.param_groups.pop()
+                # the child's message numbers its own groups, not the composite's
+                exc.add_note(
+                    f"refused by the composite's {role!r} child, for which this group's {role} part would be its "
+                    f"param_groups[{len(child.param_groups)}]"
+                )
+                raise
+            added.append(child)
         self._changes.bump()
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -48,9 +48,9 @@ def _tensors(params: Iterable[object]) -> list[object]:
     return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
 
 
-def names_mismatch(saved: Sequence[str], live: Sequence[str]) -> str | None:
+def names_mismatch(saved: object, live: Sequence[str]) -> str | None:
     """``None`` when a loaded group's ``param_names`` are the live group's, else what differs,
-    for the refusal's message.
+    for the refusal's message (also when the loaded ``param_names`` are not a list of names).
 
     A native load matches state to parameters by position, so the same names in another order
     (a model that registers its parameters in another order) differ too: loaded by position,
@@ -58,6 +58,8 @@ def names_mismatch(saved: Sequence[str], live: Sequence[str]) -> str | None:
     parameters by name but passes the checkpoint's ``param_names`` through in the saved order,
     so it meets the same refusal.
     """
+    if not isinstance(saved, (list, tuple)) or any(type(name) is not str for name in saved):
+        return f"the checkpoint's param_names must be a list of str, got {type(saved).__name__} {saved!r:.80}"
     saved, live = list(saved), list(live)
     if saved == live:
         return None

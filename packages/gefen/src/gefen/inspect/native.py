@@ -101,11 +101,29 @@ class _Checker:
         return value
 
 
-def _names(groups: list[Any]) -> dict[object, str]:
+def _names(check: _Checker, groups: list[Any]) -> dict[object, str]:
+    """Each parameter id's label (its name where the groups name it); names that contradict
+    the groups (not a list of str, another length than ``params``, repeated) are problems,
+    as the load refuses them."""
     names: dict[object, str] = {}
+    seen: set[str] = set()
     for index, group in enumerate(groups):
         params = group.get("params", []) if isinstance(group, Mapping) else []
         labels = group.get("param_names") if isinstance(group, Mapping) else None
+        if labels is not None:
+            where = f"param_groups[{index}].param_names"
+            if not isinstance(labels, list) or any(type(label) is not str for label in labels):
+                check.fail(where, f"must be a list of str, got {type(labels).__name__}")
+            elif len(labels) != len(params):
+                check.fail(where, f"holds {len(labels)} names for {len(params)} parameters")
+            else:
+                repeated = set()
+                for label in labels:
+                    if label in seen:
+                        repeated.add(label)
+                    seen.add(label)
+                if repeated:
+                    check.fail(where, f"repeats the name(s) {sorted(repeated)[:3]}")
         for slot, pid in enumerate(params):
             if isinstance(labels, list) and slot < len(labels) and isinstance(labels[slot], str):
                 names[pid] = labels[slot]
@@ -318,7 +336,7 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
     fmt = next((_mirror_format(g.get(_MIRROR)) for g in groups if g.get(_MIRROR) is not None), None)
     if fmt is None and "gefen_format_version" in state_dict:
         fmt = _GEFEN if "gefen_muon_owners" not in state_dict else _MUON
-    names = _names(groups)
+    names = _names(check, groups)
     listed = [pid for g in groups for pid in g.get("params", [])]
     if len(set(map(repr, listed))) != len(listed):
         check.fail("param_groups", "list a parameter id more than once")
@@ -330,7 +348,8 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
     if fmt in _RECORD_KEYS:
         facts, record = _record(check, state_dict, fmt)
         learned = record.get("codebook_learned") is True
-        if state and not learned and any(_moving(e) for e in state.values()):
+        # an unreadable record is already a problem: it says nothing about the codebook
+        if record and state and not learned and any(_moving(e) for e in state.values()):
             check.fail(
                 "gefen_codebook", "is not learned but non-zero momentum exists (its indices would be meaningless)"
             )
