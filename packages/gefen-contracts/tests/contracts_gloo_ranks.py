@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -54,6 +55,15 @@ def abort_after_saying(rank: int, world_size: int, bad_rank: int, words: str) ->
     if rank == bad_rank:
         os.write(2, words.encode() + b"\n")
         os.abort()
+    return rank
+
+
+def leave_badly(rank: int, world_size: int, bad_rank: int, how: str) -> int:
+    """The bad rank answers, then, once its case is over, exits with code 7 (``"exit"``) or
+    never exits (``"hang"``): a thread the interpreter waits for at shutdown does it."""
+    if rank == bad_rank:
+        work = (lambda: (time.sleep(0.2), os._exit(7))) if how == "exit" else (lambda: time.sleep(3600))
+        threading.Thread(target=work, daemon=False).start()
     return rank
 
 

@@ -193,6 +193,23 @@ def test_ranks_fork_from_the_forkserver_on_linux_and_are_spawned_elsewhere(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("how", "message", "seen"),
+    [("exit", "exit code 7", ""), ("hang", "hung while leaving the process group (killed)", "contracts_gloo_ranks.py")],
+)
+def test_a_rank_that_leaves_badly_after_its_last_case_fails_the_close(how: str, message: str, seen: str) -> None:
+    """A rank that dies or hangs once the cases are over (gloo aborts a rank at the next
+    collective after a mismatch) used to vanish with the processes; ``close`` raises."""
+    world = GlooWorld(2)
+    with pytest.raises(RankFailure) as raised, world:
+        assert world.run("contracts_gloo_ranks:leave_badly", 1, how) == [0, 1]
+    failure = raised.value
+    assert [(o.rank, o.error_type, o.message) for o in failure.outcomes] == [(1, "TeardownFailure", message)]
+    assert seen in failure.outcomes[0].traceback  # a hung rank's stack, from faulthandler
+    world.close()  # closed already: nothing left to fail
+
+
+@pytest.mark.distributed
 def test_a_hung_rank_s_stack_is_in_the_timeout() -> None:
     with GlooWorld(2, case_timeout_s=8) as world, pytest.raises(TimeoutError) as raised:
         world.run("contracts_gloo_ranks:sleep_forever")

@@ -199,7 +199,7 @@ class GlooWorld:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(check=exc[0] is None)  # an error in flight is not masked by a teardown one
 
     @property
     def alive(self) -> bool:
@@ -208,7 +208,7 @@ class GlooWorld:
     def start(self) -> None:
         if self.alive:
             return
-        self.close()
+        self.close(check=False)
         ctx = _rank_context()
         port = _free_port()
         pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
@@ -239,7 +239,7 @@ class GlooWorld:
         ready = self._collect(0, self.startup_timeout_s, "start up")
         failed = [o for o in ready if not o.ok]
         if failed:
-            self.close()
+            self.close(check=False)
             raise RankFailure(ready)
 
     def _log_path(self, rank: int) -> str:
@@ -286,7 +286,7 @@ class GlooWorld:
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 stacks = self._stacks_of(missing)
-                self.close()
+                self.close(check=False)
                 raise TimeoutError(f"ranks {missing} did not finish {what} within {timeout_s:.0f} s{stacks}")
             pending = [r for r in range(self.world_size) if r not in outcomes]
             ready = wait([self._results[r] for r in pending], timeout=remaining)
@@ -303,7 +303,7 @@ class GlooWorld:
                     outcomes[rank] = got[1]
         self._forward_logs()
         if any(o.error_type == "ProcessDied" for o in outcomes.values()):
-            self.close()
+            self.close(check=False)
         return [outcomes[r] for r in range(self.world_size)]
 
     def run(self, fn: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -313,17 +313,37 @@ class GlooWorld:
             raise RankFailure(outcomes)
         return [o.value for o in outcomes]
 
-    def close(self) -> None:
+    def close(self, *, check: bool = True) -> None:
+        """Stop every rank (each leaves the process group and exits).
+
+        With ``check``, a rank that did not exit cleanly (it died, for example aborted by gloo
+        on a collective mismatch, or hung and was killed) raises :class:`RankFailure`: an
+        optimizer whose ranks disagree on their last collectives fails here instead of
+        vanishing with the processes.
+        """
         for task_queue in self._tasks:
             with contextlib.suppress(Exception):
                 task_queue.put(None)
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5.0)
+        hung = [rank for rank, proc in enumerate(self._procs) if proc.is_alive()]
+        stacks = self._stacks_of(hung) if hung and check else ""
+        for rank in hung:
+            self._procs[rank].kill()
+            self._procs[rank].join(timeout=5.0)
+        failed = [
+            RankOutcome(
+                rank,
+                False,
+                None,
+                "TeardownFailure",
+                "hung while leaving the process group (killed)" if rank in hung else _exit_text(proc.exitcode),
+                stacks if rank in hung else _tail(self._log_path(rank), _DEATH_LINES),
+            )
+            for rank, proc in enumerate(self._procs)
+            if rank in hung or proc.exitcode != 0
+        ]
         for reader in self._results:
             reader.close()
         if self._log_dir:
@@ -334,3 +354,5 @@ class GlooWorld:
         self._results = []
         self._log_dir = ""
         self._log_offsets = []
+        if check and failed:
+            raise RankFailure(failed)
