@@ -332,7 +332,11 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "scales_of_no_period": (_set(_first_state, "m_magnitude", torch.zeros(7)), "one scale per block of no period"),
     "stored_period": (_set(_first_state, "automatic_period", 4), "undeclared key 'automatic_period'"),
     "float_indices": (_mutate_tensor("m_codes", lambda t: t.float()), "torch.uint8"),
-    "negative_magnitude": (_mutate_tensor("m_magnitude", lambda t: t - 10.0), ">= 0"),
+    # the parameter is named where the optimizer names it
+    "negative_magnitude": (
+        _mutate_tensor("m_magnitude", lambda t: t - 10.0),
+        r"state\[2\] \('proj\.bias', param_groups\[0\] position 2\)\['m_magnitude'\] must be >= 0",
+    ),
     "nan_vmean": (_mutate_tensor("vmean", lambda t: t.fill_(float("nan"))), "finite"),
     "missing_v_col": (lambda sd: _factored_state(sd).pop("v_col"), "missing authoritative fields"),
     "missing_v": (lambda sd: _element_state(sd).pop("v"), "missing authoritative fields"),

@@ -530,9 +530,11 @@ def parameter_slots(
     by_id: dict[object, tuple[int, torch.Tensor, str]] = {}
     slot = 0
     for index, (ids, live) in enumerate(zip(saved_ids, live_groups)):
+        names = live.get("param_names")
         for position, (pid, param) in enumerate(zip(ids, live["params"])):
             if pid in by_id:
                 raise fail(f"parameter id {pid!r} appears twice")
-            by_id[pid] = (slot, param, f"state[{pid!r}] (param_groups[{index}] position {position})")
+            name = f"{names[position]!r}, " if names is not None and position < len(names) else ""
+            by_id[pid] = (slot, param, f"state[{pid!r}] ({name}param_groups[{index}] position {position})")
             slot += 1
     return by_id
