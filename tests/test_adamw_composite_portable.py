@@ -275,6 +275,30 @@ def test_corrupted_composite_documents_leave_both_children_unchanged(
     assert not snapshot_diff(before, target, model)
 
 
+def test_a_document_routed_otherwise_than_the_target_names_the_parameter() -> None:
+    """A consistent document of a composite that routes one matrix to the other child: the
+    refusal names it (it said only that roles or routing differ)."""
+    _, source = _trained(_composite)
+    document = export_portable_composite_state(source, checkpoint_process_group=BINDING, transaction_id="s",
+                                               limits=LIMITS).materialize()  # fmt: skip
+    torch.manual_seed(1)
+    model = Net()
+    routed = dict(source.parameter_routing())  # type: ignore[attr-defined]
+    routed["head.weight"] = "muon"
+    split = {role: [(n, p) for n, p in model.named_parameters() if routed[n] == role] for role in ("muon", "backup")}
+    backup = lambda named: ContractedAdamW(named, lr=1e-2)  # noqa: E731
+    target = CompositeOptimizer.from_factories(split, {"muon": sign_child_factory, "backup": backup})
+    before = deep_snapshot(target, model)
+    with pytest.raises(
+        PortableStateError,
+        match=r"routing differs from the target composite's: parameter 'head\.weight' is routed to 'backup' in the "
+        r"checkpoint but to 'muon' here",
+    ):
+        import_portable_composite_state(target, document, checkpoint_process_group=BINDING, transaction_id="l",
+                                        limits=LIMITS)  # fmt: skip
+    assert not snapshot_diff(before, target, model)
+
+
 # -- DCP -------------------------------------------------------------------------------------------
 
 

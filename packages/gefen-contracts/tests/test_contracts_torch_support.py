@@ -16,6 +16,7 @@ from gefen_contracts.torch_support import (
     export_with_hooks,
     load_with_hooks,
     names_mismatch,
+    routing_mismatch,
     tensor_digest,
 )
 
@@ -287,4 +288,27 @@ def test_names_mismatch_says_whether_the_names_only_moved() -> None:
     assert names_mismatch(7, ["a"]) == "the checkpoint's param_names must be a list of str, got int 7"
     assert (
         names_mismatch(["a", 1], ["a", "b"]) == "the checkpoint's param_names must be a list of str, got list ['a', 1]"
+    )
+
+
+def test_routing_mismatch_names_a_wrapper_prefix_on_either_side_and_else_the_first_difference() -> None:
+    plain = {"a.weight": "muon", "b": "backup"}
+    wrapped = {"module." + fqn: role for fqn, role in plain.items()}
+    assert routing_mismatch(dict(plain), plain) is None
+    assert routing_mismatch(wrapped, plain).startswith(  # type: ignore[union-attr]
+        "the checkpoint's parameter names are the others' under the prefix 'module.': the optimizer was built from "
+        "a wrapped model on one side only"
+    )
+    assert routing_mismatch(plain, wrapped).startswith(  # type: ignore[union-attr]
+        "this composite's parameter names are the others' under the prefix 'module.'"
+    )
+    # a role changed, no prefix
+    assert (
+        routing_mismatch(plain, {"a.weight": "backup", "b": "backup"})
+        == "parameter 'a.weight' is routed to 'muon' in the checkpoint but to 'backup' here"
+    )
+    # not every name under the prefix
+    assert (
+        routing_mismatch({"x.a.weight": "muon", "b": "backup"}, plain)
+        == "parameter 'a.weight' (role 'muon') is missing from the checkpoint's routing"
     )

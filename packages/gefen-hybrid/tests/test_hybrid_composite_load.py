@@ -196,14 +196,3 @@ def test_a_child_without_staged_load_makes_the_native_load_non_atomic_with_reaso
     with pytest.raises(StateValidationError):
         optimizer.load_state_dict(corrupted)
     assert snapshot_diff(before, optimizer, model) == []
-
-
-def test_a_wrapper_prefix_is_named_on_either_side() -> None:
-    from gefen_hybrid.composite_format import _prefixed
-
-    plain = {"a.weight": "muon", "b": "backup"}
-    wrapped = {"module." + fqn: role for fqn, role in plain.items()}
-    assert _prefixed(wrapped, plain) == "the checkpoint's parameter names are the others' under the prefix 'module.'"
-    assert _prefixed(plain, wrapped) == "this composite's parameter names are the others' under the prefix 'module.'"
-    assert _prefixed(plain, {"a.weight": "backup", "b": "backup"}) is None  # a role changed, no prefix
-    assert _prefixed({"x.a.weight": "muon", "b": "backup"}, plain) is None  # not every name

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from gefen_contracts import StateValidationError
-from gefen_contracts.torch_support import with_rejoined_state
+from gefen_contracts.torch_support import routing_mismatch, with_rejoined_state
 
 from .roles import ROLES
 
@@ -194,17 +194,6 @@ def _check_record(
     _check_routing(state_dict["routing"], routing)
 
 
-def _prefixed(saved: Mapping[str, str], live: Mapping[str, str]) -> str | None:
-    """What a routing mismatch is when one side's names are all the other's under one prefix."""
-    for outer, inner, side in ((saved, live, "the checkpoint's"), (live, saved, "this composite's")):
-        first = min(outer, default="")
-        for name in inner if len(outer) == len(inner) else ():
-            prefix = first[: len(first) - len(name)]
-            if first.endswith("." + name) and {prefix + n: role for n, role in inner.items()} == outer:
-                return f"{side} parameter names are the others' under the prefix {prefix!r}"
-    return None
-
-
 def _check_routing(saved: object, live: Sequence[tuple[str, str]]) -> None:
     if not isinstance(saved, (list, tuple)):
         _fail(f"'routing' must be a list of [fqn, role] pairs, got {type(saved).__name__}")
@@ -220,21 +209,8 @@ def _check_routing(saved: object, live: Sequence[tuple[str, str]]) -> None:
         pairs.append((item[0], item[1]))
     if pairs == list(live):
         return
-    saved_map, live_map = dict(pairs), dict(live)
+    saved_map = dict(pairs)
     if len(saved_map) != len(pairs):
         _fail("'routing' lists a parameter twice")
-    prefixed = _prefixed(saved_map, live_map)
-    if prefixed is not None:
-        _fail(
-            f"{prefixed}: the optimizer was built from a wrapped model on one side only (torch.compile adds "
-            "'_orig_mod.', DistributedDataParallel 'module.'); build both from the same module, or rename the "
-            "checkpoint's parameters with a load_state_dict pre-hook"
-        )
-    for fqn in sorted(set(saved_map) | set(live_map)):
-        if fqn not in live_map:
-            _fail(f"the checkpoint routes {fqn!r} to {saved_map[fqn]!r}, but this composite has no such parameter")
-        if fqn not in saved_map:
-            _fail(f"parameter {fqn!r} (role {live_map[fqn]!r}) is missing from the checkpoint's routing")
-        if saved_map[fqn] != live_map[fqn]:
-            _fail(f"parameter {fqn!r} is routed to {saved_map[fqn]!r} in the checkpoint but to {live_map[fqn]!r} here")
-    _fail("'routing' must be sorted by fqn")
+    mismatch = routing_mismatch(saved_map, dict(live))
+    _fail(mismatch if mismatch is not None else "'routing' must be sorted by fqn")

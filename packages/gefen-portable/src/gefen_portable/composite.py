@@ -35,7 +35,7 @@ from typing import Any
 from gefen_contracts import ContractTypeError
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.protocols import CompositeOptimizer, ContractProvider
-from gefen_contracts.torch_support import ProcessGroupBinding, tensor_digest
+from gefen_contracts.torch_support import ProcessGroupBinding, routing_mismatch, tensor_digest
 
 from .errors import PortableIntegrityError, PortableStateError
 from .export import export_on_session
@@ -274,8 +274,13 @@ def import_portable_composite_state(
             raise PortableStateError(
                 f"the document was exported by {composite.implementation!r}, the target is {implementation!r}"
             )
-        if composite.roles != tuple(children) or composite.routing != routing:
-            raise PortableStateError("the document's roles or routing differ from the target composite's")
+        if composite.roles != tuple(children):
+            raise PortableStateError(
+                f"the document's roles {list(composite.roles)} differ from the target composite's {list(children)}"
+            )
+        mismatch = routing_mismatch(composite.routing, routing)
+        if mismatch is not None:
+            raise PortableStateError(f"the document's routing differs from the target composite's: {mismatch}")
         context = context_digest("composite_import", implementation, document=composite.digest, routing=routing)
     except Exception as exc:
         error = exc

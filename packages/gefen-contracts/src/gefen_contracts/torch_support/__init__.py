@@ -42,6 +42,7 @@ from .param_groups import (
     check_tensor_lr,
     group_params,
     names_mismatch,
+    routing_mismatch,
     share_options,
     shared_tensor_options,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "check_new_group",
     "group_params",
     "names_mismatch",
+    "routing_mismatch",
     "check_tensor_lr",
     "compatibility_names",
     "count_state_bytes",

@@ -22,6 +22,7 @@ __all__ = [
     "check_tensor_lr",
     "group_params",
     "names_mismatch",
+    "routing_mismatch",
     "share_options",
     "shared_tensor_options",
 ]
@@ -75,6 +76,41 @@ def names_mismatch(saved: object, live: Sequence[str]) -> str | None:
             "than the one that saved; build the optimizer from them in the saving order"
         )
     return f"{where}; rename them with a load_state_dict pre-hook if the model really changed"
+
+
+def _prefixed(saved: Mapping[str, str], live: Mapping[str, str]) -> str | None:
+    """What a routing mismatch is when one side's names are all the other's under one prefix."""
+    for outer, inner, side in ((saved, live, "the checkpoint's"), (live, saved, "this composite's")):
+        first = min(outer, default="")
+        for name in inner if len(outer) == len(inner) else ():
+            prefix = first[: len(first) - len(name)]
+            if first.endswith("." + name) and {prefix + n: role for n, role in inner.items()} == outer:
+                return f"{side} parameter names are the others' under the prefix {prefix!r}"
+    return None
+
+
+def routing_mismatch(saved: Mapping[str, str], live: Mapping[str, str]) -> str | None:
+    """``None`` when a checkpoint's routing (parameter name -> role of a composite) is the live
+    composite's, else the first difference, for the refusal's message: names that are the
+    other side's under a wrapper's prefix (``torch.compile``'s ``_orig_mod.``, DDP's
+    ``module.``), a parameter on one side only, or one routed to another role."""
+    if dict(saved) == dict(live):
+        return None
+    prefixed = _prefixed(saved, live)
+    if prefixed is not None:
+        return (
+            f"{prefixed}: the optimizer was built from a wrapped model on one side only (torch.compile adds "
+            "'_orig_mod.', DistributedDataParallel 'module.'); build both from the same module, or rename the "
+            "checkpoint's parameters with a load_state_dict pre-hook"
+        )
+    for fqn in sorted(set(saved) | set(live)):
+        if fqn not in live:
+            return f"the checkpoint routes {fqn!r} to {saved[fqn]!r}, but this composite has no such parameter"
+        if fqn not in saved:
+            return f"parameter {fqn!r} (role {live[fqn]!r}) is missing from the checkpoint's routing"
+        if saved[fqn] != live[fqn]:
+            return f"parameter {fqn!r} is routed to {saved[fqn]!r} in the checkpoint but to {live[fqn]!r} here"
+    raise AssertionError("unreachable: two different routings differ at some parameter")
 
 
 def check_tensor_lr(lr: object, params: Iterable[object], where: str) -> None:
