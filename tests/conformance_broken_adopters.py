@@ -513,6 +513,71 @@ class DecaysWithoutTheRate(ContractedSGD):
         return super().step(closure)
 
 
+class PeeksAtStateWhileStaging(ContractedSGD):
+    """Looks at ``self.state[p]`` while staging: torch's state is a defaultdict, so a fresh
+    optimizer gains an empty entry per parameter (its own checkpoint then fails to load); a
+    trained optimizer's full state hid it."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        for group in self.param_groups:
+            for param in group["params"]:
+                _ = self.state[param]
+        return super().stage_state_dict(state_dict)
+
+
+class ReshapesSameCount(ContractedSGD):
+    """Accepts a momentum buffer of another shape with its parameter's element count and
+    reshapes it (a transposed layer's checkpoint loads silently)."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        params = [p for group in self.param_groups for p in group["params"]]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        shapes = {pid: p.shape for pid, p in zip(ids, params)}
+        state = {}
+        for pid, entry in state_dict["state"].items():
+            buffer = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+            if isinstance(buffer, torch.Tensor) and pid in shapes and buffer.numel() == shapes[pid].numel():
+                entry = {**entry, "momentum_buffer": buffer.reshape(shapes[pid])}
+            state[pid] = entry
+        return super().stage_state_dict({**state_dict, "state": state})
+
+
+class WritesGroupsInTurn(ContractedSGD):
+    """Validates the state, then checks and writes each group's options in turn: a checkpoint
+    whose last group is bad is refused with the first group's options written."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        valid_options = {option: 0.5 for option in ("lr", "momentum", "weight_decay")}
+        masked = [{**group, **valid_options} for group in state_dict["param_groups"]]
+        staged = ContractedSGD.stage_state_dict(self, {**state_dict, "param_groups": masked})
+        for live, saved in zip(self.param_groups, state_dict["param_groups"]):
+            ContractedSGD.stage_state_dict(self, {"state": {}, "param_groups": [  # this group's options only
+                saved if g is live else {**g, "params": list(range(1000 * i, 1000 * i + len(g["params"])))}
+                for i, g in enumerate(self.param_groups)
+            ]})  # fmt: skip
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        _, state = staged.claim(self, kind="native_load", current_token=self._version)  # type: ignore[misc]
+        self.state.clear()
+        self.state.update(state)
+        self._version += 1
+
+
+class ReadsTheRateOnce(ContractedSGD):
+    """Steps with the learning rate it was built with, whatever a scheduler (or the user)
+    writes into ``param_groups`` since."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        live = [group["lr"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["lr"] = self.defaults["lr"]
+        try:
+            return super().step(closure)
+        finally:
+            for group, rate in zip(self.param_groups, live):
+                group["lr"] = rate
+
+
 def _factory(cls: type[ContractedSGD]) -> Any:
     def factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
         return cls([p for _, p in named_parameters], lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -553,6 +618,19 @@ cache_liar_factory = _factory(CacheLiar)
 first_group_options_everywhere_factory = _factory(FirstGroupOptionsEverywhere)
 lax_non_atomic_load_factory = _factory(LaxNonAtomicLoad)
 decays_without_the_rate_factory = _factory(DecaysWithoutTheRate)
+peeks_at_state_while_staging_factory = _factory(PeeksAtStateWhileStaging)
+reshapes_same_count_factory = _factory(ReshapesSameCount)
+reads_the_rate_once_factory = _factory(ReadsTheRateOnce)
+
+
+def writes_groups_in_turn_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
+    """Two groups (matrices decayed, the rest not), as training scripts build them."""
+    decayed = [p for _, p in named_parameters if p.dim() >= 2]
+    rest = [p for _, p in named_parameters if p.dim() < 2]
+    return WritesGroupsInTurn(
+        [{"params": decayed}, {"params": rest, "weight_decay": 0.0}], lr=0.05, momentum=0.9, weight_decay=0.01
+    )
+
 
 #: factory name -> (the check that must fail, a fragment its detail must contain)
 EXPECTED_FAILURES = {
@@ -596,4 +674,15 @@ EXPECTED_FAILURES = {
     "lax_non_atomic_load_factory": ("checkpoint.native_refusals", "accepted a corrupted checkpoint"),
     # passed the kit before it ran torch's recipe (2026-12-06)
     "decays_without_the_rate_factory": ("checkpoint.torch_recipe", "nested recipe (its template step)"),
+    # each passed the kit before a probe of it (2026-12-07)
+    "peeks_at_state_while_staging_factory": ("checkpoint.native_atomic_load", "changed a fresh optimizer"),
+    "reshapes_same_count_factory": (
+        "checkpoint.native_atomic_load",
+        "accepted a corrupted checkpoint: load_state_dict (transposed)",
+    ),
+    "writes_groups_in_turn_factory": ("checkpoint.native_atomic_load", "(last_group_non_finite_option) changed"),
+    "reads_the_rate_once_factory": (
+        "training.replicated",
+        "halving every group's lr after the first step changed nothing",
+    ),
 }

@@ -94,3 +94,17 @@ def test_copies_check_runs_the_deep_copy_when_the_target_model_does_not_pickle()
     (result,) = [r for r in report.results if r.name == "training.copies"]
     assert result.status is CheckStatus.PASSED, result.detail
     assert "pickle not exercised" in result.detail and "copy.deepcopy continued bit for bit" in result.detail
+
+
+def test_an_empty_first_group_is_no_reason_for_the_kit_to_fail() -> None:
+    """The staged-load check copied its extra parameter's dtype from ``param_groups[0]``'s first
+    parameter and raised IndexError on an empty first group (ZeRO builds them)."""
+    from gefen_contracts.testing.checks import AtomicLoadCheck
+
+    def empty_first(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
+        groups = [{"params": []}, {"params": [p for _, p in named_parameters]}]
+        return ContractedSGD(groups, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+    report = run_conformance(ConformanceTarget(factory=empty_first, name="sgd"), checks=[AtomicLoadCheck()])
+    (result,) = [r for r in report.results if r.name == "checkpoint.native_atomic_load"]
+    assert result.status is CheckStatus.PASSED, result.detail

@@ -79,6 +79,26 @@ def _wrong_shape(sd: StateDict) -> bool:
     return True
 
 
+def _other_shape(value: torch.Tensor) -> tuple[int, ...]:
+    """A shape of ``value``'s element count other than its own (its dimensions reversed, or
+    all of them in one column or one row)."""
+    shape = tuple(value.shape)
+    for other in (shape[::-1], (value.numel(), 1), (1, value.numel())):
+        if other != shape:
+            return other
+    raise AssertionError("unreachable: (n, 1) and (1, n) cannot both be the shape")
+
+
+def _transposed(sd: StateDict) -> bool:
+    # the same elements in another shape: a loader that checks only the count (and reshapes) accepts it
+    found = _prefer_large(sd, lambda t: t.dim() >= 1)
+    if found is None:
+        return False
+    entry, key = found
+    entry[key] = entry[key].reshape(_other_shape(entry[key])).clone()
+    return True
+
+
 def _wrong_dtype(sd: StateDict) -> bool:
     found = _prefer_large(sd, lambda t: True)
     if found is None:
@@ -181,8 +201,20 @@ def _last_entry_non_finite(sd: StateDict) -> bool:
     return True
 
 
-def _group_float_option(sd: StateDict) -> tuple[dict[str, Any], str] | None:
-    for group in sd.get("param_groups", []):
+def _last_entry_wrong_shape(sd: StateDict) -> bool:
+    # like last_entry_non_finite: a loader that checks shapes entry by entry as it writes
+    entry = _last_entry(sd)
+    shaped = [k for k, v in (entry or {}).items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel()]
+    if entry is None or not shaped:
+        return False
+    key = max(shaped, key=lambda k: entry[k].numel())
+    entry[key] = torch.cat([entry[key].reshape(-1), entry[key].reshape(-1)[:1]])
+    return True
+
+
+def _group_float_option(sd: StateDict, *, last: bool = False) -> tuple[dict[str, Any], str] | None:
+    groups = sd.get("param_groups", [])
+    for group in reversed(groups) if last and isinstance(groups, list) else groups:
         if isinstance(group, dict):
             for key, value in group.items():
                 if type(value) is float and math.isfinite(value):
@@ -193,6 +225,18 @@ def _group_float_option(sd: StateDict) -> tuple[dict[str, Any], str] | None:
 def _non_finite_option(sd: StateDict) -> bool:
     found = _group_float_option(sd)
     if found is None:
+        return False
+    found[0][found[1]] = math.nan
+    return True
+
+
+def _last_group_non_finite_option(sd: StateDict) -> bool:
+    # a loader that checks and writes the groups one at a time has written the others by then
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list) or len(groups) < 2:
+        return False
+    found = _group_float_option(sd, last=True)
+    if found is None or found[0] is groups[0]:
         return False
     found[0][found[1]] = math.nan
     return True
@@ -219,6 +263,7 @@ CORRUPTIONS: tuple[Corruption, ...] = (
     Corruption("missing_key", _missing_key),
     Corruption("extra_key", _extra_key),
     Corruption("wrong_shape", _wrong_shape),
+    Corruption("transposed", _transposed),
     Corruption("wrong_dtype", _wrong_dtype),
     Corruption("non_finite", _non_finite),
     Corruption("wrong_parameter_count", _wrong_parameter_count),
@@ -227,7 +272,9 @@ CORRUPTIONS: tuple[Corruption, ...] = (
     Corruption("bool_for_int", _bool_for_int),
     Corruption("truncated_tensor", _truncated_tensor),
     Corruption("last_entry_non_finite", _last_entry_non_finite),
+    Corruption("last_entry_wrong_shape", _last_entry_wrong_shape),
     Corruption("non_finite_option", _non_finite_option),
+    Corruption("last_group_non_finite_option", _last_group_non_finite_option),
     Corruption("str_for_float_option", _str_for_float_option),
 )
 

@@ -242,12 +242,21 @@ class AtomicLoadCheck:
     @staticmethod
     def _staged(context: CheckContext, model: Any, optimizer: Any, valid: dict[str, Any]) -> list[str]:
         other: Any
+        fresh_optimizer: Any
         problems = []
         before = deep_snapshot(optimizer, model)
         staged = optimizer.stage_state_dict(valid)
         diffs = snapshot_diff(before, optimizer, model)
         if diffs:
             problems.append("stage_state_dict changed the optimizer: " + "; ".join(diffs[:3]))
+        # and a fresh one, whose state is empty: reading ``optimizer.state[p]`` (a defaultdict)
+        # adds an entry there, which a trained optimizer's full state hides
+        fresh_model, fresh_optimizer = context.fresh()
+        before = deep_snapshot(fresh_optimizer, fresh_model)
+        fresh_optimizer.stage_state_dict(valid)
+        diffs = snapshot_diff(before, fresh_optimizer, fresh_model)
+        if diffs:
+            problems.append("stage_state_dict changed a fresh optimizer: " + "; ".join(diffs[:3]))
         other_model, other = context.trained(context.target.steps)
         refusals = [_stale_refusal(other, other_model, staged, "a staged load on another optimizer")]
         context.step(model, optimizer, 10_000)
@@ -287,7 +296,10 @@ def _add_group_like_last(optimizer: Any, named: Sequence[tuple[str, torch.Tensor
 def _added_group(context: CheckContext, optimizer: Any) -> bool:
     """Add a group of one new parameter (:func:`_add_group_like_last`); ``False`` (noted) when
     the optimizer refuses it, as it may."""
-    first = optimizer.param_groups[0]["params"][0]
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    if first is None:  # a group may be empty (ZeRO builds them); with no parameter there is nothing to copy
+        context.notes.append("staged load across add_param_group not exercised: the optimizer holds no parameter")
+        return False
     extra = torch.nn.Parameter(torch.zeros(4, dtype=first.dtype, device=first.device))
     try:
         _add_group_like_last(optimizer, [("kit_added_group.weight", extra)])

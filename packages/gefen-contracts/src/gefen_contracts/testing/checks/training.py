@@ -25,7 +25,9 @@ _NATIVE_CLAIMS = frozenset(
 
 
 class ReplicatedTrainingCheck:
-    """Plain tensors train: parameters move, stay finite, and two twins agree bitwise."""
+    """Plain tensors train: parameters move, stay finite, and two twins agree bitwise; a third
+    twin whose groups' ``lr`` is halved after its first step (as a scheduler does) ends
+    elsewhere (a step that reads ``lr`` from ``defaults`` or a copy ignores a schedule)."""
 
     name = "training.replicated"
 
@@ -44,6 +46,19 @@ class ReplicatedTrainingCheck:
         for name, parameter in model.named_parameters():
             assert torch.isfinite(parameter.detach().float()).all(), f"parameter {name!r} became non-finite"
         context.assert_models_bitwise_equal(model, twin_model, "two identical training runs")
+        if context.target.steps < 2:
+            context.notes.append("an lr edit between steps not exercised: the target trains one step")
+            return
+        scheduled_model, scheduled = context.fresh()
+        context.train(scheduled_model, scheduled, 1)
+        for group in scheduled.param_groups:
+            if isinstance(group.get("lr"), float):
+                group["lr"] *= 0.5
+        context.train(scheduled_model, scheduled, context.target.steps - 1, start=1)
+        assert any(
+            not torch.equal(a.detach(), b.detach())
+            for a, b in zip(model.parameters(), scheduled_model.parameters(), strict=True)
+        ), "halving every group's lr after the first step changed nothing: step() does not read param_groups' lr"
 
 
 class CopiesCheck:
