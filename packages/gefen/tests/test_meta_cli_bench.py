@@ -128,6 +128,38 @@ def test_an_output_folder_that_is_or_lies_below_a_file_is_refused_before_the_run
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc takes no folder on Linux")
+def test_an_output_folder_where_nothing_can_be_written_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Root passes every permission check and a read-only file system none: the run wrote
+    nothing after all its work (a PermissionError). A file is written there to know."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "dp", "--out", "/proc/gefen-bench-out"])
+    assert exit_info.value.code == 2 and "nothing can be written there" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "portable", "--optimizers", "nope"], "gefen bench portable: error: unknown arm 'nope'"),
+        (["bench", "dcp", "--optimizers", "recipe:nope"], "gefen bench dcp: error: unknown arm 'nope'"),
+        (["bench", "dcp", "--optimizers", "no_such_module:factory"], "arm 'no_such_module:factory' cannot be loaded"),
+        (["bench", "portable", "--ranks", "99"], "must be ints from 1 to 8"),
+        (["demo", "--lr", "gefen=inf"], "positive finite LR"),
+    ],
+    ids=["portable-arm", "dcp-recipe-arm", "dcp-module-arm", "ranks", "demo-lr"],
+)
+def test_a_typo_is_a_usage_error_before_any_work(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """Each ran the baseline (or trained) first: an unknown arm ended in a note and exit 0, 99
+    ranks started 99 processes, an infinite rate failed in the training process."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 def test_cuda_without_a_cuda_device_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     for command in (["bench", "step", "--device", "cuda"], ["bench", "quality", "--device", "cuda"]):

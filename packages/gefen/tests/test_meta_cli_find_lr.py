@@ -169,6 +169,19 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         assert fragment in capsys.readouterr().err
 
 
+def vector_output_target() -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """No loss function, and a model whose output is not a scalar loss."""
+    return torch.nn.Linear(3, 2), [torch.zeros(3)] * 10
+
+
+def test_a_target_whose_output_is_no_loss_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found at the first step, inside the range test: it was a traceback and exit 1."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["find-lr", f"{__name__}:vector_output_target", "--steps", "5", "--optimizer", "adamw"])
+    assert exit_info.value.code == 2
+    assert "must be a scalar loss tensor" in capsys.readouterr().err
+
+
 def empty_target() -> tuple[torch.nn.Module, list[torch.Tensor]]:
     return _LossModel(), []
 

@@ -16,7 +16,7 @@ import torch
 from gefen_contracts.protocols import ContractProvider
 from gefen_contracts.testing import import_attribute
 
-__all__ = ["EXTRA_ARMS", "build_arm", "build_status", "claim_status"]
+__all__ = ["EXTRA_ARMS", "MAX_RANKS", "build_arm", "build_status", "check_arm", "check_ranks", "claim_status"]
 
 NamedParameters = Sequence[tuple[str, torch.nn.Parameter]]
 
@@ -47,6 +47,33 @@ def _resolve(spec: str) -> Callable[..., Any]:
     if not callable(target):
         raise TypeError(f"{spec} is not callable")
     return target  # type: ignore[no-any-return]
+
+
+#: The most ranks a checkpoint benchmark starts (each is a process of its own).
+MAX_RANKS = 8
+
+
+def check_arm(name: str) -> None:
+    """``ValueError`` when arm ``name`` names nothing: neither a registered optimizer nor an
+    extra arm, or a ``MODULE:FACTORY`` that does not import. A typo would otherwise run the
+    whole baseline and end in a note, as an arm that cannot run *here* (no GPU) rightly does."""
+    if ":" in name:
+        try:
+            _resolve(name)
+        except Exception as exc:
+            raise ValueError(f"arm {name!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        return
+    from .optimizers import optimizer_names
+
+    if name not in EXTRA_ARMS and name not in optimizer_names():
+        known = ", ".join((*optimizer_names(), *EXTRA_ARMS))
+        raise ValueError(f"unknown arm {name!r}; known: {known}, or MODULE:FACTORY")
+
+
+def check_ranks(ranks: Sequence[int], where: str) -> None:
+    """World sizes: distinct ints in ``[1, MAX_RANKS]``, at least one."""
+    if not ranks or any(type(n) is not int or not 1 <= n <= MAX_RANKS for n in ranks):
+        raise ValueError(f"{where} must be ints from 1 to {MAX_RANKS} (each rank is a process), got {list(ranks)!r}")
 
 
 def build_arm(name: str, named: NamedParameters) -> torch.optim.Optimizer:

@@ -35,7 +35,7 @@ from typing import Any
 
 from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE
 
-from .checkpoint_arms import build_status, claim_status
+from .checkpoint_arms import build_status, check_arm, check_ranks, claim_status
 from .dcp_worker import RECIPE_PREFIX, TORCH_ARM, through_torch_recipe
 from .model_sizes import bench_decoder
 from .plot import Panel, Series
@@ -63,12 +63,13 @@ class DcpOptions:
 
     def __post_init__(self) -> None:
         bench_decoder(self.model)  # raises on an unknown model
-        if not self.ranks or any(type(n) is not int or n < 1 for n in self.ranks):
-            raise ValueError(f"DcpOptions.ranks must be positive ints, got {list(self.ranks)!r}")
+        check_ranks(self.ranks, "DcpOptions.ranks")
         require_distinct(self.ranks, "DcpOptions.ranks")
         require_distinct(self.arms, "DcpOptions.arms")
         if not self.arms or TORCH_ARM in self.arms:
             raise ValueError(f"DcpOptions.arms must name at least one arm besides the baseline {TORCH_ARM!r}")
+        for arm in self.arms:
+            check_arm(arm.removeprefix(RECIPE_PREFIX))
         for name in ("threads", "batch_size", "sequence_length"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

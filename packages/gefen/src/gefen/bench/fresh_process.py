@@ -33,11 +33,14 @@ def run_fresh(
         spec_path.write_text(json.dumps(dict(spec)), encoding="utf-8")
         child_env = dict(os.environ)
         child_env.update(env or {})
+        # a session of its own: a terminal's Ctrl-C reaches this process only, which stops
+        # the child (subprocess.run kills it on any exception) instead of both printing tracebacks
         completed = subprocess.run(
             [sys.executable, "-m", module, str(spec_path), str(result_path)],
             check=False,
             stdout=subprocess.DEVNULL,
             env=child_env,
+            start_new_session=True,
         )
         if completed.returncode != 0 or not result_path.exists():
             raise FreshProcessError(

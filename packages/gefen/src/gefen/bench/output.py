@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +32,9 @@ class EmittedFiles:
 
 
 def _output_folder(text: str) -> Path:
-    """``--out``: refused at parse time when it, or the nearest of its folders that exists, is a
-    file or not writable (the run would fail on writing, after all its work)."""
+    """``--out``: made at parse time, and refused when it, or one of its folders, is a file or
+    nothing can be written there (the run would fail on writing, after all its work). A file is
+    written and removed to know: permissions alone miss a read-only file system, and root."""
     path = Path(text)
     existing = path
     while not existing.exists() and existing.parent != existing:
@@ -43,8 +44,12 @@ def _output_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"{text!r} cannot be a folder{where}" if where else f"{text!r} is a file, not a folder"
         )
-    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: the folder {existing} is not writable")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: nothing can be written there ({exc.strerror})") from None
     return path
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from gefen_contracts import FEATURE_PORTABLE_STATE, FEATURE_POST_SHARDING
 
-from .checkpoint_arms import claim_status
+from .checkpoint_arms import check_arm, check_ranks, claim_status
 from .model_sizes import bench_decoder
 from .plot import Panel, Series
 from .portable_worker import OPERATIONS, TORCH_ARM
@@ -60,13 +60,14 @@ class PortableOptions:
             raise ValueError("PortableOptions.models must name at least one model")
         for model in self.models:
             bench_decoder(model)  # raises on an unknown model
-        if not self.ranks or any(type(n) is not int or n < 1 for n in self.ranks):
-            raise ValueError(f"PortableOptions.ranks must be positive ints, got {list(self.ranks)!r}")
+        check_ranks(self.ranks, "PortableOptions.ranks")
         require_distinct(self.models, "PortableOptions.models")
         require_distinct(self.ranks, "PortableOptions.ranks")
         require_distinct(self.arms, "PortableOptions.arms")
         if not self.arms or TORCH_ARM in self.arms:
             raise ValueError(f"PortableOptions.arms must name at least one arm besides the baseline {TORCH_ARM!r}")
+        for arm in self.arms:
+            check_arm(arm)
         for name in ("threads", "batch_size", "sequence_length"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

@@ -45,15 +45,23 @@ def run_ranks(
         spec_path.write_text(json.dumps({**spec, "port": free_port(), "world_size": world_size}), encoding="utf-8")
         env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": str(threads)}
         results = [Path(scratch) / f"rank{rank}.json" for rank in range(world_size)]
-        processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", module, str(spec_path), str(rank), str(results[rank])],
-                env=env,
-                stdout=subprocess.DEVNULL,
-            )
-            for rank in range(world_size)
-        ]
-        codes = [process.wait() for process in processes]
+        processes = []
+        try:
+            for rank in range(world_size):
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, str(spec_path), str(rank), str(results[rank])],
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        start_new_session=True,  # as run_fresh's child: Ctrl-C stops them through this process
+                    )
+                )
+            codes = [process.wait() for process in processes]
+        except BaseException:
+            for process in processes:
+                process.kill()
+                process.wait()
+            raise
         if any(codes) or not all(path.exists() for path in results):
             raise FreshProcessError(
                 f"{label or module} on {world_size} rank(s) failed (exit codes {codes}; the error is printed above)"

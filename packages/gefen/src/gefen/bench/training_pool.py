@@ -9,6 +9,7 @@ the results do not depend on the number of workers: each run is seeded and deter
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ def _execute(job: TrainJob) -> JobResult:
 
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
+    # a terminal's Ctrl-C reaches every process of its group: the pool's owner stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run_jobs(
@@ -88,11 +91,17 @@ def run_jobs(
     ) as pool:
         futures: dict[Future[JobResult], int] = {pool.submit(_execute, job): index for index, job in enumerate(jobs)}
         pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                if future.exception() is not None:  # re-raise a failed run now, not after the queue
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    future.result()
-                notify(jobs[futures[future]])
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    if future.exception() is not None:  # re-raise a failed run now, not after the queue
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        future.result()
+                    notify(jobs[futures[future]])
+        except KeyboardInterrupt:  # stop the running jobs too: leaving the pool would wait for them
+            for process in list(pool._processes.values()):
+                process.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         return [future.result() for future in sorted(futures, key=futures.__getitem__)]

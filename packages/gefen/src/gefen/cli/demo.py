@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from ..bench.output import add_output_options
@@ -17,8 +18,8 @@ def _learning_rate(text: str) -> tuple[str, float]:
         lr = float(value)
     except ValueError:
         lr = float("nan")
-    if not sep or not name or not lr > 0:
-        raise argparse.ArgumentTypeError(f"expected NAME=LR with a positive LR, got {text!r}")
+    if not sep or not name or not 0 < lr < math.inf:
+        raise argparse.ArgumentTypeError(f"expected NAME=LR with a positive finite LR, got {text!r}")
     return name, lr
 
 

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar(options.num_iter, "find-lr", "step") as advance:
         try:
             result = lr_range_test(target.model, target.batches, build, target.loss_fn, options, progress=advance)
-        except NoFiniteLossError as exc:
+        except (NoFiniteLossError, TargetError) as exc:  # a target's output is found wrong at its first step
             raise UsageError(str(exc)) from None
     config = {
         "target": target.name,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -56,17 +57,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; the exit status is the command's (2 for a usage error).
+    """Run one command; the exit status is the command's (2 for a usage error, 130 when
+    interrupted by Ctrl-C).
 
     ``MODULE:FUNCTION`` arguments resolve through ``gefen_contracts.testing.import_attribute``,
     which makes the current directory importable (a module next to the user's script is found
     without ``PYTHONPATH=.``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = " ".join(c for c in (args.command, getattr(args, "benchmark", None)) if c)  # "bench dcp"
     try:
         result: int = args.handler(args)
     except UsageError as exc:
-        parser.exit(2, f"gefen {args.command}: error: {exc}\n")
+        parser.exit(2, f"gefen {command}: error: {exc}\n")
+    except KeyboardInterrupt:  # Ctrl-C: the measuring processes are stopped with this one
+        print(f"gefen {command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `gefen inspect --json ... | head`: the reader left, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet
+        return 141
     return result
 
 
