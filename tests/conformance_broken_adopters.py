@@ -154,6 +154,19 @@ class ShapeLiar(ContractedSGD):
         return _declared_as("momentum_buffer", geometry=StateGeometry.ROW)
 
 
+class ScalarLiar(ContractedSGD):
+    """Declares its momentum buffer a scalar and its step count parameter-shaped: the
+    geometries the kit did not check (it checked PARAMETER, ROW and COLUMN shapes only)."""
+
+    def optimizer_contract(self) -> OptimizerContract:
+        swapped = {"momentum_buffer": StateGeometry.SCALAR, "step": StateGeometry.PARAMETER}
+        fields = tuple(
+            dataclasses.replace(f, geometry=swapped[f.name]) if f.name in swapped else f
+            for f in CONTRACT.state_layout.fields
+        )
+        return dataclasses.replace(CONTRACT, state_layout=dataclasses.replace(CONTRACT.state_layout, fields=fields))
+
+
 _WITH_A_CACHE = dataclasses.replace(
     CONTRACT,
     state_layout=dataclasses.replace(
@@ -621,6 +634,7 @@ decays_without_the_rate_factory = _factory(DecaysWithoutTheRate)
 peeks_at_state_while_staging_factory = _factory(PeeksAtStateWhileStaging)
 reshapes_same_count_factory = _factory(ReshapesSameCount)
 reads_the_rate_once_factory = _factory(ReadsTheRateOnce)
+scalar_liar_factory = _factory(ScalarLiar)
 
 
 def writes_groups_in_turn_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
@@ -685,4 +699,5 @@ EXPECTED_FAILURES = {
         "training.replicated",
         "halving every group's lr after the first step changed nothing",
     ),
+    "scalar_liar_factory": ("state.declared_variants", "'momentum_buffer' has shape (16, 8), declared a scalar"),
 }

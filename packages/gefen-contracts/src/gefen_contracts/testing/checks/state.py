@@ -56,7 +56,7 @@ def _check_declared_values(
 ) -> None:
     """Each native value holds its field's declared dtype and, where the geometry fixes it from
     the parameter alone (``PARAMETER``, ``ROW``, ``COLUMN``; trailing dimensions of size 1
-    aside), its shape."""
+    aside), its shape; a ``SCALAR`` one value, and a ``BLOCK`` field a tensor."""
     for key, value in state.items():
         declared = layout.field(str(key))
         assert declared.checkpointed, f"{where}: {key!r} is declared a cache (never checkpointed) but is written"
@@ -73,6 +73,15 @@ def _check_declared_values(
             )
             assert ok, (
                 f"{where}: {key!r} holds {type(value).__name__ if tensor is None else tensor.dtype}, declared {declared.dtype}"
+            )
+        if declared.geometry is StateGeometry.SCALAR:
+            assert tensor is None or tensor.numel() == 1, (
+                f"{where}: {key!r} has shape {tuple(tensor.shape)}, declared a scalar (one value)"
+            )
+            continue
+        if declared.geometry in _SHAPED or declared.geometry is StateGeometry.BLOCK:
+            assert tensor is not None, (
+                f"{where}: {key!r} holds a {type(value).__name__}, its {declared.geometry.value} geometry asks a tensor"
             )
         if tensor is None or declared.geometry not in _SHAPED:
             continue
