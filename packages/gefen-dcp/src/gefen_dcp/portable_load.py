@@ -193,8 +193,6 @@ def _read_header(
     limits: PortableStateLimits,
     dcp: dict[str, Any],
 ) -> _Header:
-    from torch.distributed.checkpoint.state_dict_loader import load
-
     collective = limits.collective()
     found: dict[str, Any] = {}
 
@@ -233,7 +231,7 @@ def _read_header(
         _nest(planner.state_dict_target, prefix, destinations)
 
     planner = _Planner(plan)
-    load({}, storage_reader=storage_reader, planner=planner, **dcp)
+    _read(storage_reader, planner, dcp)
     destinations = found["destinations"]
     layout: _Layout = found["layout"]
     envelope = decode_portable_envelope(bytes(destinations["envelope"].numpy().tobytes()), limits=limits)
@@ -268,8 +266,6 @@ def _read_fragments(
     dcp: dict[str, Any],
 ) -> tuple[list[PortableFragment], list[str]]:
     """Read the needed fragments; return them and the chunk digest mismatches seen."""
-    from torch.distributed.checkpoint.state_dict_loader import load
-
     catalog = header.catalog
     recorded: dict[tuple[str, int, str, int], FragmentChunk] = {}
     for table in header.tables:
@@ -342,7 +338,7 @@ def _read_fragments(
 
     planner = _Planner(plan)
     planner.resolve, planner.commit = resolve, commit
-    load({}, storage_reader=storage_reader, planner=planner, **dcp)
+    _read(storage_reader, planner, dcp)
     fragments = [
         PortableFragment.from_catalog(
             catalog,
@@ -358,11 +354,27 @@ def _read_fragments(
     return fragments, mismatches
 
 
+def _read(storage_reader: StorageReader, planner: Any, dcp: dict[str, Any]) -> None:
+    """``dcp.load`` of what ``planner`` plans. A failure raises the first failing member's own
+    error (``CheckpointLayoutError``, ``CheckpointIntegrityError``, ...; DCP's
+    ``CheckpointException`` as its cause) on every member: DCP raises its own exception, a
+    ``BaseException`` that ``except Exception`` lets through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    try:
+        load({}, storage_reader=storage_reader, planner=planner, **dcp)
+    except CheckpointException as exc:
+        failures = [failure[0] for _, failure in sorted(exc.failures.items())]
+        first = next((failure for failure in failures if isinstance(failure, Exception)), None)
+        if first is None:
+            raise
+        raise first from exc
+
+
 def _read_composite(
     namespace: str, storage_reader: StorageReader, limits: PortableStateLimits, dcp: dict[str, Any]
 ) -> CompositeEnvelope:
-    from torch.distributed.checkpoint.state_dict_loader import load
-
     found: dict[str, torch.Tensor] = {}
 
     def plan(metadata: Metadata) -> None:
@@ -374,7 +386,7 @@ def _read_composite(
         planner.state_dict_target[namespace] = {"composite": found["envelope"]}
 
     planner = _Planner(plan)
-    load({}, storage_reader=storage_reader, planner=planner, **dcp)
+    _read(storage_reader, planner, dcp)
     envelope = decode_composite_envelope(bytes(found["envelope"].numpy().tobytes()), limits=limits)
     if envelope.namespace != namespace:
         raise CheckpointLayoutError(f"the composite envelope names namespace {envelope.namespace!r}, not {namespace!r}")
@@ -503,9 +515,9 @@ def load_portable_dcp(
     fragments overlapping its target pieces, checking each chunk's SHA-256; and imports with
     :func:`gefen_portable.import_portable_state` (a composite: every child's state, checked
     against the composite envelope, then :func:`gefen_portable.import_portable_composite_state`).
-    Any failure makes every member raise (planning and read failures as DCP's
-    ``CheckpointException``, the others as the typed error or a
-    :class:`~gefen_contracts.CollectiveFailureError`) with no optimizer changed.
+    Any failure makes every member raise (a planning or read failure as the first failing
+    member's typed error, DCP's ``CheckpointException`` its cause; the others as the typed
+    error or a :class:`~gefen_contracts.CollectiveFailureError`) with no optimizer changed.
     """
     binding = require_binding(checkpoint_process_group)
     preflight(
