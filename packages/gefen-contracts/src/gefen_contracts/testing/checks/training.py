@@ -51,9 +51,19 @@ class ReplicatedTrainingCheck:
             return
         scheduled_model, scheduled = context.fresh()
         context.train(scheduled_model, scheduled, 1)
+        halved = 0
         for group in scheduled.param_groups:
-            if isinstance(group.get("lr"), float):
-                group["lr"] *= 0.5
+            rate = group.get("lr")
+            if isinstance(rate, torch.Tensor):
+                rate.mul_(0.5)  # in place, as a scheduler updates a tensor rate
+            elif isinstance(rate, float):
+                group["lr"] = rate * 0.5
+            else:
+                continue
+            halved += 1
+        if not halved:
+            context.notes.append("an lr edit between steps not exercised: no group holds a float or tensor 'lr'")
+            return
         context.train(scheduled_model, scheduled, context.target.steps - 1, start=1)
         assert any(
             not torch.equal(a.detach(), b.detach())
