@@ -65,13 +65,34 @@ def test_python_dash_m_gefen_runs_the_cli() -> None:
 def _as_a_terminal_job() -> None:
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def test_ctrl_c_stops_the_command_and_its_training_process_with_one_line(tmp_path: Path) -> None:
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        return [int(child) for child in listing.read().split()]
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie not yet reaped is gone too
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_the_command_and_its_training_process_with_one_line(tmp_path: Path, how: str) -> None:
     """A terminal's Ctrl-C signals the whole foreground group: the command and its training
-    process each printed a traceback and the command exited -2; now one line and exit 130."""
+    process each printed a traceback and the command exited -2. ``kill`` and ``timeout`` signal
+    the command alone (SIGTERM), which died and left its training process running. Now one
+    line, exit 130, and no process left."""
     import os
     import signal
     import subprocess
@@ -81,8 +102,8 @@ def test_ctrl_c_stops_the_command_and_its_training_process_with_one_line(tmp_pat
     with log.open("wb") as stderr:
         command = [sys.executable, "-m", "gefen", "demo", "--steps", "100000", "--model-size", "tiny"]
         command += ["--optimizers", "adamw", "--threads", "1", "--out", str(tmp_path / "out")]
-        # a group of its own with SIGINT's default action, as a terminal's foreground job has (a
-        # test runner's process may ignore or block it, and both are inherited)
+        # a group of its own with the signals' default actions, as a terminal's foreground job has
+        # (a test runner's process may ignore or block them, and both are inherited)
         process = subprocess.Popen(
             command,
             stderr=stderr,
@@ -95,7 +116,12 @@ def test_ctrl_c_stops_the_command_and_its_training_process_with_one_line(tmp_pat
             while b"step/s" not in log.read_bytes():  # the child is training (its progress bar)
                 assert process.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-            os.killpg(process.pid, signal.SIGINT)
+            children = _children(process.pid)
+            assert children, "the demo trains in a process of its own"
+            if how == "ctrl-c":
+                os.killpg(process.pid, signal.SIGINT)
+            else:
+                process.terminate()
             code = process.wait(timeout=120)
         finally:
             if process.poll() is None:
@@ -104,3 +130,4 @@ def test_ctrl_c_stops_the_command_and_its_training_process_with_one_line(tmp_pat
     text = log.read_text(errors="replace")
     assert code == 130, text
     assert "gefen demo: interrupted" in text and "Traceback" not in text, text
+    assert all(_gone(child) for child in children), children

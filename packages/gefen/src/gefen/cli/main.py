@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -58,13 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the exit status is the command's (2 for a usage error, 130 when
-    interrupted by Ctrl-C).
+    interrupted by Ctrl-C or SIGTERM).
 
     ``MODULE:FUNCTION`` arguments resolve through ``gefen_contracts.testing.import_attribute``,
     which makes the current directory importable (a module next to the user's script is found
     without ``PYTHONPATH=.``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # as the command (not called in-process): `kill` and `timeout` stop it as Ctrl-C does; the
+        # processes it measures in run in a session of their own, and only this one, unwinding, stops them
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     command = " ".join(c for c in (args.command, getattr(args, "benchmark", None)) if c)  # "bench dcp"
     try:
         result: int = args.handler(args)
