@@ -71,7 +71,7 @@ def check_arm(name: str) -> None:
 
 
 def check_ranks(ranks: Sequence[int], where: str) -> None:
-    """World sizes: distinct ints in ``[1, MAX_RANKS]``, at least one."""
+    """World sizes: ints in ``[1, MAX_RANKS]``, at least one."""
     if not ranks or any(type(n) is not int or not 1 <= n <= MAX_RANKS for n in ranks):
         raise ValueError(f"{where} must be ints from 1 to {MAX_RANKS} (each rank is a process), got {list(ranks)!r}")
 
