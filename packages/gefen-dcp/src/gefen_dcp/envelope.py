@@ -56,7 +56,7 @@ __all__ = [
 DCP_STATE_FORMAT = "gefen.dcp_state"
 DCP_STATE_FORMAT_VERSION = 4
 _OLDER = (
-    "'gefen.dense_shard_state' version 1 held dense fp32 fields, versions 2 and 3 neither row packs nor writers "
+    "'gefen.dense_shard_state' version 1 held dense fp32 fields, versions 2 and 3 had neither row packs nor writers "
     "bound to one save: load it with the gefen-dcp release that wrote it and save it again"
 )
 LIKE_PARAMETER = "like_parameter"
