@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, StateGeometry, StateScope
+from gefen_contracts import FEATURE_PARAMETER_SHAPED_STATE, OptimizerContract, StateGeometry, StateScope
 from gefen_contracts.enums import ParameterLayout, ParameterStateRole, StateExtent
 from gefen_contracts.limits import PortableStateLimits
 from gefen_contracts.protocols import ContractProvider, ModeTaggedState, StagedNativeLoad
@@ -47,21 +47,20 @@ from .standins import GefenDCPStateDict
 __all__ = ["GefenDCPState"]
 
 
-def _implementation(optimizer: object) -> str:
-    if isinstance(optimizer, ContractProvider):
-        contract = optimizer.optimizer_contract()
+def _implementation(optimizer: object, contract: OptimizerContract | None) -> str:
+    if contract is not None:
         contract.require(FEATURE_PARAMETER_SHAPED_STATE)
         return contract.implementation
     kind = type(optimizer)
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _field_geometry(optimizer: object) -> dict[str, str]:
+def _field_geometry(contract: OptimizerContract | None) -> dict[str, str]:
     """Per-parameter state field name -> its declared geometry (from the contract, children included)."""
-    if not isinstance(optimizer, ContractProvider):
+    if contract is None:
         return {}
     geometry: dict[str, str] = {}
-    pending = [optimizer.optimizer_contract()]
+    pending = [contract]
     while pending:
         contract = pending.pop()
         for field in contract.state_layout.fields:
@@ -71,7 +70,7 @@ def _field_geometry(optimizer: object) -> dict[str, str]:
     return geometry
 
 
-def _held_whole(optimizer: object, parameters: tuple[Any, ...]) -> frozenset[int]:
+def _held_whole(optimizer: object, contract: OptimizerContract | None, parameters: tuple[Any, ...]) -> frozenset[int]:
     """The DTensor parameters (by index) whose state ``optimizer`` keeps whole on every rank.
 
     Read from its contract: every state variant it declares for a DTensor parameter of that
@@ -79,9 +78,9 @@ def _held_whole(optimizer: object, parameters: tuple[Any, ...]) -> frozenset[int
     ``sharded_mode="exact"``). A load reads such a parameter's state whole, whatever placement
     class the checkpoint recorded (a single-process save records the declared geometry's).
     """
-    if not isinstance(optimizer, ContractProvider) or not any(is_dtensor(p) for p in parameters):
+    if contract is None or not any(is_dtensor(p) for p in parameters):
         return frozenset()
-    variants = optimizer.optimizer_contract().state_layout.parameter_variants
+    variants = contract.state_layout.parameter_variants
     whole = set()
     for index, parameter in enumerate(parameters):
         if not is_dtensor(parameter):
@@ -187,10 +186,12 @@ class GefenDCPState(Stateful):
 
     def _session(self, writer: int, save_id: str) -> SaveSession:
         optimizer = self.optimizer
-        implementation = _implementation(optimizer)
+        # built once: the implementation, the fields' geometry and the whole-held parameters read it
+        contract = optimizer.optimizer_contract() if isinstance(optimizer, ContractProvider) else None
+        implementation = _implementation(optimizer, contract)
         parameters = tuple(p for group in optimizer.param_groups for p in group["params"])  # type: ignore[attr-defined]
         skeleton, tensors = split(optimizer.state_dict())  # type: ignore[attr-defined]
-        geometry = _field_geometry(optimizer)
+        geometry = _field_geometry(contract)
         placements = {key: _placement(key, tensor, parameters, geometry) for key, tensor in tensors.items()}
         stored, packs = pack_rows(tensors, placements, geometry)
         entries = {}
@@ -205,7 +206,7 @@ class GefenDCPState(Stateful):
             parameters=parameters,
             writer=writer,
             limits=self.limits,
-            held_whole=_held_whole(optimizer, parameters),
+            held_whole=_held_whole(optimizer, contract, parameters),
         )
 
     # DCP calls state_dict() only on a Stateful at the top level of the dict it saves; a nested
