@@ -58,10 +58,10 @@ def test_bad_arguments_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> No
 
 
 BAD_VALUES = [
-    (["demo", "--steps", "0"], "steps must be a positive int"),
+    (["demo", "--steps", "0"], "--steps must be a positive int"),
     (["demo", "--optimizers", "nosuch"], "unknown optimizer 'nosuch'"),
-    (["demo", "--batch-size", "0"], "batch_size must be an int >= 1"),
-    (["demo", "--eval-every", "-1"], "eval_every must be an int >= 0"),
+    (["demo", "--batch-size", "0"], "--batch-size must be an int >= 1"),
+    (["demo", "--eval-every", "-1"], "--eval-every must be an int >= 0"),
     (["demo", "--threads", "-2"], "threads must be an int >= 0"),
     (["demo", "--lr", "nosuch=0.1"], "not among the optimizers"),
     (["bench", "memory", "--steps", "1"], "steps must be an int >= 2"),
@@ -77,10 +77,12 @@ BAD_VALUES = [
     (["bench", "memory", "--models", "tiny,tiny"], "models lists 'tiny' more than once"),
     (["bench", "memory", "--optimizers", "nosuch"], "unknown optimizer 'nosuch'"),
     (["bench", "quality", "--tasks", "char-tiny,char-tiny"], "tasks lists 'char-tiny' more than once"),
-    (["bench", "dcp", "--ranks", "1,1"], "ranks lists '1' more than once"),
+    (["bench", "dcp", "--ranks", "1,1"], "--ranks lists '1' more than once"),
     (["bench", "portable", "--models", "tiny,tiny"], "models lists 'tiny' more than once"),
+    (["bench", "portable", "--models", "1m"], "no decoder of the sized family comes within 25% of 1,000,000"),
+    (["bench", "dcp", "--model", "3m"], "the smallest 5,050,112"),
     (["bench", "step", "--arms", "gefen-fused,gefen-fused"], "arms lists 'gefen-fused' more than once"),
-    (["bench", "dp", "--bruteforce-bins", "4096"], "bruteforce_bins must be in [256, 4096)"),
+    (["bench", "dp", "--bruteforce-bins", "4096"], "--bruteforce-bins must be in [256, 4096)"),
 ]
 
 
@@ -173,7 +175,7 @@ def test_bench_step_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "step", "--d-model", "66"])
     assert exit_info.value.code == 2
-    assert "d_model must be divisible by 4" in capsys.readouterr().err
+    assert "--d-model must be divisible by 4" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "step", "--d-model", "16", "--layers", "1", "--vocab", "32", "--arms", "gefen-fused,no-such"])
     assert exit_info.value.code == 2
@@ -184,7 +186,7 @@ def test_bench_quality_bad_options_exit_with_usage(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "quality", "--tasks", "char-tiny", "--sweep-seeds", "0"])
     assert exit_info.value.code == 2
-    assert "sweep_seeds must be a positive int, got 0" in capsys.readouterr().err
+    assert "--sweep-seeds must be a positive int, got 0" in capsys.readouterr().err
 
 
 def test_bench_quality_refuses_an_unknown_device() -> None:

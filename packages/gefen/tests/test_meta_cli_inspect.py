@@ -486,6 +486,7 @@ HOSTILE: dict[str, tuple[object, str]] = {
     ),
     "an unhashable format": ({"format": [1]}, "UNKNOWN FORMAT"),
     "params that are an int": ({"state": {}, "param_groups": [{"params": 5}]}, "CORRUPT"),
+    "no param groups (it read OK)": ({"state": {}, "param_groups": []}, "CORRUPT"),
     "moments of two shapes": (_adamw_state(exp_avg_sq=torch.zeros(2, 3)), "CORRUPT"),
     "a negative step": (_adamw_state(step=torch.tensor(-7.5)), "CORRUPT"),
     "a list that holds itself": (_recursive(), "CORRUPT"),

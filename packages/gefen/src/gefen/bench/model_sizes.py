@@ -4,7 +4,9 @@
 filled in (256 tokens for ``tiny``, 2048 for the other small presets); ``bench_decoder("100m")``
 is a decoder with an 8192-token vocabulary, context 256 and heads of 64 dimensions near 100
 million parameters: the width (256 to 1024 in steps of 128) whose usual depth of width / 64
-layers comes nearest, then as many layers (at least one) as come nearest.
+layers comes nearest, then as many layers (at least one) as come nearest. A size the family
+cannot come within a quarter of (below about 4 million: one layer of width 256 has 5.05
+million) is refused rather than measured as another size.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ __all__ = ["bench_decoder", "sized_decoder"]
 _SIZED = re.compile(r"^(\d+(?:\.\d+)?)m$")
 _SIZED_VOCAB = 8192
 _SIZED_CONTEXT = 256
+#: How far (relative) the decoder built may be from the size asked for.
+_SIZE_TOLERANCE = 0.25
 
 
 def _config(width: int, layers: int) -> DecoderConfig:
@@ -34,7 +38,14 @@ def sized_decoder(parameters: int) -> DecoderConfig:
     width = min(widths, key=lambda w: abs(math.log(_config(w, w // 64).parameter_count() / parameters)))
     one = _config(width, 1).parameter_count()
     per_layer = _config(width, 2).parameter_count() - one
-    return _config(width, max(1, round((parameters - one) / per_layer) + 1))
+    config = _config(width, max(1, round((parameters - one) / per_layer) + 1))
+    built = config.parameter_count()
+    if abs(built - parameters) > _SIZE_TOLERANCE * parameters:
+        raise ValueError(
+            f"no decoder of the sized family comes within {_SIZE_TOLERANCE:.0%} of {parameters:,} parameters "
+            f"(the nearest has {built:,}, the smallest {_config(256, 1).parameter_count():,}); use a larger size or a preset"
+        )
+    return config
 
 
 def bench_decoder(name: str) -> DecoderConfig:

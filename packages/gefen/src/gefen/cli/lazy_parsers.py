@@ -4,7 +4,9 @@ Most commands read their defaults and choices from modules that import torch (op
 dataclasses, model presets, optimizer registries): about 3.5 s before ``gefen --help`` could
 print a line. :class:`LazySubParsers` registers each such command with its name and one-line
 help only; the function that adds its arguments runs when argparse meets the command's name,
-just before it parses the command's own arguments (its ``--help`` included).
+just before it parses the command's own arguments (its ``--help`` included). The parser of
+the innermost command chosen is left in the namespace as ``command_parser`` (``gefen`` names
+its flags in usage errors).
 """
 
 from __future__ import annotations
@@ -42,4 +44,6 @@ class LazySubParsers(argparse._SubParsersAction):  # type: ignore[type-arg]
         name = values[0] if isinstance(values, list) and values else None
         if isinstance(name, str) and name in self._pending:
             self._pending.pop(name)(self._name_parser_map[name])
+        if isinstance(name, str) and name in self._name_parser_map:  # (a nested command's comes later, and wins)
+            namespace.command_parser = self._name_parser_map[name]
         super().__call__(parser, namespace, values, option_string)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -57,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_flags(message: str, parser: argparse.ArgumentParser | None) -> str:
+    """``message`` with the option fields it names (``StepOptions.repeats``, or a field that
+    opens it) written as the command's flags (``--repeats``), where the command has one."""
+    if parser is None:
+        return message
+    flags = {action.dest: max(action.option_strings, key=len) for action in parser._actions if action.option_strings}
+    message = re.sub(r"\b[A-Z]\w*Options\.(\w+)", lambda match: flags.get(match[1], match[0]), message)
+    return re.sub(r"^\w+\b", lambda match: flags.get(match[0], match[0]), message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the exit status is the command's (2 for a usage error, 130 when
     interrupted by Ctrl-C or SIGTERM).
@@ -74,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.handler(args)
     except UsageError as exc:
-        parser.exit(2, f"gefen {command}: error: {exc}\n")
+        parser.exit(2, f"gefen {command}: error: {_with_flags(str(exc), getattr(args, 'command_parser', None))}\n")
     except KeyboardInterrupt:  # Ctrl-C: the measuring processes are stopped with this one
         print(f"gefen {command}: interrupted", file=sys.stderr)
         return 130

@@ -330,6 +330,8 @@ def _describe_torch_shaped(state_dict: Mapping[str, Any], path: str, file_bytes:
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
         check.fail("param_groups", "must be a list of dicts")
         groups = []
+    elif not groups:  # torch.optim refuses to build an optimizer without parameters
+        check.fail("param_groups", "is empty: no optimizer saves a state dict without parameter groups")
     if not isinstance(state, Mapping):
         check.fail("state", "must be a dict keyed by parameter id")
         state = {}
