@@ -95,6 +95,20 @@ def test_every_corruption_class_on_either_half_is_refused_with_nothing_changed(b
     assert same_tree(saved, target.state_dict())
 
 
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_a_refused_half_names_the_composites_group_indices(backup: str) -> None:
+    """The backup's loader numbers its own groups (``param_groups[0]``); the load's error now
+    carries the note a step's error carries, mapping them to the composite's."""
+    _, optimizer = _trained(backup)
+    saved = optimizer.state_dict()
+    last = len(saved["param_groups"]) - 1
+    saved["param_groups"][last]["lr"] = -1.0
+    with pytest.raises(StateValidationError) as raised:
+        optimizer.load_state_dict(saved)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("'backup' child" in n and f"this composite's param_groups[{last}..{last}]" in n for n in notes), notes
+
+
 def _corrupted_halves(optimizer: GefenMuonHybrid, saved: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Every corruption class applied to one child's part of the flat composite state dict at a
     time (named ``<class>@<role>``), the rest of the dict left as saved."""

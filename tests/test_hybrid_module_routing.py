@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import pickle
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid, GefenOptionError, ParameterError
+from gefen_hybrid import RoutingWarning
 from hybrid_models import SmallCNN, TiedHeadFirst, TinyLlama, seeded, train
 from torch import nn
 
@@ -190,3 +195,42 @@ def test_gefen_routing_prints_the_hybrids_routing_with_the_deciding_rule(capsys:
         main(["routing", "hybrid_models:no_such_function"])
     assert raised.value.code == 2
     assert "cannot load hybrid_models:no_such_function" in capsys.readouterr().err
+
+
+def _unfrozen_later(optimizer_of: Callable[[nn.Module], GefenMuonHybrid]) -> tuple[nn.Module, GefenMuonHybrid]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    return model, optimizer_of(model)
+
+
+def _train_step(model: nn.Module, optimizer: GefenMuonHybrid) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(3, 8)).square().mean().backward()
+    optimizer.step()
+
+
+def test_a_parameter_frozen_at_build_and_unfrozen_later_is_named_once_in_a_warning() -> None:
+    """The hybrid leaves out the model's frozen parameters (as documented); torch's optimizers
+    keep them, so a gradual-unfreezing fine-tune trained them with AdamW and silently not with
+    the hybrid. Its first step with such a gradient now warns, once."""
+    model, optimizer = _unfrozen_later(lambda m: GefenMuonHybrid(m, lr=1e-2))
+    _train_step(model, optimizer)  # still frozen: nothing to say
+    model[0].requires_grad_(True)
+    with pytest.warns(RoutingWarning, match=r"2 parameter\(s\) .* frozen when this optimizer was built.*'0.weight'"):
+        _train_step(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(model, optimizer)  # said once
+        copy.deepcopy(optimizer).step()
+        pickle.loads(pickle.dumps(optimizer))
+
+
+def test_a_frozen_parameter_added_with_add_param_group_is_not_warned_about() -> None:
+    model, optimizer = _unfrozen_later(lambda m: GefenMuonHybrid(m, lr=1e-2))
+    optimizer.add_param_group({"params": list(model[0].named_parameters(prefix="0"))})
+    model[0].requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(model, optimizer)
+    assert {name for name, _ in optimizer.parameter_routing()} >= {"0.weight", "0.bias"}

@@ -117,6 +117,30 @@ def test_a_bad_backup_option_is_refused_before_any_child_steps_and_placed_in_the
     assert any(f"this composite's param_groups[{last}..{last}]" in note for note in raised.value.__notes__)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"betas": (0.9, 1.5)}, r"\['betas'\]\[1\] must be in \[0, 1\), got 1.5"),
+        ({"betas": (1.0, 0.999)}, r"\['betas'\]\[0\] must be in \[0, 1\), got 1.0"),
+        ({"lr": -1e-3}, r"\['lr'\] must be >= 0"),
+        ({"amsgrad": True}, "amsgrad was turned on after a parameter's first step"),
+    ],
+    ids=["beta2-above-one", "beta1-one", "negative-lr", "amsgrad-late"],
+)
+def test_a_backup_option_torch_checks_only_when_built_is_refused_before_any_child_steps(
+    edit: dict[str, object], message: str
+) -> None:
+    """torch's AdamW checks ranges in its constructor only: a group edited (or added) later with
+    beta >= 1 divided by zero or went NaN in its arithmetic, and amsgrad turned on mid-run raised
+    a ``KeyError``, each after the Muon child had stepped."""
+    model, optimizer = _hybrid("adamw")
+    optimizer.param_groups[-1].update(edit)
+    before = deep_snapshot(optimizer, model)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, model) == []
+
+
 @pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
 def test_a_tensor_appended_to_a_named_group_is_refused_naming_add_param_group(name: str) -> None:
     """A tensor appended to a named group's ``params`` by hand has no name; the step indexed the

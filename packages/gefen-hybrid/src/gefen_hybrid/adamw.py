@@ -68,7 +68,9 @@ def _torch_adam_step() -> Callable[..., Any]:
     return step  # type: ignore[no-any-return]
 
 
-def _check_option_types(group: Mapping[str, Any], index: int) -> None:
+def _check_options(group: Mapping[str, Any], index: int) -> None:
+    """The group's rates are numbers or 1-element tensors, and the numbers (not the tensors:
+    reading one would synchronise the device every step) in torch's constructor's ranges."""
     for key in ("lr", "eps", "weight_decay"):
         if not is_rate(group[key]):
             raise TypeError(
@@ -77,6 +79,18 @@ def _check_option_types(group: Mapping[str, Any], index: int) -> None:
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(is_rate(b) for b in betas):
         raise TypeError(f"param_groups[{index}]['betas'] must be two real numbers or 1-element tensors, got {betas!r}")
+    for where, value, upper in (
+        ("['lr']", group["lr"], None),
+        ("['eps']", group["eps"], None),
+        ("['weight_decay']", group["weight_decay"], None),
+        ("['betas'][0]", betas[0], 1.0),
+        ("['betas'][1]", betas[1], 1.0),
+    ):
+        # torch checks these only when the optimizer is built; a group added or edited later with
+        # beta >= 1 divided by zero or went NaN in the arithmetic, after the groups before it stepped
+        if not isinstance(value, torch.Tensor) and not (value >= 0.0 and (upper is None or value < upper)):
+            bound = f"in [0, {upper:g})" if upper is not None else ">= 0"
+            raise ValueError(f"param_groups[{index}]{where} must be {bound}, got {value!r}")
 
 
 #: The layouts ``post_sharding`` binds: AdamW is elementwise, so a flattened element shard
@@ -250,9 +264,11 @@ class ContractedAdamW(torch.optim.AdamW):
         """Raise the error ``step()`` would raise for the attached gradients; change nothing.
 
         Checks: each group's ``lr``, ``eps`` and ``weight_decay`` a real number or a 1-element
-        tensor and ``betas`` two of them (torch's step raises a ``TypeError`` for a ``None``
-        only in its arithmetic, after the groups before it stepped: a composite with this
-        backup would step its other child first), sparse gradients, a gradient whose kind (DTensor or not), shape, dtype or
+        tensor and ``betas`` two of them, the numbers in the ranges torch's constructor allows
+        (torch's step raises for a ``None`` or divides by a zero bias correction only in its
+        arithmetic, after the groups before it stepped: a composite with this backup would step
+        its other child first), ``amsgrad`` turned on after a parameter's first step (torch's
+        step raises a ``KeyError`` for its missing ``max_exp_avg_sq``), sparse gradients, a gradient whose kind (DTensor or not), shape, dtype or
         device differs from its parameter, state whose shape no longer matches its (resized)
         parameter, parameters the fused kernel cannot take, a tensor ``lr`` on a device that
         is neither the CPU nor the parameters', a tensor ``lr`` with ``foreach=True`` and
@@ -266,7 +282,7 @@ class ContractedAdamW(torch.optim.AdamW):
         fused_check = _fused_device_check()
         capturable_devices = _get_capturable_supported_devices()
         for index, group in enumerate(self.param_groups):
-            _check_option_types(group, index)
+            _check_options(group, index)
             if not group["capturable"] and runs_foreach(group, group["lr"]):
                 # torch's multi-tensor Adam refuses these only after stepping the groups before
                 if isinstance(group["lr"], torch.Tensor):
@@ -277,6 +293,11 @@ class ContractedAdamW(torch.optim.AdamW):
             check_tensor_lr(group["lr"], group["params"], f"param_groups[{index}]")
             for parameter in group["params"]:
                 state = self.state.get(parameter)
+                if group["amsgrad"] and state and parameter.grad is not None and "max_exp_avg_sq" not in state:
+                    raise RuntimeError(
+                        f"param group {index}: amsgrad was turned on after a parameter's first step, and its state "
+                        "has no max_exp_avg_sq (set amsgrad before the first step, or build a new optimizer)"
+                    )
                 for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                     held = state.get(key) if state else None
                     if isinstance(held, torch.Tensor) and held.shape != parameter.shape:

@@ -8,6 +8,7 @@ children's, so LR schedulers, GradScaler and user code see and edit the children
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,12 +52,13 @@ from . import composite_checkpoint as checkpoint
 from .composite_binding import ChangeCounter
 from .composite_contract import derive_composite_contract
 from .composite_format import build_composite_state_dict
-from .composite_groups import new_group_parts
+from .composite_groups import child_groups_noted, new_group_parts
 from .composite_identity import CompositeIdentity
 from .composite_state import CompositeState
 from .failure_vote import step_vote_groups, vote_failure
 from .roles import ROLES, check_role, role_tag
 from .routing import (
+    FrozenLeftOut,
     NamedParameter,
     RoutedParameters,
     RoutingRules,
@@ -177,6 +179,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
         )
         self._rules = checked_rules(rules)
         self._model_ref: weakref.ref[nn.Module] | None = None if model is None else weakref.ref(model)
+        self._left_out = None if model is None else FrozenLeftOut(model, _optimized_ids(self))
         self._owners: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
         self._changes = ChangeCounter()
         self._identity: CompositeIdentity | None = None
@@ -376,20 +379,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
         vote. A child's error names its own group indices; a note maps them to this composite's.
         After an overflow the scaler reported, no child steps, so none checks its gradients (a
         first step's are not finite, and the scaler must skip it, not fail)."""
-        offset = 0
         checks = not scaler_overflowed(self)
         for role, child in self._children:
             if checks and isinstance(child, StepPreflight):
-                try:
+                with child_groups_noted(self._children, role):
                     child.preflight_step()
-                except Exception as exc:
-                    count = len(child.param_groups)
-                    exc.add_note(
-                        f"raised by the {role!r} child, whose param_groups[0..{count - 1}] are this composite's "
-                        f"param_groups[{offset}..{offset + count - 1}]"
-                    )
-                    raise
-            offset += len(child.param_groups)
         amp.check_scalable(self, self._children)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -402,6 +396,8 @@ class CompositeOptimizer(torch.optim.Optimizer):
         """
         args: tuple[Any, ...] = (self,) if closure is None else (self, closure)
         kwargs: dict[str, Any] = {}
+        if self._left_out:
+            self._left_out.check(functools.partial(_optimized_ids, self))
         try:
             with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
                 groups = step_vote_groups([child for _, child in self._children])
@@ -565,6 +561,10 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_post_hooks",
 )
 _INSTANCE_ONLY = frozenset({*_HOOK_DICTS, "step"})
+
+
+def _optimized_ids(composite: CompositeOptimizer) -> set[int]:
+    return {id(parameter) for group in composite.param_groups for parameter in group["params"]}
 
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:

@@ -19,6 +19,7 @@ from gefen_contracts.torch_support import run_load_pre_hooks, share_options, sha
 from gefen_contracts.transactions import StagedTransaction
 
 from .composite_format import children_of_state_dict
+from .composite_groups import child_groups_noted
 
 if TYPE_CHECKING:
     from .composite import CompositeOptimizer
@@ -84,7 +85,8 @@ def stage(composite: CompositeOptimizer, state_dict: object, *, run_child_hooks:
     }
     staged: dict[str, StagedTransaction] = {}
     for role, child in composite._children:
-        staged[role] = child.stage_state_dict(hooked[role])  # type: ignore[attr-defined]
+        with child_groups_noted(composite._children, role):
+            staged[role] = child.stage_state_dict(hooked[role])  # type: ignore[attr-defined]
     payload = (staged, _shared_options(composite, hooked))
     return StagedTransaction(composite, kind=LOAD_KIND, token=load_token(composite), payload=payload)
 
@@ -108,14 +110,15 @@ def load_partially_staged(composite: CompositeOptimizer, state_dict: object) -> 
         role: run_load_pre_hooks(child, subs[role]) if staged_capable(child) else subs[role]
         for role, child in composite._children
     }
-    staged = {
-        role: child.stage_state_dict(hooked[role])  # type: ignore[attr-defined]
-        for role, child in composite._children
-        if staged_capable(child)
-    }
+    staged = {}
+    for role, child in composite._children:
+        if staged_capable(child):
+            with child_groups_noted(composite._children, role):
+                staged[role] = child.stage_state_dict(hooked[role])  # type: ignore[attr-defined]
     for role, child in composite._children:
         if role not in staged:
-            child.load_state_dict(subs[role])
+            with child_groups_noted(composite._children, role):
+                child.load_state_dict(subs[role])
     for role, child in composite._children:
         if role in staged:
             child.commit_staged_state_dict(staged[role])  # type: ignore[attr-defined]

@@ -4,11 +4,13 @@
 any child changes: the group's named parameters are routed by the composite's rules (frozen
 ones kept, as torch's ``add_param_group`` keeps them), a name already in use, a parameter
 already optimized or a part for an absent child is refused, and ``role_options`` are checked.
+:func:`child_groups_noted` maps a child's group indices in its errors to the composite's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,7 +18,28 @@ import torch
 from .roles import ROLES, check_role
 from .routing import backup_module_weight_ids, route_named_parameters
 
-__all__ = ["new_group_parts"]
+__all__ = ["child_groups_noted", "new_group_parts"]
+
+
+@contextmanager
+def child_groups_noted(children: Sequence[tuple[str, Any]], role: str) -> Iterator[None]:
+    """Run a ``role`` child's step check or load; an exception it raises names the child's own
+    group indices, so it leaves with a note mapping them to the composite's (the children's
+    groups stand in ``children``'s order)."""
+    try:
+        yield
+    except Exception as exc:
+        offset = 0
+        for name, child in children:
+            count = len(child.param_groups)
+            if name == role:
+                exc.add_note(
+                    f"raised by the {role!r} child, whose param_groups[0..{count - 1}] are this composite's "
+                    f"param_groups[{offset}..{offset + count - 1}]"
+                )
+                break
+            offset += count
+        raise
 
 
 def new_group_parts(

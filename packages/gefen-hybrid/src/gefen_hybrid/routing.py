@@ -27,6 +27,7 @@ twice (tied weights) is routed once, under its first name.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -39,6 +40,7 @@ from .roles import ROLE_BACKUP, ROLE_MUON, ROLES, check_role
 
 __all__ = [
     "DEFAULT_BACKUP_SUBSTRINGS",
+    "FrozenLeftOut",
     "OUTPUT_HEAD_NAMES",
     "NamedParameter",
     "RoutePredicate",
@@ -63,7 +65,48 @@ OUTPUT_HEAD_NAMES: tuple[str, ...] = ("lm_head", "output", "head")
 
 
 class RoutingWarning(UserWarning):
-    """Named parameters were routed whose names cannot tell an embedding or a head from a hidden matrix."""
+    """Named parameters were routed whose names cannot tell an embedding or a head from a hidden
+    matrix, or a model's parameter left out because it was frozen has a gradient."""
+
+
+class FrozenLeftOut:
+    """A routed model's parameters that were frozen, so left out, when the composite was built
+    (held weakly). :meth:`check` warns once if one of them has a gradient and is still not
+    optimized: it was unfrozen (as a gradual-unfreezing fine-tune does) and is not trained,
+    where torch's optimizers, which keep frozen parameters, would train it."""
+
+    def __init__(self, model: nn.Module, optimized: set[int]) -> None:
+        self._left: list[tuple[str, weakref.ref[torch.Tensor]]] = [
+            (name, weakref.ref(parameter))
+            for name, parameter in model.named_parameters()
+            if not parameter.requires_grad and id(parameter) not in optimized
+        ]
+
+    def check(self, optimized: Callable[[], set[int]]) -> None:
+        """Called by every step while something is left; ``optimized`` gives the ids of the
+        parameters optimized now (a frozen one may have been added by ``add_param_group``)."""
+        if not any((p := ref()) is not None and p.grad is not None for _, ref in self._left):
+            return  # the common case: one attribute read per left-out parameter
+        ids = optimized()
+        unfrozen = [
+            name for name, ref in self._left if (p := ref()) is not None and p.grad is not None and id(p) not in ids
+        ]
+        self._left = [(name, ref) for name, ref in self._left if (p := ref()) is not None and id(p) not in ids]
+        if unfrozen:
+            self._left = []  # warn once
+            warnings.warn(
+                f"{len(unfrozen)} parameter(s) of the model were frozen when this optimizer was built, so it left "
+                f"them out, and now have gradients: {unfrozen[:3]} are not trained; build the optimizer after "
+                "unfreezing them, or add them with add_param_group",
+                RoutingWarning,
+                stacklevel=3,
+            )
+
+    def __bool__(self) -> bool:
+        return bool(self._left)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"_left": []}  # weak references neither pickle nor belong to a copy
 
 
 NamedParameter = tuple[str, torch.Tensor]
