@@ -81,20 +81,23 @@ def _fsdp_model(mesh: Any) -> torch.nn.Module:
     return model
 
 
-def fsdp_parity(rank: int, world: int, clip_threshold: float | None = None, min_dim: int = 0) -> dict[str, Any]:
+def fsdp_parity(
+    rank: int, world: int, clip_threshold: float | None = None, min_dim: int = 0, stochastic_round: bool = False
+) -> dict[str, Any]:
     """FSDP2 with the default constructor versus a single-process run on the same data.
 
     After one step (identical gradients) the sharded factored statistics must equal the
     single-process ones; after ``STEPS`` the parameters must stay close. With ``clip_threshold``
     factored updates are clipped (a small one clips every one), the statistic summed over the
     row shards. ``min_dim`` is ``min_dim_size_to_factor``: 0 factors every matrix, the default
-    (128) gives these narrow ones a per-element ``v`` instead.
+    (128) gives these narrow ones a per-element ``v`` instead. With ``stochastic_round`` every
+    element must draw what it draws in one process (a row shard's draws start at its first row).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     model = _fsdp_model(mesh)
-    options = {"clip_threshold": clip_threshold, "min_dim_size_to_factor": min_dim}
+    options = {"clip_threshold": clip_threshold, "min_dim_size_to_factor": min_dim, "stochastic_round": stochastic_round}
     opt = Gefen(model.named_parameters(), lr=LR, **options)
     initial = [p.detach().clone() for p in make_model().parameters()]
     reference = make_model()

@@ -31,12 +31,12 @@ def test_ddp_replicas_stay_bit_identical(world: GlooWorld) -> None:
 
 
 @pytest.mark.parametrize(
-    ("clip_threshold", "min_dim"),
-    [(None, 0), (1.0, 0), (0.05, 0), (None, 128)],
-    ids=["factored", "clipping", "always-clipping", "default-narrow"],
+    ("clip_threshold", "min_dim", "stochastic_round"),
+    [(None, 0, False), (1.0, 0, False), (0.05, 0, False), (None, 128, False), (None, 0, True)],
+    ids=["factored", "clipping", "always-clipping", "default-narrow", "stochastic-rounding"],
 )
 def test_fsdp2_default_constructor_trains_like_one_process(
-    world: GlooWorld, clip_threshold: float | None, min_dim: int
+    world: GlooWorld, clip_threshold: float | None, min_dim: int, stochastic_round: bool
 ) -> None:
     """Same batches on every rank: the averaged gradient is the one-process gradient, the
     mesh's codebook is learned from the whole histogram and blocks never cross a row, so
@@ -44,8 +44,9 @@ def test_fsdp2_default_constructor_trains_like_one_process(
     (what a sharded 1-D parameter keeps, README "Distributed training"). Update clipping's
     statistic is summed over the row shards, so it clips exactly as one process does. With
     the default ``min_dim_size_to_factor`` these narrow matrices keep a per-element ``v``,
-    row-sharded with the parameter and needing no collective."""
-    results = world.run(cases.fsdp_parity, clip_threshold, min_dim)
+    row-sharded with the parameter and needing no collective. Stochastic rounding drew the same
+    numbers on every shard (each started at element 0), so FSDP2 differed from one process."""
+    results = world.run(cases.fsdp_parity, clip_threshold, min_dim, stochastic_round)
     for rank, result in enumerate(results):
         for name, gap in result["gaps"].items():
             assert gap == 0.0, f"rank {rank}: {name} moved {gap:.3e} (relative) away from one process"

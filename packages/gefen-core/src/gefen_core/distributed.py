@@ -17,18 +17,29 @@ Representation per layout (the default constructor works everywhere):
   over the mesh with one ``all_reduce`` per mesh per step (every factored row-sharded
   parameter of the step travels in the same packet). Every rank of the mesh must therefore
   step the same row-sharded 2-D parameters (true under FSDP2, where every rank gets every
-  gradient).
+  gradient);
+* so before a step's first collective the members agree (:func:`agree_step`, one
+  ``all_gather`` of two int64 per step): a member whose step failed (a non-finite first
+  gradient, say) makes every member raise, instead of leaving the others waiting in the next
+  collective, and members stepping different DTensor parameters raise together instead of
+  summing one parameter's statistics into another's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from gefen_contracts import CollectiveFailureError
 from gefen_contracts.torch_support import is_dtensor, local_tensor
 
+from .errors import ShardAgreementError
+
 __all__ = [
+    "STEP_PHASE",
+    "agree_step",
     "all_reduce_sums",
     "check_parameter_layout",
     "counted_once_per_mesh",
@@ -141,6 +152,50 @@ def learning_mesh(params: Iterable[torch.Tensor]) -> Any:
 def counted_once_per_mesh(param: torch.Tensor) -> bool:
     """False on the non-zero coordinates of a ``Replicate()`` DTensor (its gradient is on every rank)."""
     return not is_dtensor(param) or is_row_sharded(param) or int(param.device_mesh.get_local_rank()) == 0  # type: ignore[attr-defined]
+
+
+#: The phase a failure voted by :func:`agree_step` names.
+STEP_PHASE = "step"
+
+
+def agree_step(
+    mesh: Any, error: BaseException | None, stepping: Sequence[int], slot_names: Callable[[], Sequence[str]]
+) -> None:
+    """Agree, over ``mesh``, that every member planned its step and steps the same DTensor
+    parameters (``stepping``: their slots, the optimizer's parameter positions). One
+    ``all_gather`` of ``[failed, digest of stepping]``; every member sees every row, so all
+    raise together: :class:`~gefen_contracts.CollectiveFailureError` when one failed (the
+    failing member's carries ``error``, also as its cause), else
+    :class:`~gefen_core.errors.ShardAgreementError` when the slots differ (one more
+    ``all_reduce`` names the parameters and how many members step them)."""
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+    digest = int.from_bytes(hashlib.sha256(",".join(map(str, stepping)).encode()).digest()[:8], "big", signed=True)
+    header = torch.tensor([int(error is not None), digest], dtype=torch.int64, device=mesh.device_type)
+    gathered = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, header, group=group)
+    rows = [row.tolist() for row in gathered]
+    if error is not None:
+        raise CollectiveFailureError(
+            f"Gefen's step failed on this member of the mesh: {type(error).__name__}: {error}",
+            phase=STEP_PHASE,
+            local=True,
+        ) from error
+    if any(row[0] for row in rows):
+        raise CollectiveFailureError("Gefen's step failed on another member of the mesh", phase=STEP_PHASE, local=False)
+    if any(row[1] != rows[0][1] for row in rows):
+        names = slot_names()
+        bits = torch.zeros(len(names), dtype=torch.int64, device=mesh.device_type)
+        bits[list(stepping)] = 1
+        dist.all_reduce(bits, op=dist.ReduceOp.SUM, group=group)
+        world = len(rows)
+        uneven = [f"{names[slot]} ({n}/{world} members)" for slot, n in enumerate(bits.tolist()) if 0 < n < world]
+        raise ShardAgreementError(
+            f"Gefen: the members of the mesh step different DTensor parameters (gradient presence differs: "
+            f"{', '.join(uneven)}); every member must step the same sharded parameters, as FSDP2 gives each one "
+            "every gradient"
+        )
 
 
 def sum_over_mesh(counts: torch.Tensor, mesh: Any) -> torch.Tensor:

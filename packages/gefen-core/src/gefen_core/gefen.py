@@ -314,11 +314,17 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
                     loss = closure()
             if scaler_overflowed(self):  # before the plan: an overflowed first gradient is not an error
                 return loss
-            plan = gefen_step.plan(self)
-            # a generator: without a scaler the gradients are not walked at all
-            unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
-            for work in plan.moving:
-                gefen_step.move_state(work)
+            plan = None
+            try:
+                plan = gefen_step.plan(self)
+                # a generator: without a scaler the gradients are not walked at all
+                unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
+                for work in plan.moving:
+                    gefen_step.move_state(work)
+            except Exception as exc:  # under FSDP2 the other members must not wait in a collective
+                gefen_step.agree_on_mesh(self, None, exc)
+                raise
+            gefen_step.agree_on_mesh(self, plan, None)
             stats = gefen_step.factored_stats(self, plan)
             gefen_step.publish(self, plan, gefen_step.decide(self, plan), stats)
             return loss

@@ -1,6 +1,7 @@
 """``Gefen``'s step between its checks and its arithmetic, as functions of the optimizer.
 
-``Gefen.step`` runs :func:`plan` (every check, nothing mutated), then :func:`decide` (what
+``Gefen.step`` runs :func:`plan` (every check, nothing mutated), under FSDP2 then
+:func:`agree_on_mesh` (every member planned, and steps the same DTensor parameters), then :func:`decide` (what
 the step starts: periods of parameters stepping for the first time, the codebook when none
 exists or a refresh is due; staged, nothing published), then :func:`publish` (new states,
 the codebook, one :func:`~gefen_core.parameter_update.update_parameters` call per bucket of
@@ -18,7 +19,15 @@ import torch
 from gefen_contracts.torch_support import on_device, storage_overlap
 
 from .codebook import codebook_from_counts, gradient_histogram, requantize
-from .distributed import all_reduce_sums, counted_once_per_mesh, learning_mesh, local_tensor, sum_over_mesh
+from .distributed import (
+    agree_step,
+    all_reduce_sums,
+    counted_once_per_mesh,
+    is_dtensor,
+    learning_mesh,
+    local_tensor,
+    sum_over_mesh,
+)
 from .errors import ParameterError
 from .identity import verify_layout
 from .momentum_codec import stochastic_seed
@@ -91,6 +100,33 @@ def plan(optimizer: Gefen) -> StepPlan:
         codebook_ready=optimizer._codebook is not None,
         refresh_due=refresh_due(optimizer),
     )
+
+
+def agree_on_mesh(optimizer: Gefen, plan: StepPlan | None, error: BaseException | None) -> None:
+    """Under FSDP2 (DTensor parameters on a mesh of two or more), the agreement every member
+    runs before the step's first collective (:func:`gefen_core.distributed.agree_step`):
+    ``plan`` is ``None`` where planning raised ``error``. Plain tensors: nothing, at no cost.
+    (A member whose gradients are all plain tensors while another's are DTensors is not
+    caught: no model gives one rank only its replicated parameters' gradients.)"""
+    if plan is not None and plan.works and not plan.has_dtensors:
+        return
+    if plan is not None and plan.has_dtensors:
+        mesh = learning_mesh(w.param for w in plan.works)
+    else:  # failed, or nothing to step here: the optimizer's parameters tell the mesh
+        mesh = learning_mesh(p for group in optimizer.param_groups for p in group["params"])
+    if mesh is None:
+        return
+    stepping = [] if plan is None else [w.slot for w in plan.works if is_dtensor(w.param)]
+    agree_step(mesh, error, stepping, lambda: _slot_names(optimizer))
+
+
+def _slot_names(optimizer: Gefen) -> list[str]:
+    names = []
+    for index, group in enumerate(optimizer.param_groups):
+        given = group.get("param_names")
+        for position in range(len(group["params"])):
+            names.append(repr(given[position]) if given else f"param_groups[{index}]['params'][{position}]")
+    return names
 
 
 def decide(optimizer: Gefen, plan: StepPlan) -> StepDecision:
@@ -280,14 +316,28 @@ def requantize_all(optimizer: Gefen, old: torch.Tensor, new: torch.Tensor) -> li
 
 
 def _seeds(optimizer: Gefen, works: list[ParamWork], device: torch.device) -> torch.Tensor | None:
-    """One stochastic-rounding seed per work (its slot at this global step), or ``None``."""
+    """One stochastic-rounding seed per work (its slot at this global step, and a row shard's
+    first element: every element draws what it draws in one process), or ``None``."""
     if not optimizer._stochastic_round:
         return None
+    firsts = [_first_element(work) for work in works]
     if optimizer._capturable:  # device arithmetic only: no host-to-device copy in a captured graph
         counter = _device_step(optimizer, device) * (1 << 32)
-        return torch.stack([counter + work.slot for work in works])
-    seeds = [stochastic_seed(optimizer._global_step, work.slot) for work in works]
+        return torch.stack([counter + stochastic_seed(0, work.slot, first) for work, first in zip(works, firsts)])
+    seeds = [stochastic_seed(optimizer._global_step, work.slot, first) for work, first in zip(works, firsts)]
     return on_device(seeds, torch.int64, device)
+
+
+def _first_element(work: ParamWork) -> int:
+    """The flat index, in the whole parameter, of the local shard's first element (a row-sharded
+    DTensor's rows before this member's; 0 for a tensor held whole)."""
+    if not work.row_sharded:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    param: Any = work.param
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) * int(param.numel() // max(1, param.shape[0]))
 
 
 def _device_step(optimizer: Gefen, device: torch.device) -> torch.Tensor:
