@@ -97,7 +97,11 @@ def fsdp_parity(
 
     mesh = init_device_mesh("cpu", (world,))
     model = _fsdp_model(mesh)
-    options = {"clip_threshold": clip_threshold, "min_dim_size_to_factor": min_dim, "stochastic_round": stochastic_round}
+    options = {
+        "clip_threshold": clip_threshold,
+        "min_dim_size_to_factor": min_dim,
+        "stochastic_round": stochastic_round,
+    }
     opt = Gefen(model.named_parameters(), lr=LR, **options)
     initial = [p.detach().clone() for p in make_model().parameters()]
     reference = make_model()
@@ -183,3 +187,74 @@ def fsdp_checkpoints(rank: int, world: int) -> dict[str, Any]:
             for a, b in zip(straight.parameters(), model.parameters())
         )
     return results
+
+
+def _outcome(run: Any) -> dict[str, Any]:
+    from gefen_contracts import CollectiveFailureError
+
+    try:
+        run()
+    except CollectiveFailureError as exc:
+        cause = exc.__cause__
+        return {"type": "CollectiveFailureError", "local": exc.local, "cause": type(cause).__name__ if cause else None}
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None}
+
+
+def fsdp_failures_and_presence(rank: int, world: int) -> dict[str, Any]:
+    """A first gradient with an inf on rank 0 only (one reduce-scatter's bad element): rank 0's
+    step raised, rank 1's waited forever in the codebook's all-reduce. Then the ranks step
+    different matrices (rank 1 drops one gradient): the factored statistics' packets of
+    two same-shaped matrices were summed into each other. Both now raise on every rank,
+    change nothing, and a clean step afterwards trains on."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    for layer in model:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = Gefen(model.named_parameters(), lr=LR, min_dim_size_to_factor=0)
+
+    def backward(step: int) -> None:
+        opt.zero_grad()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+
+    def snapshot() -> list[torch.Tensor]:
+        tensors = [p.to_local().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+        for entry in opt.state.values():
+            tensors += [
+                v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+                for v in entry.values()
+                if torch.is_tensor(v)
+            ]
+        return tensors
+
+    backward(0)
+    if rank == 0:
+        model[1].bias.grad.to_local()[0] = float("inf")  # type: ignore[union-attr]
+    before = snapshot()
+    failure = _outcome(opt.step)
+    failure_unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot())) and not opt.state
+    backward(1)
+    opt.step()  # a clean step learns the codebook on both ranks
+    backward(2)
+    if rank == 1:
+        model[0].weight.grad = None
+    before = snapshot()
+    presence = _outcome(opt.step)
+    presence_unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    backward(3)
+    opt.step()
+    return {
+        "failure": failure,
+        "failure_unchanged": failure_unchanged,
+        "presence": presence,
+        "presence_unchanged": presence_unchanged,
+        "trained_on": opt.global_step,
+    }

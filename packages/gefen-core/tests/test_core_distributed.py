@@ -65,3 +65,14 @@ def test_fsdp2_rank_local_checkpoints_resume_exactly(world: GlooWorld) -> None:
     for result in world.run(cases.fsdp_checkpoints):
         assert result["native"], "native rank-local resume must be bit-exact"
         assert result["dcp"], "get/set_optimizer_state_dict resume must be bit-exact"
+
+
+def test_a_failure_or_a_different_set_of_gradients_on_one_rank_raises_on_every_rank(world: GlooWorld) -> None:
+    rank0, rank1 = world.run(cases.fsdp_failures_and_presence)
+    assert rank0["failure"] == {"type": "CollectiveFailureError", "local": True, "cause": "GradientError"}
+    assert rank1["failure"] == {"type": "CollectiveFailureError", "local": False, "cause": None}
+    for result in (rank0, rank1):
+        assert result["failure_unchanged"] and result["presence_unchanged"]
+        assert result["presence"]["type"] == "ShardAgreementError"
+        assert "'0.weight' (1/2 members)" in result["presence"]["message"]
+        assert result["trained_on"] == 2

@@ -47,6 +47,7 @@ __all__ = [
     "is_row_sharded",
     "learning_mesh",
     "local_tensor",
+    "shard_rows",
     "sum_over_mesh",
     "topology_record",
 ]
@@ -152,6 +153,13 @@ def learning_mesh(params: Iterable[torch.Tensor]) -> Any:
 def counted_once_per_mesh(param: torch.Tensor) -> bool:
     """False on the non-zero coordinates of a ``Replicate()`` DTensor (its gradient is on every rank)."""
     return not is_dtensor(param) or is_row_sharded(param) or int(param.device_mesh.get_local_rank()) == 0  # type: ignore[attr-defined]
+
+
+def shard_rows(rows: int, world: int, coordinate: int) -> tuple[int, int]:
+    """``(start, length)`` of member ``coordinate``'s rows under ``Shard(0)`` (``torch.chunk``'s rule)."""
+    chunk = -(-rows // world) if world else 0
+    start = min(chunk * coordinate, rows)
+    return start, max(0, min(rows, start + chunk) - start)
 
 
 #: The phase a failure voted by :func:`agree_step` names.

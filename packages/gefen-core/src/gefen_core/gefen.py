@@ -317,6 +317,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
             plan = None
             try:
                 plan = gefen_step.plan(self)
+                gefen_step.relearn_if_outgrown(self, plan)
                 # a generator: without a scaler the gradients are not walked at all
                 unscale_gradients(self, (w.param.grad for w in plan.works if w.param.grad is not None))
                 for work in plan.moving:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from gefen_contracts.torch_support import on_device, storage_overlap
+from gefen_contracts.torch_support import finite_bounds, on_device, storage_overlap
 
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .distributed import (
@@ -26,9 +26,10 @@ from .distributed import (
     is_dtensor,
     learning_mesh,
     local_tensor,
+    shard_rows,
     sum_over_mesh,
 )
-from .errors import ParameterError
+from .errors import GradientError, ParameterError
 from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Stats",
+    "agree_on_mesh",
     "decide",
     "factored_stats",
     "locally_nonzero",
@@ -58,6 +60,8 @@ __all__ = [
     "plan",
     "publish",
     "refresh_due",
+    "outgrown",
+    "relearn_if_outgrown",
     "requantize_all",
     "require_kernels",
     "stage_decision",
@@ -100,6 +104,34 @@ def plan(optimizer: Gefen) -> StepPlan:
         codebook_ready=optimizer._codebook is not None,
         refresh_due=refresh_due(optimizer),
     )
+
+
+def outgrown(optimizer: torch.optim.Optimizer, starting: list[torch.Tensor]) -> bool:
+    """Whether the parameters starting now hold more elements (whole parameters: a DTensor's
+    global size) than those already holding state."""
+    if not starting:
+        return False
+    return sum(p.numel() for p in starting) > sum(p.numel() for p, state in optimizer.state.items() if state)
+
+
+def relearn_if_outgrown(optimizer: Gefen, plan: StepPlan) -> None:
+    """Make this step relearn the codebook (a refresh: ``plan.refresh_due``) when the parameters
+    starting now hold more elements than those already holding state. The codebook was then
+    learned without most of the gradients it is to quantise: a model unfrozen in stages whose
+    first stage was one scalar kept three codewords, and a 40 % worse loss, for the rest of its
+    training. Each such step at least doubles the elements holding state, so it comes a few
+    times at most. Counted in whole parameters (a DTensor's global size), so every member of a
+    mesh decides alike; a refresh's gradients must be finite, as :func:`plan_step` checks them
+    for one."""
+    if plan.refresh_due or optimizer._codebook is None or not outgrown(optimizer, [w.param for w in plan.starting]):
+        return
+    for work in plan.works:  # (the starting ones' were checked by the plan)
+        if work.state and work.grad.numel() and finite_bounds(work.grad) is None:
+            raise GradientError(
+                f"{work.where()}: the gradient is not finite at a step that relearns the codebook for the "
+                "parameters starting now (they outnumber those that learned it); the codebook cannot be learned from it"
+            )
+    plan.refresh_due = True
 
 
 def agree_on_mesh(optimizer: Gefen, plan: StepPlan | None, error: BaseException | None) -> None:
@@ -302,8 +334,11 @@ def _learn(optimizer: Gefen, items: list[tuple[ParamWork, int]], mesh: Any) -> t
     return codebook_from_counts(counts)
 
 
-def requantize_all(optimizer: Gefen, old: torch.Tensor, new: torch.Tensor) -> list[tuple[dict[str, Any], torch.Tensor]]:
-    """Every live state's codes re-expressed in the ``new`` codebook (staged, not written)."""
+def requantize_all(
+    optimizer: torch.optim.Optimizer, old: torch.Tensor, new: torch.Tensor
+) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """Every live state's codes re-expressed in the ``new`` codebook (staged, not written; Gefen's
+    and GefenMuon's states alike)."""
     staged = []
     for param, state in optimizer.state.items():
         if state and state[INDICES].numel():
@@ -333,11 +368,10 @@ def _first_element(work: ParamWork) -> int:
     DTensor's rows before this member's; 0 for a tensor held whole)."""
     if not work.row_sharded:
         return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     param: Any = work.param
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return int(offset[0]) * int(param.numel() // max(1, param.shape[0]))
+    mesh = param.device_mesh
+    start = shard_rows(param.shape[0], int(mesh.size()), int(mesh.get_local_rank()))[0]
+    return start * int(param.numel() // max(1, param.shape[0]))
 
 
 def _device_step(optimizer: Gefen, device: torch.device) -> torch.Tensor:

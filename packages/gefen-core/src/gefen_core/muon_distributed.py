@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .distributed import is_row_sharded
+from .distributed import is_row_sharded, shard_rows
 from .errors import ParameterError, ShardAgreementError
 
 __all__ = [
@@ -75,13 +75,6 @@ def stable_owner(stable_index: int, world: int) -> int:
     if type(stable_index) is not int or stable_index < 0:
         raise ValueError(f"stable_index must be non-negative, got {stable_index!r}")
     return stable_index % world
-
-
-def shard_rows(rows: int, world: int, coordinate: int) -> tuple[int, int]:
-    """``(start, length)`` of member ``coordinate``'s rows under ``Shard(0)`` (``torch.chunk``'s rule)."""
-    chunk = -(-rows // world) if world else 0
-    start = min(chunk * coordinate, rows)
-    return start, max(0, min(rows, start + chunk) - start)
 
 
 def _mesh_size(param: Any) -> int:

@@ -15,11 +15,13 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-from gefen_contracts.torch_support import scaler_overflowed
+from gefen_contracts.torch_support import finite_bounds, scaler_overflowed
 
 from .batched_newton_schulz import newton_schulz_batched
 from .distributed import local_tensor
+from .errors import GradientError
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
+from .gefen_step import outgrown, requantize_all
 from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, shard_rows, vote
@@ -31,7 +33,7 @@ from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on
-from .param_state import place_state
+from .param_state import INDICES, place_state
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 
@@ -116,6 +118,8 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
         if learned.codebook is not None:
             optimizer._codebook, optimizer._codebook_copies = learned.codebook, {}
             log(optimizer, "learned the codebook from %d gradients", len(periods))
+    elif plan.scope is None and outgrown(optimizer, [item.param for item in active if not item.state]):  # type: ignore[arg-type]
+        periods = _relearn(optimizer, active)
     lrs = {index: float(group["lr"]) for index, group in enumerate(optimizer.param_groups)}
     regular = [item for item in active if item.mode != DISTRIBUTED]
     chunks, serial = batched_chunks(
@@ -131,6 +135,30 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
         _step_distributed(optimizer, plan.scope, distributed, periods, gathered, lrs)
     optimizer._global_step += 1
     optimizer._version += 1
+
+
+def _relearn(optimizer: _Host, active: list[MuonItem]) -> dict[int, int]:
+    """Relearn the codebook from this step's gradients and re-express every live momentum in
+    it, as Gefen does when the matrices starting now outnumber those holding state
+    (:func:`gefen_core.gefen_step.relearn_if_outgrown`: a model unfrozen in stages kept the
+    three codewords its first, tiny stage gave). Not under a collective scope, whose matrices'
+    state lives on their owners only, where no member could count it alike. Returns the
+    starting matrices' periods."""
+    for item in active:
+        grad = item.local_grad
+        if item.state and grad.numel() and finite_bounds(grad) is None:
+            raise GradientError(
+                f"{item.where}: the gradient is not finite at a step that relearns the codebook for the matrices "
+                "starting now (they outnumber those that learned it); the codebook cannot be learned from it"
+            )
+    learned = learn_codebook(active, None, optimizer._dispatch, deterministic=optimizer._deterministic)
+    old, new = optimizer._codebook, learned.codebook
+    if old is not None and new is not None:
+        for state, codes in requantize_all(optimizer, old, new):  # type: ignore[arg-type]
+            state[INDICES] = codes
+        optimizer._codebook, optimizer._codebook_copies = new, {}
+        log(optimizer, "relearned the codebook from %d gradients", len(learned.periods))
+    return learned.periods
 
 
 def move_state(item: MuonItem) -> None:
