@@ -542,3 +542,15 @@ def test_a_state_dict_of_transposed_views_loads_contiguous_and_steps_fused(kind:
         target.step()
         results.append(param.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+def test_a_topology_mismatch_names_where_the_records_differ() -> None:
+    """Said only "differs" for a GefenMuon approx-mode checkpoint that torch's DCP recipe had
+    saved with one rank's record (its coordinate), the topology otherwise the same."""
+    from gefen_core.native_records import check_common_record
+
+    live = [{"mesh_size": 2, "coordinate": 0, "placement": "shard0", "global_shape": [6, 8], "local_shape": [3, 8]}]
+    saved = [dict(live[0], coordinate=1)]
+    record = {"global_step": 3, "deterministic": False, "topology": saved, "codebook_learned": False}
+    with pytest.raises(StateValidationError, match=r"at \[0\]\['coordinate'\] \(saved 1, live 0\)"):
+        check_common_record(record, deterministic=False, topology=live, optimizer="GefenMuon")

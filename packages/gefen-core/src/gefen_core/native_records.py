@@ -429,6 +429,19 @@ def _check_codebook_fields(record: Mapping[str, Any], where: str) -> None:
         raise fail(f"{where}: codebook_learned is False but the codebook is not all zeros")
 
 
+def _first_difference(saved: object, live: object, where: str = "") -> tuple[str, object, object]:
+    """The path of the first place two records differ, and the two values there."""
+    if isinstance(saved, Mapping) and isinstance(live, Mapping) and saved.keys() == live.keys():
+        for key in saved:
+            if saved[key] != live[key]:
+                return _first_difference(saved[key], live[key], f"{where}[{key!r}]")
+    if isinstance(saved, list) and isinstance(live, list) and len(saved) == len(live):
+        for index, (a, b) in enumerate(zip(saved, live)):
+            if a != b:
+                return _first_difference(a, b, f"{where}[{index}]")
+    return where, saved, live
+
+
 def check_common_record(
     record: Mapping[str, Any], *, deterministic: bool, topology: object = None, optimizer: str
 ) -> tuple[int, torch.Tensor | None]:
@@ -443,9 +456,11 @@ def check_common_record(
             f"deterministic={deterministic}; construct the optimizer with the checkpoint's policy"
         )
     if "topology" in record and record["topology"] != topology:
+        where, saved, live = _first_difference(record["topology"], topology)
         raise fail(
-            "the checkpoint's DTensor topology (mesh size, coordinate, placements, shapes) differs from the live one; "
-            f"rank-local {optimizer} state loads only into the same topology"
+            "the checkpoint's DTensor topology (mesh size, coordinate, placements, shapes) differs from the live one "
+            f"at {where or 'the top'} (saved {saved!r}, live {live!r}); rank-local {optimizer} state loads only into the "
+            "same topology, each rank its own torch.save (torch's DCP recipe keeps one rank's copy of this record)"
         )
     if not record["codebook_learned"]:
         return global_step, None
