@@ -101,9 +101,22 @@ def test_fewer_points_than_codewords_keep_every_centre() -> None:
     scale = 4096
     positions = [round(c * scale) | 1 for c in centres]
     solution = solve_pinned_codebook(positions, [3, 1, 4, 1, 5], 8, scale=scale)
-    expected = [-1.0] + [p / scale for p in positions] + [1.0, 1.0]
-    assert solution.codebook.tolist() == expected
+    codebook = solution.codebook.tolist()
     assert solution.cost == 0.0
+    assert codebook[0] == -1.0 and codebook[-1] == 1.0 and codebook == sorted(set(codebook))
+    spare = sorted(set(codebook) - {p / scale for p in positions} - {-1.0, 1.0})
+    # the codeword left over is not another +1: it takes the middle of the free grid
+    assert len(spare) == 1 and abs(spare[0]) < 4 / scale
+
+
+def test_a_codebook_learned_from_a_few_values_spreads_its_other_codewords() -> None:
+    """One scalar's first gradient, or a one-hot one, fills three to five bins: the codebook
+    was those values and +1 repeated, and every later momentum was rounded into them."""
+    counts = torch.zeros(4096, dtype=torch.int64)
+    counts[[0, 2048, 4095]] = torch.tensor([5, 900, 7])
+    codebook = codebook_from_counts(counts)
+    assert codebook is not None and codebook.unique().numel() == 256
+    assert float(codebook.diff().max()) < 40 / 4096  # evenly spread: about 2 * 4096 / 254 apart
 
 
 def test_codebook_from_counts_is_sorted_pinned_and_deterministic() -> None:

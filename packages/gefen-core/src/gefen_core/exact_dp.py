@@ -6,9 +6,13 @@ interior ones free) minimising ``sum_j w_j min_k (x_j - C_k)^2``. An optimal ass
 contiguous in sorted order: a possibly empty prefix goes to -1, ``K - 2`` non-empty
 interior segments go to their weighted means, a possibly empty suffix goes to +1.
 
-* ``N <= K - 2``: every point gets its own codeword (cost 0); the codebook is ``-1``, the
-  points, then ``+1`` repeated. This replaces the reference's padding, which overwrote the
-  smallest centre with -1: every true centre is kept.
+* ``N <= K - 2``: every point gets its own codeword (cost 0); the ``K - 2 - N`` codewords
+  left over are spread evenly over the odd positions (the histogram's bin centres) that no
+  point holds, then ``+1`` ends it. The reference padded with its smallest centre overwritten
+  by -1; padding with ``+1`` (this package's first rule) kept every centre but left a codebook
+  learned from a few values (one scalar's first gradient, a one-hot one) with three to five
+  codewords for every later momentum. Any codebook holding every point is optimal here; this
+  one also serves the denser histograms that follow.
 * ``N > K - 2``: a dynamic program over ``K - 2`` layers,
   ``F_0(j) = cost(points 1..j -> -1)``,
   ``F_k(e) = min_{k-1 <= j < e} F_{k-1}(j) + SSE(points j+1..e)``,
@@ -154,8 +158,15 @@ def _as_int_arrays(positions: npt.ArrayLike, weights: npt.ArrayLike) -> tuple[In
 
 
 def _few_points(positions: IntArray, clusters: int, scale: int) -> CodebookSolution:
-    inner = positions.astype(np.float64) / scale
-    pad = np.ones(clusters - 1 - inner.size, dtype=np.float64)
+    # Every point keeps its own codeword (cost 0, optimal whatever the others are). The others
+    # are spread evenly over the grid of odd positions (a histogram's bin centres) no point
+    # holds: padded at +1 they represented nothing, and a codebook learned from one scalar's
+    # or a one-hot first gradient (three codewords) quantised every later momentum into them.
+    free = np.setdiff1d(np.arange(1 - scale, scale, 2, dtype=np.int64), positions)
+    spread = min(clusters - 2 - positions.size, free.size)
+    picked = free[((2 * np.arange(spread, dtype=np.int64) + 1) * free.size) // (2 * max(spread, 1))]  # segment middles
+    inner = np.sort(np.concatenate([positions, picked])).astype(np.float64) / scale
+    pad = np.ones(clusters - 1 - inner.size, dtype=np.float64)  # only on a grid smaller than the codebook
     return CodebookSolution(np.concatenate([[-1.0], inner, pad]), 0.0, 0, 0)
 
 
