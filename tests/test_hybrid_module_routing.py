@@ -234,3 +234,28 @@ def test_a_frozen_parameter_added_with_add_param_group_is_not_warned_about() -> 
         warnings.simplefilter("error")
         _train_step(model, optimizer)
     assert {name for name, _ in optimizer.parameter_routing()} >= {"0.weight", "0.bias"}
+
+
+class _BareTable(nn.Module):
+    """A learned position table held bare beside the layers, and torch's attention, whose
+    ``in_proj_weight`` is bare too (but torch's own module says what it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(8, 16))
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.proj = nn.Linear(16, 16)
+
+
+def test_a_matrix_a_model_module_holds_bare_is_named_when_it_goes_to_muon() -> None:
+    """A 2-D position table as a bare ``nn.Parameter`` went to muon without a word when the
+    hybrid routed the model (its module type says nothing); the names-only route warned."""
+    with pytest.warns(RoutingWarning, match=r"holds them bare.*\[.pos.\]"):
+        optimizer = GefenMuonHybrid(_BareTable(), lr=1e-2)
+    assert dict(optimizer.parameter_routing())["pos"] == "muon"
+    from gefen_hybrid import RoutingRules
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routed = GefenMuonHybrid(_BareTable(), lr=1e-2, rules=RoutingRules(overrides={"pos": "backup"}))
+    assert dict(routed.parameter_routing())["pos"] == "backup"

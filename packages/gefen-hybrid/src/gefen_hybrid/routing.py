@@ -313,7 +313,31 @@ def route_model(model: nn.Module, rules: RoutingRules | None = None) -> RoutedPa
     named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
     _check_overrides_known(named, rules)
     _reject_placeholders(named)
-    return RoutedParameters(_assign(named, rules, backup_module_weight_ids(model, rules.embedding_types)))
+    by_role = _assign(named, rules, backup_module_weight_ids(model, rules.embedding_types))
+    loose = [name for name in _loose_matrices(model) if name in dict(by_role[ROLE_MUON]) and name not in rules.overrides]
+    if loose:
+        warnings.warn(
+            f"{len(loose)} 2-D parameter(s) go to muon by shape although a model module holds them bare, beside its "
+            f"layers, so no module type tells an embedding (a learned position table, say) from a hidden matrix: "
+            f"{loose[:5]}; name each one in RoutingRules.overrides",
+            RoutingWarning,
+            stacklevel=3,
+        )
+    return RoutedParameters(by_role)
+
+
+def _loose_matrices(model: nn.Module) -> list[str]:
+    """Names of 2-D parameters registered directly on a module of the model's own (not torch's)
+    that also has submodules: a container holding a bare matrix, as a learned position table or
+    query bank is held. A leaf layer's own matrix (transformers' ``Conv1D``) is its weight."""
+    found = []
+    for prefix, module in model.named_modules():
+        if type(module).__module__.startswith("torch.") or not any(True for _ in module.children()):
+            continue
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.dim() == 2:
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
