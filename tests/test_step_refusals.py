@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, GefenOptionError
 from gefen_contracts import StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_hybrid import ContractedAdamW
@@ -141,6 +141,44 @@ def test_a_backup_option_torch_checks_only_when_built_is_refused_before_any_chil
     assert snapshot_diff(before, optimizer, model) == []
 
 
+@pytest.mark.parametrize("name", ["gefen", "gefen-muon", "contracted-adamw"])
+def test_names_a_load_could_not_check_are_refused_when_the_group_is_added(name: str) -> None:
+    """Names that are not str, or one name on two parameters, were accepted at construction and
+    made every checkpoint unloadable (refused even by the optimizer that wrote it) or, repeated,
+    let a load give one parameter's state to another."""
+    from gefen_hybrid import ContractedAdamW
+
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon, "contracted-adamw": ContractedAdamW}[name]
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(TypeError, match=r"\['params'\]\[0\] is named by int 1; parameter names must be str"):
+        cls([(1, a), (2, b)], lr=1e-2)  # type: ignore[list-item]
+    optimizer = cls([("a", a)], lr=1e-2)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is named 'a', as param_groups\[0\]"):
+        optimizer.add_param_group({"params": [("a", b)]})
+    with pytest.raises(ValueError, match="has 1 parameters but param_names 2"):
+        optimizer.add_param_group({"params": [b], "param_names": ["b", "c"]})
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "option"),
+    [
+        ("gefen", "stochastic_round"),
+        ("gefen", "codebook_refresh_every"),
+        ("gefen-muon", "stochastic_round"),
+        ("gefen-muon", "capturable"),
+    ],
+)
+def test_an_option_of_the_whole_optimizer_set_in_a_group_is_refused(name: str, option: str) -> None:
+    """It was kept in the group, written into checkpoints, and silently not applied."""
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon}[name]
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    value = 2 if option == "codebook_refresh_every" else True
+    with pytest.raises(GefenOptionError, match=rf"param_groups\[1\]: {option}={value} is an option of the whole"):
+        cls([{"params": [a]}, {"params": [b], option: value}], lr=1e-2)
+    cls([{"params": [a]}, {"params": [b], option: 0 if value == 2 else False}], lr=1e-2)  # its own value: accepted
+
+
 @pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
 def test_a_tensor_appended_to_a_named_group_is_refused_naming_add_param_group(name: str) -> None:
     """A tensor appended to a named group's ``params`` by hand has no name; the step indexed the
@@ -246,3 +284,19 @@ def test_muon_state_put_into_optimizer_state_without_its_codebook_is_refused() -
         fresh.step()
     assert snapshot_diff(before, fresh, matrix) == []
     assert fresh.codebook is None
+
+
+def test_period_one_substrings_follows_whether_a_group_is_named() -> None:
+    """A group named by torch's ``param_names`` key (not by pairs) was refused the option at
+    construction though its step honours it; set on a live unnamed group, where it can never
+    act, the step took it and every later checkpoint was refused."""
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    named = Gefen([{"params": [a], "param_names": ["enc.weight"], "period_one_substrings": ("enc",)}], lr=1e-2)
+    assert named.param_groups[0]["period_one_substrings"] == ("enc",)
+    unnamed = Gefen([b], lr=1e-2)
+    unnamed.param_groups[0]["period_one_substrings"] = ("enc",)
+    b.grad = torch.randn_like(b)
+    before = deep_snapshot(unnamed, b)
+    with pytest.raises(GefenOptionError, match="period_one_substrings needs named parameters, and this group's are"):
+        unnamed.step()
+    assert snapshot_diff(before, unnamed, b) == []

@@ -34,7 +34,7 @@ from .optimizer_support import (
     publish_groups_and_state,
     run_eagerly,
 )
-from .param_groups import check_parameters, normalize_group_options
+from .param_groups import check_parameters, normalize_group_options, refuse_optimizer_wide
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 from .step_plan import capturing
@@ -231,9 +231,20 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
         check_parameters(listed, index)
         merged = {**param_group, **options}
-        check_new_group(listed, index, self.param_groups, merged.get("lr", self.defaults["lr"]))
+        check_new_group(
+            listed,
+            index,
+            self.param_groups,
+            merged.get("lr", self.defaults["lr"]),
+            param_names=merged.get("param_names"),
+        )
+        own = {"fused": self._dispatch.fused, "codebook_refresh_every": self._refresh_every}
+        own.update(
+            stochastic_round=self._stochastic_round, deterministic=self._deterministic, capturable=self._capturable
+        )
+        refuse_optimizer_wide(param_group, index, own)
         substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
-        named = all(isinstance(p, tuple) for p in listed)
+        named = (bool(listed) and all(isinstance(p, tuple) for p in listed)) or merged.get("param_names") is not None
         if substrings and not named:
             raise GefenOptionError(
                 f"param_groups[{index}]: period_one_substrings needs named parameters "

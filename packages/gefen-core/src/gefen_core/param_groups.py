@@ -26,6 +26,7 @@ __all__ = [
     "lr_option",
     "normalize_group_options",
     "real_option",
+    "refuse_optimizer_wide",
     "where_prefix",
 ]
 
@@ -152,6 +153,19 @@ REFUSED_FLAGS = {
 }
 
 
+def refuse_optimizer_wide(group: Mapping[str, Any], index: int, own: Mapping[str, object]) -> None:
+    """Refuse a new group that sets an optimizer-wide option (``own``: each with this optimizer's
+    value) to another value: no group could change it, so it was kept in the group, written
+    into checkpoints and silently not applied. The optimizer's own value is accepted, as
+    groups copied from another optimizer's carry it."""
+    for key, value in own.items():
+        if key in group and group[key] != value:
+            raise GefenOptionError(
+                f"param_groups[{index}]: {key}={group[key]!r} is an option of the whole optimizer (this one has "
+                f"{key}={value!r}), which a group cannot change; pass it to the constructor"
+            )
+
+
 def normalize_group_options(
     options: Mapping[str, Any], group: int | None = None, *, read_tensor_lr: bool = True
 ) -> dict[str, Any]:
@@ -209,6 +223,10 @@ def check_names(group: Mapping[str, Any], index: int) -> None:
         raise ParameterError(
             f"param_groups[{index}] lists {len(group['params'])} parameters but {len(names)} param_names; "
             "add parameters with add_param_group (a named group needs a name for each)"
+        )
+    if names is None and group.get("period_one_substrings"):  # set on the live group: it could never act
+        raise GefenOptionError(
+            f"param_groups[{index}]: period_one_substrings needs named parameters, and this group's are unnamed"
         )
 
 

@@ -375,7 +375,9 @@ class ContractedAdamW(torch.optim.AdamW):
             params = param_group["params"]
             listed = group_params(params)
             lr = param_group.get("lr", self.defaults.get("lr"))
-            check_new_group(listed, len(self.param_groups), self.param_groups, lr)
+            check_new_group(
+                listed, len(self.param_groups), self.param_groups, lr, param_names=param_group.get("param_names")
+            )
             param_group["params"] = listed  # the caller's dict is the group, as torch registers it
         super().add_param_group(param_group)
         self._version = getattr(self, "_version", 0) + 1

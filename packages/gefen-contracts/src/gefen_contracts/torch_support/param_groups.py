@@ -125,9 +125,20 @@ def check_tensor_lr(lr: object, params: Iterable[object], where: str) -> None:
             )
 
 
-def check_new_group(params: Sequence[object], index: int, groups: Sequence[Mapping[str, Any]], lr: object) -> None:
-    """Refuse a parameter listed twice in ``params`` or already in one of ``groups``, and a
-    tensor ``lr`` :func:`check_tensor_lr` refuses (``ValueError``, naming the positions)."""
+def check_new_group(
+    params: Sequence[object],
+    index: int,
+    groups: Sequence[Mapping[str, Any]],
+    lr: object,
+    *,
+    param_names: object = None,
+) -> None:
+    """Refuse a parameter listed twice in ``params`` or already in one of ``groups``, a tensor
+    ``lr`` :func:`check_tensor_lr` refuses (``ValueError``, naming the positions), and names
+    (the ``(name, tensor)`` pairs' or a ``param_names`` list's) that a load could not check
+    its states against: not ``str`` (``TypeError``), too few or too many, or a name already
+    used (``ValueError``). torch's optimizers take any names; these optimizers' loads compare
+    them, so a checkpoint with them was refused by the optimizer that wrote it."""
     seen: dict[int, str] = {}
     for number, group in enumerate(groups):
         for position, tensor in enumerate(_tensors(group["params"])):
@@ -138,6 +149,35 @@ def check_new_group(params: Sequence[object], index: int, groups: Sequence[Mappi
             raise ValueError(f"{here} is the same parameter as {seen[id(tensor)]}; list each parameter once")
         seen[id(tensor)] = here
     check_tensor_lr(lr, params, f"param_groups[{index}]")
+    _check_new_names(params, index, groups, param_names)
+
+
+def _check_new_names(params: Sequence[object], index: int, groups: Sequence[Mapping[str, Any]], given: object) -> None:
+    pairs = [item for item in params if isinstance(item, tuple)]
+    if pairs and len(pairs) != len(params):
+        return  # torch's add_param_group refuses a group naming only some parameters
+    names = [pair[0] for pair in pairs] if pairs else given
+    if names is None:
+        return
+    if not isinstance(names, (list, tuple)) or len(names) != len(params):
+        shown = len(names) if isinstance(names, (list, tuple)) else type(names).__name__
+        raise ValueError(f"param_groups[{index}] has {len(params)} parameters but param_names {shown}; name each once")
+    taken = {
+        name: f"param_groups[{number}]['params'][{position}]"
+        for number, group in enumerate(groups)
+        for position, name in enumerate(group.get("param_names") or ())
+        if isinstance(name, str)
+    }
+    for position, name in enumerate(names):
+        here = f"param_groups[{index}]['params'][{position}]"
+        if type(name) is not str:
+            raise TypeError(f"{here} is named by {type(name).__name__} {name!r}; parameter names must be str")
+        if name in taken:
+            raise ValueError(
+                f"{here} is named {name!r}, as {taken[name]} is; names must be distinct (a load matches each state "
+                "to its parameter by name)"
+            )
+        taken[name] = here
 
 
 #: ``(group, key, first group, first key)``: group ``group``'s option ``key`` is the tensor that
