@@ -329,7 +329,7 @@ BAD: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "negative_counter": (_set(_first_state, "vmean_step", -1), ">= 1"),
     "age_exceeds_step": (_set(_first_state, "vmean_step", 3), "exceeds step"),
     "step_exceeds_global": (lambda sd: _first_state(sd).update(step=9, vmean_step=9), "exceeds the global step"),
-    "scales_of_no_period": (_set(_first_state, "m_magnitude", torch.zeros(7)), "one scale per block of no period"),
+    "scales_of_no_period": (_set(_first_state, "m_magnitude", torch.zeros(7)), "no block period of a parameter"),
     "stored_period": (_set(_first_state, "automatic_period", 4), "undeclared key 'automatic_period'"),
     "float_indices": (_mutate_tensor("m_codes", lambda t: t.float()), "torch.uint8"),
     # the parameter is named where the optimizer names it

@@ -119,8 +119,9 @@ def _stage_entry(
     period = period_from_scales(param.shape, scales.shape)
     if period is None:
         raise fail(
-            f"{where}[{MAGNITUDE!r}] has shape {tuple(scales.shape)}, one scale per block of no period of a "
-            f"parameter of shape {tuple(param.shape)}"
+            f"{where}[{MAGNITUDE!r}] has shape {tuple(scales.shape)}: no block period of a parameter of shape "
+            f"{tuple(param.shape)} gives that many scales (saved for a parameter of another shape: groups or "
+            "parameters in another order?)"
         )
     if local is not param and local.numel() % period:  # a whole tensor may end in a ragged block, a shard not
         hint = ""

@@ -183,7 +183,7 @@ def _shaped_entry(check: _Checker, entry: Mapping[str, Any], where: str) -> tupl
     if period is None:
         check.fail(
             f"{where}.m_magnitude",
-            f"has shape {list(scales.shape)}: one scale per block of no period of a {list(shape)} parameter",
+            f"has shape {list(scales.shape)}: no block period of a {list(shape)} parameter gives that many scales",
         )
         return "broken", shape
     variant = "factored" if "v_row" in entry or "v_col" in entry else "element" if "v" in entry else "block"
