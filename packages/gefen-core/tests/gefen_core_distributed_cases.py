@@ -209,13 +209,12 @@ def fsdp_failures_and_presence(rank: int, world: int) -> dict[str, Any]:
     two same-shaped matrices were summed into each other. Both now raise on every rank,
     change nothing, and a clean step afterwards trains on."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
     for layer in model:
-        from torch.distributed.fsdp import fully_shard
-
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = Gefen(model.named_parameters(), lr=LR, min_dim_size_to_factor=0)
