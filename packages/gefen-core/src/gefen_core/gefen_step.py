@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from gefen_contracts.torch_support import finite_bounds, on_device, storage_overlap
+from gefen_contracts.torch_support import on_device, storage_overlap
 
 from .codebook import codebook_from_counts, gradient_histogram, requantize
 from .distributed import (
@@ -29,7 +29,7 @@ from .distributed import (
     shard_rows,
     sum_over_mesh,
 )
-from .errors import GradientError, ParameterError
+from .errors import ParameterError
 from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
@@ -45,7 +45,7 @@ from .param_state import (
 )
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import period_policy
-from .step_plan import ParamWork, StepDecision, StepPlan, plan_step
+from .step_plan import ParamWork, StepDecision, StepPlan, plan_step, refuse_unlearnable
 
 if TYPE_CHECKING:
     from .gefen import Gefen
@@ -106,6 +106,12 @@ def plan(optimizer: Gefen) -> StepPlan:
     )
 
 
+#: When a relearn for parameters starting now refuses a gradient (:func:`refuse_unlearnable`).
+RELEARN_WHEN = (
+    "at a step that relearns the codebook for the parameters starting now (they outnumber those that learned it)"
+)
+
+
 def outgrown(optimizer: torch.optim.Optimizer, starting: list[torch.Tensor]) -> bool:
     """Whether the parameters starting now hold more elements (whole parameters: a DTensor's
     global size) than those already holding state."""
@@ -126,11 +132,8 @@ def relearn_if_outgrown(optimizer: Gefen, plan: StepPlan) -> None:
     if plan.refresh_due or optimizer._codebook is None or not outgrown(optimizer, [w.param for w in plan.starting]):
         return
     for work in plan.works:  # (the starting ones' were checked by the plan)
-        if work.state and work.grad.numel() and finite_bounds(work.grad) is None:
-            raise GradientError(
-                f"{work.where()}: the gradient is not finite at a step that relearns the codebook for the "
-                "parameters starting now (they outnumber those that learned it); the codebook cannot be learned from it"
-            )
+        if work.state:
+            refuse_unlearnable(work.grad, work.where(), RELEARN_WHEN)
     plan.refresh_due = True
 
 
@@ -143,7 +146,7 @@ def agree_on_mesh(optimizer: Gefen, plan: StepPlan | None, error: BaseException 
     if plan is not None and plan.works and not plan.has_dtensors:
         return
     if plan is not None and plan.has_dtensors:
-        mesh = learning_mesh(w.param for w in plan.works)
+        mesh = plan.mesh = learning_mesh(w.param for w in plan.works)  # (decide's collectives take it)
     else:  # failed, or nothing to step here: the optimizer's parameters tell the mesh
         mesh = learning_mesh(p for group in optimizer.param_groups for p in group["params"])
     if mesh is None:
@@ -177,7 +180,7 @@ def decide(optimizer: Gefen, plan: StepPlan) -> StepDecision:
         return periods[work.slot] if work.slot in periods else period_of(work.state)  # type: ignore[arg-type]
 
     # (raises for DTensors on meshes over different ranks, on every step)
-    mesh = learning_mesh(w.param for w in works) if plan.has_dtensors else None
+    mesh = plan.mesh  # found by agree_on_mesh (None without DTensors stepping)
     old_codebook = optimizer._codebook
     new_codebook = old_codebook
     refreshed: list[tuple[dict[str, Any], torch.Tensor]] = []

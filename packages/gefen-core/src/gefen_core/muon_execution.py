@@ -15,13 +15,12 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-from gefen_contracts.torch_support import finite_bounds, scaler_overflowed
+from gefen_contracts.torch_support import scaler_overflowed
 
 from .batched_newton_schulz import newton_schulz_batched
 from .distributed import local_tensor
-from .errors import GradientError
 from .fp8_newton_schulz import fp8_capable, fp8_eligible
-from .gefen_step import outgrown, requantize_all
+from .gefen_step import RELEARN_WHEN, outgrown, requantize_all
 from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, MuonScope, shard_rows, vote
@@ -36,6 +35,7 @@ from .optimizer_support import codebook_on
 from .param_state import INDICES, place_state
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
+from .step_plan import refuse_unlearnable
 
 _LOG = logging.getLogger("gefen_core.muon")
 
@@ -145,12 +145,8 @@ def _relearn(optimizer: _Host, active: list[MuonItem]) -> dict[int, int]:
     state lives on their owners only, where no member could count it alike. Returns the
     starting matrices' periods."""
     for item in active:
-        grad = item.local_grad
-        if item.state and grad.numel() and finite_bounds(grad) is None:
-            raise GradientError(
-                f"{item.where}: the gradient is not finite at a step that relearns the codebook for the matrices "
-                "starting now (they outnumber those that learned it); the codebook cannot be learned from it"
-            )
+        if item.state:
+            refuse_unlearnable(item.local_grad, item.where, RELEARN_WHEN)
     learned = learn_codebook(active, None, optimizer._dispatch, deterministic=optimizer._deterministic)
     old, new = optimizer._codebook, learned.codebook
     if old is not None and new is not None:

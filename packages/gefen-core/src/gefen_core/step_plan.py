@@ -41,6 +41,7 @@ __all__ = [
     "check_gradient",
     "check_state",
     "plan_step",
+    "refuse_unlearnable",
     "update_ops",
 ]
 
@@ -91,6 +92,8 @@ class StepPlan:
     starting: list[ParamWork] = field(default_factory=list)
     #: works whose state lives on another device than the parameter (moved before the update)
     moving: list[ParamWork] = field(default_factory=list)
+    #: the mesh of the DTensors stepping (set by ``gefen_step.agree_on_mesh``, read by ``decide``)
+    mesh: Any = None
 
 
 @dataclass(slots=True)
@@ -197,6 +200,13 @@ def check_state(state: dict[str, Any], local: torch.Tensor, where: Callable[[], 
     return strided or bool(indices.device != local.device)
 
 
+def refuse_unlearnable(grad: torch.Tensor, where: str, when: str) -> None:
+    """A gradient a codebook is learned from must be finite: a NaN would crash the reference's
+    bincount and silently skew the kernels' counts (``GradientError`` saying ``when``)."""
+    if grad.numel() and finite_bounds(grad) is None:
+        raise GradientError(f"{where}: the gradient is not finite {when}; the codebook cannot be learned from it")
+
+
 def plan_step(
     param_groups: Sequence[dict[str, Any]],
     state: Any,
@@ -257,17 +267,14 @@ def plan_step(
                         )
                     plan.moving.append(work)
                 # a refresh, or a codebook still unlearned after all-zero gradients, learns from
-                # every gradient's histogram: a NaN would crash the reference's bincount and
-                # silently skew the kernels' counts
-                if (refresh_due or not codebook_ready) and local_grad.numel() and finite_bounds(local_grad) is None:
+                # every gradient's histogram
+                if refresh_due or not codebook_ready:
                     when = (
                         "at a codebook refresh (codebook_refresh_every)"
                         if refresh_due
                         else "while the codebook is unlearned"
                     )
-                    raise GradientError(
-                        f"{work.where()}: the gradient is not finite {when}; the codebook cannot be learned from it"
-                    )
+                    refuse_unlearnable(local_grad, work.where(), when)
             else:
                 plan.starting.append(work)
                 if in_capture:
