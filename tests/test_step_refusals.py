@@ -179,6 +179,30 @@ def test_an_option_of_the_whole_optimizer_set_in_a_group_is_refused(name: str, o
     cls([{"params": [a]}, {"params": [b], option: 0 if value == 2 else False}], lr=1e-2)  # its own value: accepted
 
 
+@pytest.mark.parametrize(
+    ("name", "option"),
+    [("gefen", "stochastic_round"), ("gefen", "codebook_refresh_every"), ("gefen-muon", "deterministic")],
+)
+def test_an_option_of_the_whole_optimizer_edited_into_a_live_group_is_refused_at_the_step(
+    name: str, option: str
+) -> None:
+    """The group check at ``add_param_group`` missed an edit of the live group, which the step
+    then carried into checkpoints and silently did not apply."""
+    cls = {"gefen": Gefen, "gefen-muon": GefenMuon}[name]
+    a = nn.Parameter(torch.randn(4, 4))
+    optimizer = cls([a], lr=1e-2)
+    a.grad = torch.randn_like(a)
+    optimizer.step()
+    value = 2 if option == "codebook_refresh_every" else True
+    optimizer.param_groups[0][option] = value
+    before = deep_snapshot(optimizer, a)
+    with pytest.raises(GefenOptionError, match=rf"param_groups\[0\]: {option}={value} is an option of the whole"):
+        optimizer.step()
+    assert snapshot_diff(before, optimizer, a) == []
+    optimizer.param_groups[0][option] = 0 if value == 2 else False  # the optimizer's own value: accepted
+    optimizer.step()
+
+
 @pytest.mark.parametrize("name", ["gefen", "gefen-muon"])
 def test_a_tensor_appended_to_a_named_group_is_refused_naming_add_param_group(name: str) -> None:
     """A tensor appended to a named group's ``params`` by hand has no name; the step indexed the

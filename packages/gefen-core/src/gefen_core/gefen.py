@@ -238,11 +238,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
             merged.get("lr", self.defaults["lr"]),
             param_names=merged.get("param_names"),
         )
-        own = {"fused": self._dispatch.fused, "codebook_refresh_every": self._refresh_every}
-        own.update(
-            stochastic_round=self._stochastic_round, deterministic=self._deterministic, capturable=self._capturable
-        )
-        refuse_optimizer_wide(param_group, index, own)
+        refuse_optimizer_wide(param_group, index, gefen_step.optimizer_wide(self))
         substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
         named = (bool(listed) and all(isinstance(p, tuple) for p in listed)) or merged.get("param_names") is not None
         if substrings and not named:

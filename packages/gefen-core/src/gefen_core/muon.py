@@ -250,16 +250,7 @@ class GefenMuon(
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
             check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")
         check_new_group(listed, index, self.param_groups, options["lr"], param_names=param_group.get("param_names"))
-        refuse_optimizer_wide(
-            param_group,
-            index,
-            {
-                "fused": self._dispatch.fused,
-                "stochastic_round": self._stochastic_round,
-                "deterministic": self._deterministic,
-                "capturable": self._capturable,
-            },
-        )
+        refuse_optimizer_wide(param_group, index, muon_execution.optimizer_wide(self))
         # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)
         param_group.update(options, params=listed)
         super().add_param_group(param_group)

@@ -154,10 +154,11 @@ REFUSED_FLAGS = {
 
 
 def refuse_optimizer_wide(group: Mapping[str, Any], index: int, own: Mapping[str, object]) -> None:
-    """Refuse a new group that sets an optimizer-wide option (``own``: each with this optimizer's
+    """Refuse a group that sets an optimizer-wide option (``own``: each with this optimizer's
     value) to another value: no group could change it, so it was kept in the group, written
     into checkpoints and silently not applied. The optimizer's own value is accepted, as
-    groups copied from another optimizer's carry it."""
+    groups copied from another optimizer's carry it. Asked of a new group and, before every
+    step, of each live group (an edit such as ``group["stochastic_round"] = True``)."""
     for key, value in own.items():
         if key in group and group[key] != value:
             raise GefenOptionError(
