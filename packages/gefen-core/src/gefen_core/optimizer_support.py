@@ -103,10 +103,10 @@ def _staleness_token(optimizer: Any) -> tuple[int, int]:
 
 
 _WRITTEN_BEFORE = (
-    "Its tensors are this optimizer's live state: torch's get_optimizer_state_dict hands out views of it, and "
-    "dcp.load writes the checkpoint into them before set_optimizer_state_dict can check anything. So the "
-    "optimizer may hold part of the refused checkpoint: load a valid one, or build the optimizer anew, before "
-    "stepping"
+    "Its tensors are this optimizer's live state. If they came from torch's get_optimizer_state_dict as the "
+    "template of a dcp.load, the load wrote the checkpoint into them before set_optimizer_state_dict could check "
+    "anything, so the optimizer may hold part of the refused checkpoint: load a valid one, or build the optimizer "
+    "anew, before stepping"
 )
 
 
