@@ -53,8 +53,9 @@ class DigestLeaf(Protocol):
 
     def digest_nbytes(self) -> int: ...
 
-    def digest_chunks(self) -> Iterable[bytes]:
-        """Row-major element bytes, little-endian per scalar component, in any chunking."""
+    def digest_chunks(self) -> Iterable[bytes | memoryview]:
+        """Row-major element bytes, little-endian per scalar component, in any chunking (a
+        ``memoryview`` of a buffer is hashed where it lies, without a copy)."""
         ...
 
 

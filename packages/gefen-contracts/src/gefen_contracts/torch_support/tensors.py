@@ -137,7 +137,7 @@ class _TensorLeaf:
     def digest_nbytes(self) -> int:
         return self._tensor.numel() * self._tensor.element_size()
 
-    def digest_chunks(self) -> Iterator[bytes]:
+    def digest_chunks(self) -> Iterator[bytes | memoryview]:
         flat = self._tensor.detach().reshape(-1)
         if flat.is_conj():
             flat = flat.resolve_conj()
@@ -147,11 +147,12 @@ class _TensorLeaf:
         for start in range(0, flat.numel(), per_chunk):
             piece = flat[start : start + per_chunk].to("cpu").contiguous()
             raw = piece.view(torch.uint8) if piece.dtype is not torch.bool else piece.to(torch.uint8)
-            data = raw.numpy().tobytes()
             if sys.byteorder == "big" and piece.element_size() > 1:
+                data = raw.numpy().tobytes()
                 component = piece.element_size() // (2 if piece.is_complex() else 1)
-                data = b"".join(data[i : i + component][::-1] for i in range(0, len(data), component))
-            yield data
+                yield b"".join(data[i : i + component][::-1] for i in range(0, len(data), component))
+            else:  # the tensor's own bytes, not a copy (hashing reads the buffer)
+                yield memoryview(raw.numpy()).cast("B")
 
 
 def tensor_leaf(value: object) -> DigestLeaf | None:
