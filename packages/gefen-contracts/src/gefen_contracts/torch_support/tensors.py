@@ -152,7 +152,7 @@ class _TensorLeaf:
                 component = piece.element_size() // (2 if piece.is_complex() else 1)
                 yield b"".join(data[i : i + component][::-1] for i in range(0, len(data), component))
             else:  # the tensor's own bytes, not a copy (hashing reads the buffer)
-                yield memoryview(raw.numpy()).cast("B")
+                yield raw.numpy().data
 
 
 def tensor_leaf(value: object) -> DigestLeaf | None:
