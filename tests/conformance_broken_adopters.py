@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from conformance_broken_loads import (
     AliasingLoad,
+    ChecksKeysAndDtypesWhileWriting,
+    ChecksTheRateOnly,
     CommitKeepsToken,
     CountsOnlyInInit,
     DecaysWithoutTheRate,
@@ -25,6 +27,7 @@ from conformance_broken_loads import (
     ReshapesSameCount,
     RestoresOnlyTheRate,
     SkipsLoadHooks,
+    TestsForNaNOnly,
     UncheckedOptions,
     WritesEntriesInTurn,
     WritesGroupsInTurn,
@@ -311,6 +314,21 @@ class AliasingExport(ContractedAdamW):
         return document
 
 
+class KeepsItsOwnBetas(ContractedAdamW):
+    """Loads everything but keeps its live ``betas`` (a momentum that ``OneCycleLR`` cycled
+    restarts); passed while the kit scheduled float options only, not tuples of floats."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        betas = [group["betas"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, live in zip(self.param_groups, betas, strict=True):
+            group["betas"] = live
+
+
+def keeps_its_own_betas_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedAdamW:
+    return KeepsItsOwnBetas(named_parameters, lr=1e-2, weight_decay=0.01)
+
+
 def aliasing_export_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedAdamW:
     return AliasingExport(named_parameters, lr=1e-2, weight_decay=0.01)
 
@@ -381,6 +399,9 @@ peeks_at_state_while_staging_factory = _factory(PeeksAtStateWhileStaging)
 reshapes_same_count_factory = _factory(ReshapesSameCount)
 reads_the_rate_once_factory = _factory(ReadsTheRateOnce)
 scalar_liar_factory = _factory(ScalarLiar)
+checks_keys_and_dtypes_while_writing_factory = _factory(ChecksKeysAndDtypesWhileWriting)
+checks_the_rate_only_factory = _factory(ChecksTheRateOnly)
+tests_for_nan_only_factory = _factory(TestsForNaNOnly)
 
 
 def writes_groups_in_turn_factory(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> ContractedSGD:
@@ -446,4 +467,18 @@ EXPECTED_FAILURES = {
         "halving every group's lr after the first step changed nothing",
     ),
     "scalar_liar_factory": ("state.declared_variants", "'momentum_buffer' has shape (16, 8), declared a scalar"),
+    # each passed the kit before a probe of adopting the convention (2026-12-07, sixth session)
+    "checks_keys_and_dtypes_while_writing_factory": (
+        "checkpoint.native_atomic_load",
+        "(last_entry_missing_key) changed",
+    ),
+    "checks_the_rate_only_factory": (
+        "checkpoint.native_atomic_load",
+        "accepted a corrupted checkpoint: load_state_dict (non_finite_other_option)",
+    ),
+    "tests_for_nan_only_factory": (
+        "checkpoint.native_atomic_load",
+        "accepted a corrupted checkpoint: load_state_dict (non_finite)",
+    ),
+    "keeps_its_own_betas_factory": ("checkpoint.native_roundtrip", "['betas']"),
 }

@@ -144,12 +144,41 @@ class UncheckedOptions(ContractedSGD):
     """Validates the state but takes the saved group options unchecked: a checkpoint with
     ``lr=nan`` loads, and the next step makes every parameter NaN."""
 
+    unchecked = ("lr", "momentum", "weight_decay")
+
     def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
-        options = ("lr", "momentum", "weight_decay")
-        plain = [{**group, **dict.fromkeys(options, 0.5)} for group in state_dict["param_groups"]]
+        plain = [{**group, **dict.fromkeys(self.unchecked, 0.5)} for group in state_dict["param_groups"]]
         staged = super().stage_state_dict({**state_dict, "param_groups": plain})
         for new, saved in zip(staged._payload[0], state_dict["param_groups"]):
-            new.update({key: saved[key] for key in options})
+            new.update({key: saved[key] for key in self.unchecked})
+        return staged
+
+
+class ChecksTheRateOnly(UncheckedOptions):
+    """Checks the saved ``lr`` but takes the other options unchecked (``momentum=nan`` loads);
+    passed while the kit corrupted only the first float option."""
+
+    unchecked = ("momentum", "weight_decay")
+
+
+class TestsForNaNOnly(ContractedSGD):
+    """Refuses a NaN in the momentum but takes an infinity (``isnan`` where ``isfinite``
+    belongs); passed while the kit planted NaNs only."""
+
+    def stage_state_dict(self, state_dict: Any) -> StagedTransaction:
+        entries = state_dict["state"]
+        if any(bool(torch.isnan(entry["momentum_buffer"]).any()) for entry in entries.values()):
+            raise ValueError("a NaN in the momentum")
+        finite = {
+            pid: {**entry, "momentum_buffer": entry["momentum_buffer"].nan_to_num(posinf=0.0, neginf=0.0)}
+            for pid, entry in entries.items()
+        }
+        staged = super().stage_state_dict({**state_dict, "state": finite})
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, param in zip(ids, params, strict=True):  # the infinities back, as saved
+            if pid in entries:
+                staged._payload[1][param]["momentum_buffer"] = entries[pid]["momentum_buffer"].clone()
         return staged
 
 
@@ -257,6 +286,22 @@ class ReshapesSameCount(ContractedSGD):
                 entry = {**entry, "momentum_buffer": buffer.reshape(shapes[pid])}
             state[pid] = entry
         return super().stage_state_dict({**state_dict, "state": state})
+
+
+class ChecksKeysAndDtypesWhileWriting(WritesEntriesInTurn):
+    """Checks every entry's shape and values before it writes anything, but each entry's keys
+    and dtype only as it writes that entry: a checkpoint with a missing key or a wrong dtype in
+    its last entry is refused with the others written. Passed while those classes corrupted
+    the first entry only."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        lenient = {
+            pid: {"momentum_buffer": entry["momentum_buffer"].to(torch.float32), "step": entry["step"]}
+            for pid, entry in state_dict["state"].items()
+            if isinstance(entry, dict) and isinstance(entry.get("momentum_buffer"), torch.Tensor) and "step" in entry
+        }
+        ContractedSGD.stage_state_dict(self, {**state_dict, "state": lenient})  # shapes and values
+        super().load_state_dict(state_dict)
 
 
 class WritesGroupsInTurn(ContractedSGD):

@@ -31,8 +31,8 @@ __all__ = [
     "parameter_state_shape",
 ]
 
-#: The dtype names a :class:`StateField` may declare (``""``: not declared; ``"int"``: a Python
-#: int counter in checkpoints).
+#: The dtype names a :class:`StateField` may declare (``""``: not declared; ``"int"``: a
+#: counter, a Python int or an integer tensor in checkpoints).
 STATE_DTYPES = frozenset({"", "uint8", "int8", "bfloat16", "float16", "float32", "float64", "int", "bool"})
 
 

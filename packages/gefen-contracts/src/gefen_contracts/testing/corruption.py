@@ -50,22 +50,29 @@ def _prefer_large(sd: StateDict, predicate: Callable[[torch.Tensor], bool]) -> t
     return max(candidates, key=lambda pair: pair[0][pair[1]].numel())
 
 
-def _missing_key(sd: StateDict) -> bool:
+def _entry(sd: StateDict, last: bool) -> dict[str, Any] | None:
+    """The first parameter's state entry, or (``last``) the last one when there are several."""
     states = _param_states(sd)
-    if not states:
+    if last:
+        return states[-1][1] if len(states) > 1 else None
+    return states[0][1] if states else None
+
+
+def _missing_key(sd: StateDict, last: bool = False) -> bool:
+    entry = _entry(sd, last)
+    if entry is None:
         return False
-    entry = states[0][1]
     tensor_keys = [k for k, v in entry.items() if isinstance(v, torch.Tensor)]
     key = tensor_keys[0] if tensor_keys else next(iter(entry))
     del entry[key]
     return True
 
 
-def _extra_key(sd: StateDict) -> bool:
-    states = _param_states(sd)
-    if not states:
+def _extra_key(sd: StateDict, last: bool = False) -> bool:
+    entry = _entry(sd, last)
+    if entry is None:
         return False
-    states[0][1]["gefen_kit_undeclared_key"] = torch.zeros(3)
+    entry["gefen_kit_undeclared_key"] = torch.zeros(3)
     return True
 
 
@@ -99,8 +106,15 @@ def _transposed(sd: StateDict) -> bool:
     return True
 
 
-def _wrong_dtype(sd: StateDict) -> bool:
-    found = _prefer_large(sd, lambda t: True)
+def _wrong_dtype(sd: StateDict, last: bool = False) -> bool:
+    if last:
+        entry = _entry(sd, last)
+        sizes = {k: v.numel() for k, v in (entry or {}).items() if isinstance(v, torch.Tensor) and v.numel()}
+        if entry is None or not sizes:
+            return False
+        found: tuple[dict[str, Any], str] | None = (entry, max(sizes, key=sizes.__getitem__))
+    else:
+        found = _prefer_large(sd, lambda t: True)
     if found is None:
         return False
     entry, key = found
@@ -110,12 +124,13 @@ def _wrong_dtype(sd: StateDict) -> bool:
 
 
 def _non_finite(sd: StateDict) -> bool:
+    # an infinity here, a NaN in last_entry_non_finite: a loader that tests only one of them is seen
     found = _prefer_large(sd, lambda t: t.is_floating_point())
     if found is None:
         return False
     entry, key = found
     value = entry[key].clone()
-    value.reshape(-1)[0] = math.nan
+    value.reshape(-1)[0] = math.inf
     entry[key] = value
     return True
 
@@ -180,15 +195,10 @@ def _bool_for_int(sd: StateDict) -> bool:
     return False
 
 
-def _last_entry(sd: StateDict) -> dict[str, Any] | None:
-    states = _param_states(sd)
-    return states[-1][1] if len(states) > 1 else None
-
-
 def _last_entry_non_finite(sd: StateDict) -> bool:
-    # the other classes land on the first or the largest entry, before a loader that validates
-    # and writes one entry at a time has written anything: this one is seen only after it has
-    entry = _last_entry(sd)
+    # the classes without last_ land on the first or the largest entry, before a loader that
+    # validates and writes one entry at a time has written anything: these are seen only after
+    entry = _entry(sd, last=True)
     floats = [
         k for k, v in (entry or {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
     ]
@@ -203,7 +213,7 @@ def _last_entry_non_finite(sd: StateDict) -> bool:
 
 def _last_entry_wrong_shape(sd: StateDict) -> bool:
     # like last_entry_non_finite: a loader that checks shapes entry by entry as it writes
-    entry = _last_entry(sd)
+    entry = _entry(sd, last=True)
     shaped = [k for k, v in (entry or {}).items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel()]
     if entry is None or not shaped:
         return False
@@ -228,6 +238,30 @@ def _non_finite_option(sd: StateDict) -> bool:
         return False
     found[0][found[1]] = math.nan
     return True
+
+
+def _non_finite_other_option(sd: StateDict) -> bool:
+    # a NaN in the first group's second float option (torch's eps or momentum), not its first
+    # (lr, which non_finite_option corrupts): a loader that checks lr alone is seen (a NaN, as
+    # an option may take an infinity to mean "no limit"; not the last one, which may be a
+    # scheduler's initial_lr, not the optimizer's)
+    groups = sd.get("param_groups")
+    group = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], dict) else None
+    floats = [key for key, value in (group or {}).items() if type(value) is float and math.isfinite(value)]
+    if group is None or len(floats) < 2:
+        return False
+    group[floats[1]] = math.nan
+    return True
+
+
+def _str_in_tuple_option(sd: StateDict) -> bool:
+    # a float tuple option (torch's betas) with its first element as text
+    for group in sd.get("param_groups", []):
+        for key, value in group.items() if isinstance(group, dict) else ():
+            if type(value) is tuple and value and all(type(item) is float for item in value):
+                group[key] = (repr(value[0]), *value[1:])
+                return True
+    return False
 
 
 def _last_group_non_finite_option(sd: StateDict) -> bool:
@@ -261,10 +295,13 @@ def _truncated_tensor(sd: StateDict) -> bool:
 
 CORRUPTIONS: tuple[Corruption, ...] = (
     Corruption("missing_key", _missing_key),
+    Corruption("last_entry_missing_key", lambda sd: _missing_key(sd, last=True)),
     Corruption("extra_key", _extra_key),
+    Corruption("last_entry_extra_key", lambda sd: _extra_key(sd, last=True)),
     Corruption("wrong_shape", _wrong_shape),
     Corruption("transposed", _transposed),
     Corruption("wrong_dtype", _wrong_dtype),
+    Corruption("last_entry_wrong_dtype", lambda sd: _wrong_dtype(sd, last=True)),
     Corruption("non_finite", _non_finite),
     Corruption("wrong_parameter_count", _wrong_parameter_count),
     Corruption("extra_param_group", _extra_param_group),
@@ -274,8 +311,10 @@ CORRUPTIONS: tuple[Corruption, ...] = (
     Corruption("last_entry_non_finite", _last_entry_non_finite),
     Corruption("last_entry_wrong_shape", _last_entry_wrong_shape),
     Corruption("non_finite_option", _non_finite_option),
+    Corruption("non_finite_other_option", _non_finite_other_option),
     Corruption("last_group_non_finite_option", _last_group_non_finite_option),
     Corruption("str_for_float_option", _str_for_float_option),
+    Corruption("str_in_tuple_option", _str_in_tuple_option),
 )
 
 

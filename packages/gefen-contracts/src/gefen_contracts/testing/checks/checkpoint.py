@@ -62,15 +62,19 @@ SCHEDULER_KEY = "initial_lr"
 
 
 def _scheduled(optimizer: Any) -> Any:
-    """``optimizer`` with every non-zero float option scaled by 0.75 and a scheduler's
-    :data:`SCHEDULER_KEY` in each group, as schedulers leave them (``OneCycleLR`` cycles the
-    momentum too): a checkpoint then carries options its loading twin (built by the same
-    factory) does not have, so a load that keeps some of its own, drops a key it does not
-    know, or writes them (or a multiple) before it refuses, is seen."""
+    """``optimizer`` with every non-zero float option scaled by 0.75 (each float of a tuple
+    option too: torch's ``betas``) and a scheduler's :data:`SCHEDULER_KEY` in each group, as
+    schedulers leave them (``OneCycleLR`` cycles the momentum, ``betas[0]``, too): a checkpoint
+    then carries options its loading twin (built by the same factory) does not have, so a
+    load that keeps some of its own, drops a key it does not know, or writes them (or a
+    multiple) before it refuses, is seen. Options of other types (flags, counts) keep their
+    values: a changed flag could ask for a mode the optimizer does not run here."""
     for group in optimizer.param_groups:
         for key, value in list(group.items()):
             if type(value) is float and value != 0.0:
                 group[key] = value * 0.75
+            elif type(value) is tuple and value and all(type(item) is float for item in value):
+                group[key] = tuple(item * 0.75 for item in value)
         if type(group.get("lr")) is float:
             group.setdefault(SCHEDULER_KEY, group["lr"] / 0.75)
     return optimizer

@@ -115,8 +115,10 @@ def _check_one(
     except StateValidationError as exc:
         raise AssertionError(f"{where}: {exc}") from None
     names = [m.name for m in matches]
+    declared = {variant.name: list(variant.fields) for variant in layout.parameter_variants}
     assert len(matches) == 1, (
-        f"{where}: state keys {sorted(state)} match {len(matches)} declared variants {names} (exactly one required)"
+        f"{where}: state keys {sorted(state)} match {len(matches)} declared variants {names} (exactly one "
+        f"required; declared: {declared})"
     )
 
 
