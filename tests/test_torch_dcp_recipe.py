@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen_contracts import StateValidationError
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
 from gefen_contracts.testing.model import kit_loss, make_kit_model
 from gefen_hybrid import ContractedAdamW
@@ -73,4 +74,47 @@ def test_the_torch_recipe_round_trips_bit_exactly(tmp_path: Path, name: str, fla
     _train(model, optimizer, 2, start=3)
     _train(restored_model, restored, 2, start=3)
     for (n, a), b in zip(model.named_parameters(), restored_model.parameters()):
+        assert torch.equal(a, b), f"{n} diverged after the restore"
+
+
+class _Reversed:
+    """A model's parameters listed in reverse (what a factory reads through ``named_parameters``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())[::-1]
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_an_optimizer_listing_its_parameters_in_another_order_loads_through_the_recipe_by_name(
+    tmp_path: Path, name: str, flatten: bool
+) -> None:
+    """torch's recipe keys the state by name and lists a group's ``params`` in the live order,
+    but passes the checkpoint's ``param_names`` in the saved order. The loads checked names and
+    the digest in the live order and refused what torch's AdamW loads; the state now lands on
+    its parameter by name and the run continues bit for bit. A native state dict, matched by
+    position, is still refused."""
+    factory = FACTORIES[name]
+    model = make_kit_model(0)
+    optimizer = factory(model)
+    _train(model, optimizer, 2, start=0)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    dcp.save(get_optimizer_state_dict(model, optimizer, options=options), checkpoint_id=str(tmp_path))
+    twin_model = make_kit_model(1)
+    twin_model.load_state_dict(model.state_dict())
+    twin = factory(_Reversed(twin_model))  # type: ignore[arg-type]
+    with pytest.raises(StateValidationError, match="another order"):
+        twin.load_state_dict(optimizer.state_dict())
+    template = get_optimizer_state_dict(twin_model, twin, options=options)
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(twin_model, twin, template, options=options)
+    twins = dict(twin_model.named_parameters())
+    for n, p in model.named_parameters():
+        assert_trees_equal(dict(optimizer.state.get(p, {})), dict(twin.state.get(twins[n], {})), n)
+    _train(model, optimizer, 2, start=2)
+    _train(twin_model, twin, 2, start=2)
+    for (n, a), b in zip(model.named_parameters(), twin_model.parameters(), strict=True):
         assert torch.equal(a, b), f"{n} diverged after the restore"

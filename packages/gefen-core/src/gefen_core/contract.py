@@ -195,6 +195,8 @@ def parameter_shaped_support(period_one_1d: bool) -> CheckpointSupport:
     always hold. Replicated -> DTensor holds when every group uses FSDP2's rule for 1-D
     parameters (``period_one_1d``: ``force_1d_period_one=True``), since a sharded 1-D parameter
     keeps one block per element; otherwise move that state as portable state (it re-blocks).
+    Through torch's stock recipe, whose load template the loading optimizer builds, DTensor ->
+    replicated needs that rule too for a model with 1-D parameters (``GefenDCPState`` does not).
     """
     transitions = [
         TopologyTransition(frozenset({_DTENSOR}), _SHAPED_LAYOUTS, _RESHARD),

@@ -435,7 +435,12 @@ def stage_muon_state_dict(
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
     # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
     check_state_digest(
-        FORMAT, saved_ids, saved_state, record, cause=_entries_cause(new_groups, param_groups, layouts, scope)
+        FORMAT,
+        saved_ids,
+        saved_state,
+        record,
+        cause=_entries_cause(new_groups, param_groups, layouts, scope),
+        groups=groups,
     )
     new_state = {
         layouts[slot].param: staged

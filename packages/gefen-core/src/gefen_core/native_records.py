@@ -192,6 +192,22 @@ def state_digest(
     return {"layout": layout, "content": content}
 
 
+def _saving_order(groups: Sequence[object], ids: Sequence[Sequence[object]]) -> list[list[object]]:
+    """The ids in the order the state was saved in: torch's ``set_optimizer_state_dict`` keys
+    the state by name and lists a group's ``params`` as those names in the *live* order (a
+    model or optimizer that lists them in another order), but passes the saved group's
+    ``param_names`` through in the saved order, which the digest was computed in."""
+    order: list[list[object]] = []
+    for group, group_ids in zip(groups, ids, strict=True):
+        names = group.get("param_names") if isinstance(group, Mapping) else None
+        keys = [pid for pid in group_ids if type(pid) is str]
+        if isinstance(names, list) and len(keys) == len(group_ids) and sorted(map(str, names)) == sorted(keys):
+            order.append(list(names))
+        else:
+            order.append(list(group_ids))
+    return order
+
+
 def check_state_digest(
     fmt: NativeFormat,
     ids: Sequence[Sequence[object]],
@@ -199,11 +215,15 @@ def check_state_digest(
     record: Mapping[str, Any],
     *,
     cause: str | None = None,
+    groups: Sequence[object] = (),
 ) -> None:
     """Refuse a state dict whose record, layout or (where both sides hold plain tensors)
     tensor values differ from what its ``state_digest`` was computed over. ``cause``: what
     the optimizer knows makes its entries differ (an option, a sharded mode), named by a
-    refusal for differing entries instead of corruption."""
+    refusal for differing entries instead of corruption. ``groups``: the saved groups, whose
+    ``param_names`` give the saving order of name-keyed ids (:func:`_saving_order`)."""
+    if groups:
+        ids = _saving_order(groups, ids)
     saved = record[DIGEST_FIELD[0]]
     if not isinstance(saved, Mapping) or set(saved) != {"layout", "content"}:
         raise fail(f"state_digest must be a dict with 'layout' and 'content', got {type(saved).__name__}")
@@ -528,7 +548,7 @@ def stage_group(
     new[GROUP_MIRROR] = None
     live_names = live.get("param_names")
     if live_names is not None:
-        mismatch = names_mismatch(saved["param_names"], live_names) if "param_names" in saved else None
+        mismatch = names_mismatch(saved["param_names"], live_names, ids) if "param_names" in saved else None
         if mismatch is not None:
             raise fail(f"param_groups[{index}] param_names differ from the live parameter names: {mismatch}")
         new["param_names"] = live_names

@@ -221,5 +221,5 @@ def stage_state_dict(
     if moving and codebook is None:
         raise fail("the checkpoint holds non-zero quantized momentum but no codebook")
     # last: a structurally wrong state dict gets the specific error above, not "digest mismatch"
-    check_state_digest(F.FORMAT, saved_ids, saved_state, common)
+    check_state_digest(F.FORMAT, saved_ids, saved_state, common, groups=groups)
     return StagedNativeState(tuple(new_groups), new_state, codebook, global_step)

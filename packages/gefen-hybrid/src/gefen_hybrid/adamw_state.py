@@ -232,7 +232,7 @@ def _check_names(where: str, saved: Mapping[str, Any], live: Mapping[str, Any], 
         _fail(f"{where} 'param_names' must be a list of str")
     if len(saved_names) != count:
         _fail(f"{where} has {len(saved_names)} parameter names for {count} parameters")
-    mismatch = names_mismatch(saved_names, live_names) if live_names is not None else None
+    mismatch = names_mismatch(saved_names, live_names, saved.get("params")) if live_names is not None else None
     if mismatch is not None:
         _fail(f"{where} parameter names differ: {mismatch}")
     return list(saved_names)

@@ -49,20 +49,22 @@ def _tensors(params: Iterable[object]) -> list[object]:
     return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
 
 
-def names_mismatch(saved: object, live: Sequence[str]) -> str | None:
+def names_mismatch(saved: object, live: Sequence[str], ids: object = None) -> str | None:
     """``None`` when a loaded group's ``param_names`` are the live group's, else what differs,
     for the refusal's message (also when the loaded ``param_names`` are not a list of names).
 
     A native load matches state to parameters by position, so the same names in another order
     (a model that registers its parameters in another order) differ too: loaded by position,
-    each state would land on another parameter. torch's ``set_optimizer_state_dict`` maps
-    parameters by name but passes the checkpoint's ``param_names`` through in the saved order,
-    so it meets the same refusal.
+    each state would land on another parameter. The exception is torch's
+    ``set_optimizer_state_dict``, which keys the state by name and lists the group's ``params``
+    (``ids``) as those names in the live order, but passes the checkpoint's ``param_names``
+    through in the saved order: when ``ids`` are exactly the live names, the state is already
+    matched by name and the saved order does not matter.
     """
     if not isinstance(saved, (list, tuple)) or any(type(name) is not str for name in saved):
         return f"the checkpoint's param_names must be a list of str, got {type(saved).__name__} {saved!r:.80}"
     saved, live = list(saved), list(live)
-    if saved == live:
+    if saved == live or (isinstance(ids, list) and ids == live and sorted(saved) == sorted(live)):
         return None
     common = min(len(saved), len(live))
     first = next((i for i in range(common) if saved[i] != live[i]), common)
@@ -72,8 +74,10 @@ def names_mismatch(saved: object, live: Sequence[str]) -> str | None:
         where = f"the checkpoint names {len(saved)} parameters, this group {len(live)}"
     if sorted(saved) == sorted(live):
         return (
-            f"the same names in another order ({where}): the model registers its parameters in another order "
-            "than the one that saved; build the optimizer from them in the saving order"
+            f"the same names in another order ({where}): the optimizer lists its parameters in another order "
+            "than the one that saved (the model registers them in another order, or they were passed in "
+            "another one); build the optimizer from them in the saving order, or load through torch's "
+            "set_optimizer_state_dict, which matches them by name"
         )
     return f"{where}; rename them with a load_state_dict pre-hook if the model really changed"
 
