@@ -516,3 +516,30 @@ def test_a_folder_with_a_truncated_file_beside_a_good_one_is_corrupt(
     description = inspect_checkpoint(folder)
     assert description.status == "CORRUPT"
     assert [p.where for p in description.problems] == ["optim_rank1.pt"]
+
+
+def test_a_truncated_torch_save_file_is_corrupt_not_unknown(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint that no longer reads (a copy cut short) was UNKNOWN FORMAT (exit 3), as for a
+    file that never was a checkpoint; it starts like a torch.save file, so it is CORRUPT (exit 1)."""
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(checkpoints["gefen"].read_bytes()[:-100])
+    description = inspect_checkpoint(cut)
+    assert description.status == "CORRUPT", description.format_text()
+    assert "starts like a torch.save file: truncated or damaged" in description.problems[0].message
+    assert main(["inspect", str(cut)]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
+
+
+def test_a_container_names_what_it_did_not_verify(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A training script's ``{"model", "optimizer", "step"}`` said OK with only the optimizer
+    checked: the model's weights carry no digest, and now the description says they were not
+    verified."""
+    container = tmp_path / "train.pt"
+    optimizer = torch.load(checkpoints["gefen"], weights_only=True)
+    torch.save({"model": {"w": torch.ones(2)}, "optimizer": optimizer, "step": 3}, container)
+    description = inspect_checkpoint(container)
+    assert description.ok, description.format_text()
+    assert dict(description.facts)["not verified"] == "model, step (no optimizer state; not checked)"
+    assert "not verified" in description.format_text()

@@ -91,8 +91,13 @@ def _describe_file(target: Path, unreadable: list[Problem] | None = None) -> Che
         if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):  # objects it will not run
             return _unknown(str(target), "file", f"torch.load(weights_only=True) refuses its objects: {exc}", size)
         reason = f"torch.load(weights_only=True) cannot read it: {type(exc).__name__}: {exc}"
-        if unreadable is not None:
+        if unreadable is not None:  # (the folder reports it, beside the files it recognised)
             unreadable.append(Problem(target.name, reason))
+        elif _starts_like_torch_save(target):  # a torch.save file that no longer reads: damaged, not foreign
+            problem = Problem(target.name, f"{reason} (it starts like a torch.save file: truncated or damaged)")
+            return CheckpointDescription(
+                str(target), "file", "torch.save file", None, problems=(problem,), file_bytes=size
+            )
         return _unknown(str(target), "file", reason, size)
     found = _describe_value(loaded, str(target), size)
     if found is not None:
@@ -102,12 +107,27 @@ def _describe_file(target: Path, unreadable: list[Problem] | None = None) -> Che
         children = tuple(child for _, child in inner if child is not None)
         keys = sorted(map(str, loaded))[:8]
         if children:
+            unchecked = sorted(key for key, child in inner if child is None)[:8]
+            facts = [("keys", ", ".join(keys))]
+            if unchecked:  # a model's weights carry no digest: nothing here can tell a flipped bit
+                facts.append(("not verified", ", ".join(unchecked) + " (no optimizer state; not checked)"))
             return CheckpointDescription(
                 str(target), "file", "container dict", None,
-                facts=(("keys", ", ".join(keys)),), children=children, file_bytes=size,
+                facts=tuple(facts), children=children, file_bytes=size,
             )  # fmt: skip
         return _unknown(str(target), "file", f"a dict with keys {keys}, none an optimizer state gefen knows", size)
     return _unknown(str(target), "file", f"a {type(loaded).__name__}", size)
+
+
+#: How a ``torch.save`` file begins: the zip archive of torch >= 1.6, or the legacy format's
+#: pickle (protocol 2) of its magic number.
+_TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19")
+
+
+def _starts_like_torch_save(target: Path) -> bool:
+    with target.open("rb") as handle:
+        head = handle.read(16)
+    return any(head.startswith(magic) for magic in _TORCH_SAVE_MAGIC)
 
 
 def _describe_value(value: object, path: str, size: int | None) -> CheckpointDescription | None:
