@@ -34,7 +34,7 @@ from .optimizer_support import (
     publish_groups_and_state,
     run_eagerly,
 )
-from .param_groups import check_parameters, normalize_group_options, refuse_optimizer_wide
+from .param_groups import check_parameters, normalize_group_options, optimizer_wide, refuse_optimizer_wide
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 from .step_plan import capturing
@@ -238,7 +238,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
             merged.get("lr", self.defaults["lr"]),
             param_names=merged.get("param_names"),
         )
-        refuse_optimizer_wide(param_group, index, gefen_step.optimizer_wide(self))
+        refuse_optimizer_wide(param_group, index, optimizer_wide(self))
         substrings = merged.get("period_one_substrings", self.defaults["period_one_substrings"])
         named = (bool(listed) and all(isinstance(p, tuple) for p in listed)) or merged.get("param_names") is not None
         if substrings and not named:

@@ -34,7 +34,7 @@ from .identity import verify_layout
 from .momentum_codec import stochastic_seed
 from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
 from .optimizer_support import codebook_on
-from .param_groups import refuse_optimizer_wide
+from .param_groups import refuse_edited_groups
 from .param_state import (
     FACTORED,
     INDICES,
@@ -91,26 +91,12 @@ def refresh_due(optimizer: Gefen) -> bool:
     )
 
 
-def optimizer_wide(optimizer: Gefen) -> dict[str, object]:
-    """The options of the whole optimizer a group may carry only with the optimizer's value
-    (:func:`gefen_core.param_groups.refuse_optimizer_wide`)."""
-    return {
-        "fused": optimizer._dispatch.fused,
-        "codebook_refresh_every": optimizer._refresh_every,
-        "stochastic_round": optimizer._stochastic_round,
-        "deterministic": optimizer._deterministic,
-        "capturable": optimizer._capturable,
-    }
-
-
 def plan(optimizer: Gefen) -> StepPlan:
     """Every check the step runs before mutating (the sealed layout, distinct parameters sharing
     memory until a step has passed them after the groups changed, a group edited to set an
     option of the whole optimizer, then :func:`plan_step`)."""
     verify_layout(optimizer, "step")
-    own = optimizer_wide(optimizer)
-    for index, group in enumerate(optimizer.param_groups):
-        refuse_optimizer_wide(group, index, own)
+    refuse_edited_groups(optimizer)
     if not optimizer._memory_checked:  # (a stepping caller sets it: preflight_step changes nothing)
         refuse_shared_memory(optimizer.param_groups)
     return plan_step(

@@ -46,7 +46,7 @@ from .optimizer_support import (
     publish_groups_and_state,
     run_eagerly,
 )
-from .param_groups import refuse_optimizer_wide
+from .param_groups import optimizer_wide, refuse_optimizer_wide
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 
@@ -250,7 +250,7 @@ class GefenMuon(
             tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
             check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")
         check_new_group(listed, index, self.param_groups, options["lr"], param_names=param_group.get("param_names"))
-        refuse_optimizer_wide(param_group, index, muon_execution.optimizer_wide(self))
+        refuse_optimizer_wide(param_group, index, optimizer_wide(self))
         # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)
         param_group.update(options, params=listed)
         super().add_param_group(param_group)

@@ -32,7 +32,7 @@ from .muon_state import new_muon_state
 from .muon_update import apply_update, finish_update, momentum_inputs, orthogonalize
 from .ops import Kernels
 from .optimizer_support import codebook_on
-from .param_groups import refuse_optimizer_wide
+from .param_groups import refuse_edited_groups
 from .param_state import INDICES, place_state
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
@@ -57,24 +57,11 @@ class _Host(Protocol):
     _fp8_warned: bool
 
 
-def optimizer_wide(optimizer: Any) -> dict[str, object]:
-    """The options of the whole optimizer a group may carry only with the optimizer's value
-    (:func:`gefen_core.param_groups.refuse_optimizer_wide`)."""
-    return {
-        "fused": optimizer._dispatch.fused,
-        "stochastic_round": optimizer._stochastic_round,
-        "deterministic": optimizer._deterministic,
-        "capturable": optimizer._capturable,
-    }
-
-
 def plan(optimizer: Any) -> MuonPlan:
     """Every check ``GefenMuon.step`` runs before mutating (the sealed layout, a group edited to
     set an option of the whole optimizer, then the matrices)."""
     verify_layout(optimizer, "step")
-    own = optimizer_wide(optimizer)
-    for index, group in enumerate(optimizer.param_groups):
-        refuse_optimizer_wide(group, index, own)
+    refuse_edited_groups(optimizer)
     return plan_muon_step(
         optimizer.param_groups,
         optimizer.state,

@@ -26,6 +26,8 @@ __all__ = [
     "lr_option",
     "normalize_group_options",
     "real_option",
+    "optimizer_wide",
+    "refuse_edited_groups",
     "refuse_optimizer_wide",
     "where_prefix",
 ]
@@ -165,6 +167,28 @@ def refuse_optimizer_wide(group: Mapping[str, Any], index: int, own: Mapping[str
                 f"param_groups[{index}]: {key}={group[key]!r} is an option of the whole optimizer (this one has "
                 f"{key}={value!r}), which a group cannot change; pass it to the constructor"
             )
+
+
+def optimizer_wide(optimizer: Any) -> dict[str, object]:
+    """Gefen's or GefenMuon's options of the whole optimizer, each with its value: a group may
+    carry one only with that value (:func:`refuse_optimizer_wide`)."""
+    own: dict[str, object] = {
+        "fused": optimizer._dispatch.fused,
+        "stochastic_round": optimizer._stochastic_round,
+        "deterministic": optimizer._deterministic,
+        "capturable": optimizer._capturable,
+    }
+    if hasattr(optimizer, "_refresh_every"):  # Gefen's codebook_refresh_every
+        own["codebook_refresh_every"] = optimizer._refresh_every
+    return own
+
+
+def refuse_edited_groups(optimizer: Any) -> None:
+    """Before a step: :func:`refuse_optimizer_wide` for each live group (an edit such as
+    ``group["stochastic_round"] = True`` after the group was added)."""
+    own = optimizer_wide(optimizer)
+    for index, group in enumerate(optimizer.param_groups):
+        refuse_optimizer_wide(group, index, own)
 
 
 def normalize_group_options(
