@@ -176,12 +176,12 @@ def fsdp_model(rank: int, world: int, mode: str) -> dict[str, Any]:
     return {"max_abs": max(float((a - b).abs().max()) for a, b in zip(ours, reference.parameters()))}
 
 
-def _opt_for_faults(world: int, mode: str) -> tuple[GefenMuon, list[torch.nn.Parameter], Any]:
+def _opt_for_faults(world: int, mode: str, trained: int = 1) -> tuple[GefenMuon, list[torch.nn.Parameter], Any]:
     mesh = _mesh(world)
     params = sharded_params([(8, 6), (6, 10), (5, 4)], mesh)
     opt = GefenMuon(named_pairs(params), sharded_mode=mode, lr=LR, fused=False)
-    train(opt, params, 0, 1, mesh)
-    set_grads(params, 1, mesh)
+    train(opt, params, 0, trained, mesh)
+    set_grads(params, trained, mesh)
     return opt, params, mesh
 
 
@@ -191,7 +191,8 @@ def _boom(*_: Any, **__: Any) -> Any:
 
 def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
     """Inject a failure on rank 0 at ``where``; every rank must raise the same error (no hang)."""
-    opt, params, _ = _opt_for_faults(world, mode)
+    # (a gradient is checked while the codebook is unlearned: the first step's)
+    opt, params, _ = _opt_for_faults(world, mode, trained=0 if where == "gradient preflight" else 1)
     closure = None
     patches = contextlib.ExitStack()  # faults injected into the step's functions, on rank 0 only
     if rank == 0:
@@ -199,7 +200,6 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
             opt.param_groups[0]["lr"] = -1.0
         elif where == "gradient preflight":
             params[1].grad.to_local().fill_(float("nan"))  # type: ignore[union-attr]
-            opt.state.pop(params[1], None)  # a first gradient must be finite
         elif where == "amp":
             opt.found_inf = torch.ones(1)  # type: ignore[attr-defined]
         elif where == "bucket gather":
@@ -230,6 +230,21 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
     outcome["unchanged"] = not snapshot_diff(before, opt, *params)
     dist.barrier()
     return outcome
+
+
+def late_nan(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """A NaN in rank 1's rows of the first matrix (owned by rank 0 in "distributed" mode) after
+    the codebook is learned: taken on every rank, as one process and torch's Muon take it."""
+    opt, params, _ = _opt_for_faults(world, mode)
+    if rank == 1:
+        params[0].grad.to_local()[0, 0] = float("nan")  # type: ignore[union-attr]
+    try:
+        opt.step()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    values = full_values(params)
+    return {"error": error, "finite": [bool(torch.isfinite(v).all()) for v in values], "values": save(values)}
 
 
 def presence(rank: int, world: int, mode: str, what: str = "gradient") -> dict[str, Any]:

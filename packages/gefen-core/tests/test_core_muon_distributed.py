@@ -118,6 +118,22 @@ def test_a_failure_on_one_rank_before_a_collective_raises_on_every_rank(
     assert expected in rank0["message"]
 
 
+@pytest.mark.parametrize("mode", ["exact", "distributed"])
+def test_a_non_finite_gradient_after_learning_is_taken_on_every_rank_whichever_rank_holds_it(
+    world: GlooWorld, mode: str
+) -> None:
+    """Once the codebook is learned nothing is learned from a gradient: "exact" and one process
+    take a NaN (the matrix becomes NaN, as with torch's Muon). "distributed" refused it on
+    every rank when it lay in a non-owner's rows (a non-owner holds no state, so it took every
+    gradient for a first one) and took it in the owner's: it now takes it alike."""
+    rank0, rank1 = world.run(cases.late_nan, mode)
+    assert rank0["error"] is None and rank1["error"] is None, (rank0["error"], rank1["error"])
+    assert rank0["finite"] == rank1["finite"] == [False, True, True]
+    values0, values1 = cases.load(rank0["values"]), cases.load(rank1["values"])
+    for a, b in zip(values0[1:], values1[1:], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("where", ["bucket gather", "update broadcast"])
 def test_a_failure_inside_the_distributed_exchange_raises_on_every_rank(world: GlooWorld, where: str) -> None:
     rank0, rank1 = world.run(cases.fault, "distributed", where)

@@ -147,9 +147,8 @@ def _relearn(optimizer: _Host, active: list[MuonItem]) -> dict[int, int]:
     three codewords its first, tiny stage gave). Not under a collective scope, whose matrices'
     state lives on their owners only, where no member could count it alike. Returns the
     starting matrices' periods."""
-    for item in active:
-        if item.state:
-            refuse_unlearnable(item.local_grad, item.where, RELEARN_WHEN)
+    for item in active:  # (the plan checks gradients only while the codebook is unlearned)
+        refuse_unlearnable(item.local_grad, item.where, RELEARN_WHEN)
     learned = learn_codebook(active, None, optimizer._dispatch, deterministic=optimizer._deterministic)
     old, new = optimizer._codebook, learned.codebook
     if old is not None and new is not None:

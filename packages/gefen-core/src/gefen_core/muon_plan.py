@@ -176,14 +176,17 @@ def plan_muon_step(
         if grad is not None and item.state is None and item.local_grad.numel():
             refuse_meta(item.local_grad, item.where)
         # the codebook is learned from every active gradient while it is unlearned (also after
-        # all-zero first gradients gave states): a NaN would skew or crash the histogram
-        learns = item.state is None or not codebook_ready
-        if grad is not None and learns and not overflowed:
+        # all-zero first gradients gave states): a NaN would skew or crash the histogram. Once
+        # it is learned nothing is learned from a gradient (a starting matrix's period is its
+        # shape's), so a non-finite one is taken as torch's Muon takes it, whether this member
+        # holds the matrix's state or not: a "distributed" member keeps only the matrices it
+        # owns, and refused a NaN in its rows of a matrix whose owner took one in its own
+        if grad is not None and not codebook_ready and not overflowed:
             local_grad = item.local_grad
             if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
-                first = "first gradient" if item.state is None else "gradient (the codebook is still unlearned)"
                 raise GradientError(
-                    f"{item.where}: the {first} is not finite; the period and the codebook cannot be learned from it"
+                    f"{item.where}: the gradient is not finite while the codebook is still unlearned; the "
+                    "codebook cannot be learned from it"
                 )
     _assign_owners(items, scope)
     plan = MuonPlan(items, scope)
