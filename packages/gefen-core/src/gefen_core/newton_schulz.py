@@ -134,9 +134,8 @@ def resolve_schedule(
     if type(ns_steps) is not int:
         raise ScheduleError(f"ns_steps must be an int, got {type(ns_steps).__name__}")
     if not 1 <= ns_steps < MAX_NS_STEPS:
-        raise ScheduleError(
-            f"ns_steps must be in [1, {MAX_NS_STEPS}), got {ns_steps} (0 steps would skip the orthogonalisation)"
-        )
+        why = " (0 steps would skip the orthogonalisation)" if ns_steps == 0 else ""
+        raise ScheduleError(f"ns_steps must be in [1, {MAX_NS_STEPS}), got {ns_steps}{why}")
     return _as_schedule(coefficients) * ns_steps
 
 
