@@ -260,6 +260,44 @@ def test_a_traceable_gefen_step_compiles_without_breaks_or_recompiles(fused: boo
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_traceable_reference_step_under_inductor_equals_eager_bit_for_bit(dtype: torch.dtype) -> None:
+    """``fused=False`` called the reference functions themselves, so inductor compiled their torch
+    ops: its rewrite of stochastic rounding's int64 SplitMix hash gave other numbers (a 24-vector),
+    an ``OverflowError`` at compile (a 24 x 16 matrix) or a segfault (8 x 4), and it kept bf16
+    intermediates in fp32 (1-ulp differences). The reference is now an opaque op of its own
+    (``gefen_core.ops.reference_name``); the tests above use the ``eager`` backend, which never
+    met it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager_model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 24)).to(dtype)
+    compiled_model = copy.deepcopy(eager_model)
+
+    def build(model: nn.Module) -> Gefen:
+        return Gefen(
+            model.named_parameters(), lr=torch.tensor(1e-2), capturable=True, stochastic_round=True, fused=False
+        )
+
+    eager, compiled = build(eager_model), build(compiled_model)
+
+    def run(step: int, model: nn.Module, optimizer_step: Any) -> None:
+        inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)).to(dtype)
+        model.zero_grad()
+        model(inputs).float().square().mean().backward()
+        optimizer_step()
+
+    for step in range(2):
+        run(step, eager_model, eager.step)
+        run(step, compiled_model, compiled.step)
+    assert compiled.traceable()
+    compiled_step = torch.compile(compiled.step)  # inductor, the default backend
+    for step in range(2, 5):
+        run(step, eager_model, eager.step)
+        run(step, compiled_model, compiled_step)
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_capturable_gefen_step_compiled_from_the_first_step_equals_eager() -> None:
     """TorchDynamo does not keep attribute writes on an optimizer: a traced learning step lost
     the codebook it learned (every later step relearned it and drifted from eager), and traced

@@ -50,7 +50,8 @@ the call; ``sr_seeds`` holds one int64 stochastic-rounding seed per entry.
 ``fused`` (:class:`Kernels`): ``None`` calls the op, so the dispatcher runs a registered
 kernel for the tensors' device and the reference elsewhere; ``True`` first requires a
 registered kernel (:class:`~gefen_contracts.KernelUnavailableError` naming why there is
-none); ``False`` calls the reference directly.
+none); ``False`` calls the op's reference twin (:func:`reference_name`), the same reference
+behind an op no kernel package registers, so that the compiler keeps it opaque too.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ __all__ = [
     "OpSpec",
     "PartialKernelsWarning",
     "kernel_registered",
+    "reference_name",
     "warn_on_partial_kernels",
 ]
 
@@ -224,13 +226,24 @@ DISPATCHED_OPS = (BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STATS, FA
 MUON_DISPATCHED_OPS = (HISTOGRAM, MUON_MOMENTUM)
 
 
+def reference_name(name: str) -> str:
+    """The reference-only twin of op ``name`` (``gefen::block_step.v3`` ->
+    ``gefen::block_step_reference.v3``): the same schema, reference and fake, for which no kernel
+    package registers a kernel. ``fused=False`` calls it, so that ``torch.compile`` keeps the
+    reference one opaque node too (traced through, inductor rewrote its int64 SplitMix hash
+    into wrong numbers, a compile error or a segfault, and kept bf16 intermediates in fp32)."""
+    base, version = name.split(".")
+    return f"{base}_reference.{version}"
+
+
 def _declare() -> torch.library.Library:
     library = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-call]
     for spec in OPS.values():
-        local = spec.name.split("::")[1]
-        library.define(local + spec.schema)  # type: ignore[no-untyped-call]
-        library.impl(local, spec.reference, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-        torch.library.register_fake(spec.name, spec.fake, lib=library)
+        for qualified in (spec.name, reference_name(spec.name)):
+            local = qualified.split("::")[1]
+            library.define(local + spec.schema)  # type: ignore[no-untyped-call]
+            library.impl(local, spec.reference, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+            torch.library.register_fake(qualified, spec.fake, lib=library)
     return library
 
 
@@ -243,8 +256,9 @@ def _overload(name: str) -> Any:
     return getattr(getattr(getattr(torch.ops, NAMESPACE), base), version)
 
 
-#: The ``torch.ops`` overload of each op (what the dispatcher runs).
+#: The ``torch.ops`` overload of each op (what the dispatcher runs), and of its reference twin.
 _OVERLOADS: dict[str, Any] = {name: _overload(name) for name in OPS}
+_REFERENCE_OVERLOADS: dict[str, Any] = {name: _overload(reference_name(name)) for name in OPS}
 _PLUGINS: list[bool] = []
 
 
@@ -322,8 +336,9 @@ class Kernels:
 
     def op(self, name: str) -> Callable[..., Any]:
         """The callable that runs op ``name`` the way ``fused`` says: the torch op (the
-        dispatcher picks a registered kernel or the reference), or the reference itself."""
+        dispatcher picks a registered kernel or the reference), or its reference twin
+        (:func:`reference_name`)."""
         if self._fused is False:
-            return OPS[name].reference
+            return _REFERENCE_OVERLOADS[name]  # type: ignore[no-any-return]
         _load_plugins()
         return _OVERLOADS[name]  # type: ignore[no-any-return]
