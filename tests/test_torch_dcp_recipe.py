@@ -50,33 +50,6 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, start
         optimizer.step()
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_the_torch_recipe_round_trips_bit_exactly(tmp_path: Path, name: str, flatten: bool) -> None:
-    factory = FACTORIES[name]
-    model = make_kit_model(0)
-    optimizer = factory(model)
-    _train(model, optimizer, 3, start=0)
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-    dcp.save(get_optimizer_state_dict(model, optimizer, options=options), checkpoint_id=str(tmp_path))
-
-    restored_model = make_kit_model(1)
-    restored_model.load_state_dict(model.state_dict())
-    restored = factory(restored_model)
-    weights = {n: p.detach().clone() for n, p in restored_model.named_parameters()}
-    template = get_optimizer_state_dict(restored_model, restored, options=options)
-    for n, p in restored_model.named_parameters():
-        assert torch.equal(p, weights[n]), f"the template step moved {n}"
-    dcp.load(template, checkpoint_id=str(tmp_path))
-    set_optimizer_state_dict(restored_model, restored, template, options=options)
-
-    assert_trees_equal(optimizer.state_dict(), restored.state_dict())
-    _train(model, optimizer, 2, start=3)
-    _train(restored_model, restored, 2, start=3)
-    for (n, a), b in zip(model.named_parameters(), restored_model.parameters()):
-        assert torch.equal(a, b), f"{n} diverged after the restore"
-
-
 class _Reversed:
     """A model's parameters listed in reverse (what a factory reads through ``named_parameters``)."""
 
@@ -87,34 +60,42 @@ class _Reversed:
         return list(self.model.named_parameters())[::-1]
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["same-order", "reversed"])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_an_optimizer_listing_its_parameters_in_another_order_loads_through_the_recipe_by_name(
-    tmp_path: Path, name: str, flatten: bool
-) -> None:
-    """torch's recipe keys the state by name and lists a group's ``params`` in the live order,
-    but passes the checkpoint's ``param_names`` in the saved order. The loads checked names and
-    the digest in the live order and refused what torch's AdamW loads; the state now lands on
-    its parameter by name and the run continues bit for bit. A native state dict, matched by
-    position, is still refused."""
+def test_the_torch_recipe_round_trips_bit_exactly(tmp_path: Path, name: str, flatten: bool, reverse: bool) -> None:
+    """``reverse``: the restoring optimizer lists its parameters in reverse. torch's recipe keys
+    the state by name and lists a group's ``params`` in the live order, but passes the
+    checkpoint's ``param_names`` in the saved order; the loads checked names and the digest in
+    the live order and refused what torch's AdamW loads. The state now lands on its parameter
+    by name; a native state dict, matched by position, is still refused."""
     factory = FACTORIES[name]
     model = make_kit_model(0)
     optimizer = factory(model)
-    _train(model, optimizer, 2, start=0)
+    _train(model, optimizer, 3, start=0)
     options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     dcp.save(get_optimizer_state_dict(model, optimizer, options=options), checkpoint_id=str(tmp_path))
-    twin_model = make_kit_model(1)
-    twin_model.load_state_dict(model.state_dict())
-    twin = factory(_Reversed(twin_model))  # type: ignore[arg-type]
-    with pytest.raises(StateValidationError, match="another order"):
-        twin.load_state_dict(optimizer.state_dict())
-    template = get_optimizer_state_dict(twin_model, twin, options=options)
+
+    restored_model = make_kit_model(1)
+    restored_model.load_state_dict(model.state_dict())
+    restored = factory(_Reversed(restored_model) if reverse else restored_model)  # type: ignore[arg-type]
+    if reverse:
+        with pytest.raises(StateValidationError, match="another order"):
+            restored.load_state_dict(optimizer.state_dict())
+    weights = {n: p.detach().clone() for n, p in restored_model.named_parameters()}
+    template = get_optimizer_state_dict(restored_model, restored, options=options)
+    for n, p in restored_model.named_parameters():
+        assert torch.equal(p, weights[n]), f"the template step moved {n}"
     dcp.load(template, checkpoint_id=str(tmp_path))
-    set_optimizer_state_dict(twin_model, twin, template, options=options)
-    twins = dict(twin_model.named_parameters())
-    for n, p in model.named_parameters():
-        assert_trees_equal(dict(optimizer.state.get(p, {})), dict(twin.state.get(twins[n], {})), n)
-    _train(model, optimizer, 2, start=2)
-    _train(twin_model, twin, 2, start=2)
-    for (n, a), b in zip(model.named_parameters(), twin_model.parameters(), strict=True):
+    set_optimizer_state_dict(restored_model, restored, template, options=options)
+
+    if reverse:
+        twins = dict(restored_model.named_parameters())
+        for n, p in model.named_parameters():
+            assert_trees_equal(dict(optimizer.state.get(p, {})), dict(restored.state.get(twins[n], {})), n)
+    else:
+        assert_trees_equal(optimizer.state_dict(), restored.state_dict())
+    _train(model, optimizer, 2, start=3)
+    _train(restored_model, restored, 2, start=3)
+    for (n, a), b in zip(model.named_parameters(), restored_model.parameters(), strict=True):
         assert torch.equal(a, b), f"{n} diverged after the restore"
