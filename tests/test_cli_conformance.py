@@ -23,6 +23,15 @@ def test_broken_adopter_exits_one_and_names_the_check(factory: str, capsys: pyte
     assert check in out and fragment in out
 
 
+def test_a_waiver_that_names_nothing_of_the_run_is_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--waive bogus`` (a typo) was taken in silence and waived nothing."""
+    assert main(["conformance", "gefen_example_sgd:conformance_factory", "--waive", "bogus"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --waive 'bogus' names no check or claim of this run" in err
+    main(["conformance", "gefen_example_sgd:conformance_factory", "--waive", "checkpoint.native_roundtrip"])
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_json_report_and_unimportable_factory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conformance", "conformance_broken_adopters:mutating_query_factory", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)

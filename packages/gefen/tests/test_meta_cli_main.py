@@ -131,3 +131,31 @@ def test_ctrl_c_or_sigterm_stops_the_command_and_its_training_process_with_one_l
     assert code == 130, text
     assert "gefen demo: interrupted" in text and "Traceback" not in text, text
     assert all(_gone(child) for child in children), children
+
+
+def test_ctrl_c_while_the_parsers_are_built_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Building a command's parser imports torch (about two seconds): a Ctrl-C there printed a
+    whole ``KeyboardInterrupt`` traceback instead of the promised one line."""
+    cli_main = sys.modules["gefen.cli.main"]  # (gefen.cli's ``main`` attribute is the function)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "build_parser", interrupted)
+    assert main(["demo", "--steps", "3"]) == 130
+    assert capsys.readouterr().err == "gefen demo: interrupted\n"
+    assert main(["bench", "dcp"]) == 130
+    assert capsys.readouterr().err == "gefen bench dcp: interrupted\n"
+
+
+def test_more_threads_than_four_per_cpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--threads 100000`` segfaulted in OpenMP without a word (20,000 failed to create them)."""
+    import os
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "muon", "--threads", "100000"])
+    assert exit_info.value.code == 2
+    limit = 4 * (os.cpu_count() or 1)
+    assert f"gefen bench muon: error: --threads 100000 is more than {limit}" in capsys.readouterr().err

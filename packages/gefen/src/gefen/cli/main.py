@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import signal
@@ -68,6 +69,11 @@ def _with_flags(message: str, parser: argparse.ArgumentParser | None) -> str:
     return re.sub(r"^\w+\b", lambda match: flags.get(match[0], match[0]), message)
 
 
+#: The most torch threads a command accepts: 4 per CPU (100,000 segfaulted in OpenMP, 20,000
+#: failed to create them).
+_MAX_THREADS = 4 * (os.cpu_count() or 1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the exit status is the command's (2 for a usage error, 130 when
     interrupted by Ctrl-C or SIGTERM).
@@ -75,13 +81,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``MODULE:FUNCTION`` arguments resolve through ``gefen_contracts.testing.import_attribute``,
     which makes the current directory importable (a module next to the user's script is found
     without ``PYTHONPATH=.``)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:  # (building a command's parser imports torch: seconds, in which a Ctrl-C also lands)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        named = " ".join(itertools.takewhile(lambda word: not word.startswith("-"), words[:2]))
+        print(f"gefen{' ' + named if named else ''}: interrupted", file=sys.stderr)
+        return 130
+    command = " ".join(c for c in (args.command, getattr(args, "benchmark", None)) if c)  # "bench dcp"
+    threads = getattr(args, "threads", None)
+    if type(threads) is int and threads > _MAX_THREADS:  # OpenMP fails to start them, or segfaults
+        parser.exit(
+            2,
+            f"gefen {command}: error: --threads {threads} is more than {_MAX_THREADS} (4 x this machine's "
+            f"{os.cpu_count() or 1} CPUs)\n",
+        )
     if argv is None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         # as the command (not called in-process): `kill` and `timeout` stop it as Ctrl-C does; the
         # processes it measures in run in a session of their own, and only this one, unwinding, stops them
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-    command = " ".join(c for c in (args.command, getattr(args, "benchmark", None)) if c)  # "bench dcp"
     try:
         result: int = args.handler(args)
     except UsageError as exc:
