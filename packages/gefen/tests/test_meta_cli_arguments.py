@@ -77,6 +77,7 @@ BAD_VALUES = [
     (["bench", "memory", "--models", "tiny,tiny"], "models lists 'tiny' more than once"),
     (["bench", "memory", "--optimizers", "nosuch"], "unknown optimizer 'nosuch'"),
     (["bench", "quality", "--tasks", "char-tiny,char-tiny"], "tasks lists 'char-tiny' more than once"),
+    (["bench", "quality", "--lr-grid", "1e-3,1e-3"], "--lr-grid names a learning rate twice"),
     (["bench", "dcp", "--ranks", "1,1"], "--ranks lists '1' more than once"),
     (["bench", "portable", "--models", "tiny,tiny"], "models lists 'tiny' more than once"),
     (["bench", "portable", "--models", "1m"], "no decoder of the sized family comes within 25% of 1,000,000"),

@@ -417,10 +417,14 @@ def test_gefen_dcp_state_checkpoint_is_verified_and_a_flipped_chunk_named(tmp_pa
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(
-            {"optim": GefenDCPState(optimizer)}, storage_writer=GefenFileSystemWriter(root), planner=GefenSavePlanner()
+            {"optim": GefenDCPState(optimizer), "model": model.state_dict()},
+            storage_writer=GefenFileSystemWriter(root),
+            planner=GefenSavePlanner(),
         )
     folder = inspect_checkpoint(root)
     assert folder.ok, folder.format_text()
+    # the model's weights carry no digest: OK says nothing about them, and the facts say so
+    assert dict(folder.facts)["other keys"].endswith("; not verified"), folder.facts
     (child,) = folder.children
     from gefen_dcp import DCP_STATE_FORMAT_VERSION
 

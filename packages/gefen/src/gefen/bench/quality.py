@@ -133,6 +133,8 @@ class QualityOptions:
             not self.lr_grid or any(not (math.isfinite(lr) and lr > 0) for lr in self.lr_grid)
         ):
             raise ValueError(f"lr_grid must hold positive finite learning rates, got {self.lr_grid!r}")
+        if self.lr_grid is not None and len(set(self.lr_grid)) != len(self.lr_grid):  # each would run twice
+            raise ValueError(f"lr_grid names a learning rate twice, got {self.lr_grid!r}")
         if type(self.seeds) is not int or self.seeds < 1:
             raise ValueError(f"seeds must be a positive int, got {self.seeds!r}")
         if type(self.sweep_seeds) is not int or self.sweep_seeds < 1:
