@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,6 +181,21 @@ def test_a_target_whose_output_is_no_loss_is_a_usage_error(capsys: pytest.Captur
         main(["find-lr", f"{__name__}:vector_output_target", "--steps", "5", "--optimizer", "adamw"])
     assert exit_info.value.code == 2
     assert "must be a scalar loss tensor" in capsys.readouterr().err
+
+
+def vector_loss_target() -> tuple[torch.nn.Module, list[torch.Tensor], Any]:
+    """A target's own loss function that returns one loss per example."""
+    return torch.nn.Linear(3, 2), [torch.zeros(3)] * 10, lambda model, batch: model(batch)
+
+
+def test_a_loss_function_returning_no_scalar_is_a_usage_error_naming_its_shape(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was a ``TypeError`` traceback naming the type ("got Tensor"), not the shape."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["find-lr", f"{__name__}:vector_loss_target", "--steps", "5", "--optimizer", "adamw"])
+    assert exit_info.value.code == 2
+    assert "the loss function must return a one-element tensor, got shape (2,)" in capsys.readouterr().err
 
 
 def empty_target() -> tuple[torch.nn.Module, list[torch.Tensor]]:

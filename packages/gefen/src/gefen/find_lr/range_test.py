@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .target import TargetError
+
 __all__ = ["NoFiniteLossError", "RangeTestOptions", "RangeTestResult", "lr_range_test", "ramp", "suggest_lr"]
 
 
@@ -144,7 +146,8 @@ def lr_range_test(
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"the loss function must return a one-element tensor, got {type(loss).__name__}")
+                got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise TargetError(f"the loss function must return a one-element tensor, got {got}")
             value = float(loss.detach())
             lrs.append(rate)
             losses.append(value)
