@@ -36,3 +36,28 @@ def test_student_t_quantiles() -> None:
     assert student_t_95(500) == 1.960
     with pytest.raises(ValueError, match="degrees of freedom"):
         student_t_95(0)
+
+
+@pytest.mark.parametrize(
+    ("gefen_losses", "verdict"),
+    [
+        ({0: 0.99, 1: 0.98, 2: 0.985}, "meets the <= 1.000 target"),
+        ({0: 0.95, 1: 1.031, 2: 0.99}, "its mean is within the <= 1.000 target, but its 95 % interval is not"),
+        ({0: 1.02, 1: 1.01, 2: 1.03}, "misses the <= 1.000 target"),
+    ],
+)
+def test_the_quality_verdict_says_when_the_seeds_do_not_resolve_the_target(
+    gefen_losses: dict[int, float], verdict: str
+) -> None:
+    """A paired ratio of 0.99 [0.949, 1.031] was reported as meeting the <= 1.000 target."""
+    from types import SimpleNamespace
+
+    from gefen.bench.quality import _add_verdicts
+    from gefen.bench.schema import ReportBuilder
+
+    builder = ReportBuilder("quality")
+    adamw = SimpleNamespace(optimizer="adamw", test_by_seed={0: 1.0, 1: 1.0, 2: 1.0})
+    gefen = SimpleNamespace(optimizer="gefen", test_by_seed=gefen_losses)
+    _add_verdicts(builder, "char-tiny", {"adamw": adamw, "gefen": gefen}, adamw)  # type: ignore[dict-item, arg-type]
+    (note,) = builder.build().notes
+    assert note.startswith("char-tiny: gefen / adamw = ") and note.endswith(f"({verdict})"), note
