@@ -18,14 +18,14 @@ from gefen_contracts.torch_support import check_tensor_lr
 
 from .batched_newton_schulz import chunk_capacity, plan_chunks, shape_eligible
 from .distributed import check_parameter_layout, local_tensor
-from .errors import CaptureError, GradientError, ParameterError
+from .errors import CaptureError, ParameterError
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, build_scope, execution_mode
 from .muon_options import check_muon_group, group_schedule
 from .muon_state import check_muon_state
 from .ops import HISTOGRAM, MUON_MOMENTUM, Kernels
 from .param_groups import SUPPORTED_DTYPES
 from .param_state import refuse_codes_without_codebook
-from .step_plan import capturing, check_gradient, refuse_meta
+from .step_plan import capturing, check_gradient, refuse_meta, refuse_unlearnable
 
 __all__ = ["MuonItem", "MuonPlan", "batched_chunks", "check_entry", "check_matrix", "plan_muon_step"]
 
@@ -182,12 +182,7 @@ def plan_muon_step(
         # holds the matrix's state or not: a "distributed" member keeps only the matrices it
         # owns, and refused a NaN in its rows of a matrix whose owner took one in its own
         if grad is not None and not codebook_ready and not overflowed:
-            local_grad = item.local_grad
-            if local_grad.numel() and not bool(torch.isfinite(local_grad).all()):
-                raise GradientError(
-                    f"{item.where}: the gradient is not finite while the codebook is still unlearned; the "
-                    "codebook cannot be learned from it"
-                )
+            refuse_unlearnable(item.local_grad, item.where, "while the codebook is still unlearned")
     _assign_owners(items, scope)
     plan = MuonPlan(items, scope)
     if dispatch.fused is True:

@@ -314,9 +314,8 @@ def route_model(model: nn.Module, rules: RoutingRules | None = None) -> RoutedPa
     _check_overrides_known(named, rules)
     _reject_placeholders(named)
     by_role = _assign(named, rules, backup_module_weight_ids(model, rules.embedding_types))
-    loose = [
-        name for name in _loose_matrices(model) if name in dict(by_role[ROLE_MUON]) and name not in rules.overrides
-    ]
+    muon = dict(by_role[ROLE_MUON])
+    loose = [name for name in _loose_matrices(model) if name in muon and name not in rules.overrides]
     if loose:
         warnings.warn(
             f"{len(loose)} 2-D parameter(s) go to muon by shape although a model module holds them bare, beside its "
