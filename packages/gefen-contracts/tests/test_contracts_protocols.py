@@ -23,7 +23,7 @@ from gefen_contracts.protocols import (
     PROTOCOL_FEATURES,
     CanonicalLocalState,
     CollectiveScoped,
-    CompositeOptimizer,
+    Composite,
     ContractProvider,
     IdentityBindable,
     ModeTaggedState,
@@ -44,7 +44,7 @@ ALL_PROTOCOLS = (
     PortableAdapter,
     ParameterShapedState,
     CollectiveScoped,
-    CompositeOptimizer,
+    Composite,
 )
 
 

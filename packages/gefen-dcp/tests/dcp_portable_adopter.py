@@ -239,7 +239,7 @@ COMPOSITE_IMPLEMENTATION = "gefen_dcp_test.PieceComposite"
 
 
 class PieceComposite:
-    """Two PieceSGD children (a ``CompositeOptimizer``) splitting the parameters by :data:`ROLES`."""
+    """Two PieceSGD children (a ``Composite``) splitting the parameters by :data:`ROLES`."""
 
     def __init__(self, kind: str, size: int, member: str | None, *, uneven: bool = False) -> None:
         self.children = {

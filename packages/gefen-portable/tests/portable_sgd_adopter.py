@@ -467,7 +467,7 @@ class PortableSGD(torch.optim.Optimizer):
 
 
 class PortableComposite:
-    """Two PortableSGD children with roles ``first`` and ``second`` (a CompositeOptimizer)."""
+    """Two PortableSGD children with roles ``first`` and ``second`` (a Composite)."""
 
     def __init__(self, children: Mapping[str, PortableSGD]) -> None:
         self.children = dict(children)

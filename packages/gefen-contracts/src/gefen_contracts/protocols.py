@@ -46,7 +46,7 @@ __all__ = [
     "PROTOCOL_FEATURES",
     "CanonicalLocalState",
     "CollectiveScoped",
-    "CompositeOptimizer",
+    "Composite",
     "ContractProvider",
     "IdentityBindable",
     "ModeTaggedState",
@@ -283,7 +283,7 @@ class CollectiveScoped(Protocol):
 
 
 @runtime_checkable
-class CompositeOptimizer(Protocol):
+class Composite(Protocol):
     """An optimizer made of child optimizers with roles (feature ``composite``).
 
     ``child_optimizers()`` maps each present role to its child, in a fixed order.
@@ -306,7 +306,7 @@ FEATURE_PROTOCOLS: dict[str, type] = {
     FEATURE_PORTABLE_STATE: PortableAdapter,
     FEATURE_PARAMETER_SHAPED_STATE: ParameterShapedState,
     FEATURE_COLLECTIVE_SCOPE: CollectiveScoped,
-    FEATURE_COMPOSITE: CompositeOptimizer,
+    FEATURE_COMPOSITE: Composite,
 }
 
 #: Protocol -> the feature whose status an implementation must state.
@@ -317,5 +317,5 @@ PROTOCOL_FEATURES: dict[type, str] = {
     PortableAdapter: FEATURE_PORTABLE_STATE,
     ParameterShapedState: FEATURE_PARAMETER_SHAPED_STATE,
     CollectiveScoped: FEATURE_COLLECTIVE_SCOPE,
-    CompositeOptimizer: FEATURE_COMPOSITE,
+    Composite: FEATURE_COMPOSITE,
 }

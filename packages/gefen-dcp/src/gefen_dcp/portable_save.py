@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from gefen_contracts.limits import PortableStateLimits
-from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
+from gefen_contracts.protocols import Composite, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding, failure_vote
 from gefen_portable import PortableState, encode_wire, export_portable_composite_state, export_portable_state
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -209,7 +209,7 @@ def _export(
 
 def is_composite(optimizer: object) -> bool:
     """A composite optimizer whose children (not itself) are portable adapters."""
-    return isinstance(optimizer, CompositeOptimizer) and not isinstance(optimizer, PortableAdapter)
+    return isinstance(optimizer, Composite) and not isinstance(optimizer, PortableAdapter)
 
 
 def _dcp_group(binding: ProcessGroupBinding) -> dict[str, Any]:
@@ -232,7 +232,7 @@ def save_portable_dcp(
     Collective over ``checkpoint_process_group`` (a
     :class:`~gefen_contracts.torch_support.CheckpointProcessGroupBinding` matching the
     optimizer's layout; a one-member binding runs DCP in single-process mode). A
-    :class:`gefen_contracts.protocols.CompositeOptimizer` of portable children is saved child by child
+    :class:`gefen_contracts.protocols.Composite` of portable children is saved child by child
     (:func:`gefen_portable.export_portable_composite_state`) under ``ns.roles.<role>`` with a
     composite envelope at ``ns.composite``. Every member
     first agrees on the namespace, storage class and location, transaction and limits

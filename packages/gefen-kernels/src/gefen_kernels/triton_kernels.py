@@ -411,8 +411,8 @@ def step_list_kernel(
     ROW_BLOCKS: tl.constexpr,
     SEARCH: tl.constexpr,
 ):
-    """One launch for every entry of a list that shares a dtype and a tile (issue 17: a step's
-    launches grow with its groups, not its tensors). ``starts`` holds each entry's first
+    """One launch for every entry of a list that shares a dtype and a tile (a step's launches
+    grow with its groups, not its tensors). ``starts`` holds each entry's first
     program, ascending, then the total; a program finds its entry (:func:`_entry_of`) and runs
     that entry's blocks ``(pid - starts[e]) * ROWS + ...`` exactly as the one-entry kernels do."""
     lo, local = _entry_of(starts_ptr, entries, tl.program_id(0), SEARCH)

@@ -7,7 +7,7 @@ Free functions over any optimizer implementing :class:`gefen_contracts.protocols
 * :func:`import_portable_state` accepts a :class:`PortableState` or a document, onto any
   target layout the optimizer's contract declares;
 * :func:`export_portable_composite_state` / :func:`import_portable_composite_state` do the
-  same for a :class:`gefen_contracts.protocols.CompositeOptimizer` whose children are adapters.
+  same for a :class:`gefen_contracts.protocols.Composite` whose children are adapters.
 
 The wire codec (:func:`encode_wire`, :func:`parse_wire`, :func:`decode_wire`) is the
 bounded, canonical byte form of any document or catalog.

@@ -1,6 +1,6 @@
 """The composite wrapper, ``gefen.portable_composite_state`` v1, for any role set.
 
-A :class:`~gefen_contracts.protocols.CompositeOptimizer` whose children are portable adapters is
+A :class:`~gefen_contracts.protocols.Composite` whose children are portable adapters is
 exported child by child (each with the full export protocol, phases prefixed by role) and
 wrapped with its routing::
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from gefen_contracts import ContractTypeError
 from gefen_contracts.limits import PortableStateLimits
-from gefen_contracts.protocols import CompositeOptimizer, ContractProvider
+from gefen_contracts.protocols import Composite, ContractProvider
 from gefen_contracts.torch_support import ProcessGroupBinding, routing_mismatch, tensor_digest
 
 from .errors import PortableIntegrityError, PortableStateError
@@ -190,8 +190,8 @@ class PortableCompositeState:
 
 
 def _composite_children(optimizer: Any) -> tuple[str, dict[str, Any], dict[str, str]]:
-    if not isinstance(optimizer, CompositeOptimizer):
-        raise ContractTypeError(f"{type(optimizer).__name__} does not implement the CompositeOptimizer Protocol")
+    if not isinstance(optimizer, Composite):
+        raise ContractTypeError(f"{type(optimizer).__name__} does not implement the Composite Protocol")
     if not isinstance(optimizer, ContractProvider):
         raise ContractTypeError(f"{type(optimizer).__name__} publishes no optimizer contract")
     implementation = optimizer.optimizer_contract().implementation

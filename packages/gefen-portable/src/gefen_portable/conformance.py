@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from gefen_contracts.enums import ParameterLayout, TopologyChange
 from gefen_contracts.identity import ProcessGroupIdentity
-from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
+from gefen_contracts.protocols import Composite, PortableAdapter
 from gefen_contracts.testing import (
     CheckContext,
     ConformanceCheck,
@@ -94,7 +94,7 @@ def checks() -> Iterable[ConformanceCheck]:
 def _adapters(optimizer: Any) -> list[Any]:
     if isinstance(optimizer, PortableAdapter):
         return [optimizer]
-    if isinstance(optimizer, CompositeOptimizer):
+    if isinstance(optimizer, Composite):
         children = list(optimizer.child_optimizers().values())
         if children and all(isinstance(c, PortableAdapter) for c in children):
             return children

@@ -25,7 +25,7 @@ from gefen_contracts import (
 )
 from gefen_contracts.enums import CheckpointTransport, ParameterLayout
 from gefen_contracts.limits import PortableStateLimits
-from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
+from gefen_contracts.protocols import Composite, PortableAdapter
 from gefen_contracts.testing import deep_snapshot, load_target, snapshot_diff
 from gefen_contracts.testing.gloo_members import GlooMember, init_member_groups, share
 from gefen_contracts.torch_support import CheckpointProcessGroupBinding, tensor_digest
@@ -57,7 +57,7 @@ Member = tuple[str, int]
 def _is_composite(optimizer: Any) -> bool:
     if isinstance(optimizer, PortableAdapter):
         return False
-    if isinstance(optimizer, CompositeOptimizer):
+    if isinstance(optimizer, Composite):
         children = list(optimizer.child_optimizers().values())
         if children and all(isinstance(c, PortableAdapter) for c in children):
             return True

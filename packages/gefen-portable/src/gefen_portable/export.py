@@ -6,7 +6,7 @@ from typing import Any
 
 from gefen_contracts import ContractTypeError
 from gefen_contracts.limits import PortableStateLimits
-from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
+from gefen_contracts.protocols import Composite, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
 
 from .assembly import assemble_catalog
@@ -40,7 +40,7 @@ def export_portable_state(
     (a one-member binding raises the original error). ``transaction_id`` must be equal on
     every member; ``limits`` bound every record and collective round before allocation.
     """
-    if isinstance(optimizer, CompositeOptimizer) and not isinstance(optimizer, PortableAdapter):
+    if isinstance(optimizer, Composite) and not isinstance(optimizer, PortableAdapter):
         raise ContractTypeError(
             f"{type(optimizer).__name__} is a composite optimizer; use export_portable_composite_state"
         )

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gefen_contracts.protocols import CompositeOptimizer
+from gefen_contracts.protocols import Composite
 from gefen_contracts.torch_support import state_version_token
 
 __all__ = ["live_storages", "optimizer_token"]
@@ -27,7 +27,7 @@ _MAX_DEPTH = 16
 
 def optimizer_token(optimizer: Any) -> tuple[object, ...]:
     """A hashable token that changes whenever the optimizer's groups, state or tensors change."""
-    if isinstance(optimizer, CompositeOptimizer):
+    if isinstance(optimizer, Composite):
         children = optimizer.child_optimizers()
         return ("composite", id(optimizer), tuple((role, optimizer_token(child)) for role, child in children.items()))
     # an adapter need not be a torch optimizer: without groups or state, its identity is the token
@@ -54,7 +54,7 @@ def _collect(value: object, out: set[int], depth: int) -> None:
 def live_storages(optimizer: Any) -> frozenset[int]:
     """Storage addresses of every tensor reachable from the optimizer's groups and state."""
     out: set[int] = set()
-    if isinstance(optimizer, CompositeOptimizer):
+    if isinstance(optimizer, Composite):
         for child in optimizer.child_optimizers().values():
             out |= live_storages(child)
         return frozenset(out)

@@ -8,7 +8,7 @@ from typing import Any
 
 from gefen_contracts import ContractTypeError, StaleTransactionError
 from gefen_contracts.limits import PortableStateLimits
-from gefen_contracts.protocols import CompositeOptimizer, PortableAdapter
+from gefen_contracts.protocols import Composite, PortableAdapter
 from gefen_contracts.torch_support import ProcessGroupBinding
 from gefen_contracts.transactions import StagedTransaction, require_transaction
 
@@ -55,7 +55,7 @@ def import_portable_state(
     raises the original, typed error). Not covered: process death, a backend failure or a
     concurrent mutation after the last vote.
     """
-    if isinstance(optimizer, CompositeOptimizer) and not isinstance(optimizer, PortableAdapter):
+    if isinstance(optimizer, Composite) and not isinstance(optimizer, PortableAdapter):
         raise ContractTypeError(
             f"{type(optimizer).__name__} is a composite optimizer; use import_portable_composite_state"
         )

@@ -151,7 +151,7 @@ def _muon_with(backup: Builder) -> Builder:
     return build
 
 
-#: The ladder rungs measured on the hybrid's backup parameters (issue 18): AdamW, then Gefen's
+#: The ladder rungs measured on the hybrid's backup parameters: AdamW, then Gefen's
 #: compressions one at a time, then all of them (what the Gefen backup runs).
 BACKUP_LADDER_RUNGS = ("exact", "v2d-factored", "m-quantized", "laprop", "gefen-v1d-exact", "gefen")
 
@@ -264,7 +264,7 @@ _REGISTRY: dict[str, OptimizerEntry] = {
             _hybrid_builder("adamw"),
             _always_available,
         ),
-        # The Muon options the hybrid's defaults leave out, one at a time and together (issue 18).
+        # The Muon options the hybrid's defaults leave out, one at a time and together.
         OptimizerEntry(
             "gefen-muon-hybrid-tuned3",
             "ablation: gefen.GefenMuonHybrid with 3 tuned Newton-Schulz steps (ns_schedule='tuned3') instead of 5",

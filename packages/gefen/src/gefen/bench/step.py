@@ -427,7 +427,7 @@ def run_step(options: StepOptions, *, progress: Callable[[str], None] | None = N
             builder.note(note)
         builder.note(
             "first step: round 0 of each arm (state creation; for Gefen also the period choice and the codebook "
-            "solve, timed alone as codebook_solve); the issue-20 budget is 3x a steady step plus the solve"
+            "solve, timed alone as codebook_solve); Gefen's first-step budget is 3x a steady step plus the solve"
         )
         builder.note(
             f"median of {options.repeats} interleaved rounds after {options.warmup} warm-up rounds, "

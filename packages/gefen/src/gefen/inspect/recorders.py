@@ -3,7 +3,7 @@
 Verification must use the code paths real loads use, not a second reading of the formats,
 so ``gefen inspect`` loads a DCP checkpoint into a *recorder*: an object that implements
 the Protocol the loader drives (:class:`gefen_contracts.protocols.ParameterShapedState` or
-:class:`gefen_contracts.protocols.PortableAdapter`, or a :class:`gefen_contracts.protocols.CompositeOptimizer`
+:class:`gefen_contracts.protocols.PortableAdapter`, or a :class:`gefen_contracts.protocols.Composite`
 of portable recorders), takes its implementation name and parameter shapes from the
 checkpoint's own records, holds every parameter as one whole ``REPLICATED`` piece in this
 process, accepts whatever options and variants were saved, and keeps only a summary of what
@@ -189,7 +189,7 @@ class RecordingPortableAdapter:
 
 
 class RecordingComposite:
-    """A :class:`gefen_contracts.protocols.CompositeOptimizer` of portable recorders, one per role."""
+    """A :class:`gefen_contracts.protocols.Composite` of portable recorders, one per role."""
 
     def __init__(
         self, implementation: str, children: Mapping[str, RecordingPortableAdapter], routing: Mapping[str, str]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...enums import CheckpointTransport
-from ...protocols import CompositeOptimizer
+from ...protocols import Composite
 from ..context import CheckContext
 
 __all__ = ["CompositeRulesCheck"]
@@ -17,7 +17,7 @@ class CompositeRulesCheck:
 
     def run(self, context: CheckContext) -> None:
         model, optimizer = context.trained()
-        assert isinstance(optimizer, CompositeOptimizer), "claims composite without CompositeOptimizer"
+        assert isinstance(optimizer, Composite), "claims composite without Composite"
         contract = optimizer.optimizer_contract()  # type: ignore[attr-defined]
         children = optimizer.child_optimizers()
         roles = tuple(children)

@@ -9,7 +9,7 @@ import torch
 from ...capabilities import FEATURE_PORTABLE_STATE
 from ...codec import from_primitive, to_primitive
 from ...contract import OptimizerContract, schema_compatible
-from ...protocols import FEATURE_PROTOCOLS, PROTOCOL_FEATURES, CompositeOptimizer, ContractProvider, PortableAdapter
+from ...protocols import FEATURE_PROTOCOLS, PROTOCOL_FEATURES, Composite, ContractProvider, PortableAdapter
 from ...revalidate import revalidate
 from ..claims import CONTRACT_CLAIM
 from ..context import CheckContext, Unverifiable
@@ -91,7 +91,7 @@ class ContractNoCollectivesCheck:
 def _served_through_children(optimizer: object, feature: str) -> bool:
     """A composite serves ``portable_state`` when every child is a ``PortableAdapter``: that is
     how an optimizer-agnostic driver (gefen-portable's composite wrapper) exports and imports it."""
-    if feature != FEATURE_PORTABLE_STATE or not isinstance(optimizer, CompositeOptimizer):
+    if feature != FEATURE_PORTABLE_STATE or not isinstance(optimizer, Composite):
         return False
     children = list(optimizer.child_optimizers().values())
     return bool(children) and all(isinstance(child, PortableAdapter) for child in children)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ...enums import CheckpointTransport, ParameterLayout
 from ...errors import LayoutTamperedError, StaleTransactionError
-from ...protocols import CanonicalLocalState, CompositeOptimizer, IdentityBindable
+from ...protocols import CanonicalLocalState, Composite, IdentityBindable
 from ...rebinding import ParameterRebinding
 from ..claims import atomic_claim, checkpoint_claim, training_claim
 from ..context import CheckContext, Unverifiable
@@ -267,7 +267,7 @@ class SealedLayoutGuardCheck:
 
 def _member_queries(problems: list[str], member: int, optimizer: Any, plan: ShardingPlan) -> None:
     """On each member of a flattened layout the identity queries name that member's own shards
-    (lie c of issue 22: every member bound to the offset-0 shard)."""
+    (the lie it catches: every member bound to the offset-0 shard)."""
     own = {r.shard for r in plan.rebindings}
     listed = {shard for _, shard in optimizer.shard_bindings()}
     if listed != own:
@@ -304,7 +304,7 @@ class FlattenedTrainingCheck:
         bound = FlatWorld(context, bound=True)
         direct = FlatWorld(context, bound=False)
         for rebound, built in zip(bound.optimizers, direct.optimizers):
-            if isinstance(rebound, CompositeOptimizer) and rebound.parameter_routing() != built.parameter_routing():
+            if isinstance(rebound, Composite) and rebound.parameter_routing() != built.parameter_routing():
                 raise Unverifiable(
                     "the composite's factory routes the 1-D shards differently than the logical parameters, so no "
                     "twin can be built directly on the shards; verify flattened training in the composite's own tests"
@@ -396,7 +396,8 @@ class FlattenedCheckpointsCheck:
     @staticmethod
     def _cross_member(context: CheckContext, problems: list[str], what: str) -> None:
         """Member 0's checkpoint given to member 1, with shards of equal size on both (so only
-        identity can refuse it): lies f and g of issue 22."""
+        identity can refuse it): a load that checks shapes alone must fail here (with an empty last
+        shard on member 1, any shape check refused and proved nothing)."""
         driver = context.target.model_builder(0)
         source = FlatWorld(context, whole_last=False)
         for step in range(context.target.steps):

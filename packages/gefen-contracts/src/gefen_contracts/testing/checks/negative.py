@@ -16,7 +16,7 @@ from ...protocols import (
     PROTOCOL_FEATURES,
     CanonicalLocalState,
     CollectiveScoped,
-    CompositeOptimizer,
+    Composite,
     IdentityBindable,
     PortableAdapter,
     StagedNativeLoad,
@@ -70,7 +70,7 @@ _ACTIONS: dict[type, tuple[tuple[str, Action], ...]] = {
         ("initialize_collective_state", lambda opt, model: opt.initialize_collective_state()),
         ("refresh_collective_state", lambda opt, model: opt.refresh_collective_state()),
     ),
-    CompositeOptimizer: (
+    Composite: (
         ("child_optimizers", lambda opt, model: opt.child_optimizers()),
         ("parameter_routing", lambda opt, model: opt.parameter_routing()),
     ),
