@@ -265,6 +265,39 @@ def test_distinct_parameters_sharing_memory_are_refused_by_gefen() -> None:
         Gefen(fake.parameters(), lr=1e-2).preflight_step()  # fake tensors have no addresses to compare
 
 
+def test_memory_shared_or_expanded_after_a_step_is_refused_before_anything_changes() -> None:
+    """After a step, ``b.data = a.data.t()`` ties two parameters (the check once ran only at
+    the first step after the groups changed, and one update was lost: ``b``'s copy, written
+    back after the op, overwrote ``a``'s), and an ``expand()``-ed ``.data`` makes a parameter's
+    elements share memory (torch refused the in-place write only after the other parameters
+    and both states had changed). Both are refused by ``preflight_step`` and ``step`` with
+    nothing changed, and once mended the step runs."""
+    a, b = nn.Parameter(torch.randn(20, 30)), nn.Parameter(torch.randn(30, 20))
+    optimizer = Gefen([a, b], lr=1e-2)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    optimizer.step()
+    for swap, refusal in (
+        (a.data.t, r"\['params'\]\[0\] and .*\['params'\]\[1\].*must not share memory"),
+        (lambda: torch.randn(1, 20).expand(30, 20), r"\['params'\]\[1\]: the parameter's elements share memory"),
+    ):
+        b.data = swap()
+        a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+        before = deep_snapshot(optimizer, a, b)
+        for attempt in (optimizer.preflight_step, optimizer.step):
+            with pytest.raises(ValueError, match=refusal):
+                attempt()
+            assert snapshot_diff(before, optimizer, a, b) == []
+        b.data = b.data.clone()
+        optimizer.step()
+    assert optimizer.global_step == 3
+    muon = GefenMuon([a, b], lr=1e-2, fused=False)  # (its plan makes the same check)
+    b.data = torch.randn(1, 20).expand(30, 20)
+    before = deep_snapshot(muon, a, b)
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\] .*: the parameter's elements share memory"):
+        muon.step()
+    assert snapshot_diff(before, muon, a, b) == []
+
+
 def test_state_put_into_optimizer_state_without_its_codebook_is_refused() -> None:
     """torch's ZeroRedundancyOptimizer consolidates ``state`` and its own groups and loads them
     by writing ``optimizer.state`` directly: the codes arrive without their codebook, and the

@@ -208,7 +208,8 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         self._global_step = 0
         self._device_global_steps: dict[torch.device, torch.Tensor] = {}
         self._version = 0
-        self._memory_checked = False  # distinct parameters sharing memory: checked at the next step
+        #: where the stepping parameters' memory began when a step last checked that none is shared
+        self._memory_layout: tuple[int, ...] | None = None
         self._identity: IdentityRecord | None = None
         self._identity_binding = identity_binding(self)
         super().__init__(params, {**defaults, GROUP_MIRROR: None})
@@ -250,7 +251,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         param_group.update(options, params=listed)
         super().add_param_group(param_group)
         self._version += 1
-        self._memory_checked = False
+        self._memory_layout = None
 
     # -- small queries ------------------------------------------------------------------
 
@@ -370,7 +371,7 @@ class Gefen(ConventionMethods, OwnAttributesPickling, torch.optim.Optimizer):
         "_global_step",
         "_device_global_steps",
         "_version",
-        "_memory_checked",
+        "_memory_layout",
     )
 
 

@@ -46,7 +46,7 @@ from .param_state import (
 )
 from .parameter_update import decay_only, placeholder_codebook, update_parameters
 from .periods import period_policy
-from .step_plan import ParamWork, StepDecision, StepPlan, plan_step, refuse_unlearnable
+from .step_plan import PLAIN, ParamWork, StepDecision, StepPlan, plan_step, refuse_unlearnable
 
 if TYPE_CHECKING:
     from .gefen import Gefen
@@ -92,14 +92,12 @@ def refresh_due(optimizer: Gefen) -> bool:
 
 
 def plan(optimizer: Gefen) -> StepPlan:
-    """Every check the step runs before mutating (the sealed layout, distinct parameters sharing
-    memory until a step has passed them after the groups changed, a group edited to set an
-    option of the whole optimizer, then :func:`plan_step`)."""
+    """Every check the step runs before mutating (the sealed layout, a group edited to set an
+    option of the whole optimizer, :func:`plan_step`, then distinct parameters sharing memory
+    whenever the stepping parameters' memory moved since a step last checked it)."""
     verify_layout(optimizer, "step")
     refuse_edited_groups(optimizer)
-    if not optimizer._memory_checked:  # (a stepping caller sets it: preflight_step changes nothing)
-        refuse_shared_memory(optimizer.param_groups)
-    return plan_step(
+    plan = plan_step(
         optimizer.param_groups,
         optimizer.state,
         dispatch=optimizer._dispatch,
@@ -107,6 +105,14 @@ def plan(optimizer: Gefen) -> StepPlan:
         codebook_ready=optimizer._codebook is not None,
         refresh_due=refresh_due(optimizer),
     )
+    if not torch.compiler.is_compiling():  # (a traced step is a steady one, checked eagerly before)
+        # one address a stepping parameter (none for a fake one): `b.data = a.data.t()` after a
+        # step moves b's, so it is caught as a sharing present when the groups changed is
+        # (publish records the layout; add_param_group and a load forget it)
+        plan.memory_layout = tuple(w.local.data_ptr() if type(w.local) in PLAIN else 0 for w in plan.works)
+        if plan.memory_layout != optimizer._memory_layout:
+            refuse_shared_memory(optimizer.param_groups)
+    return plan
 
 
 #: When a relearn for parameters starting now refuses a gradient (:func:`refuse_unlearnable`).
@@ -231,23 +237,29 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         state[INDICES].copy_(indices)
     for work in decision.idle:
         decay_only(work.local, optimizer.param_groups[work.group_index])
-    for (group_index, _, device), works in plan.buckets.items():
-        if decision.idle:  # stateless parameters only decayed (above)
-            works = [work for work in works if work.state]
-            if not works:
-                continue
-        update_parameters(
-            works,
-            optimizer.param_groups[group_index],
-            stats,
-            dispatch=optimizer._dispatch,
-            codebook=_codebook_on(optimizer, device),
-            seeds=_seeds(optimizer, works, device),
-            deterministic=optimizer._deterministic,
-            capturable=optimizer._capturable,
-        )
-    _advance_global_step(optimizer, plan.works)
-    optimizer._memory_checked = True  # a stepped layout needs no second look until the groups change
+    try:
+        for (group_index, _, device), works in plan.buckets.items():
+            if decision.idle:  # stateless parameters only decayed (above)
+                works = [work for work in works if work.state]
+                if not works:
+                    continue
+            update_parameters(
+                works,
+                optimizer.param_groups[group_index],
+                stats,
+                dispatch=optimizer._dispatch,
+                codebook=_codebook_on(optimizer, device),
+                seeds=_seeds(optimizer, works, device),
+                deterministic=optimizer._deterministic,
+                capturable=optimizer._capturable,
+            )
+    finally:
+        # a bucket that failed (a kernel out of memory) leaves the earlier buckets' counters
+        # advanced: the step still counts, or every later checkpoint would hold a parameter's
+        # step above the global step and be refused at load
+        _advance_global_step(optimizer, plan.works)
+    if plan.memory_layout is not None:
+        optimizer._memory_layout = plan.memory_layout  # a stepped layout needs no second look until it moves
 
 
 def locally_nonzero(work: ParamWork) -> bool:
@@ -262,12 +274,12 @@ def locally_nonzero(work: ParamWork) -> bool:
 
 
 def refuse_shared_memory(param_groups: list[dict[str, Any]]) -> None:
-    """Distinct parameters that share memory (``Parameter(w.data.t())`` beside ``w``) are
-    refused: a bucket's op updates them together, and a strided one steps through a copy
-    written back after, over the other's update (torch steps them one after another). Checked
-    at the first step after the groups change, once over every parameter (a check per added
-    group made building 2,000 one-parameter groups 4x slower). Tie weights by sharing one
-    ``Parameter``."""
+    """Distinct parameters that share memory (``Parameter(w.data.t())`` beside ``w``, or
+    ``b.data = a.data.t()`` after a step) are refused: a bucket's op updates them together, and
+    a strided one steps through a copy written back after, over the other's update (torch steps
+    them one after another). Checked once over every parameter when the stepping parameters'
+    memory moved (a check per added group made building 2,000 one-parameter groups 4x slower).
+    Tie weights by sharing one ``Parameter``."""
     overlap = storage_overlap(
         [
             (f"param_groups[{g}]['params'][{i}]", local_tensor(p))

@@ -33,7 +33,7 @@ from .muon_update import apply_update, finish_update, momentum_inputs, orthogona
 from .ops import Kernels
 from .optimizer_support import codebook_on
 from .param_groups import refuse_edited_groups
-from .param_state import INDICES, place_state
+from .param_state import INDICES, STEP, place_state
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 from .step_plan import refuse_unlearnable
@@ -128,16 +128,28 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
     chunks, serial = batched_chunks(
         regular, optimizer.param_groups, lambda message, *args: log(optimizer, message, *args)
     )
-    for item in serial:
-        _step_one(optimizer, item, periods, lrs)
-    for chunk in chunks:
-        _step_batched(optimizer, chunk, periods, lrs)
-    distributed = [item for item in active if item.mode == DISTRIBUTED]
-    if distributed:
-        assert plan.scope is not None
-        _step_distributed(optimizer, plan.scope, distributed, periods, gathered, lrs)
-    optimizer._global_step += 1
-    optimizer._version += 1
+    done = False
+    try:
+        for item in serial:
+            _step_one(optimizer, item, periods, lrs)
+        for chunk in chunks:
+            _step_batched(optimizer, chunk, periods, lrs)
+        distributed = [item for item in active if item.mode == DISTRIBUTED]
+        if distributed:
+            assert plan.scope is not None
+            _step_distributed(optimizer, plan.scope, distributed, periods, gathered, lrs)
+        done = True
+    finally:
+        # a matrix that failed after others stepped leaves their counters advanced: the step
+        # then counts, or later checkpoints would hold a step above the global step (refused at
+        # load); one that failed before any matrix stepped (a gather) leaves the count alone
+        if done or any(int(state[STEP]) > optimizer._global_step for state in _states(optimizer, active)):
+            optimizer._global_step += 1
+            optimizer._version += 1
+
+
+def _states(optimizer: _Host, items: list[MuonItem]) -> list[dict[str, Any]]:
+    return [state for item in items if (state := optimizer.state.get(item.param))]
 
 
 def _relearn(optimizer: _Host, active: list[MuonItem]) -> dict[int, int]:

@@ -25,7 +25,7 @@ from .muon_state import check_muon_state
 from .ops import HISTOGRAM, MUON_MOMENTUM, Kernels
 from .param_groups import SUPPORTED_DTYPES
 from .param_state import refuse_codes_without_codebook
-from .step_plan import capturing, check_gradient, refuse_meta, refuse_unlearnable
+from .step_plan import capturing, check_gradient, refuse_meta, refuse_self_overlap, refuse_unlearnable
 
 __all__ = ["MuonItem", "MuonPlan", "batched_chunks", "check_entry", "check_matrix", "plan_muon_step"]
 
@@ -168,6 +168,7 @@ def plan_muon_step(
         grad = item.param.grad
         if grad is not None:
             check_gradient(item.param, grad, item.where, optimizer=_NAME)
+            refuse_self_overlap(item.local, item.where)
             item.grad = grad
         if item.state is not None:
             check_muon_state(item.state, item.state_numel, item.where)

@@ -48,6 +48,7 @@ from .param_state import (
     state_variant,
 )
 from .state_placement import expected_shapes, export_tensors, import_tensor, period_from_scales, state_dtype
+from .step_plan import check_state
 
 __all__ = ["StagedNativeState", "export_state_dict", "stage_native_group", "stage_state_dict"]
 
@@ -76,10 +77,16 @@ def export_state_dict(
     (DTensors for DTensor parameters, :mod:`.state_placement`); counters become ints."""
     entries: dict[int, dict[str, Any]] = {}
     pid = 0
-    for group in param_groups:
-        for param in group["params"]:
+    for group_index, group in enumerate(param_groups):
+        names = group.get("param_names")
+        for position, param in enumerate(group["params"]):
             live = state.get(param)
             if live:
+                # a parameter resized after its first step: the step's own refusal, naming it
+                where = f"param_groups[{group_index}]['params'][{position}]" + (
+                    f" ({names[position]!r})" if names else ""
+                )
+                check_state(dict(live), local_tensor(param), where.__str__)
                 entries[pid] = {key: counter_value(live[key]) for key in COUNTER_KEYS if key in live}
                 entries[pid].update(export_tensors(param, live, str(state_variant(dict(live)))))
             pid += 1

@@ -34,6 +34,7 @@ from .periods import RAGGED_PERIOD
 
 __all__ = [
     "BucketKey",
+    "PLAIN",
     "ParamWork",
     "StepDecision",
     "StepPlan",
@@ -41,12 +42,13 @@ __all__ = [
     "check_gradient",
     "check_state",
     "plan_step",
+    "refuse_self_overlap",
     "refuse_unlearnable",
     "update_ops",
 ]
 
 #: Parameter types that are neither DTensors nor other tensor subclasses.
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 @dataclass(slots=True)
@@ -94,6 +96,8 @@ class StepPlan:
     moving: list[ParamWork] = field(default_factory=list)
     #: the mesh of the DTensors stepping (set by ``gefen_step.agree_on_mesh``, read by ``decide``)
     mesh: Any = None
+    #: where each work's local parameter begins (set by ``gefen_step.plan`` outside tracing)
+    memory_layout: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -147,6 +151,17 @@ def check_gradient(param: torch.Tensor, grad: torch.Tensor, where: str, *, optim
     elif grad.device != param.device:
         raise GradientError(
             f"{where}: the gradient is on {grad.device} but the parameter on {param.device} (they must be on the same device)"
+        )
+
+
+def refuse_self_overlap(local: torch.Tensor, where: str) -> None:
+    """A parameter whose elements share memory (an ``expand()``-ed tensor) cannot be written in
+    place: torch refuses the write only after the step's earlier parameters have changed, so it
+    is refused here, before anything does (``ParameterError`` naming ``where``)."""
+    if not local.is_contiguous() and any(s == 0 and n > 1 for n, s in zip(local.shape, local.stride(), strict=True)):
+        raise ParameterError(
+            f"{where}: the parameter's elements share memory (stride 0 in a dimension of size > 1, as an expand()ed "
+            "tensor has), so it cannot be updated in place; give it memory of its own (.clone())"
         )
 
 
@@ -239,7 +254,7 @@ def plan_step(
             shape = param.shape
             device = param.device
             if (
-                type(param) in _PLAIN  # neither a DTensor nor another subclass: the common case, checked inline
+                type(param) in PLAIN  # neither a DTensor nor another subclass: the common case, checked inline
                 and type(grad) is torch.Tensor
                 and grad.layout is torch.strided
                 and grad.dtype is param.dtype  # never complex: complex parameters are refused when added
@@ -252,6 +267,8 @@ def plan_step(
                 local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
                 device = local.device
                 plan.has_dtensors = plan.has_dtensors or is_dtensor(param)
+            if not local.is_contiguous():
+                refuse_self_overlap(local, _place(group_index, position, name))
             live = state.get(param)
             variant = variants.get(shape)
             if variant is None:
