@@ -236,6 +236,39 @@ def test_a_frozen_parameter_added_with_add_param_group_is_not_warned_about() -> 
     assert {name for name, _ in optimizer.parameter_routing()} >= {"0.weight", "0.bias"}
 
 
+def test_unfreezing_a_role_that_had_no_child_says_to_build_first_and_freeze_after() -> None:
+    """With the whole body frozen at construction the hybrid has no Muon child, and adding the
+    unfrozen body was refused with no way forward; the refusal now says how to unfreeze in
+    stages, and that way (build with every layer trainable, freeze after) trains the body
+    once it is unfrozen."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(8, 4))
+    for layer in model[:2]:
+        layer.requires_grad_(False)
+    optimizer = GefenMuonHybrid(model, lr=1e-2, backup_substrings=("2.",))
+    assert {role for _, role in optimizer.parameter_routing()} == {"backup"}
+    for layer in model[:2]:
+        layer.requires_grad_(True)
+    body = [(f"{i}.weight", model[i].weight) for i in range(2)]
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"no 'muon' child: .*with every layer trainable"):
+        warnings.simplefilter("ignore", RoutingWarning)  # (numbered names: said elsewhere)
+        optimizer.add_param_group({"params": body})
+    with pytest.warns(RoutingWarning, match="to unfreeze in stages, build the optimizer with every layer trainable"):
+        _train_step(model, optimizer)
+    staged = GefenMuonHybrid(model, lr=1e-2, backup_substrings=("2.",))  # every layer trainable
+    for layer in model[:2]:
+        layer.requires_grad_(False)
+    frozen = [layer.weight.detach().clone() for layer in model[:2]]
+    _train_step(model, staged)
+    assert all(torch.equal(layer.weight, before) for layer, before in zip(model[:2], frozen, strict=True))
+    for layer in model[:2]:
+        layer.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(model, staged)
+    assert not any(torch.equal(layer.weight, before) for layer, before in zip(model[:2], frozen, strict=True))
+
+
 class _BareTable(nn.Module):
     """A learned position table held bare beside the layers, and torch's attention, whose
     ``in_proj_weight`` is bare too (but torch's own module says what it is)."""
@@ -259,3 +292,9 @@ def test_a_matrix_a_model_module_holds_bare_is_named_when_it_goes_to_muon() -> N
         warnings.simplefilter("error")
         routed = GefenMuonHybrid(_BareTable(), lr=1e-2, rules=RoutingRules(overrides={"pos": "backup"}))
     assert dict(routed.parameter_routing())["pos"] == "backup"
+    # `gefen routing`'s report says so too (it called the table "hidden 2-D matrix", no warning)
+    from gefen_hybrid import routing_report
+
+    reasons = {row.name: row.reason for row in routing_report(_BareTable())}
+    assert reasons["pos"].startswith("2-D, held bare beside layers") and "overrides" in reasons["pos"]
+    assert not routing_report(_BareTable(), RoutingRules(overrides={"pos": "muon"}))[0].reason.startswith("2-D, held")

@@ -143,6 +143,9 @@ def test_add_param_group_validates_everything_before_registering() -> None:
         opt.add_param_group({"params": [params[1], torch.nn.Parameter(torch.zeros(4))]})
     with pytest.raises(GefenOptionError, match="normuon_eps"):
         opt.add_param_group({"params": [params[1]], "normuon_eps": 0.0})
+    # a named parameter is named (the hybrid's routing override of a bias to muon said only its index)
+    with pytest.raises(ParameterError, match=r"\['params'\]\[1\] \('norm.bias'\): GefenMuon only supports 2D"):
+        opt.add_param_group({"params": [("w", params[1]), ("norm.bias", torch.nn.Parameter(torch.zeros(4)))]})
     assert not snapshot_diff(before, opt) and len(opt.param_groups) == 1
     options = {
         "momentum": 0.8,

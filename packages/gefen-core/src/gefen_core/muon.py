@@ -247,8 +247,10 @@ class GefenMuon(
         params = param_group["params"]
         listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
         for position, param in enumerate(listed):
-            tensor = param[1] if isinstance(param, tuple) and len(param) == 2 else param
-            check_matrix(tensor, f"param_groups[{index}]['params'][{position}]")
+            named = isinstance(param, tuple) and len(param) == 2
+            tensor = param[1] if named else param
+            where = f"param_groups[{index}]['params'][{position}]" + (f" ({param[0]!r})" if named else "")
+            check_matrix(tensor, where)
         check_new_group(listed, index, self.param_groups, options["lr"], param_names=param_group.get("param_names"))
         refuse_optimizer_wide(param_group, index, optimizer_wide(self))
         # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)

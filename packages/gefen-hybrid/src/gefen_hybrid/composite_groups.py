@@ -67,7 +67,12 @@ def new_group_parts(
     for role in routed.present_roles:
         if role not in present:
             names = [name for name, _ in routed.by_role[role]]
-            raise ValueError(f"parameters {names} route to {role!r}, but this composite has no {role!r} child")
+            raise ValueError(
+                f"parameters {names} route to {role!r}, but this composite has no {role!r} child: a role gets one "
+                "only if a trainable parameter routed to it when the optimizer was built (were they frozen then?); "
+                "build the optimizer with every layer trainable and freeze after (frozen parameters get no "
+                "gradient and are skipped), so unfreezing needs nothing more"
+            )
     if role_options is not None and not isinstance(role_options, Mapping):
         raise TypeError(f"role_options must map a role to its options, got {type(role_options).__name__}")
     extra = {} if role_options is None else dict(role_options)

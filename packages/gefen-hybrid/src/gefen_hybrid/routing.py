@@ -97,7 +97,8 @@ class FrozenLeftOut:
             warnings.warn(
                 f"{len(unfrozen)} parameter(s) of the model were frozen when this optimizer was built, so it left "
                 f"them out, and now have gradients: {unfrozen[:3]} are not trained; build the optimizer after "
-                "unfreezing them, or add them with add_param_group",
+                "unfreezing them, or add them with add_param_group (a composite can add them only to a role it has a "
+                "child for); to unfreeze in stages, build the optimizer with every layer trainable and freeze after",
                 RoutingWarning,
                 stacklevel=3,
             )
@@ -353,13 +354,17 @@ class RoutingDecision:
 
 def routing_report(model: nn.Module, rules: RoutingRules | None = None) -> tuple[RoutingDecision, ...]:
     """Every trainable parameter of ``model`` (tied tensors once) with the role :func:`route_model`
-    gives it and the rule that decided, in ``named_parameters()`` order."""
+    gives it and the rule that decided, in ``named_parameters()`` order; a matrix that
+    :func:`route_model` warns about (held bare beside a module's layers) says so in its reason."""
     model, rules = checked_module(model, "routing_report"), checked_rules(rules)
     named = named_parameter_list(list(model.named_parameters()), "model.named_parameters()")
     heads = backup_module_weight_ids(model, rules.embedding_types)
+    loose = set(_loose_matrices(model)) - set(rules.overrides)
     rows = []
     for name, tensor in named:
         role, reason = rules.decide(name, tensor, is_embedding=id(tensor) in heads)
+        if role == ROLE_MUON and name in loose:
+            reason = "2-D, held bare beside layers: hidden or an embedding? (warned; name it in RoutingRules.overrides)"
         rows.append(RoutingDecision(name, tuple(tensor.shape), role, reason))
     return tuple(rows)
 

@@ -116,13 +116,15 @@ class GefenMuonHybrid(CompositeOptimizer):
     pass names):
 
     * ``GefenMuonHybrid(model, lr=...)``: routed by module type and name (embedding weights,
-      and tied heads that share them, go to the backup by tensor identity);
+      tied heads that share them, and the weight of an ``nn.Linear`` registered as ``lm_head``,
+      ``output`` or ``head`` at any depth go to the backup by tensor identity);
     * ``GefenMuonHybrid(model.named_parameters(), lr=...)``: routed by name and shape;
     * ``GefenMuonHybrid(matrix_named, backup_named, lr=...)``: the reference's two lists,
       used as given (either may be empty; ``backup_substrings``/``rules`` are refused).
 
     Routing (gefen-hybrid's :class:`~gefen_hybrid.RoutingRules`): 2-D parameters go to
-    GefenMuon unless they are an embedding's weight or their name contains one of
+    GefenMuon unless they are an embedding's or output head's weight (the model form) or their
+    name contains one of
     ``backup_substrings`` (default ``embed``, ``wte``, ``wpe``, ``lm_head``, ``classifier``,
     ``score``); every other parameter goes to the backup. Frozen parameters are skipped.
 
