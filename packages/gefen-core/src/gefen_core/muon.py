@@ -247,10 +247,11 @@ class GefenMuon(
         params = param_group["params"]
         listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
         for position, param in enumerate(listed):
-            named = isinstance(param, tuple) and len(param) == 2
-            tensor = param[1] if named else param
-            where = f"param_groups[{index}]['params'][{position}]" + (f" ({param[0]!r})" if named else "")
-            check_matrix(tensor, where)
+            where = f"param_groups[{index}]['params'][{position}]"
+            if isinstance(param, tuple) and len(param) == 2:
+                check_matrix(param[1], f"{where} ({param[0]!r})")
+            else:
+                check_matrix(param, where)
         check_new_group(listed, index, self.param_groups, options["lr"], param_names=param_group.get("param_names"))
         refuse_optimizer_wide(param_group, index, optimizer_wide(self))
         # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)
