@@ -364,3 +364,43 @@ def test_a_non_finite_gradient_steps_as_the_reference(value: float, path: str) -
     assert torch.equal(ref.indices, mine.indices), "codes differ"
     assert _same_or_both_nan(ref.magnitude, mine.magnitude), "block scales differ"
     assert _same_or_both_nan(ref.param, mine.param), "parameters differ"
+
+
+def _histograms() -> list[torch.Tensor]:
+    """Occupancies across the few-points rule's edge (254 interior codewords), weights small
+    (ties), mid and large (segment sums beyond 2^53, the int64 path), and tie-heavy shapes."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for occupied in (1, 2, 5, 253, 254, 255, 256, 1000, 4096):
+        for high in (2, 1000, 10**7):  # (10**7 x 4096 bins: sums beyond 2^53)
+            counts = torch.zeros(4096, dtype=torch.int64)
+            bins = torch.randperm(4096, generator=generator)[:occupied]
+            counts[bins] = torch.randint(1, high, (occupied,), generator=generator)
+            cases.append(counts)
+    every_seventh = torch.zeros(4096, dtype=torch.int64)
+    every_seventh[::7] = 5
+    ends_and_zero = torch.zeros(4096, dtype=torch.int64)
+    ends_and_zero[[0, 2048, 4095]] = torch.tensor([1, 10, 1])
+    return [*cases, every_seventh, torch.ones(4096, dtype=torch.int64), ends_and_zero]
+
+
+def test_the_codebook_solve_equals_the_reference_bit_for_bit() -> None:
+    from gefen_core.exact_dp import codebook_solve_reference
+
+    load_kernel_plugins()
+    solve = torch.ops.gefen.codebook_solve.v1
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("gefen::codebook_solve.v1", "CPU")
+    for counts in _histograms():
+        codebook = cpu_ops.codebook_solve(counts)
+        assert codebook.dtype is torch.float64 and codebook.shape == (256,)
+        assert torch.equal(codebook, codebook_solve_reference(counts)), int((counts > 0).sum())
+        assert torch.equal(solve(counts), codebook)  # the dispatcher runs the kernel
+    for bad, reason in (
+        (torch.zeros(4096, dtype=torch.int32), "counts must be torch.int64"),
+        (torch.zeros(4095, dtype=torch.int64), r"counts must have shape \(4096,\)"),
+        (torch.zeros(4096, dtype=torch.int64), "the histogram is empty"),
+        (torch.full((4096,), -1, dtype=torch.int64), "counts must not be negative"),
+        (torch.full((4096,), 2**50, dtype=torch.int64), "too large for exact int64 sums"),
+    ):
+        with pytest.raises(KernelArgumentError, match=reason):
+            cpu_ops.codebook_solve(bad)

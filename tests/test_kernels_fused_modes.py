@@ -17,7 +17,7 @@ from gefen_core import Gefen
 from gefen_core.ops import PartialKernelsWarning, warn_on_partial_kernels
 from gefen_kernels import CpuKernelUnavailableWarning, cpu_kernel_status, cpu_ops, registered_devices
 from gefen_kernels.cpu_build import reset_cpu_library
-from gefen_kernels.signatures import GEFEN_OPS
+from gefen_kernels.signatures import GEFEN_OPS, HOST_OPS
 from kernels_parity_helpers import assert_params_close
 
 STEPS = 3
@@ -165,9 +165,10 @@ def test_register_wraps_every_cuda_kernel_in_the_device_guard(monkeypatch: pytes
     try:
         assert registration.register() == {}
         assert registration.registered_devices() == ("cpu", "cuda")
-        assert sorted(guarded) == sorted(op.split("::")[1].split(".")[0] for op in GEFEN_OPS)
+        device_ops = GEFEN_OPS - HOST_OPS  # (a host op, the codebook solve, is registered for the CPU only)
+        assert sorted(guarded) == sorted(op.split("::")[1].split(".")[0] for op in device_ops)
         for op in GEFEN_OPS:
-            assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), op
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") == (op in device_ops), op
     finally:
         monkeypatch.undo()
         registration.register()  # the real registration again, for the tests that follow
@@ -192,7 +193,9 @@ def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round:
         "gefen::factored_moments.v3",  # unsharded factored parameters: statistics and update in one call
         "gefen::factored_step.v4",
         "gefen::histogram.v2",
+        "gefen::codebook_solve.v1",  # the first step's codebook
     }
+    assert calls["gefen::codebook_solve.v1"] == 1
     # one call per phase for the group's factored matrices (matrix, bf16), one for its narrow
     # one (transposed, Adam's v) and one for its block-path tensors (norm, conv), whatever their number
     assert calls["gefen::factored_step.v4"] == STEPS

@@ -11,6 +11,7 @@ from gefen_kernels import signatures
 
 def test_op_names_agree_with_gefen_core() -> None:
     assert set(ops.OPS) == set(signatures.GEFEN_OPS)
+    assert ops.HOST_OPS == signatures.HOST_OPS
 
 
 def test_scalar_layouts_agree_with_gefen_core() -> None:

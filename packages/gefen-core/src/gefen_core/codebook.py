@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .exact_dp import histogram_points, solve_pinned_codebook
+from .exact_dp import codebook_solve_reference
 from .momentum_codec import CODEBOOK_SIZE, bucket_occupancy_ok, nearest_codeword
 from .reference_ops import CHUNK_ELEMENTS, HISTOGRAM_BINS
 
@@ -79,19 +79,18 @@ def _in_exact_range(counts: torch.Tensor, total: int) -> torch.Tensor:
     return torch.where(counts > 0, (counts >> shift).clamp(min=1), counts)
 
 
-def codebook_from_counts(counts: torch.Tensor) -> torch.Tensor | None:
+def codebook_from_counts(counts: torch.Tensor, solve: OpRunner = codebook_solve_reference) -> torch.Tensor | None:
     """The optimal fp32 CPU codebook for a histogram, or ``None`` when it holds no shape: empty,
     or every count in zero's bin (every block it counted was all zero; a block with any non-zero
-    value puts its maximum in an end bin)."""
+    value puts its maximum in an end bin). ``solve`` runs the ``gefen::codebook_solve.v1`` op
+    (``Kernels.op(CODEBOOK_SOLVE)``: gefen-kernels' C solve, about 10x the numpy reference's
+    speed, gives the same codebook bit for bit); the reference by default."""
     total = int(counts.sum())
     # a refresh counts zero gradients too: from zeros alone it would learn {-1, ~0, +1} and
     # requantise every live momentum into three levels
     if total == 0 or int(counts[HISTOGRAM_BINS // 2]) == total:
         return None
-    counts = _in_exact_range(counts, total)
-    positions, weights, bins = histogram_points(counts.numpy())
-    solution = solve_pinned_codebook(positions, weights, CODEBOOK_SIZE, scale=bins)
-    codebook = torch.from_numpy(solution.codebook).to(torch.float32)
+    codebook: torch.Tensor = solve(_in_exact_range(counts, total)).to(torch.float32)
     # Adjacent interior centres are at least one bin apart, so this always holds.
     assert bucket_occupancy_ok(codebook), "a learned codebook broke the lookup precondition"
     return codebook

@@ -43,9 +43,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 __all__ = [
     "CodebookSolution",
+    "codebook_solve_reference",
     "histogram_points",
     "solve_pinned_codebook",
     "solve_pinned_codebook_bruteforce",
@@ -265,3 +267,10 @@ def solve_pinned_codebook_bruteforce(
         layers.append(argmin)
         previous = current
     return _finish(sums, layers, previous, clusters)
+
+
+def codebook_solve_reference(counts: torch.Tensor) -> torch.Tensor:
+    """The reference of the op ``gefen::codebook_solve.v1``: the float64 256-entry codebook of
+    :func:`solve_pinned_codebook` for a CPU int64 histogram (:func:`histogram_points`)."""
+    positions, weights, bins = histogram_points(counts.numpy())
+    return torch.from_numpy(solve_pinned_codebook(positions, weights, 256, scale=bins).codebook)

@@ -32,7 +32,7 @@ from .distributed import (
 from .errors import ParameterError
 from .identity import verify_layout
 from .momentum_codec import stochastic_seed
-from .ops import DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
+from .ops import CODEBOOK_SOLVE, DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
 from .optimizer_support import codebook_on
 from .param_groups import refuse_edited_groups
 from .param_state import (
@@ -349,7 +349,7 @@ def _learn(optimizer: Gefen, items: list[tuple[ParamWork, int]], mesh: Any) -> t
     )
     if mesh is not None:
         counts = sum_over_mesh(counts, mesh)
-    return codebook_from_counts(counts)
+    return codebook_from_counts(counts, optimizer._dispatch.op(CODEBOOK_SOLVE))
 
 
 def requantize_all(

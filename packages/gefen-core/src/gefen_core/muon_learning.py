@@ -33,7 +33,7 @@ from .codebook import codebook_from_counts, gradient_histogram
 from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, vote
 from .muon_owners import BucketItem, gather_to_owners, owner_buckets
 from .muon_plan import MuonItem
-from .ops import HISTOGRAM, Kernels
+from .ops import CODEBOOK_SOLVE, HISTOGRAM, Kernels
 from .periods import shape_period
 from .reference_ops import HISTOGRAM_BINS
 
@@ -81,7 +81,7 @@ def learn_codebook(
         vote(scope, "codebook learning", error)
         if scope is not None:
             counts = _reduce(scope, counts, [], {})[0]
-        result.codebook = codebook_from_counts(counts)
+        result.codebook = codebook_from_counts(counts, dispatch.op(CODEBOOK_SOLVE))
         return result
     for bucket in owner_buckets([item.owner or 0 for item in shared], scope.world):
         items = [shared[index] for index in bucket]
@@ -106,7 +106,7 @@ def learn_codebook(
     vote(scope, "codebook learning", error)
     counts, periods = _reduce(scope, counts, shared, result.periods)
     result.periods.update(periods)
-    result.codebook = codebook_from_counts(counts)
+    result.codebook = codebook_from_counts(counts, dispatch.op(CODEBOOK_SOLVE))
     return result
 
 

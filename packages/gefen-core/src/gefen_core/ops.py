@@ -34,6 +34,9 @@ op                                 schema (after the name; ``*`` starts keyword-
 ``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
 ``gefen::muon_momentum.v2``        ``(grads[], indices![], magnitudes![], codebook, scalars, sr_seeds?,
                                    outs![], *, nesterov, deterministic)`` (GefenMuon; writes ``outs``)
+``gefen::codebook_solve.v1``       ``(counts int64[4096]) -> f64[256]`` (the exact codebook solve of
+                                   a CPU histogram, :mod:`gefen_core.exact_dp`; a host op:
+                                   kernel packages register it for the CPU only)
 =================================  ==========================================================
 
 ``!`` marks an argument the op writes in place, ``[]`` a list of tensors. The step ops
@@ -44,7 +47,9 @@ parameter and its gradient are contiguous and of equal shape and dtype (fp32, bf
 or fp64; the dtype may differ between entries). The step scalars arrive packed in an fp32
 device tensor (:mod:`gefen_core.step_scalars`), ``[NUM_SCALARS]`` shared by every entry or
 ``[N, NUM_SCALARS]`` one row per entry, so a learning-rate schedule changes values, never
-the call; ``sr_seeds`` holds one int64 stochastic-rounding seed per entry.
+the call; ``sr_seeds`` holds one int64 stochastic-rounding seed per entry. ``fused=True``
+does not require the codebook solve's kernel (a host op, whose kernel's codebook is the
+reference's bit for bit): a step that learns runs it where registered, the reference elsewhere.
 ``deterministic=True`` asks for a fixed reduction order.
 
 ``fused`` (:class:`Kernels`): ``None`` calls the op, so the dispatcher runs a registered
@@ -66,6 +71,7 @@ from gefen_contracts import KernelUnavailableError
 from gefen_contracts.kernels import kernel_unavailable_reasons, load_kernel_plugins
 
 from .errors import GefenOptionTypeError
+from .exact_dp import codebook_solve_reference
 from .muon_reference_ops import muon_momentum_reference
 from .reference_ops import (
     block_step_reference,
@@ -79,11 +85,13 @@ from .reference_ops import (
 
 __all__ = [
     "BLOCK_STEP",
+    "CODEBOOK_SOLVE",
     "DISPATCHED_OPS",
     "ELEMENT_STEP",
     "FACTORED_MOMENTS",
     "FACTORED_STATS",
     "FACTORED_STEP",
+    "HOST_OPS",
     "HISTOGRAM",
     "MUON_DISPATCHED_OPS",
     "MUON_MOMENTUM",
@@ -107,6 +115,9 @@ FACTORED_STEP = "gefen::factored_step.v4"
 HISTOGRAM = "gefen::histogram.v2"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
 MUON_MOMENTUM = "gefen::muon_momentum.v2"
+CODEBOOK_SOLVE = "gefen::codebook_solve.v1"
+#: Ops whose inputs live on the host: a kernel package registers them for the CPU only.
+HOST_OPS = frozenset({CODEBOOK_SOLVE})
 
 _STEP_FLAGS = "bool apply_decay, bool maximize, bool deterministic"
 
@@ -136,6 +147,10 @@ def _moments_fake(
 
 def _uniform_fake(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return index.new_empty(index.shape, dtype=torch.float32)
+
+
+def _solve_fake(counts: torch.Tensor) -> torch.Tensor:
+    return counts.new_empty(256, dtype=torch.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +231,18 @@ OPS: dict[str, OpSpec] = {
             muon_momentum_reference,
             _none,
         ),
+        OpSpec(
+            CODEBOOK_SOLVE,
+            "(Tensor counts) -> Tensor",
+            "the exact pinned k-means codebook (float64, 256 entries) of a 4096-bin CPU histogram",
+            codebook_solve_reference,
+            _solve_fake,
+        ),
     )
 }
 
-#: The ops ``Gefen.step`` dispatches (``stochastic_uniform`` is named for parity tests only).
+#: The ops ``Gefen.step`` dispatches that ``fused=True`` requires (also the codebook solve, a host op
+#: it does not require; ``stochastic_uniform`` is named for parity tests only).
 DISPATCHED_OPS = (BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM)
 
 #: The ops ``GefenMuon.step`` dispatches.
@@ -279,8 +302,9 @@ def warn_on_partial_kernels() -> list[str]:
     reference, many times slower, without a word). Returns the ops missing per device."""
     missing_all = []
     for key in ("CPU", "CUDA"):
-        present = [op for op in OPS if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
-        missing = [op for op in OPS if op not in present]
+        ops = [op for op in OPS if key == "CPU" or op not in HOST_OPS]
+        present = [op for op in ops if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+        missing = [op for op in ops if op not in present]
         if present and missing:
             missing_all += [f"{key}: {op}" for op in missing]
             warnings.warn(

@@ -42,7 +42,7 @@ from .codebook_scope import (
     reduce_with_failure,
 )
 from .errors import ShardAgreementError
-from .ops import HISTOGRAM, Kernels
+from .ops import CODEBOOK_SOLVE, HISTOGRAM, Kernels
 from .periods import aligned_period
 
 __all__ = ["LearnItem", "LearningOutcome", "PeriodOf", "learn_over_scope", "periods_digest"]
@@ -214,7 +214,7 @@ def learn_over_scope(
             failure = Failure(HISTOGRAM_PHASE, exc)
     counts = reduce_with_failure(binding, counts, maximum=False, failure=failure, phase=HISTOGRAM_PHASE, who=who)
     try:
-        outcome.codebook = codebook_from_counts(counts)
+        outcome.codebook = codebook_from_counts(counts, dispatch.op(CODEBOOK_SOLVE))
     except Exception as exc:
         outcome.failure = Failure(HISTOGRAM_PHASE, exc)
     return outcome

@@ -21,6 +21,7 @@ __all__ = [
     "STEP_LISTS",
     "KernelArgumentError",
     "check_block_step",
+    "check_codebook_solve",
     "check_element_step",
     "check_factored_moments",
     "check_factored_stats",
@@ -443,6 +444,18 @@ def check_histogram(*args: Any, **kwargs: Any) -> str | None:
         return reason
     if tuple(counts.shape) != (HISTOGRAM_BINS,):
         return f"counts must have shape ({HISTOGRAM_BINS},), got {tuple(counts.shape)}"
+    return None
+
+
+def check_codebook_solve(*args: Any, **kwargs: Any) -> str | None:
+    """``(counts int64[4096])`` on the CPU: a histogram of the codebook solve."""
+    if len(args) != 1 or kwargs:
+        return "gefen::codebook_solve.v1 takes (counts) and no keywords"
+    reason = _tensor(args[0], "counts", torch.int64, torch.device("cpu"))
+    if reason:
+        return reason
+    if tuple(args[0].shape) != (HISTOGRAM_BINS,):
+        return f"counts must have shape ({HISTOGRAM_BINS},), got {tuple(args[0].shape)}"
     return None
 
 

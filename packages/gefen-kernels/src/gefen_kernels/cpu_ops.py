@@ -19,9 +19,11 @@ from torch.autograd.graph import increment_version
 
 from . import arguments
 from .cpu_build import load_cpu_library
+from .signatures import CODEBOOK_SIZE
 
 __all__ = [
     "block_step",
+    "codebook_solve",
     "element_step",
     "factored_moments",
     "factored_stats",
@@ -48,6 +50,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "gefen_histogram": [_INT, _P, _I64, _I64, _P, _INT],
     "gefen_muon_momentum": [_I64, _P, _P, _P, _I64, _P, _INT, _INT, _P],
     "gefen_stochastic_uniform": [_P, _P, _P, _I64, _INT],
+    "gefen_codebook_solve": [_P, _I64, _I64, _P],
     "gefen_uses_threshold_table": [_P, _P],
 }
 _BOUND: dict[str, Callable[..., int]] = {}
@@ -443,6 +446,28 @@ def histogram(grads: list[torch.Tensor], periods: list[int], counts: torch.Tenso
             )
             _checked("gefen_histogram", status)
     increment_version(counts)
+
+
+#: Why the C solve refused a histogram, by its status (the argument test catches the rest).
+_SOLVE_ERRORS = {
+    1: "counts must not be negative",
+    2: "the histogram is empty",
+    3: "the histogram's total is too large for exact int64 sums",
+    4: "out of memory",
+}
+
+
+def codebook_solve(counts: torch.Tensor) -> torch.Tensor:
+    """``gefen::codebook_solve.v1`` on CPU: the exact pinned k-means of ``counts``."""
+    _check(arguments.check_codebook_solve(counts))
+    out = torch.empty(CODEBOOK_SIZE, dtype=torch.float64)
+    status = _function("gefen_codebook_solve")(counts.data_ptr(), counts.numel(), CODEBOOK_SIZE, out.data_ptr())
+    if status in (1, 2, 3):
+        raise arguments.KernelArgumentError(f"gefen::codebook_solve.v1: {_SOLVE_ERRORS[status]}")
+    if status == 4:
+        raise MemoryError("gefen::codebook_solve.v1: out of memory")
+    _checked("gefen_codebook_solve", status)
+    return out
 
 
 def stochastic_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

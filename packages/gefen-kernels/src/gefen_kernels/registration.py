@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .signatures import GEFEN_OPS
+from .signatures import GEFEN_OPS, HOST_OPS
 
 __all__ = ["device_guard", "on_its_device", "register", "registered_devices"]
 
@@ -98,7 +98,7 @@ def register() -> dict[str, str]:
                 unavailable[device] = reason or "unavailable"
                 continue
             library = torch.library.Library("gefen", "IMPL")  # type: ignore[no-untyped-call]
-            for op in sorted(GEFEN_OPS):
+            for op in sorted(GEFEN_OPS - HOST_OPS if key == "CUDA" else GEFEN_OPS):
                 local = op.split("::")[1]
                 kernel = getattr(module, local.split(".")[0])
                 if key == "CUDA":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "GEFEN_OPS",
+    "HOST_OPS",
     "HISTOGRAM_BINS",
     "MUON_NUM_SCALARS",
     "MUON_SCALAR_INDEX",
@@ -22,6 +23,7 @@ __all__ = [
 GEFEN_OPS = frozenset(
     {
         "gefen::block_step.v3",
+        "gefen::codebook_solve.v1",
         "gefen::element_step.v1",
         "gefen::factored_stats.v2",
         "gefen::factored_moments.v3",
@@ -31,6 +33,9 @@ GEFEN_OPS = frozenset(
         "gefen::muon_momentum.v2",
     }
 )
+
+#: The ops whose inputs live on the host (a histogram): registered for the CPU only.
+HOST_OPS = frozenset({"gefen::codebook_solve.v1"})
 
 CODEBOOK_SIZE = 256
 HISTOGRAM_BINS = 4096

@@ -49,7 +49,7 @@
 #define GEFEN_SIMD 1
 #endif
 
-#define GEFEN_ABI_VERSION 6
+#define GEFEN_ABI_VERSION 7
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -1622,5 +1622,158 @@ int gefen_stochastic_uniform(const int64_t* seed, const int64_t* index, float* o
     int64_t i;
 #pragma omp parallel for schedule(static) num_threads(threads) if(n >= PARALLEL_MIN && threads > 1)
     for (i = 0; i < n; i++) out[i] = splitmix_uniform(s, (uint64_t)index[i]);
+    return 0;
+}
+
+/* The codebook solve (gefen_core.exact_dp, whose docstring states the problem, the tie rule and
+ * why the values are exact): optimal 1-D weighted k-means of a histogram's occupied bins with
+ * codewords pinned at -1 and +1, each layer of the dynamic program by divide and conquer. Every
+ * candidate value is the reference's one expression, in the same order, on the same doubles
+ * (segment sums are int64 prefix differences converted once; built with -ffp-contract=off), and a
+ * scan keeps the first of equal minima as the reference does, so the codebook is bit-identical. */
+typedef struct {
+    const int64_t* w;
+    const int64_t* x;
+    const int64_t* q;
+    const double* previous;
+    double* current;
+    int32_t* argmin;
+} SolveLayer;
+
+static inline void segment_sums(const SolveLayer* s, int64_t j, int64_t e, double* dw, double* dx, double* dq) {
+    *dw = (double)(s->w[e] - s->w[j]);
+    *dx = (double)(s->x[e] - s->x[j]);
+    *dq = (double)(s->q[e] - s->q[j]);
+}
+
+static inline double pinned_cost(const SolveLayer* s, int64_t j, int64_t e, double c) {
+    double dw, dx, dq;
+    segment_sums(s, j, e, &dw, &dx, &dq);
+    return dq - 2.0 * c * dx + c * c * dw;
+}
+
+static void solve_range(const SolveLayer* s, int64_t e_lo, int64_t e_hi, int64_t o_lo, int64_t o_hi) {
+    while (e_lo <= e_hi) {
+        int64_t mid = (e_lo + e_hi) / 2;
+        int64_t top = mid - 1 < o_hi ? mid - 1 : o_hi;
+        double best = INFINITY;
+        int64_t chosen = o_lo;
+        for (int64_t j = o_lo; j <= top; j++) {
+            double dw, dx, dq;
+            segment_sums(s, j, mid, &dw, &dx, &dq);
+            double value = s->previous[j] + (dq - dx * dx / dw);
+            if (value < best) {
+                best = value;
+                chosen = j;
+            }
+        }
+        s->current[mid] = best;
+        s->argmin[mid] = (int32_t)chosen;
+        solve_range(s, e_lo, mid - 1, o_lo, chosen);  /* the left half recursively, the right one here */
+        e_lo = mid + 1;
+        o_lo = chosen;
+    }
+}
+
+/* counts: int64[bins] (none negative, one positive at least); out: float64[clusters]. 0 on
+ * success; 1 a negative count, 2 an empty histogram, 3 sums beyond int64, 4 out of memory. */
+int gefen_codebook_solve(const int64_t* counts, int64_t bins, int64_t clusters, double* out) {
+    int64_t n = 0, total = 0, interior = clusters - 2;
+    for (int64_t k = 0; k < bins; k++) {
+        if (counts[k] < 0) return 1;
+        if (counts[k] > INT64_MAX - total) return 3;
+        if (counts[k] > 0) n++;
+        total += counts[k];
+    }
+    if (n == 0) return 2;
+    int64_t* y = malloc((size_t)n * sizeof(int64_t));
+    if (y == NULL) return 4;
+    int64_t m = 0;
+    for (int64_t k = 0; k < bins; k++)
+        if (counts[k] > 0) y[m++] = 2 * k + 1 - bins; /* bin k's centre is y / bins */
+    out[0] = -1.0;
+    if (n <= interior) {
+        /* every point its own codeword; the rest spread over the odd positions no point holds
+         * (segment middles), then +1 (exact_dp._few_points) */
+        int64_t grid = bins, free_count = grid - n;
+        int64_t spread = interior - n < free_count ? interior - n : free_count;
+        int64_t* inner = malloc((size_t)(n + spread) * sizeof(int64_t));
+        if (inner == NULL) {
+            free(y);
+            return 4;
+        }
+        int64_t filled = 0, next = 0, p = 0, rank = 0;
+        for (int64_t pos = 1 - bins; pos < bins; pos += 2) {
+            if (p < n && y[p] == pos) {
+                inner[filled++] = pos;
+                p++;
+                continue;
+            }
+            /* the free position of this rank is picked when it is the next wanted one */
+            if (next < spread && rank == ((2 * next + 1) * free_count) / (2 * (spread > 0 ? spread : 1))) {
+                inner[filled++] = pos;
+                next++;
+            }
+            rank++;
+        }
+        for (int64_t i = 0; i < filled; i++) out[1 + i] = (double)inner[i] / (double)bins;
+        for (int64_t i = 1 + filled; i < clusters; i++) out[i] = 1.0;
+        free(inner);
+        free(y);
+        return 0;
+    }
+    int64_t largest = bins;
+    if (-y[0] > largest) largest = -y[0];
+    if (y[n - 1] > largest) largest = y[n - 1];
+    if (total > (INT64_MAX / 2) / (largest * largest)) { /* total * largest^2 >= 2^62: int64 sums overflow */
+        free(y);
+        return 3;
+    }
+    int64_t* w = calloc((size_t)(3 * (n + 1)), sizeof(int64_t));
+    double* layer_a = malloc((size_t)(n + 1) * sizeof(double));
+    double* layer_b = malloc((size_t)(n + 1) * sizeof(double));
+    int32_t* choices = malloc((size_t)interior * (size_t)(n + 1) * sizeof(int32_t));
+    if (w == NULL || layer_a == NULL || layer_b == NULL || choices == NULL) {
+        free(w), free(layer_a), free(layer_b), free(choices), free(y);
+        return 4;
+    }
+    int64_t *x = w + (n + 1), *q = x + (n + 1);
+    for (int64_t i = 0, k = 0; k < bins; k++) {
+        if (counts[k] <= 0) continue;
+        int64_t c = counts[k], pos = y[i];
+        w[i + 1] = w[i] + c;
+        x[i + 1] = x[i] + c * pos;
+        q[i + 1] = q[i] + c * pos * pos;
+        i++;
+    }
+    SolveLayer s = {w, x, q, layer_a, layer_b, NULL};
+    for (int64_t e = 0; e <= n; e++) layer_a[e] = pinned_cost(&s, 0, e, -(double)bins);
+    for (int64_t k = 1; k <= interior; k++) {
+        int64_t last_end = n - (interior - k);
+        for (int64_t e = 0; e <= n; e++) s.current[e] = INFINITY;
+        s.argmin = choices + (k - 1) * (n + 1);
+        memset(s.argmin, 0, (size_t)(n + 1) * sizeof(int32_t));
+        solve_range(&s, k, last_end, k - 1, last_end - 1);
+        double* done = s.current; /* this layer is the next one's previous */
+        s.current = (double*)s.previous;
+        s.previous = done;
+    }
+    /* the last layer with the suffix pinned at +1: the first minimum, the smallest end */
+    int64_t end = interior;
+    double best = INFINITY;
+    for (int64_t e = interior; e <= n; e++) {
+        double value = s.previous[e] + pinned_cost(&s, e, n, (double)bins);
+        if (value < best) {
+            best = value;
+            end = e;
+        }
+    }
+    for (int64_t k = interior; k >= 1; k--) {
+        int64_t start = choices[(k - 1) * (n + 1) + end];
+        out[k] = ((double)(x[end] - x[start]) / (double)(w[end] - w[start])) / (double)bins;
+        end = start;
+    }
+    out[clusters - 1] = 1.0;
+    free(w), free(layer_a), free(layer_b), free(choices), free(y);
     return 0;
 }

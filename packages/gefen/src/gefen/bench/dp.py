@@ -14,11 +14,18 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from gefen_core.exact_dp import histogram_points, solve_pinned_codebook, solve_pinned_codebook_bruteforce
+from gefen_core.exact_dp import (
+    CodebookSolution,
+    histogram_points,
+    solve_pinned_codebook,
+    solve_pinned_codebook_bruteforce,
+)
+from gefen_core.ops import CODEBOOK_SOLVE, Kernels, kernel_registered
 
 from .plot import Panel, Series
 from .schema import BenchmarkReport, ReportBuilder
@@ -111,19 +118,32 @@ def run_dp(options: DpOptions, *, progress: Callable[[str], None] | None = None)
     if not identical:
         builder.note("the fast solve and the brute-force oracle returned different codebooks")
 
+    op = Kernels(None).op(CODEBOOK_SOLVE)  # what a step runs: gefen-kernels' C solve where registered
+    kernel = kernel_registered(CODEBOOK_SOLVE, torch.device("cpu"))
     for kind in ("gaussian", "student-t", "full"):
         counts = histogram_case(kind, HISTOGRAM_BINS, options.elements, options.seed)
         positions, weights, scale = histogram_points(counts)
         solve = functools.partial(solve_pinned_codebook, positions, weights, CODEBOOK_SIZE, scale=scale)
-        median, times, _ = _time(solve, options.repeats)
+        median, times, reference = _time(solve, options.repeats)
+        name = f"{kind}-{HISTOGRAM_BINS}/fast"
+        builder.add(name, "solve_s", median, "s", detail={"points": int(positions.size), "times": times})
+        op_median, op_times, solved = _time(functools.partial(op, torch.from_numpy(counts)), options.repeats)
+        same = torch.equal(torch.from_numpy(cast(CodebookSolution, reference).codebook), cast(torch.Tensor, solved))
         builder.add(
-            f"{kind}-{HISTOGRAM_BINS}/fast",
+            f"{kind}-{HISTOGRAM_BINS}/op",
             "solve_s",
-            median,
+            op_median,
             "s",
-            detail={"points": int(positions.size), "times": times},
+            baseline=name,
+            detail={"times": op_times, "c_kernel": kernel, "identical_to_fast": same},
         )
+        if not same:
+            builder.note(f"{kind}: the op and the numpy solve returned different codebooks")
         tick(kind)
+    builder.note(
+        "the /op rows run gefen::codebook_solve.v1 as a step does: "
+        + ("gefen-kernels' C solve" if kernel else "the numpy reference (no kernel is registered)")
+    )
     builder.note(
         "the reference solves the same problem with an O(K N^2) numba DP (about 2.1e9 inner iterations for a full "
         "4096-bin histogram); the oracle row is gefen-core's own O(K N^2) solver on a smaller histogram"

@@ -264,6 +264,7 @@ def _load_kernel_library_seconds() -> float | None:
 def _codebook_solve_seconds(named: NamedParameters) -> float:
     """Seconds of one exact-DP codebook solve on a 4096-bin histogram of ``named``'s gradients."""
     from gefen_core.codebook import codebook_from_counts
+    from gefen_core.ops import CODEBOOK_SOLVE, Kernels
     from gefen_core.reference_ops import HISTOGRAM_BINS
 
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
@@ -274,7 +275,7 @@ def _codebook_solve_seconds(named: NamedParameters) -> float:
         scale = gradient.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
         counts += torch.histc((gradient / scale).float().cpu(), bins=HISTOGRAM_BINS, min=-1.0, max=1.0).to(torch.int64)
     started = time.perf_counter()
-    codebook_from_counts(counts)
+    codebook_from_counts(counts, Kernels(None).op(CODEBOOK_SOLVE))  # as a first step solves
     return time.perf_counter() - started
 
 
