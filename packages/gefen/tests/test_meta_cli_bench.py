@@ -179,6 +179,10 @@ def test_bench_dp_smoke(tmp_path: Path) -> None:
     assert fast.baseline == "full-256/bruteforce" and fast.ratio is not None
     assert fast.detail["identical_to_bruteforce"] is True
     assert {row.name for row in report.rows} >= {"gaussian-4096/fast", "student-t-4096/fast", "full-4096/fast"}
+    for kind in ("gaussian", "student-t", "full"):  # the op as a step runs it: gefen-kernels' C solve
+        op = report.row(f"{kind}-4096/op", "solve_s")
+        assert op.baseline == f"{kind}-4096/fast" and op.ratio is not None
+        assert op.detail["identical_to_fast"] is True and op.detail["c_kernel"] is True
 
 
 def _ratios_hold(document: dict[str, object]) -> None:
