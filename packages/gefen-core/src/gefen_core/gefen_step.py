@@ -106,9 +106,9 @@ def plan(optimizer: Gefen) -> StepPlan:
         refresh_due=refresh_due(optimizer),
     )
     if not torch.compiler.is_compiling():  # (a traced step is a steady one, checked eagerly before)
-        # one address a stepping parameter (none for a fake one): `b.data = a.data.t()` after a
-        # step moves b's, so it is caught as a sharing present when the groups changed is
-        # (publish records the layout; add_param_group and a load forget it)
+        # one address per stepping parameter (0 for a fake one): `b.data = a.data.t()` after a
+        # step moves b's, so that sharing is caught like one present when the groups changed
+        # (publish records the layout; add_param_group forgets it)
         plan.memory_layout = tuple(w.local.data_ptr() if type(w.local) in PLAIN else 0 for w in plan.works)
         if plan.memory_layout != optimizer._memory_layout:
             refuse_shared_memory(optimizer.param_groups)

@@ -288,7 +288,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
             entry = self._owners.get(id(parameter))
         return entry[1] if entry is not None and entry[0] is parameter else None
 
-    # -- Composite Protocol (gefen_contracts.protocols) ----------------------------------------------------------
+    # -- Composite Protocol (gefen_contracts.protocols) ---------------------------------------
 
     def child_optimizers(self) -> Mapping[str, torch.optim.Optimizer]:
         """Present role -> child, muon first (read-only)."""

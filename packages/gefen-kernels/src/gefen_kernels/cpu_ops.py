@@ -453,7 +453,6 @@ _SOLVE_ERRORS = {
     1: "counts must not be negative",
     2: "the histogram is empty",
     3: "the histogram's total is too large for exact int64 sums",
-    4: "out of memory",
 }
 
 
