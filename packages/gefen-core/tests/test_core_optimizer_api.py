@@ -109,6 +109,15 @@ def test_bad_parameters_are_refused() -> None:
         Gefen([torch.nn.Parameter(torch.ones(2)), "not a tensor"])
     with pytest.raises(ParameterError, match="complex"):
         Gefen([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])
+    # named as torch and GefenMuon name a place (it said "param_groups[0]: params[1]", no name)
+    complex_named = [
+        ("w", torch.nn.Parameter(torch.ones(2))),
+        ("z", torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))),
+    ]
+    with pytest.raises(
+        ParameterError, match=r"^param_groups\[0\]\['params'\]\[1\] \('z'\): Gefen does not support complex"
+    ):
+        Gefen(complex_named)
     with pytest.raises(ParameterError, match="not supported"):
         Gefen([torch.ones(2, dtype=torch.int64)])
     with pytest.raises(GefenOptionError, match="named parameters"):

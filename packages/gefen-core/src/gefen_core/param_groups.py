@@ -258,11 +258,12 @@ def check_names(group: Mapping[str, Any], index: int) -> None:
 def check_parameters(params: list[Any], group: int | None = None, *, optimizer: str = "Gefen") -> None:
     """Every parameter must be a real floating tensor ``optimizer`` supports, in a supported layout."""
     for slot, param in enumerate(params):
-        if isinstance(param, tuple):
-            param = param[1] if len(param) == 2 else param
+        # torch's own spelling of the place, with the name of a named parameter (as GefenMuon's)
+        where = f"param_groups[{group}]['params'][{slot}]" if group is not None else f"params[{slot}]"
+        if isinstance(param, tuple) and len(param) == 2:
+            where, param = f"{where} ({param[0]!r})", param[1]
         if not isinstance(param, torch.Tensor):
             continue  # torch's add_param_group raises its own TypeError
-        where = f"{where_prefix(group)}params[{slot}]"
         if param.is_complex():
             raise ParameterError(f"{where}: {optimizer} does not support complex parameters ({param.dtype})")
         if param.dtype not in SUPPORTED_DTYPES:
