@@ -112,8 +112,8 @@ def _feed(hasher: hashlib._Hash, value: object, adapter: LeafAdapter | None, dep
             _feed(hasher, key, adapter, depth + 1)
             _feed(hasher, item, adapter, depth + 1)
     else:
-        # the adapter first: a runtime Protocol check costs about 12 µs a value (a state dict of
-        # 20,000 tensors spent a quarter of its export in it), the adapter's type test far less
+        # the adapter first: a runtime Protocol check costs about 12 µs a value, the adapter's
+        # type test far less (Gefen's state_dict of 5,000 tiny tensors: 0.69 -> 0.59 s)
         leaf = adapter(value) if adapter is not None else None
         if leaf is None and isinstance(value, DigestLeaf):
             leaf = value
