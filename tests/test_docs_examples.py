@@ -53,3 +53,26 @@ def test_no_run_tags_need_a_reason() -> None:
     sample = "```python no-run: needs a GPU\nx = 1\n```\n"
     match = FENCE.search(sample)
     assert match is not None and match.group("info") == " no-run: needs a GPU"
+
+
+@pytest.mark.parametrize("name", ["Gefen", "GefenMuon"])
+def test_the_documented_signatures_are_the_code_s(name: str) -> None:
+    """gefen-core's README writes each optimizer's signature out; it had drifted (GefenMuon's
+    ``ns_schedule`` shown positional where it is keyword-only, Gefen's ``differentiable``
+    missing). The names, their order and the keyword-only marker must be the code's."""
+    import inspect
+
+    import gefen_core
+
+    text = (ROOT / "packages" / "gefen-core" / "README.md").read_text()
+    match = re.search(rf"^`{name}\((?P<args>.*?)\)`", text, re.M | re.S)
+    assert match is not None, f"no signature of {name} in gefen-core's README"
+    documented = []
+    for raw in re.split(r",\s*(?![^()]*\))", " ".join(match.group("args").split())):  # commas outside (...)
+        documented.append("*" if raw.strip() == "*" else raw.split("=")[0].strip())
+    actual = []
+    for parameter in inspect.signature(getattr(gefen_core, name)).parameters.values():
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and "*" not in actual:
+            actual.append("*")
+        actual.append(parameter.name)
+    assert documented == actual
