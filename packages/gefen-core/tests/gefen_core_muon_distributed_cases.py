@@ -228,6 +228,7 @@ def fault(rank: int, world: int, mode: str, where: str) -> dict[str, Any]:
     if found_inf is not None:
         opt.found_inf = found_inf  # type: ignore[attr-defined]
     outcome["unchanged"] = not snapshot_diff(before, opt, *params)
+    outcome["global_step"] = opt.global_step
     dist.barrier()
     return outcome
 

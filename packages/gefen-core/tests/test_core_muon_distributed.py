@@ -143,6 +143,8 @@ def test_a_failure_inside_the_distributed_exchange_raises_on_every_rank(world: G
     assert rank1["message"] == f"GefenMuon {where} failed on another process-group member"
     if where == "bucket gather":  # the first bucket's gather: nothing was touched yet
         assert rank0["unchanged"] and rank1["unchanged"]
+    else:  # owners changed state before the broadcast failed: the step counts on every rank alike
+        assert rank0["global_step"] == rank1["global_step"] == 2
 
 
 @pytest.mark.parametrize("mode", ["exact", "distributed"])

@@ -33,7 +33,7 @@ from .muon_update import apply_update, finish_update, momentum_inputs, orthogona
 from .ops import Kernels
 from .optimizer_support import codebook_on
 from .param_groups import refuse_edited_groups
-from .param_state import INDICES, STEP, place_state
+from .param_state import INDICES, place_state
 from .parameter_update import placeholder_codebook
 from .periods import shape_period
 from .step_plan import refuse_unlearnable
@@ -128,7 +128,11 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
     chunks, serial = batched_chunks(
         regular, optimizer.param_groups, lambda message, *args: log(optimizer, message, *args)
     )
-    done = False
+    # whether a matrix may have stepped: then the step counts even if a later one fails, or
+    # later checkpoints would hold a counter above the global step (refused at load). Every
+    # rank decides alike: the local matrices step on every rank, and the distributed ones only
+    # after a bucket's gather vote passed on all of them; a failed first gather changes nothing
+    started = [bool(serial or chunks)]
     try:
         for item in serial:
             _step_one(optimizer, item, periods, lrs)
@@ -137,19 +141,12 @@ def execute(optimizer: _Host, plan: MuonPlan, learned: LearningResult | None = N
         distributed = [item for item in active if item.mode == DISTRIBUTED]
         if distributed:
             assert plan.scope is not None
-            _step_distributed(optimizer, plan.scope, distributed, periods, gathered, lrs)
-        done = True
+            _step_distributed(optimizer, plan.scope, distributed, periods, gathered, lrs, started)
+        started[0] = True
     finally:
-        # a matrix that failed after others stepped leaves their counters advanced: the step
-        # then counts, or later checkpoints would hold a step above the global step (refused at
-        # load); one that failed before any matrix stepped (a gather) leaves the count alone
-        if done or any(int(state[STEP]) > optimizer._global_step for state in _states(optimizer, active)):
+        if started[0]:
             optimizer._global_step += 1
             optimizer._version += 1
-
-
-def _states(optimizer: _Host, items: list[MuonItem]) -> list[dict[str, Any]]:
-    return [state for item in items if (state := optimizer.state.get(item.param))]
 
 
 def _relearn(optimizer: _Host, active: list[MuonItem]) -> dict[int, int]:
@@ -325,9 +322,11 @@ def _step_distributed(
     periods: Mapping[int, int],
     gathered: Mapping[int, torch.Tensor] | None,
     lrs: Mapping[int, float],
+    started: list[bool],
 ) -> None:
     """Owners compute, every rank applies its rows; ``gathered`` (the learning step's full
-    gradients, the same decision on every rank) spares the bucket gather."""
+    gradients, the same decision on every rank) spares the bucket gather. ``started[0]`` is
+    set once a bucket passed its gather (owners then change state)."""
     for bucket in owner_buckets([item.owner or 0 for item in items], scope.world):
         members = [items[index] for index in bucket]
         metadata = [BucketItem(item.owner or 0, item.shape, item.local_grad.dtype) for item in members]
@@ -342,6 +341,7 @@ def _step_distributed(
                 error = exc
             vote(scope, "bucket gather", error)
             full = gather_to_owners(scope, metadata, pieces)
+        started[0] = True
         updates: list[torch.Tensor | None] = [None] * len(members)
         try:
             for index, (item, grad) in enumerate(zip(members, full)):
