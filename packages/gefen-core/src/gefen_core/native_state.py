@@ -82,13 +82,14 @@ def export_state_dict(
         for position, param in enumerate(group["params"]):
             live = state.get(param)
             if live:
+                live = dict(live)
                 # a parameter resized after its first step: the step's own refusal, naming it
                 where = f"param_groups[{group_index}]['params'][{position}]" + (
                     f" ({names[position]!r})" if names else ""
                 )
-                check_state(dict(live), local_tensor(param), where.__str__)
+                check_state(live, local_tensor(param), where.__str__)
                 entries[pid] = {key: counter_value(live[key]) for key in COUNTER_KEYS if key in live}
-                entries[pid].update(export_tensors(param, live, str(state_variant(dict(live)))))
+                entries[pid].update(export_tensors(param, live, str(state_variant(live))))
             pid += 1
     record = {"global_step": global_step, "codebook": codebook, "deterministic": deterministic}
     return native_state_dict(F.FORMAT, param_groups, entries, record)

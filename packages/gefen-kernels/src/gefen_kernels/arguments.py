@@ -439,24 +439,23 @@ def check_histogram(*args: Any, **kwargs: Any) -> str | None:
             return f"entry {index}: period must be an int in [1, 2**63), got {period!r}"
         if grad.device != counts.device:
             return f"entry {index}: grad is on {grad.device} but counts on {counts.device}"
-    reason = _tensor(counts, "counts", torch.int64, counts.device)
-    if reason:
-        return reason
-    if tuple(counts.shape) != (HISTOGRAM_BINS,):
-        return f"counts must have shape ({HISTOGRAM_BINS},), got {tuple(counts.shape)}"
-    return None
+    return _counts(counts, counts.device)
+
+
+def _counts(counts: Any, device: torch.device) -> str | None:
+    """A histogram: a contiguous int64 ``[4096]`` tensor on ``device``."""
+    return _tensor(counts, "counts", torch.int64, device) or (
+        None
+        if tuple(counts.shape) == (HISTOGRAM_BINS,)
+        else f"counts must have shape ({HISTOGRAM_BINS},), got {tuple(counts.shape)}"
+    )
 
 
 def check_codebook_solve(*args: Any, **kwargs: Any) -> str | None:
     """``(counts int64[4096])`` on the CPU: a histogram of the codebook solve."""
     if len(args) != 1 or kwargs:
         return "gefen::codebook_solve.v1 takes (counts) and no keywords"
-    reason = _tensor(args[0], "counts", torch.int64, torch.device("cpu"))
-    if reason:
-        return reason
-    if tuple(args[0].shape) != (HISTOGRAM_BINS,):
-        return f"counts must have shape ({HISTOGRAM_BINS},), got {tuple(args[0].shape)}"
-    return None
+    return _counts(args[0], torch.device("cpu"))
 
 
 def check_stochastic_uniform(*args: Any, **kwargs: Any) -> str | None:
