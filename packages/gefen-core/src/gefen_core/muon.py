@@ -46,7 +46,7 @@ from .optimizer_support import (
     publish_groups_and_state,
     run_eagerly,
 )
-from .param_groups import optimizer_wide, refuse_optimizer_wide
+from .param_groups import optimizer_wide, placed, refuse_optimizer_wide
 from .portable_adapter import PortableRole
 from .scoped_step import scoped_step
 
@@ -246,12 +246,8 @@ class GefenMuon(
         options = normalize_muon_options({**self.defaults, **given}, index)
         params = param_group["params"]
         listed = group_params(params)  # an empty group is kept, as torch keeps it (ZeRO builds them)
-        for position, param in enumerate(listed):
-            where = f"param_groups[{index}]['params'][{position}]"
-            if isinstance(param, tuple) and len(param) == 2:
-                check_matrix(param[1], f"{where} ({param[0]!r})")
-            else:
-                check_matrix(param, where)
+        for where, tensor in placed(listed, index):
+            check_matrix(tensor, where)
         check_new_group(listed, index, self.param_groups, options["lr"], param_names=param_group.get("param_names"))
         refuse_optimizer_wide(param_group, index, optimizer_wide(self))
         # validated: the caller's dict becomes the group, as torch registers it (edits to it reach the step)

@@ -23,7 +23,7 @@ from .muon_distributed import APPROX, DISTRIBUTED, EXACT, LOCAL, MuonScope, buil
 from .muon_options import check_muon_group, group_schedule
 from .muon_state import check_muon_state
 from .ops import HISTOGRAM, MUON_MOMENTUM, Kernels
-from .param_groups import SUPPORTED_DTYPES
+from .param_groups import SUPPORTED_DTYPES, place
 from .param_state import refuse_codes_without_codebook
 from .step_plan import capturing, check_gradient, refuse_meta, refuse_self_overlap, refuse_unlearnable
 
@@ -48,7 +48,7 @@ class MuonItem:
 
     @property
     def where(self) -> str:
-        return f"param_groups[{self.group_index}]['params'][{self.position}] ({self.name!r})"
+        return place(self.group_index, self.position, self.name)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -123,8 +123,7 @@ def check_entry(param_groups: Sequence[dict[str, Any]]) -> list[MuonItem]:
         names = _names(group, slot)
         for position, param in enumerate(group["params"]):
             name = names[position]
-            where = f"param_groups[{group_index}]['params'][{position}] ({name!r})"
-            check_matrix(param, where)
+            check_matrix(param, place(group_index, position, name))
             items.append(
                 MuonItem(group_index, position, slot, param, name, execution_mode(param, group["sharded_mode"]), None)
             )

@@ -32,7 +32,7 @@ from .native_records import (
     reconcile_record,
     stage_group,
 )
-from .param_groups import GROUP_OPTIONS, normalize_group_options
+from .param_groups import GROUP_OPTIONS, normalize_group_options, place
 from .param_state import (
     AGE_KEYS,
     COUNTER_KEYS,
@@ -84,9 +84,7 @@ def export_state_dict(
             if live:
                 live = dict(live)
                 # a parameter resized after its first step: the step's own refusal, naming it
-                where = f"param_groups[{group_index}]['params'][{position}]" + (
-                    f" ({names[position]!r})" if names else ""
-                )
+                where = place(group_index, position, names[position] if names else None)
                 check_state(live, local_tensor(param), where.__str__)
                 entries[pid] = {key: counter_value(live[key]) for key in COUNTER_KEYS if key in live}
                 entries[pid].update(export_tensors(param, live, str(state_variant(live))))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ __all__ = [
     "lr_option",
     "normalize_group_options",
     "optimizer_wide",
+    "place",
+    "placed",
     "real_option",
     "refuse_edited_groups",
     "refuse_optimizer_wide",
@@ -255,13 +257,22 @@ def check_names(group: Mapping[str, Any], index: int) -> None:
         )
 
 
+def place(group: int, position: int, name: object = None) -> str:
+    """Where a parameter sits, spelled as torch's messages spell it, with its name if it has one."""
+    return f"param_groups[{group}]['params'][{position}]" + (f" ({name!r})" if name else "")
+
+
+def placed(params: list[Any], group: int | None) -> Iterator[tuple[str, Any]]:
+    """Each entry of a group's ``params`` (a named pair unpacked) with its :func:`place`
+    (``params[i]`` without a group: the functional form's)."""
+    for position, param in enumerate(params):
+        name, tensor = param if isinstance(param, tuple) and len(param) == 2 else (None, param)
+        yield (place(group, position, name) if group is not None else f"params[{position}]"), tensor
+
+
 def check_parameters(params: list[Any], group: int | None = None, *, optimizer: str = "Gefen") -> None:
     """Every parameter must be a real floating tensor ``optimizer`` supports, in a supported layout."""
-    for slot, param in enumerate(params):
-        # torch's own spelling of the place, with the name of a named parameter (as GefenMuon's)
-        where = f"param_groups[{group}]['params'][{slot}]" if group is not None else f"params[{slot}]"
-        if isinstance(param, tuple) and len(param) == 2:
-            where, param = f"{where} ({param[0]!r})", param[1]
+    for where, param in placed(params, group):
         if not isinstance(param, torch.Tensor):
             continue  # torch's add_param_group raises its own TypeError
         if param.is_complex():

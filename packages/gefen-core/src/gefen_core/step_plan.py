@@ -18,7 +18,7 @@ from gefen_contracts.torch_support import check_tensor_lr, finite_bounds
 from .distributed import is_dtensor, is_row_sharded, local_tensor
 from .errors import CaptureError, GradientError, ParameterError
 from .ops import BLOCK_STEP, ELEMENT_STEP, FACTORED_MOMENTS, FACTORED_STATS, FACTORED_STEP, HISTOGRAM, Kernels
-from .param_groups import check_group_options
+from .param_groups import check_group_options, place
 from .param_state import (
     ELEMENT,
     FACTORED,
@@ -69,7 +69,7 @@ class ParamWork:
 
     def where(self) -> str:
         """Where the parameter sits, for an error message (formatted only then)."""
-        return _place(self.group_index, self.position, self.name)
+        return place(self.group_index, self.position, self.name)
 
     @property
     def global_rows(self) -> int:
@@ -163,10 +163,6 @@ def refuse_self_overlap(local: torch.Tensor, where: str) -> None:
             f"{where}: the parameter's elements share memory (stride 0 in a dimension of size > 1, as an expand()ed "
             "tensor has), so it cannot be updated in place; give it memory of its own (.clone())"
         )
-
-
-def _place(group_index: int, position: int, name: str | None) -> str:
-    return f"param_groups[{group_index}]['params'][{position}]" + (f" ({name!r})" if name else "")
 
 
 def _ragged_cover(state: dict[str, Any], period: int, codes: int, numel: int) -> bool:
@@ -263,12 +259,12 @@ def plan_step(
             ):
                 local, local_grad, row_sharded = param, grad, False
             else:
-                check_gradient(param, grad, _place(group_index, position, name))
+                check_gradient(param, grad, place(group_index, position, name))
                 local, local_grad, row_sharded = local_tensor(param), local_tensor(grad), is_row_sharded(param)
                 device = local.device
                 plan.has_dtensors = plan.has_dtensors or is_dtensor(param)
             if not local.is_contiguous():
-                refuse_self_overlap(local, _place(group_index, position, name))
+                refuse_self_overlap(local, place(group_index, position, name))
             live = state.get(param)
             variant = variants.get(shape)
             if variant is None:
