@@ -367,11 +367,12 @@ def test_a_non_finite_gradient_steps_as_the_reference(value: float, path: str) -
 
 
 def _histograms() -> list[torch.Tensor]:
-    """Occupancies across the few-points rule's edge (254 interior codewords), weights small
-    (ties), mid and large (segment sums beyond 2^53, the int64 path), and tie-heavy shapes."""
+    """Occupancies across the few-points rule's edge (253 free codewords), weights small
+    (ties), mid and large (segment sums beyond 2^53, the int64 path), tie-heavy shapes, and
+    histograms with one side of zero empty or nearly so (the split of the free codewords)."""
     generator = torch.Generator().manual_seed(0)
     cases = []
-    for occupied in (1, 2, 5, 253, 254, 255, 256, 1000, 4096):
+    for occupied in (1, 2, 5, 252, 253, 254, 255, 256, 1000, 4096):
         for high in (2, 1000, 10**7):  # (10**7 x 4096 bins: sums beyond 2^53)
             counts = torch.zeros(4096, dtype=torch.int64)
             bins = torch.randperm(4096, generator=generator)[:occupied]
@@ -381,15 +382,21 @@ def _histograms() -> list[torch.Tensor]:
     every_seventh[::7] = 5
     ends_and_zero = torch.zeros(4096, dtype=torch.int64)
     ends_and_zero[[0, 2048, 4095]] = torch.tensor([1, 10, 1])
-    return [*cases, every_seventh, torch.ones(4096, dtype=torch.int64), ends_and_zero]
+    one_sided = []
+    for negatives in (0, 1, 3, 300):
+        counts = torch.zeros(4096, dtype=torch.int64)
+        counts[2048:] = torch.randint(0, 50, (2048,), generator=generator)
+        counts[2048 - negatives : 2048] = 7
+        one_sided += [counts, counts.flip(0)]
+    return [*cases, every_seventh, torch.ones(4096, dtype=torch.int64), ends_and_zero, *one_sided]
 
 
 def test_the_codebook_solve_equals_the_reference_bit_for_bit() -> None:
     from gefen_core.exact_dp import codebook_solve_reference
 
     load_kernel_plugins()
-    solve = torch.ops.gefen.codebook_solve.v1
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("gefen::codebook_solve.v1", "CPU")
+    solve = torch.ops.gefen.codebook_solve.v2
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("gefen::codebook_solve.v2", "CPU")
     for counts in _histograms():
         codebook = cpu_ops.codebook_solve(counts)
         assert codebook.dtype is torch.float64 and codebook.shape == (256,)

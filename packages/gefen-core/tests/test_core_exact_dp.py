@@ -35,7 +35,7 @@ def _random_case(rng: np.random.Generator, index: int) -> tuple[np.ndarray, np.n
         positions = np.clip(positions, -scale + 1, scale - 1)
         positions = np.unique(positions)
         weights = weights[: positions.size]
-    return positions, weights, int(rng.integers(2, 10)), scale
+    return positions, weights, int(rng.integers(3, 10)), scale
 
 
 def test_divide_and_conquer_equals_bruteforce_on_random_inputs() -> None:
@@ -45,7 +45,8 @@ def test_divide_and_conquer_equals_bruteforce_on_random_inputs() -> None:
         fast = solve_pinned_codebook(positions, weights, clusters, scale=scale)
         slow = solve_pinned_codebook_bruteforce(positions, weights, clusters, scale=scale)
         assert np.array_equal(fast.codebook, slow.codebook), (positions, weights, clusters)
-        assert fast.cost == slow.cost and fast.prefix == slow.prefix and fast.suffix == slow.suffix
+        assert fast.cost == slow.cost and (fast.prefix, fast.zero, fast.suffix) == (slow.prefix, slow.zero, slow.suffix)
+        assert fast.codebook.size == clusters and int((fast.codebook == 0.0).sum()) >= 1
 
 
 def test_equal_to_bruteforce_with_large_counts_and_256_codewords() -> None:
@@ -60,23 +61,29 @@ def test_equal_to_bruteforce_with_large_counts_and_256_codewords() -> None:
 
 
 def _exact_optimum(positions: list[int], weights: list[int], clusters: int, scale: int) -> Fraction:
-    """Enumerate every contiguous split: prefix to -1, K-2 non-empty interior segments, suffix to +1."""
+    """Enumerate every contiguous split: a prefix to -1, ``a`` non-empty segments at their
+    means, a run to 0, ``b`` non-empty segments, a suffix to +1 (``a + b = K - 3``; the pinned
+    runs may be empty), whatever the signs of the points in each piece."""
     n = len(positions)
+
+    def piece(a: int, b: int, centre: Fraction | None) -> Fraction:
+        if a == b:
+            return Fraction(0)
+        w = sum(weights[a:b])
+        mean = Fraction(sum(wi * p for wi, p in zip(weights[a:b], positions[a:b])), w) if centre is None else centre
+        return sum((wi * (p - mean) ** 2 for wi, p in zip(weights[a:b], positions[a:b])), Fraction(0))
+
     best: Fraction | None = None
-    for cuts in itertools.combinations(range(n + 1), clusters - 1):
-        # cuts[0] ends the prefix, cuts[-1] starts the suffix, interior segments lie between.
-        if any(b <= a for a, b in itertools.pairwise(cuts)):
-            continue
-        cost = Fraction(0)
-        for j in range(cuts[0]):
-            cost += weights[j] * (positions[j] + scale) ** 2
-        for a, b in itertools.pairwise(cuts):
-            w = sum(weights[a:b])
-            mean = Fraction(sum(wi * p for wi, p in zip(weights[a:b], positions[a:b])), w)
-            cost += sum(wi * (p - mean) ** 2 for wi, p in zip(weights[a:b], positions[a:b]))
-        for j in range(cuts[-1], n):
-            cost += weights[j] * (positions[j] - scale) ** 2
-        best = cost if best is None or cost < best else best
+    for below in range(clusters - 2):
+        for cuts in itertools.combinations_with_replacement(range(n + 1), clusters - 1):
+            # cuts[0] ends the prefix, cuts[below] and cuts[below + 1] bound the run at 0, cuts[-1]
+            # starts the suffix; the free segments between the others are non-empty
+            free = [(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1) if i != below]
+            if any(b <= a for a, b in free):
+                continue
+            cost = piece(0, cuts[0], Fraction(-scale)) + piece(cuts[-1], n, Fraction(scale))
+            cost += piece(cuts[below], cuts[below + 1], Fraction(0)) + sum(piece(a, b, None) for a, b in free)
+            best = cost if best is None or cost < best else best
     assert best is not None
     return best
 
@@ -89,8 +96,8 @@ def test_dp_optimum_matches_exhaustive_rational_search() -> None:
         bins = np.sort(rng.choice(scale, size=n, replace=False))
         positions = [int(2 * b + 1 - scale) for b in bins]
         weights = [int(w) for w in rng.integers(1, 6, size=n)]
-        clusters = int(rng.integers(2, min(n + 2, 5)))
-        if n <= clusters - 2:
+        clusters = int(rng.integers(3, min(n + 3, 6)))
+        if n <= clusters - 3:
             continue
         solution = solve_pinned_codebook(positions, weights, clusters, scale=scale)
         assert solution.cost == pytest.approx(float(_exact_optimum(positions, weights, clusters, scale)), rel=1e-12)
@@ -100,11 +107,11 @@ def test_fewer_points_than_codewords_keep_every_centre() -> None:
     centres = [-0.7, -0.2, 0.1, 0.4, 0.9]
     scale = 4096
     positions = [round(c * scale) | 1 for c in centres]
-    solution = solve_pinned_codebook(positions, [3, 1, 4, 1, 5], 8, scale=scale)
+    solution = solve_pinned_codebook(positions, [3, 1, 4, 1, 5], 9, scale=scale)
     codebook = solution.codebook.tolist()
     assert solution.cost == 0.0
-    assert codebook[0] == -1.0 and codebook[-1] == 1.0 and codebook == sorted(set(codebook))
-    spare = sorted(set(codebook) - {p / scale for p in positions} - {-1.0, 1.0})
+    assert codebook[0] == -1.0 and codebook[-1] == 1.0 and codebook == sorted(set(codebook)) and 0.0 in codebook
+    spare = sorted(set(codebook) - {p / scale for p in positions} - {-1.0, 0.0, 1.0})
     # the codeword left over is not another +1: it takes the middle of the free grid
     assert len(spare) == 1 and abs(spare[0]) < 4 / scale
 
@@ -146,6 +153,7 @@ def test_full_solve_uses_all_256_codewords_on_a_busy_histogram() -> None:
         ([1, 3], [1, 0], 4, "positive"),
         ([3, 1], [1, 1], 4, "strictly increasing"),
         ([1, 3], [1, 1], 1, "clusters"),
+        ([1, 3], [1, 1], 2, "clusters"),
         ([1, 17], [1, 1], 4, "strictly inside"),
         ([1.5, 3.0], [1, 1], 4, "integers"),
     ],

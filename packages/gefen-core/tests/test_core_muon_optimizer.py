@@ -319,7 +319,7 @@ def test_fused_dispatch() -> None:
         with counting_kernels() as calls:
             _train(GefenMuon(params, fused=fused, stochastic_round=True), params, 3)
         results[fused] = (params, calls)
-    solve = {"gefen::codebook_solve.v1": 1}  # the first step's codebook
+    solve = {"gefen::codebook_solve.v2": 1}  # the first step's codebook
     assert results[None][1] == {MUON_MOMENTUM: 6, "gefen::histogram.v2": 2, **solve} and results[False][1] == {}
     assert results[True][1] == results[None][1]
     assert all(torch.equal(a, b) for a, b in zip(results[None][0], results[False][0]))

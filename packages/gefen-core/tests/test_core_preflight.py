@@ -127,7 +127,7 @@ def test_fused_none_runs_the_kernels_registered_for_the_device() -> None:
         "gefen::factored_moments.v3": 3,
         "gefen::factored_step.v4": 3,
         "gefen::histogram.v2": 1,  # one for the first step's parameters
-        "gefen::codebook_solve.v1": 1,  # and its codebook
+        "gefen::codebook_solve.v2": 1,  # and its codebook
     }
 
 

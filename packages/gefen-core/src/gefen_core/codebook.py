@@ -82,7 +82,7 @@ def _in_exact_range(counts: torch.Tensor, total: int) -> torch.Tensor:
 def codebook_from_counts(counts: torch.Tensor, solve: OpRunner = codebook_solve_reference) -> torch.Tensor | None:
     """The optimal fp32 CPU codebook for a histogram, or ``None`` when it holds no shape: empty,
     or every count in zero's bin (every block it counted was all zero; a block with any non-zero
-    value puts its maximum in an end bin). ``solve`` runs the ``gefen::codebook_solve.v1`` op
+    value puts its maximum in an end bin). ``solve`` runs the ``gefen::codebook_solve.v2`` op
     (``Kernels.op(CODEBOOK_SOLVE)``: gefen-kernels' C solve, about 10x the numpy reference's
     speed, gives the same codebook bit for bit); the reference by default."""
     total = int(counts.sum())

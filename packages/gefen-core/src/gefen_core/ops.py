@@ -34,7 +34,7 @@ op                                 schema (after the name; ``*`` starts keyword-
 ``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
 ``gefen::muon_momentum.v2``        ``(grads[], indices![], magnitudes![], codebook, scalars, sr_seeds?,
                                    outs![], *, nesterov, deterministic)`` (GefenMuon; writes ``outs``)
-``gefen::codebook_solve.v1``       ``(counts int64[4096]) -> f64[256]`` (the exact codebook solve of
+``gefen::codebook_solve.v2``       ``(counts int64[4096]) -> f64[256]`` (the exact codebook solve of
                                    a CPU histogram, :mod:`gefen_core.exact_dp`; a host op:
                                    kernel packages register it for the CPU only)
 =================================  ==========================================================
@@ -115,7 +115,7 @@ FACTORED_STEP = "gefen::factored_step.v4"
 HISTOGRAM = "gefen::histogram.v2"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
 MUON_MOMENTUM = "gefen::muon_momentum.v2"
-CODEBOOK_SOLVE = "gefen::codebook_solve.v1"
+CODEBOOK_SOLVE = "gefen::codebook_solve.v2"
 #: Ops whose inputs live on the host: a kernel package registers them for the CPU only.
 HOST_OPS = frozenset({CODEBOOK_SOLVE})
 

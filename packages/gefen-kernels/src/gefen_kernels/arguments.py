@@ -454,7 +454,7 @@ def _counts(counts: Any, device: torch.device) -> str | None:
 def check_codebook_solve(*args: Any, **kwargs: Any) -> str | None:
     """``(counts int64[4096])`` on the CPU: a histogram of the codebook solve."""
     if len(args) != 1 or kwargs:
-        return "gefen::codebook_solve.v1 takes (counts) and no keywords"
+        return "gefen::codebook_solve.v2 takes (counts) and no keywords"
     return _counts(args[0], torch.device("cpu"))
 
 

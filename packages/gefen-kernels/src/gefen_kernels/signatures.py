@@ -23,7 +23,7 @@ __all__ = [
 GEFEN_OPS = frozenset(
     {
         "gefen::block_step.v3",
-        "gefen::codebook_solve.v1",
+        "gefen::codebook_solve.v2",
         "gefen::element_step.v1",
         "gefen::factored_stats.v2",
         "gefen::factored_moments.v3",
@@ -35,7 +35,7 @@ GEFEN_OPS = frozenset(
 )
 
 #: The ops whose inputs live on the host (a histogram): registered for the CPU only.
-HOST_OPS = frozenset({"gefen::codebook_solve.v1"})
+HOST_OPS = frozenset({"gefen::codebook_solve.v2"})
 
 CODEBOOK_SIZE = 256
 HISTOGRAM_BINS = 4096

@@ -49,7 +49,7 @@
 #define GEFEN_SIMD 1
 #endif
 
-#define GEFEN_ABI_VERSION 7
+#define GEFEN_ABI_VERSION 8
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -1627,10 +1627,11 @@ int gefen_stochastic_uniform(const int64_t* seed, const int64_t* index, float* o
 
 /* The codebook solve (gefen_core.exact_dp, whose docstring states the problem, the tie rule and
  * why the values are exact): optimal 1-D weighted k-means of a histogram's occupied bins with
- * codewords pinned at -1 and +1, each layer of the dynamic program by divide and conquer. Every
- * candidate value is the reference's one expression, in the same order, on the same doubles
- * (segment sums are int64 prefix differences converted once; built with -ffp-contract=off), and a
- * scan keeps the first of equal minima as the reference does, so the codebook is bit-identical. */
+ * codewords pinned at -1, 0 and +1, one program per side of zero, each layer by divide and
+ * conquer. Every candidate value is the reference's one expression, in the same order, on the
+ * same doubles (segment sums are int64 prefix differences converted once; built with
+ * -ffp-contract=off), and a scan keeps the first of equal minima as the reference does, so the
+ * codebook is bit-identical. */
 typedef struct {
     const int64_t* w;
     const int64_t* x;
@@ -1675,10 +1676,101 @@ static void solve_range(const SolveLayer* s, int64_t e_lo, int64_t e_hi, int64_t
     }
 }
 
-/* counts: int64[bins] (none negative, one positive at least); out: float64[clusters]. 0 on
+/* One side's program (exact_dp._side): the points lo+1..hi between the pins `left` and `right`,
+ * for k = 0..layers interior codewords (layers = min(most, hi - lo)): costs[k], ends[k] (where
+ * the last segment ends), layer k's split points at choices + (k - 1) * (n + 1). `a` and `b`
+ * are scratch rows of n + 1 doubles. Returns `layers`. */
+static int64_t solve_side(SolveLayer* s, int64_t n, int64_t lo, int64_t hi, double left, double right, int64_t most,
+                          double* a, double* b, double* costs, int64_t* ends, int32_t* choices) {
+    int64_t layers = most < hi - lo ? most : hi - lo;
+    for (int64_t e = 0; e <= n; e++) a[e] = INFINITY;
+    for (int64_t e = lo; e <= hi; e++) a[e] = pinned_cost(s, lo, e, left);
+    s->previous = a;
+    s->current = b;
+    for (int64_t k = 0; k <= layers; k++) {
+        if (k) {
+            for (int64_t e = 0; e <= n; e++) s->current[e] = INFINITY;
+            s->argmin = choices + (k - 1) * (n + 1);
+            memset(s->argmin, 0, (size_t)(n + 1) * sizeof(int32_t));
+            solve_range(s, lo + k, hi, lo + k - 1, hi - 1);
+            double* done = s->current; /* this layer is the next one's previous */
+            s->current = (double*)s->previous;
+            s->previous = done;
+        }
+        double best = INFINITY; /* the first minimum: the smallest end */
+        int64_t end = lo + k;
+        for (int64_t e = lo + k; e <= hi; e++) {
+            double value = s->previous[e] + pinned_cost(s, e, hi, right);
+            if (value < best) {
+                best = value;
+                end = e;
+            }
+        }
+        costs[k] = best;
+        ends[k] = end;
+    }
+    return layers;
+}
+
+/* The k interior centres of a side's optimum into out[0..k) (ascending); returns where its
+ * left-pinned prefix ends. */
+static int64_t side_centres(const SolveLayer* s, int64_t n, const int64_t* ends, const int32_t* choices, int64_t k,
+                            double bins, double* out) {
+    int64_t end = ends[k];
+    for (int64_t layer = k; layer >= 1; layer--) {
+        int64_t start = choices[(layer - 1) * (n + 1) + end];
+        out[layer - 1] = ((double)(s->x[end] - s->x[start]) / (double)(s->w[end] - s->w[start])) / bins;
+        end = start;
+    }
+    return end;
+}
+
+/* Fewer nonzero points than free codewords (exact_dp._few_points): every point its own
+ * codeword, 0 and the rest spread over the grid positions no point holds (segment middles),
+ * then +1. out[0] is already -1. 0 on success, 4 out of memory. */
+static int few_points(const int64_t* y, int64_t n, int64_t bins, int64_t clusters, double* out) {
+    int64_t held = 0;
+    for (int64_t i = 0; i < n; i++) held += y[i] != 0;
+    int64_t free_count = bins - held - (bins % 2 != 0); /* an odd grid holds 0 itself */
+    int64_t spread = clusters - 3 - held < free_count ? clusters - 3 - held : free_count;
+    int64_t* inner = malloc((size_t)(held + spread + 1) * sizeof(int64_t));
+    if (inner == NULL) return 4;
+    int64_t filled = 0, next = 0, p = 0, rank = 0;
+    int zero_done = 0;
+    for (int64_t pos = 1 - bins; pos < bins; pos += 2) {
+        if (!zero_done && pos > 0) {
+            inner[filled++] = 0;
+            zero_done = 1;
+        }
+        if (pos == 0) {
+            inner[filled++] = 0;
+            zero_done = 1;
+            if (p < n && y[p] == 0) p++;
+            continue;
+        }
+        if (p < n && y[p] == pos) {
+            inner[filled++] = pos;
+            p++;
+            continue;
+        }
+        /* the free position of this rank is picked when it is the next wanted one */
+        if (next < spread && rank == ((2 * next + 1) * free_count) / (2 * (spread > 0 ? spread : 1))) {
+            inner[filled++] = pos;
+            next++;
+        }
+        rank++;
+    }
+    if (!zero_done) inner[filled++] = 0;
+    for (int64_t i = 0; i < filled; i++) out[1 + i] = (double)inner[i] / (double)bins;
+    for (int64_t i = 1 + filled; i < clusters; i++) out[i] = 1.0;
+    free(inner);
+    return 0;
+}
+
+/* counts: int64[bins] (none negative, one positive at least); out: float64[clusters >= 3]. 0 on
  * success; 1 a negative count, 2 an empty histogram, 3 sums beyond int64, 4 out of memory. */
 int gefen_codebook_solve(const int64_t* counts, int64_t bins, int64_t clusters, double* out) {
-    int64_t n = 0, total = 0, interior = clusters - 2;
+    int64_t n = 0, total = 0, free_codewords = clusters - 3;
     for (int64_t k = 0; k < bins; k++) {
         if (counts[k] < 0) return 1;
         if (counts[k] > INT64_MAX - total) return 3;
@@ -1688,39 +1780,18 @@ int gefen_codebook_solve(const int64_t* counts, int64_t bins, int64_t clusters, 
     if (n == 0) return 2;
     int64_t* y = malloc((size_t)n * sizeof(int64_t));
     if (y == NULL) return 4;
-    int64_t m = 0;
+    int64_t m = 0, negative = 0, nonpositive = 0;
     for (int64_t k = 0; k < bins; k++)
         if (counts[k] > 0) y[m++] = 2 * k + 1 - bins; /* bin k's centre is y / bins */
+    for (int64_t i = 0; i < n; i++) {
+        negative += y[i] < 0;
+        nonpositive += y[i] <= 0;
+    }
     out[0] = -1.0;
-    if (n <= interior) {
-        /* every point its own codeword; the rest spread over the odd positions no point holds
-         * (segment middles), then +1 (exact_dp._few_points) */
-        int64_t grid = bins, free_count = grid - n;
-        int64_t spread = interior - n < free_count ? interior - n : free_count;
-        int64_t* inner = malloc((size_t)(n + spread) * sizeof(int64_t));
-        if (inner == NULL) {
-            free(y);
-            return 4;
-        }
-        int64_t filled = 0, next = 0, p = 0, rank = 0;
-        for (int64_t pos = 1 - bins; pos < bins; pos += 2) {
-            if (p < n && y[p] == pos) {
-                inner[filled++] = pos;
-                p++;
-                continue;
-            }
-            /* the free position of this rank is picked when it is the next wanted one */
-            if (next < spread && rank == ((2 * next + 1) * free_count) / (2 * (spread > 0 ? spread : 1))) {
-                inner[filled++] = pos;
-                next++;
-            }
-            rank++;
-        }
-        for (int64_t i = 0; i < filled; i++) out[1 + i] = (double)inner[i] / (double)bins;
-        for (int64_t i = 1 + filled; i < clusters; i++) out[i] = 1.0;
-        free(inner);
+    if (n - (nonpositive - negative) <= free_codewords) {
+        int status = few_points(y, n, bins, clusters, out);
         free(y);
-        return 0;
+        return status;
     }
     int64_t largest = bins;
     if (-y[0] > largest) largest = -y[0];
@@ -1729,15 +1800,17 @@ int gefen_codebook_solve(const int64_t* counts, int64_t bins, int64_t clusters, 
         free(y);
         return 3;
     }
-    int64_t* w = calloc((size_t)(3 * (n + 1)), sizeof(int64_t));
-    double* layer_a = malloc((size_t)(n + 1) * sizeof(double));
-    double* layer_b = malloc((size_t)(n + 1) * sizeof(double));
-    int32_t* choices = malloc((size_t)interior * (size_t)(n + 1) * sizeof(int32_t));
-    if (w == NULL || layer_a == NULL || layer_b == NULL || choices == NULL) {
-        free(w), free(layer_a), free(layer_b), free(choices), free(y);
+    size_t row = (size_t)(n + 1);
+    int64_t* w = calloc(3 * row, sizeof(int64_t));
+    double* scratch = malloc(2 * row * sizeof(double));
+    double* costs = malloc(2 * (size_t)(free_codewords + 1) * sizeof(double));
+    int64_t* ends = malloc(2 * (size_t)(free_codewords + 1) * sizeof(int64_t));
+    int32_t* choices = malloc(2 * (size_t)(free_codewords > 0 ? free_codewords : 1) * row * sizeof(int32_t));
+    if (w == NULL || scratch == NULL || costs == NULL || ends == NULL || choices == NULL) {
+        free(w), free(scratch), free(costs), free(ends), free(choices), free(y);
         return 4;
     }
-    int64_t *x = w + (n + 1), *q = x + (n + 1);
+    int64_t *x = w + row, *q = x + row;
     for (int64_t i = 0, k = 0; k < bins; k++) {
         if (counts[k] <= 0) continue;
         int64_t c = counts[k], pos = y[i];
@@ -1746,34 +1819,30 @@ int gefen_codebook_solve(const int64_t* counts, int64_t bins, int64_t clusters, 
         q[i + 1] = q[i] + c * pos * pos;
         i++;
     }
-    SolveLayer s = {w, x, q, layer_a, layer_b, NULL};
-    for (int64_t e = 0; e <= n; e++) layer_a[e] = pinned_cost(&s, 0, e, -(double)bins);
-    for (int64_t k = 1; k <= interior; k++) {
-        int64_t last_end = n - (interior - k);
-        for (int64_t e = 0; e <= n; e++) s.current[e] = INFINITY;
-        s.argmin = choices + (k - 1) * (n + 1);
-        memset(s.argmin, 0, (size_t)(n + 1) * sizeof(int32_t));
-        solve_range(&s, k, last_end, k - 1, last_end - 1);
-        double* done = s.current; /* this layer is the next one's previous */
-        s.current = (double*)s.previous;
-        s.previous = done;
-    }
-    /* the last layer with the suffix pinned at +1: the first minimum, the smallest end */
-    int64_t end = interior;
+    SolveLayer s = {w, x, q, NULL, NULL, NULL};
+    double *costs_below = costs, *costs_above = costs + free_codewords + 1;
+    int64_t *ends_below = ends, *ends_above = ends + free_codewords + 1;
+    int32_t *choices_below = choices, *choices_above = choices + (size_t)(free_codewords > 0 ? free_codewords : 1) * row;
+    int64_t most_below = solve_side(&s, n, 0, negative, -(double)bins, 0.0, free_codewords, scratch, scratch + row,
+                                    costs_below, ends_below, choices_below);
+    int64_t most_above = solve_side(&s, n, nonpositive, n, 0.0, (double)bins, free_codewords, scratch, scratch + row,
+                                    costs_above, ends_above, choices_above);
+    /* the free codewords split between the sides: the first minimum, the fewest below zero */
+    int64_t first = free_codewords - most_above > 0 ? free_codewords - most_above : 0;
+    int64_t last = free_codewords < most_below ? free_codewords : most_below;
+    int64_t below = first;
     double best = INFINITY;
-    for (int64_t e = interior; e <= n; e++) {
-        double value = s.previous[e] + pinned_cost(&s, e, n, (double)bins);
+    for (int64_t k = first; k <= last; k++) {
+        double value = costs_below[k] + costs_above[free_codewords - k];
         if (value < best) {
             best = value;
-            end = e;
+            below = k;
         }
     }
-    for (int64_t k = interior; k >= 1; k--) {
-        int64_t start = choices[(k - 1) * (n + 1) + end];
-        out[k] = ((double)(x[end] - x[start]) / (double)(w[end] - w[start])) / (double)bins;
-        end = start;
-    }
+    side_centres(&s, n, ends_below, choices_below, below, (double)bins, out + 1);
+    out[1 + below] = 0.0;
+    side_centres(&s, n, ends_above, choices_above, free_codewords - below, (double)bins, out + 2 + below);
     out[clusters - 1] = 1.0;
-    free(w), free(layer_a), free(layer_b), free(choices), free(y);
+    free(w), free(scratch), free(costs), free(ends), free(choices), free(y);
     return 0;
 }

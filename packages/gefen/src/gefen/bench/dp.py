@@ -141,7 +141,7 @@ def run_dp(options: DpOptions, *, progress: Callable[[str], None] | None = None)
             builder.note(f"{kind}: the op and the numpy solve returned different codebooks")
         tick(kind)
     builder.note(
-        "the /op rows run gefen::codebook_solve.v1 as a step does: "
+        "the /op rows run gefen::codebook_solve.v2 as a step does: "
         + ("gefen-kernels' C solve" if kernel else "the numpy reference (no kernel is registered)")
     )
     builder.note(
