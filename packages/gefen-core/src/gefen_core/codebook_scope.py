@@ -84,7 +84,6 @@ __all__ = [
     "digest_words",
     "entry_vote",
     "share_header",
-    "gather_bytes",
     "read_amp",
     "reduce_with_failure",
 ]
@@ -373,43 +372,6 @@ def reduce_with_failure(
     if int(reduced[-1]):
         _raise(binding, who, failure, phase)
     return reduced[:-1].clone()
-
-
-def gather_bytes(
-    binding: ProcessGroupBinding | None,
-    payload: bytes,
-    sizes: Sequence[int],
-    *,
-    failure: Failure | None,
-    phase: str,
-    who: str,
-) -> list[bytes]:
-    """``all_gather`` of every member's byte payload (member ``m`` sends ``sizes[m]`` bytes).
-
-    The sizes are known to every member in advance (from the manifest), so one fixed-size
-    collective suffices; a leading flag byte carries failures, which raise on every member.
-    """
-    if binding is None or not binding.communicates:
-        _local_only(failure)
-        return [payload]
-    import torch.distributed as dist
-
-    width = 1 + max(sizes)
-    local = torch.zeros(width, dtype=torch.uint8)
-    if failure is None:
-        if len(payload) != sizes[binding.coordinate]:
-            raise AssertionError("gather_bytes: the payload size differs from the announced size")
-        if payload:
-            local[1 : 1 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        local[0] = 1
-    local = local.to(binding.collective_device)
-    gathered = [torch.empty_like(local) for _ in range(binding.member_count)]
-    dist.all_gather(gathered, local, group=binding.process_group)
-    rows = [row.cpu() for row in gathered]
-    if any(int(row[0]) for row in rows):
-        _raise(binding, who, failure, phase)
-    return [row[1 : 1 + size].numpy().tobytes() for row, size in zip(rows, sizes)]
 
 
 def commit_agreement(

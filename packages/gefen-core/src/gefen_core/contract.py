@@ -57,7 +57,6 @@ from .reference_ops import HISTOGRAM_BINS
 
 __all__ = [
     "CANONICAL_LAYOUTS",
-    "PARAMETER_SHAPED_SUPPORT",
     "parameter_shaped_support",
     "parameter_shaped_status",
     "IMPLEMENTATION",
@@ -139,7 +138,6 @@ STATE_LAYOUT = OptimizerStateLayout(
     ),
 )
 
-_NOT_YET = "not implemented in gefen-core yet"
 _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 
 _PORTABLE_LAYOUTS = frozenset({_REPL, _FLAT})
@@ -211,10 +209,6 @@ def parameter_shaped_support(period_one_1d: bool) -> CheckpointSupport:
         mesh_dimensions=(1,),
         requires_collective=True,
     )
-
-
-#: The entry of an optimizer whose groups all use ``force_1d_period_one=True``.
-PARAMETER_SHAPED_SUPPORT = parameter_shaped_support(True)
 
 
 def parameter_shaped_status(readiness: IdentityReadiness) -> FeatureStatus:

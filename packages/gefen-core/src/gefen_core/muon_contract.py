@@ -168,7 +168,6 @@ def _variants(modes: tuple[str, ...]) -> tuple[StateVariant, ...]:
     return tuple(variants)
 
 
-_NOT_YET = "not implemented for GefenMuon yet"
 _NOT_ASSESSED = FeatureStatus.no("not assessed for this contract query")
 _OWNER = ParameterLayout.WHOLE_PARAMETER_OWNER
 _PORTABLE_LAYOUTS = frozenset({_REPL, _OWNER})

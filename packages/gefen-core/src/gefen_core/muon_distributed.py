@@ -60,21 +60,11 @@ __all__ = [
     "build_scope",
     "execution_mode",
     "shard_rows",
-    "stable_owner",
     "vote",
 ]
 
 LOCAL, EXACT, APPROX, DISTRIBUTED = "local", "exact", "approx", "distributed"
 _PHASE_PREFIX = "GefenMuon "
-
-
-def stable_owner(stable_index: int, world: int) -> int:
-    """The owner of the ``stable_index``-th distributed parameter: ``stable_index mod world``."""
-    if type(world) is not int or world <= 0:
-        raise ValueError(f"world must be positive, got {world!r}")
-    if type(stable_index) is not int or stable_index < 0:
-        raise ValueError(f"stable_index must be non-negative, got {stable_index!r}")
-    return stable_index % world
 
 
 def _mesh_size(param: Any) -> int:

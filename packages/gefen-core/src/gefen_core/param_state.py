@@ -38,7 +38,7 @@ no collective for row-sharded parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,9 +80,7 @@ __all__ = [
     "refuse_codes_without_codebook",
     "period_of",
     "second_moment_variant",
-    "state_nbytes",
     "state_variant",
-    "storage_bytes",
     "switch_second_moment",
     "zero_padding",
 ]
@@ -259,24 +257,6 @@ def switch_second_moment(state: dict[str, Any], variant: str, local: torch.Tenso
         state.pop(key, None)
     blocks = state[INDICES].shape[0]
     state.update(_second_moment(variant, local, blocks, local.device, capturable))
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (each storage counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in seen or storage.nbytes() == 0:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def state_nbytes(state: dict[str, Any]) -> int:
-    """Bytes of every tensor storage the state holds (counters as tensors included)."""
-    return storage_bytes(value for value in state.values() if isinstance(value, torch.Tensor))
 
 
 def place_state(state: dict[str, Any], device: torch.device) -> None:

@@ -17,10 +17,7 @@ from typing import Any
 
 import torch
 from gefen_contracts import (
-    FEATURE_CANONICAL_IDENTITY,
-    FEATURE_CANONICAL_LOCAL_STATE,
     FEATURE_PORTABLE_STATE,
-    FEATURE_POST_SHARDING,
     FEATURE_STAGED_NATIVE_LOAD,
     NotSupportedError,
     OptimizerContract,
@@ -75,9 +72,6 @@ __all__ = ["DEFAULT_IMPLEMENTATION", "STEP_PHASE", "ChildFactory", "CompositeOpt
 DEFAULT_IMPLEMENTATION = "gefen.CompositeOptimizer"
 #: The phase named by the error every rank raises when a step fails on one of them.
 STEP_PHASE = "composite step preflight"
-_BIND_KIND = "gefen.CompositeOptimizer.post_sharding"
-_IMPORT_KIND = "gefen.CompositeOptimizer.local_import"
-_IDENTITY_FEATURES = (FEATURE_POST_SHARDING, FEATURE_CANONICAL_IDENTITY, FEATURE_CANONICAL_LOCAL_STATE)
 
 #: ``factory(named_parameters) -> optimizer`` builds one child from its routed parameters.
 ChildFactory = Callable[[list[NamedParameter]], torch.optim.Optimizer]

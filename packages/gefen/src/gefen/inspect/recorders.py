@@ -57,7 +57,6 @@ class LoadedParameter:
     fqn: str
     variant: str
     counters: Mapping[str, int]
-    field_bytes: int
     nonfinite: Mapping[str, int]
 
 
@@ -94,15 +93,13 @@ def _expanded(slot: PortableSlotState) -> PortableSlotState:
 
 
 def _summary(fqn: str, variant: str, counters: Mapping[str, int], fields: Mapping[str, object]) -> LoadedParameter:
-    nbytes = 0
     nonfinite: dict[str, int] = {}
     for name, tensor in fields.items():
         assert isinstance(tensor, torch.Tensor)
-        nbytes += int(tensor.numel() * tensor.element_size())
         bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
         if bad:
             nonfinite[name] = bad
-    return LoadedParameter(fqn, variant, dict(counters), nbytes, nonfinite)
+    return LoadedParameter(fqn, variant, dict(counters), nonfinite)
 
 
 class RecordingNativeState:

@@ -12,7 +12,7 @@ from .negative import NegativeClaimsCheck
 from .state import StateDeclarationCheck
 from .training import CopiesCheck, ParameterRanksCheck, PrecisionsCheck, ReplicatedTrainingCheck
 
-__all__ = ["BUILTIN_CHECKS", "builtin_checks"]
+__all__ = ["builtin_checks"]
 
 
 def builtin_checks() -> tuple[ConformanceCheck, ...]:
@@ -38,6 +38,3 @@ def builtin_checks() -> tuple[ConformanceCheck, ...]:
         FlattenedCheckpointsCheck(),
         CompositeRulesCheck(),
     )
-
-
-BUILTIN_CHECKS = builtin_checks
