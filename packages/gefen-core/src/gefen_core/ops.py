@@ -61,6 +61,7 @@ behind an op no kernel package registers, so that the compiler keeps it opaque t
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -317,10 +318,11 @@ def warn_on_partial_kernels() -> list[str]:
     return missing_all
 
 
-def _dispatch_key(device: torch.device) -> str:
+@functools.cache
+def _dispatch_key(device_type: str) -> str:
     # torch's own spelling ("CPU", "CUDA", "Meta", "PrivateUse1"...): upper-casing the device
     # type made "META", which the dispatcher cannot parse (fused=True on a meta model crashed)
-    return str(torch._C._dispatch_key_for_device(device.type))
+    return str(torch._C._dispatch_key_for_device(device_type))
 
 
 def kernel_registered(op: str, device: torch.device) -> bool:
@@ -329,7 +331,7 @@ def kernel_registered(op: str, device: torch.device) -> bool:
     materialised later (``to_empty``) is checked again on its real device at its first step."""
     _load_plugins()
     try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, _dispatch_key(device)))
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, _dispatch_key(device.type)))
     except RuntimeError:  # a device type the dispatcher has no key for
         return False
 

@@ -324,13 +324,12 @@ def update_ops(variant: str, *, row_sharded: bool = False) -> tuple[str, ...]:
 
 def _check_kernels(plan: StepPlan, dispatch: Kernels, *, learns: bool) -> None:
     """``fused=True``: every op this step runs must have a kernel for its parameter's device."""
-    needed: set[tuple[str, torch.device]] = set()
+    needed: dict[tuple[str, torch.device], None] = {}  # (in the buckets' order: a deterministic first error)
     for key in plan.buckets:  # a few buckets, not every parameter
         _, variant, device = key
-        if learns:
-            needed.add((HISTOGRAM, device))
-        needed.update((op, device) for op in update_ops(variant))
+        ops = ((HISTOGRAM,) if learns else ()) + update_ops(variant)
         if key in plan.row_sharded:  # (the statistics op too; a kernel package registers both)
-            needed.update((op, device) for op in update_ops(variant, row_sharded=True))
-    for op, device in sorted(needed, key=str):
+            ops += update_ops(variant, row_sharded=True)
+        needed.update(dict.fromkeys((op, device) for op in ops))
+    for op, device in needed:
         dispatch.require(op, device)
