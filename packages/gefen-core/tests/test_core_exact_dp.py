@@ -185,3 +185,18 @@ def test_a_histogram_beyond_the_exact_int64_range_still_solves() -> None:
     assert huge is not None and huge.shape == (256,)
     assert float(huge[0]) == -1.0 and float(huge[-1]) == 1.0 and bool((huge[1:] >= huge[:-1]).all())
     assert torch.equal(codebook_from_counts(counts * 2), huge)  # a second halving of the doubled counts
+
+
+def test_counts_whose_total_passes_int64_are_halved_not_wrapped() -> None:
+    """Two bins of 2^62 sum past 2^63, which an int64 sum wraps to a negative total: the counts
+    were not halved and the exact sums overflowed into a meaningless codebook. The total is
+    taken exactly, so they are halved as any heavy histogram's are: the two heavy bins keep a
+    codeword at their centres."""
+    counts = torch.full((4096,), 3, dtype=torch.int64)
+    counts[[10, 4000]] = 2**62
+    codebook = codebook_from_counts(counts)
+    assert codebook is not None and bool((codebook[1:] >= codebook[:-1]).all())
+    for heavy in (10, 4000):
+        assert float((codebook.double() - (2 * heavy + 1 - 4096) / 4096).abs().min()) < 1e-7
+    with pytest.raises(ValueError, match="too large"):
+        solve_pinned_codebook([-1, 1], [2**62, 2**62], 3, scale=2)

@@ -85,13 +85,14 @@ def codebook_from_counts(counts: torch.Tensor, solve: OpRunner = codebook_solve_
     value puts its maximum in an end bin). ``solve`` runs the ``gefen::codebook_solve.v2`` op
     (``Kernels.op(CODEBOOK_SOLVE)``: gefen-kernels' C solve, about 10x the numpy reference's
     speed, gives the same codebook bit for bit); the reference by default."""
-    total = int(counts.sum())
+    total = sum(counts.tolist())  # Python ints: an int64 sum wraps past 2^63 and slipped through
     # a refresh counts zero gradients too: from zeros alone it would learn {-1, ~0, +1} and
     # requantise every live momentum into three levels
     if total == 0 or int(counts[HISTOGRAM_BINS // 2]) == total:
         return None
     codebook: torch.Tensor = solve(_in_exact_range(counts, total)).to(torch.float32)
-    # Adjacent interior centres are at least one bin apart, so this always holds.
+    # Free centres are at least one bin apart, and 0 shares its bucket with at most the centre
+    # of bin 2048 (the centres of one side's points lie on that side), so this always holds.
     assert bucket_occupancy_ok(codebook), "a learned codebook broke the lookup precondition"
     return codebook
 

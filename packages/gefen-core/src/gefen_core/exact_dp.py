@@ -108,7 +108,7 @@ class _Sums:
         self.n = int(positions.size)
         self.scale = scale
         zero = np.zeros(1, dtype=np.int64)
-        total = int(weights.sum())
+        total = sum(weights.tolist())  # Python ints: an int64 sum wraps past 2^63
         largest = max(abs(int(positions[0])), abs(int(positions[-1])), scale)
         if total * largest * largest >= 2**62:
             raise ValueError("solve_pinned_codebook: total weight is too large for exact int64 sums")
