@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,9 +100,39 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(model: torch.nn.Module, optimizer: Int8MomentumSGD, path: str, **writer: Any) -> None:
+class FaultingSavePlanner(GefenSavePlanner):
+    """A ``GefenSavePlanner`` that injects a fault through the planner, the writer's public
+    seam: the writer resolves each item's data through it just before writing the item, so
+    ``fault(written)`` runs with the number of items this save has written so far (from the
+    second item on)."""
+
+    def __init__(self, fault: Callable[[int], None]) -> None:
+        super().__init__()
+        self._fault = fault
+        self._resolved = 0
+        self._count = threading.Lock()
+
+    def resolve_data(self, write_item: Any) -> Any:
+        with self._count:
+            written = self._resolved
+            self._resolved += 1
+        if written:
+            self._fault(written)
+        return super().resolve_data(write_item)
+
+
+def save(
+    model: torch.nn.Module,
+    optimizer: Int8MomentumSGD,
+    path: str,
+    fault: Callable[[int], None] | None = None,
+    **writer: Any,
+) -> None:
+    """``dcp.save`` of the model and ``GefenDCPState`` (``writer``: the writer's options;
+    ``fault`` as :class:`FaultingSavePlanner`'s)."""
     state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
-    dcp.save(state, storage_writer=GefenFileSystemWriter(path, **writer), planner=GefenSavePlanner())
+    planner = GefenSavePlanner() if fault is None else FaultingSavePlanner(fault)
+    dcp.save(state, storage_writer=GefenFileSystemWriter(path, **writer), planner=planner)
 
 
 def load(model: torch.nn.Module, optimizer: Int8MomentumSGD | None, path: str) -> None:
@@ -265,7 +297,7 @@ def save_then_crash(rank: int, world_size: int, path: str) -> dict[str, Any]:
     dist.barrier()
     started = time.monotonic()
     try:
-        save(model, optimizer, path, fault_hook=_kill_self if rank == 1 else None)
+        save(model, optimizer, path, fault=_kill_self if rank == 1 else None)
     except Exception as exc:
         return {"failed": True, "error": type(exc).__name__, "seconds": time.monotonic() - started}
     return {"failed": False}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_fsdp_ranks import batch, build, train
+from dcp_fsdp_ranks import FaultingSavePlanner, batch, build, save, train
 from gefen_contracts import NotSupportedError, StateValidationError
 from gefen_contracts.testing import deep_snapshot, snapshot_diff
 from gefen_contracts.testing.checks.checkpoint import assert_trees_equal
@@ -331,7 +331,7 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(
     expected = {k: v.clone() for k, v in _momenta(optimizer).items()}
     train(model, optimizer, 3, 2)
     with pytest.raises(CheckpointException):
-        _save(model, optimizer, tmp_path, fault_hook=_fail_after_first_item)
+        save(model, optimizer, str(tmp_path), fault=_fail_after_first_item)
     assert first_files <= set(os.listdir(tmp_path))  # the old files were never touched
     restored_model, restored = build(1)
     _load(restored_model, restored, tmp_path)
@@ -398,12 +398,11 @@ def test_a_reused_writer_names_each_save_afresh(
     expected = _momenta(optimizer)
     expected_params = {k: v.detach().clone() for k, v in model.named_parameters()}
     train(model, optimizer, 3, 2)
-    writer.fault_hook = _fail_after_first_item
     with pytest.raises(CheckpointException):
         dcp.save(
             {"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
             storage_writer=writer,
-            planner=GefenSavePlanner(),
+            planner=FaultingSavePlanner(_fail_after_first_item),
         )
     restored_model, restored = build(1)
     _load(restored_model, restored, tmp_path)
@@ -426,9 +425,7 @@ def test_two_saves_in_flight_into_one_directory_leave_the_last_commit_whole(
             assert gate.wait(60)
 
     state = {"model": model.state_dict(), "optim": GefenDCPState(optimizer)}
-    future = dcp.async_save(
-        state, storage_writer=GefenFileSystemWriter(tmp_path, fault_hook=hold), planner=GefenSavePlanner()
-    )
+    future = dcp.async_save(state, storage_writer=GefenFileSystemWriter(tmp_path), planner=FaultingSavePlanner(hold))
     try:
         assert reached.wait(60)
         expected = _momenta(optimizer)  # the async save holds the state at its call
@@ -471,10 +468,10 @@ def test_a_writer_pickles_while_it_holds_its_save_lock(
     open, which a copy must not carry (nor could copy: an open file does not pickle)."""
     model, optimizer = trained
     copies: list[GefenFileSystemWriter] = []
-    writer = GefenFileSystemWriter(tmp_path, fault_hook=lambda written: copies.append(copy.deepcopy(writer)))
+    writer = GefenFileSystemWriter(tmp_path)
     dcp.save(
         {"model": model.state_dict(), "optim": GefenDCPState(optimizer)},
         storage_writer=writer,
-        planner=GefenSavePlanner(),
+        planner=FaultingSavePlanner(lambda written: copies.append(copy.deepcopy(writer))),
     )
     assert copies and all(copy_._lock is None and copy_.path == writer.path for copy_ in copies)

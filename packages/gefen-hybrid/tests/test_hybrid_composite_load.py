@@ -56,12 +56,21 @@ def test_every_corruption_class_on_either_half_leaves_both_children_unchanged() 
 
 Edit = Callable[[dict[str, Any]], None]
 
+
+def _single_optimizer(state: dict[str, Any]) -> None:
+    """The state dict reduced to a single optimizer's shape (Gefen's: no composite record)."""
+    for key in ("format", "format_version", "child_implementations", "routing"):
+        state.pop(key)
+    state["gefen_codebook"] = None
+
+
 ENVELOPE_CORRUPTIONS: list[tuple[str, Edit, str]] = [
     ("nested_v1", lambda sd: sd.update({"muon": {}, "backup": {}}), "version 1"),
     ("missing_groups", lambda sd: sd["param_groups"].pop(), "param groups, this composite has"),
     ("missing_key", lambda sd: sd.pop("routing"), "lacks the others"),
     ("no_state", lambda sd: sd.pop("state"), r"lacks \['state'\]"),
-    ("extra_key", lambda sd: sd.__setitem__("extra", 1), "unknown top-level key 'extra'"),
+    ("extra_key", lambda sd: sd.__setitem__("extra", 1), "unknown top-level key 'extra'$"),
+    ("single_optimizer", _single_optimizer, "'gefen_codebook'; with no composite record, this is not a composite's"),
     ("other_role_record", lambda sd: sd.__setitem__("critic.step", 1), "unknown top-level key 'critic.step'"),
     ("stray_state", lambda sd: sd["state"].__setitem__(999, {}), "names no parameter"),
     (

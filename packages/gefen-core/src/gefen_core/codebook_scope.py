@@ -4,7 +4,7 @@ With a :class:`~gefen_contracts.torch_support.CodebookProcessGroupBinding` insta
 ``post_sharding(..., scope=binding)``, every member of the scope learns the same codebook
 from one histogram in which each logical parameter counts once, and every operation that
 could branch on local state is agreed first. This module holds what ``Gefen`` and
-``GefenMuon`` share: the phase names, the named test hooks, the operation header and the
+``GefenMuon`` share: the phase names, the operation header and the
 small collectives that carry a failure flag. :mod:`gefen_core.scoped_learning` learns over
 the scope and :mod:`gefen_core.scoped_step` drives ``step()``, ``initialize_collective_state()``
 and ``refresh_collective_state()``.

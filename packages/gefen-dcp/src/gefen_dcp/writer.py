@@ -39,7 +39,7 @@ import pickle
 import re
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -66,10 +66,6 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - no advisory locks (Windows): every stale save counts as finished
     fcntl = None  # type: ignore[assignment]
-
-#: Called after each item is written with the number of items this rank has written so far
-#: (a fault-injection seam for tests).
-FaultHook = Callable[[int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +148,6 @@ class GefenFileSystemWriter(FileSystemWriter):
 
     ``path`` is the checkpoint directory; ``single_file_per_rank``, ``sync_files``,
     ``thread_count`` and ``overwrite`` mean what they mean for ``FileSystemWriter``.
-    ``fault_hook`` (tests only) runs after every item written.
     """
 
     def __init__(
@@ -163,7 +158,6 @@ class GefenFileSystemWriter(FileSystemWriter):
         sync_files: bool = True,
         thread_count: int = 1,
         overwrite: bool = True,
-        fault_hook: FaultHook | None = None,
     ) -> None:
         if type(thread_count) is not int or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
@@ -176,7 +170,6 @@ class GefenFileSystemWriter(FileSystemWriter):
             cache_staged_state_dict=False,
             overwrite=overwrite,
         )
-        self.fault_hook = fault_hook
         self._token = ""  # this save's file-name token (the coordinator's, from its global plan)
         self._lock: BinaryIO | None = None  # the open file holding this save's lock (coordinator)
 
@@ -223,7 +216,6 @@ class GefenFileSystemWriter(FileSystemWriter):
         results: list[WriteResult] = []
         errors: list[BaseException] = []
         lock = threading.Lock()
-        counter = [0]
         work = list(zip(names, files))
 
         def run() -> None:
@@ -233,7 +225,7 @@ class GefenFileSystemWriter(FileSystemWriter):
                         return
                     name, bucket = work.pop(0)
                 try:
-                    written = self._write_file(name, bucket, planner, lock, counter)
+                    written = self._write_file(name, bucket, planner)
                 except BaseException as exc:
                     with lock:
                         errors.append(exc)
@@ -251,7 +243,7 @@ class GefenFileSystemWriter(FileSystemWriter):
             if errors:
                 raise errors[0]
             if last:
-                results.extend(self._write_file(names[-1], last, planner, lock, counter))
+                results.extend(self._write_file(names[-1], last, planner))
         except BaseException:
             self._release_lock()  # this save will not commit: a later one may remove its files
             raise
@@ -259,9 +251,7 @@ class GefenFileSystemWriter(FileSystemWriter):
         future.set_result(results)
         return future
 
-    def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock, counter: list[int]
-    ) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         path = Path(self.path) / name
         results = []
         with open(path, "wb") as stream:
@@ -287,11 +277,6 @@ class GefenFileSystemWriter(FileSystemWriter):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
                 )
-                if self.fault_hook is not None:
-                    with lock:
-                        counter[0] += 1
-                        written = counter[0]
-                    self.fault_hook(written)
             if self.sync_files:
                 stream.flush()
                 os.fsync(stream.fileno())

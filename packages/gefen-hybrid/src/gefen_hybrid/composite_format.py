@@ -121,7 +121,9 @@ def children_of_state_dict(
     for key in sorted(map(str, keys - {*_TORCH_KEYS, *TOP_LEVEL_KEYS})):
         role = key.split(".", 1)[0]
         if "." not in key or role not in ROLES:
-            _fail(f"unknown top-level key {key!r}")
+            # (a single optimizer's state dict, say Gefen's with its 'gefen_codebook', has no record)
+            hint = "" if present else "; with no composite record, this is not a composite's state_dict()"
+            _fail(f"unknown top-level key {key!r}{hint}")
         if role not in implementations:
             _fail(f"the checkpoint carries a {role!r} record ({key!r}), but this composite has no {role!r} child")
     groups = state_dict["param_groups"]
