@@ -156,12 +156,11 @@ def _solve_fake(counts: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class OpSpec:
-    """One op: its qualified name, schema (after the name), a one-line promise, and its
-    reference and fake implementations."""
+    """One op: its qualified name, schema (after the name), and its reference and fake
+    implementations (the module docstring says what each op does)."""
 
     name: str
     schema: str
-    summary: str
     reference: Callable[..., Any]
     fake: Callable[..., Any]
 
@@ -174,7 +173,6 @@ OPS: dict[str, OpSpec] = {
             BLOCK_STEP,
             "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] indices, Tensor(c!)[] magnitudes, "
             f"Tensor(d!)[] vmeans, Tensor codebook, Tensor scalars, Tensor? sr_seeds, *, {_STEP_FLAGS}) -> ()",
-            "block-path second moment, momentum requantisation and write, per parameter of the lists",
             block_step_reference,
             _none,
         ),
@@ -182,14 +180,12 @@ OPS: dict[str, OpSpec] = {
             ELEMENT_STEP,
             "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] indices, Tensor(c!)[] magnitudes, "
             f"Tensor(d!)[] vs, Tensor codebook, Tensor scalars, Tensor? sr_seeds, *, {_STEP_FLAGS}) -> ()",
-            "element-path second moment, momentum requantisation and write, per parameter of the lists",
             element_step_reference,
             _none,
         ),
         OpSpec(
             FACTORED_STATS,
             "(Tensor[] grads, *, bool deterministic) -> (Tensor, Tensor)",
-            "float64 row and column sums of g^2, per gradient of the list (concatenated)",
             factored_stats_reference,
             _stats_fake,
         ),
@@ -197,7 +193,6 @@ OPS: dict[str, OpSpec] = {
             FACTORED_MOMENTS,
             "(Tensor[] grads, Tensor(a!)[] v_rows, Tensor(b!)[] v_cols, Tensor scalars, *, bool deterministic) "
             "-> Tensor",
-            "factored statistics and v_row/v_col update in one call, per gradient of the list",
             factored_moments_reference,
             _moments_fake,
         ),
@@ -206,21 +201,18 @@ OPS: dict[str, OpSpec] = {
             "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] indices, Tensor(c!)[] magnitudes, "
             "Tensor[] row_factors, Tensor[] v_cols, Tensor codebook, Tensor scalars, Tensor? sr_seeds, *, "
             f"{_STEP_FLAGS}) -> ()",
-            "factored-path momentum requantisation and write, per parameter of the lists",
             factored_step_reference,
             _none,
         ),
         OpSpec(
             HISTOGRAM,
             "(Tensor[] grads, int[] periods, Tensor(a!) counts, *, bool deterministic) -> ()",
-            "block-normalised gradient histogram, 4096 bins, summed over the gradients of the list",
             histogram_reference,
             _none,
         ),
         OpSpec(
             STOCHASTIC_UNIFORM,
             "(Tensor seed, Tensor index) -> Tensor",
-            "SplitMix64 counter-based uniforms",
             stochastic_uniform_reference,
             _uniform_fake,
         ),
@@ -228,14 +220,12 @@ OPS: dict[str, OpSpec] = {
             MUON_MOMENTUM,
             "(Tensor[] grads, Tensor(a!)[] indices, Tensor(b!)[] magnitudes, Tensor codebook, Tensor scalars, "
             "Tensor? sr_seeds, Tensor(c!)[] outs, *, bool nesterov, bool deterministic) -> ()",
-            "GefenMuon momentum requantisation and Newton-Schulz input, per matrix of the lists",
             muon_momentum_reference,
             _none,
         ),
         OpSpec(
             CODEBOOK_SOLVE,
             "(Tensor counts) -> Tensor",
-            "the exact pinned k-means codebook (float64, 256 entries) of a 4096-bin CPU histogram",
             codebook_solve_reference,
             _solve_fake,
         ),
