@@ -15,7 +15,7 @@ block trained moved from the first step), and a tiny momentum could round to the
 codeword of the other sign and move its parameter uphill at every step. With zero a codeword,
 a momentum rounds to zero or to a codeword of its own sign, under either rounding.
 
-* Fewer nonzero points than free codewords: every point gets its own codeword (cost 0); the
+* No more nonzero points than free codewords: every point gets its own codeword (cost 0); the
   codewords left over are spread evenly over the odd positions (the histogram's bin centres)
   that no point holds, then ``+1`` ends it. The reference padded with its smallest centre
   overwritten by -1; padding with ``+1`` (this package's first rule) kept every centre but left
@@ -235,8 +235,6 @@ class _Side:
     """One side of zero: its best cost with ``k`` interior codewords (``costs[k]``), where
     that optimum's last segment ends (``ends[k]``) and every layer's split points."""
 
-    lo: int
-    hi: int
     costs: list[float]
     ends: list[int]
     layers: list[IntArray]
@@ -258,7 +256,7 @@ def _side(sums: _Sums, lo: int, hi: int, left: int, right: int, most: int, *, br
     all_ends = np.arange(lo, hi + 1, dtype=np.int64)
     previous = np.full(sums.n + 1, np.inf, dtype=np.float64)
     previous[lo : hi + 1] = sums.pinned(np.full_like(all_ends, lo), all_ends, left)
-    side = _Side(lo, hi, [], [], [])
+    side = _Side([], [], [])
     for k in range(min(most, hi - lo) + 1):
         if k:
             previous, argmin = _layer(sums, previous, k, lo, hi, bruteforce=bruteforce)
