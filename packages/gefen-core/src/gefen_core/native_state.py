@@ -10,6 +10,7 @@ or of the caller's dict is touched; the optimizer publishes the result by swaps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +85,8 @@ def export_state_dict(
             if live:
                 live = dict(live)
                 # a parameter resized after its first step: the step's own refusal, naming it
-                where = place(group_index, position, names[position] if names else None)
-                check_state(live, local_tensor(param), where.__str__)
+                where = functools.partial(place, group_index, position, names[position] if names else None)
+                check_state(live, local_tensor(param), where)  # (the place is formatted only for an error)
                 entries[pid] = {key: counter_value(live[key]) for key in COUNTER_KEYS if key in live}
                 entries[pid].update(export_tensors(param, live, str(state_variant(live))))
             pid += 1

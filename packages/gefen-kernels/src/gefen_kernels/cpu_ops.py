@@ -461,11 +461,12 @@ def codebook_solve(counts: torch.Tensor) -> torch.Tensor:
     _check(arguments.check_codebook_solve(counts))
     out = torch.empty(CODEBOOK_SIZE, dtype=torch.float64)
     status = _function("gefen_codebook_solve")(counts.data_ptr(), counts.numel(), CODEBOOK_SIZE, out.data_ptr())
-    if status in (1, 2, 3):
-        raise arguments.KernelArgumentError(f"gefen::codebook_solve.v2: {_SOLVE_ERRORS[status]}")
     if status == 4:
         raise MemoryError("gefen::codebook_solve.v2: out of memory")
-    _checked("gefen_codebook_solve", status)
+    if status:
+        raise arguments.KernelArgumentError(
+            f"gefen::codebook_solve.v2: {_SOLVE_ERRORS.get(status, f'status {status}')}"
+        )
     return out
 
 

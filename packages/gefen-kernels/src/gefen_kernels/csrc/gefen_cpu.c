@@ -1712,20 +1712,18 @@ static int64_t solve_side(SolveLayer* s, int64_t n, int64_t lo, int64_t hi, doub
     return layers;
 }
 
-/* The k interior centres of a side's optimum into out[0..k) (ascending); returns where its
- * left-pinned prefix ends. */
-static int64_t side_centres(const SolveLayer* s, int64_t n, const int64_t* ends, const int32_t* choices, int64_t k,
-                            double bins, double* out) {
+/* The k interior centres of a side's optimum into out[0..k) (ascending). */
+static void side_centres(const SolveLayer* s, int64_t n, const int64_t* ends, const int32_t* choices, int64_t k,
+                         double bins, double* out) {
     int64_t end = ends[k];
     for (int64_t layer = k; layer >= 1; layer--) {
         int64_t start = choices[(layer - 1) * (n + 1) + end];
         out[layer - 1] = ((double)(s->x[end] - s->x[start]) / (double)(s->w[end] - s->w[start])) / bins;
         end = start;
     }
-    return end;
 }
 
-/* Fewer nonzero points than free codewords (exact_dp._few_points): every point its own
+/* No more nonzero points than free codewords (exact_dp._few_points): every point its own
  * codeword, 0 and the rest spread over the grid positions no point holds (segment middles),
  * then +1. out[0] is already -1. 0 on success, 4 out of memory. */
 static int few_points(const int64_t* y, int64_t n, int64_t bins, int64_t clusters, double* out) {
