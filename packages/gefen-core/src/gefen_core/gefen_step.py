@@ -332,10 +332,6 @@ def _codebook_on(optimizer: Gefen, device: torch.device) -> torch.Tensor:
     return codebook_on(optimizer._codebook, optimizer._codebook_copies, device)
 
 
-def _signed_gradient(optimizer: Gefen, work: ParamWork) -> torch.Tensor:
-    return work.grad.neg() if optimizer.param_groups[work.group_index]["maximize"] else work.grad
-
-
 def _learn(optimizer: Gefen, items: list[tuple[ParamWork, int]], mesh: Any) -> torch.Tensor | None:
     """The codebook of the items' gradients; with a ``mesh`` (DTensor parameters) the
     histogram is summed over it, so every rank learns the same codebook (a replicated
@@ -343,7 +339,10 @@ def _learn(optimizer: Gefen, items: list[tuple[ParamWork, int]], mesh: Any) -> t
     if mesh is not None:
         items = [(w, p) for w, p in items if counted_once_per_mesh(w.param)]
     counts = gradient_histogram(
-        ((_signed_gradient(optimizer, w), period) for w, period in items),
+        (
+            (w.grad.neg() if optimizer.param_groups[w.group_index]["maximize"] else w.grad, period)
+            for w, period in items
+        ),
         optimizer._dispatch.op(HISTOGRAM),
         deterministic=optimizer._deterministic,
     )

@@ -67,13 +67,9 @@ LOCAL, EXACT, APPROX, DISTRIBUTED = "local", "exact", "approx", "distributed"
 _PHASE_PREFIX = "GefenMuon "
 
 
-def _mesh_size(param: Any) -> int:
-    return int(param.device_mesh.size())
-
-
 def execution_mode(param: torch.Tensor, sharded_mode: str) -> str:
     """``"local"``, or the group's mode for a row-sharded DTensor on a mesh of two or more."""
-    if not is_row_sharded(param) or _mesh_size(param) < 2:
+    if not is_row_sharded(param) or int(param.device_mesh.size()) < 2:  # type: ignore[attr-defined]
         return LOCAL
     return sharded_mode
 

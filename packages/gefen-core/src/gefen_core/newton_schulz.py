@@ -129,18 +129,14 @@ def resolve_schedule(
             return NS_SCHEDULES[ns_schedule]
         return _as_schedule(normalize_coefficients(ns_schedule, "ns_schedule"))
     coefficients = normalize_coefficients(ns_coefficients)
-    if _is_schedule(coefficients):
-        return _as_schedule(coefficients)
+    if isinstance(coefficients[0], tuple):  # a schedule already
+        return coefficients
     if type(ns_steps) is not int:
         raise ScheduleError(f"ns_steps must be an int, got {type(ns_steps).__name__}")
     if not 1 <= ns_steps < MAX_NS_STEPS:
         why = " (0 steps would skip the orthogonalisation)" if ns_steps == 0 else ""
         raise ScheduleError(f"ns_steps must be in [1, {MAX_NS_STEPS}), got {ns_steps}{why}")
     return _as_schedule(coefficients) * ns_steps
-
-
-def _is_schedule(value: Coefficients | Schedule) -> bool:
-    return isinstance(value[0], tuple)
 
 
 def _as_schedule(value: Coefficients | Schedule) -> Schedule:

@@ -140,10 +140,6 @@ def _entry_checks(host: ScopedHost, identity: IdentityRecord | None, where: str)
         identity.scope.validate_runtime()
 
 
-def _fqns(identity: IdentityRecord | None, items: Sequence[LearnItem]) -> tuple[str, ...]:
-    return identity.fqns if identity is not None else tuple(item.fqn for item in items)
-
-
 def _learn(
     host: ScopedHost,
     identity: IdentityRecord | None,
@@ -158,7 +154,7 @@ def _learn(
     binding = None if identity is None else identity.scope
     return learn_over_scope(
         binding,
-        _fqns(identity, items),
+        identity.fqns if identity is not None else tuple(item.fqn for item in items),
         items,
         decide_starts=decide_starts,
         learn_codebook=learn_codebook,
