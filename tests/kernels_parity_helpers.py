@@ -47,6 +47,14 @@ def learned_codebook(grad: torch.Tensor, period: int) -> torch.Tensor:
     return codebook.to(grad.device)
 
 
+def with_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A random gradient with every fifth element exactly zero: nearest rounding settles some of
+    those elements (``gefen_core.reference_ops.requantized_momentum``), a branch of every kernel."""
+    grad = torch.randn(shape, dtype=dtype, device=device)
+    grad.view(-1)[::5] = 0
+    return grad
+
+
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     """Largest distance in units in the last place between equal-shaped float tensors."""
     if a.numel() == 0:
@@ -292,7 +300,7 @@ def compare_muon_momentum(
     sr_seed: torch.Tensor | None,
     exact: bool = False,
 ) -> None:
-    """``gefen::muon_momentum.v2`` (one entry) against the reference, two steps from the reference's state
+    """``gefen::muon_momentum.v3`` (one entry) against the reference, two steps from the reference's state
     (``exact``: bit for bit)."""
     from gefen_core.muon_reference_ops import muon_momentum_reference
 
@@ -375,7 +383,7 @@ def compare_list_steps(
     codebook = shared_codebook().to(device)
     states = [random_state(shape, period, dtype, device, factored=True) for shape, period, dtype in entries]
     blocks = [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in entries]
-    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in entries]
+    grads = [with_zeros(shape, dtype, device) for shape, _, dtype in entries]
     rows = [scalars(device, step=index + 1, weight_decay=0.1, factored=True) for index in range(len(grads))]
     sc = torch.stack(rows)
     seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32) if stochastic else None
@@ -409,7 +417,7 @@ def compare_list_steps(
         _assert_exact(ref, mine)
         _assert_states(before, ref, mine)
     blocks += [random_state(shape, period, dtype, device, factored=False) for shape, period, dtype in ragged]
-    grads += [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in ragged]
+    grads += [with_zeros(shape, dtype, device) for shape, _, dtype in ragged]
     if seeds is not None:
         seeds = torch.arange(len(grads), dtype=torch.int64, device=device) + (9 << 32)
     mine_blocks = [s.clone() for s in blocks]
@@ -433,7 +441,7 @@ def compare_list_steps(
 
 
 def compare_muon_list(op: StepOp, device: str, entries: list[Any] | None = None) -> None:
-    """One ``gefen::muon_momentum.v2`` call over matrices of mixed dtypes and sizes (default: an
+    """One ``gefen::muon_momentum.v3`` call over matrices of mixed dtypes and sizes (default: an
     empty one, small ones spread over threads, a large one split; five entries), per-entry
     momentum rows and seeds, bf16 and fp32 outputs: every entry bit for bit as the reference's."""
     from gefen_core.muon_reference_ops import muon_momentum_reference
@@ -442,7 +450,7 @@ def compare_muon_list(op: StepOp, device: str, entries: list[Any] | None = None)
     shapes += [((256, 160), 160, torch.float16), ((5, 7), 35, torch.float64)]
     shapes = shapes if entries is None else entries
     codebook = shared_codebook().to(device)
-    grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in shapes]
+    grads = [with_zeros(shape, dtype, device) for shape, _, dtype in shapes]
     codes = [
         torch.randint(0, 256, (g.numel() // p if p else 0, p), dtype=torch.uint8, device=device)
         for g, (_, p, _) in zip(grads, shapes)
@@ -481,7 +489,7 @@ ELEMENT_ENTRIES = [
 def compare_element_steps(
     op: StepOp, device: str, *, stochastic: bool, maximize: bool, entries: list[Any] | None = None
 ) -> None:
-    """Two calls of ``gefen::element_step.v1`` over ``entries`` (default :data:`ELEMENT_ENTRIES`)
+    """Two calls of ``gefen::element_step.v2`` over ``entries`` (default :data:`ELEMENT_ENTRIES`)
     in one list, per-entry scalar rows (counters that differ) and seeds, against the reference:
     codes, block scales, ``v`` and parameters bit for bit (no reduction order to differ in)."""
     entries = ELEMENT_ENTRIES if entries is None else entries
@@ -495,7 +503,7 @@ def compare_element_steps(
     seeds = torch.arange(len(states), dtype=torch.int64, device=device) + (5 << 32) if stochastic else None
     flags = _flags(0.1, maximize)
     for step in (1, 2):
-        grads = [torch.randn(shape, dtype=dtype, device=device) for shape, _, dtype in entries]
+        grads = [with_zeros(shape, dtype, device) for shape, _, dtype in entries]
         rows = [scalars(device, step=step + index, weight_decay=0.1, factored=True) for index in range(len(states))]
         sc = torch.stack(rows)
         for states_, run in ((states, element_step_reference), (mine, op)):

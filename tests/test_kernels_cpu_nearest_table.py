@@ -62,11 +62,12 @@ def _kernel_codes(codebook: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The kernel's nearest codes of ``z``: one block per value with scale 1 and EMA weight 0.
 
     GefenMuon's momentum op with ``beta = 0`` stores ``u = g``; each block holds ``[1, z]``, so
-    its scale is 1 and the quantiser sees ``z`` exactly.
+    its scale is 1 and the quantiser sees ``z`` exactly. The old momentum (code 255, scale
+    1e30) is larger than any new one, so the settling of a zero gradient's code never applies.
     """
     grad = torch.stack([torch.ones_like(z), z], dim=1).contiguous()
-    indices = torch.zeros(z.numel(), 2, dtype=torch.uint8)
-    magnitude = torch.zeros(z.numel(), 1)
+    indices = torch.full((z.numel(), 2), 255, dtype=torch.uint8)
+    magnitude = torch.full((z.numel(), 1), 1e30)
     out = torch.empty_like(grad)
     packet = step_scalars.muon_scalars(torch.device("cpu"), 0.0)
     cpu_ops.muon_momentum(

@@ -205,7 +205,7 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
     codebook = torch.linspace(-1, 1, 256)
     scalars = torch.zeros(9)
     flags = {"apply_decay": False, "maximize": False, "deterministic": False}
-    block_step = torch.ops.gefen.block_step.v3
+    block_step = torch.ops.gefen.block_step.v4
     block_step([param], [param.clone()], [indices], [block], [block.clone()], codebook, scalars, None, **flags)
     with pytest.raises(KernelArgumentError, match=r"entry 0: indices must be torch\.uint8"):
         block_step(
@@ -235,12 +235,12 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
     # zero scale for every "block" of an empty parameter
     empty2d, no_period = torch.zeros(0, 4), torch.zeros(5, 0, dtype=torch.uint8)
     with pytest.raises(KernelArgumentError, match=r"period >= 1"):
-        torch.ops.gefen.element_step.v1(
+        torch.ops.gefen.element_step.v2(
             [empty2d], [empty2d.clone()], [no_period], [torch.ones(5, 1)], [empty2d.clone()], codebook, scalars, None,
             **flags,
         )  # fmt: skip
     with pytest.raises(KernelArgumentError, match=r"period >= 1"):
-        torch.ops.gefen.muon_momentum.v2(
+        torch.ops.gefen.muon_momentum.v3(
             [empty2d], [no_period], [torch.ones(5)], codebook, torch.tensor([0.9, 0.1]), None, [torch.empty(0, 4)],
             nesterov=False, deterministic=True,
         )  # fmt: skip
@@ -253,7 +253,7 @@ def test_the_registered_cpu_kernel_refuses_malformed_arguments_by_name() -> None
         block_step(
             [param], [param.clone()], [indices], [block], [block.clone()], codebook, torch.zeros(2, 9), None, **flags
         )
-    element_step = torch.ops.gefen.element_step.v1
+    element_step = torch.ops.gefen.element_step.v2
     v = torch.zeros(12)
     element_step([param], [param.clone()], [indices], [block], [v], codebook, scalars, None, **flags)
     with pytest.raises(KernelArgumentError, match=r"entry 0: v must have the parameter's shape \(12,\)"):

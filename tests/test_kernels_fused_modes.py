@@ -188,27 +188,27 @@ def test_fused_none_runs_the_kernels_and_matches_the_reference(stochastic_round:
     with counting_kernels() as calls:
         fused = _train(None, stochastic_round=stochastic_round)
     assert set(calls) == {
-        "gefen::block_step.v3",
-        "gefen::element_step.v1",
+        "gefen::block_step.v4",
+        "gefen::element_step.v2",
         "gefen::factored_moments.v3",  # unsharded factored parameters: statistics and update in one call
-        "gefen::factored_step.v4",
+        "gefen::factored_step.v5",
         "gefen::histogram.v2",
         "gefen::codebook_solve.v2",  # the first step's codebook
     }
     assert calls["gefen::codebook_solve.v2"] == 1
     # one call per phase for the group's factored matrices (matrix, bf16), one for its narrow
     # one (transposed, Adam's v) and one for its block-path tensors (norm, conv), whatever their number
-    assert calls["gefen::factored_step.v4"] == STEPS
-    assert calls["gefen::element_step.v1"] == STEPS
+    assert calls["gefen::factored_step.v5"] == STEPS
+    assert calls["gefen::element_step.v2"] == STEPS
     assert calls["gefen::factored_moments.v3"] == STEPS
-    assert calls["gefen::block_step.v3"] == STEPS
+    assert calls["gefen::block_step.v4"] == STEPS
     _assert_same_training(_train(False, stochastic_round=stochastic_round), fused)
 
 
 def test_fused_true_uses_the_kernels_and_false_never_does() -> None:
     with counting_kernels() as calls:
         fused = _train(True, factored_v_2d=False)
-        assert calls["gefen::block_step.v3"] == STEPS  # all five tensors in one call
+        assert calls["gefen::block_step.v4"] == STEPS  # all five tensors in one call
         calls.clear()
         reference = _train(False, factored_v_2d=False)
         assert not calls
@@ -232,7 +232,7 @@ def test_without_a_compiler_cpu_steps_fall_back_with_one_clear_warning(
         for expected, got in zip(reference[0], fallback[0]):
             assert torch.equal(expected, got)  # the reference path ran
         # fused=True names the real cause, at construction and at a step, and changes nothing
-        with pytest.raises(KernelUnavailableError, match=r"gefen::block_step\.v3.*C compiler"):
+        with pytest.raises(KernelUnavailableError, match=r"gefen::block_step\.v4.*C compiler"):
             Gefen(_params(), fused=True)
         for group in strict.param_groups:
             for p in group["params"]:
@@ -254,9 +254,9 @@ def test_kernels_for_some_ops_only_are_named_in_a_warning(monkeypatch: pytest.Mo
         library = torch.library.Library("gefen", "IMPL")
         library.impl("histogram.v2", cpu_ops.histogram, "CPU")  # as a skewed kernel package would
         try:
-            with pytest.warns(PartialKernelsWarning, match=r"not for \[.*gefen::block_step\.v3"):
+            with pytest.warns(PartialKernelsWarning, match=r"not for \[.*gefen::block_step\.v4"):
                 missing = warn_on_partial_kernels()
-            assert "CPU: gefen::block_step.v3" in missing and "CPU: gefen::histogram.v2" not in missing
+            assert "CPU: gefen::block_step.v4" in missing and "CPU: gefen::histogram.v2" not in missing
         finally:
             library._destroy()
 

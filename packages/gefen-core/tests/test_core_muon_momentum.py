@@ -1,4 +1,4 @@
-"""``gefen::muon_momentum.v2``: the reference op against its documented arithmetic."""
+"""``gefen::muon_momentum.v3``: the reference op against its documented arithmetic."""
 
 from __future__ import annotations
 
@@ -130,4 +130,4 @@ def test_stochastic_rounding_is_reproducible_and_unbiased() -> None:
 
 def test_the_op_is_named_and_signed() -> None:
     spec = OPS[MUON_MOMENTUM]
-    assert MUON_MOMENTUM == "gefen::muon_momentum.v2" and spec.reference is muon_momentum_reference
+    assert MUON_MOMENTUM == "gefen::muon_momentum.v3" and spec.reference is muon_momentum_reference

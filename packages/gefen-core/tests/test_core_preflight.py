@@ -122,10 +122,10 @@ def test_fused_none_runs_the_kernels_registered_for_the_device() -> None:
         reference = _run(False)
     assert all(torch.equal(a, b) for a, b in zip(with_kernels, reference))
     assert calls == {
-        "gefen::block_step.v3": 3,
-        "gefen::element_step.v1": 3,
+        "gefen::block_step.v4": 3,
+        "gefen::element_step.v2": 3,
         "gefen::factored_moments.v3": 3,
-        "gefen::factored_step.v4": 3,
+        "gefen::factored_step.v5": 3,
         "gefen::histogram.v2": 1,  # one for the first step's parameters
         "gefen::codebook_solve.v2": 1,  # and its codebook
     }
@@ -136,14 +136,14 @@ def test_fused_false_never_calls_a_registered_kernel_and_true_calls_only_them() 
         _run(False)
         assert calls == {}
         _run(True)
-        assert calls["gefen::block_step.v3"] == 3 and calls["gefen::factored_step.v4"] == 3
-        assert calls["gefen::element_step.v1"] == 3
+        assert calls["gefen::block_step.v4"] == 3 and calls["gefen::factored_step.v5"] == 3
+        assert calls["gefen::element_step.v2"] == 3
     with counting_kernels(DISPATCHED_OPS) as calls:  # no stochastic_uniform: never dispatched
         _run(True)
         assert set(calls) == {
-            "gefen::block_step.v3",
-            "gefen::element_step.v1",
+            "gefen::block_step.v4",
+            "gefen::element_step.v2",
             "gefen::factored_moments.v3",
-            "gefen::factored_step.v4",
+            "gefen::factored_step.v5",
             "gefen::histogram.v2",
         }

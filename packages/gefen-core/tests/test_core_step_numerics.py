@@ -349,3 +349,56 @@ def test_with_every_compression_off_gefen_is_laprop_ordered_adamw() -> None:
             theirs[i] = theirs[i] * (1 - lr * wd) - lr * m[i] / (1 - beta1**t)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach().double(), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, None], ids=["reference", "kernel"])
+@pytest.mark.parametrize("shape", [(4096,), (64, 256), (256, 256)], ids=["block", "element", "factored"])
+def test_a_zero_gradient_element_comes_to_rest_while_its_block_trains(
+    shape: tuple[int, ...], fused: bool | None
+) -> None:
+    """Half of each block's elements stop receiving gradient while the other half trains, so the
+    block scale stays. Nearest rounding once kept ``0.9 C[q]`` at ``C[q]`` for such an element
+    (99 % of them still moved 400 steps later); now its momentum decays to zero and its
+    parameter comes to rest, as AdamW's does."""
+    torch.manual_seed(5)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    opt = Gefen([p], lr=1e-2, weight_decay=0.0, fused=fused)
+    dead = torch.zeros(shape, dtype=torch.bool)
+    dead.view(-1)[::2] = True
+    for step in range(200):
+        grad = torch.randn(shape)
+        if step >= 50:
+            grad[dead] = 0
+        _step(opt, [p], [grad])
+    assert bool((_decode(opt, p).view(shape)[dead] == 0).all())
+    before = p.detach().clone()
+    for _ in range(10):
+        grad = torch.randn(shape)
+        grad[dead] = 0
+        _step(opt, [p], [grad])
+    assert torch.equal(p.detach()[dead], before[dead])
+    assert not torch.equal(p.detach()[~dead], before[~dead])
+
+
+@pytest.mark.parametrize("fused", [False, None], ids=["reference", "kernel"])
+def test_gefen_muon_momentum_of_a_dead_column_decays_to_zero(fused: bool | None) -> None:
+    """GefenMuon shares the quantiser: the momentum of a column whose gradient stopped decays to
+    zero while the rest of the matrix trains."""
+    from gefen_core import GefenMuon
+
+    torch.manual_seed(6)
+    p = torch.nn.Parameter(torch.randn(64, 256) * 0.02)
+    opt = GefenMuon([p], lr=1e-2, fused=fused)
+    dead = torch.zeros(64, 256, dtype=torch.bool)
+    dead[:, ::3] = True
+    for step in range(200):
+        grad = torch.randn(64, 256)
+        if step >= 50:
+            grad[dead] = 0
+        p.grad = grad
+        opt.step()
+    state = opt.state[p]
+    codebook = opt.codebook
+    assert codebook is not None
+    momentum = (codebook[state["m_codes"].long()] * state["m_magnitude"]).view(64, 256)
+    assert bool((momentum[dead] == 0).all()) and bool((momentum[~dead] != 0).any())

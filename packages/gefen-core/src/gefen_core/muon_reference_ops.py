@@ -1,7 +1,7 @@
-"""The reference of GefenMuon's op, ``gefen::muon_momentum.v2`` (plain PyTorch, fp32,
+"""The reference of GefenMuon's op, ``gefen::muon_momentum.v3`` (plain PyTorch, fp32,
 chunked in whole blocks as :mod:`gefen_core.reference_ops` is, with its numerics contract).
 
-GefenMuon's momentum (``gefen::muon_momentum.v2``, a list of matrices), per block ``b`` of the matrix's
+GefenMuon's momentum (``gefen::muon_momentum.v3``, a list of matrices), per block ``b`` of the matrix's
 row-major flattening (``B`` and ``OMB`` the ``MUON_BETA`` / ``MUON_ONE_MINUS_BETA`` scalars of
 :func:`gefen_core.step_scalars.muon_scalars`)::
 
@@ -42,7 +42,7 @@ def muon_momentum_tensor(
     deterministic: bool,
 ) -> None:
     """Advance one matrix's quantized momentum and write the NS input (one entry of
-    ``gefen::muon_momentum.v2``).
+    ``gefen::muon_momentum.v3``).
 
     ``grad``: contiguous ``[R, C]`` (fp32, bf16, fp16 or fp64); ``indices``: uint8 ``[B, P]``
     and ``magnitude``: fp32 ``[B, 1]`` with ``B * P == R * C`` (blocks of the row-major
@@ -62,7 +62,7 @@ def muon_momentum_tensor(
         last = min(blocks, first + rows)
         g = g2[first:last].to(torch.float32)
         momentum = requantized_momentum(
-            g, indices[first:last], magnitude[first:last], codebook, beta, one_minus_beta, sr_seed, first * period
+            g, None, indices[first:last], magnitude[first:last], codebook, beta, one_minus_beta, sr_seed, first * period
         )
         if nesterov:
             momentum = momentum * beta + g * one_minus_beta
@@ -81,7 +81,7 @@ def muon_momentum_reference(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::muon_momentum.v2``: :func:`muon_momentum_tensor` of each matrix of the lists
+    """``gefen::muon_momentum.v3``: :func:`muon_momentum_tensor` of each matrix of the lists
     (``scalars``: ``[MUON_NUM_SCALARS]`` shared or one row per entry; one seed per entry)."""
     for index, grad in enumerate(grads):
         muon_momentum_tensor(

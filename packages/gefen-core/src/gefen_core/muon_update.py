@@ -3,7 +3,7 @@
 The same functions serve every path (plain tensors, ``"exact"``, ``"approx"``, the
 ``"distributed"`` owner and batched Newton-Schulz, whose inputs take one momentum call)::
 
-    X = momentum_inputs([G])[0]      # gefen::muon_momentum.v2: EMA on the codes, Nesterov, bf16 NS input
+    X = momentum_inputs([G])[0]      # gefen::muon_momentum.v3: EMA on the codes, Nesterov, bf16 NS input
     O = orthogonalize(X)             # bf16 Newton-Schulz (fp8 where eligible)
     O = finish_update(O, G)          # NorMuon, then cautious, when the group enables them
     apply_update(p, O)               # p <- p * (1 - lr * wd) ; p <- p - lr * rho * O

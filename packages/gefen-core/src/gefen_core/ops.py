@@ -12,10 +12,10 @@ version: a changed signature or changed numerics is a new overload, never an edi
 =================================  ==========================================================
 op                                 schema (after the name; ``*`` starts keyword-only arguments)
 =================================  ==========================================================
-``gefen::block_step.v3``           ``(params![], grads[], indices![], magnitudes![], vmeans![],
+``gefen::block_step.v4``           ``(params![], grads[], indices![], magnitudes![], vmeans![],
                                    codebook, scalars, sr_seeds?, *, apply_decay, maximize,
                                    deterministic)``
-``gefen::element_step.v1``         ``(params![], grads[], indices![], magnitudes![], vs![], codebook,
+``gefen::element_step.v2``         ``(params![], grads[], indices![], magnitudes![], vs![], codebook,
                                    scalars, sr_seeds?, *, apply_decay, maximize, deterministic)``
                                    (Adam's per-element ``v`` of narrow matrices, advanced in
                                    the same pass)
@@ -26,13 +26,13 @@ op                                 schema (after the name; ``*`` starts keyword-
                                    -> row_factors fp32[sum R]`` (the statistics and the
                                    ``v_row``/``v_col`` update in one call; the row factors
                                    of every entry, concatenated)
-``gefen::factored_step.v4``        ``(params![], grads[], indices![], magnitudes![], row_factors[],
+``gefen::factored_step.v5``        ``(params![], grads[], indices![], magnitudes![], row_factors[],
                                    v_cols[], codebook, scalars, sr_seeds?, *, apply_decay,
                                    maximize, deterministic)``
 ``gefen::histogram.v2``            ``(grads[], periods int[], counts!, *, deterministic)`` (adds every
                                    gradient's counts to int64 ``counts``)
 ``gefen::stochastic_uniform.v1``   ``(seed int64[1], index int64[...]) -> fp32[...]``
-``gefen::muon_momentum.v2``        ``(grads[], indices![], magnitudes![], codebook, scalars, sr_seeds?,
+``gefen::muon_momentum.v3``        ``(grads[], indices![], magnitudes![], codebook, scalars, sr_seeds?,
                                    outs![], *, nesterov, deterministic)`` (GefenMuon; writes ``outs``)
 ``gefen::codebook_solve.v2``       ``(counts int64[4096]) -> f64[256]`` (the exact codebook solve of
                                    a CPU histogram, :mod:`gefen_core.exact_dp`; a host op:
@@ -108,14 +108,14 @@ __all__ = [
 ]
 
 NAMESPACE = "gefen"
-BLOCK_STEP = "gefen::block_step.v3"
-ELEMENT_STEP = "gefen::element_step.v1"
+BLOCK_STEP = "gefen::block_step.v4"
+ELEMENT_STEP = "gefen::element_step.v2"
 FACTORED_STATS = "gefen::factored_stats.v2"
 FACTORED_MOMENTS = "gefen::factored_moments.v3"
-FACTORED_STEP = "gefen::factored_step.v4"
+FACTORED_STEP = "gefen::factored_step.v5"
 HISTOGRAM = "gefen::histogram.v2"
 STOCHASTIC_UNIFORM = "gefen::stochastic_uniform.v1"
-MUON_MOMENTUM = "gefen::muon_momentum.v2"
+MUON_MOMENTUM = "gefen::muon_momentum.v3"
 CODEBOOK_SOLVE = "gefen::codebook_solve.v2"
 #: Ops whose inputs live on the host: a kernel package registers them for the CPU only.
 HOST_OPS = frozenset({CODEBOOK_SOLVE})
@@ -241,8 +241,8 @@ MUON_DISPATCHED_OPS = (HISTOGRAM, MUON_MOMENTUM)
 
 
 def reference_name(name: str) -> str:
-    """The reference-only twin of op ``name`` (``gefen::block_step.v3`` ->
-    ``gefen::block_step_reference.v3``): the same schema, reference and fake, for which no kernel
+    """The reference-only twin of op ``name`` (``gefen::block_step.v4`` ->
+    ``gefen::block_step_reference.v4``): the same schema, reference and fake, for which no kernel
     package registers a kernel. ``fused=False`` calls it, so that ``torch.compile`` keeps the
     reference one opaque node too (traced through, inductor rewrote its int64 SplitMix hash
     into wrong numbers, a compile error or a segfault, and kept bf16 intermediates in fp32)."""

@@ -39,6 +39,8 @@ element is rounded at the resolution of its own update; ``gefen::block_step.v1``
     m_i  = fl(C[q_i] * M_b)
     u_i  = fl( fl(m_i * BETA1) + fl(n_i * ONE_MINUS_BETA1) )
     M_b' = max_i |u_i| ;  z_i = fl(u_i / M_b')  (0 when M_b' == 0) ;  q_i' = round(C, z_i)
+    q_i' = q_i' - sign(C[q_i'])    # nearest rounding only, when g_i == 0, C[q_i'] != 0 and
+                                   # |fl(C[q_i'] * M_b')| >= |m_i| (see requantized_momentum)
     d_i  = fl( fl( fl(C[q_i'] * M_b') * INV_BC1 ) * LR )
     p_i  = rp( c(p_i) * DECAY )      # only when weight_decay != 0
     p_i  = rp( c(p_i) - d_i )
@@ -100,6 +102,7 @@ def _chunk_rows(period: int) -> int:
 
 def requantized_momentum(
     grad: torch.Tensor,
+    denominator: torch.Tensor | None,
     indices: torch.Tensor,
     magnitude: torch.Tensor,
     codebook: torch.Tensor,
@@ -110,17 +113,31 @@ def requantized_momentum(
 ) -> torch.Tensor:
     """One momentum EMA step on quantized state, in place; returns the new decoded momentum.
 
-    ``grad`` fp32 ``[rows, P]`` (already negated when maximizing); ``indices`` uint8 and
+    ``grad`` fp32 ``[rows, P]`` (already negated when maximizing), divided by ``denominator``
+    when one is given (Gefen's preconditioning; ``n = fl(g / h)``); ``indices`` uint8 and
     ``magnitude`` fp32 ``[rows, 1]`` are replaced by the requantized EMA
-    ``u = fl(fl(C[q] * M * beta1) + fl(g * (1 - beta1)))``; the return value is
+    ``u = fl(fl(C[q] * M * beta1) + fl(n * (1 - beta1)))``; the return value is
     ``C[q'] * M'`` (fp32), the momentum the update applies. ``first_index`` numbers the
     chunk's first element within its parameter (for stochastic rounding). Optimizers built
     on Gefen's momentum (GefenMuon) reuse this.
+
+    Nearest rounding settles an element whose gradient is zero: when its new code decodes to
+    no less magnitude than its old one (``|C[q'] M'| >= |C[q] M|``, the momentum failed to
+    decay) and is not zero, the code moves one place towards zero. Without this, a block that
+    keeps training (its scale ``M`` steady) rounds ``0.9 C[q]`` back to ``C[q]`` wherever the
+    codewords are further apart than a tenth of ``C[q]``, and the element's parameter moves by
+    the same amount at every step, forever. A block whose gradients are all zero decays through
+    its scale alone (``M' = fl(beta1 M)``, codes kept), so the rule leaves it be. Stochastic
+    rounding decays in expectation and is left as it is.
     """
-    momentum = dequantize(codebook, indices, magnitude) * beta1 + grad * one_minus_beta1
+    old = dequantize(codebook, indices, magnitude)
+    momentum = old * beta1 + (grad if denominator is None else grad / denominator) * one_minus_beta1
     new_magnitude, z = normalize_blocks(momentum)
     if sr_seed is None:
-        codes = nearest_codeword(codebook, z)
+        nearest = nearest_codeword(codebook, z).long()
+        chosen = codebook[nearest]
+        stuck = (grad == 0) & (chosen != 0) & ((chosen * new_magnitude).abs() >= old.abs())
+        codes = torch.where(stuck, nearest - chosen.sign().long(), nearest).to(torch.uint8)
     else:
         codes = stochastic_codeword(codebook, z, sr_seed, first_index)
     indices.copy_(codes)
@@ -143,7 +160,8 @@ def _momentum_write(
     """Momentum EMA of the preconditioned gradient ``grad / denominator``, requantisation and the
     parameter write for one chunk of rows."""
     momentum = requantized_momentum(
-        grad / denominator,
+        grad,
+        denominator,
         indices,
         magnitude,
         codebook,
@@ -177,7 +195,7 @@ def block_step_tensor(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """One full block-path update of one parameter, in place (one tensor of ``gefen::block_step.v3``).
+    """One full block-path update of one parameter, in place (one tensor of ``gefen::block_step.v4``).
 
     ``param``/``grad``: contiguous, same shape and dtype (``n`` elements); ``indices``: uint8
     ``[B, P]`` with ``B = ceil(n / P)`` (a ragged last block holds ``n - (B - 1) P`` elements:
@@ -314,7 +332,7 @@ def factored_step_tensor(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """The factored-path update of one ``R x K`` parameter, in place (one tensor of ``gefen::factored_step.v4``).
+    """The factored-path update of one ``R x K`` parameter, in place (one tensor of ``gefen::factored_step.v5``).
 
     ``param``/``grad``: contiguous ``R x K``; ``indices``/``magnitude``: the momentum in
     blocks of the parameter's period (flattened row-major); ``row_factor``: fp32 ``[R]``
@@ -363,7 +381,7 @@ def element_step_tensor(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """The element-path update of one parameter, in place (one tensor of ``gefen::element_step.v1``).
+    """The element-path update of one parameter, in place (one tensor of ``gefen::element_step.v2``).
 
     ``param``/``grad``: contiguous, of equal shape; ``indices``/``magnitude``: the momentum in
     blocks that tile the parameter (flattened row-major); ``v``: fp32 of the parameter's shape,
@@ -425,7 +443,7 @@ def block_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::block_step.v3``: :func:`block_step_tensor` of each parameter of the lists.
+    """``gefen::block_step.v4``: :func:`block_step_tensor` of each parameter of the lists.
 
     ``scalars`` is shared (``[NUM_SCALARS]``) or per tensor (``[N, NUM_SCALARS]``);
     ``sr_seeds`` is int64 ``[N]`` (one stochastic-rounding seed per tensor) or ``None``.
@@ -473,7 +491,7 @@ def factored_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::factored_step.v4``: :func:`factored_step_tensor` of each parameter of the lists
+    """``gefen::factored_step.v5``: :func:`factored_step_tensor` of each parameter of the lists
     (``scalars`` and ``sr_seeds`` as in :func:`block_step_reference`)."""
     for index, param in enumerate(params):
         factored_step_tensor(
@@ -497,7 +515,7 @@ def element_step_reference(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::element_step.v1``: :func:`element_step_tensor` of each parameter of the lists
+    """``gefen::element_step.v2``: :func:`element_step_tensor` of each parameter of the lists
     (``scalars`` and ``sr_seeds`` as in :func:`block_step_reference`)."""
     for index, param in enumerate(params):
         element_step_tensor(

@@ -22,7 +22,7 @@ index                       value (computed in float64, rounded once to fp32)
 the same expressions with 0-dim float64 tensor ops on the parameter's device (capturable
 steps, no host synchronisation). On CPU both give bit-identical fp32 values (tested).
 
-GefenMuon's momentum op (``gefen::muon_momentum.v2``) receives its own, shorter packet
+GefenMuon's momentum op (``gefen::muon_momentum.v3``) receives its own, shorter packet
 (``float32[MUON_NUM_SCALARS]``), built by :func:`muon_scalars`:
 
 ==========================  =======================================================
@@ -137,5 +137,5 @@ def device_scalars(
 
 
 def muon_scalars(device: torch.device, momentum: float) -> torch.Tensor:
-    """The packet of ``gefen::muon_momentum.v2``: ``[momentum, 1 - momentum]`` as fp32 on ``device``."""
+    """The packet of ``gefen::muon_momentum.v3``: ``[momentum, 1 - momentum]`` as fp32 on ``device``."""
     return on_device([momentum, 1.0 - momentum], torch.float32, device)

@@ -305,9 +305,9 @@ def _factored_entry(param: Any, grad: Any, indices: Any, magnitude: Any, row_fac
 
 #: The step ops' list arguments, by op (each is followed by ``codebook, scalars, sr_seeds``).
 STEP_LISTS = {
-    "gefen::block_step.v3": ("params", "grads", "indices", "magnitudes", "vmeans"),
-    "gefen::element_step.v1": ("params", "grads", "indices", "magnitudes", "vs"),
-    "gefen::factored_step.v4": ("params", "grads", "indices", "magnitudes", "row_factors", "v_cols"),
+    "gefen::block_step.v4": ("params", "grads", "indices", "magnitudes", "vmeans"),
+    "gefen::element_step.v2": ("params", "grads", "indices", "magnitudes", "vs"),
+    "gefen::factored_step.v5": ("params", "grads", "indices", "magnitudes", "row_factors", "v_cols"),
 }
 
 
@@ -339,18 +339,18 @@ def check_step_head(op: str, *args: Any, **kwargs: Any) -> str | None:
 def check_block_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, vmeans, codebook, scalars, sr_seeds, *, apply_decay,
     maximize, deterministic)``: lists of equal length, every entry on one device."""
-    return _step_lists("gefen::block_step.v3", args, kwargs, _block_fast, _block_entry)
+    return _step_lists("gefen::block_step.v4", args, kwargs, _block_fast, _block_entry)
 
 
 def check_element_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, vs, codebook, scalars, sr_seeds, *, flags)``: each
     ``v`` fp32 of its parameter's shape, the codes tiling the parameter."""
-    return _step_lists("gefen::element_step.v1", args, kwargs, _element_fast, _element_entry)
+    return _step_lists("gefen::element_step.v2", args, kwargs, _element_fast, _element_entry)
 
 
 def check_factored_step(*args: Any, **kwargs: Any) -> str | None:
     """``(params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds, *, flags)``."""
-    return _step_lists("gefen::factored_step.v4", args, kwargs, _factored_fast, _factored_entry)
+    return _step_lists("gefen::factored_step.v5", args, kwargs, _factored_fast, _factored_entry)
 
 
 def _stats_entry(grad: Any) -> str | None:
@@ -516,7 +516,7 @@ def _muon_fast(g: Any, q: Any, m: Any, o: Any, device: torch.device) -> bool:
 
 def check_muon_momentum(*args: Any, **kwargs: Any) -> str | None:
     """``(grads, indices, magnitudes, codebook, scalars, sr_seeds, outs, *, nesterov, deterministic)``."""
-    op = "gefen::muon_momentum.v2"
+    op = "gefen::muon_momentum.v3"
     if len(args) != 7:
         return f"{op} takes 7 positional arguments, got {len(args)}"
     grads, indices, magnitudes, codebook, scalars, sr_seeds, outs = args

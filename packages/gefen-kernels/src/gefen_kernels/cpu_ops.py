@@ -235,13 +235,13 @@ def _blocked_step(
     return step
 
 
-#: ``gefen::block_step.v3`` on CPU.
+#: ``gefen::block_step.v4`` on CPU.
 block_step = _blocked_step(
-    "gefen::block_step.v3", "gefen_block_step", per_element=False, check=arguments.check_block_step
+    "gefen::block_step.v4", "gefen_block_step", per_element=False, check=arguments.check_block_step
 )
-#: ``gefen::element_step.v1`` on CPU.
+#: ``gefen::element_step.v2`` on CPU.
 element_step = _blocked_step(
-    "gefen::element_step.v1", "gefen_element_step", per_element=True, check=arguments.check_element_step
+    "gefen::element_step.v2", "gefen_element_step", per_element=True, check=arguments.check_element_step
 )
 
 
@@ -322,10 +322,10 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::factored_step.v4`` on CPU: one C call for every entry."""
+    """``gefen::factored_step.v5`` on CPU: one C call for every entry."""
     args = (params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds)
     flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
-    _check(arguments.check_step_head("gefen::factored_step.v4", *args, **flags))
+    _check(arguments.check_step_head("gefen::factored_step.v5", *args, **flags))
     if not params:
         return
     _on_cpu(params[0])
@@ -500,7 +500,7 @@ def muon_momentum(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::muon_momentum.v2`` on CPU: requantised momentum EMA of every entry, Newton-Schulz
+    """``gefen::muon_momentum.v3`` on CPU: requantised momentum EMA of every entry, Newton-Schulz
     input in its ``out``; one C call for the list."""
     _check(
         arguments.check_muon_momentum(

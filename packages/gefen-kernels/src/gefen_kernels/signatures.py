@@ -22,15 +22,15 @@ __all__ = [
 #: Every op this package implements.
 GEFEN_OPS = frozenset(
     {
-        "gefen::block_step.v3",
+        "gefen::block_step.v4",
         "gefen::codebook_solve.v2",
-        "gefen::element_step.v1",
+        "gefen::element_step.v2",
         "gefen::factored_stats.v2",
         "gefen::factored_moments.v3",
-        "gefen::factored_step.v4",
+        "gefen::factored_step.v5",
         "gefen::histogram.v2",
         "gefen::stochastic_uniform.v1",
-        "gefen::muon_momentum.v2",
+        "gefen::muon_momentum.v3",
     }
 )
 
@@ -53,6 +53,6 @@ SCALAR_INDEX = {
     "EPS": 8,
 }
 NUM_SCALARS = 9
-#: ``gefen::muon_momentum.v2``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
+#: ``gefen::muon_momentum.v3``'s packet (``gefen_core.step_scalars.muon_scalars``): beta, 1 - beta.
 MUON_SCALAR_INDEX = {"MUON_BETA": 0, "MUON_ONE_MINUS_BETA": 1}
 MUON_NUM_SCALARS = 2

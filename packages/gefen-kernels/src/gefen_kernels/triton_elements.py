@@ -51,8 +51,10 @@ def _store_value(ptr, offs, x, mask):
 
 
 @triton.jit
-def _requantize(u, m_new, safe, cb_ptr, mask, flat, seed, STOCHASTIC: tl.constexpr):
-    """New codes and their decoded momentum C[q'] * M' for momentum u of a block with scale m_new."""
+def _requantize(u, g, m, m_new, safe, cb_ptr, mask, flat, seed, STOCHASTIC: tl.constexpr):
+    """New codes and their decoded momentum C[q'] * M' for momentum u of a block with scale m_new
+    (g: the gradient, m: the old momentum C[q] * M; nearest rounding settles a zero-gradient
+    element whose momentum failed to decay, as ``gefen_core.reference_ops.requantized_momentum``)."""
     z = tl.math.div_rn(u, safe)
     k = tl.zeros(z.shape, dtype=tl.int32)
     for shift in tl.static_range(8):
@@ -74,7 +76,12 @@ def _requantize(u, m_new, safe, cb_ptr, mask, flat, seed, STOCHASTIC: tl.constex
     else:
         take_hi = tl.abs(z - clo) > tl.abs(z - chi)
     code = tl.where(take_hi, hi, lo)
-    value = tl.where(take_hi, chi, clo) * m_new
+    c = tl.where(take_hi, chi, clo)
+    value = c * m_new
+    if not STOCHASTIC:
+        stuck = (g == 0.0) & (c != 0.0) & (tl.abs(value) >= tl.abs(m))
+        code = tl.where(stuck, tl.where(c > 0.0, code - 1, code + 1), code)
+        value = tl.where(stuck, tl.load(cb_ptr + code, mask=mask & stuck, other=0.0) * m_new, value)
     return code, value
 
 

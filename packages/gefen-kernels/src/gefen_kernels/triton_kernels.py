@@ -70,8 +70,8 @@ def _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.cons
 def _momentum(
     g_ptr, q_ptr, cb_ptr, offs, mask, m_old, sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN: tl.constexpr
 ):
-    """g (fp32, signed) and u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))), with
-    n = fl(g / h) (Gefen) or g (GefenMuon, ``DEN == NO_DENOMINATOR``)."""
+    """g (fp32, signed), u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))), with
+    n = fl(g / h) (Gefen) or g (GefenMuon, ``DEN == NO_DENOMINATOR``), and the old momentum m = fl(C[q] * M)."""
     g = _load_value(g_ptr, offs, mask).to(tl.float32) * sign
     n = g
     if DEN != NO_DENOMINATOR:
@@ -80,7 +80,7 @@ def _momentum(
     c = tl.load(cb_ptr + q, mask=mask, other=0.0)
     m = c * m_old
     u = m * beta1 + n * omb1
-    return g, u
+    return g, u, m
 
 
 @triton.jit
@@ -142,7 +142,7 @@ def _block_stats(
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        _, u = _momentum(
+        _, u, _ = _momentum(
             g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
         )
         a = tl.where(mask, tl.abs(u), 0.0)
@@ -211,12 +211,12 @@ def _precondition_write(
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g, u = _momentum(
+        g, u, m = _momentum(
             g_ptr, q_ptr, cb_ptr, offs, mask, m_old[:, None], sign, beta1, omb1, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN
         )
         if DEN == ELEMENT_DENOMINATOR:  # after this tile's last read of the stored v
             tl.store(rf_ptr + offs, _advanced_v(g, offs, mask, rf_ptr, vc_ptr), mask=mask)
-        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        code, value = _requantize(u, g, m, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         d = (value * inv_bc1) * lr
         _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY, F64)

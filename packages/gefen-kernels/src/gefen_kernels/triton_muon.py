@@ -76,7 +76,7 @@ def _muon_momentum(
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g, u = _momentum(
+        g, u, m = _momentum(
             g_ptr,
             q_ptr,
             cb_ptr,
@@ -93,7 +93,7 @@ def _muon_momentum(
             0.0,
             NO_DENOMINATOR,
         )
-        code, value = _requantize(u, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
+        code, value = _requantize(u, g, m, m_new[:, None], safe[:, None], cb_ptr, mask, offs, seed, STOCHASTIC)
         tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
         if NESTEROV:
             value = value * beta + g * omb

@@ -211,11 +211,11 @@ def _blocked_step(op: str, path: int, check: Callable[..., str | None], *, per_e
     return step
 
 
-#: ``gefen::block_step.v3`` with Triton.
-block_step = _blocked_step("gefen::block_step.v3", K.BLOCK_STEP.value, arguments.check_block_step, per_element=False)
-#: ``gefen::element_step.v1`` with Triton.
+#: ``gefen::block_step.v4`` with Triton.
+block_step = _blocked_step("gefen::block_step.v4", K.BLOCK_STEP.value, arguments.check_block_step, per_element=False)
+#: ``gefen::element_step.v2`` with Triton.
 element_step = _blocked_step(
-    "gefen::element_step.v1", K.ELEMENT_STEP.value, arguments.check_element_step, per_element=True
+    "gefen::element_step.v2", K.ELEMENT_STEP.value, arguments.check_element_step, per_element=True
 )
 
 
@@ -234,7 +234,7 @@ def factored_step(
     maximize: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::factored_step.v4`` with Triton (phase 2 of the factored update; per-element
+    """``gefen::factored_step.v5`` with Triton (phase 2 of the factored update; per-element
     stepsizes in registers): one launch per group of entries (:func:`_launch_list`)."""
     args = (params, grads, indices, magnitudes, row_factors, v_cols, codebook, scalars, sr_seeds)
     flags = {"apply_decay": apply_decay, "maximize": maximize, "deterministic": deterministic}
@@ -511,7 +511,7 @@ def muon_momentum(
     nesterov: bool,
     deterministic: bool,
 ) -> None:
-    """``gefen::muon_momentum.v2`` with Triton: per entry, one pass requantises and writes the
+    """``gefen::muon_momentum.v3`` with Triton: per entry, one pass requantises and writes the
     Newton-Schulz input; one launch per group of entries sharing a dtype, an output dtype and a
     tile (per entry under CUDA graph capture, see :func:`_capturing`)."""
     _check(

@@ -49,7 +49,7 @@
 #define GEFEN_SIMD 1
 #endif
 
-#define GEFEN_ABI_VERSION 8
+#define GEFEN_ABI_VERSION 9
 #define CODEBOOK 256
 #define BUCKETS 4096
 /* Buckets of the nearest-rounding threshold table on [-1, 1] (see build_thresholds). */
@@ -1097,6 +1097,35 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
         return any_nan ? NAN : best;                                                             \
     }                                                                                            \
                                                                                                  \
+    /* Whether nearest rounding may have to settle an element of this tile: one has a zero      \
+     * gradient (its fp32 value, as the reference reads it). */                                 \
+    static int settles_##SUF(const StepContext* ctx, const PT* g, int64_t n) {                   \
+        if (ctx->stochastic) return 0;                                                           \
+        int zero = 0;                                                                            \
+        for (int64_t j = 0; j < n; j++) zero |= LOADG(g[j]) == 0.0f;                             \
+        return zero;                                                                             \
+    }                                                                                            \
+                                                                                                 \
+    /* Nearest rounding settles a zero-gradient element whose new code decodes to no less        \
+     * magnitude than its old one (|C[q'] M'| >= |C[q] M|: its momentum failed to decay): the    \
+     * code moves one place towards zero and its write is recomputed as quantize_tile's          \
+     * (gefen_core.reference_ops.requantized_momentum). old: the tile's codes before. */         \
+    static void settle_tile_##SUF(const StepContext* ctx, const PT* g, const uint8_t* old, uint8_t* q, \
+                                  float* d, float s, float m_old, float m_new, int64_t n) {      \
+        const float* cb = ctx->codebook;                                                         \
+        for (int64_t j = 0; j < n; j++) {                                                        \
+            if (LOADG(g[j]) != 0.0f) continue;                                                   \
+            int32_t k = q[j];                                                                    \
+            float c = cb[k];                                                                     \
+            if (c == 0.0f || !(fabsf(c * m_new) >= fabsf(cb[old[j]] * m_old))) continue;         \
+            k += c > 0.0f ? -1 : 1;                                                              \
+            q[j] = (uint8_t)k;                                                                   \
+            float mq = cb[k] * m_new;                                                            \
+            float x = mq * s;                                                                    \
+            d[j] = x * ctx->lr;                                                                  \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
     /* The momentum of one tile for pass 2: from ubuf, or recomputed when the block did not fit. */ \
     static const float* tile_momentum_##SUF(const StepContext* ctx, const PT* g, const uint8_t* q, \
                                             float m_old, int64_t n_block, int64_t t0, int64_t len, \
@@ -1135,7 +1164,13 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                 prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));              \
                 prefetch_read(indices + off + period + t0, len);                                 \
             }                                                                                    \
+            uint8_t old[TILE];                                                                   \
+            const int settle = settles_##SUF(ctx, grad + off + t0, len);                         \
+            if (settle) memcpy(old, indices + off + t0, (size_t)len);                            \
             quantize_tile(ctx, u, indices + off + t0, ctx->inv_bc1, dbuf, m_new, len, (uint64_t)(off + t0)); \
+            if (settle)                                                                          \
+                settle_tile_##SUF(ctx, grad + off + t0, old, indices + off + t0, dbuf, ctx->inv_bc1, m_old, \
+                                  m_new, len);                                                   \
             write_tile_##SUF(param + off + t0, dbuf, ctx->decay, ctx->apply_decay, len);         \
         }                                                                                        \
     }                                                                                            \
@@ -1216,7 +1251,11 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
                     prefetch_read(grad + off + period + t0, len * (int64_t)sizeof(PT));                        \
                     prefetch_read(indices + off + period + t0, len);                                           \
                 }                                                                                              \
+                uint8_t old[TILE];                                                                             \
+                const int settle = settles_##SUF(ctx, grad + off + t0, len);                                   \
+                if (settle) memcpy(old, indices + off + t0, (size_t)len);                                      \
                 quantize_tile(ctx, u, indices + off + t0, 1.0f, vbuf, m_new, len, (uint64_t)(off + t0));       \
+                if (settle) settle_tile_##SUF(ctx, grad + off + t0, old, indices + off + t0, vbuf, 1.0f, m_old, m_new, len); \
                 if (nesterov) {                                                                                \
                     load_tile_##SUF(grad + off + t0, gbuf, 1.0f, len);                                         \
                     nesterov_tile(vbuf, gbuf, ctx->beta1, ctx->omb1, len);                                     \

@@ -179,7 +179,7 @@ def _copy_bound(numel: int, device: str) -> StepFactory:
 
 
 def _muon_momentum(named: NamedParameters) -> Callable[[], object]:
-    """GefenMuon's quantised-momentum op alone (``gefen::muon_momentum.v2``) on the 2-D matrices,
+    """GefenMuon's quantised-momentum op alone (``gefen::muon_momentum.v3``) on the 2-D matrices,
     one call for all of them, through a registered kernel
     (:class:`~gefen_contracts.KernelUnavailableError` without one)."""
     from gefen_core.ops import MUON_MOMENTUM, Kernels
