@@ -402,3 +402,32 @@ def test_gefen_muon_momentum_of_a_dead_column_decays_to_zero(fused: bool | None)
     assert codebook is not None
     momentum = (codebook[state["m_codes"].long()] * state["m_magnitude"]).view(64, 256)
     assert bool((momentum[dead] == 0).all()) and bool((momentum[~dead] != 0).any())
+
+
+@pytest.mark.parametrize("fused", [False, None], ids=["reference", "kernel"])
+def test_a_first_step_on_all_zero_gradients_equals_the_kernels_pass(fused: bool | None) -> None:
+    """While no rank has a non-zero gradient (the zero-gradient step torch's
+    ``get_optimizer_state_dict`` takes to build a template), a new state's update skips the
+    kernels: it must leave exactly what their pass over zeros leaves. The twin optimizer holds
+    the placeholder codebook already, so its step runs the kernels over the same zeros."""
+    from gefen_core.parameter_update import placeholder_codebook
+
+    torch.manual_seed(7)
+    shapes = [(300,), (256, 128), (12, 20), (3, 4, 5)]  # block, factored, element, block (3-D)
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float64]
+    for lr, weight_decay in ((0.0, 0.1), (1e-2, 0.1), (1e-2, 0.0)):
+        params = [torch.nn.Parameter(torch.randn(s, dtype=d)) for s, d in zip(shapes, dtypes)]
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        ours = Gefen(params, lr=lr, weight_decay=weight_decay, fused=fused)
+        kernels = Gefen(twins, lr=lr, weight_decay=weight_decay, fused=fused)
+        kernels._codebook = placeholder_codebook(torch.device("cpu"))
+        for opt, group in ((ours, params), (kernels, twins)):
+            _step(opt, group, [torch.zeros(s) for s in shapes])
+        assert ours.codebook is None
+        for p, twin in zip(params, twins):
+            assert torch.equal(p.detach(), twin.detach())
+            mine, theirs = ours.state[p], kernels.state[twin]
+            assert sorted(mine) == sorted(theirs)
+            for key, value in mine.items():
+                other = theirs[key]
+                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key

@@ -31,13 +31,16 @@ from .distributed import (
 )
 from .errors import ParameterError
 from .identity import verify_layout
-from .momentum_codec import stochastic_seed
+from .momentum_codec import nearest_codeword, stochastic_seed
 from .ops import CODEBOOK_SOLVE, DISPATCHED_OPS, FACTORED_STATS, HISTOGRAM
 from .optimizer_support import codebook_on
 from .param_groups import refuse_edited_groups
 from .param_state import (
+    AGE_KEYS,
     FACTORED,
     INDICES,
+    STEP,
+    element_codes,
     new_state,
     period_of,
     place_state,
@@ -237,10 +240,17 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         state[INDICES].copy_(indices)
     for work in decision.idle:
         decay_only(work.local, optimizer.param_groups[work.group_index])
+    # No codebook after this step's learning: no rank had a non-zero gradient (as in the
+    # zero-gradient step torch's get_optimizer_state_dict takes to build a template). A new
+    # state's update is then arithmetic on zeros, done here instead of by a pass of the kernels.
+    resting = {work.slot for work in decision.starting} if decision.codebook is None else set()
+    rest_codes: dict[torch.device, torch.Tensor] = {}
+    for work in decision.starting if resting else ():
+        _step_on_zeros(work, optimizer.param_groups[work.group_index], rest_codes)
     try:
         for (group_index, _, device), works in plan.buckets.items():
-            if decision.idle:  # stateless parameters only decayed (above)
-                works = [work for work in works if work.state]
+            if decision.idle or resting:  # stateless parameters only decayed, resting ones stepped (above)
+                works = [work for work in works if work.state and work.slot not in resting]
                 if not works:
                     continue
             update_parameters(
@@ -260,6 +270,28 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         _advance_global_step(optimizer, plan.works)
     if plan.memory_layout is not None:
         optimizer._memory_layout = plan.memory_layout  # a stepped layout needs no second look until it moves
+
+
+def _step_on_zeros(work: ParamWork, group: Mapping[str, Any], rest_codes: dict[torch.device, torch.Tensor]) -> None:
+    """What the kernels make of a new (zero) state and an all-zero gradient: the second moment
+    and the scales stay zero, every code becomes the nearest code of 0 (under the placeholder
+    codebook, which is the one in use while none is learned; ``rest_codes`` keeps it per
+    device), the counters advance and the parameter only decays (the update is ``C[q'] * 0``)."""
+    state = work.state
+    assert state is not None
+    codes = state[INDICES]
+    device = codes.device
+    if device not in rest_codes:
+        zero = torch.zeros(1, dtype=torch.float32, device=device)
+        rest_codes[device] = nearest_codeword(placeholder_codebook(device), zero)
+    element_codes(codes, work.local.numel()).copy_(rest_codes[device])
+    for key in (STEP, AGE_KEYS[work.variant]):
+        counter = state[key]
+        if isinstance(counter, torch.Tensor):
+            counter.add_(1)
+        else:
+            state[key] = counter + 1
+    decay_only(work.local, group)
 
 
 def locally_nonzero(work: ParamWork) -> bool:

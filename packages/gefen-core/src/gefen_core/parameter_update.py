@@ -45,10 +45,13 @@ def _lr_value(lr: float | torch.Tensor) -> float:
 
 
 def decay_only(local: torch.Tensor, group: Mapping[str, Any]) -> None:
-    """The decoupled decay of a parameter that has no state yet (its gradient is all zero)."""
+    """The decoupled decay of a parameter whose gradient is all zero and whose state is new or
+    absent (a multiplication by exactly 1, as at ``lr = 0``, is skipped)."""
     if group["weight_decay"] == 0:
         return
     decay = 1.0 - _lr_value(group["lr"]) * group["weight_decay"]
+    if decay == 1.0:
+        return
     local.mul_(on_device([decay], torch.float32, local.device)[0])
 
 

@@ -40,7 +40,7 @@ element is rounded at the resolution of its own update; ``gefen::block_step.v1``
     u_i  = fl( fl(m_i * BETA1) + fl(n_i * ONE_MINUS_BETA1) )
     M_b' = max_i |u_i| ;  z_i = fl(u_i / M_b')  (0 when M_b' == 0) ;  q_i' = round(C, z_i)
     q_i' = q_i' - sign(C[q_i'])    # nearest rounding only, when g_i == 0, C[q_i'] != 0 and
-                                   # |fl(C[q_i'] * M_b')| >= |m_i| (see requantized_momentum)
+                                   # |fl(C[q_i'] * M_b')| >= |m_i| > 0 (see requantized_momentum)
     d_i  = fl( fl( fl(C[q_i'] * M_b') * INV_BC1 ) * LR )
     p_i  = rp( c(p_i) * DECAY )      # only when weight_decay != 0
     p_i  = rp( c(p_i) - d_i )
@@ -122,8 +122,8 @@ def requantized_momentum(
     on Gefen's momentum (GefenMuon) reuse this.
 
     Nearest rounding settles an element whose gradient is zero: when its new code decodes to
-    no less magnitude than its old one (``|C[q'] M'| >= |C[q] M|``, the momentum failed to
-    decay) and is not zero, the code moves one place towards zero. Without this, a block that
+    no less magnitude than its old, non-zero momentum (``|C[q'] M'| >= |C[q] M| > 0``: the
+    momentum failed to decay) and is not zero, the code moves one place towards zero. Without this, a block that
     keeps training (its scale ``M`` steady) rounds ``0.9 C[q]`` back to ``C[q]`` wherever the
     codewords are further apart than a tenth of ``C[q]``, and the element's parameter moves by
     the same amount at every step, forever. A block whose gradients are all zero decays through
@@ -136,7 +136,7 @@ def requantized_momentum(
     if sr_seed is None:
         nearest = nearest_codeword(codebook, z).long()
         chosen = codebook[nearest]
-        stuck = (grad == 0) & (chosen != 0) & ((chosen * new_magnitude).abs() >= old.abs())
+        stuck = (grad == 0) & (chosen != 0) & (old != 0) & ((chosen * new_magnitude).abs() >= old.abs())
         codes = torch.where(stuck, nearest - chosen.sign().long(), nearest).to(torch.uint8)
     else:
         codes = stochastic_codeword(codebook, z, sr_seed, first_index)

@@ -1107,7 +1107,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
     }                                                                                            \
                                                                                                  \
     /* Nearest rounding settles a zero-gradient element whose new code decodes to no less        \
-     * magnitude than its old one (|C[q'] M'| >= |C[q] M|: its momentum failed to decay): the    \
+     * magnitude than its old, non-zero one (|C[q'] M'| >= |C[q] M| > 0: it failed to decay): the \
      * code moves one place towards zero and its write is recomputed as quantize_tile's          \
      * (gefen_core.reference_ops.requantized_momentum). old: the tile's codes before. */         \
     static void settle_tile_##SUF(const StepContext* ctx, const PT* g, const uint8_t* old, uint8_t* q, \
@@ -1117,7 +1117,8 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             if (LOADG(g[j]) != 0.0f) continue;                                                   \
             int32_t k = q[j];                                                                    \
             float c = cb[k];                                                                     \
-            if (c == 0.0f || !(fabsf(c * m_new) >= fabsf(cb[old[j]] * m_old))) continue;         \
+            float before = fabsf(cb[old[j]] * m_old);                                            \
+            if (c == 0.0f || before == 0.0f || !(fabsf(c * m_new) >= before)) continue;         \
             k += c > 0.0f ? -1 : 1;                                                              \
             q[j] = (uint8_t)k;                                                                   \
             float mq = cb[k] * m_new;                                                            \
