@@ -431,3 +431,32 @@ def test_a_first_step_on_all_zero_gradients_equals_the_kernels_pass(fused: bool 
             for key, value in mine.items():
                 other = theirs[key]
                 assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+
+
+@pytest.mark.parametrize(("normuon", "cautious"), [(False, False), (True, False), (False, True)])
+def test_gefen_muon_first_step_on_all_zero_gradients_skips_newton_schulz_exactly(normuon: bool, cautious: bool) -> None:
+    """While no gradient was non-zero (no codebook after learning), every Newton-Schulz input is
+    0, and GefenMuon skips the orthogonalisation: the step must leave exactly what running it
+    leaves (the twin holds the placeholder codebook already, so its step runs Newton-Schulz)."""
+    from gefen_core import GefenMuon
+    from gefen_core.parameter_update import placeholder_codebook
+
+    torch.manual_seed(8)
+    shapes = [(32, 48), (32, 48), (32, 48), (20, 10)]  # three batched together, one alone
+    options = {"lr": 1e-2, "weight_decay": 0.1, "normuon": normuon, "cautious": cautious}
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, twin_opt = GefenMuon(params, **options), GefenMuon(twins, **options)
+    twin_opt._codebook = placeholder_codebook(torch.device("cpu"))
+    for opt, group in ((ours, params), (twin_opt, twins)):
+        for p in group:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    assert ours.codebook is None
+    for p, twin in zip(params, twins):
+        assert torch.equal(p.detach(), twin.detach())
+        mine, theirs = ours.state[p], twin_opt.state[twin]
+        assert sorted(mine) == sorted(theirs)
+        for key, value in mine.items():
+            other = theirs[key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key

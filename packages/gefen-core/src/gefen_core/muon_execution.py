@@ -242,13 +242,16 @@ def _fp8_for(optimizer: _Host, group: Mapping[str, Any], matrix: torch.Tensor) -
 def _update(optimizer: _Host, item: MuonItem, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
     group = optimizer.param_groups[item.group_index]
     (matrix,) = _momenta(optimizer, [item], [grad], [state])
-    update = orthogonalize(
-        matrix,
-        group_schedule(group),
-        group["eps"],
-        fp8=_fp8_for(optimizer, group, matrix),
-        compile_fp8=bool(group["fp8_ns_compile"]),
-    )
+    if optimizer._codebook is None:  # (see _step_batched)
+        update = torch.zeros(matrix.shape, dtype=torch.bfloat16, device=matrix.device)
+    else:
+        update = orthogonalize(
+            matrix,
+            group_schedule(group),
+            group["eps"],
+            fp8=_fp8_for(optimizer, group, matrix),
+            compile_fp8=bool(group["fp8_ns_compile"]),
+        )
     return finish_update(update, grad, state, group)
 
 
@@ -307,7 +310,13 @@ def _step_batched(
     inputs = torch.stack([matrices[item.slot] for item, _, _ in started])
     matrices.clear()  # the stack holds them now: W(B) models one copy of the inputs, not two
     group = optimizer.param_groups[started[0][0].group_index]
-    stack = newton_schulz_batched(inputs, group_schedule(group), group["eps"])
+    if optimizer._codebook is None:
+        # no codebook after this step's learning: no gradient anywhere was non-zero (as in the
+        # zero-gradient template step of torch's get_optimizer_state_dict), so every scale is 0,
+        # every Newton-Schulz input is 0 and so is its orthogonalisation (seconds of matmuls saved)
+        stack = torch.zeros(inputs.shape, dtype=torch.bfloat16, device=inputs.device)
+    else:
+        stack = newton_schulz_batched(inputs, group_schedule(group), group["eps"])
     for (item, grad, state), update in zip(started, stack):
         _apply(optimizer, item, finish_update(update, grad, state, optimizer.param_groups[item.group_index]), lrs)
 
