@@ -243,14 +243,15 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
     # No codebook after this step's learning: no rank had a non-zero gradient (as in the
     # zero-gradient step torch's get_optimizer_state_dict takes to build a template). A new
     # state's update is then arithmetic on zeros, done here instead of by a pass of the kernels.
-    resting = {work.slot for work in decision.starting} if decision.codebook is None else set()
+    resting = decision.starting if decision.codebook is None else []
+    rested = {work.slot for work in resting}
     rest_codes: dict[torch.device, torch.Tensor] = {}
-    for work in decision.starting if resting else ():
+    for work in resting:
         _step_on_zeros(work, optimizer.param_groups[work.group_index], rest_codes)
     try:
         for (group_index, _, device), works in plan.buckets.items():
-            if decision.idle or resting:  # stateless parameters only decayed, resting ones stepped (above)
-                works = [work for work in works if work.state and work.slot not in resting]
+            if decision.idle or rested:  # stateless parameters only decayed, resting ones stepped (above)
+                works = [work for work in works if work.state and work.slot not in rested]
                 if not works:
                     continue
             update_parameters(

@@ -121,12 +121,12 @@ def requantized_momentum(
     chunk's first element within its parameter (for stochastic rounding). Optimizers built
     on Gefen's momentum (GefenMuon) reuse this.
 
-    Nearest rounding settles an element whose gradient is zero: when its new code decodes to
-    no less magnitude than its old, non-zero momentum (``|C[q'] M'| >= |C[q] M| > 0``: the
-    momentum failed to decay) and is not zero, the code moves one place towards zero. Without this, a block that
-    keeps training (its scale ``M`` steady) rounds ``0.9 C[q]`` back to ``C[q]`` wherever the
-    codewords are further apart than a tenth of ``C[q]``, and the element's parameter moves by
-    the same amount at every step, forever. A block whose gradients are all zero decays through
+    Nearest rounding settles an element whose gradient is zero: when its new code is not zero
+    and decodes to no less magnitude than its old, non-zero momentum (``|C[q'] M'| >= |C[q] M|
+    > 0``: the momentum failed to decay), the code moves one place towards zero. Without this,
+    a block that keeps training (its scale ``M`` steady) rounds ``0.9 C[q]`` back to ``C[q]``
+    wherever the codewords are further apart than a tenth of ``C[q]``, and the element's
+    parameter moves by the same amount at every step, forever. A block whose gradients are all zero decays through
     its scale alone (``M' = fl(beta1 M)``, codes kept), so the rule leaves it be. Stochastic
     rounding decays in expectation and is left as it is.
     """
