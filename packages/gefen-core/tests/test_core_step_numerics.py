@@ -415,17 +415,19 @@ def test_a_first_step_on_all_zero_gradients_equals_the_kernels_pass(fused: bool 
     torch.manual_seed(7)
     shapes = [(300,), (256, 128), (12, 20), (3, 4, 5)]  # block, factored, element, block (3-D)
     dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float64]
-    for lr, weight_decay in ((0.0, 0.1), (1e-2, 0.1), (1e-2, 0.0)):
+    for lr, weight_decay, stochastic in ((0.0, 0.1, False), (1e-2, 0.1, False), (1e-2, 0.0, False), (0.0, 0.1, True)):
         params = [torch.nn.Parameter(torch.randn(s, dtype=d)) for s, d in zip(shapes, dtypes)]
+        for p in params:
+            p.data.view(-1)[::7] = -0.0  # the kernels' write p - (C[q'] * 0) makes them +0.0
         twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        ours = Gefen(params, lr=lr, weight_decay=weight_decay, fused=fused)
-        kernels = Gefen(twins, lr=lr, weight_decay=weight_decay, fused=fused)
+        options = {"lr": lr, "weight_decay": weight_decay, "fused": fused, "stochastic_round": stochastic}
+        ours, kernels = Gefen(params, **options), Gefen(twins, **options)
         kernels._codebook = placeholder_codebook(torch.device("cpu"))
         for opt, group in ((ours, params), (kernels, twins)):
             _step(opt, group, [torch.zeros(s) for s in shapes])
         assert ours.codebook is None
         for p, twin in zip(params, twins):
-            assert torch.equal(p.detach(), twin.detach())
+            assert torch.equal(p.detach().view(torch.uint8), twin.detach().view(torch.uint8))  # bits: signed zeros
             mine, theirs = ours.state[p], kernels.state[twin]
             assert sorted(mine) == sorted(theirs)
             for key, value in mine.items():

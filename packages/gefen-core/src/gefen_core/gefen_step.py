@@ -242,10 +242,12 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         decay_only(work.local, optimizer.param_groups[work.group_index])
     # No codebook after this step's learning: no rank had a non-zero gradient (as in the
     # zero-gradient step torch's get_optimizer_state_dict takes to build a template). A new
-    # state's update is then arithmetic on zeros, done here instead of by a pass of the kernels.
-    resting = decision.starting if decision.codebook is None else []
+    # state's update is then arithmetic on zeros, done here instead of by a pass of the kernels
+    # (not under stochastic rounding, whose draws pick either code next to 0)
+    zeros_only = decision.codebook is None and not optimizer._stochastic_round
+    resting = decision.starting if zeros_only else []
     rested = {work.slot for work in resting}
-    rest_codes: dict[torch.device, torch.Tensor] = {}
+    rest_codes: dict[torch.device, tuple[torch.Tensor, float]] = {}
     for work in resting:
         _step_on_zeros(work, optimizer.param_groups[work.group_index], rest_codes)
     try:
@@ -273,19 +275,26 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         optimizer._memory_layout = plan.memory_layout  # a stepped layout needs no second look until it moves
 
 
-def _step_on_zeros(work: ParamWork, group: Mapping[str, Any], rest_codes: dict[torch.device, torch.Tensor]) -> None:
-    """What the kernels make of a new (zero) state and an all-zero gradient: the second moment
-    and the scales stay zero, every code becomes the nearest code of 0 (under the placeholder
-    codebook, which is the one in use while none is learned; ``rest_codes`` keeps it per
-    device), the counters advance and the parameter only decays (the update is ``C[q'] * 0``)."""
+def _step_on_zeros(
+    work: ParamWork, group: Mapping[str, Any], rest_codes: dict[torch.device, tuple[torch.Tensor, float]]
+) -> None:
+    """What the kernels make of a new (zero) state and an all-zero gradient under nearest
+    rounding: the second moment and the scales stay zero, every code becomes the nearest code of 0
+    (under the placeholder codebook, which is the one in use while none is learned; ``rest_codes``
+    keeps it, and the update, per device), the counters advance and the parameter decays, then takes the update
+    ``C[q'] * 0``: a zero whose sign is the codeword's (it turns a -0.0 element into +0.0, as
+    the kernels' ``p - d`` does)."""
     state = work.state
     assert state is not None
     codes = state[INDICES]
     device = codes.device
     if device not in rest_codes:
-        zero = torch.zeros(1, dtype=torch.float32, device=device)
-        rest_codes[device] = nearest_codeword(placeholder_codebook(device), zero)
-    element_codes(codes, work.local.numel()).copy_(rest_codes[device])
+        zero = torch.zeros(1, dtype=torch.float32)
+        code = nearest_codeword(placeholder_codebook(zero.device), zero)
+        update = float(placeholder_codebook(zero.device)[int(code)]) * 0.0
+        rest_codes[device] = (code.to(device), update)
+    code, update = rest_codes[device]
+    element_codes(codes, work.local.numel()).copy_(code)
     for key in (STEP, AGE_KEYS[work.variant]):
         counter = state[key]
         if isinstance(counter, torch.Tensor):
@@ -293,6 +302,7 @@ def _step_on_zeros(work: ParamWork, group: Mapping[str, Any], rest_codes: dict[t
         else:
             state[key] = counter + 1
     decay_only(work.local, group)
+    work.local.sub_(update)
 
 
 def locally_nonzero(work: ParamWork) -> bool:
