@@ -279,11 +279,11 @@ def _step_on_zeros(
     work: ParamWork, group: Mapping[str, Any], rest_codes: dict[torch.device, tuple[torch.Tensor, float]]
 ) -> None:
     """What the kernels make of a new (zero) state and an all-zero gradient under nearest
-    rounding: the second moment and the scales stay zero, every code becomes the nearest code of 0
-    (under the placeholder codebook, which is the one in use while none is learned; ``rest_codes``
-    keeps it, and the update, per device), the counters advance and the parameter decays, then takes the update
-    ``C[q'] * 0``: a zero whose sign is the codeword's (it turns a -0.0 element into +0.0, as
-    the kernels' ``p - d`` does)."""
+    rounding: the second moment and the scales stay zero, every code becomes the nearest code
+    of 0 under the placeholder codebook (the one in use while none is learned), the counters
+    advance, and the parameter decays, then takes the update ``C[q'] * 0``, a zero with the
+    codeword's sign (it turns a -0.0 element into +0.0, as the kernels' ``p - d`` does).
+    ``rest_codes`` keeps the code and the update per device."""
     state = work.state
     assert state is not None
     codes = state[INDICES]
