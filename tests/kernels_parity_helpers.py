@@ -48,10 +48,14 @@ def learned_codebook(grad: torch.Tensor, period: int) -> torch.Tensor:
 
 
 def with_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A random gradient with every fifth element exactly zero: nearest rounding settles some of
-    those elements (``gefen_core.reference_ops.requantized_momentum``), a branch of every kernel."""
+    """A random gradient with every fifth element exactly zero (nearest rounding settles some of
+    those elements, ``gefen_core.reference_ops.requantized_momentum``, a branch of every kernel)
+    and, for a 16-bit dtype, every eleventh a subnormal (not zero: Triton's interpreter once
+    converted bf16 subnormals to 0)."""
     grad = torch.randn(shape, dtype=dtype, device=device)
     grad.view(-1)[::5] = 0
+    if torch.finfo(dtype).bits == 16:
+        grad.view(-1)[1::11] = torch.finfo(dtype).tiny / 4
     return grad
 
 

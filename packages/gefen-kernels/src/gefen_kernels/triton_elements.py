@@ -43,6 +43,15 @@ def _load_value(ptr, offs, mask):
 
 
 @triton.jit
+def _widen(x):
+    """bf16 ``x`` as fp32 by shifting its bits, exactly (Triton 3.9's interpreter converts bf16
+    subnormals to fp32 wrongly, some to 0; a GPU shifts the same bits); any other dtype as it is."""
+    if tl.constexpr(x.dtype == tl.bfloat16):
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
 def _store_value(ptr, offs, x, mask):
     """Store a parameter element (bf16 as its bits where the pointer is uint16, see :func:`_load_value`)."""
     if tl.constexpr(ptr.dtype.element_ty == tl.uint16):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from .triton_elements import _entry_of, _load_value, _requantize, _store_value, _to_param_dtype
+from .triton_elements import _entry_of, _load_value, _requantize, _store_value, _to_param_dtype, _widen
 
 # ruff: noqa: N803, PLR0124  (constexpr parameters are upper case; x != x is the NaN test in Triton)
 
@@ -72,7 +72,7 @@ def _momentum(
 ):
     """g (fp32, signed), u = fl(fl(fl(C[q] * M) * beta1) + fl(n * (1 - beta1))), with
     n = fl(g / h) (Gefen) or g (GefenMuon, ``DEN == NO_DENOMINATOR``), and the old momentum m = fl(C[q] * M)."""
-    g = _load_value(g_ptr, offs, mask).to(tl.float32) * sign
+    g = _widen(_load_value(g_ptr, offs, mask)).to(tl.float32) * sign
     n = g
     if DEN != NO_DENOMINATOR:
         n = tl.math.div_rn(g, _denominator(g, offs, mask, h_rows, rf_ptr, vc_ptr, ncols, eps, DEN))
@@ -92,9 +92,9 @@ def _write_param(p_ptr, offs, mask, d, decay, APPLY_DECAY: tl.constexpr, F64: tl
             pc = pc * decay.to(tl.float64)
         out = (pc - d.to(tl.float64)).to(p.dtype)
     else:
-        pc = p.to(tl.float32)
+        pc = _widen(p).to(tl.float32)
         if APPLY_DECAY:
-            pc = _to_param_dtype(pc * decay, p.dtype).to(tl.float32)
+            pc = _widen(_to_param_dtype(pc * decay, p.dtype)).to(tl.float32)
         out = _to_param_dtype(pc - d, p.dtype)
     _store_value(p_ptr, offs, out, mask)
 
@@ -108,7 +108,7 @@ def _block_sumsq(g_ptr, rows, row_ok, period, numel, ROWS: tl.constexpr, COLS: t
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g64 = _load_value(g_ptr, offs, mask).to(tl.float32).to(tl.float64)
+        g64 = _widen(_load_value(g_ptr, offs, mask)).to(tl.float32).to(tl.float64)
         sumsq += tl.sum(g64 * g64, axis=1)
     return sumsq
 

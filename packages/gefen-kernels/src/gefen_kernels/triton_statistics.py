@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from .triton_elements import _entry_of, _load_value
+from .triton_elements import _entry_of, _load_value, _widen
 
 # ruff: noqa: N803  (constexpr parameters are upper case)
 
@@ -36,7 +36,7 @@ def _stats_program(
         rows = first + r0 + tl.arange(0, RB)
         row_ok = (rows < nrows) & (r0 + tl.arange(0, RB) < rows_per_group)
         mask = row_ok[:, None] & col_ok[None, :]
-        g64 = _load_value(g_ptr, rows.to(tl.int64)[:, None] * ncols + cols[None, :], mask).to(tl.float64)
+        g64 = _widen(_load_value(g_ptr, rows.to(tl.int64)[:, None] * ncols + cols[None, :], mask)).to(tl.float64)
         sq = g64 * g64
         tl.store(row_part_ptr + tile.to(tl.int64) * nrows + rows, tl.sum(sq, axis=1), mask=row_ok)
         col_acc += tl.sum(sq, axis=0)
@@ -224,14 +224,14 @@ def _histogram(pid, g_ptr, counts_ptr, blocks, period, numel, ROWS: tl.constexpr
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g = _load_value(g_ptr, offs, mask).to(tl.float32)
+        g = _widen(_load_value(g_ptr, offs, mask)).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
     safe = tl.where(amax > 0.0, amax, 1.0)
     for c0 in range(0, period, COLS):
         cols = c0 + tl.arange(0, COLS)
         offs = rows.to(tl.int64)[:, None] * period + cols[None, :]
         mask = row_ok[:, None] & (cols < period)[None, :] & (offs < numel)
-        g = _load_value(g_ptr, offs, mask).to(tl.float32)
+        g = _widen(_load_value(g_ptr, offs, mask)).to(tl.float32)
         z = tl.math.div_rn(g, safe[:, None])
         t = tl.floor((z + 1.0) * 2048.0)
         t = tl.minimum(tl.maximum(t, 0.0), 4095.0)
