@@ -2,8 +2,8 @@
 """Triton device functions every kernel family shares (the step kernels of
 :mod:`gefen_kernels.triton_kernels`, the statistics of :mod:`gefen_kernels.triton_statistics`,
 GefenMuon's momentum of :mod:`gefen_kernels.triton_muon`): the SplitMix64 uniform of
-stochastic rounding, element loads and stores (bf16 through its uint16 bits), rounding to a
-parameter's dtype, the codeword search, and a list launch's lookup of the entry a program
+stochastic rounding, element loads and stores (bf16 through its uint16 bits) and bf16's exact
+widening to fp32, rounding to a parameter's dtype, the codeword search, and a list launch's lookup of the entry a program
 serves. Numerics as in :mod:`gefen_kernels.triton_kernels`.
 """
 
