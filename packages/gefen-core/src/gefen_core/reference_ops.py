@@ -134,15 +134,27 @@ def requantized_momentum(
     momentum = old * beta1 + (grad if denominator is None else grad / denominator) * one_minus_beta1
     new_magnitude, z = normalize_blocks(momentum)
     if sr_seed is None:
-        nearest = nearest_codeword(codebook, z).long()
-        chosen = codebook[nearest]
-        stuck = (grad == 0) & (chosen != 0) & (old != 0) & ((chosen * new_magnitude).abs() >= old.abs())
-        codes = torch.where(stuck, nearest - chosen.sign().long(), nearest).to(torch.uint8)
+        codes = nearest_codeword(codebook, z)
+        still = grad == 0
+        if grad.device.type != "cpu" or bool(still.any()):  # (no host sync on a device: a graph may be capturing)
+            codes = _settled(codebook, codes, new_magnitude, old, still)
     else:
         codes = stochastic_codeword(codebook, z, sr_seed, first_index)
     indices.copy_(codes)
     magnitude.copy_(new_magnitude)
     return dequantize(codebook, codes, new_magnitude)
+
+
+def _settled(
+    codebook: torch.Tensor, codes: torch.Tensor, magnitude: torch.Tensor, old: torch.Tensor, still: torch.Tensor
+) -> torch.Tensor:
+    """``codes`` with nearest rounding's settling applied where ``still`` (a zero gradient): one
+    code towards zero where the new momentum ``fl(C[q'] M')`` is no smaller than the old, non-zero
+    ``old`` (:func:`requantized_momentum`; ``C[q'] != 0`` follows, and its sign is the value's)."""
+    value = dequantize(codebook, codes, magnitude)
+    stuck = still & (old != 0) & (value.abs() >= old.abs())
+    towards_zero = stuck.to(torch.int16) * torch.sign(value).to(torch.int16)
+    return (codes.to(torch.int16) - towards_zero).to(torch.uint8)
 
 
 def _momentum_write(
