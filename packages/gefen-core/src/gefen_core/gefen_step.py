@@ -12,6 +12,7 @@ arithmetic itself lives in :mod:`gefen_core.parameter_update` and the ops it cal
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -247,9 +248,8 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
     zeros_only = decision.codebook is None and not optimizer._stochastic_round
     resting = decision.starting if zeros_only else []
     rested = {work.slot for work in resting}
-    rest_codes: dict[torch.device, tuple[torch.Tensor, float]] = {}
     for work in resting:
-        _step_on_zeros(work, optimizer.param_groups[work.group_index], rest_codes)
+        _step_on_zeros(work, optimizer.param_groups[work.group_index])
     try:
         for (group_index, _, device), works in plan.buckets.items():
             if decision.idle or rested:  # stateless parameters only decayed, resting ones stepped (above)
@@ -275,26 +275,24 @@ def publish(optimizer: Gefen, plan: StepPlan, decision: StepDecision, stats: Sta
         optimizer._memory_layout = plan.memory_layout  # a stepped layout needs no second look until it moves
 
 
-def _step_on_zeros(
-    work: ParamWork, group: Mapping[str, Any], rest_codes: dict[torch.device, tuple[torch.Tensor, float]]
-) -> None:
+@functools.cache
+def _rest() -> tuple[int, float]:
+    """The nearest code of 0 under the placeholder codebook, and the update it decodes to at scale 0."""
+    codebook = placeholder_codebook(torch.device("cpu"))
+    code = int(nearest_codeword(codebook, torch.zeros(1)))
+    return code, float(codebook[code]) * 0.0
+
+
+def _step_on_zeros(work: ParamWork, group: Mapping[str, Any]) -> None:
     """What the kernels make of a new (zero) state and an all-zero gradient under nearest
     rounding: the second moment and the scales stay zero, every code becomes the nearest code
     of 0 under the placeholder codebook (the one in use while none is learned), the counters
     advance, and the parameter decays, then takes the update ``C[q'] * 0``, a zero with the
-    codeword's sign (it turns a -0.0 element into +0.0, as the kernels' ``p - d`` does).
-    ``rest_codes`` keeps the code and the update per device."""
+    codeword's sign (it turns a -0.0 element into +0.0, as the kernels' ``p - d`` does)."""
     state = work.state
     assert state is not None
-    codes = state[INDICES]
-    device = codes.device
-    if device not in rest_codes:
-        zero = torch.zeros(1, dtype=torch.float32)
-        code = nearest_codeword(placeholder_codebook(zero.device), zero)
-        update = float(placeholder_codebook(zero.device)[int(code)]) * 0.0
-        rest_codes[device] = (code.to(device), update)
-    code, update = rest_codes[device]
-    element_codes(codes, work.local.numel()).copy_(code)
+    code, update = _rest()
+    element_codes(state[INDICES], work.local.numel()).fill_(code)
     for key in (STEP, AGE_KEYS[work.variant]):
         counter = state[key]
         if isinstance(counter, torch.Tensor):

@@ -88,7 +88,7 @@ def _requantize(u, g, m, m_new, safe, cb_ptr, mask, flat, seed, STOCHASTIC: tl.c
     c = tl.where(take_hi, chi, clo)
     value = c * m_new
     if not STOCHASTIC:
-        stuck = (g == 0.0) & (c != 0.0) & (m != 0.0) & (tl.abs(value) >= tl.abs(m))
+        stuck = (g == 0.0) & (m != 0.0) & (tl.abs(value) >= tl.abs(m))  # (so c != 0)
         code = tl.where(stuck, tl.where(c > 0.0, code - 1, code + 1), code)
         value = tl.where(stuck, tl.load(cb_ptr + code, mask=mask & stuck, other=0.0) * m_new, value)
     return code, value

@@ -1118,7 +1118,7 @@ static int64_t stats_rows4_f32(const float* grad, int64_t r, int64_t r1, int64_t
             int32_t k = q[j];                                                                    \
             float c = cb[k];                                                                     \
             float before = fabsf(cb[old[j]] * m_old);                                            \
-            if (c == 0.0f || before == 0.0f || !(fabsf(c * m_new) >= before)) continue;         \
+            if (before == 0.0f || !(fabsf(c * m_new) >= before)) continue; /* (so c != 0) */    \
             k += c > 0.0f ? -1 : 1;                                                              \
             q[j] = (uint8_t)k;                                                                   \
             float mq = cb[k] * m_new;                                                            \
